@@ -1,0 +1,17 @@
+"""hf_dtrain: efficient, distributed and fault-tolerant fine-tuning and pretraining inside the Hugging Face stack.
+
+``import hf_dtrain`` registers its peft methods (SMT, LoRA-FA) with peft, so ``get_peft_model``,
+``PeftModel.from_pretrained`` and ``AutoPeftModelForCausalLM.from_pretrained`` work with them. Import it before
+loading a saved hf_dtrain adapter.
+"""
+
+from .tuners import LoraFAConfig, LoraFAModel, SMTConfig, SMTModel
+from .tuners.lorafa import create_lorafa_optimizer
+from .tuners.smt import SMTSelectionCallback, select_smt_blocks, set_smt_block_indices, smt_warmup
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "create_lorafa_optimizer",
+    "SMTSelectionCallback", "smt_warmup", "select_smt_blocks", "set_smt_block_indices", "__version__",
+]

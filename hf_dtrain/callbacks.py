@@ -1,0 +1,5 @@
+"""hf_dtrain's Trainer callbacks: thin adapters from Trainer events to engines that are testable without a Trainer."""
+
+from hf_dtrain.tuners.smt.selection import SMTSelectionCallback
+
+__all__ = ["SMTSelectionCallback"]

@@ -1,0 +1,15 @@
+"""hf_dtrain's peft tuners. Importing this package registers every method with peft (idempotently)."""
+
+from ._registry import extend_peft_type, register
+
+# The PeftType members must exist before the config classes are instantiated (their __post_init__ uses them).
+for _name in ("SMT", "LORAFA"):
+    extend_peft_type(_name)
+
+from .lorafa import LoraFAConfig, LoraFAModel  # noqa: E402
+from .smt import SMTConfig, SMTModel  # noqa: E402
+
+register("smt", SMTConfig, SMTModel, prefix="smt_")
+register("lorafa", LoraFAConfig, LoraFAModel, prefix="lorafa_")
+
+__all__ = ["SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel"]

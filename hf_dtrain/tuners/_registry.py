@@ -1,0 +1,79 @@
+"""Registration of hf_dtrain's tuners with peft.
+
+peft's ``PeftType`` is a closed ``str`` enum and ``peft.utils.register_peft_method`` requires the method's name to be
+a member already. We add the member at import time (a real enum member, inserted into the enum's member maps), then
+hand the config and model classes to peft's own registration function.
+
+Both steps are idempotent: importing ``hf_dtrain`` twice, or ``importlib.reload``-ing a tuner module (which creates new
+class objects), leaves exactly one enum member and one mapping entry per method, pointing at the newest classes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from peft.utils import PeftType, register_peft_method
+
+# Prefixes already used by peft; ours must be neither a substring nor a superstring of any of them, because peft
+# selects trainable parameters and saved tensors by substring match on the prefix.
+_FORBIDDEN_FRAGMENTS = ("lora_", "hira_")
+
+
+def extend_peft_type(name: str) -> PeftType:
+    """Return ``PeftType[name]``, adding it to the enum first if peft does not know it (idempotent)."""
+    if not name.isupper() or not name.replace("_", "").isalnum():
+        raise ValueError(f"PeftType member names are upper-case identifiers, got {name!r}.")
+    if name in PeftType.__members__:
+        return PeftType[name]
+    member = str.__new__(PeftType, name)
+    member._name_ = name
+    member._value_ = name
+    member.__objclass__ = PeftType
+    member.__init__(name)
+    PeftType._member_map_[name] = member
+    PeftType._value2member_map_[name] = member
+    PeftType._member_names_.append(name)
+    # Attribute access (``PeftType.SMT``), used by peft's register_peft_method, goes through the class dict.
+    type.__setattr__(PeftType, name, member)
+    return member
+
+
+def _check_prefix(prefix: str) -> None:
+    from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
+
+    for fragment in _FORBIDDEN_FRAGMENTS:
+        if fragment in prefix:
+            raise ValueError(f"Prefix {prefix!r} contains peft's {fragment!r}; pick another prefix.")
+    for peft_type, other in PEFT_TYPE_TO_PREFIX_MAPPING.items():
+        if other == prefix:
+            continue
+        if other in prefix or prefix in other:
+            raise ValueError(
+                f"Prefix {prefix!r} collides with {other!r} of PeftType {peft_type}; peft matches prefixes by "
+                "substring, so pick a prefix that is neither a substring nor a superstring of another."
+            )
+
+
+def register(name: str, config_cls: type, model_cls: type, prefix: str) -> PeftType:
+    """Register a tuner with peft, idempotently. ``name`` is lower case (``"smt"``); returns its PeftType member."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+
+    peft_type = extend_peft_type(name.upper())
+    if peft_type in PEFT_TYPE_TO_CONFIG_MAPPING or peft_type in PEFT_TYPE_TO_TUNER_MAPPING:
+        registered_prefix = PEFT_TYPE_TO_PREFIX_MAPPING.get(peft_type)
+        if registered_prefix != prefix:
+            raise ValueError(
+                f"PeftType {peft_type.value} is already registered with prefix {registered_prefix!r}, not {prefix!r}."
+            )
+        # A reload created new classes: point peft at them so configs and models stay consistent.
+        PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = config_cls
+        PEFT_TYPE_TO_TUNER_MAPPING[peft_type] = model_cls
+        return peft_type
+    _check_prefix(prefix)
+    register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=prefix)
+    return peft_type
+
+
+def is_extended_member(member: enum.Enum) -> bool:
+    """True for the PeftType members hf_dtrain added (used by tests and diagnostics)."""
+    return member.name in {"SMT", "LORAFA", "QBARA", "QAHIRA"}

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+
+@dataclass
+class LoraFAConfig(PeftConfig):
+    """Configuration of a LoRA-FA adapter (LoRA with a frozen down-projection, arXiv 2308.03303).
+
+    ``A`` is drawn once (Kaiming-uniform, seeded by ``init_seed``) and never trains; only ``B`` (initialised to zero)
+    trains. Because ``A`` is frozen, the layer keeps only ``x @ A.T`` (``r`` values per token) for backward, never
+    the layer input ``x``: that is the activation-memory saving of the method. Dropout, if any, is applied to the
+    ``r``-dimensional projection ``x @ A.T``, so its mask is ``r`` values per token too.
+    """
+
+    r: int = field(default=8, metadata={"help": "Rank of the adapter: rows of the frozen A, columns of B."})
+    lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator: the update is (lora_alpha / r) * B A."})
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={
+            "help": "Module names (suffix match) or a regex of the nn.Linear layers to adapt, e.g. ['q_proj', 'v_proj']. "
+            "If None, the attention and MLP projections of known architectures (LLaMA: q,k,v,o,gate,up,down) are used."
+        },
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
+    )
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "Dropout probability applied to the r-dimensional projection x @ A.T (not to x, which would bring "
+            "a full-size mask back into the saved activations)."
+        },
+    )
+    init_seed: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Seed for drawing the frozen A (per layer, offset by a hash of the module name). None uses torch's "
+            "global RNG. A is saved with the adapter either way."
+        },
+    )
+    use_rslora: bool = field(default=False, metadata={"help": "Scale by lora_alpha / sqrt(r) instead of lora_alpha / r."})
+    bias: str = field(default="none", metadata={"help": "Bias training: 'none', 'all' or 'lorafa_only'."})
+    layers_to_transform: Optional[Union[list[int], int]] = field(
+        default=None, metadata={"help": "Only adapt these layer indices (as in peft's LoraConfig)."}
+    )
+    layers_pattern: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Name of the layer list when layers_to_transform is used, e.g. 'layers'."}
+    )
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.peft_type = PeftType.LORAFA
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
+            raise ValueError(f"LoraFAConfig.r must be a positive integer, got {self.r!r}.")
+        if not 0.0 <= float(self.lora_dropout) < 1.0:
+            raise ValueError(f"LoraFAConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
+        if self.bias not in ("none", "all", "lorafa_only"):
+            raise ValueError(f"LoraFAConfig.bias must be 'none', 'all' or 'lorafa_only', got {self.bias!r}.")
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("LoraFAConfig.layers_pattern needs layers_to_transform; set both or neither.")

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from torch import nn
+
+
+class LoraFALayer(BaseTunerLayer):
+    """LoRA-FA adapter state: frozen ``lorafa_A`` (a persistent buffer, so it is saved but can never train) and
+    trainable ``lorafa_B`` per adapter name."""
+
+    adapter_layer_names = ("lorafa_B",)
+    other_param_names = ("lorafa_A", "r", "lora_alpha", "scaling", "lorafa_dropout")
+
+    def __init__(self, base_layer: nn.Module, **kwargs) -> None:
+        self.base_layer = base_layer
+        self.r: dict[str, int] = {}
+        self.lora_alpha: dict[str, float] = {}
+        self.scaling: dict[str, float] = {}
+        self.lorafa_dropout = nn.ModuleDict({})
+        self.lorafa_A = BufferDict({}, persistent=True)
+        self.lorafa_B = nn.ParameterDict({})
+        self._disable_adapters = False
+        self.merged_adapters = []
+        self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
+        if self.in_features is None:
+            raise TypeError(f"LoRA-FA supports nn.Linear targets only, got {type(self.get_base_layer()).__name__}.")
+        self.kwargs = kwargs
+
+    def update_layer(self, adapter_name: str, config, layer_key: str = "", inference_mode: bool = False) -> None:
+        r = config.r
+        if r > min(self.in_features, self.out_features):
+            raise ValueError(
+                f"LoraFAConfig.r={r} exceeds min(in_features, out_features)={min(self.in_features, self.out_features)} "
+                f"of {layer_key or 'a target layer'}; lower r."
+            )
+        self.r[adapter_name] = r
+        self.lora_alpha[adapter_name] = config.lora_alpha
+        self.scaling[adapter_name] = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
+        self.lorafa_dropout[adapter_name] = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
+
+        weight = self.get_base_layer().weight
+        a = torch.empty(r, self.in_features, dtype=torch.float32)
+        if config.init_seed is None:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        else:
+            gen = torch.Generator().manual_seed(config.init_seed + zlib.crc32(layer_key.encode()) % (2**31))
+            bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) bound, as nn.Linear and LoRA
+            a.uniform_(-bound, bound, generator=gen)
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        self.lorafa_A[adapter_name] = a.to(device=weight.device, dtype=dtype)
+        self.lorafa_B[adapter_name] = nn.Parameter(torch.zeros(self.out_features, r, device=weight.device, dtype=dtype))
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        a = self.lorafa_A[adapter]
+        b = self.lorafa_B[adapter]
+        return (b.float() @ a.float()).mul_(self.scaling[adapter])
+
+
+class Linear(nn.Module, LoraFALayer):
+    """An ``nn.Linear`` with LoRA-FA adapters: ``y = W x + b + s * B (dropout(A x))`` with ``A`` frozen."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
+        super().__init__()
+        LoraFALayer.__init__(self, base_layer, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, layer_key=layer_key)
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        for name in adapter_names:
+            if name not in self.lorafa_B:
+                continue
+            base = self.get_base_layer()
+            delta = self.get_delta_weight(name).to(base.weight.dtype)
+            if safe_merge:
+                merged = base.weight.data + delta
+                if not torch.isfinite(merged).all():
+                    raise ValueError(f"NaNs detected in the merged weights; adapter {name!r} seems to be broken.")
+                base.weight.data = merged
+            else:
+                base.weight.data += delta
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.lorafa_B:
+                base = self.get_base_layer()
+                base.weight.data -= self.get_delta_weight(name).to(base.weight.dtype)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        # The base weight is frozen, so autograd keeps W (a parameter) rather than x for the base matmul; A is a
+        # buffer, so x @ A.T keeps A rather than x. Only the r-dim projection is saved, for B's gradient.
+        result = self.base_layer(x, *args, **kwargs)
+        for name in self.active_adapters:
+            if name not in self.lorafa_B:
+                continue
+            a = self.lorafa_A[name]
+            b = self.lorafa_B[name]
+            h = self.lorafa_dropout[name](F.linear(x.to(a.dtype), a))
+            result = result + (F.linear(h, b) * self.scaling[name]).to(result.dtype)
+        return result
+
+    def __repr__(self) -> str:
+        return "lorafa." + super().__repr__()

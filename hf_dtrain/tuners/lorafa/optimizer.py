@@ -1,0 +1,53 @@
+"""The optional LoRA-FA optimizer: peft's ``LoraFAOptimizer`` (AdamW with the gradient correction of LoRA-FA v2,
+``g_B <- (1/s^2) g_B (A A^T)^-1``) set up for hf_dtrain's ``LoraFAModel``.
+
+peft's own ``peft.optimizers.create_lorafa_optimizer`` targets peft ``LoraConfig`` models (``lora_A``/``lora_B``
+parameters, A frozen by the optimizer while the forward still keeps ``x``). Here A is already frozen by the tuner, so
+this function only builds the parameter groups the optimizer expects: for each adapted layer the pair (A, B) in that
+order, named so that peft's pairing by ``"lora" in name`` finds them, with the layer's scaling factor.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft.optimizers.lorafa import LoraFAOptimizer
+
+from .layer import LoraFALayer
+
+
+def create_lorafa_optimizer(model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0, **kwargs) -> LoraFAOptimizer:
+    """Return peft's ``LoraFAOptimizer`` for the active LoRA-FA adapters of ``model`` (plus any other trainable
+    parameter, e.g. ``modules_to_save``, which it updates with plain AdamW).
+
+    Usable as ``Trainer(optimizers=(create_lorafa_optimizer(model, lr=2e-4), None))``.
+    """
+    params, names, scalings = [], [], []
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoraFALayer):
+            continue
+        for adapter in module.active_adapters:
+            if adapter not in module.lorafa_B or not module.lorafa_B[adapter].requires_grad:
+                continue
+            a, b = module.lorafa_A[adapter], module.lorafa_B[adapter]
+            params += [a, b]
+            names += [f"{module_name}.lorafa_A.{adapter}", f"{module_name}.lorafa_B.{adapter}"]
+            scalings += [module.scaling[adapter]] * 2
+            seen.add(id(b))
+    if not params:
+        raise ValueError(
+            "create_lorafa_optimizer found no trainable LoRA-FA adapter; build the model with "
+            "get_peft_model(model, LoraFAConfig(...)) after `import hf_dtrain`."
+        )
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            if "lora" in name:
+                raise ValueError(
+                    f"Trainable parameter {name!r} has 'lora' in its name but is not a LoRA-FA adapter; peft's "
+                    "LoraFAOptimizer pairs parameters by that substring, so it cannot be mixed in."
+                )
+            params.append(p)
+            names.append(name)
+            scalings.append(1.0)
+    group = {"params": params, "names": names, "scaling_factors": scalings, "lr": lr, "weight_decay": weight_decay}
+    return LoraFAOptimizer([group], lr=lr, weight_decay=weight_decay, **kwargs)

@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+SMT_SCORES = ("abs_mean", "mean_abs", "l1", "l2")
+
+
+@dataclass
+class SMTConfig(PeftConfig):
+    """Configuration of Sparse Matrix Tuning (SMT; He et al., arXiv 2405.15525, ICLR 2025).
+
+    The target weight matrices are cut into ``block_size x block_size`` blocks. A warm-up of ``warmup_steps``
+    ordinary backward passes sums each target matrix's dense gradient; every block gets a score from that sum; the
+    ``num_blocks`` best blocks across *all* target matrices are selected, and from then on only those blocks train
+    (as a delta added to the frozen weight, so the adapter applies to the unchanged base and merges exactly).
+
+    Give the budget as ``num_blocks`` or as ``trainable_ratio`` (fraction of the model's parameters), or give
+    ``block_indices`` directly (then no warm-up is needed). After selection ``block_indices`` holds the chosen blocks,
+    so they are saved in ``adapter_config.json`` (and again as the ``smt_indices`` buffers in the weights file).
+    """
+
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={
+            "help": "Module names (suffix match) or a regex of the nn.Linear layers SMT may select blocks from. "
+            "None: the attention Q, K, V projections (the paper's default; V benefits most)."
+        },
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
+    )
+    block_size: int = field(
+        default=256,
+        metadata={"help": "Side of the square blocks (the paper uses 256). Must divide both dims of every target."},
+    )
+    num_blocks: Optional[int] = field(
+        default=None,
+        metadata={"help": "Number of blocks to train, selected globally across all targets. Or set trainable_ratio."},
+    )
+    trainable_ratio: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "Trainable parameters as a fraction of all model parameters (e.g. 0.0084 for the paper's 0.84%); "
+            "converted to floor(ratio * n_params / block_size**2) blocks, at least 1. Or set num_blocks."
+        },
+    )
+    warmup_steps: int = field(
+        default=100,
+        metadata={
+            "help": "Backward passes whose summed dense gradients score the blocks (the paper: 100). Used by "
+            "SMTSelectionCallback and smt_warmup."
+        },
+    )
+    score: str = field(
+        default="abs_mean",
+        metadata={
+            "help": "Block score from the summed gradient G: 'abs_mean' mean(|G|) (paper), 'mean_abs' |mean(G)| (the "
+            "official code's default), 'l1' sum(|G|), 'l2' ||G||_F."
+        },
+    )
+    block_indices: Optional[dict[str, list[list[int]]]] = field(
+        default=None,
+        metadata={
+            "help": "Explicit blocks per target module: {module_name: [[row_block, col_block], ...]}, module names as "
+            "in base_model.named_modules(). Filled in by the selection; set it to skip the warm-up."
+        },
+    )
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.peft_type = PeftType.SMT
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
+            raise ValueError(f"SMTConfig.block_size must be a positive integer, got {self.block_size!r}.")
+        if self.score not in SMT_SCORES:
+            raise ValueError(f"SMTConfig.score={self.score!r} is unknown; use one of {list(SMT_SCORES)}.")
+        if self.num_blocks is not None and self.trainable_ratio is not None:
+            raise ValueError("Set either SMTConfig.num_blocks or SMTConfig.trainable_ratio, not both.")
+        if self.block_indices is None and self.num_blocks is None and self.trainable_ratio is None:
+            raise ValueError(
+                "SMTConfig needs a budget: set num_blocks (e.g. num_blocks=16), trainable_ratio (e.g. 0.01) or "
+                "explicit block_indices."
+            )
+        if self.num_blocks is not None and (
+            not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks <= 0
+        ):
+            raise ValueError(f"SMTConfig.num_blocks must be a positive integer, got {self.num_blocks!r}.")
+        if self.trainable_ratio is not None and not 0.0 < float(self.trainable_ratio) <= 1.0:
+            raise ValueError(f"SMTConfig.trainable_ratio must be in (0, 1], got {self.trainable_ratio!r}.")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
+            raise ValueError(f"SMTConfig.warmup_steps must be an integer >= 1, got {self.warmup_steps!r}.")
+        if self.block_indices is not None:
+            if not isinstance(self.block_indices, dict):
+                raise TypeError("SMTConfig.block_indices must be a dict {module_name: [[row_block, col_block], ...]}.")
+            cleaned = {}
+            for key, pairs in self.block_indices.items():
+                pairs = [list(map(int, p)) for p in (pairs.tolist() if hasattr(pairs, "tolist") else pairs)]
+                if any(len(p) != 2 or min(p) < 0 for p in pairs):
+                    raise ValueError(
+                        f"SMTConfig.block_indices[{key!r}] must be a list of [row_block, col_block] pairs of "
+                        "non-negative integers."
+                    )
+                cleaned[key] = pairs
+            self.block_indices = cleaned

@@ -1,0 +1,240 @@
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from torch import nn
+
+
+class BlockSparseDelta(torch.autograd.Function):
+    """``y = x @ D.T`` for a block-sparse ``D`` whose nonzero blocks are ``blocks[k]`` at block position
+    ``(rows[k], cols[k])``; ``y`` has ``out_features`` columns.
+
+    For backward it saves only the input column slices the selected blocks read, as one contiguous copy
+    (``index_select``), never a view of ``x``: a view would pin the whole input, which is what the official SMT code
+    does. Block gradients are ``sum_tokens grad_y[:, rows_k]^T x[:, cols_k]``: exactly the matching blocks of the
+    dense weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, blocks, rows, cols, out_features):
+        bs = blocks.shape[-1]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).to(blocks.dtype)
+        n = x2.shape[0]
+        ucols, pos = torch.unique(cols, return_inverse=True)
+        xs = x2.view(n, -1, bs).index_select(1, ucols)  # (n, u, bs): a copy of just the needed columns
+        y_blocks = torch.einsum("nkb,kob->nko", xs[:, pos], blocks)
+        out = x2.new_zeros(n, out_features // bs, bs)
+        out.index_add_(1, rows, y_blocks)
+        ctx.save_for_backward(xs, blocks, rows, pos, ucols)
+        ctx.in_features = x.shape[-1]
+        ctx.x_dtype = x.dtype
+        return out.view(*lead, out_features)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xs, blocks, rows, pos, ucols = ctx.saved_tensors
+        bs = blocks.shape[-1]
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(blocks.dtype)
+        n = g.shape[0]
+        g_k = g.view(n, -1, bs).index_select(1, rows)  # (n, k, bs)
+        grad_blocks = grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_blocks = torch.einsum("nko,nkb->kob", g_k, xs[:, pos])
+        if ctx.needs_input_grad[0]:
+            gx_k = torch.einsum("nko,kob->nkb", g_k, blocks)
+            gx_u = g.new_zeros(n, ucols.numel(), bs).index_add_(1, pos, gx_k)
+            grad_x = g.new_zeros(n, ctx.in_features // bs, bs).index_add_(1, ucols, gx_u)
+            grad_x = grad_x.view(*grad_out.shape[:-1], ctx.in_features).to(ctx.x_dtype)
+        return grad_x, grad_blocks, None, None, None
+
+
+class _GradientProbe(torch.autograd.Function):
+    """Warm-up scoring: returns zeros shaped like the layer output, and in backward adds the dense weight gradient
+    ``grad_y^T x`` into ``accumulator`` (fp32) without touching the weight. ``anchor`` is a scalar that requires grad,
+    so the probe's backward runs even when neither ``x`` nor any parameter requires grad (a frozen base model)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, accumulator):
+        ctx.save_for_backward(x)
+        ctx.accumulator = accumulator
+        return x.new_zeros(*x.shape[:-1], accumulator.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        ctx.accumulator.addmm_(g.t(), x.reshape(-1, x.shape[-1]).float())
+        return None, torch.zeros((), device=grad_out.device), None
+
+
+class SMTLayer(BaseTunerLayer):
+    """SMT adapter state per adapter name: ``smt_weight`` (k, b, b) trainable delta blocks stacked in one parameter,
+    ``smt_indices`` (k, 2) persistent buffer of (row_block, col_block)."""
+
+    adapter_layer_names = ("smt_weight",)
+    other_param_names = ("smt_indices", "block_size", "smt_layer_key")
+
+    def __init__(self, base_layer: nn.Module, **kwargs) -> None:
+        self.base_layer = base_layer
+        self.block_size: dict[str, int] = {}
+        self.smt_layer_key: dict[str, str] = {}
+        self.smt_weight = nn.ParameterDict({})
+        self.smt_indices = BufferDict({}, persistent=True)
+        self._smt_grad_sum: dict[str, torch.Tensor] = {}  # warm-up accumulators, never saved
+        self._disable_adapters = False
+        self.merged_adapters = []
+        self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
+        if self.in_features is None:
+            raise TypeError(f"SMT supports nn.Linear targets only, got {type(self.get_base_layer()).__name__}.")
+        self.kwargs = kwargs
+
+    def update_layer(self, adapter_name: str, config, layer_key: str = "", inference_mode: bool = False) -> None:
+        bs = config.block_size
+        if self.in_features % bs or self.out_features % bs:
+            raise ValueError(
+                f"SMTConfig.block_size={bs} does not divide the shape (out={self.out_features}, in={self.in_features}) "
+                f"of target {layer_key!r}; choose a block_size that divides both (e.g. "
+                f"{_largest_common_block(self.out_features, self.in_features, bs)}) or exclude this module."
+            )
+        self.block_size[adapter_name] = bs
+        self.smt_layer_key[adapter_name] = layer_key
+        pairs = (config.block_indices or {}).get(layer_key, [])
+        self.set_block_indices(adapter_name, torch.tensor(pairs, dtype=torch.long).reshape(-1, 2))
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def set_block_indices(self, adapter_name: str, indices: torch.Tensor) -> nn.Parameter:
+        """Install the (k, 2) block indices for ``adapter_name`` with zero delta blocks; return the new parameter."""
+        bs = self.block_size[adapter_name]
+        indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1, 2)
+        n_rows, n_cols = self.out_features // bs, self.in_features // bs
+        if len(indices) and (
+            indices[:, 0].max() >= n_rows or indices[:, 1].max() >= n_cols or indices.min() < 0
+        ):
+            raise ValueError(
+                f"SMT block indices for {self.smt_layer_key.get(adapter_name)!r} are out of range: the layer has "
+                f"{n_rows} x {n_cols} blocks of size {bs}."
+            )
+        if len(torch.unique(indices, dim=0)) != len(indices):
+            raise ValueError(f"SMT block indices for {self.smt_layer_key.get(adapter_name)!r} contain duplicates.")
+        # Sort by (row, col) so the layout is canonical whatever order the selection produced.
+        if len(indices):
+            order = torch.argsort(indices[:, 0] * n_cols + indices[:, 1])
+            indices = indices[order]
+        weight = self.get_base_layer().weight
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        old = self.smt_weight[adapter_name] if adapter_name in self.smt_weight else None
+        requires_grad = old.requires_grad if old is not None else True
+        param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype), requires_grad=requires_grad)
+        self.smt_weight[adapter_name] = param
+        self.smt_indices[adapter_name] = indices.to(weight.device)
+        return param
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        bs = self.block_size[adapter]
+        blocks = self.smt_weight[adapter]
+        idx = self.smt_indices[adapter]
+        delta = torch.zeros(self.out_features // bs, self.in_features // bs, bs, bs, dtype=blocks.dtype, device=blocks.device)
+        delta[idx[:, 0], idx[:, 1]] = blocks
+        return delta.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+
+    # --- warm-up scoring -----------------------------------------------------------------------------------------
+    def start_scoring(self, adapter_name: str) -> None:
+        weight = self.get_base_layer().weight
+        self._smt_grad_sum[adapter_name] = torch.zeros(self.out_features, self.in_features, dtype=torch.float32, device=weight.device)
+
+    def stop_scoring(self, adapter_name: str) -> Optional[torch.Tensor]:
+        return self._smt_grad_sum.pop(adapter_name, None)
+
+    def block_scores(self, adapter_name: str, score: str) -> torch.Tensor:
+        """Per-block scores (n_row_blocks, n_col_blocks) from the gradient summed during the warm-up."""
+        g = self._smt_grad_sum[adapter_name]
+        bs = self.block_size[adapter_name]
+        g = g.view(self.out_features // bs, bs, self.in_features // bs, bs)
+        if score == "abs_mean":
+            return g.abs().mean(dim=(1, 3))
+        if score == "mean_abs":
+            return g.mean(dim=(1, 3)).abs()
+        if score == "l1":
+            return g.abs().sum(dim=(1, 3))
+        if score == "l2":
+            return g.pow(2).sum(dim=(1, 3)).sqrt()
+        raise ValueError(f"Unknown SMT score {score!r}.")
+
+
+def _largest_common_block(a: int, b: int, upper: int) -> int:
+    import math
+
+    g = math.gcd(a, b)
+    return max(d for d in range(1, min(g, upper) + 1) if g % d == 0)
+
+
+class Linear(nn.Module, SMTLayer):
+    """An ``nn.Linear`` with SMT adapters: ``y = W x + b + D x`` with ``D`` block-sparse and trainable."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
+        super().__init__()
+        SMTLayer.__init__(self, base_layer, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, layer_key=layer_key)
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        for name in adapter_names:
+            if name not in self.smt_weight:
+                continue
+            base = self.get_base_layer()
+            merged = self._apply_blocks(base.weight.data, name, sign=1.0, copy=safe_merge)
+            if safe_merge and not torch.isfinite(merged).all():
+                raise ValueError(f"NaNs detected in the merged weights; adapter {name!r} seems to be broken.")
+            base.weight.data = merged
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.smt_weight:
+                base = self.get_base_layer()
+                base.weight.data = self._apply_blocks(base.weight.data, name, sign=-1.0, copy=False)
+
+    def _apply_blocks(self, weight: torch.Tensor, name: str, sign: float, copy: bool) -> torch.Tensor:
+        """Add (sign=+1) or subtract the delta blocks in place: only the selected blocks of W are written."""
+        w = weight.clone() if copy else weight
+        bs = self.block_size[name]
+        view = w.view(self.out_features // bs, bs, self.in_features // bs, bs)
+        blocks = self.smt_weight[name].data.to(w.dtype)
+        for (r, c), blk in zip(self.smt_indices[name].tolist(), blocks):
+            view[r, :, c, :] += sign * blk
+        return w
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        for name in self.active_adapters:
+            if name not in self.smt_weight:
+                continue
+            if name in self._smt_grad_sum and torch.is_grad_enabled():
+                anchor = torch.zeros((), device=x.device, requires_grad=True)
+                result = result + _GradientProbe.apply(x, anchor, self._smt_grad_sum[name]).to(result.dtype)
+            blocks = self.smt_weight[name]
+            if blocks.shape[0] == 0:
+                continue
+            idx = self.smt_indices[name]
+            delta = BlockSparseDelta.apply(x, blocks, idx[:, 0], idx[:, 1], self.out_features)
+            result = result + delta.to(result.dtype)
+        return result
+
+    def __repr__(self) -> str:
+        return "smt." + super().__repr__()
