@@ -203,3 +203,29 @@ def test_trainable_ratio_resolves_to_block_count():
 def test_bad_input_raises_clear_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         get_peft_model(tiny_llama(), SMTConfig(**kwargs))
+
+
+def _ddp_warmup_rank(rank, world_size, out_dir):
+    import json
+
+    import torch.distributed as dist
+
+    model = get_peft_model(tiny_llama(), SMTConfig(block_size=16, num_blocks=6, warmup_steps=2, target_modules=TARGETS))
+    selection = smt_warmup(model, [random_batch(seed=10 * rank + s) for s in range(2)], progress=False)
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(selection, f, sort_keys=True)
+    dist.barrier()
+
+
+def test_smt_warmup_under_torch_distributed_selects_the_same_blocks_on_every_rank(tmp_path):
+    import json
+
+    from hf_dtrain.testing import run_distributed
+
+    run_distributed(_ddp_warmup_rank, world_size=2, args=(str(tmp_path),), timeout=240)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    # the all-reduced scores equal a single process scoring all ranks' batches
+    single = get_peft_model(tiny_llama(), SMTConfig(block_size=16, num_blocks=6, warmup_steps=4, target_modules=TARGETS))
+    expected = smt_warmup(single, [random_batch(seed=10 * r + s) for r in range(2) for s in range(2)], progress=False)
+    assert {k: sorted(v) for k, v in ranks[0].items()} == {k: sorted(v) for k, v in expected.items()}

@@ -1,0 +1,58 @@
+"""Shared benchmark reporting: every benchmark writes results/<name>.json, <name>.md and <name>.png, stating the
+machine, library versions and the command that produced them."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    import torch
+
+    env = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or 'cpu'}",
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "python": platform.python_version(),
+        "command": "python " + " ".join(sys.argv),
+    }
+    for mod in ("torch", "transformers", "peft", "accelerate"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:  # pragma: no cover
+            pass
+    return env
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """``columns``: (key, header, format spec, e.g. ',d' or '.3f' or '' for str)."""
+    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            cells.append("n/a" if v is None else (format(v, fmt) if fmt else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(name: str, payload: dict, table_md: str, figure, notes: str = "") -> dict[str, Path]:
+    """Write JSON (payload + environment), markdown (title, environment, table, notes) and the PNG figure."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    payload = {"benchmark": name, "environment": env, **payload}
+    paths = {ext: RESULTS / f"{name}.{ext}" for ext in ("json", "md", "png")}
+    paths["json"].write_text(json.dumps(payload, indent=2) + "\n")
+    env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
+    paths["md"].write_text(f"# {name}\n\n{table_md}\n\n{notes}\n\n## Environment\n{env_lines}\n")
+    figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
+    return paths
