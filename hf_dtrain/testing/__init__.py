@@ -71,3 +71,56 @@ def run_python(code: str, timeout: float = 300, env: dict | None = None, cwd: st
     if proc.returncode != 0:
         raise RuntimeError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc.stdout
+
+
+def tiny_default_base(cache_dir, steps: int = 200, seed: int = 0) -> str:
+    """The embedded default base model built at test size: "test" preset, a 300 kB slice of the stdlib, ``steps``
+    pretraining steps (seconds on CPU), cached under ``cache_dir``."""
+    from hf_dtrain.models import build_default_model
+
+    return build_default_model("test", cache_dir=cache_dir, steps=steps, seed=seed, progress=False,
+                               data_bytes=300_000, batch_size=8, seq_len=64)
+
+
+def _distributed_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout_s: float) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180, pg_timeout_s: float = 60) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined by a gloo process group on a
+    free localhost port. Every collective times out after ``pg_timeout_s``; the whole run is killed after ``timeout``
+    seconds. Raises if any rank fails or hangs. ``fn`` must be importable (a module-level function)."""
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_distributed_entry, args=(fn, r, world_size, port, args, pg_timeout_s)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout}s")
+        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        if failed:
+            raise RuntimeError(f"ranks failed with exit codes {failed}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

@@ -1,0 +1,178 @@
+"""The default fine-tuning task (integer addition) and loading of user prompt/completion datasets.
+
+An example is a prompt ``"12+345="`` and a completion ``"357"`` followed by eos; the loss is on the completion only
+(prompt labels are -100). Accuracy is exact match computed teacher-forced in one forward pass: the argmax at every
+completion position (eos included) equals the target. That is the same as greedy-decoding exact match, without a
+generation loop, so it works as a Trainer ``compute_metrics`` with ``preprocess_logits_for_metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+# Operand range of the default task: both operands have 1 to TASK_DIGITS digits. The tiny base learns a lot of it in
+# 2000 LoRA steps (0% -> ~75% exact match) but not all of it.
+TASK_DIGITS = 2
+# The default base model's pretraining mixes in longer additions (1 to 3 digits) so it knows the format.
+PRETRAIN_TASK_DIGITS = 3
+# The train/eval split of the operand pairs is fixed (independent of the user's seed), so splits never overlap.
+_SPLIT_SEED = 20240917
+EVAL_FRACTION = 0.1
+
+
+def _pair_pool(digits: int, split: str) -> np.ndarray:
+    """The operand pairs (as ``a * 10**digits + b``) that belong to ``split``, a fixed permutation of all pairs."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
+    space = 10 ** (2 * digits)
+    perm = np.random.default_rng(_SPLIT_SEED).permutation(space)
+    n_eval = max(1, int(space * EVAL_FRACTION))
+    return perm[:n_eval] if split == "eval" else perm[n_eval:]
+
+
+def addition_examples(n: int, seed: int = 0, split: str = "train", digits: int = TASK_DIGITS) -> list[tuple[str, str]]:
+    """``n`` deterministic ``(prompt, completion)`` pairs like ``("12+345=", "357")``; train/eval pairs are disjoint.
+
+    Sampled without replacement while the split's pool lasts, then cycling through it.
+    """
+    pool = _pair_pool(digits, split)
+    rng = np.random.default_rng(seed)
+    reps = -(-n // len(pool))
+    codes = np.concatenate([rng.permutation(pool) for _ in range(reps)])[:n]
+    base = 10**digits
+    return [(f"{a}+{b}=", str(a + b)) for a, b in zip((codes // base).tolist(), (codes % base).tolist())]
+
+
+def pretraining_task_texts(n: int = 20_000, seed: int = 0, digits: int = PRETRAIN_TASK_DIGITS) -> list[str]:
+    """Full task lines (``"12+345=357"``) mixed into the default base model's pretraining: from the train split only,
+    and without any pair of the eval split of a shorter task (eval pairs of every digit count stay unseen)."""
+    held_out = set()
+    for d in range(1, digits):
+        base = 10**d
+        held_out.update((int(c) // base, int(c) % base) for c in _pair_pool(d, "eval"))
+    out = []
+    for p, c in addition_examples(n, seed=seed + 1_000_003, split="train", digits=digits):
+        a, b = p[:-1].split("+")
+        if (int(a), int(b)) not in held_out:
+            out.append(p + c)
+    return out
+
+
+def tokenize_example(tokenizer, prompt: str, completion: str, max_length: int | None = None) -> dict:
+    """input_ids = prompt (with the tokenizer's bos if it adds one) + completion + eos; labels -100 on the prompt."""
+    p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = p + c
+    labels = [IGNORE_INDEX] * len(p) + c
+    if max_length is not None:
+        ids, labels = ids[:max_length], labels[:max_length]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+
+def _to_dataset(tokenizer, pairs, max_length=None):
+    from datasets import Dataset
+
+    rows = [tokenize_example(tokenizer, p, c, max_length) for p, c in pairs]
+    return Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "attention_mask", "labels")})
+
+
+def make_task_dataset(tokenizer, n: int, seed: int = 0, split: str = "train", digits: int = TASK_DIGITS):
+    """The default task as a tokenized ``datasets.Dataset`` (input_ids, attention_mask, labels)."""
+    return _to_dataset(tokenizer, addition_examples(n, seed=seed, split=split, digits=digits))
+
+
+def load_task_dataset(name_or_path: str, tokenizer, *, train_size: int | None = None, eval_size: int = 200,
+                      seed: int = 0, prompt_column: str = "prompt", completion_column: str = "completion",
+                      max_length: int = 512, **load_kwargs):
+    """``(train, eval)`` tokenized datasets from a local json/jsonl/csv file or a hub dataset name.
+
+    Needs ``prompt`` and ``completion`` columns (names configurable). The eval split is the dataset's
+    ``validation``/``test`` split when it has one, else ``eval_size`` rows held out from train with ``seed``.
+    """
+    from datasets import DatasetDict, load_dataset
+
+    if os.path.exists(name_or_path):
+        ext = os.path.splitext(name_or_path)[1].lower().lstrip(".")
+        fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(ext)
+        if fmt is None:
+            raise ValueError(f"--dataset {name_or_path!r}: unsupported file type {ext!r}; use json, jsonl, csv or parquet.")
+        ds = load_dataset(fmt, data_files=name_or_path, **load_kwargs)
+    else:
+        ds = load_dataset(name_or_path, **load_kwargs)
+    if not isinstance(ds, DatasetDict):
+        ds = DatasetDict({"train": ds})
+    train = ds["train"]
+    for col in (prompt_column, completion_column):
+        if col not in train.column_names:
+            raise ValueError(f"--dataset {name_or_path!r} has no {col!r} column (columns: {train.column_names}); "
+                             "provide 'prompt' and 'completion' columns.")
+    held = next((ds[s] for s in ("validation", "test", "eval") if s in ds), None)
+    if held is None:
+        parts = train.train_test_split(test_size=min(eval_size, max(1, len(train) // 5)), seed=seed)
+        train, held = parts["train"], parts["test"]
+    elif eval_size:
+        held = held.select(range(min(eval_size, len(held))))
+    if train_size:
+        train = train.shuffle(seed=seed).select(range(min(train_size, len(train))))
+
+    def convert(split):
+        pairs = zip(split[prompt_column], split[completion_column])
+        return _to_dataset(tokenizer, [(str(p), str(c)) for p, c in pairs], max_length)
+
+    return convert(train), convert(held)
+
+
+def task_collator(tokenizer):
+    """Pads input_ids with the pad token, attention_mask with 0 and labels with -100 (right padding)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+
+
+def preprocess_logits_for_metrics(logits, labels):
+    """Keep only the argmax token ids, so the Trainer does not accumulate full logits."""
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return logits.argmax(dim=-1)
+
+
+def exact_match(pred_ids, labels) -> float:
+    """Fraction of rows whose argmax predictions equal the labels at every supervised position.
+
+    ``pred_ids[:, t]`` predicts token ``t + 1`` (causal LM), so it is compared with ``labels[:, t + 1]``; rows with
+    no supervised position count as wrong.
+    """
+    pred_ids, labels = np.asarray(pred_ids), np.asarray(labels)
+    if pred_ids.ndim != 2 or pred_ids.shape != labels.shape:
+        raise ValueError(f"expected 2-D predictions and labels of one shape, got {pred_ids.shape} and {labels.shape}")
+    target = labels[:, 1:]
+    mask = target != IGNORE_INDEX
+    ok = (pred_ids[:, :-1] == target) | ~mask
+    correct = ok.all(axis=1) & mask.any(axis=1)
+    return float(correct.mean()) if len(correct) else 0.0
+
+
+def compute_metrics(eval_pred) -> dict:
+    """Trainer ``compute_metrics``: ``{"accuracy": exact match}`` (use with :func:`preprocess_logits_for_metrics`)."""
+    preds, labels = eval_pred.predictions, eval_pred.label_ids
+    if isinstance(preds, (tuple, list)):
+        preds = preds[0]
+    return {"accuracy": exact_match(preds, labels)}
+
+
+@torch.no_grad()
+def greedy_exact_match(model, tokenizer, pairs, max_new_tokens: int = 8) -> float:
+    """Reference: exact match by greedy decoding, one example at a time (slow; for tests and spot checks)."""
+    model.eval()
+    hits = 0
+    for prompt, completion in pairs:
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=True)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
+        hits += text == completion + tokenizer.eos_token
+    return hits / max(1, len(pairs))

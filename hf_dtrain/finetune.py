@@ -1,0 +1,295 @@
+"""Fine-tune a causal LM with one of hf_dtrain's (or peft's) methods on the default task or a user dataset.
+
+``run_finetune(FinetuneConfig(...))`` is what ``hf-dtrain finetune`` runs: load the base model (the embedded default
+when ``model`` is None), wrap it for ``method``, train with the HF ``Trainer``, evaluate before and after (eval loss
+and exact-match accuracy), save the adapter (or the full model), a model card and ``results.json``, print a table.
+Works in one process and under ``accelerate launch`` / ``torchrun`` (DDP; only rank 0 writes and prints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+METHODS = ("lora", "dora", "lorafa", "smt", "full")
+# Per-method default learning rates (used when ``learning_rate`` is None).
+DEFAULT_LR = {"lora": 4e-3, "dora": 4e-3, "lorafa": 4e-3, "smt": 2e-3, "full": 5e-4}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SMT_TARGETS = ["q_proj", "k_proj", "v_proj"]
+
+
+@dataclass
+class FinetuneConfig:
+    """Settings of one fine-tuning run; every field is also a ``hf-dtrain finetune`` flag and a recipe YAML key."""
+
+    method: str = field(default="lorafa", metadata={"help": f"One of {', '.join(METHODS)}."})
+    model: str | None = field(default=None, metadata={"help": "Base model path or hub id; None = embedded default."})
+    dataset: str | None = field(default=None, metadata={
+        "help": "Local json/jsonl/csv with prompt/completion columns or a hub dataset; None = default addition task."})
+    output_dir: str | None = field(default=None, metadata={"help": "Where to save; default outputs/finetune-<method>."})
+    max_steps: int = field(default=2000, metadata={"help": "Optimizer steps."})
+    learning_rate: float | None = field(default=None, metadata={"help": f"Peak LR; default per method {DEFAULT_LR}."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Batch size per process."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    warmup_steps: int = field(default=20, metadata={"help": "Linear LR warm-up steps."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    seed: int = field(default=0, metadata={"help": "Seed of adapter init, data order and the default task's data."})
+    lora_r: int = field(default=8, metadata={"help": "Rank for lora, dora and lorafa."})
+    lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator for lora, dora and lorafa."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout for lora and dora."})
+    lorafa_optimizer: bool = field(default=True, metadata={
+        "help": "lorafa: use hf_dtrain's create_lorafa_optimizer instead of the Trainer's AdamW."})
+    smt_block_size: int = field(default=64, metadata={"help": "smt: side of the square sub-matrices."})
+    smt_num_blocks: int | None = field(default=None, metadata={
+        "help": "smt: blocks to train; default matches the trainable budget of lora at lora_r."})
+    smt_warmup_steps: int = field(default=20, metadata={"help": "smt: gradient-scoring steps before selection."})
+    target_modules: list[str] | None = field(default=None, metadata={
+        "help": f"Modules to adapt; default {LORA_TARGETS} (lora/dora/lorafa), {SMT_TARGETS} (smt)."})
+    task_digits: int | None = field(default=None, metadata={
+        "help": "Default task: operands have 1 to N digits (default hf_dtrain.data.tasks.TASK_DIGITS)."})
+    train_size: int = field(default=32000, metadata={"help": "Training examples (default task) or cap (dataset)."})
+    eval_size: int = field(default=200, metadata={"help": "Held-out examples for eval loss and accuracy."})
+    max_length: int = field(default=512, metadata={"help": "Truncation length for --dataset examples."})
+    logging_steps: int = field(default=200, metadata={"help": "Log the training loss every N steps."})
+    report: bool = field(default=True, metadata={"help": "Print the result table (rank 0)."})
+    progress: bool = field(default=True, metadata={"help": "Show progress bars."})
+    base_preset: str = field(default="tiny", metadata={"help": "Preset of the embedded default base model."})
+    base_steps: int | None = field(default=None, metadata={"help": "Pretraining steps of the default base model."})
+
+    def __post_init__(self):
+        self.method = str(self.method).lower()
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is unknown; set --method to one of {', '.join(METHODS)}.")
+        if isinstance(self.target_modules, str):
+            self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _linear_shapes(model, targets):
+    shapes = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in targets:
+            shapes.append((mod.out_features, mod.in_features))
+    return shapes
+
+
+def build_peft_config(cfg: FinetuneConfig, model):
+    """The peft config for ``cfg.method`` (None for "full"), with trainable budgets matched to lora at ``lora_r``."""
+    method = cfg.method
+    if method == "full":
+        return None
+    if method in ("lora", "dora"):
+        from peft import LoraConfig
+
+        return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=cfg.target_modules or LORA_TARGETS, use_dora=method == "dora",
+                          task_type="CAUSAL_LM")
+    if method == "lorafa":
+        from hf_dtrain import LoraFAConfig
+
+        return LoraFAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules or LORA_TARGETS,
+                            lora_dropout=0.0)
+    # smt
+    from hf_dtrain import SMTConfig
+
+    targets = cfg.target_modules or SMT_TARGETS
+    b = cfg.smt_block_size
+    shapes = _linear_shapes(model, targets)
+    available = sum((o // b) * (i // b) for o, i in shapes)
+    if available == 0:
+        raise ValueError(f"smt_block_size={b} does not fit any of {targets} (shapes {sorted(set(shapes))}); "
+                         "set --smt-block-size to a divisor of the hidden size.")
+    num_blocks = cfg.smt_num_blocks
+    if num_blocks is None:  # the lora budget at the same rank on the same targets
+        lora_budget = sum(cfg.lora_r * (o + i) for o, i in shapes)
+        num_blocks = max(1, round(lora_budget / (b * b)))
+    num_blocks = min(num_blocks, available)
+    return SMTConfig(target_modules=targets, block_size=b, num_blocks=num_blocks,
+                     warmup_steps=cfg.smt_warmup_steps, score="abs_mean")
+
+
+def _count(model):
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+{{ description }}
+
+Trained with `hf-dtrain finetune --method {{ method }}` ([hf_dtrain](https://github.com/)), on {{ dataset_desc }}.
+
+## Results
+
+| | before | after |
+|---|---|---|
+| eval loss | {{ "%.4f"|format(eval_loss_before) }} | {{ "%.4f"|format(eval_loss_after) }} |
+| exact-match accuracy | {{ "%.3f"|format(accuracy_before) }} | {{ "%.3f"|format(accuracy_after) }} |
+
+- trainable parameters: {{ trainable_params }} of {{ total_params }} ({{ "%.3f"|format(trainable_pct) }}%)
+- steps: {{ max_steps }}, learning rate {{ learning_rate }}, batch {{ batch }} x {{ world_size }} process(es)
+- train time: {{ "%.1f"|format(train_seconds) }} s
+
+## Use
+
+```python
+import hf_dtrain  # registers hf_dtrain's peft methods (needed to load smt / lorafa adapters)
+{{ usage }}
+```
+"""
+
+
+def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
+    """Write ``README.md`` (a ``huggingface_hub.ModelCard`` with YAML metadata) into ``output_dir``; return its path."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    full = results["method"] == "full"
+    data = ModelCardData(base_model=base_model, library_name="transformers" if full else "peft",
+                         tags=["hf_dtrain", results["method"], "text-generation"], pipeline_tag="text-generation")
+    if full:
+        usage = f'from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained("{output_dir}")'
+    else:
+        usage = ("from transformers import AutoModelForCausalLM\nfrom peft import PeftModel\n"
+                 f'base = AutoModelForCausalLM.from_pretrained("{results["base_path"]}")\n'
+                 f'model = PeftModel.from_pretrained(base, "{output_dir}")')
+    card = ModelCard.from_template(
+        data, template_str=CARD_TEMPLATE, model_name=f"{results['method']} fine-tune of {base_model}",
+        description=("A full fine-tune." if full else f"A {results['method']} adapter."),
+        dataset_desc=results["dataset"], batch=results["per_device_train_batch_size"], usage=usage, **results,
+    )
+    path = os.path.join(output_dir, "README.md")
+    card.save(path)
+    return path
+
+
+def format_table(r: dict) -> str:
+    cols = [("method", r["method"]), ("trainable", f"{r['trainable_params']:,} ({r['trainable_pct']:.2f}%)"),
+            ("train s", f"{r['train_seconds']:.1f}"),
+            ("eval loss", f"{r['eval_loss_before']:.3f} -> {r['eval_loss_after']:.3f}"),
+            ("accuracy", f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}")]
+    widths = [max(len(h), len(v)) for h, v in cols]
+    line = "| " + " | ".join(h.ljust(w) for (h, _), w in zip(cols, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    val = "| " + " | ".join(v.ljust(w) for (_, v), w in zip(cols, widths)) + " |"
+    return "\n".join([line, sep, val])
+
+
+def run_finetune(cfg: FinetuneConfig) -> dict:
+    """Run one fine-tuning job; return the measured figures (also written to ``<output_dir>/results.json``)."""
+    from accelerate import PartialState
+    from transformers import Trainer, TrainingArguments, set_seed
+
+    from hf_dtrain.data import tasks
+    from hf_dtrain.models import build_default_model, load_model_and_tokenizer
+
+    use_cpu = not torch.cuda.is_available()
+    state = PartialState(cpu=use_cpu)
+    world_size = state.num_processes
+    output_dir = cfg.output_dir or os.path.join("outputs", f"finetune-{cfg.method}")
+    lr = cfg.learning_rate if cfg.learning_rate is not None else DEFAULT_LR[cfg.method]
+
+    # The default base model is built once, by rank 0; the other ranks wait and then read the cache.
+    with state.main_process_first():
+        if cfg.model is None:
+            base_path = build_default_model(cfg.base_preset, steps=cfg.base_steps,
+                                            progress=cfg.progress and state.is_main_process)
+        else:
+            base_path = cfg.model
+        model, tokenizer = load_model_and_tokenizer(base_path)
+        if cfg.dataset is None:
+            digits = cfg.task_digits or tasks.TASK_DIGITS
+            train_ds = tasks.make_task_dataset(tokenizer, cfg.train_size, seed=cfg.seed, split="train", digits=digits)
+            eval_ds = tasks.make_task_dataset(tokenizer, cfg.eval_size, seed=cfg.seed, split="eval", digits=digits)
+        else:
+            train_ds, eval_ds = tasks.load_task_dataset(cfg.dataset, tokenizer, train_size=cfg.train_size,
+                                                        eval_size=cfg.eval_size, seed=cfg.seed,
+                                                        max_length=cfg.max_length)
+    collator = tasks.task_collator(tokenizer)
+
+    set_seed(cfg.seed)
+    peft_config = build_peft_config(cfg, model)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=cfg.max_steps, learning_rate=lr,
+        per_device_train_batch_size=cfg.per_device_train_batch_size, per_device_eval_batch_size=64,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay, lr_scheduler_type="linear", seed=cfg.seed, data_seed=cfg.seed,
+        use_cpu=use_cpu, report_to=[], save_strategy="no", eval_strategy="no", logging_steps=cfg.logging_steps,
+        disable_tqdm=not cfg.progress, remove_unused_columns=False, dataloader_num_workers=0,
+        ddp_find_unused_parameters=False if cfg.method != "full" else None,
+    )
+    # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
+    world_size = args.world_size
+    optimizers, callbacks = (None, None), []
+    if cfg.method == "lorafa" and cfg.lorafa_optimizer:
+        from hf_dtrain.tuners.lorafa import create_lorafa_optimizer
+
+        optimizers = (create_lorafa_optimizer(model, lr=lr, weight_decay=cfg.weight_decay), None)
+    if cfg.method == "smt":
+        if world_size > 1:
+            # DDP cannot change parameter shapes after wrapping: select the blocks before the Trainer exists.
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            from hf_dtrain.tuners.smt import smt_warmup
+
+            sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=state.process_index,
+                                         shuffle=True, seed=cfg.seed)
+            loader = DataLoader(train_ds, batch_size=cfg.per_device_train_batch_size, sampler=sampler,
+                                collate_fn=collator)
+            smt_warmup(model, loader, num_steps=cfg.smt_warmup_steps)
+        else:
+            from hf_dtrain.tuners.smt import SMTSelectionCallback
+
+            callbacks.append(SMTSelectionCallback())
+
+    trainer = Trainer(model=model, args=args, data_collator=collator, train_dataset=train_ds, eval_dataset=eval_ds,
+                      processing_class=tokenizer, compute_metrics=tasks.compute_metrics,
+                      preprocess_logits_for_metrics=tasks.preprocess_logits_for_metrics, callbacks=callbacks,
+                      optimizers=optimizers)
+
+    before = trainer.evaluate()  # adapters start as the identity: this is the base model
+    t0 = time.perf_counter()
+    train_out = trainer.train()
+    train_seconds = time.perf_counter() - t0
+    after = trainer.evaluate()
+
+    trainable, total = _count(trainer.model)
+    results = dict(
+        method=cfg.method, base_model=cfg.model or f"hf_dtrain default ({cfg.base_preset})", base_path=base_path,
+        dataset=cfg.dataset or "default addition task (hf_dtrain.data.tasks)",
+        trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(1, total),
+        train_seconds=train_seconds, train_loss=float(train_out.training_loss),
+        eval_loss_before=float(before["eval_loss"]), eval_loss_after=float(after["eval_loss"]),
+        accuracy_before=float(before["eval_accuracy"]), accuracy_after=float(after["eval_accuracy"]),
+        max_steps=cfg.max_steps, learning_rate=lr, per_device_train_batch_size=cfg.per_device_train_batch_size,
+        world_size=world_size, output_dir=output_dir, config=dataclasses.asdict(cfg),
+    )
+    if trainer.is_world_process_zero():
+        os.makedirs(output_dir, exist_ok=True)
+        trainer.model.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+        base_name = cfg.model or f"hf_dtrain/default-{cfg.base_preset}"
+        write_model_card(output_dir, results, base_name)
+        with open(os.path.join(output_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        if cfg.report:
+            print(format_table(results), flush=True)
+    state.wait_for_everyone()
+    return results

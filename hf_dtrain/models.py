@@ -1,0 +1,287 @@
+"""LLaMA-architecture model presets and the embedded default base model.
+
+Nothing is downloaded at run time: the default base model is built from a ``LlamaConfig`` preset and briefly
+pretrained on text every machine has (see :func:`build_default_model`). Real users pass ``--model PATH_OR_HUB_ID``
+and the ordinary ``from_pretrained`` path is used.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# Shapes. "test" is for unit tests (milliseconds per step); "tiny" is the embedded default base model; "small" is a
+# larger CPU-trainable shape; "llama2-7b"/"llama3-8b" are the real shapes for GPU users (never built in tests).
+PRESETS: dict[str, dict] = {
+    "test": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=128, max_position_embeddings=128,
+    ),
+    "tiny": dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=1024, max_position_embeddings=256,
+    ),
+    "small": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+        vocab_size=4096, max_position_embeddings=512,
+    ),
+    "llama2-7b": dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+    ),
+    "llama3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+    ),
+}
+
+
+def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
+    """A ``LlamaConfig`` for a named preset; keyword arguments override single fields."""
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+    kwargs = dict(PRESETS[preset])
+    kwargs.setdefault("tie_word_embeddings", False)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def build_llama(preset: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
+    """A randomly initialised ``LlamaForCausalLM`` of a preset shape, deterministic in ``seed``."""
+    config = llama_config(preset, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The embedded default base model: a byte-level BPE tokenizer trained on the Python standard library's own source and
+# a "tiny" LLaMA briefly pretrained on that text (plus a share of default-task examples), cached on disk.
+# ----------------------------------------------------------------------------------------------------------------------
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# Bump when the recipe below changes in a way that changes the produced model: old caches are then not reused.
+BASE_BUILD_VERSION = 2
+SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
+# Default pretraining steps per preset (about 2-3 minutes on 2 CPU cores for "tiny").
+DEFAULT_BASE_STEPS = {"test": 20, "tiny": 450, "small": 300}
+# Number of actual (non-cached) builds in this process; tests use it to check the cache is reused.
+build_count = 0
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Root of hf_dtrain's cache: ``cache_dir``, else ``$HF_DTRAIN_CACHE``, else ``~/.cache/hf_dtrain``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("HF_DTRAIN_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "hf_dtrain"
+
+
+def stdlib_source_files() -> list[Path]:
+    """The standard library's own ``.py`` files, sorted (site-packages and the test suites excluded)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def stdlib_text(max_bytes: int = 4_000_000) -> list[str]:
+    """A deterministic capped subset of the stdlib's source, one string per file, about ``max_bytes`` in total."""
+    docs, total = [], 0
+    for path in stdlib_source_files():
+        try:
+            text = path.read_text(encoding="utf-8", errors="ignore")
+        except OSError:
+            continue
+        if not text.strip():
+            continue
+        docs.append(text)
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            break
+    return docs
+
+
+def train_tokenizer(texts, vocab_size: int):
+    """A LLaMA-like byte-level BPE tokenizer (digits split individually) as ``PreTrainedTokenizerFast``.
+
+    Adds ``<s>`` in front of every encoded text (like LLaMA); ``</s>`` is the eos and ``<pad>`` the pad token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=1024
+    )
+
+
+def _build_settings(preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr) -> dict:
+    return dict(
+        build_version=BASE_BUILD_VERSION, preset=preset, model_config=PRESETS[preset], steps=steps, seed=seed,
+        seq_len=seq_len, batch_size=batch_size, data_bytes=data_bytes, task_share=task_share, lr=lr,
+        python=f"{sys.version_info[0]}.{sys.version_info[1]}",
+    )
+
+
+def default_model_dir(preset: str = "tiny", cache_dir=None, steps: int | None = None, seed: int = 0, **kw) -> Path:
+    """Where :func:`build_default_model` caches (or would cache) the base model for these settings."""
+    settings = _build_settings(preset, *_resolve(preset, steps, seed, **kw))
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / "base" / f"{preset}-{digest}"
+
+
+def _resolve(preset, steps, seed, seq_len=128, batch_size=16, data_bytes=4_000_000, task_share=0.25, lr=2e-3):
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+    steps = DEFAULT_BASE_STEPS.get(preset, 300) if steps is None else int(steps)
+    return steps, seed, seq_len, batch_size, data_bytes, task_share, lr
+
+
+def _pretrain_blocks(tokenizer, docs, task_texts, seq_len):
+    """Token blocks of ``seq_len`` from the stdlib text (docs joined by eos) and, separately, from task examples."""
+    eos = tokenizer.eos_token_id
+
+    def pack(texts):
+        ids = []
+        for enc in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=True):
+            ids.extend(enc.ids)
+            ids.append(eos)
+        n = len(ids) // seq_len
+        return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+    return pack(docs), pack(task_texts)
+
+
+def build_default_model(
+    preset: str = "tiny",
+    cache_dir: str | os.PathLike | None = None,
+    steps: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    *,
+    seq_len: int = 128,
+    batch_size: int = 16,
+    data_bytes: int = 4_000_000,
+    task_share: float = 0.25,
+    lr: float = 2e-3,
+) -> str:
+    """Build (or reuse from cache) the embedded default base model; return its directory.
+
+    The directory loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Built once
+    per settings: a byte-level BPE tokenizer trained on the stdlib's source, then ``steps`` AdamW steps of causal-LM
+    pretraining of the ``preset`` LLaMA on that text, with a ``task_share`` of blocks made of default-task examples
+    (see :mod:`hf_dtrain.data.tasks`). Written to a temporary directory and renamed, so a crash leaves no half cache.
+    Cache root: ``cache_dir``, else ``$HF_DTRAIN_CACHE``, else ``~/.cache/hf_dtrain``.
+    """
+    global build_count
+    from tqdm.auto import tqdm
+
+    from hf_dtrain.data.tasks import pretraining_task_texts
+
+    steps, seed, seq_len, batch_size, data_bytes, task_share, lr = _resolve(
+        preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr
+    )
+    settings = _build_settings(preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr)
+    final = default_model_dir(preset, cache_dir, steps, seed, seq_len=seq_len, batch_size=batch_size,
+                              data_bytes=data_bytes, task_share=task_share, lr=lr)
+    if (final / "hf_dtrain_base.json").is_file():
+        return str(final)
+
+    t0 = time.time()
+    build_count += 1
+    docs = stdlib_text(data_bytes)
+    task_texts = pretraining_task_texts(n=20_000, seed=seed)
+    tokenizer = train_tokenizer(docs + task_texts[:2000], vocab_size=PRESETS[preset]["vocab_size"])
+    # Byte-level BPE needs 256 + 3 ids at least: presets with a smaller vocabulary grow to the tokenizer's size.
+    vocab = max(PRESETS[preset]["vocab_size"], len(tokenizer))
+    model = build_llama(preset, seed=seed, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    text_blocks, task_blocks = _pretrain_blocks(tokenizer, docs, task_texts, seq_len)
+
+    g = torch.Generator().manual_seed(seed)
+    n_task = int(round(batch_size * task_share)) if len(task_blocks) else 0
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.1, 1.0 - s / max(1, steps))
+    )
+    model.train()
+    bar = tqdm(range(steps), desc=f"pretraining default base ({preset})", disable=not progress, leave=False)
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in bar:
+            idx = torch.randint(0, len(text_blocks), (batch_size - n_task,), generator=g)
+            parts = [text_blocks[idx]]
+            if n_task:
+                parts.append(task_blocks[torch.randint(0, len(task_blocks), (n_task,), generator=g)])
+            batch = torch.cat(parts)
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    bar.close()
+    model.eval()
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        info = dict(settings, vocab_size=vocab, final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
+                    build_seconds=round(time.time() - t0, 1), n_params=sum(p.numel() for p in model.parameters()))
+        # Written last: its presence marks a complete directory.
+        (tmp / "hf_dtrain_base.json").write_text(json.dumps(info, indent=2))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "hf_dtrain_base.json").is_file():  # a half directory from elsewhere: replace it
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def load_model_and_tokenizer(model: str | None = None, *, preset: str = "tiny", base_steps: int | None = None,
+                             progress: bool = True, **from_pretrained_kwargs):
+    """``(model, tokenizer)``: the embedded default base (built and cached if needed) when ``model`` is None, else
+    ``from_pretrained(model)`` (a local path or a hub id). A tokenizer without pad token gets its eos as pad."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_default_model(preset, steps=base_steps, progress=progress) if model is None else model
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    return lm, tokenizer

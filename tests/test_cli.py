@@ -1,0 +1,129 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_dtrain.cli import build_parser, finetune_config_from_args, load_recipe, main
+from hf_dtrain.finetune import FinetuneConfig, run_finetune
+from hf_dtrain.testing import tiny_default_base
+
+
+def _cfg(argv):
+    return finetune_config_from_args(build_parser().parse_args(["finetune", *argv]))
+
+
+def test_defaults_and_flags():
+    cfg = _cfg([])
+    assert cfg == FinetuneConfig()
+    assert cfg.method == "lorafa" and cfg.model is None
+    cfg = _cfg(["--method", "dora", "--max-steps", "7", "--learning-rate", "0.01", "--target-modules", "q_proj",
+                "v_proj", "--lorafa-optimizer", "false", "--smt-num-blocks", "none"])
+    assert (cfg.method, cfg.max_steps, cfg.learning_rate) == ("dora", 7, 0.01)
+    assert cfg.target_modules == ["q_proj", "v_proj"] and cfg.lorafa_optimizer is False and cfg.smt_num_blocks is None
+
+
+def test_recipe_then_explicit_flags_win(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: dora\nmax_steps: 9\nlora_r: 4\nlearning-rate: 0.002\ntarget_modules: [q_proj]\n")
+    cfg = _cfg(["--recipe", str(recipe), "--max-steps", "3"])
+    assert cfg.method == "dora" and cfg.lora_r == 4 and cfg.learning_rate == 0.002
+    assert cfg.max_steps == 3  # explicit flag beats the recipe
+    assert cfg.target_modules == ["q_proj"]
+    cfg = _cfg(["--recipe", str(recipe), "--method", "lora", "--lora-r", "8"])
+    assert cfg.method == "lora" and cfg.lora_r == 8 and cfg.max_steps == 9
+
+
+def test_bad_recipe_key_and_bad_method(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: lora\nlora_rank: 4\n")
+    with pytest.raises(ValueError, match="lora_rank.*valid keys.*lora_r"):
+        load_recipe(str(recipe))
+    with pytest.raises(SystemExit, match="lora_rank"):
+        main(["finetune", "--recipe", str(recipe)])
+    recipe.write_text("method: qlora\n")
+    with pytest.raises(SystemExit, match="method='qlora'.*--method"):
+        main(["finetune", "--recipe", str(recipe)])
+    with pytest.raises(SystemExit):  # argparse rejects it with the valid choices
+        main(["finetune", "--method", "qlora"])
+    with pytest.raises(ValueError, match="one of lora, dora, lorafa, smt, full"):
+        FinetuneConfig(method="adapter")
+
+
+def test_module_entry_point_and_build_base(tmp_path):
+    env = dict(os.environ, HF_DTRAIN_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "hf_dtrain.cli", "finetune", "--help"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "--recipe" in out.stdout and "--smt-block-size" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "hf_dtrain.cli", "build-base", "--preset", "test", "--steps", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    path = out.stdout.strip().splitlines()[-1]
+    assert path.startswith(str(tmp_path / "base" / "test-")) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+@pytest.fixture(scope="module")
+def base_path(tmp_path_factory):
+    return tiny_default_base(tmp_path_factory.mktemp("cache"), steps=200)
+
+
+def _finetune(base_path, out, method, **kw):
+    cfg = FinetuneConfig(method=method, model=base_path, output_dir=str(out), task_digits=1, train_size=2000,
+                         eval_size=10, max_steps=kw.pop("max_steps", 800), per_device_train_batch_size=16,
+                         logging_steps=1000, progress=False, **kw)
+    return run_finetune(cfg)
+
+
+def _check_outputs(r, out, method):
+    assert r["eval_loss_after"] < r["eval_loss_before"] - 0.3
+    assert r["accuracy_after"] >= r["accuracy_before"]
+    for name in ("adapter_config.json", "README.md", "results.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    card = open(os.path.join(out, "README.md")).read()
+    assert card.startswith("---\n") and "library_name: peft" in card and "hf_dtrain" in card
+    assert f"- {method}" in card and "exact-match accuracy" in card
+    saved = json.load(open(os.path.join(out, "results.json")))
+    assert saved["accuracy_after"] == r["accuracy_after"] and saved["method"] == method
+
+
+@pytest.mark.slow
+def test_finetune_lora_end_to_end(base_path, tmp_path, capsys):
+    out = tmp_path / "lora"
+    r = _finetune(base_path, out, "lora", learning_rate=3e-3)
+    _check_outputs(r, out, "lora")
+    assert r["accuracy_after"] > r["accuracy_before"]
+    assert 0 < r["trainable_params"] < r["total_params"] * 0.2
+    printed = capsys.readouterr().out
+    assert "| method" in printed and "lora" in printed and "accuracy" in printed
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), str(out))
+    assert model.peft_config["default"].r == 8
+
+
+def _import_or_skip(name):
+    try:
+        import hf_dtrain
+
+        return getattr(hf_dtrain, name)
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"hf_dtrain.{name} is not available yet ({e})")
+
+
+@pytest.mark.slow
+def test_finetune_lorafa_end_to_end(base_path, tmp_path):
+    _import_or_skip("LoraFAConfig")
+    out = tmp_path / "lorafa"
+    r = _finetune(base_path, out, "lorafa", learning_rate=3e-3)
+    _check_outputs(r, out, "lorafa")
+
+
+@pytest.mark.slow
+def test_finetune_smt_end_to_end(base_path, tmp_path):
+    _import_or_skip("SMTConfig")
+    out = tmp_path / "smt"
+    r = _finetune(base_path, out, "smt", learning_rate=3e-3, smt_block_size=16, smt_warmup_steps=5)
+    _check_outputs(r, out, "smt")
