@@ -104,18 +104,8 @@ def test_finetune_lora_end_to_end(base_path, tmp_path, capsys):
     assert model.peft_config["default"].r == 8
 
 
-def _import_or_skip(name):
-    try:
-        import hf_dtrain
-
-        return getattr(hf_dtrain, name)
-    except (ImportError, AttributeError) as e:
-        pytest.skip(f"hf_dtrain.{name} is not available yet ({e})")
-
-
 @pytest.mark.slow
 def test_finetune_lorafa_end_to_end(base_path, tmp_path):
-    _import_or_skip("LoraFAConfig")
     out = tmp_path / "lorafa"
     r = _finetune(base_path, out, "lorafa", learning_rate=3e-3)
     _check_outputs(r, out, "lorafa")
@@ -123,7 +113,28 @@ def test_finetune_lorafa_end_to_end(base_path, tmp_path):
 
 @pytest.mark.slow
 def test_finetune_smt_end_to_end(base_path, tmp_path):
-    _import_or_skip("SMTConfig")
     out = tmp_path / "smt"
     r = _finetune(base_path, out, "smt", learning_rate=3e-3, smt_block_size=16, smt_warmup_steps=5)
     _check_outputs(r, out, "smt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["smt", "lorafa"])
+def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_path, method):
+    """The recipe's 2-process accelerate config really gives 2 gloo ranks; SMT selects before DDP wraps."""
+    from hf_dtrain.testing import free_port
+
+    out = tmp_path / method
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
+           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", method,
+           "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "2000",
+           "--eval-size", "10", "--max-steps", "300", "--learning-rate", "3e-3", "--smt-block-size", "16",
+           "--smt-warmup-steps", "5", "--progress", "false", "--logging-steps", "1000"]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.load(open(out / "results.json"))
+    assert r["world_size"] == 2
+    _check_outputs(r, out, method)
+    assert proc.stdout.count("| method") == 1  # only rank 0 reports
