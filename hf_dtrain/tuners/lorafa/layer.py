@@ -1,15 +1,15 @@
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from torch import nn
+
+from .._base import MergeableLinearMixin
 
 
 class LoraFALayer(BaseTunerLayer):
@@ -65,7 +65,7 @@ class LoraFALayer(BaseTunerLayer):
         return (b.float() @ a.float()).mul_(self.scaling[adapter])
 
 
-class Linear(nn.Module, LoraFALayer):
+class Linear(nn.Module, MergeableLinearMixin, LoraFALayer):
     """An ``nn.Linear`` with LoRA-FA adapters: ``y = W x + b + s * B (dropout(A x))`` with ``A`` frozen."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
@@ -74,39 +74,13 @@ class Linear(nn.Module, LoraFALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        adapter_names = check_adapters_to_merge(self, adapter_names)
-        for name in adapter_names:
-            if name not in self.lorafa_B:
-                continue
-            base = self.get_base_layer()
-            delta = self.get_delta_weight(name).to(base.weight.dtype)
-            if safe_merge:
-                merged = base.weight.data + delta
-                if not torch.isfinite(merged).all():
-                    raise ValueError(f"NaNs detected in the merged weights; adapter {name!r} seems to be broken.")
-                base.weight.data = merged
-            else:
-                base.weight.data += delta
-            self.merged_adapters.append(name)
-
-    def unmerge(self) -> None:
-        if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
-            return
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            if name in self.lorafa_B:
-                base = self.get_base_layer()
-                base.weight.data -= self.get_delta_weight(name).to(base.weight.dtype)
+    def _apply_delta(self, weight: torch.Tensor, adapter: str, sign: float) -> torch.Tensor:
+        return weight.add_(self.get_delta_weight(adapter).to(weight.dtype), alpha=sign)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        if self.merged:
-            return self.base_layer(x, *args, **kwargs)
+        result = self._base_forward_if_inactive(x, *args, **kwargs)
+        if result is not None:
+            return result
         # The base weight is frozen, so autograd keeps W (a parameter) rather than x for the base matmul; A is a
         # buffer, so x @ A.T keeps A rather than x. Only the r-dim projection is saved, for B's gradient.
         result = self.base_layer(x, *args, **kwargs)

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from torch import nn
+
+from .._base import MergeableLinearMixin
 
 
 class BlockSparseDelta(torch.autograd.Function):
@@ -173,7 +174,7 @@ def _largest_common_block(a: int, b: int, upper: int) -> int:
     return max(d for d in range(1, min(g, upper) + 1) if g % d == 0)
 
 
-class Linear(nn.Module, SMTLayer):
+class Linear(nn.Module, MergeableLinearMixin, SMTLayer):
     """An ``nn.Linear`` with SMT adapters: ``y = W x + b + D x`` with ``D`` block-sparse and trainable."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
@@ -182,31 +183,9 @@ class Linear(nn.Module, SMTLayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        adapter_names = check_adapters_to_merge(self, adapter_names)
-        for name in adapter_names:
-            if name not in self.smt_weight:
-                continue
-            base = self.get_base_layer()
-            merged = self._apply_blocks(base.weight.data, name, sign=1.0, copy=safe_merge)
-            if safe_merge and not torch.isfinite(merged).all():
-                raise ValueError(f"NaNs detected in the merged weights; adapter {name!r} seems to be broken.")
-            base.weight.data = merged
-            self.merged_adapters.append(name)
-
-    def unmerge(self) -> None:
-        if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
-            return
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            if name in self.smt_weight:
-                base = self.get_base_layer()
-                base.weight.data = self._apply_blocks(base.weight.data, name, sign=-1.0, copy=False)
-
-    def _apply_blocks(self, weight: torch.Tensor, name: str, sign: float, copy: bool) -> torch.Tensor:
+    def _apply_delta(self, weight: torch.Tensor, name: str, sign: float) -> torch.Tensor:
         """Add (sign=+1) or subtract the delta blocks in place: only the selected blocks of W are written."""
-        w = weight.clone() if copy else weight
+        w = weight
         bs = self.block_size[name]
         view = w.view(self.out_features // bs, bs, self.in_features // bs, bs)
         blocks = self.smt_weight[name].data.to(w.dtype)
@@ -215,12 +194,9 @@ class Linear(nn.Module, SMTLayer):
         return w
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        if self.merged:
-            return self.base_layer(x, *args, **kwargs)
+        result = self._base_forward_if_inactive(x, *args, **kwargs)
+        if result is not None:
+            return result
         result = self.base_layer(x, *args, **kwargs)
         for name in self.active_adapters:
             if name not in self.smt_weight:

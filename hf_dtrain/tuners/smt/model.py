@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 
+from .._base import LinearTunerModel
 from .layer import Linear, SMTLayer
 
 # The paper's default candidates: the attention Q, K, V projections.
@@ -12,7 +12,7 @@ TRANSFORMERS_MODELS_TO_SMT_TARGET_MODULES_MAPPING = {
 }
 
 
-class SMTModel(BaseTuner):
+class SMTModel(LinearTunerModel):
     """Injects SMT layers into the ``nn.Linear`` targets of a model. Use through ``get_peft_model``::
 
         import hf_dtrain  # registers SMT with peft
@@ -25,23 +25,9 @@ class SMTModel(BaseTuner):
     prefix: str = "smt_"
     tuner_layer_cls = SMTLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_SMT_TARGET_MODULES_MAPPING
-
-    def _create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, **kwargs):
-        if current_key is None:
-            raise ValueError("current_key must not be None")
-        if isinstance(target, Linear):
-            target.update_layer(adapter_name, config, layer_key=current_key)
-            return
-        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        if not isinstance(base, torch.nn.Linear):
-            raise TypeError(
-                f"SMT can adapt nn.Linear layers only; {current_key!r} is {type(base).__name__}. "
-                "Narrow SMTConfig.target_modules to linear projections."
-            )
-        new_module = Linear(target, adapter_name, config, layer_key=current_key)
-        if adapter_name not in self.active_adapters:
-            new_module.requires_grad_(False)
-        self._replace_module(parent, target_name, new_module, target)
+    linear_cls = Linear
+    method_name = "SMT"
+    config_name = "SMTConfig"
 
     def _post_injection_hook(self, model, config, adapter_name) -> None:
         layers = [m for m in model.modules() if isinstance(m, SMTLayer) and adapter_name in m.smt_weight]

@@ -1,0 +1,79 @@
+"""What every hf_dtrain tuner of ``nn.Linear`` layers shares: the model-side module swap and the layer-side
+merge/unmerge bookkeeping, so a method only says how its delta is applied to the weight."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge
+
+
+class LinearTunerModel(BaseTuner):
+    """``BaseTuner`` for methods that wrap ``nn.Linear`` targets in ``linear_cls(target, adapter_name, config,
+    layer_key=...)``; ``method_name`` and ``config_name`` only shape error messages."""
+
+    linear_cls: type
+    method_name: str
+    config_name: str
+
+    def _create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, **kwargs):
+        if current_key is None:
+            raise ValueError("current_key must not be None")
+        if isinstance(target, self.linear_cls):
+            target.update_layer(adapter_name, config, layer_key=current_key)
+            return
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if not isinstance(base, torch.nn.Linear):
+            raise TypeError(
+                f"{self.method_name} can adapt nn.Linear layers only; {current_key!r} is {type(base).__name__}. "
+                f"Narrow {self.config_name}.target_modules to linear projections."
+            )
+        new_module = self.linear_cls(target, adapter_name, config, layer_key=current_key)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+
+class MergeableLinearMixin:
+    """merge/unmerge for a tuner layer whose subclass implements ``_apply_delta(weight, adapter, sign) -> weight``
+    (add ``sign`` times the adapter's update to ``weight``, in place when it can) and names its trainable container in
+    ``adapter_layer_names[0]``."""
+
+    def _apply_delta(self, weight: torch.Tensor, adapter: str, sign: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        container = getattr(self, self.adapter_layer_names[0])
+        for name in check_adapters_to_merge(self, adapter_names):
+            if name not in container:
+                continue
+            base = self.get_base_layer()
+            weight = base.weight.data.clone() if safe_merge else base.weight.data
+            merged = self._apply_delta(weight, name, 1.0)
+            if safe_merge and not torch.isfinite(merged).all():
+                raise ValueError(f"NaNs detected in the merged weights; adapter {name!r} seems to be broken.")
+            base.weight.data = merged
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        container = getattr(self, self.adapter_layer_names[0])
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in container:
+                base = self.get_base_layer()
+                base.weight.data = self._apply_delta(base.weight.data, name, -1.0)
+
+    def _base_forward_if_inactive(self, x, *args, **kwargs) -> Optional[torch.Tensor]:
+        """The base layer's output when no adapter applies (disabled or merged), else None."""
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        return None
