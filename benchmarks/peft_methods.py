@@ -7,7 +7,7 @@ same number of optimizer steps and AdamW. Reported per method: trainable paramet
 optimizer-state bytes, peak RSS, median step time as a ratio to LoRA in the same run, eval loss and exact-match
 accuracy on held-out additions.
 
-    python benchmarks/peft_methods.py            # ~10 minutes on 2 idle CPU cores (plus the base model once)
+    python benchmarks/peft_methods.py            # ~21 minutes on 2 idle CPU cores: 3 seeds x 6 methods
     python benchmarks/peft_methods.py --steps 50 # quick look
 """
 
@@ -95,9 +95,10 @@ def worker(method: str, steps: int, batch_size: int, seed: int) -> dict:
         warm = DataLoader(make_task_dataset(tok, SMT_WARMUP * batch_size, seed=seed + 1, split="train"),
                           batch_size=batch_size, collate_fn=collate)
         smt_warmup(model, warm, progress=False)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable_params = [p for p in model.parameters() if p.requires_grad]
+    trainable = sum(p.numel() for p in trainable_params)
     opt = make_optimizer(method, model, LR[method])
-    sched = get_linear_schedule_with_warmup(opt, max(1, steps // 20), steps)
+    sched = get_linear_schedule_with_warmup(opt, 20, steps)  # hf-dtrain finetune's default warm-up
     exclude = list(model.parameters()) + list(model.buffers())
 
     def saved_bytes(batch):
@@ -120,6 +121,7 @@ def worker(method: str, steps: int, batch_size: int, seed: int) -> dict:
         t0 = time.perf_counter()
         loss = model(**batch).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable_params, 1.0)  # as the Trainer does (max_grad_norm=1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -165,31 +167,55 @@ def base_eval(seed: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--seeds", default="0,1,2", help="seeds (data order, adapter init) to average over")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
+                    help="override a method's learning rate, e.g. --lr smt=4e-3 (repeatable)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for item in args.lr:
+        method, _, value = item.partition("=")
+        if method not in LR or not value:
+            raise SystemExit(f"--lr {item!r}: use METHOD=LR with METHOD one of {list(LR)}")
+        LR[method] = float(value)
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.steps, args.batch_size, args.seed)))
         return
 
     from tqdm import tqdm
 
-    base = base_eval(args.seed)  # also builds and caches the default base model once
-    rows = []
+    seeds = [int(x) for x in args.seeds.split(",")]
+    base = base_eval(seeds[0])  # also builds and caches the default base model once
     methods = args.methods.split(",")
-    for method in tqdm(methods, desc="methods"):
+    runs = []
+    for seed, method in tqdm([(s, m) for s in seeds for m in methods], desc="seed x method"):
         cmd = [sys.executable, __file__, "--worker", method, "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--seed", str(args.seed)]
+               "--batch-size", str(args.batch_size), "--seed", str(seed), "--lr", f"{method}={LR[method]}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
-            raise SystemExit(f"{method} failed:\n{proc.stderr[-4000:]}")
-        rows.append(json.loads(proc.stdout.split("RESULT ", 1)[1]))
+            raise SystemExit(f"{method} (seed {seed}) failed:\n{proc.stderr[-4000:]}")
+        runs.append(dict(json.loads(proc.stdout.split("RESULT ", 1)[1]), seed=seed))
+    rows = []
+    for method in methods:
+        mine = [r for r in runs if r["method"] == method]
+        row = {k: v for k, v in mine[0].items() if k not in ("seed",)}  # sizes are the same for every seed
+        for key in ("eval_accuracy", "eval_loss", "train_loss_last50"):
+            vals = [r[key] for r in mine]
+            row[key] = statistics.mean(vals)
+            row[key + "_min"], row[key + "_max"] = min(vals), max(vals)
+        ratios = [r["step_time_median_s"] / next(x for x in runs if x["method"] == "lora" and x["seed"] == r["seed"])["step_time_median_s"]
+                  for r in mine] if "lora" in methods else [1.0]
+        row["step_time_median_s"] = statistics.median(r["step_time_median_s"] for r in mine)
+        row["step_time_vs_lora"] = statistics.mean(ratios)
+        row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in mine)
+        row["accuracy_range"] = f"{row['eval_accuracy']:.3f} [{row['eval_accuracy_min']:.3f}, {row['eval_accuracy_max']:.3f}]"
+        row["loss_range"] = f"{row['eval_loss']:.3f} [{row['eval_loss_min']:.3f}, {row['eval_loss_max']:.3f}]"
+        rows.append(row)
     ref = next((r for r in rows if r["method"] == "lora"), rows[0])
     for r in rows:
-        r["step_time_vs_lora"] = r["step_time_median_s"] / ref["step_time_median_s"]
         r["saved_probe_vs_lora"] = r["saved_bytes_probe_8x256"] / ref["saved_bytes_probe_8x256"]
         for k in ("saved_bytes_train_batch", "saved_bytes_probe_8x256", "optimizer_state_bytes", "peak_rss_bytes"):
             r[k.replace("bytes", "MiB")] = r[k] / 2**20
@@ -202,13 +228,14 @@ def main():
         ("saved_MiB_probe_8x256", "saved for backward, 8x256 probe (MiB)", ".1f"),
         ("saved_probe_vs_lora", "probe saved / LoRA", ".2f"),
         ("optimizer_state_MiB", "optimizer state (MiB)", ".3f"), ("peak_rss_MiB", "peak RSS (MiB)", ".0f"),
-        ("step_time_vs_lora", "step time / LoRA", ".2f"), ("eval_loss", "eval loss", ".3f"),
-        ("eval_accuracy", "exact match", ".3f"),
+        ("step_time_vs_lora", "step time / LoRA", ".2f"), ("loss_range", "eval loss, mean [min, max]", ""),
+        ("accuracy_range", "exact match, mean [min, max]", ""),
     ])
     notes = (
         f"Base model before fine-tuning: eval loss {base['eval_loss']:.3f}, exact match {base['eval_accuracy']:.3f} "
-        f"({base['params']:,d} parameters). {args.steps} AdamW steps of batch {args.batch_size} for every method, "
-        f"same data order; adapters on {', '.join(TARGETS)} at the LoRA r={RANK} budget (LoRA-FA: rank raised so B "
+        f"({base['params']:,d} parameters). Seeds {seeds} (data order, adapter init); per seed {args.steps} AdamW steps of batch {args.batch_size} for every method, "
+        f"same data order, linear LR schedule with 20 warm-up steps, gradient norm clipped to 1.0 (the Trainer's "
+        f"defaults), learning rates {LR}; adapters on {', '.join(TARGETS)} at the LoRA r={RANK} budget (LoRA-FA: rank raised so B "
         f"alone matches it; SMT: {BLOCK}x{BLOCK} blocks, {SMT_WARMUP} gradient-scoring passes first, not counted as "
         "steps). Saved-for-backward bytes count activations only (parameters and buffers excluded). Peak RSS is the "
         "whole process, so on this small model it is dominated by the Python and torch runtime."
@@ -220,15 +247,21 @@ def main():
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     names = [r["method"] for r in rows]
+    colors = ["#888" if n == "full" else "#dd8452" if n in ("lorafa", "smt") else "#4c72b0" for n in names]
     for ax, key, title in zip(axes, ["saved_MiB_probe_8x256", "step_time_vs_lora", "eval_accuracy"],
-                              ["saved for backward, 8x256 probe (MiB)", "step time / LoRA", "exact match after training"]):
-        ax.bar(names, [r[key] for r in rows], color=["#888" if n == "full" else "#4c72b0" if "lorafa" not in n and n != "smt" else "#dd8452" for n in names])
+                              ["saved for backward, 8x256 probe (MiB)", "step time / LoRA",
+                               f"exact match after training (mean, min-max over {len(seeds)} seeds)"]):
+        ax.bar(names, [r[key] for r in rows], color=colors)
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=30)
+    for i, r in enumerate(rows):
+        accs = [x["eval_accuracy"] for x in runs if x["method"] == r["method"]]
+        axes[2].plot([i] * len(accs), accs, "k.", ms=6)
+        axes[2].vlines(i, min(accs), max(accs), color="k", lw=1)
     axes[2].axhline(base["eval_accuracy"], color="k", ls="--", lw=1, label="base model")
     axes[2].legend()
     fig.suptitle(f"PEFT methods on the default tiny LLaMA, {args.steps} steps (orange: hf_dtrain)")
-    paths = write("peft_methods", {"base": base, "rows": rows, "args": vars(args)}, table, fig, notes)
+    paths = write("peft_methods", {"base": base, "rows": rows, "runs": runs, "args": vars(args)}, table, fig, notes)
     print(table)
     print("\n".join(str(p) for p in paths.values()))
 
