@@ -130,7 +130,7 @@ CARD_TEMPLATE = """---
 
 {{ description }}
 
-Trained with `hf-dtrain finetune --method {{ method }}` ([hf_dtrain](https://github.com/)), on {{ dataset_desc }}.
+Trained with `hf-dtrain finetune --method {{ method }}` (hf_dtrain {{ version }}), on {{ dataset_desc }}.
 
 ## Results
 
@@ -162,13 +162,19 @@ def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
     if full:
         usage = f'from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained("{output_dir}")'
     else:
-        usage = ("from transformers import AutoModelForCausalLM\nfrom peft import PeftModel\n"
-                 f'base = AutoModelForCausalLM.from_pretrained("{results["base_path"]}")\n'
-                 f'model = PeftModel.from_pretrained(base, "{output_dir}")')
+        if base_model.startswith("hf_dtrain/default-"):  # the embedded default: rebuilt (or found in the cache) locally
+            preset = base_model.removeprefix("hf_dtrain/default-")
+            load_base = ("from hf_dtrain.models import load_model_and_tokenizer\n"
+                         f'base, tokenizer = load_model_and_tokenizer(None, preset="{preset}")')
+        else:
+            load_base = f'from transformers import AutoModelForCausalLM\nbase = AutoModelForCausalLM.from_pretrained("{base_model}")'
+        usage = f'{load_base}\nfrom peft import PeftModel\nmodel = PeftModel.from_pretrained(base, "{output_dir}")'
+
     card = ModelCard.from_template(
         data, template_str=CARD_TEMPLATE, model_name=f"{results['method']} fine-tune of {base_model}",
         description=("A full fine-tune." if full else f"A {results['method']} adapter."),
-        dataset_desc=results["dataset"], batch=results["per_device_train_batch_size"], usage=usage, **results,
+        dataset_desc=results["dataset"], batch=results["per_device_train_batch_size"], usage=usage,
+        version=__import__("hf_dtrain").__version__, **results,
     )
     path = os.path.join(output_dir, "README.md")
     card.save(path)

@@ -7,6 +7,14 @@ and the ordinary ``from_pretrained`` path is used.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -60,13 +68,6 @@ def build_llama(preset: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.
 # a "tiny" LLaMA briefly pretrained on that text (plus a share of default-task examples), cached on disk.
 # ----------------------------------------------------------------------------------------------------------------------
 
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 # Bump when the recipe below changes in a way that changes the produced model: old caches are then not reused.
 BASE_BUILD_VERSION = 2
