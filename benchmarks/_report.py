@@ -45,10 +45,12 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
     return "\n".join(lines)
 
 
-def write(name: str, payload: dict, table_md: str, figure, notes: str = "") -> dict[str, Path]:
-    """Write JSON (payload + environment), markdown (title, environment, table, notes) and the PNG figure."""
+def write(name: str, payload: dict, table_md: str, figure, notes: str = "", env: dict | None = None) -> dict[str, Path]:
+    """Write JSON (payload + environment), markdown (title, environment, table, notes) and the PNG figure.
+
+    ``env`` keeps the environment of the run that measured the payload (when only re-rendering it)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = env or environment()
     payload = {"benchmark": name, "environment": env, **payload}
     paths = {ext: RESULTS / f"{name}.{ext}" for ext in ("json", "md", "png")}
     paths["json"].write_text(json.dumps(payload, indent=2) + "\n")

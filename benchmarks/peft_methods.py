@@ -174,8 +174,19 @@ def main():
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
                     help="override a method's learning rate, e.g. --lr smt=4e-3 (repeatable)")
+    ap.add_argument("--from-json", metavar="PATH", help="only rebuild the table and plot from a results JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.from_json:
+        from _report import write
+
+        payload = json.load(open(args.from_json))
+        env = payload.pop("environment")
+        payload.pop("benchmark", None)
+        payload.setdefault("lr", dict(LR))
+        table, fig, notes = render(payload)
+        write("peft_methods", payload, table, fig, notes, env=env)
+        return
     for item in args.lr:
         method, _, value = item.partition("=")
         if method not in LR or not value:
@@ -220,8 +231,21 @@ def main():
         for k in ("saved_bytes_train_batch", "saved_bytes_probe_8x256", "optimizer_state_bytes", "peak_rss_bytes"):
             r[k.replace("bytes", "MiB")] = r[k] / 2**20
 
-    from _report import markdown_table, write
+    payload = {"base": base, "rows": rows, "runs": runs, "lr": dict(LR), "args": vars(args)}
+    from _report import write
 
+    table, fig, notes = render(payload)
+    paths = write("peft_methods", payload, table, fig, notes)
+    print(table)
+    print("\n".join(str(p) for p in paths.values()))
+
+
+def render(payload: dict):
+    """(markdown table, matplotlib figure, notes) from a results payload (a fresh run or the committed JSON)."""
+    from _report import markdown_table
+
+    rows, runs, base, args, lr = payload["rows"], payload["runs"], payload["base"], payload["args"], payload["lr"]
+    seeds = [int(x) for x in args["seeds"].split(",")]
     table = markdown_table(rows, [
         ("method", "method", ""), ("trainable_params", "trainable params", ",d"),
         ("saved_MiB_train_batch", "saved for backward, train batch (MiB)", ".2f"),
@@ -233,9 +257,9 @@ def main():
     ])
     notes = (
         f"Base model before fine-tuning: eval loss {base['eval_loss']:.3f}, exact match {base['eval_accuracy']:.3f} "
-        f"({base['params']:,d} parameters). Seeds {seeds} (data order, adapter init); per seed {args.steps} AdamW steps of batch {args.batch_size} for every method, "
+        f"({base['params']:,d} parameters). Seeds {seeds} (data order, adapter init); per seed {args['steps']} AdamW steps of batch {args['batch_size']} for every method, "
         f"same data order, linear LR schedule with 20 warm-up steps, gradient norm clipped to 1.0 (the Trainer's "
-        f"defaults), learning rates {LR}; adapters on {', '.join(TARGETS)} at the LoRA r={RANK} budget (LoRA-FA: rank raised so B "
+        f"defaults), learning rates {lr}; adapters on {', '.join(TARGETS)} at the LoRA r={RANK} budget (LoRA-FA: rank raised so B "
         f"alone matches it; SMT: {BLOCK}x{BLOCK} blocks, {SMT_WARMUP} gradient-scoring passes first, not counted as "
         "steps). Saved-for-backward bytes count activations only (parameters and buffers excluded). Peak RSS is the "
         "whole process, so on this small model it is dominated by the Python and torch runtime."
@@ -253,17 +277,15 @@ def main():
                                f"exact match after training (mean, min-max over {len(seeds)} seeds)"]):
         ax.bar(names, [r[key] for r in rows], color=colors)
         ax.set_title(title)
-        ax.tick_params(axis="x", rotation=30)
+        plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
     for i, r in enumerate(rows):
         accs = [x["eval_accuracy"] for x in runs if x["method"] == r["method"]]
         axes[2].plot([i] * len(accs), accs, "k.", ms=6)
         axes[2].vlines(i, min(accs), max(accs), color="k", lw=1)
     axes[2].axhline(base["eval_accuracy"], color="k", ls="--", lw=1, label="base model")
     axes[2].legend()
-    fig.suptitle(f"PEFT methods on the default tiny LLaMA, {args.steps} steps (orange: hf_dtrain)")
-    paths = write("peft_methods", {"base": base, "rows": rows, "runs": runs, "args": vars(args)}, table, fig, notes)
-    print(table)
-    print("\n".join(str(p) for p in paths.values()))
+    fig.suptitle(f"PEFT methods on the default tiny LLaMA, {args['steps']} steps (orange: hf_dtrain)")
+    return table, fig, notes
 
 
 if __name__ == "__main__":
