@@ -56,7 +56,7 @@ def test_peft_type_is_json_serialisable_and_config_round_trips(tmp_path):
     assert type(loaded).__name__ == "LoraFAConfig" and loaded.r == 4
 
 
-def test_loading_without_import_names_the_fix(tmp_path):
+def test_loading_without_import_fails_loudly_naming_the_type(tmp_path):
     hf_dtrain.LoraFAConfig(r=4, target_modules=["q_proj"]).save_pretrained(tmp_path)
     code = f"from peft import PeftConfig\nPeftConfig.from_pretrained({str(tmp_path)!r})"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
