@@ -21,12 +21,14 @@ class BlockSparseDelta(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, blocks, rows, cols, out_features):
+    def forward(ctx, x, blocks, rows, cols, out_features, col_map=None):
+        """``col_map``: optional precomputed ``torch.unique(cols, return_inverse=True)`` (layers cache it, since
+        ``unique`` synchronises a CUDA device)."""
         bs = blocks.shape[-1]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(blocks.dtype)
         n = x2.shape[0]
-        ucols, pos = torch.unique(cols, return_inverse=True)
+        ucols, pos = col_map if col_map is not None else torch.unique(cols, return_inverse=True)
         xs = x2.view(n, -1, bs).index_select(1, ucols)  # (n, u, bs): a copy of just the needed columns
         y_blocks = torch.einsum("nkb,kob->nko", xs[:, pos], blocks)
         out = x2.new_zeros(n, out_features // bs, bs)
@@ -51,7 +53,7 @@ class BlockSparseDelta(torch.autograd.Function):
             gx_u = g.new_zeros(n, ucols.numel(), bs).index_add_(1, pos, gx_k)
             grad_x = g.new_zeros(n, ctx.in_features // bs, bs).index_add_(1, ucols, gx_u)
             grad_x = grad_x.view(*grad_out.shape[:-1], ctx.in_features).to(ctx.x_dtype)
-        return grad_x, grad_blocks, None, None, None
+        return grad_x, grad_blocks, None, None, None, None
 
 
 class _GradientProbe(torch.autograd.Function):
@@ -78,7 +80,7 @@ class SMTLayer(BaseTunerLayer):
     ``smt_indices`` (k, 2) persistent buffer of (row_block, col_block)."""
 
     adapter_layer_names = ("smt_weight",)
-    other_param_names = ("smt_indices", "block_size", "smt_layer_key")
+    other_param_names = ("smt_indices", "smt_col_ids", "smt_col_pos", "block_size", "smt_layer_key")
 
     def __init__(self, base_layer: nn.Module, **kwargs) -> None:
         self.base_layer = base_layer
@@ -86,6 +88,9 @@ class SMTLayer(BaseTunerLayer):
         self.smt_layer_key: dict[str, str] = {}
         self.smt_weight = nn.ParameterDict({})
         self.smt_indices = BufferDict({}, persistent=True)
+        # unique input-column blocks of the selection and each block's position among them (derived, not saved)
+        self.smt_col_ids = BufferDict({}, persistent=False)
+        self.smt_col_pos = BufferDict({}, persistent=False)
         self._smt_grad_sum: dict[str, torch.Tensor] = {}  # warm-up accumulators, never saved
         self._disable_adapters = False
         self.merged_adapters = []
@@ -133,6 +138,9 @@ class SMTLayer(BaseTunerLayer):
         param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype), requires_grad=requires_grad)
         self.smt_weight[adapter_name] = param
         self.smt_indices[adapter_name] = indices.to(weight.device)
+        col_ids, col_pos = torch.unique(indices[:, 1], return_inverse=True)
+        self.smt_col_ids[adapter_name] = col_ids.to(weight.device)
+        self.smt_col_pos[adapter_name] = col_pos.to(weight.device)
         return param
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
@@ -208,7 +216,8 @@ class Linear(nn.Module, MergeableLinearMixin, SMTLayer):
             if blocks.shape[0] == 0:
                 continue
             idx = self.smt_indices[name]
-            delta = BlockSparseDelta.apply(x, blocks, idx[:, 0], idx[:, 1], self.out_features)
+            col_map = (self.smt_col_ids[name], self.smt_col_pos[name])
+            delta = BlockSparseDelta.apply(x, blocks, idx[:, 0], idx[:, 1], self.out_features, col_map)
             result = result + delta.to(result.dtype)
         return result
 
