@@ -10,8 +10,6 @@ class objects), leaves exactly one enum member and one mapping entry per method,
 
 from __future__ import annotations
 
-import enum
-
 from peft.utils import PeftType, register_peft_method
 
 # Prefixes already used by peft; ours must be neither a substring nor a superstring of any of them, because peft
@@ -73,7 +71,3 @@ def register(name: str, config_cls: type, model_cls: type, prefix: str) -> PeftT
     register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=prefix)
     return peft_type
 
-
-def is_extended_member(member: enum.Enum) -> bool:
-    """True for the PeftType members hf_dtrain added (used by tests and diagnostics)."""
-    return member.name in {"SMT", "LORAFA", "QBARA", "QAHIRA"}
