@@ -3,13 +3,15 @@
 from ._registry import extend_peft_type, register
 
 # The PeftType members must exist before the config classes are instantiated (their __post_init__ uses them).
-for _name in ("SMT", "LORAFA"):
+for _name in ("SMT", "LORAFA", "QAHIRA"):
     extend_peft_type(_name)
 
 from .lorafa import LoraFAConfig, LoraFAModel  # noqa: E402
+from .qahira import QAHiRAConfig, QAHiRAModel  # noqa: E402
 from .smt import SMTConfig, SMTModel  # noqa: E402
 
 register("smt", SMTConfig, SMTModel, prefix="smt_")
 register("lorafa", LoraFAConfig, LoraFAModel, prefix="lorafa_")
+register("qahira", QAHiRAConfig, QAHiRAModel, prefix="qahr_")
 
-__all__ = ["SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel"]
+__all__ = ["SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel"]

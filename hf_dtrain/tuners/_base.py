@@ -44,18 +44,21 @@ class MergeableLinearMixin:
     def _apply_delta(self, weight: torch.Tensor, adapter: str, sign: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def _merge_one(self, adapter: str, sign: float, safe_merge: bool = False) -> None:
+        """Add ``sign`` times the adapter's update to the base weight; layers with a quantized base override this."""
+        base = self.get_base_layer()
+        weight = base.weight.data.clone() if safe_merge else base.weight.data
+        merged = self._apply_delta(weight, adapter, sign)
+        if safe_merge and not torch.isfinite(merged).all():
+            raise ValueError(f"NaNs detected in the merged weights; adapter {adapter!r} seems to be broken.")
+        base.weight.data = merged
+
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         container = getattr(self, self.adapter_layer_names[0])
         for name in check_adapters_to_merge(self, adapter_names):
-            if name not in container:
-                continue
-            base = self.get_base_layer()
-            weight = base.weight.data.clone() if safe_merge else base.weight.data
-            merged = self._apply_delta(weight, name, 1.0)
-            if safe_merge and not torch.isfinite(merged).all():
-                raise ValueError(f"NaNs detected in the merged weights; adapter {name!r} seems to be broken.")
-            base.weight.data = merged
-            self.merged_adapters.append(name)
+            if name in container:
+                self._merge_one(name, 1.0, safe_merge)
+                self.merged_adapters.append(name)
 
     def unmerge(self) -> None:
         if not self.merged:
@@ -65,8 +68,7 @@ class MergeableLinearMixin:
         while self.merged_adapters:
             name = self.merged_adapters.pop()
             if name in container:
-                base = self.get_base_layer()
-                base.weight.data = self._apply_delta(base.weight.data, name, -1.0)
+                self._merge_one(name, -1.0)
 
     def _base_forward_if_inactive(self, x, *args, **kwargs) -> Optional[torch.Tensor]:
         """The base layer's output when no adapter applies (disabled or merged), else None."""

@@ -101,6 +101,14 @@ class Int4Linear(nn.Module):
         """The dequantized weight (float32), for code that reads ``layer.weight``."""
         return dequantize_int4(self.qweight, self.scales, self.zeros)
 
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:
+        # peft's module swap re-assigns ``module.weight = module.weight`` when unloading; accept exactly that.
+        if not (torch.is_tensor(value) and value.shape == (self.out_features, self.in_features)
+                and torch.equal(value.to(torch.float32), self.weight)):
+            raise AttributeError("Int4Linear.weight is derived from qweight/scales/zeros; build a new layer with "
+                                 "Int4Linear.from_linear(...) to change it.")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = dequantize_int4(self.qweight, self.scales, self.zeros, dtype=x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+
+@dataclass
+class QAHiRAConfig(PeftConfig):
+    """Configuration of QA-HiRA (Shen et al., arXiv 2407.17029, TACL 2025; "QA-BLoRA" in the final version).
+
+    One matrix per layer, no B: the input is average-pooled by ``group_size`` along ``in_features`` (the base's
+    quantization group size), multiplied by ``qahr_A`` of shape ``(out / lambda_out, in / group_size)``, and the
+    output repeated ``lambda_out`` times. The update is constant within every quantization group, so it merges exactly
+    into the zero-points of a group-wise INT4 base (``hf_dtrain.tuners.qahira.Int4Linear``). ``qahr_A`` starts at zero:
+    the untrained adapter leaves the model unchanged (the published code's Kaiming init does not).
+    """
+
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={"help": "Module names (suffix match) or a regex of the linear layers to adapt; None: all seven "
+                          "LLaMA projections."},
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules not to adapt."})
+    group_size: int = field(
+        default=64,
+        metadata={"help": "Input pooling factor; must equal the quantization group size of an Int4Linear base (for "
+                          "the exact merge) and divide in_features."},
+    )
+    lambda_out: int = field(default=8, metadata={"help": "Output repeat factor; must divide out_features."})
+    scaling: float = field(default=1.0, metadata={"help": "Multiplier of the adapter's output."})
+    modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Extra modules to train and save."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.peft_type = PeftType.QAHIRA
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        for name in ("group_size", "lambda_out"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"QAHiRAConfig.{name} must be a positive integer, got {value!r}.")
