@@ -37,12 +37,14 @@ class LinearTunerModel(BaseTuner):
 
 
 class MergeableLinearMixin:
-    """merge/unmerge for a tuner layer whose subclass implements ``_apply_delta(weight, adapter, sign) -> weight``
-    (add ``sign`` times the adapter's update to ``weight``, in place when it can) and names its trainable container in
-    ``adapter_layer_names[0]``."""
+    """merge/unmerge for a tuner layer that names its trainable container in ``adapter_layer_names[0]``.
+
+    ``_apply_delta(weight, adapter, sign)`` adds ``sign`` times the adapter's update to ``weight`` (in place); the
+    default adds the dense ``get_delta_weight(adapter)``, layers with a sparse update (SMT) override it, and layers
+    with a quantized base override ``_merge_one``."""
 
     def _apply_delta(self, weight: torch.Tensor, adapter: str, sign: float) -> torch.Tensor:
-        raise NotImplementedError
+        return weight.add_(self.get_delta_weight(adapter).to(weight.dtype), alpha=sign)
 
     def _merge_one(self, adapter: str, sign: float, safe_merge: bool = False) -> None:
         """Add ``sign`` times the adapter's update to the base weight; layers with a quantized base override this."""

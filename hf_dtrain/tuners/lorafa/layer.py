@@ -74,9 +74,6 @@ class Linear(nn.Module, MergeableLinearMixin, LoraFALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
-    def _apply_delta(self, weight: torch.Tensor, adapter: str, sign: float) -> torch.Tensor:
-        return weight.add_(self.get_delta_weight(adapter).to(weight.dtype), alpha=sign)
-
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         result = self._base_forward_if_inactive(x, *args, **kwargs)
         if result is not None:

@@ -66,9 +66,6 @@ class Linear(nn.Module, MergeableLinearMixin, QAHiRALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
-    def _apply_delta(self, weight: torch.Tensor, adapter: str, sign: float) -> torch.Tensor:
-        return weight.add_(self.get_delta_weight(adapter).to(weight.dtype), alpha=sign)
-
     def _merge_one(self, adapter: str, sign: float, safe_merge: bool = False) -> None:
         base = self.get_base_layer()
         if isinstance(base, Int4Linear):  # exact: only the zero-points move
