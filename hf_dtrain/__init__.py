@@ -5,13 +5,13 @@
 loading a saved hf_dtrain adapter.
 """
 
-from .tuners import LoraFAConfig, LoraFAModel, QAHiRAConfig, QAHiRAModel, SMTConfig, SMTModel
+from .tuners import LoraFAConfig, LoraFAModel, QAHiRAConfig, QAHiRAModel, QBaRAConfig, QBaRAModel, SMTConfig, SMTModel
 from .tuners.lorafa import create_lorafa_optimizer
 from .tuners.smt import SMTSelectionCallback, select_smt_blocks, set_smt_block_indices, smt_warmup
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel", "create_lorafa_optimizer",
+    "SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel", "QBaRAConfig", "QBaRAModel", "create_lorafa_optimizer",
     "SMTSelectionCallback", "smt_warmup", "select_smt_blocks", "set_smt_block_indices", "__version__",
 ]

@@ -3,15 +3,17 @@
 from ._registry import extend_peft_type, register
 
 # The PeftType members must exist before the config classes are instantiated (their __post_init__ uses them).
-for _name in ("SMT", "LORAFA", "QAHIRA"):
+for _name in ("SMT", "LORAFA", "QAHIRA", "QBARA"):
     extend_peft_type(_name)
 
 from .lorafa import LoraFAConfig, LoraFAModel  # noqa: E402
 from .qahira import QAHiRAConfig, QAHiRAModel  # noqa: E402
+from .qbara import QBaRAConfig, QBaRAModel  # noqa: E402
 from .smt import SMTConfig, SMTModel  # noqa: E402
 
 register("smt", SMTConfig, SMTModel, prefix="smt_")
 register("lorafa", LoraFAConfig, LoraFAModel, prefix="lorafa_")
 register("qahira", QAHiRAConfig, QAHiRAModel, prefix="qahr_")
+register("qbara", QBaRAConfig, QBaRAModel, prefix="qbara_")
 
-__all__ = ["SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel"]
+__all__ = ["SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel", "QBaRAConfig", "QBaRAModel"]

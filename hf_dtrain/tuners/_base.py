@@ -49,6 +49,14 @@ class MergeableLinearMixin:
     def _merge_one(self, adapter: str, sign: float, safe_merge: bool = False) -> None:
         """Add ``sign`` times the adapter's update to the base weight; layers with a quantized base override this."""
         base = self.get_base_layer()
+        dense = (isinstance(base, torch.nn.Linear) and base.weight.is_floating_point()
+                 and tuple(base.weight.shape) == (base.out_features, base.in_features))
+        if not dense:
+            raise ValueError(
+                f"{type(self).__module__.split('.')[-2]} adapters merge into dense floating-point nn.Linear weights; "
+                f"this base is {type(base).__name__} (quantized), where a merge would have to re-quantize and round. "
+                "Load the base in fp16/bf16/fp32 to merge, or use QA-HiRA on an Int4Linear base for an exact merge."
+            )
         weight = base.weight.data.clone() if safe_merge else base.weight.data
         merged = self._apply_delta(weight, adapter, sign)
         if safe_merge and not torch.isfinite(merged).all():

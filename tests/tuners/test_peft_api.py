@@ -12,15 +12,20 @@ import torch
 from peft import get_peft_model
 from safetensors.torch import load_file, save_file
 
-from hf_dtrain import LoraFAConfig, SMTConfig, set_smt_block_indices, smt_warmup
+from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig, set_smt_block_indices, smt_warmup
 from hf_dtrain.testing import random_batch, tiny_llama
 
-METHODS = ["lorafa", "smt"]
+METHODS = ["lorafa", "smt", "qbara", "qahira"]
+TRAINABLE = ("smt_weight", "lorafa_B", "qbara_A", "qbara_B", "qahr_A")
 
 
 def make_config(method, seed=0):
     if method == "lorafa":
         return LoraFAConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_seed=seed)
+    if method == "qbara":
+        return QBaRAConfig(r=4, lora_alpha=8, pool=2, target_modules=["q_proj", "v_proj", "down_proj"])
+    if method == "qahira":
+        return QAHiRAConfig(group_size=16, lambda_out=4, target_modules=["q_proj", "v_proj", "down_proj"])
     return SMTConfig(block_size=16, num_blocks=6, warmup_steps=2, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
 
 
@@ -36,7 +41,7 @@ def prepare(model, method, adapter_name, seed):
         smt_warmup(model, [random_batch(seed=seed)], adapter_name=adapter_name, progress=False)
     gen = torch.Generator().manual_seed(100 + seed)
     for name, p in model.named_parameters():
-        if f".{adapter_name}" in name and ("smt_weight" in name or "lorafa_B" in name):
+        if f".{adapter_name}" in name and any(t in name for t in TRAINABLE):
             p.data = torch.randn(p.shape, generator=gen) * 0.05
 
 
@@ -52,11 +57,16 @@ def test_print_trainable_parameters_counts_only_adapter(method, capsys):
     model.print_trainable_parameters()
     out = capsys.readouterr().out
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    expected = 6 * 16 * 16 if method == "smt" else 2 * (4 * 64 + 4 * 64) + 2 * (64 * 4)  # q,v: B is 64x4; down: 64x4
+    expected = {
+        "smt": 6 * 16 * 16,
+        "lorafa": 2 * (4 * 64 + 4 * 64) + 2 * (64 * 4),  # q, v, down: B is 64 x 4
+        "qbara": 2 * (4 * (64 + 64) * 2 + 4 * (128 + 64)),  # r (in + out) per layer, as LoRA at rank r
+        "qahira": 2 * (16 * 4 + 16 * 4 + 16 * 8),  # (out / lambda_out) (in / group_size)
+    }[method]
     assert trainable == expected
     assert f"trainable params: {expected:,d}" in out
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert all(("smt_weight" in n) or ("lorafa_B" in n) for n in names)
+    assert all(any(t in n for t in TRAINABLE) for n in names)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -70,7 +80,7 @@ def test_save_and_load_in_fresh_process_gives_identical_logits(method, tiny_base
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert cfg["peft_type"] == method.upper() and cfg["base_model_name_or_path"] == base_dir
     keys = load_file(adapter_dir / "adapter_model.safetensors").keys()
-    assert keys and all(k.split(".")[-1] in {"lorafa_A", "lorafa_B", "smt_weight", "smt_indices"} for k in keys)
+    assert keys and all(k.split(".")[-1] in {"lorafa_A", "lorafa_B", "smt_weight", "smt_indices", "qbara_A", "qbara_B", "qahr_A"} for k in keys)
     if method == "smt":
         assert any(k.endswith("smt_indices") for k in keys) and sum(len(v) for v in cfg["block_indices"].values()) == 6
     save_file({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, tmp_path / "batch.safetensors")

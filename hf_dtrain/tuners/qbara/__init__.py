@@ -1,0 +1,7 @@
+"""Q-BaRA (Shen et al., arXiv 2407.17029): pooled input, rank lambda*r at LoRA's parameter count (issue 3, in progress)."""
+
+from .config import QBaRAConfig
+from .layer import Linear, QBaRALayer
+from .model import QBaRAModel
+
+__all__ = ["QBaRAConfig", "QBaRAModel", "QBaRALayer", "Linear"]

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+
+@dataclass
+class QBaRAConfig(PeftConfig):
+    """Configuration of Q-BaRA (Shen et al., arXiv 2407.17029, TACL 2025; "Q-BLoRA" in the final version).
+
+    The input is average-pooled by ``pool`` (lambda, the paper uses 2 for LLaMA), ``A: in/lambda -> lambda*r``,
+    ``B: lambda*r -> out/lambda``, the output repeated ``lambda`` times and scaled by ``lora_alpha / r``. That is the
+    parameter count of LoRA at rank ``r`` with rank up to ``lambda * r``.
+    """
+
+    r: int = field(default=8, metadata={"help": "LoRA-equivalent rank: the adapter has lambda * r inner dimensions."})
+    lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator: the update is scaled by lora_alpha / r."})
+    pool: int = field(default=2, metadata={"help": "lambda: input pooling and output repeat factor (paper: 2)."})
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex of the linear layers to adapt; None: all seven "
+                                        "LLaMA projections."})
+    exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules not to adapt."})
+    modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Extra modules to train and save."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.peft_type = PeftType.QBARA
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        for name in ("r", "pool"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"QBaRAConfig.{name} must be a positive integer, got {value!r}.")

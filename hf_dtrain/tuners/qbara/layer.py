@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .._base import MergeableLinearMixin
+from ..qahira.quant import Int4Linear
+
+
+class QBaRALayer(BaseTunerLayer):
+    adapter_layer_names = ("qbara_A", "qbara_B")
+    other_param_names = ("r", "pool", "scaling")
+
+    def __init__(self, base_layer: nn.Module, **kwargs) -> None:
+        self.base_layer = base_layer
+        self.qbara_A = nn.ParameterDict({})
+        self.qbara_B = nn.ParameterDict({})
+        self.r: dict[str, int] = {}
+        self.pool: dict[str, int] = {}
+        self.scaling: dict[str, float] = {}
+        self._disable_adapters = False
+        self.merged_adapters = []
+        base = self.get_base_layer()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.kwargs = kwargs
+
+    def update_layer(self, adapter_name: str, config, layer_key: str = "", inference_mode: bool = False) -> None:
+        lam, r = config.pool, config.r
+        for dim, name in ((self.in_features, "in_features"), (self.out_features, "out_features")):
+            if dim % lam:
+                raise ValueError(f"QBaRAConfig.pool={lam} does not divide {name}={dim} of {layer_key!r}; choose a "
+                                 "pooling factor that divides both dimensions of every target (the paper uses 2).")
+        self.r[adapter_name], self.pool[adapter_name] = r, lam
+        self.scaling[adapter_name] = config.lora_alpha / r
+        base = self.get_base_layer()
+        ref = base.qweight if isinstance(base, Int4Linear) else base.weight
+        dtype = torch.float32 if not ref.dtype.is_floating_point else ref.dtype
+        a = torch.empty(lam * r, self.in_features // lam, device=ref.device, dtype=dtype)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as LoRA's A
+        self.qbara_A[adapter_name] = nn.Parameter(a)
+        self.qbara_B[adapter_name] = nn.Parameter(torch.zeros(self.out_features // lam, lam * r, device=ref.device, dtype=dtype))
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """Delta W = (s / lambda) * expand(B A): pooling averages lambda inputs (the 1/lambda) and the output is repeated;
+        rows and columns of B A are each repeated lambda times. (The published merge script hard-codes 0.25 here,
+        i.e. s / lambda with s = 0.5: the constant depends on lora_alpha, r and lambda.)"""
+        lam = self.pool[adapter]
+        ba = self.qbara_B[adapter].float() @ self.qbara_A[adapter].float()
+        ba = torch.repeat_interleave(torch.repeat_interleave(ba, lam, dim=0), lam, dim=1)
+        return ba * (self.scaling[adapter] / lam)
+
+
+class Linear(nn.Module, MergeableLinearMixin, QBaRALayer):
+    """``y = base(x) + s * repeat_lambda(B A avgpool_lambda(x))`` on any linear base (nn.Linear, bitsandbytes 4-bit,
+    Int4Linear); merges into dense weights only (its update is not constant within quantization groups)."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
+        super().__init__()
+        QBaRALayer.__init__(self, base_layer, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, layer_key=layer_key)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        result = self._base_forward_if_inactive(x, *args, **kwargs)
+        if result is not None:
+            return result
+        result = self.base_layer(x, *args, **kwargs)
+        for name in self.active_adapters:
+            if name not in self.qbara_A:
+                continue
+            a, b, lam = self.qbara_A[name], self.qbara_B[name], self.pool[name]
+            pooled = x.to(a.dtype).unflatten(-1, (self.in_features // lam, lam)).mean(-1)
+            out = torch.repeat_interleave(F.linear(F.linear(pooled, a), b), lam, dim=-1)
+            result = result + (out * self.scaling[name]).to(result.dtype)
+        return result
+
+    def __repr__(self) -> str:
+        return "qbara." + super().__repr__()
