@@ -17,6 +17,8 @@ class LinearTunerModel(BaseTuner):
     linear_cls: type
     method_name: str
     config_name: str
+    # base modules accepted besides nn.Linear (and its subclasses such as bitsandbytes' Linear4bit), e.g. Int4Linear
+    extra_base_types: tuple[type, ...] = ()
 
     def _create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, **kwargs):
         if current_key is None:
@@ -25,7 +27,7 @@ class LinearTunerModel(BaseTuner):
             target.update_layer(adapter_name, config, layer_key=current_key)
             return
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        if not isinstance(base, torch.nn.Linear):
+        if not isinstance(base, (torch.nn.Linear, *self.extra_base_types)):
             raise TypeError(
                 f"{self.method_name} can adapt nn.Linear layers only; {current_key!r} is {type(base).__name__}. "
                 f"Narrow {self.config_name}.target_modules to linear projections."
