@@ -124,3 +124,17 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def train_steps(model, steps: int, lr: float = 1e-2, batch_seed=lambda step: 0, optimizer=None) -> list[float]:
+    """``steps`` AdamW steps of ``model`` on ``random_batch(seed=batch_seed(step))``; returns the losses. The fixed
+    default batch makes "the loss falls" a reliable check in a few steps."""
+    opt = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = model(**random_batch(seed=batch_seed(step))).loss
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses

@@ -41,7 +41,8 @@ class LinearTunerModel(BaseTuner):
 class MergeableLinearMixin:
     """merge/unmerge for a tuner layer that names its trainable container in ``adapter_layer_names[0]``.
 
-    ``_apply_delta(weight, adapter, sign)`` adds ``sign`` times the adapter's update to ``weight`` (in place); the
+    ``forward`` is the base output plus ``_adapter_output(x, adapter)`` of every active adapter (the only part a layer
+    writes). ``_apply_delta(weight, adapter, sign)`` adds ``sign`` times the adapter's update to ``weight`` (in place); the
     default adds the dense ``get_delta_weight(adapter)``, layers with a sparse update (SMT) override it, and layers
     with a quantized base override ``_merge_one``."""
 
@@ -82,12 +83,22 @@ class MergeableLinearMixin:
             if name in container:
                 self._merge_one(name, -1.0)
 
-    def _base_forward_if_inactive(self, x, *args, **kwargs) -> Optional[torch.Tensor]:
-        """The base layer's output when no adapter applies (disabled or merged), else None."""
+    def _adapter_output(self, x: torch.Tensor, adapter: str) -> Optional[torch.Tensor]:
+        """What ``adapter`` adds to the base layer's output for input ``x`` (None: nothing)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
             return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
         if self.merged:
-            return self.base_layer(x, *args, **kwargs)
-        return None
+            return result
+        container = getattr(self, self.adapter_layer_names[0])
+        for name in self.active_adapters:
+            if name in container:
+                delta = self._adapter_output(x, name)
+                if delta is not None:
+                    result = result + delta.to(result.dtype)
+        return result

@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_dtrain import LoraFAConfig, create_lorafa_optimizer
-from hf_dtrain.testing import SavedTensorCounter, random_batch, tiny_llama
+from hf_dtrain.testing import SavedTensorCounter, random_batch, tiny_llama, train_steps
 from hf_dtrain.tuners.lorafa import LoraFALayer
 
 
@@ -60,13 +60,7 @@ def test_training_leaves_A_and_base_unchanged_and_trains_B():
     frozen0 = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
     assert a0 and all(not p.requires_grad for n, p in model.named_parameters() if "lorafa_A" in n)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-    losses = []
-    for step in range(10):
-        loss = model(**random_batch(seed=0)).loss
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(model, 10, optimizer=opt)
     assert losses[-1] < losses[0]
     for n, b in model.named_buffers():
         if "lorafa_A" in n:

@@ -10,7 +10,7 @@ from peft import get_peft_model
 from safetensors.torch import load_file, save_file
 
 from hf_dtrain import QAHiRAConfig
-from hf_dtrain.testing import random_batch, tiny_llama
+from hf_dtrain.testing import random_batch, tiny_llama, train_steps
 from hf_dtrain.tuners.qahira import Int4Linear, QAHiRALayer, quantize_model_int4
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -82,14 +82,7 @@ def test_dense_merge_matches():
 def test_training_on_int4_base_moves_only_the_adapter():
     model = get_peft_model(int4_base(), QAHiRAConfig(group_size=16, lambda_out=4, target_modules=TARGETS, scaling=4.0))
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
-    losses = []
-    for _ in range(8):
-        loss = model(**random_batch(seed=0)).loss
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(model, 8, lr=5e-2)
     assert losses[-1] < losses[0]
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
 

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_dtrain import QBaRAConfig
-from hf_dtrain.testing import random_batch, tiny_llama
+from hf_dtrain.testing import random_batch, tiny_llama, train_steps
 from hf_dtrain.tuners.qbara import QBaRALayer
 
 
@@ -72,14 +72,7 @@ def test_trains_on_a_bitsandbytes_4bit_base_and_refuses_a_rounding_merge(tmp_pat
     model = get_peft_model(base, QBaRAConfig(r=4, target_modules=["q_proj", "v_proj"]))
     # No inference forward before training: on CPU, bitsandbytes (0.50) then routes 4-bit layers through
     # gemv_4bit, which has no autograd kernel, and gradients silently stop flowing through them.
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(6):
-        loss = model(**random_batch(seed=0)).loss
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(model, 6)
     assert losses[-1] < losses[0]
     probe = random_batch(seed=5)
     with torch.no_grad(), model.disable_adapter():

@@ -6,7 +6,7 @@ from peft import get_peft_model
 from transformers import Trainer, TrainingArguments
 
 from hf_dtrain import SMTConfig, SMTSelectionCallback, select_smt_blocks, smt_warmup
-from hf_dtrain.testing import SavedTensorCounter, random_batch, tiny_llama
+from hf_dtrain.testing import SavedTensorCounter, random_batch, tiny_llama, train_steps
 from hf_dtrain.tuners.smt import BlockSparseDelta, SMTLayer, start_smt_scoring
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "down_proj"]
@@ -101,19 +101,11 @@ def test_warmup_scores_and_global_top_n_match_reference(score):
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 7 * 256
 
 
-def _train_steps(model, steps, lr=1e-2):
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    for s in range(steps):
-        model(**random_batch(seed=10 + s)).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def test_after_training_only_selected_blocks_differ():
     base = tiny_llama()
     model = get_peft_model(copy.deepcopy(base), SMTConfig(block_size=16, num_blocks=5, warmup_steps=2, target_modules=TARGETS))
     smt_warmup(model, [random_batch(seed=0)], progress=False)
-    _train_steps(model, 5)
+    train_steps(model, 5, batch_seed=lambda step: 10 + step)
     selected = {k: set(map(tuple, v)) for k, v in model.peft_config["default"].block_indices.items()}
     # the base weights themselves are untouched
     merged = copy.deepcopy(model).merge_and_unload()

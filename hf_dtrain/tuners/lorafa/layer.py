@@ -65,7 +65,7 @@ class LoraFALayer(BaseTunerLayer):
         return (b.float() @ a.float()).mul_(self.scaling[adapter])
 
 
-class Linear(nn.Module, MergeableLinearMixin, LoraFALayer):
+class Linear(MergeableLinearMixin, nn.Module, LoraFALayer):
     """An ``nn.Linear`` with LoRA-FA adapters: ``y = W x + b + s * B (dropout(A x))`` with ``A`` frozen."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
@@ -74,21 +74,12 @@ class Linear(nn.Module, MergeableLinearMixin, LoraFALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = self._base_forward_if_inactive(x, *args, **kwargs)
-        if result is not None:
-            return result
+    def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # The base weight is frozen, so autograd keeps W (a parameter) rather than x for the base matmul; A is a
         # buffer, so x @ A.T keeps A rather than x. Only the r-dim projection is saved, for B's gradient.
-        result = self.base_layer(x, *args, **kwargs)
-        for name in self.active_adapters:
-            if name not in self.lorafa_B:
-                continue
-            a = self.lorafa_A[name]
-            b = self.lorafa_B[name]
-            h = self.lorafa_dropout[name](F.linear(x.to(a.dtype), a))
-            result = result + (F.linear(h, b) * self.scaling[name]).to(result.dtype)
-        return result
+        a, b = self.lorafa_A[name], self.lorafa_B[name]
+        h = self.lorafa_dropout[name](F.linear(x.to(a.dtype), a))
+        return F.linear(h, b) * self.scaling[name]
 
     def __repr__(self) -> str:
         return "lorafa." + super().__repr__()

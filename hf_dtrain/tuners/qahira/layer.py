@@ -57,7 +57,7 @@ class QAHiRALayer(BaseTunerLayer):
         return torch.repeat_interleave(self.group_update(adapter), self.group_size[adapter], dim=1)
 
 
-class Linear(nn.Module, MergeableLinearMixin, QAHiRALayer):
+class Linear(MergeableLinearMixin, nn.Module, QAHiRALayer):
     """``y = base(x) + scaling * repeat_out(A @ avgpool_g(x))``; exact merge into an ``Int4Linear`` base."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
@@ -76,20 +76,10 @@ class Linear(nn.Module, MergeableLinearMixin, QAHiRALayer):
         else:
             super()._merge_one(adapter, sign, safe_merge)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = self._base_forward_if_inactive(x, *args, **kwargs)
-        if result is not None:
-            return result
-        result = self.base_layer(x, *args, **kwargs)
-        for name in self.active_adapters:
-            if name not in self.qahr_A:
-                continue
-            a = self.qahr_A[name]
-            g = self.group_size[name]
-            pooled = x.to(a.dtype).unflatten(-1, (self.in_features // g, g)).mean(-1)
-            out = torch.repeat_interleave(F.linear(pooled, a), self.lambda_out[name], dim=-1)
-            result = result + (out * self.scaling[name]).to(result.dtype)
-        return result
+    def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        a, g = self.qahr_A[name], self.group_size[name]
+        pooled = x.to(a.dtype).unflatten(-1, (self.in_features // g, g)).mean(-1)
+        return torch.repeat_interleave(F.linear(pooled, a), self.lambda_out[name], dim=-1) * self.scaling[name]
 
     def __repr__(self) -> str:
         return "qahira." + super().__repr__()

@@ -55,7 +55,7 @@ class QBaRALayer(BaseTunerLayer):
         return ba * (self.scaling[adapter] / lam)
 
 
-class Linear(nn.Module, MergeableLinearMixin, QBaRALayer):
+class Linear(MergeableLinearMixin, nn.Module, QBaRALayer):
     """``y = base(x) + s * repeat_lambda(B A avgpool_lambda(x))`` on any linear base (nn.Linear, bitsandbytes 4-bit,
     Int4Linear); merges into dense weights only (its update is not constant within quantization groups)."""
 
@@ -65,19 +65,10 @@ class Linear(nn.Module, MergeableLinearMixin, QBaRALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = self._base_forward_if_inactive(x, *args, **kwargs)
-        if result is not None:
-            return result
-        result = self.base_layer(x, *args, **kwargs)
-        for name in self.active_adapters:
-            if name not in self.qbara_A:
-                continue
-            a, b, lam = self.qbara_A[name], self.qbara_B[name], self.pool[name]
-            pooled = x.to(a.dtype).unflatten(-1, (self.in_features // lam, lam)).mean(-1)
-            out = torch.repeat_interleave(F.linear(F.linear(pooled, a), b), lam, dim=-1)
-            result = result + (out * self.scaling[name]).to(result.dtype)
-        return result
+    def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        a, b, lam = self.qbara_A[name], self.qbara_B[name], self.pool[name]
+        pooled = x.to(a.dtype).unflatten(-1, (self.in_features // lam, lam)).mean(-1)
+        return torch.repeat_interleave(F.linear(F.linear(pooled, a), b), lam, dim=-1) * self.scaling[name]
 
     def __repr__(self) -> str:
         return "qbara." + super().__repr__()

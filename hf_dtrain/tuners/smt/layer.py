@@ -182,7 +182,7 @@ def _largest_common_block(a: int, b: int, upper: int) -> int:
     return max(d for d in range(1, min(g, upper) + 1) if g % d == 0)
 
 
-class Linear(nn.Module, MergeableLinearMixin, SMTLayer):
+class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
     """An ``nn.Linear`` with SMT adapters: ``y = W x + b + D x`` with ``D`` block-sparse and trainable."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
@@ -201,25 +201,18 @@ class Linear(nn.Module, MergeableLinearMixin, SMTLayer):
             view[r, :, c, :] += sign * blk
         return w
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = self._base_forward_if_inactive(x, *args, **kwargs)
-        if result is not None:
-            return result
-        result = self.base_layer(x, *args, **kwargs)
-        for name in self.active_adapters:
-            if name not in self.smt_weight:
-                continue
-            if name in self._smt_grad_sum and torch.is_grad_enabled():
-                anchor = torch.zeros((), device=x.device, requires_grad=True)
-                result = result + _GradientProbe.apply(x, anchor, self._smt_grad_sum[name]).to(result.dtype)
-            blocks = self.smt_weight[name]
-            if blocks.shape[0] == 0:
-                continue
+    def _adapter_output(self, x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+        out = None
+        if name in self._smt_grad_sum and torch.is_grad_enabled():  # warm-up: sum the dense gradient
+            anchor = torch.zeros((), device=x.device, requires_grad=True)
+            out = _GradientProbe.apply(x, anchor, self._smt_grad_sum[name])
+        blocks = self.smt_weight[name]
+        if blocks.shape[0]:
             idx = self.smt_indices[name]
             col_map = (self.smt_col_ids[name], self.smt_col_pos[name])
             delta = BlockSparseDelta.apply(x, blocks, idx[:, 0], idx[:, 1], self.out_features, col_map)
-            result = result + delta.to(result.dtype)
-        return result
+            out = delta if out is None else out + delta
+        return out
 
     def __repr__(self) -> str:
         return "smt." + super().__repr__()
