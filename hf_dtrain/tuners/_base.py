@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge
 
+from ..quantization import prepare_bnb_4bit_for_training, quantized_base_types
+
 
 class LinearTunerModel(BaseTuner):
     """``BaseTuner`` for methods that wrap ``nn.Linear`` targets in ``linear_cls(target, adapter_name, config,
@@ -17,8 +19,21 @@ class LinearTunerModel(BaseTuner):
     linear_cls: type
     method_name: str
     config_name: str
-    # base modules accepted besides nn.Linear (and its subclasses such as bitsandbytes' Linear4bit), e.g. Int4Linear
-    extra_base_types: tuple[type, ...] = ()
+    # True: also wrap the 4-bit layers of hf_dtrain.quantization.quantized_base_types() (Int4Linear, HQQLinear);
+    # bitsandbytes' Linear4bit is an nn.Linear subclass and always accepted
+    quantized_bases: bool = False
+
+    def _pre_injection_hook(self, model, config, adapter_name) -> None:
+        # bitsandbytes 4-bit layers anywhere in the model (adapted or not) must stay differentiable on CPU
+        prepare_bnb_4bit_for_training(model)
+
+    def _replace_module(self, parent, child_name, new_module, child) -> None:
+        if not hasattr(new_module, "base_layer") and not hasattr(new_module, "weight"):
+            # unloading back to a base without a ``weight`` attribute (HQQLinear): peft would copy ``weight`` over;
+            # the base is the module itself, already on its device
+            setattr(parent, child_name, new_module)
+            return
+        super()._replace_module(parent, child_name, new_module, child)
 
     def _create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, **kwargs):
         if current_key is None:
@@ -27,7 +42,8 @@ class LinearTunerModel(BaseTuner):
             target.update_layer(adapter_name, config, layer_key=current_key)
             return
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        if not isinstance(base, (torch.nn.Linear, *self.extra_base_types)):
+        accepted = (torch.nn.Linear, *quantized_base_types()) if self.quantized_bases else (torch.nn.Linear,)
+        if not isinstance(base, accepted):
             raise TypeError(
                 f"{self.method_name} can adapt nn.Linear layers only; {current_key!r} is {type(base).__name__}. "
                 f"Narrow {self.config_name}.target_modules to linear projections."
@@ -58,7 +74,7 @@ class MergeableLinearMixin:
             raise ValueError(
                 f"{type(self).__module__.split('.')[-2]} adapters merge into dense floating-point nn.Linear weights; "
                 f"this base is {type(base).__name__} (quantized), where a merge would have to re-quantize and round. "
-                "Load the base in fp16/bf16/fp32 to merge, or use QA-HiRA on an Int4Linear base for an exact merge."
+                "Load the base in fp16/bf16/fp32 to merge, or use QA-HiRA on an HQQ or Int4Linear base for an exact merge into 4 bits."
             )
         weight = base.weight.data.clone() if safe_merge else base.weight.data
         merged = self._apply_delta(weight, adapter, sign)

@@ -1,4 +1,4 @@
-"""QA-HiRA on a group-wise INT4 base and on a dense base (issue 3, in progress)."""
+"""QA-HiRA on a group-wise INT4 base and on a dense base."""
 
 import copy
 import subprocess

@@ -8,6 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_dtrain import QBaRAConfig
+from hf_dtrain.quantization import prepare_bnb_4bit_for_training
 from hf_dtrain.testing import random_batch, tiny_llama, train_steps
 from hf_dtrain.tuners.qbara import QBaRALayer
 
@@ -63,15 +64,15 @@ def test_trains_on_a_bitsandbytes_4bit_base_and_refuses_a_rounding_merge(tmp_pat
     tiny_llama().save_pretrained(tmp_path)
 
     def load_4bit():
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             tmp_path, device_map="cpu",
             quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32))
+        prepare_bnb_4bit_for_training(model)  # the same CPU kernel path as the peft model (get_peft_model does it)
+        return model
 
     base = load_4bit()
     assert type(base.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     model = get_peft_model(base, QBaRAConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    # No inference forward before training: on CPU, bitsandbytes (0.50) then routes 4-bit layers through
-    # gemv_4bit, which has no autograd kernel, and gradients silently stop flowing through them.
     losses = train_steps(model, 6)
     assert losses[-1] < losses[0]
     probe = random_batch(seed=5)

@@ -1,7 +1,7 @@
 """QA-HiRA (Shen et al., arXiv 2407.17029): one pooled matrix per layer, merging exactly into group-wise INT4 zero-points.
 
-Issue 3 is in progress: the INT4 format and the QA-HiRA tuner on nn.Linear / Int4Linear bases are here; Q-BaRA,
-bitsandbytes 4-bit bases, the CLI and the benchmark are not yet.
+With ``QAHiRAConfig(r=...)`` the matrix is factorised as in QA-LoRA (Xu et al., arXiv 2309.14717), which merges the
+same way. Bases: dense ``nn.Linear``, bitsandbytes 4-bit, HQQ ``HQQLinear`` and hf_dtrain's ``Int4Linear``.
 """
 
 from .config import QAHiRAConfig

@@ -14,7 +14,8 @@ class QAHiRAConfig(PeftConfig):
     One matrix per layer, no B: the input is average-pooled by ``group_size`` along ``in_features`` (the base's
     quantization group size), multiplied by ``qahr_A`` of shape ``(out / lambda_out, in / group_size)``, and the
     output repeated ``lambda_out`` times. The update is constant within every quantization group, so it merges exactly
-    into the zero-points of a group-wise INT4 base (``hf_dtrain.tuners.qahira.Int4Linear``). ``qahr_A`` starts at zero:
+    into the zero-points of a group-wise 4-bit base with zero-points (HQQ ``HQQLinear`` with ``axis=1``, or
+    ``hf_dtrain.tuners.qahira.Int4Linear``). ``qahr_A`` starts at zero:
     the untrained adapter leaves the model unchanged (the published code's Kaiming init does not).
     """
 
@@ -26,11 +27,20 @@ class QAHiRAConfig(PeftConfig):
     exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules not to adapt."})
     group_size: int = field(
         default=64,
-        metadata={"help": "Input pooling factor; must equal the quantization group size of an Int4Linear base (for "
+        metadata={"help": "Input pooling factor; must equal the quantization group size of an HQQ or Int4Linear base (for "
                           "the exact merge) and divide in_features."},
     )
     lambda_out: int = field(default=8, metadata={"help": "Output repeat factor; must divide out_features."})
+    r: Optional[int] = field(
+        default=None,
+        metadata={"help": "None: QA-HiRA's single full-rank matrix. An integer factorises it as qahr_B @ qahr_A of this "
+                          "rank (QA-LoRA, Xu et al., arXiv 2309.14717, with lambda_out=1); B starts at zero."},
+    )
     scaling: float = field(default=1.0, metadata={"help": "Multiplier of the adapter's output."})
+    require_quantized_base: bool = field(
+        default=False,
+        metadata={"help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."},
+    )
     modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Extra modules to train and save."})
 
     def __post_init__(self):
@@ -40,7 +50,9 @@ class QAHiRAConfig(PeftConfig):
             self.target_modules = set(self.target_modules)
         if isinstance(self.exclude_modules, list):
             self.exclude_modules = set(self.exclude_modules)
-        for name in ("group_size", "lambda_out"):
+        for name in ("group_size", "lambda_out", "r"):
             value = getattr(self, name)
+            if name == "r" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"QAHiRAConfig.{name} must be a positive integer, got {value!r}.")

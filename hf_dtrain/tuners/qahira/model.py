@@ -3,12 +3,12 @@ from __future__ import annotations
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from .._base import LinearTunerModel
 from .layer import Linear, QAHiRALayer
-from .quant import Int4Linear
 
 
 class QAHiRAModel(LinearTunerModel):
-    """Injects QA-HiRA layers into ``nn.Linear`` or ``Int4Linear`` targets (``get_peft_model`` after ``import
-    hf_dtrain``). ``merge_and_unload`` on an Int4 base returns the same Int4 model with moved zero-points."""
+    """Injects QA-HiRA layers into ``nn.Linear``, bitsandbytes 4-bit, ``HQQLinear`` or ``Int4Linear`` targets
+    (``get_peft_model`` after ``import hf_dtrain``). ``merge_and_unload`` on an HQQ or Int4 base returns the same 4-bit
+    model with moved zero-points."""
 
     prefix: str = "qahr_"
     tuner_layer_cls = QAHiRALayer
@@ -16,4 +16,4 @@ class QAHiRAModel(LinearTunerModel):
     linear_cls = Linear
     method_name = "QA-HiRA"
     config_name = "QAHiRAConfig"
-    extra_base_types = (Int4Linear,)
+    quantized_bases = True

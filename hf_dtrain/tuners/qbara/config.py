@@ -24,6 +24,10 @@ class QBaRAConfig(PeftConfig):
                                         "LLaMA projections."})
     exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules not to adapt."})
     modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Extra modules to train and save."})
+    require_quantized_base: bool = field(
+        default=False,
+        metadata={"help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."},
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from ...quantization import adapter_dtype_and_device, check_quantized_base
 from .._base import MergeableLinearMixin
-from ..qahira.quant import Int4Linear
 
 
 class QBaRALayer(BaseTunerLayer):
@@ -37,12 +37,13 @@ class QBaRALayer(BaseTunerLayer):
         self.r[adapter_name], self.pool[adapter_name] = r, lam
         self.scaling[adapter_name] = config.lora_alpha / r
         base = self.get_base_layer()
-        ref = base.qweight if isinstance(base, Int4Linear) else base.weight
-        dtype = torch.float32 if not ref.dtype.is_floating_point else ref.dtype
-        a = torch.empty(lam * r, self.in_features // lam, device=ref.device, dtype=dtype)
+        if config.require_quantized_base:
+            check_quantized_base(base, "QBaRAConfig", layer_key)
+        dtype, device = adapter_dtype_and_device(base)
+        a = torch.empty(lam * r, self.in_features // lam, device=device, dtype=dtype)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as LoRA's A
         self.qbara_A[adapter_name] = nn.Parameter(a)
-        self.qbara_B[adapter_name] = nn.Parameter(torch.zeros(self.out_features // lam, lam * r, device=ref.device, dtype=dtype))
+        self.qbara_B[adapter_name] = nn.Parameter(torch.zeros(self.out_features // lam, lam * r, device=device, dtype=dtype))
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
@@ -57,7 +58,7 @@ class QBaRALayer(BaseTunerLayer):
 
 class Linear(MergeableLinearMixin, nn.Module, QBaRALayer):
     """``y = base(x) + s * repeat_lambda(B A avgpool_lambda(x))`` on any linear base (nn.Linear, bitsandbytes 4-bit,
-    Int4Linear); merges into dense weights only (its update is not constant within quantization groups)."""
+    HQQLinear, Int4Linear); merges into dense weights only (its update is not constant within quantization groups)."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
         super().__init__()

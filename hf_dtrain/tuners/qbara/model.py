@@ -3,7 +3,6 @@ from __future__ import annotations
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
 from .._base import LinearTunerModel
-from ..qahira.quant import Int4Linear
 from .layer import Linear, QBaRALayer
 
 
@@ -16,4 +15,4 @@ class QBaRAModel(LinearTunerModel):
     linear_cls = Linear
     method_name = "Q-BaRA"
     config_name = "QBaRAConfig"
-    extra_base_types = (Int4Linear,)
+    quantized_bases = True
