@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-METHODS = ("lora", "dora", "lorafa", "smt", "full")
+METHODS = ("lora", "dora", "lorafa", "smt", "qbara", "qahira", "full")
 # Per-method default learning rates (used when ``learning_rate`` is None).
-DEFAULT_LR = {"lora": 4e-3, "dora": 4e-3, "lorafa": 4e-3, "smt": 2e-3, "full": 5e-4}
+DEFAULT_LR = {"lora": 4e-3, "dora": 4e-3, "lorafa": 4e-3, "smt": 2e-3, "qbara": 4e-3, "qahira": 4e-3, "full": 5e-4}
+# Which methods train on which 4-bit base (``--quantize``); see hf_dtrain.quantization.
+QUANTIZED_METHODS = {"nf4": ("lora", "dora", "lorafa", "qbara", "qahira"), "hqq4": ("lora", "qbara", "qahira"),
+                     "int4": ("qbara", "qahira")}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMT_TARGETS = ["q_proj", "k_proj", "v_proj"]
 
@@ -48,6 +51,15 @@ class FinetuneConfig:
     smt_num_blocks: int | None = field(default=None, metadata={
         "help": "smt: blocks to train; default matches the trainable budget of lora at lora_r."})
     smt_warmup_steps: int = field(default=20, metadata={"help": "smt: gradient-scoring steps before selection."})
+    quantize: str | None = field(default=None, metadata={
+        "help": "Load the base in 4 bits: nf4 (bitsandbytes), hqq4 (HQQ, zero-points) or int4 (hf_dtrain's Int4Linear, "
+                "zero-points); qahira merges exactly into hqq4/int4."})
+    quant_group_size: int = field(default=64, metadata={
+        "help": "hqq4/int4: quantization group size along in_features (also qahira's input pooling factor)."})
+    qbara_pool: int = field(default=2, metadata={"help": "qbara: pooling/repeat factor lambda (rank lambda * lora_r)."})
+    qahira_lambda_out: int | None = field(default=None, metadata={
+        "help": "qahira: output repeat factor; default the divisor of every target's out_features whose parameter "
+                "count is closest to lora's at lora_r."})
     target_modules: list[str] | None = field(default=None, metadata={
         "help": f"Modules to adapt; default {LORA_TARGETS} (lora/dora/lorafa), {SMT_TARGETS} (smt)."})
     task_digits: int | None = field(default=None, metadata={
@@ -67,6 +79,18 @@ class FinetuneConfig:
             raise ValueError(f"method={self.method!r} is unknown; set --method to one of {', '.join(METHODS)}.")
         if isinstance(self.target_modules, str):
             self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
+        if self.quantize is not None:
+            self.quantize = str(self.quantize).lower()
+            if self.quantize in ("none", ""):
+                self.quantize = None
+        if self.quantize is not None:
+            if self.quantize not in QUANTIZED_METHODS:
+                raise ValueError(f"quantize={self.quantize!r} is unknown; set --quantize to one of "
+                                 f"{', '.join(QUANTIZED_METHODS)} (or leave it out for a dense base).")
+            if self.method not in QUANTIZED_METHODS[self.quantize]:
+                raise ValueError(f"method={self.method!r} cannot train on a {self.quantize} base; with "
+                                 f"--quantize {self.quantize} use --method one of "
+                                 f"{', '.join(QUANTIZED_METHODS[self.quantize])}.")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -74,9 +98,10 @@ class FinetuneConfig:
 
 
 def _linear_shapes(model, targets):
+    """``(out, in)`` of every linear (dense or 4-bit) whose name ends with one of ``targets``."""
     shapes = []
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in targets:
+        if name.split(".")[-1] in targets and hasattr(mod, "in_features") and hasattr(mod, "out_features"):
             shapes.append((mod.out_features, mod.in_features))
     return shapes
 
@@ -97,6 +122,22 @@ def build_peft_config(cfg: FinetuneConfig, model):
 
         return LoraFAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules or LORA_TARGETS,
                             lora_dropout=0.0)
+    if method == "qbara":
+        from hf_dtrain import QBaRAConfig
+
+        return QBaRAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, pool=cfg.qbara_pool,
+                           target_modules=cfg.target_modules or LORA_TARGETS)
+    if method == "qahira":
+        from hf_dtrain import QAHiRAConfig
+
+        targets = cfg.target_modules or LORA_TARGETS
+        g, lam = cfg.quant_group_size, cfg.qahira_lambda_out
+        shapes = _linear_shapes(model, targets)
+        if lam is None:  # the divisor of every out_features whose count (out/lam)(in/g) is closest to lora's
+            lora_budget = sum(cfg.lora_r * (o + i) for o, i in shapes)
+            common = [d for d in range(1, min(o for o, _ in shapes) + 1) if all(o % d == 0 for o, _ in shapes)]
+            lam = min(common, key=lambda d: abs(sum((o // d) * (i // g) for o, i in shapes) - lora_budget))
+        return QAHiRAConfig(group_size=g, lambda_out=lam, target_modules=targets)
     # smt
     from hf_dtrain import SMTConfig
 
@@ -130,7 +171,7 @@ CARD_TEMPLATE = """---
 
 {{ description }}
 
-Trained with `hf-dtrain finetune --method {{ method }}` (hf_dtrain {{ version }}), on {{ dataset_desc }}.
+Trained with `hf-dtrain finetune --method {{ method }}{{ quant_flag }}` (hf_dtrain {{ version }}), on {{ dataset_desc }}.
 
 ## Results
 
@@ -146,7 +187,7 @@ Trained with `hf-dtrain finetune --method {{ method }}` (hf_dtrain {{ version }}
 ## Use
 
 ```python
-import hf_dtrain  # registers hf_dtrain's peft methods (needed to load smt / lorafa adapters)
+import hf_dtrain  # registers hf_dtrain's peft methods (needed to load its adapters)
 {{ usage }}
 ```
 """
@@ -162,7 +203,18 @@ def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
     if full:
         usage = f'from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained("{output_dir}")'
     else:
-        if base_model.startswith("hf_dtrain/default-"):  # the embedded default: rebuilt (or found in the cache) locally
+        quantize = results.get("quantize")
+        if quantize:  # the same 4-bit base the adapter was trained on
+            if base_model.startswith("hf_dtrain/default-"):
+                preset = base_model.removeprefix("hf_dtrain/default-")
+                path = ("from hf_dtrain.models import build_default_model\n"
+                        f'path = build_default_model("{preset}")\n')
+            else:
+                path = f'path = "{base_model}"\n'
+            group = results["config"]["quant_group_size"]
+            load_base = (f"from hf_dtrain.quantization import load_quantized_model\n{path}"
+                         f'base = load_quantized_model(path, "{quantize}", group_size={group})')
+        elif base_model.startswith("hf_dtrain/default-"):  # the embedded default: rebuilt (or found in the cache) locally
             preset = base_model.removeprefix("hf_dtrain/default-")
             load_base = ("from hf_dtrain.models import load_model_and_tokenizer\n"
                          f'base, tokenizer = load_model_and_tokenizer(None, preset="{preset}")')
@@ -172,8 +224,10 @@ def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
 
     card = ModelCard.from_template(
         data, template_str=CARD_TEMPLATE, model_name=f"{results['method']} fine-tune of {base_model}",
-        description=("A full fine-tune." if full else f"A {results['method']} adapter."),
+        description=("A full fine-tune." if full else f"A {results['method']} adapter"
+                     + (f" trained on the {results['quantize']} 4-bit base." if results.get("quantize") else ".")),
         dataset_desc=results["dataset"], batch=results["per_device_train_batch_size"], usage=usage,
+        quant_flag=f" --quantize {results['quantize']}" if results.get("quantize") else "",
         version=__import__("hf_dtrain").__version__, **results,
     )
     path = os.path.join(output_dir, "README.md")
@@ -182,7 +236,8 @@ def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
 
 
 def format_table(r: dict) -> str:
-    cols = [("method", r["method"]), ("trainable", f"{r['trainable_params']:,} ({r['trainable_pct']:.2f}%)"),
+    method = r["method"] + (f" on {r['quantize']}" if r.get("quantize") else "")
+    cols = [("method", method), ("trainable", f"{r['trainable_params']:,} ({r['trainable_pct']:.2f}%)"),
             ("train s", f"{r['train_seconds']:.1f}"),
             ("eval loss", f"{r['eval_loss_before']:.3f} -> {r['eval_loss_after']:.3f}"),
             ("accuracy", f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}")]
@@ -214,7 +269,13 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
                                             progress=cfg.progress and state.is_main_process)
         else:
             base_path = cfg.model
-        model, tokenizer = load_model_and_tokenizer(base_path)
+        if cfg.quantize is None:
+            model, tokenizer = load_model_and_tokenizer(base_path)
+        else:
+            from hf_dtrain.quantization import load_quantized_model
+
+            _, tokenizer = load_model_and_tokenizer(base_path, load_model=False)
+            model = load_quantized_model(base_path, cfg.quantize, group_size=cfg.quant_group_size)
         if cfg.dataset is None:
             digits = cfg.task_digits or tasks.TASK_DIGITS
             train_ds = tasks.make_task_dataset(tokenizer, cfg.train_size, seed=cfg.seed, split="train", digits=digits)
@@ -279,6 +340,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     trainable, total = _count(trainer.model)
     results = dict(
         method=cfg.method, base_model=cfg.model or f"hf_dtrain default ({cfg.base_preset})", base_path=base_path,
+        quantize=cfg.quantize,
         dataset=cfg.dataset or "default addition task (hf_dtrain.data.tasks)",
         trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(1, total),
         train_seconds=train_seconds, train_loss=float(train_out.training_loss),

@@ -275,14 +275,17 @@ def build_default_model(
 
 
 def load_model_and_tokenizer(model: str | None = None, *, preset: str = "tiny", base_steps: int | None = None,
-                             progress: bool = True, **from_pretrained_kwargs):
+                             progress: bool = True, load_model: bool = True, **from_pretrained_kwargs):
     """``(model, tokenizer)``: the embedded default base (built and cached if needed) when ``model`` is None, else
-    ``from_pretrained(model)`` (a local path or a hub id). A tokenizer without pad token gets its eos as pad."""
+    ``from_pretrained(model)`` (a local path or a hub id); ``load_model=False`` gives ``(None, tokenizer)``. A tokenizer
+    without pad token gets its eos as pad."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = build_default_model(preset, steps=base_steps, progress=progress) if model is None else model
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if not load_model:
+        return None, tokenizer
     lm = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
     return lm, tokenizer

@@ -47,8 +47,14 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
         main(["finetune", "--recipe", str(recipe)])
     with pytest.raises(SystemExit):  # argparse rejects it with the valid choices
         main(["finetune", "--method", "qlora"])
-    with pytest.raises(ValueError, match="one of lora, dora, lorafa, smt, full"):
+    with pytest.raises(ValueError, match="one of lora, dora, lorafa, smt, qbara, qahira, full"):
         FinetuneConfig(method="adapter")
+    with pytest.raises(ValueError, match=r"quantize='fp4' is unknown; set --quantize to one of nf4, hqq4, int4"):
+        FinetuneConfig(method="qahira", quantize="fp4")
+    with pytest.raises(ValueError, match=r"method='smt' cannot train on a nf4 base; with --quantize nf4 use --method "
+                                         r"one of lora, dora, lorafa, qbara, qahira"):
+        FinetuneConfig(method="smt", quantize="nf4")
+    assert _cfg(["--method", "qahira", "--quantize", "hqq4", "--quant-group-size", "16"]).quant_group_size == 16
 
 
 def test_module_entry_point_and_build_base(tmp_path):
@@ -116,6 +122,40 @@ def test_finetune_smt_end_to_end(base_path, tmp_path):
     out = tmp_path / "smt"
     r = _finetune(base_path, out, "smt", learning_rate=3e-3, smt_block_size=16, smt_warmup_steps=5)
     _check_outputs(r, out, "smt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, quantize", [("qahira", "hqq4"), ("qbara", "nf4"), ("qahira", "int4")])
+def test_finetune_on_a_4bit_base_end_to_end(base_path, tmp_path, method, quantize):
+    """Train on a 4-bit base (evaluated before training: bitsandbytes must keep its gradients), save, and reload the
+    adapter onto the same 4-bit base in a fresh process with identical logits."""
+    if quantize == "hqq4":
+        pytest.importorskip("hqq", reason="hqq (the test extra) provides the maintained zero-point 4-bit format")
+    if quantize == "nf4":
+        pytest.importorskip("bitsandbytes", reason="bitsandbytes>=0.46.1 (the test extra) runs 4-bit on CPU")
+    out = tmp_path / method
+    r = _finetune(base_path, out, method, quantize=quantize, quant_group_size=16, learning_rate=4e-3, max_steps=500)
+    _check_outputs(r, out, method)
+    assert r["quantize"] == quantize
+    card = open(out / "README.md").read()
+    assert f"--quantize {quantize}" in card and f'load_quantized_model(path, "{quantize}", group_size=16)' in card
+    code = f"""
+import json, sys, torch, hf_dtrain
+from peft import PeftModel
+from hf_dtrain.quantization import load_quantized_model
+model = PeftModel.from_pretrained(load_quantized_model({base_path!r}, {quantize!r}, group_size=16), {str(out)!r}).eval()
+ids = torch.arange(1, 17).view(2, 8)
+with torch.no_grad():
+    sys.stdout.write(json.dumps(model(input_ids=ids).logits.flatten()[:64].tolist()))
+"""
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300) for _ in range(2)]
+    assert all(p.returncode == 0 for p in runs), runs[0].stderr[-3000:]
+    assert runs[0].stdout == runs[1].stdout  # the saved adapter reloads deterministically onto the 4-bit base
+    with_adapter = json.loads(runs[0].stdout)
+    base_code = code.replace("PeftModel.from_pretrained(", "(lambda m, _: m)(")
+    plain = subprocess.run([sys.executable, "-c", base_code], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert json.loads(plain.stdout) != with_adapter  # and it is the trained adapter that was loaded
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from torch import nn
 
+from ...quantization import adapter_dtype_and_device
 from .._base import MergeableLinearMixin
 
 
@@ -46,7 +47,7 @@ class LoraFALayer(BaseTunerLayer):
         self.scaling[adapter_name] = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
         self.lorafa_dropout[adapter_name] = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
 
-        weight = self.get_base_layer().weight
+        dtype, device = adapter_dtype_and_device(self.get_base_layer())
         a = torch.empty(r, self.in_features, dtype=torch.float32)
         if config.init_seed is None:
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))
@@ -54,9 +55,8 @@ class LoraFALayer(BaseTunerLayer):
             gen = torch.Generator().manual_seed(config.init_seed + zlib.crc32(layer_key.encode()) % (2**31))
             bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) bound, as nn.Linear and LoRA
             a.uniform_(-bound, bound, generator=gen)
-        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        self.lorafa_A[adapter_name] = a.to(device=weight.device, dtype=dtype)
-        self.lorafa_B[adapter_name] = nn.Parameter(torch.zeros(self.out_features, r, device=weight.device, dtype=dtype))
+        self.lorafa_A[adapter_name] = a.to(device=device, dtype=dtype)
+        self.lorafa_B[adapter_name] = nn.Parameter(torch.zeros(self.out_features, r, device=device, dtype=dtype))
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
