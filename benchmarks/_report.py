@@ -58,3 +58,38 @@ def write(name: str, payload: dict, table_md: str, figure, notes: str = "", env:
     paths["md"].write_text(f"# {name}\n\n{table_md}\n\n{notes}\n\n## Environment\n{env_lines}\n")
     figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
     return paths
+
+
+def training_parser(doc: str, lr: dict):
+    """The arguments every training benchmark shares: ``--steps``, ``--batch-size``, ``--seeds``, ``--lr METHOD=LR``
+    (repeatable), ``--from-json`` (re-render only) and the hidden ``--worker`` / ``--seed`` of one subprocess run."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--seeds", default="0,1,2", help="seeds (data order, adapter init) to average over")
+    ap.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
+                    help=f"override a method's learning rate (repeatable); defaults {lr}")
+    ap.add_argument("--from-json", metavar="PATH", help="only rebuild the table and plot from a results JSON")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    return ap
+
+
+def apply_lr_overrides(items: list[str], lr: dict) -> None:
+    """``--lr METHOD=LR`` items into ``lr`` (in place); a clear exit on a bad item."""
+    for item in items:
+        method, _, value = item.partition("=")
+        if method not in lr or not value:
+            raise SystemExit(f"--lr {item!r}: use METHOD=LR with METHOD one of {list(lr)}")
+        lr[method] = float(value)
+
+
+def rerender(path: str, name: str, render) -> dict[str, Path]:
+    """Rebuild ``name``'s table and plot from a committed results JSON, keeping the environment that measured it."""
+    payload = json.load(open(path))
+    env = payload.pop("environment")
+    payload.pop("benchmark", None)
+    table, fig, notes = render(payload)
+    return write(name, payload, table, fig, notes, env=env)

@@ -13,7 +13,6 @@ accuracy on held-out additions.
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
@@ -166,32 +165,15 @@ def base_eval(seed: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--seeds", default="0,1,2", help="seeds (data order, adapter init) to average over")
+    from _report import apply_lr_overrides, rerender, training_parser
+
+    ap = training_parser(__doc__, LR)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
-                    help="override a method's learning rate, e.g. --lr smt=4e-3 (repeatable)")
-    ap.add_argument("--from-json", metavar="PATH", help="only rebuild the table and plot from a results JSON")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.from_json:
-        from _report import write
-
-        payload = json.load(open(args.from_json))
-        env = payload.pop("environment")
-        payload.pop("benchmark", None)
-        payload.setdefault("lr", dict(LR))
-        table, fig, notes = render(payload)
-        write("peft_methods", payload, table, fig, notes, env=env)
+        rerender(args.from_json, "peft_methods", render)
         return
-    for item in args.lr:
-        method, _, value = item.partition("=")
-        if method not in LR or not value:
-            raise SystemExit(f"--lr {item!r}: use METHOD=LR with METHOD one of {list(LR)}")
-        LR[method] = float(value)
+    apply_lr_overrides(args.lr, LR)
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.steps, args.batch_size, args.seed)))
         return

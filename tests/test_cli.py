@@ -156,13 +156,24 @@ with torch.no_grad():
     plain = subprocess.run([sys.executable, "-c", base_code], capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert json.loads(plain.stdout) != with_adapter  # and it is the trained adapter that was loaded
+    if method == "qahira":  # the recipe merges into the 4-bit model exactly, saves it, and reads it back
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run([sys.executable, os.path.join(root, "recipes", "merge_qahira_4bit.py"), str(out),
+                               "--eval-size", "50"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        merge = json.load(open(f"{out}-merged/merge.json"))
+        assert merge["max_abs_logit_diff"] < 1e-4 and merge["reload_max_abs_logit_diff"] == 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["smt", "lorafa"])
-def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_path, method):
-    """The recipe's 2-process accelerate config really gives 2 gloo ranks; SMT selects before DDP wraps."""
+@pytest.mark.parametrize("method, quantize", [("smt", None), ("lorafa", None), ("qahira", "hqq4")])
+def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_path, method, quantize):
+    """The recipe's 2-process accelerate config really gives 2 gloo ranks; SMT selects before DDP wraps; DDP carries
+    a 4-bit HQQ base."""
     from hf_dtrain.testing import free_port
+
+    if quantize == "hqq4":
+        pytest.importorskip("hqq", reason="hqq (the test extra) provides the maintained zero-point 4-bit format")
 
     out = tmp_path / method
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
@@ -170,6 +181,8 @@ def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_
            "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "2000",
            "--eval-size", "10", "--max-steps", "300", "--learning-rate", "3e-3", "--smt-block-size", "16",
            "--smt-warmup-steps", "5", "--progress", "false", "--logging-steps", "1000"]
+    if quantize:
+        cmd += ["--quantize", quantize, "--quant-group-size", "16"]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)

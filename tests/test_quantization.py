@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import get_peft_model
 
-from hf_dtrain import QAHiRAConfig, QBaRAConfig
+from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig
 from hf_dtrain.quantization import (load_quantized_model, prepare_bnb_4bit_for_training, quantize_model_hqq,
                                     quantized_kind)
 from hf_dtrain.testing import random_batch, tiny_llama, train_steps
@@ -128,7 +128,9 @@ def _grads(model, batch):
 
 
 @pytest.mark.parametrize("config", [QAHiRAConfig(group_size=16, lambda_out=4, target_modules=TARGETS),
-                                    QBaRAConfig(r=2, target_modules=TARGETS)], ids=["qahira", "qbara"])
+                                    QBaRAConfig(r=2, target_modules=TARGETS),
+                                    LoraFAConfig(r=2, target_modules=TARGETS, init_seed=0)],
+                         ids=["qahira", "qbara", "lorafa"])
 def test_evaluation_before_training_on_bnb_4bit_keeps_gradients(saved_tiny, config):
     """bitsandbytes (0.50, CPU with AVX512-BF16) repacks 4-bit weights during eval-mode no_grad forwards and then drops
     gradients through them (the attention adapters got None); get_peft_model with an hf_dtrain method turns that
