@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 METHODS = ("lora", "dora", "lorafa", "smt", "qbara", "qahira", "full")
-# Per-method default learning rates (used when ``learning_rate`` is None).
-DEFAULT_LR = {"lora": 4e-3, "dora": 4e-3, "lorafa": 4e-3, "smt": 2e-3, "qbara": 4e-3, "qahira": 4e-3, "full": 5e-4}
+# Per-method default learning rates (used when ``learning_rate`` is None); qahira's single matrix acts on inputs
+# averaged over a whole quantization group and needs much larger steps (benchmarks/results/quantized_adapters_lr_sweep.md).
+DEFAULT_LR = {"lora": 4e-3, "dora": 4e-3, "lorafa": 4e-3, "smt": 2e-3, "qbara": 4e-3, "qahira": 8e-2, "full": 5e-4}
 # Which methods train on which 4-bit base (``--quantize``); see hf_dtrain.quantization.
 QUANTIZED_METHODS = {"nf4": ("lora", "dora", "lorafa", "qbara", "qahira"), "hqq4": ("lora", "qbara", "qahira"),
                      "int4": ("qbara", "qahira")}
