@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig, set_smt_block_indices, smt_warmup
 from hf_dtrain.testing import random_batch, tiny_llama
 
-METHODS = ["lorafa", "smt", "qbara", "qahira"]
-TRAINABLE = ("smt_weight", "lorafa_B", "qbara_A", "qbara_B", "qahr_A")
+METHODS = ["lorafa", "smt", "qbara", "qahira", "qa-lora"]
+TRAINABLE = ("smt_weight", "lorafa_B", "qbara_A", "qbara_B", "qahr_A", "qahr_B")
 
 
 def make_config(method, seed=0):
@@ -26,6 +26,8 @@ def make_config(method, seed=0):
         return QBaRAConfig(r=4, lora_alpha=8, pool=2, target_modules=["q_proj", "v_proj", "down_proj"])
     if method == "qahira":
         return QAHiRAConfig(group_size=16, lambda_out=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    if method == "qa-lora":
+        return QAHiRAConfig(group_size=16, lambda_out=1, r=3, target_modules=["q_proj", "v_proj", "down_proj"])
     return SMTConfig(block_size=16, num_blocks=6, warmup_steps=2, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
 
 
@@ -62,6 +64,7 @@ def test_print_trainable_parameters_counts_only_adapter(method, capsys):
         "lorafa": 2 * (4 * 64 + 4 * 64) + 2 * (64 * 4),  # q, v, down: B is 64 x 4
         "qbara": 2 * (4 * (64 + 64) * 2 + 4 * (128 + 64)),  # r (in + out) per layer, as LoRA at rank r
         "qahira": 2 * (16 * 4 + 16 * 4 + 16 * 8),  # (out / lambda_out) (in / group_size)
+        "qa-lora": 2 * (2 * (3 * 4 + 64 * 3) + (3 * 8 + 64 * 3)),  # r (in / group_size) + out r
     }[method]
     assert trainable == expected
     assert f"trainable params: {expected:,d}" in out
@@ -78,9 +81,11 @@ def test_save_and_load_in_fresh_process_gives_identical_logits(method, tiny_base
     adapter_dir = tmp_path / "adapter"
     model.save_pretrained(adapter_dir)
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    assert cfg["peft_type"] == method.upper() and cfg["base_model_name_or_path"] == base_dir
+    peft_type = "QAHIRA" if method == "qa-lora" else method.upper()  # QA-LoRA is QA-HiRA with a rank
+    assert cfg["peft_type"] == peft_type and cfg["base_model_name_or_path"] == base_dir
     keys = load_file(adapter_dir / "adapter_model.safetensors").keys()
-    assert keys and all(k.split(".")[-1] in {"lorafa_A", "lorafa_B", "smt_weight", "smt_indices", "qbara_A", "qbara_B", "qahr_A"} for k in keys)
+    assert keys and all(k.split(".")[-1] in {"lorafa_A", "lorafa_B", "smt_weight", "smt_indices", "qbara_A", "qbara_B", "qahr_A", "qahr_B"} for k in keys)
+    assert any(k.endswith("qahr_B") for k in keys) == (method == "qa-lora")
     if method == "smt":
         assert any(k.endswith("smt_indices") for k in keys) and sum(len(v) for v in cfg["block_indices"].values()) == 6
     save_file({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, tmp_path / "batch.safetensors")
