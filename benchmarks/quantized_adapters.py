@@ -314,7 +314,7 @@ def render(payload: dict):
                                 "max |logit change| from merging into 4 bits (log)"]):
         ax.set_xticks(range(len(methods)), methods)
         ax.set_title(title)
-        ax.legend()
+    axes[1].legend(title="4-bit base", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(bases))
     axes[2].set_yscale("log")
     fig.suptitle(f"4-bit adapters on the default tiny LLaMA, {args['steps']} steps, one parameter budget")
     return table, fig, notes
