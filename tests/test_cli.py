@@ -158,8 +158,9 @@ with torch.no_grad():
     assert json.loads(plain.stdout) != with_adapter  # and it is the trained adapter that was loaded
     if method == "qahira":  # the recipe merges into the 4-bit model exactly, saves it, and reads it back
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         proc = subprocess.run([sys.executable, os.path.join(root, "recipes", "merge_qahira_4bit.py"), str(out),
-                               "--eval-size", "50"], capture_output=True, text=True, timeout=300)
+                               "--eval-size", "50"], capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         merge = json.load(open(f"{out}-merged/merge.json"))
         assert merge["max_abs_logit_diff"] < 1e-4 and merge["reload_max_abs_logit_diff"] == 0
