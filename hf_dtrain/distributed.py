@@ -1,0 +1,59 @@
+"""What hf_dtrain's distributed pieces share: byte accounting of what goes on the wire, and checks that every rank
+agrees before the first collective of a method (a mismatch is a clear error, not a hang)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class WireStats:
+    """Bytes this rank hands to collectives, per optimizer step.
+
+    Counted as the payload of each collective call (``numel * element_size`` of the tensor this rank contributes),
+    the same way for every method and for the dense baseline, so ratios between methods are exact. (A ring all-reduce
+    moves ``2 (N - 1) / N`` times its payload over each link; that factor is common to all all-reduce methods.)
+    """
+
+    steps: list[int] = field(default_factory=list)  # payload bytes of every finished step
+    current: int = 0
+    collectives: int = 0  # collective calls in the current step
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.current += tensor.numel() * tensor.element_size()
+        self.collectives += 1
+
+    def end_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = 0
+        self.collectives = 0
+
+    @property
+    def last_step_bytes(self) -> Optional[int]:
+        return self.steps[-1] if self.steps else None
+
+
+def world_size_of(process_group=None) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def check_same_across_ranks(value: Any, what: str, process_group=None) -> None:
+    """Raise a ``ValueError`` on every rank unless ``value`` (JSON-serialisable) is the same on all ranks. Uses one
+    small all-gather, bounded by the process group's timeout."""
+    if world_size_of(process_group) == 1:
+        return
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+    gathered: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, (digest, value), group=process_group)
+    if len({d for d, _ in gathered}) > 1:
+        per_rank = {r: v for r, (_, v) in enumerate(gathered)}
+        raise ValueError(f"{what} differs across ranks: {per_rank}. Give every rank the same {what} (the same recipe "
+                         "or config file on every host).")
