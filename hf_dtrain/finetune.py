@@ -61,6 +61,11 @@ class FinetuneConfig:
     qahira_lambda_out: int | None = field(default=None, metadata={
         "help": "qahira: output repeat factor; default the divisor of every target's out_features whose parameter "
                 "count is closest to lora's at lora_r."})
+    comm_hook: str | None = field(default=None, metadata={
+        "help": "Gradient communication under DDP: acp_sgd (compressed, hf_dtrain.comm) or allreduce (dense, "
+                "counted); None: DDP's own all-reduce. Needs >= 2 processes."})
+    comm_rank: int = field(default=4, metadata={"help": "acp_sgd: rank of the P/Q factors."})
+    comm_start_iter: int = field(default=10, metadata={"help": "acp_sgd: uncompressed all-reduce steps first (>= 2)."})
     target_modules: list[str] | None = field(default=None, metadata={
         "help": f"Modules to adapt; default {LORA_TARGETS} (lora/dora/lorafa), {SMT_TARGETS} (smt)."})
     task_digits: int | None = field(default=None, metadata={
@@ -80,6 +85,9 @@ class FinetuneConfig:
             raise ValueError(f"method={self.method!r} is unknown; set --method to one of {', '.join(METHODS)}.")
         if isinstance(self.target_modules, str):
             self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
+        if self.comm_hook is not None and self.comm_hook not in ("acp_sgd", "allreduce"):
+            raise ValueError(f"comm_hook={self.comm_hook!r} is unknown; set --comm-hook to acp_sgd or allreduce (or "
+                             "leave it out).")
         if self.quantize is not None:
             self.quantize = str(self.quantize).lower()
             if self.quantize in ("none", ""):
@@ -249,6 +257,33 @@ def format_table(r: dict) -> str:
     return "\n".join([line, sep, val])
 
 
+def _allow_ddp_after_evaluate(trainer) -> None:
+    """Undo what ``trainer.evaluate()`` before ``train()`` does to a multi-process run.
+
+    Evaluation prepares the model with ``accelerator.prepare_model(model, evaluation_mode=True)``, which (accelerate
+    1.15) marks it ``_is_accelerate_prepared``; the ``prepare`` in ``train()`` then returns it as it is, without the
+    DistributedDataParallel wrapper, and every rank trains on its own shard with no gradient averaging (found with
+    transformers 5.23). Clearing the mark lets ``train()`` wrap the model in DDP as it would without the evaluation.
+    """
+    if trainer.accelerator.num_processes < 2:
+        return
+    model = trainer.model
+    if getattr(model, "_is_accelerate_prepared", False) and trainer.model_wrapped is model:
+        del model._is_accelerate_prepared
+        trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not model]
+
+
+def _replicas_identical(model, world_size: int) -> bool:
+    """Whether every rank holds the same trainable parameters (one all-gather of a float64 checksum)."""
+    values = [p.detach().double().sum() for p in model.parameters() if p.requires_grad]
+    checksum = torch.stack(values).sum().reshape(1) if values else torch.zeros(1, dtype=torch.float64)
+    if world_size < 2 or not torch.distributed.is_initialized():
+        return True
+    gathered = [torch.empty_like(checksum) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, checksum)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
 def run_finetune(cfg: FinetuneConfig) -> dict:
     """Run one fine-tuning job; return the measured figures (also written to ``<output_dir>/results.json``)."""
     from accelerate import PartialState
@@ -332,16 +367,29 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
                       preprocess_logits_for_metrics=tasks.preprocess_logits_for_metrics, callbacks=callbacks,
                       optimizers=optimizers)
 
+    comm = None
+    if cfg.comm_hook is not None:
+        if world_size < 2:
+            raise ValueError(f"comm_hook={cfg.comm_hook!r} needs >= 2 processes (accelerate launch / torchrun); this "
+                             "run has 1. Leave --comm-hook out for a single process.")
+        from hf_dtrain.callbacks import CommHookCallback
+
+        comm = CommHookCallback.attach(trainer, {"method": cfg.comm_hook, "rank": cfg.comm_rank,
+                                                 "start_iter": cfg.comm_start_iter})
+
     before = trainer.evaluate()  # adapters start as the identity: this is the base model
+    _allow_ddp_after_evaluate(trainer)
     t0 = time.perf_counter()
     train_out = trainer.train()
     train_seconds = time.perf_counter() - t0
     after = trainer.evaluate()
+    replicas_identical = _replicas_identical(trainer.model, world_size)
 
     trainable, total = _count(trainer.model)
     results = dict(
         method=cfg.method, base_model=cfg.model or f"hf_dtrain default ({cfg.base_preset})", base_path=base_path,
-        quantize=cfg.quantize,
+        quantize=cfg.quantize, comm=comm.summary() if comm is not None else None,
+        replicas_identical=replicas_identical,
         dataset=cfg.dataset or "default addition task (hf_dtrain.data.tasks)",
         trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(1, total),
         train_seconds=train_seconds, train_loss=float(train_out.training_loss),

@@ -47,6 +47,8 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
         main(["finetune", "--recipe", str(recipe)])
     with pytest.raises(SystemExit):  # argparse rejects it with the valid choices
         main(["finetune", "--method", "qlora"])
+    with pytest.raises(ValueError, match=r"comm_hook='topk' is unknown; set --comm-hook to acp_sgd or allreduce"):
+        FinetuneConfig(comm_hook="topk")
     with pytest.raises(ValueError, match="one of lora, dora, lorafa, smt, qbara, qahira, full"):
         FinetuneConfig(method="adapter")
     with pytest.raises(ValueError, match=r"quantize='fp4' is unknown; set --quantize to one of nf4, hqq4, int4"):
@@ -184,11 +186,15 @@ def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_
            "--smt-warmup-steps", "5", "--progress", "false", "--logging-steps", "1000"]
     if quantize:
         cmd += ["--quantize", quantize, "--quant-group-size", "16"]
+    if method == "lorafa":  # the Trainer's way in for communication hooks (hf_dtrain.callbacks.CommHookCallback)
+        cmd += ["--comm-hook", "acp_sgd", "--comm-rank", "2", "--comm-start-iter", "5"]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.load(open(out / "results.json"))
-    assert r["world_size"] == 2
+    assert r["world_size"] == 2 and r["replicas_identical"]  # DDP really averaged the gradients
     _check_outputs(r, out, method)
+    if method == "lorafa":
+        assert r["comm"]["method"] == "acp_sgd" and r["comm"]["steps"] == 300  # the hook ran on every step
     assert proc.stdout.count("| method") == 1  # only rank 0 reports

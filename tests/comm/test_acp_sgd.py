@@ -134,3 +134,29 @@ def test_unwrapped_model_and_bad_config():
 
     with pytest.raises(ValueError, match=r"start_iter must be an integer >= 2"):
         ACPSGDState(start_iter=1)
+
+
+@pytest.mark.slow
+def test_accelerate_way_in_registers_on_the_prepared_model(tmp_path):
+    """recipes/comm_hooks_accelerate.py under accelerate launch (2 gloo processes): the hook runs every step, the
+    replicas end identical, and compressed steps send a fraction of the warm-up's dense bytes."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_dtrain.testing import free_port, tiny_default_base
+
+    base = tiny_default_base(tmp_path / "cache", steps=50)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
+           "--main_process_port", str(free_port()), "recipes/comm_hooks_accelerate.py", "--model", base,
+           "--steps", "12", "--start-iter", "4", "--out", str(tmp_path / "out")]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.load(open(tmp_path / "out" / f"comm_{r}.json")) for r in range(2)]
+    assert all(r["world_size"] == 2 and r["hook_steps"] == r["steps"] == 12 for r in reports)
+    assert reports[0]["param_checksum"] == reports[1]["param_checksum"]
+    sent = reports[0]["bytes_per_step"]
+    assert len(set(sent[:4])) == 1 and max(sent[4:]) < sent[0] / 4

@@ -134,7 +134,9 @@ class SMTLayer(BaseTunerLayer):
         weight = self.get_base_layer().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         old = self.smt_weight[adapter_name] if adapter_name in self.smt_weight else None
-        requires_grad = old.requires_grad if old is not None else True
+        # a target that got no block has nothing to train; a zero-size parameter that requires grad but never takes
+        # part in the forward would stop DDP ("parameters that were not used in producing loss")
+        requires_grad = (old.requires_grad if old is not None else True) and len(indices) > 0
         param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype), requires_grad=requires_grad)
         self.smt_weight[adapter_name] = param
         self.smt_indices[adapter_name] = indices.to(weight.device)
