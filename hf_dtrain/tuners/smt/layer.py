@@ -134,9 +134,7 @@ class SMTLayer(BaseTunerLayer):
         weight = self.get_base_layer().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         old = self.smt_weight[adapter_name] if adapter_name in self.smt_weight else None
-        # a target that got no block has nothing to train; a zero-size parameter that requires grad but never takes
-        # part in the forward would stop DDP ("parameters that were not used in producing loss")
-        requires_grad = (old.requires_grad if old is not None else True) and len(indices) > 0
+        requires_grad = old.requires_grad if old is not None else True
         param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype), requires_grad=requires_grad)
         self.smt_weight[adapter_name] = param
         self.smt_indices[adapter_name] = indices.to(weight.device)
@@ -214,6 +212,11 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
             col_map = (self.smt_col_ids[name], self.smt_col_pos[name])
             delta = BlockSparseDelta.apply(x, blocks, idx[:, 0], idx[:, 1], self.out_features, col_map)
             out = delta if out is None else out + delta
+        elif blocks.requires_grad and torch.is_grad_enabled():
+            # a target that got no block: its empty parameter still takes part in the graph (an empty gradient), or
+            # DDP would stop at "parameters that were not used in producing loss"
+            touch = blocks.sum()
+            out = touch if out is None else out + touch
         return out
 
     def __repr__(self) -> str:
