@@ -3,7 +3,8 @@
 ``register(model, config)`` after ``accelerator.prepare(model)`` (Accelerate's ``DistributedDataParallelKwargs``
 silently ignores a callable ``comm_hook``), or :class:`hf_dtrain.callbacks.CommHookCallback` with the Trainer.
 
-Methods here: ``"allreduce"`` (the dense baseline, counted), ``"acp_sgd"`` (:mod:`hf_dtrain.comm.acp_sgd`).
+Methods here: ``"allreduce"`` (the dense baseline, counted), ``"acp_sgd"`` (:mod:`hf_dtrain.comm.acp_sgd`),
+``"s2_reducer"`` (:mod:`hf_dtrain.comm.s2_reducer`).
 """
 
 
@@ -16,8 +17,9 @@ import torch.distributed as dist
 
 from ..distributed import WireStats, check_same_across_ranks, world_size_of
 from .acp_sgd import ACPSGDState, acp_sgd_hook, acp_sgd_step_bytes
+from .s2_reducer import S2ReducerState, s2_reducer_hook
 
-METHODS = ("allreduce", "acp_sgd")
+METHODS = ("allreduce", "acp_sgd", "s2_reducer")
 
 
 @dataclass
@@ -57,6 +59,8 @@ class CommHookConfig:
     min_compression_rate: float = 2.0
     use_error_feedback: bool = True
     seed: int = 0
+    sketch_rows: int = 3
+    sketch_width_factor: float = 4.0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -105,6 +109,11 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
         state = DenseState(process_group=process_group)
         ddp.register_comm_hook(state, dense_allreduce_hook)
         return state
+    if config.method == "s2_reducer":
+        state = S2ReducerState(process_group=process_group, rows=config.sketch_rows,
+                               width_factor=config.sketch_width_factor, seed=config.seed)
+        ddp.register_comm_hook(state, s2_reducer_hook)
+        return state
     state = ACPSGDState(process_group=process_group, rank=config.rank, start_iter=config.start_iter,
                         min_compression_rate=config.min_compression_rate,
                         use_error_feedback=config.use_error_feedback, seed=config.seed)
@@ -114,4 +123,4 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
 
 
 __all__ = ["CommHookConfig", "register", "DenseState", "dense_allreduce_hook", "ACPSGDState", "acp_sgd_hook",
-           "acp_sgd_step_bytes", "WireStats"]
+           "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "WireStats"]
