@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -64,6 +66,8 @@ def emulated_hosts(n: int, rate: Optional[str] = "100mbit", delay_ms: float = 0.
     if delay_ms and not _netem_available():
         raise ValueError("delay_ms needs the sch_netem kernel module, which this kernel does not have; use delay_ms=0 "
                          "(rate limits with tbf still work).")
+    # SIGTERM (timeout, kill) would end Python without running ``finally``: turn it into SystemExit meanwhile
+    previous = signal.signal(signal.SIGTERM, _raise_exit) if threading.current_thread() is threading.main_thread() else None
     tag = f"hd{os.getpid() % 100000}"
     switch = f"{tag}sw"
     hosts = [Host(f"{tag}h{i}", f"{tag}a{i}", f"10.{subnet}.{os.getpid() % 250}.{i + 1}") for i in range(n)]
@@ -97,31 +101,50 @@ def emulated_hosts(n: int, rate: Optional[str] = "100mbit", delay_ms: float = 0.
     finally:
         for ns in reversed(created):
             _run("ip", "netns", "del", ns, check=False)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def run_on_hosts(hosts: list[Host], argv, timeout: float = 300, env: Optional[dict] = None) -> list[str]:
     """Run ``argv(rank, hosts)`` (a list of strings) in every host's namespace at once, with ``GLOO_SOCKET_IFNAME``
     set to the host's interface; return each rank's stdout. Every process is killed after ``timeout`` seconds;
     a failure or a timeout raises with the failing rank's stderr."""
-    procs = []
-    for rank, host in enumerate(hosts):
-        full_env = dict(os.environ, GLOO_SOCKET_IFNAME=host.interface, **(env or {}))
-        procs.append(subprocess.Popen(host.command(argv(rank, hosts)), env=full_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outputs, errors = [], []
+    import tempfile
+    import time
+
+    procs, files = [], []
+    deadline = time.monotonic() + timeout
     try:
+        for rank, host in enumerate(hosts):
+            full_env = dict(os.environ, GLOO_SOCKET_IFNAME=host.interface, **(env or {}))
+            # files, not pipes: a rank blocked on a full pipe would stall the collective its peers wait in
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            files.append((out, err))
+            procs.append(subprocess.Popen(host.command(argv(rank, hosts)), env=full_env, stdout=out, stderr=err,
+                                          text=True))
         for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            outputs.append(out)
-            errors.append(err)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        raise TimeoutError(f"ranks still running after {timeout}s on the emulated network")
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"ranks still running after {timeout}s on the emulated network") from None
+        outputs, errors = [], []
+        for out, err in files:
+            out.seek(0)
+            err.seek(0)
+            outputs.append(out.read())
+            errors.append(err.read())
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait(5)
+        for out, err in files:
+            out.close()
+            err.close()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
         raise RuntimeError(f"rank {failed[0]} failed on the emulated network:\n{errors[failed[0]][-4000:]}")

@@ -1,0 +1,213 @@
+"""Gradient communication on an emulated slow network: dense all-reduce, torch's PowerSGD and fp16 hooks, ACP-SGD and
+S2 Reducer, full fine-tuning of the embedded default model with 2 ranks.
+
+Each rank runs as a separate "host" in its own network namespace; the hosts share a bridge through veth pairs limited
+with ``tc tbf`` (hf_dtrain.testing.netns). Where namespaces cannot be created the run falls back to loopback and the
+table says so. Per (link, method): bytes each rank hands to collectives per step (compressed steps; torch's hooks by
+their own compression rule), median step time over the second half of the steps as a ratio to the dense all-reduce on
+the same link, and the training loss (mean of the last 10 steps) after the same number of steps.
+
+    python benchmarks/comm_hooks.py                       # 100 Mbit/s and 1 Gbit/s, about 15 minutes
+    python benchmarks/comm_hooks.py --steps 40 --links 100mbit
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+METHODS = ["allreduce", "fp16", "powersgd", "acp_sgd", "s2_reducer"]
+RANK = 4
+START = 10
+
+
+def torch_hook_bytes(method: str, model) -> int:
+    """Bytes per compressed step of torch's built-in hooks, by their own rules (their collectives are not ours to
+    count): fp16 halves every value; PowerSGD sends P and Q of every matrix with (n + m) r * 2 < n m, the rest dense."""
+    total = 0
+    for p in model.parameters():
+        if method == "fp16":
+            total += p.numel() * 2
+            continue
+        if p.dim() > 1:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            if (n + m) * RANK * 2 < n * m:
+                total += (n + m) * RANK * 4
+                continue
+        total += p.numel() * 4
+    return total
+
+
+def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int, batch: int) -> dict:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+
+    import hf_dtrain.comm as comm
+    from hf_dtrain.data import tasks
+    from hf_dtrain.models import load_model_and_tokenizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(None, progress=False)
+    ddp = DDP(model)
+    state = None
+    if method in ("allreduce", "acp_sgd", "s2_reducer"):
+        state = comm.register(ddp, {"method": method, "rank": RANK, "start_iter": START})
+    elif method == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    elif method == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+        ddp.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=RANK, start_powerSGD_iter=START,
+                                             min_compression_rate=2, use_error_feedback=True, warm_start=True),
+                               powerSGD_hook)
+    data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank, split="train")
+    loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=5e-4)
+    times, losses = [], []
+    for b in loader:
+        t0 = time.perf_counter()
+        loss = ddp(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    if state is not None:
+        sent = state.stats.steps[-1]
+    else:
+        sent = torch_hook_bytes(method, model)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    dist.destroy_process_group()
+    return {"method": method, "bytes_per_step": sent, "dense_bytes": sum(p.numel() * 4 for p in model.parameters()),
+            "step_time_median_s": statistics.median(times[len(times) // 2:]),
+            "loss_last10": statistics.mean(losses[-10:]),
+            "replicas_identical": all(torch.equal(gathered[0], g) for g in gathered)}
+
+
+def run_config(link: str, method: str, steps: int, batch: int, world: int) -> tuple[dict, str]:
+    from hf_dtrain.testing import free_port
+    from hf_dtrain.testing.netns import available, emulated_hosts, run_on_hosts
+
+    port = str(free_port())
+
+    def argv(rank, hosts):
+        addr = hosts[0].address if hosts else "127.0.0.1"
+        return [sys.executable, __file__, "--worker", f"{rank}:{world}:{addr}:{port}:{method}", "--steps", str(steps),
+                "--batch-size", str(batch)]
+
+    ok, why = available()
+    if ok:
+        with emulated_hosts(world, rate=link) as hosts:
+            outs = run_on_hosts(hosts, argv, timeout=3600)
+        where = f"{world} network namespaces, veth + tc tbf {link} each way"
+    else:  # loopback: same processes, no rate limit
+        procs = [subprocess.Popen(argv(r, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        outs = [p.communicate(timeout=3600)[0] for p in procs]
+        where = f"loopback, no rate limit ({why})"
+    result = json.loads(outs[0].split("RESULT ", 1)[1])
+    return result, where
+
+
+def main():
+    from _report import rerender, training_parser
+
+    ap = training_parser(__doc__, {})
+    ap.add_argument("--links", default="100mbit,1gbit")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--name", default="comm_hooks", help="results file name under benchmarks/results/")
+    ap.set_defaults(steps=60)
+    args = ap.parse_args()
+    if args.from_json:
+        rerender(args.from_json, args.name, render)
+        return
+    if args.worker:
+        rank, world, addr, port, method = args.worker.split(":")
+        print("RESULT " + json.dumps(worker(int(rank), int(world), addr, port, method, args.steps, args.batch_size)))
+        return
+    from tqdm import tqdm
+
+    from hf_dtrain.models import build_default_model
+
+    build_default_model("tiny", progress=True)
+    rows = []
+    for link, method in tqdm([(l, m) for l in args.links.split(",") for m in args.methods.split(",")],
+                             desc="link x method"):
+        result, where = run_config(link, method, args.steps, args.batch_size, args.world)
+        rows.append(dict(result, link=link, network=where))
+    for r in rows:
+        ref = next(x for x in rows if x["link"] == r["link"] and x["method"] == "allreduce")
+        r["step_time_vs_dense"] = r["step_time_median_s"] / ref["step_time_median_s"]
+        r["bytes_vs_dense"] = r["bytes_per_step"] / ref["bytes_per_step"]
+        r["loss_vs_dense"] = r["loss_last10"] / ref["loss_last10"]
+    payload = {"rows": rows, "args": vars(args), "rank": RANK, "start_iter": START}
+    from _report import write
+
+    table, fig, notes = render(payload)
+    paths = write(args.name, payload, table, fig, notes)
+    print(table)
+    print("\n".join(str(p) for p in paths.values()))
+
+
+def render(payload: dict):
+    from _report import markdown_table
+
+    rows, args = payload["rows"], payload["args"]
+    for r in rows:
+        r["MiB_per_step"] = r["bytes_per_step"] / 2**20
+    table = markdown_table(rows, [
+        ("link", "link", ""), ("method", "method", ""), ("MiB_per_step", "MiB per step per rank", ".3f"),
+        ("bytes_vs_dense", "bytes / dense", ".3f"), ("step_time_median_s", "median step (s)", ".3f"),
+        ("step_time_vs_dense", "step time / dense", ".2f"), ("loss_last10", "train loss (last 10 steps)", ".3f"),
+        ("loss_vs_dense", "loss / dense", ".3f"), ("replicas_identical", "replicas identical", ""),
+    ])
+    where = sorted({r["network"] for r in rows})
+    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA, 3.1M parameters), {args['world']} ranks, "
+             f"{args['steps']} AdamW steps (lr 5e-4) of batch {args['batch_size']} per rank on the addition task, gloo. "
+             f"Network: {'; '.join(where)}. Compressing hooks: rank {payload['rank']}, {payload['start_iter']} dense "
+             "warm-up steps. Bytes: what each rank hands to collectives in one compressed step (ours counted by "
+             "hf_dtrain.distributed.WireStats; torch's fp16 and PowerSGD by their compression rules). Step time: "
+             "median over the second half of the steps, as a ratio to the dense all-reduce on the same link.")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    width = 0.8 / len(links)
+    for j, link in enumerate(links):
+        sub = {r["method"]: r for r in rows if r["link"] == link}
+        xs = [i + (j - (len(links) - 1) / 2) * width for i in range(len(methods))]
+        axes[0].bar(xs, [sub[m]["MiB_per_step"] for m in methods], width, label=link)
+        axes[1].bar(xs, [sub[m]["step_time_vs_dense"] for m in methods], width, label=link)
+        axes[2].bar(xs, [sub[m]["loss_last10"] for m in methods], width, label=link)
+    for ax, title in zip(axes, ["MiB per step per rank", "step time / dense all-reduce", "train loss, last 10 steps"]):
+        ax.set_xticks(range(len(methods)), methods)
+        ax.set_title(title)
+    axes[1].legend(title="link", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(links))
+    fig.suptitle("Gradient communication on an emulated network (network namespaces + tc tbf)")
+    return table, fig, notes
+
+
+if __name__ == "__main__":
+    main()
