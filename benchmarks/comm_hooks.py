@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -104,7 +103,9 @@ def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int,
 
 def run_config(link: str, method: str, steps: int, batch: int, world: int) -> tuple[dict, str]:
     from hf_dtrain.testing import free_port
-    from hf_dtrain.testing.netns import available, emulated_hosts, run_on_hosts
+    import os
+
+    from hf_dtrain.testing.netns import available, emulated_hosts, run_on_hosts, run_ranks
 
     port = str(free_port())
 
@@ -119,9 +120,7 @@ def run_config(link: str, method: str, steps: int, batch: int, world: int) -> tu
             outs = run_on_hosts(hosts, argv, timeout=3600)
         where = f"{world} network namespaces, veth + tc tbf {link} each way"
     else:  # loopback: same processes, no rate limit
-        procs = [subprocess.Popen(argv(r, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
-        outs = [p.communicate(timeout=3600)[0] for p in procs]
+        outs = run_ranks([argv(r, None) for r in range(world)], [dict(os.environ)] * world, timeout=3600)
         where = f"loopback, no rate limit ({why})"
     result = json.loads(outs[0].split("RESULT ", 1)[1])
     return result, where

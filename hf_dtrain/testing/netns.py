@@ -113,19 +113,25 @@ def run_on_hosts(hosts: list[Host], argv, timeout: float = 300, env: Optional[di
     """Run ``argv(rank, hosts)`` (a list of strings) in every host's namespace at once, with ``GLOO_SOCKET_IFNAME``
     set to the host's interface; return each rank's stdout. Every process is killed after ``timeout`` seconds;
     a failure or a timeout raises with the failing rank's stderr."""
+    commands = [host.command(argv(rank, hosts)) for rank, host in enumerate(hosts)]
+    envs = [dict(os.environ, GLOO_SOCKET_IFNAME=host.interface, **(env or {})) for host in hosts]
+    return run_ranks(commands, envs, timeout)
+
+
+def run_ranks(commands: list[list[str]], envs: list[dict], timeout: float = 300) -> list[str]:
+    """Start every rank's command at once and return each stdout; kill all after ``timeout`` seconds; raise with the
+    first failing rank's stderr. Output goes to files, not pipes: a rank blocked on a full pipe would stall the
+    collective its peers wait in."""
     import tempfile
     import time
 
     procs, files = [], []
     deadline = time.monotonic() + timeout
     try:
-        for rank, host in enumerate(hosts):
-            full_env = dict(os.environ, GLOO_SOCKET_IFNAME=host.interface, **(env or {}))
-            # files, not pipes: a rank blocked on a full pipe would stall the collective its peers wait in
+        for command, full_env in zip(commands, envs):
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             files.append((out, err))
-            procs.append(subprocess.Popen(host.command(argv(rank, hosts)), env=full_env, stdout=out, stderr=err,
-                                          text=True))
+            procs.append(subprocess.Popen(command, env=full_env, stdout=out, stderr=err, text=True))
         for proc in procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
