@@ -14,6 +14,7 @@ the same link, and the training loss (mean of the last 10 steps) after the same 
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -94,6 +95,12 @@ def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int,
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
+    # Drop DDP before the process group. Otherwise the Reducer, freed from Python with the GIL held, drops the last
+    # reference to the gloo group, whose destructor joins its worker threads while one of them waits for the GIL to
+    # free the all-gather's tensors: a deadlock at exit, seen here as "rank 0 done, rank 1 never exits"
+    # (pytorch/pytorch#56297). destroy_process_group releases the GIL before destroying the group.
+    del ddp, opt
+    gc.collect()
     dist.destroy_process_group()
     return {"method": method, "bytes_per_step": sent, "dense_bytes": sum(p.numel() * 4 for p in model.parameters()),
             "step_time_median_s": statistics.median(times[len(times) // 2:]),

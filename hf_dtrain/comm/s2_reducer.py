@@ -3,7 +3,8 @@
 Ge et al., arXiv 2110.02140 (no public code; the recipe is the standard count sketch the paper builds on). For a bucket
 of ``n`` gradient values of which few are nonzero (embedding rows of the tokens in the batch, for example):
 
-1. ``bitmap = (g != 0)``, all-reduced with MAX: the union ``U`` of nonzero positions over ranks (``n`` bytes);
+1. ``bitmap = (g != 0)``, packed 8 positions per byte and all-reduced with bitwise OR: the union ``U`` of nonzero
+   positions over ranks (``n / 8`` bytes);
 2. ``d`` rows of ``w = ceil(width_factor * |U|)`` counters; position ``i`` adds ``s_j(i) g_i`` to row ``j`` at
    ``h_j(i)`` (hashes and signs drawn from a seed shared by all ranks); the sketch is all-reduced with SUM
    (``d w`` values: the sketch is linear, so the sum of sketches is the sketch of the sum);
@@ -13,9 +14,9 @@ of ``n`` gradient values of which few are nonzero (embedding rows of the tokens 
 Exactness: a row's estimate of position ``i`` is exact when no other position of ``U`` shares its counter in that row;
 the median is exact when more than half of the rows are exact for ``i``. With ``w = c |U|`` a given row collides for
 ``i`` with probability about ``1 - exp(-1/c)``. Otherwise the error of the estimate is bounded by the colliding values
-in the rows that make the median. When ``|U|`` is too large for the sketch to win (bitmap plus sketch bytes, ``n + 4 d w``
-in fp32, not below the ``4 n`` of a dense all-reduce), the bucket falls back to the dense all-reduce (counted, with the
-bitmap it already sent).
+in the rows that make the median. When ``|U|`` is too large for the sketch to win (bitmap plus sketch bytes,
+``n / 8 + 4 d w`` in fp32, not below the ``4 n`` of a dense all-reduce), the bucket falls back to the dense all-reduce
+(counted, with the bitmap it already sent: at most 1/32 more than dense for fp32).
 """
 
 import math
@@ -59,6 +60,23 @@ class S2ReducerState:
             raise ValueError(f"S2ReducerState.width_factor must be >= 1, got {self.width_factor!r}.")
 
 
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean vector as uint8, 8 positions per byte (little-endian bit order, zero-padded)."""
+    n = mask.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask.reshape(-1)
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` positions as a boolean vector."""
+    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)).ne(0)
+    return bits.reshape(-1)[:n]
+
+
 def _hashes(state: S2ReducerState, n: int, width: int, bucket_index: int, device):
     gen = torch.Generator().manual_seed(state.seed * 1_000_003 + bucket_index * 7919 + state.iter * 104_729 + width)
     h = torch.randint(0, width, (state.rows, n), generator=gen)
@@ -75,10 +93,10 @@ def s2_reducer_hook(state: S2ReducerState, bucket: dist.GradBucket) -> torch.fut
     n = buffer.numel()
     last = bucket.is_last()
 
-    bitmap = (buffer != 0).to(torch.uint8)
+    bitmap = pack_bits(buffer != 0)
     state.stats.add(bitmap)
-    dist.all_reduce(bitmap, op=dist.ReduceOp.MAX, group=group)  # small and synchronous: the sketch size depends on it
-    union = bitmap.nonzero().flatten()
+    dist.all_reduce(bitmap, op=dist.ReduceOp.BOR, group=group)  # small and synchronous: the sketch size depends on it
+    union = unpack_bits(bitmap, n).nonzero().flatten()
     width = max(1, math.ceil(state.width_factor * union.numel()))
 
     def finish(out):

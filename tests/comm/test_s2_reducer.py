@@ -63,10 +63,10 @@ def _s2_rank(rank, world, kind):
                 checked["union"] += union.numel()
                 checked["max_err"] = max(checked["max_err"], float((out - reference).abs().max()))
                 width = math.ceil(st.width_factor * union.numel())
-                checked["expected_bytes"].append(n + st.rows * width * 4)
+                checked["expected_bytes"].append((n + 7) // 8 + st.rows * width * 4)
             else:
                 torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)  # dense fallback: exact
-                checked["expected_bytes"].append(n + n * 4)
+                checked["expected_bytes"].append((n + 7) // 8 + n * 4)
             return out
 
         return fut.then(check)
@@ -100,6 +100,19 @@ def _s2_rank(rank, world, kind):
 @pytest.mark.parametrize("kind", ["sparse", "dense"])
 def test_s2_reducer_exact_where_recovered_and_dense_fallback(world, kind):
     run_distributed(_s2_rank, world_size=world, args=(kind,), timeout=180)
+
+
+def test_bitmap_packing_roundtrip():
+    from hf_dtrain.comm.s2_reducer import pack_bits, unpack_bits
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 1000):
+        a = torch.rand(n, generator=gen) < 0.3
+        b = torch.rand(n, generator=gen) < 0.3
+        pa, pb = pack_bits(a), pack_bits(b)
+        assert pa.dtype == torch.uint8 and pa.numel() == (n + 7) // 8
+        assert torch.equal(unpack_bits(pa, n), a)
+        assert torch.equal(unpack_bits(pa | pb, n), a | b)  # what the BOR all-reduce computes
 
 
 def test_bad_state():
