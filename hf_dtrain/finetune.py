@@ -62,8 +62,8 @@ class FinetuneConfig:
         "help": "qahira: output repeat factor; default the divisor of every target's out_features whose parameter "
                 "count is closest to lora's at lora_r."})
     comm_hook: str | None = field(default=None, metadata={
-        "help": "Gradient communication under DDP: acp_sgd (compressed, hf_dtrain.comm) or allreduce (dense, "
-                "counted); None: DDP's own all-reduce. Needs >= 2 processes."})
+        "help": "Gradient communication under DDP (hf_dtrain.comm): acp_sgd, s2_reducer, dear, embrace or allreduce "
+                "(dense, counted); None: DDP's own all-reduce. Needs >= 2 processes."})
     comm_rank: int = field(default=4, metadata={"help": "acp_sgd: rank of the P/Q factors."})
     comm_start_iter: int = field(default=10, metadata={"help": "acp_sgd: uncompressed all-reduce steps first (>= 2)."})
     target_modules: list[str] | None = field(default=None, metadata={
@@ -85,9 +85,11 @@ class FinetuneConfig:
             raise ValueError(f"method={self.method!r} is unknown; set --method to one of {', '.join(METHODS)}.")
         if isinstance(self.target_modules, str):
             self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
-        if self.comm_hook is not None and self.comm_hook not in ("acp_sgd", "allreduce"):
-            raise ValueError(f"comm_hook={self.comm_hook!r} is unknown; set --comm-hook to acp_sgd or allreduce (or "
-                             "leave it out).")
+        from hf_dtrain.comm import METHODS as COMM_METHODS
+
+        if self.comm_hook is not None and self.comm_hook not in COMM_METHODS:
+            raise ValueError(f"comm_hook={self.comm_hook!r} is unknown; set --comm-hook to one of "
+                             f"{', '.join(COMM_METHODS)} (or leave it out).")
         if self.quantize is not None:
             self.quantize = str(self.quantize).lower()
             if self.quantize in ("none", ""):
@@ -337,6 +339,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         use_cpu=use_cpu, report_to=[], save_strategy="no", eval_strategy="no", logging_steps=cfg.logging_steps,
         disable_tqdm=not cfg.progress, remove_unused_columns=False, dataloader_num_workers=0,
         ddp_find_unused_parameters=False if cfg.method != "full" else None,
+        # DeAR averages the gradients after step() is called: clipping local gradients would be wrong
+        max_grad_norm=0.0 if cfg.comm_hook == "dear" else 1.0,
     )
     # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
     world_size = args.world_size

@@ -47,7 +47,7 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
         main(["finetune", "--recipe", str(recipe)])
     with pytest.raises(SystemExit):  # argparse rejects it with the valid choices
         main(["finetune", "--method", "qlora"])
-    with pytest.raises(ValueError, match=r"comm_hook='topk' is unknown; set --comm-hook to acp_sgd or allreduce"):
+    with pytest.raises(ValueError, match=r"comm_hook=.topk. is unknown; set --comm-hook to one of allreduce, acp_sgd"):
         FinetuneConfig(comm_hook="topk")
     with pytest.raises(ValueError, match="one of lora, dora, lorafa, smt, qbara, qahira, full"):
         FinetuneConfig(method="adapter")
@@ -198,3 +198,27 @@ def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_
     if method == "lorafa":
         assert r["comm"]["method"] == "acp_sgd" and r["comm"]["steps"] == 300  # the hook ran on every step
     assert proc.stdout.count("| method") == 1  # only rank 0 reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_hook", ["dear", "embrace"])
+def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_hook):
+    """Full fine-tuning under accelerate launch (2 gloo ranks) with --comm-hook: the Trainer callback registers the
+    method (EmbRace takes the embeddings out of DDP before the Trainer wraps the model; DeAR's deferred update is
+    applied before the evaluation), every step goes through it, the replicas agree and the loss falls."""
+    from hf_dtrain.testing import free_port
+
+    out = tmp_path / comm_hook
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
+           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", "full",
+           "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "1000",
+           "--eval-size", "10", "--max-steps", "40", "--learning-rate", "1e-3", "--progress", "false",
+           "--logging-steps", "1000", "--comm-hook", comm_hook]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.load(open(out / "results.json"))
+    assert r["world_size"] == 2 and r["replicas_identical"]
+    assert r["comm"]["method"] == comm_hook and r["comm"]["steps"] == 40  # the method ran on every step
+    assert r["eval_loss_after"] < r["eval_loss_before"]

@@ -1,10 +1,12 @@
-"""DDP communication hooks for Accelerate, the Trainer and plain DDP (issue 4, in progress).
+"""DDP communication hooks for Accelerate, the Trainer, plain DDP and DeepSpeed stage 0.
 
 ``register(model, config)`` after ``accelerator.prepare(model)`` (Accelerate's ``DistributedDataParallelKwargs``
-silently ignores a callable ``comm_hook``), or :class:`hf_dtrain.callbacks.CommHookCallback` with the Trainer.
+silently ignores a callable ``comm_hook``), :class:`hf_dtrain.callbacks.CommHookCallback` with the Trainer, or
+:func:`hf_dtrain.comm.deepspeed.register_deepspeed` on a DeepSpeed engine.
 
-Methods here: ``"allreduce"`` (the dense baseline, counted), ``"acp_sgd"`` (:mod:`hf_dtrain.comm.acp_sgd`),
-``"s2_reducer"`` (:mod:`hf_dtrain.comm.s2_reducer`).
+Methods: ``"allreduce"`` (the dense baseline, counted), ``"acp_sgd"`` (:mod:`hf_dtrain.comm.acp_sgd`),
+``"s2_reducer"`` (:mod:`hf_dtrain.comm.s2_reducer`), ``"dear"`` (:mod:`hf_dtrain.comm.dear`; needs the optimizer),
+``"embrace"`` (:mod:`hf_dtrain.comm.embrace`; call :func:`exclude_embeddings` before wrapping).
 """
 
 
@@ -17,9 +19,11 @@ import torch.distributed as dist
 
 from ..distributed import WireStats, check_same_across_ranks, world_size_of
 from .acp_sgd import ACPSGDState, acp_sgd_hook, acp_sgd_step_bytes
+from .dear import DeARState, dear_hook, dear_step_bytes
+from .embrace import EXCHANGES, EmbRaceState, embrace_dense_hook, embrace_step_bytes, exclude_embeddings
 from .s2_reducer import S2ReducerState, s2_reducer_hook
 
-METHODS = ("allreduce", "acp_sgd", "s2_reducer")
+METHODS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace")
 
 
 @dataclass
@@ -61,10 +65,13 @@ class CommHookConfig:
     seed: int = 0
     sketch_rows: int = 3
     sketch_width_factor: float = 4.0
+    exchange: str = "allgather"  # EmbRace: "allgather" or "alltoall"
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"CommHookConfig.method={self.method!r} is unknown; use one of {', '.join(METHODS)}.")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"CommHookConfig.exchange={self.exchange!r} is unknown; use one of {', '.join(EXCHANGES)}.")
 
     @classmethod
     def from_any(cls, config: Union["CommHookConfig", dict, str, None]) -> "CommHookConfig":
@@ -95,10 +102,19 @@ def _ddp_module(model):
     )
 
 
-def register(model, config: Union[CommHookConfig, dict, str, None] = None, process_group=None):
+def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or the optimizer itself)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def register(model, config: Union[CommHookConfig, dict, str, None] = None, process_group=None, optimizer=None):
     """Register the configured hook on a DDP-wrapped model; returns the hook's state (``state.stats`` counts the
-    bytes of every step). Errors (``TypeError``/``ValueError``) for an unwrapped model, a world of one process, a
-    rank that exceeds a gradient matrix's dimension, or a config that differs across ranks."""
+    bytes of every step). ``optimizer`` is needed by ``"dear"`` (its update is deferred to the next forward).
+    Errors (``TypeError``/``ValueError``) for an unwrapped model, a world of one process, a rank that exceeds a
+    gradient matrix's dimension, a config that differs across ranks, DeAR without its optimizer, or EmbRace on a model
+    whose embeddings were not excluded from DDP before wrapping."""
     ddp = _ddp_module(model)
     config = CommHookConfig.from_any(config)
     if world_size_of(process_group) < 2:
@@ -108,6 +124,19 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
     if config.method == "allreduce":
         state = DenseState(process_group=process_group)
         ddp.register_comm_hook(state, dense_allreduce_hook)
+        return state
+    if config.method == "dear":
+        if optimizer is None:
+            raise ValueError("DeAR defers the optimizer update to the next forward and needs the optimizer: "
+                             "register(model, 'dear', optimizer=optimizer) with the prepared optimizer.")
+        state = DeARState(process_group=process_group)
+        state.attach(ddp, unwrap_optimizer(optimizer))
+        ddp.register_comm_hook(state, dear_hook)
+        return state
+    if config.method == "embrace":
+        state = EmbRaceState(process_group=process_group, exchange=config.exchange)
+        state.attach(ddp)
+        ddp.register_comm_hook(state, embrace_dense_hook)
         return state
     if config.method == "s2_reducer":
         state = S2ReducerState(process_group=process_group, rows=config.sketch_rows,
@@ -122,5 +151,7 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
     return state
 
 
-__all__ = ["CommHookConfig", "register", "DenseState", "dense_allreduce_hook", "ACPSGDState", "acp_sgd_hook",
-           "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "WireStats"]
+__all__ = ["CommHookConfig", "register", "unwrap_optimizer", "DenseState", "dense_allreduce_hook", "ACPSGDState",
+           "acp_sgd_hook", "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "DeARState", "dear_hook",
+           "dear_step_bytes", "EmbRaceState", "embrace_dense_hook", "embrace_step_bytes", "exclude_embeddings",
+           "WireStats"]

@@ -1,12 +1,16 @@
 """The HF Trainer's way in: the Trainer has no comm-hook option and its callbacks only see the unwrapped model, so the
 callback is attached to a trainer and registers on ``trainer.model_wrapped`` (the DDP model) at ``on_train_begin``,
-before the first backward."""
+before the first backward.
+
+EmbRace: ``attach`` excludes the embeddings from DDP at once (the Trainer wraps the model inside ``train()``). DeAR:
+the deferred update is applied before every save, evaluation, and at the end of training; the Trainer's gradient
+clipping would clip local gradients, so DeAR needs ``max_grad_norm=0``."""
 
 from typing import Optional, Union
 
 from transformers import TrainerCallback
 
-from . import CommHookConfig, register
+from . import CommHookConfig, exclude_embeddings, register
 
 
 class CommHookCallback(TrainerCallback):
@@ -26,6 +30,8 @@ class CommHookCallback(TrainerCallback):
     def attach(cls, trainer, config: Union[CommHookConfig, dict, str, None] = None) -> "CommHookCallback":
         callback = cls(config)
         callback.trainer = trainer
+        if callback.config.method == "embrace":
+            exclude_embeddings(trainer.model)
         trainer.add_callback(callback)
         return callback
 
@@ -35,7 +41,24 @@ class CommHookCallback(TrainerCallback):
                              "CommHookCallback.attach(trainer, config) instead of callbacks=[CommHookCallback()].")
         if self.state is not None:  # a second train() on the same wrapped model: the hook is already in place
             return
-        self.state = register(self.trainer.model_wrapped, self.config)
+        if self.config.method == "dear" and args.max_grad_norm:
+            raise ValueError(f"DeAR averages gradients after optimizer.step() is called, so the Trainer's gradient "
+                             f"clipping (max_grad_norm={args.max_grad_norm}) would clip local gradients; set "
+                             "TrainingArguments(max_grad_norm=0) (--max_grad_norm 0).")
+        self.state = register(self.trainer.model_wrapped, self.config, optimizer=self.trainer.optimizer)
+
+    def _flush(self):
+        if self.state is not None and hasattr(self.state, "flush"):
+            self.state.flush()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # DeAR: the last update is deferred to the next forward; apply it before the weights are read
+        if control.should_save or control.should_evaluate or control.should_training_stop or (
+                state.max_steps and state.global_step >= state.max_steps):
+            self._flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._flush()
 
     def summary(self) -> Optional[dict]:
         """Bytes per step of the finished steps (None before training)."""

@@ -1,0 +1,99 @@
+"""EmbRace on 2 and 3 gloo ranks: embedding gradients as (index, row) pairs by all-gather or all-to-all, the rest by
+DDP. Gradients equal DDP's dense average (with a no_sync micro-step too), the dense fallback is exact, bytes equal the
+formula, and a model whose embeddings were left in DDP is refused."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_dtrain.testing import run_distributed
+
+
+class _EmbModel(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, 8)
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids).mean(1)).pow(2).sum()
+
+
+def _embrace_rank(rank, world, exchange, kind):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_dtrain.comm as comm
+
+    vocab = 500 if kind == "sparse" else 6
+    ref = DDP(_EmbModel(vocab))
+    plain = _EmbModel(vocab)
+    assert comm.exclude_embeddings(plain) == ["emb.weight"]
+    model = DDP(plain)
+    state = comm.register(model, {"method": "embrace", "exchange": exchange})
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        batches = [torch.randint(0, vocab, (4, 6), generator=gen) for _ in range(2 if step == 1 else 1)]
+        for m in (ref, model):
+            for i, ids in enumerate(batches):
+                if i < len(batches) - 1:
+                    with m.no_sync():  # gradient accumulation: local, exchanged on the synchronising micro-step
+                        m(ids).backward()
+                else:
+                    m(ids).backward()
+        touched = torch.tensor([torch.cat([b.flatten() for b in batches]).unique().numel()])
+        all_touched = [torch.zeros_like(touched) for _ in range(world)]
+        dist.all_gather(all_touched, touched)
+        for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
+            if world == 2:
+                assert torch.equal(p.grad, q.grad), name  # sums of two values: order-free
+            else:
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-6)
+        if kind == "sparse" and exchange == "allgather":
+            max_k = int(torch.stack(all_touched).max())
+            assert state.stats.steps[-1] == comm.embrace_step_bytes([8 * 4 + 4], max_k, 8, world)
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+    assert state.iter == 3
+    if kind == "sparse":
+        assert state.sparse_steps == 3 and state.dense_steps == 0
+        assert max(state.stats.steps) < (500 * 8 + 36) * 4 / 2  # well under the dense all-reduce
+    else:
+        assert state.dense_steps == 3 and state.sparse_steps == 0
+        assert state.stats.steps[-1] == (36 + 6 * 8) * 4 + 8
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("exchange", ["allgather", "alltoall"])
+def test_embrace_equals_dense_average(world, exchange):
+    run_distributed(_embrace_rank, world_size=world, args=(exchange, "sparse"), timeout=180)
+
+
+def test_embrace_dense_fallback_is_exact():
+    run_distributed(_embrace_rank, world_size=2, args=("allgather", "dense"), timeout=180)
+
+
+def _not_excluded(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_dtrain.comm as comm
+
+    model = DDP(_EmbModel(50))
+    with pytest.raises(ValueError, match=r"still inside DDP\. Call hf_dtrain\.comm\.exclude_embeddings\(model\) before"):
+        comm.register(model, "embrace")
+    with pytest.raises(ValueError, match=r"must run before the model is wrapped"):
+        comm.exclude_embeddings(model)
+
+
+def test_embrace_needs_embeddings_excluded_before_wrapping():
+    run_distributed(_not_excluded, world_size=2, timeout=120)
+
+
+def test_embrace_bad_config():
+    from hf_dtrain.comm import CommHookConfig, exclude_embeddings
+
+    with pytest.raises(ValueError, match=r"exchange='ring' is unknown; use one of allgather, alltoall"):
+        CommHookConfig(method="embrace", exchange="ring")
+    with pytest.raises(ValueError, match=r"found no trainable nn.Embedding"):
+        exclude_embeddings(nn.Linear(3, 3))
