@@ -23,9 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-METHODS = ["allreduce", "fp16", "powersgd", "acp_sgd", "s2_reducer"]
-RANK = 4
-START = 10
+METHODS = ["allreduce", "fp16", "powersgd", "acp_sgd", "s2_reducer", "dear", "embrace"]
+OURS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace")
+RANK = 4  # --rank
+START = 10  # --start-iter
 
 
 def torch_hook_bytes(method: str, model) -> int:
@@ -45,7 +46,7 @@ def torch_hook_bytes(method: str, model) -> int:
     return total
 
 
-def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int, batch: int) -> dict:
+def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int, batch: int, lr: float) -> dict:
     from datetime import timedelta
 
     import torch
@@ -62,10 +63,13 @@ def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int,
                             timeout=timedelta(seconds=300))
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(None, progress=False)
+    if method == "embrace":
+        comm.exclude_embeddings(model)  # before DDP wraps the model
     ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
     state = None
-    if method in ("allreduce", "acp_sgd", "s2_reducer"):
-        state = comm.register(ddp, {"method": method, "rank": RANK, "start_iter": START})
+    if method in OURS:
+        state = comm.register(ddp, {"method": method, "rank": RANK, "start_iter": START}, optimizer=opt)
     elif method == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
@@ -78,7 +82,6 @@ def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int,
                                powerSGD_hook)
     data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank, split="train")
     loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))
-    opt = torch.optim.AdamW(ddp.parameters(), lr=5e-4)
     times, losses = [], []
     for b in loader:
         t0 = time.perf_counter()
@@ -88,6 +91,8 @@ def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int,
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    if method == "dear":
+        state.flush()  # the last update is deferred to a next forward that does not come
     if state is not None:
         sent = state.stats.steps[-1]
     else:
@@ -108,7 +113,7 @@ def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int,
             "replicas_identical": all(torch.equal(gathered[0], g) for g in gathered)}
 
 
-def run_config(link: str, method: str, steps: int, batch: int, world: int) -> tuple[dict, str]:
+def run_config(link: str, method: str, steps: int, batch: int, world: int, extra: list[str]) -> tuple[dict, str]:
     from hf_dtrain.testing import free_port
     import os
 
@@ -119,7 +124,7 @@ def run_config(link: str, method: str, steps: int, batch: int, world: int) -> tu
     def argv(rank, hosts):
         addr = hosts[0].address if hosts else "127.0.0.1"
         return [sys.executable, __file__, "--worker", f"{rank}:{world}:{addr}:{port}:{method}", "--steps", str(steps),
-                "--batch-size", str(batch)]
+                "--batch-size", str(batch)] + extra
 
     ok, why = available() if link != "loopback" else (False, "--links loopback asked for it")
     if ok:
@@ -134,6 +139,7 @@ def run_config(link: str, method: str, steps: int, batch: int, world: int) -> tu
 
 
 def main():
+    global RANK, START
     from _report import rerender, training_parser
 
     ap = training_parser(__doc__, {})
@@ -141,14 +147,21 @@ def main():
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--name", default="comm_hooks", help="results file name under benchmarks/results/")
+    ap.add_argument("--rank", type=int, default=RANK, help="rank of PowerSGD's and ACP-SGD's factors")
+    ap.add_argument("--start-iter", type=int, default=START, help="dense warm-up steps of the compressing hooks")
+    ap.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate (every method)")
     ap.set_defaults(steps=60)
     args = ap.parse_args()
+    RANK, START = args.rank, args.start_iter
+    if "allreduce" not in args.methods.split(","):
+        ap.error("--methods must include allreduce: every ratio is taken against it")
     if args.from_json:
         rerender(args.from_json, args.name, render)
         return
     if args.worker:
         rank, world, addr, port, method = args.worker.split(":")
-        print("RESULT " + json.dumps(worker(int(rank), int(world), addr, port, method, args.steps, args.batch_size)))
+        print("RESULT " + json.dumps(worker(int(rank), int(world), addr, port, method, args.steps, args.batch_size,
+                                            args.learning_rate)))
         return
     from tqdm import tqdm
 
@@ -158,14 +171,15 @@ def main():
     rows = []
     for link, method in tqdm([(l, m) for l in args.links.split(",") for m in args.methods.split(",")],
                              desc="link x method"):
-        result, where = run_config(link, method, args.steps, args.batch_size, args.world)
+        extra = ["--rank", str(args.rank), "--start-iter", str(args.start_iter), "--learning-rate", str(args.learning_rate)]
+        result, where = run_config(link, method, args.steps, args.batch_size, args.world, extra)
         rows.append(dict(result, link=link, network=where))
     for r in rows:
         ref = next(x for x in rows if x["link"] == r["link"] and x["method"] == "allreduce")
         r["step_time_vs_dense"] = r["step_time_median_s"] / ref["step_time_median_s"]
         r["bytes_vs_dense"] = r["bytes_per_step"] / ref["bytes_per_step"]
         r["loss_vs_dense"] = r["loss_last10"] / ref["loss_last10"]
-    payload = {"rows": rows, "args": vars(args), "rank": RANK, "start_iter": START}
+    payload = {"rows": rows, "args": vars(args), "rank": args.rank, "start_iter": args.start_iter}
     from _report import write
 
     table, fig, notes = render(payload)
@@ -188,7 +202,7 @@ def render(payload: dict):
     ])
     where = sorted({r["network"] for r in rows})
     notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA, 3.1M parameters), {args['world']} ranks, "
-             f"{args['steps']} AdamW steps (lr 5e-4) of batch {args['batch_size']} per rank on the addition task, gloo. "
+             f"{args['steps']} AdamW steps (lr {args.get('learning_rate', 5e-4)}) of batch {args['batch_size']} per rank on the addition task, gloo. "
              f"Network: {'; '.join(where)}. Compressing hooks: rank {payload['rank']}, {payload['start_iter']} dense "
              "warm-up steps. Bytes: what each rank hands to collectives in one compressed step (ours counted by "
              "hf_dtrain.distributed.WireStats; torch's fp16 and PowerSGD by their compression rules). Step time: "

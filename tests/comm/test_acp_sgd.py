@@ -160,3 +160,55 @@ def test_accelerate_way_in_registers_on_the_prepared_model(tmp_path):
     assert reports[0]["param_checksum"] == reports[1]["param_checksum"]
     sent = reports[0]["bytes_per_step"]
     assert len(set(sent[:4])) == 1 and max(sent[4:]) < sent[0] / 4
+
+
+CONV_STEPS, CONV_RANK, CONV_LR = 150, 8, 5e-4
+
+
+def _convergence_rank(rank, world, base, out_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+
+    import hf_dtrain.comm as comm
+    from hf_dtrain.data import tasks
+    from hf_dtrain.models import load_model_and_tokenizer
+
+    final = {}
+    for method in ("allreduce", "acp_sgd"):
+        torch.manual_seed(0)
+        model, tok = load_model_and_tokenizer(base, progress=False)
+        ddp = DDP(model)
+        state = comm.register(ddp, {"method": method, "rank": CONV_RANK, "start_iter": 10})
+        data = tasks.make_task_dataset(tok, CONV_STEPS * 16, seed=100 + rank, split="train", digits=2)
+        loader = DataLoader(data, batch_size=16, collate_fn=tasks.task_collator(tok))
+        opt = torch.optim.AdamW(ddp.parameters(), lr=CONV_LR)
+        losses = []
+        for batch in loader:
+            loss = ddp(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        # the training loss of both ranks' batches, mean of the last 20 steps
+        last = torch.tensor(sum(losses[-20:]) / 20)
+        torch.distributed.all_reduce(last)
+        final[method] = float(last) / world
+        final[method + "_bytes"] = state.stats.steps[-1]
+        del ddp, opt
+    if rank == 0:
+        with open(f"{out_dir}/convergence.json", "w") as f:
+            json.dump(final, f)
+
+
+@pytest.mark.slow
+def test_acp_sgd_with_error_feedback_converges_within_5pct_of_dense(tmp_path):
+    """Full fine-tuning of the (test-size) default model, 2 ranks, 150 AdamW steps: ACP-SGD at rank 8 with error
+    feedback ends within 5% of the dense all-reduce's training loss while sending a small fraction of its bytes.
+    (Rank 4 on the same run: about 6% above dense; docs/comm.md has the measured figures.)"""
+    from hf_dtrain.testing import tiny_default_base
+
+    base = tiny_default_base(tmp_path / "cache", steps=200)
+    run_distributed(_convergence_rank, world_size=2, args=(base, str(tmp_path)), timeout=600, pg_timeout_s=300)
+    r = json.load(open(tmp_path / "convergence.json"))
+    assert r["acp_sgd"] <= 1.05 * r["allreduce"], r
+    assert r["acp_sgd_bytes"] < r["allreduce_bytes"] / 5, r
