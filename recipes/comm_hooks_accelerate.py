@@ -1,11 +1,14 @@
-"""Full fine-tuning with Accelerate and an hf_dtrain communication hook: one call after ``accelerator.prepare``.
+"""Full fine-tuning with Accelerate and an hf_dtrain communication method: one call after ``accelerator.prepare``.
 
     ACCELERATE_USE_CPU=true accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml \\
         recipes/comm_hooks_accelerate.py --method acp_sgd --rank 4 --steps 200
+    ... recipes/comm_hooks_accelerate.py --hook-config recipes/comm_acp_sgd.yaml   # the method's settings as YAML
 
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only its own enum and silently ignores a
-callable, so the hook is registered on the prepared (DDP) model with ``hf_dtrain.comm.register``. Prints the loss and
-the bytes per step; ``--out`` writes them, with a checksum of each rank's parameters, as JSON.
+callable, so the hook is registered on the prepared (DDP) model with ``hf_dtrain.comm.register``. EmbRace needs the
+embeddings out of DDP before ``prepare`` (``hf_dtrain.comm.exclude_embeddings``); DeAR needs the optimizer and applies
+its last update at ``state.flush()``. Prints the loss and the bytes per step; ``--out`` writes them, with a checksum of
+each rank's parameters, as JSON.
 """
 
 import argparse
@@ -18,7 +21,9 @@ import torch
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="base model path or hub id (default: the embedded default)")
-    ap.add_argument("--method", default="acp_sgd", help="acp_sgd or allreduce")
+    ap.add_argument("--method", default="acp_sgd", help="allreduce, acp_sgd, s2_reducer, dear or embrace")
+    ap.add_argument("--hook-config", default=None, help="YAML file with the method's settings (CommHookConfig keys; "
+                    "overrides --method/--rank/--start-iter)")
     ap.add_argument("--rank", type=int, default=4)
     ap.add_argument("--start-iter", type=int, default=10)
     ap.add_argument("--steps", type=int, default=200)
@@ -41,9 +46,19 @@ def main(argv=None):
     train = tasks.make_task_dataset(tok, args.steps * args.batch_size * accelerator.num_processes, seed=0, split="train")
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=tasks.task_collator(tok),
                         generator=torch.Generator().manual_seed(0))
+    if args.hook_config:
+        import yaml
+
+        with open(args.hook_config) as f:
+            hook_config = hf_dtrain.comm.CommHookConfig.from_any(yaml.safe_load(f)["comm_hook"])
+    else:
+        hook_config = hf_dtrain.comm.CommHookConfig(method=args.method, rank=args.rank, start_iter=args.start_iter)
+    args.method = hook_config.method
+    if hook_config.method == "embrace":
+        hf_dtrain.comm.exclude_embeddings(model)  # before prepare wraps the model in DDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    state = hf_dtrain.comm.register(model, {"method": args.method, "rank": args.rank, "start_iter": args.start_iter})
+    state = hf_dtrain.comm.register(model, hook_config, optimizer=optimizer)
 
     model.train()
     losses = []
@@ -55,6 +70,8 @@ def main(argv=None):
         losses.append(loss.item())
         if len(losses) == args.steps:
             break
+    if hasattr(state, "flush"):
+        state.flush()  # DeAR: the last update waits for a next forward that does not come
     steps = state.stats.steps
     report = {"method": args.method, "world_size": accelerator.num_processes, "steps": len(losses),
               "hook_steps": len(steps), "bytes_per_step": steps, "final_loss_mean_last10": sum(losses[-10:]) / 10,

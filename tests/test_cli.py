@@ -222,3 +222,24 @@ def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_
     assert r["world_size"] == 2 and r["replicas_identical"]
     assert r["comm"]["method"] == comm_hook and r["comm"]["steps"] == 40  # the method ran on every step
     assert r["eval_loss_after"] < r["eval_loss_before"]
+
+
+def test_every_committed_recipe_loads():
+    """A typo in a committed recipe fails here, not in a user's run: finetune recipes become FinetuneConfig, the
+    communication-method recipes become CommHookConfig."""
+    import glob
+
+    import yaml
+
+    from hf_dtrain.comm import CommHookConfig
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    finetune = sorted(glob.glob(os.path.join(root, "recipes", "finetune_*.yaml")))
+    comm = sorted(glob.glob(os.path.join(root, "recipes", "comm_*.yaml")))
+    assert len(finetune) >= 6 and comm
+    for path in finetune:
+        cfg = _cfg(["--recipe", path])
+        assert cfg.method == yaml.safe_load(open(path))["method"]
+    for path in comm:
+        data = yaml.safe_load(open(path))["comm_hook"]
+        assert CommHookConfig.from_any(data).method == data["method"]

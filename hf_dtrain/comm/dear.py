@@ -4,7 +4,8 @@ Zhang, Shi, Li (ICDCS 2023, arXiv 2302.12445; code lzhangbv/dear_pytorch on Horo
 reduce-scatter followed by an all-gather. DeAR splits the two halves across iterations:
 
 1. **backward**: when DDP hands over a bucket (DDP's buckets are DeAR's fusion groups: ``bucket_cap_mb`` is the fusion
-   threshold), start an asynchronous reduce-scatter of it; each rank ends with one shard of the summed bucket;
+   threshold), start an asynchronous reduce-scatter of it; each rank ends with one shard of the summed bucket (on
+   gloo, whose reduce-scatter is one all-reduce per rank, an all-to-all of the shards and a local sum);
 2. **optimizer step**: wait for the reduce-scatters, start the all-gathers of the shards (in forward order), and do
    not update yet;
 3. **next forward**: a forward pre-hook on the first module that uses a bucket's parameters waits for that bucket's
@@ -38,6 +39,13 @@ def _reduce_scatter(output, input, group):
     return fn(output, input, group=group, async_op=True)
 
 
+def _native_reduce_scatter(group) -> bool:
+    """gloo's reduce-scatter is one all-reduce per rank (world times a ring all-reduce's bytes); there DeAR sends the
+    shards with an all-to-all (each rank sends (N - 1) / N of the buffer, the reduce-scatter's volume) and sums
+    locally. NCCL (and the rest) use the native reduce-scatter."""
+    return dist.get_backend(group) != "gloo"
+
+
 def _all_gather(output, input, group):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=True)
@@ -51,6 +59,7 @@ class _Bucket:
     flat: torch.Tensor  # padded to a multiple of the world size; reduce-scatter input, then all-gather output
     shard: torch.Tensor
     work: object = None  # the reduce-scatter, then the all-gather
+    received: Optional[torch.Tensor] = None  # gloo: every rank's copy of this rank's shard, from the all-to-all
     gathering: bool = False
 
 
@@ -97,6 +106,9 @@ class DeARState:
         for idx in sorted(self.reduced, reverse=True):
             b = self.reduced[idx]
             b.work.wait()
+            if b.received is not None:  # the all-to-all reduce-scatter: sum the shards in rank order
+                torch.sum(b.received.view(world_size_of(group), -1), dim=0, out=b.shard)
+                b.received = None
             b.work = _all_gather(b.flat, b.shard, group)
             b.gathering = True
             self.ready[idx] = b
@@ -191,7 +203,11 @@ def dear_hook(state: DeARState, bucket: dist.GradBucket) -> torch.futures.Future
     shard = torch.empty(padded // world, dtype=buffer.dtype, device=buffer.device)
     state.stats.add(flat)
     b = _Bucket(index=bucket.index(), params=list(bucket.parameters()), numel=n, flat=flat, shard=shard)
-    b.work = _reduce_scatter(shard, flat, group)
+    if _native_reduce_scatter(group):
+        b.work = _reduce_scatter(shard, flat, group)
+    else:
+        b.received = torch.empty_like(flat)
+        b.work = dist.all_to_all_single(b.received, flat, group=group, async_op=True)
     state.reduced[b.index] = b
     if bucket.is_last():
         state.iter += 1

@@ -26,6 +26,7 @@ the tables stay replicated, which keeps every model and optimizer unchanged (see
 """
 
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -101,7 +102,8 @@ class EmbRaceState:
 
     # -- embedding parameters ---------------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
-        if self._ddp is not None and not self._ddp.require_backward_grad_sync:
+        ddp = self._ddp() if self._ddp is not None else None
+        if ddp is not None and not ddp.require_backward_grad_sync:
             return  # inside no_sync(): accumulate locally, exchange on the synchronising micro-step
         self._queue_end()
         group, world = self.process_group, world_size_of(self.process_group)
@@ -209,7 +211,9 @@ class EmbRaceState:
             raise ValueError(f"EmbRace: the embedding parameter(s) {missing} are still inside DDP. Call "
                              "hf_dtrain.comm.exclude_embeddings(model) before DDP(model) / accelerator.prepare(model) "
                              "(CommHookCallback.attach does it for the Trainer).")
-        self._ddp = ddp_model
+        # a weak reference: the parameters' hooks hold this state, and a cycle through the DDP model would keep it
+        # (and its gloo group) alive until a later garbage collection, possibly past destroy_process_group
+        self._ddp = weakref.ref(ddp_model)
         self._params = params
         for p in params.values():
             p.register_post_accumulate_grad_hook(self._on_grad)

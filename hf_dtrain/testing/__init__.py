@@ -94,6 +94,11 @@ def _distributed_entry(fn, rank: int, world_size: int, port: int, args: tuple, p
     try:
         fn(rank, world_size, *args)
     finally:
+        # free DDP models caught in reference cycles while the group is still registered: a DDP freed after the
+        # group is destroyed drops the group's last reference with the GIL held (pytorch/pytorch#56297)
+        import gc
+
+        gc.collect()
         dist.destroy_process_group()
 
 

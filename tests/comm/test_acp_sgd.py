@@ -147,10 +147,12 @@ def test_accelerate_way_in_registers_on_the_prepared_model(tmp_path):
     from hf_dtrain.testing import free_port, tiny_default_base
 
     base = tiny_default_base(tmp_path / "cache", steps=50)
+    hook_yaml = tmp_path / "hook.yaml"  # the method's settings as a YAML recipe (recipes/comm_acp_sgd.yaml's shape)
+    hook_yaml.write_text("comm_hook:\n  method: acp_sgd\n  rank: 4\n  start_iter: 4\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
            "--main_process_port", str(free_port()), "recipes/comm_hooks_accelerate.py", "--model", base,
-           "--steps", "12", "--start-iter", "4", "--out", str(tmp_path / "out")]
+           "--steps", "12", "--hook-config", str(hook_yaml), "--out", str(tmp_path / "out")]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
