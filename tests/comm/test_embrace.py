@@ -53,6 +53,16 @@ def _embrace_rank(rank, world, exchange, kind):
         if kind == "sparse" and exchange == "allgather":
             max_k = int(torch.stack(all_touched).max())
             assert state.stats.steps[-1] == comm.embrace_step_bytes([8 * 4 + 4], max_k, 8, world)
+        if kind == "sparse" and exchange == "alltoall":
+            # the row count (every path starts with it), counts to each owner, this rank's pairs, the owned count,
+            # the owners' summed rows (padded to the most)
+            ids = [None] * world
+            dist.all_gather_object(ids, torch.cat([b.flatten() for b in batches]).unique().tolist())
+            union = set().union(*map(set, ids))
+            max_owned = max(sum(1 for i in union if i % world == r) for r in range(world))
+            local = len(ids[rank])
+            expected = (8 * 4 + 4) * 4 + 8 + 8 * world + local * (8 + 8 * 4) + 8 + max_owned * (8 + 8 * 4)
+            assert state.stats.steps[-1] == expected, (state.stats.steps[-1], expected)
         for m in (ref, model):
             m.zero_grad(set_to_none=True)
     assert state.iter == 3
