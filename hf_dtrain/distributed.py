@@ -57,3 +57,15 @@ def check_same_across_ranks(value: Any, what: str, process_group=None) -> None:
         per_rank = {r: v for r, (_, v) in enumerate(gathered)}
         raise ValueError(f"{what} differs across ranks: {per_rank}. Give every rank the same {what} (the same recipe "
                          "or config file on every host).")
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``all_gather_single`` (torch >= 2.13), else ``all_gather_into_tensor`` (its old name, deprecated in 2.13)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``reduce_scatter_single`` (torch >= 2.13), else ``reduce_scatter_tensor`` (its old name)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)

@@ -31,12 +31,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..distributed import WireStats, world_size_of
+from ..distributed import WireStats, all_gather_single, reduce_scatter_single, world_size_of
 
 
 def _reduce_scatter(output, input, group):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-    return fn(output, input, group=group, async_op=True)
+    return reduce_scatter_single(output, input, group=group, async_op=True)
+
+
+def _all_gather(output, input, group):
+    return all_gather_single(output, input, group=group, async_op=True)
 
 
 def _native_reduce_scatter(group) -> bool:
@@ -44,11 +47,6 @@ def _native_reduce_scatter(group) -> bool:
     shards with an all-to-all (each rank sends (N - 1) / N of the buffer, the reduce-scatter's volume) and sums
     locally. NCCL (and the rest) use the native reduce-scatter."""
     return dist.get_backend(group) != "gloo"
-
-
-def _all_gather(output, input, group):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=True)
 
 
 @dataclass

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import WireStats, world_size_of
+from ..distributed import WireStats, all_gather_single, world_size_of
 
 EXCHANGES = ("allgather", "alltoall")
 
@@ -113,7 +113,7 @@ class EmbRaceState:
         counts = torch.tensor([rows.numel()], dtype=torch.int64)
         all_counts = torch.empty(world, dtype=torch.int64)
         self.stats.add(counts)
-        dist.all_gather_into_tensor(all_counts, counts, group=group)  # 8 bytes, synchronous: sizes follow from it
+        all_gather_single(all_counts, counts, group=group)  # 8 bytes, synchronous: sizes follow from it
         max_k = int(all_counts.max())
         row_bytes = dim * grad.element_size() + 8
         if max_k * row_bytes >= vocab * dim * grad.element_size():  # not sparse enough: dense all-reduce
@@ -144,8 +144,8 @@ class EmbRaceState:
         all_values = torch.empty(world * max_k, dim, dtype=grad.dtype, device=grad.device)
         self.stats.add(index)
         self.stats.add(values)
-        w1 = dist.all_gather_into_tensor(all_index, index, group=group, async_op=True)
-        w2 = dist.all_gather_into_tensor(all_values, values, group=group, async_op=True)
+        w1 = all_gather_single(all_index, index, group=group, async_op=True)
+        w2 = all_gather_single(all_values, values, group=group, async_op=True)
 
         def finish():
             w1.wait()
@@ -185,7 +185,7 @@ class EmbRaceState:
             counts = torch.tensor([owned.numel()], dtype=torch.int64)
             all_counts = torch.empty(world, dtype=torch.int64)
             self.stats.add(counts)
-            dist.all_gather_into_tensor(all_counts, counts, group=group)
+            all_gather_single(all_counts, counts, group=group)
             max_k = int(all_counts.max())
             index = torch.zeros(max_k, dtype=torch.int64, device=grad.device)
             values = torch.zeros(max_k, dim, dtype=grad.dtype, device=grad.device)
@@ -195,8 +195,8 @@ class EmbRaceState:
             all_values = torch.empty(world * max_k, dim, dtype=grad.dtype, device=grad.device)
             self.stats.add(index)
             self.stats.add(values)
-            dist.all_gather_into_tensor(all_index, index, group=group)
-            dist.all_gather_into_tensor(all_values, values, group=group)
+            all_gather_single(all_index, index, group=group)
+            all_gather_single(all_values, values, group=group)
             grad.zero_()
             grad.index_add_(0, all_index, all_values)  # each row comes from its one owner: no sum here
             grad.div_(world)
