@@ -1,0 +1,264 @@
+"""Eva: second-order preconditioning from two vectors per layer (Zhang, Shi, Li; ICLR 2023, arXiv 2308.02123).
+
+K-FAC approximates a Linear layer's Fisher block by ``A ⊗ G`` with ``A = E[a aᵀ]`` (layer input) and
+``G = E[g gᵀ]`` (gradient of the layer output) and inverts both matrices. Eva keeps only the running means ``ā`` and
+``ḡ``, so the curvature is the rank-one Kronecker ``(ā āᵀ) ⊗ (ḡ ḡᵀ)``, and the damped inverse applies in closed form
+(Sherman-Morrison), with no matrix stored or inverted. For a weight gradient ``∇`` (``out x in``, a bias as an extra
+input column):
+
+    Eva:   V = (∇ - (ḡᵀ ∇ ā) / (γ + ‖ā‖² ‖ḡ‖²) · ḡ āᵀ) / γ     = ((ā āᵀ ⊗ ḡ ḡᵀ) + γ I)⁻¹ ∇
+    FOOF:  V = (∇ - (∇ ā) āᵀ / (γ + ‖ā‖²)) / γ               = ∇ (ā āᵀ + γ I)⁻¹     (input side only)
+
+then the KL clip of the paper: all preconditioned gradients are scaled by ``ν = min(1, sqrt(κ / (lr² Σ V ⊙ ∇)))``
+(``kl_clip=κ``; with ``kl_clip=0`` they are instead rescaled to the global norm of the raw gradients), and the
+wrapped optimizer steps on them. Defaults are the paper's code (lzhangbv/eva): ``damping=0.03``, ``kl_clip=0.001``,
+``factor_decay=0.95``, vectors every step. The running mean is updated as the reference code does,
+``m ← (1 - decay) m + decay · new`` (weighted toward the newest vectors).
+
+Data parallel: the vectors are averaged across ranks with one all-reduce of ``Σ (in + out)`` values per update (the
+gradients are DDP's average already), so every rank preconditions identically. Gradient accumulation: the vectors of
+all micro-batches of a step are averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed import world_size_of
+
+METHODS = ("eva", "foof")
+BASE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+
+
+class _Layer:
+    __slots__ = ("name", "module", "a_sum", "g_sum", "count_a", "count_g", "a", "g")
+
+    def __init__(self, name: str, module: nn.Linear):
+        self.name, self.module = name, module
+        self.a_sum = self.g_sum = None
+        self.count_a = self.count_g = 0
+        self.a = self.g = None  # running means
+
+
+class Eva(torch.optim.Optimizer):
+    """Eva (or vectorized FOOF) preconditioning around a torch optimizer.
+
+    ``Eva(model.parameters(), model=model, base_optimizer="sgd", lr=0.1, momentum=0.9)``; as the Trainer's
+    ``optimizer_cls_and_kwargs=(Eva, {"model": model, "base_optimizer": "adamw", "lr": 1e-3})``; with Accelerate and
+    as a DeepSpeed client optimizer like any torch optimizer. Every trainable ``nn.Linear`` of ``model`` (peft adapter
+    Linear layers included) is preconditioned, except names matching ``exclude`` (the vocabulary projection by
+    default, as in the paper's code); other parameters get the wrapped optimizer's plain update.
+
+    * ``base_optimizer``: a ``torch.optim.Optimizer`` class or ``"sgd"``/``"adamw"``/``"adam"``; ``**base_kwargs``
+      go to it (``lr``, ``momentum``, ``weight_decay``, ...);
+    * ``damping`` γ > 0; ``kl_clip`` κ >= 0 (0: rescale to the raw gradient norm); ``factor_decay`` in (0, 1];
+    * ``update_interval``: collect the vectors every this many steps (they are reused in between);
+    * ``method``: ``"eva"`` or ``"foof"``.
+    """
+
+    def __init__(self, params: Iterable, model: nn.Module, base_optimizer: Union[str, Callable] = "sgd",
+                 damping: float = 0.03, kl_clip: float = 0.001, factor_decay: float = 0.95, update_interval: int = 1,
+                 method: str = "eva", exclude: tuple[str, ...] = ("lm_head",), process_group=None, **base_kwargs):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Eva needs the model (to hook its Linear layers): model=..., got {type(model).__name__}.")
+        if not (isinstance(damping, (int, float)) and damping > 0 and math.isfinite(damping)):
+            raise ValueError(f"Eva damping must be a positive finite number (the paper uses 0.03), got {damping!r}.")
+        if not (isinstance(kl_clip, (int, float)) and kl_clip >= 0):
+            raise ValueError(f"Eva kl_clip must be >= 0 (0.001 in the paper; 0 rescales to the gradient norm), "
+                             f"got {kl_clip!r}.")
+        if not (isinstance(factor_decay, (int, float)) and 0 < factor_decay <= 1):
+            raise ValueError(f"Eva factor_decay must be in (0, 1] (the paper uses 0.95), got {factor_decay!r}.")
+        if not isinstance(update_interval, int) or isinstance(update_interval, bool) or update_interval < 1:
+            raise ValueError(f"Eva update_interval must be an integer >= 1 (1: every step), got {update_interval!r}.")
+        if method not in METHODS:
+            raise ValueError(f"Eva method={method!r} is unknown; use one of {', '.join(METHODS)}.")
+        if isinstance(base_optimizer, str):
+            if base_optimizer.lower() not in BASE_OPTIMIZERS:
+                raise ValueError(f"Eva base_optimizer={base_optimizer!r} is unknown; use one of "
+                                 f"{', '.join(BASE_OPTIMIZERS)} or a torch.optim.Optimizer class.")
+            base_optimizer = BASE_OPTIMIZERS[base_optimizer.lower()]
+        self.base = base_optimizer(params, **base_kwargs)
+        self.damping, self.kl_clip, self.factor_decay = float(damping), float(kl_clip), float(factor_decay)
+        self.update_interval, self.method, self.process_group = update_interval, method, process_group
+        self.steps = 0
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        optimized = {id(p) for g in self.base.param_groups for p in g["params"]}
+        self.layers: list[_Layer] = []
+        self._handles = []
+        for name, module in model.named_modules():
+            if not isinstance(module, nn.Linear) or any(e and e in name for e in exclude):
+                continue
+            if not module.weight.requires_grad or id(module.weight) not in optimized:
+                continue
+            layer = _Layer(name, module)
+            self.layers.append(layer)
+            self._handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
+        if not self.layers:
+            raise ValueError("Eva found no trainable nn.Linear in the model among the optimized parameters; "
+                             "nothing to precondition (check model= and exclude=).")
+
+    # -- the wrapped optimizer's surface ----------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.base.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.base.param_groups = value
+
+    @property
+    def state(self):
+        return self.base.state
+
+    @property
+    def defaults(self):
+        return self.base.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.base.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return (f"Eva(method={self.method}, damping={self.damping}, kl_clip={self.kl_clip}, "
+                f"factor_decay={self.factor_decay}, update_interval={self.update_interval}, layers={len(self.layers)}, "
+                f"base={self.base!r})")
+
+    # -- collecting the vectors -------------------------------------------------------------------------------------
+    def _collecting(self, module) -> bool:
+        return module.training and torch.is_grad_enabled() and self.steps % self.update_interval == 0
+
+    def _make_forward_hook(self, layer: _Layer):
+        def hook(module, inputs, output):
+            if not self._collecting(module):
+                return
+            x = inputs[0].detach()
+            a = x.reshape(-1, x.shape[-1]).float().mean(0)
+            if module.bias is not None:
+                a = torch.cat([a, a.new_ones(1)])
+            layer.a_sum = a if layer.a_sum is None else layer.a_sum + a
+            layer.count_a += 1
+            if output.requires_grad:
+                def grad_hook(grad):
+                    g = grad.detach().reshape(-1, grad.shape[-1]).float().mean(0)
+                    layer.g_sum = g if layer.g_sum is None else layer.g_sum + g
+                    layer.count_g += 1
+
+                output.register_hook(grad_hook)
+
+        return hook
+
+    def _update_vectors(self) -> None:
+        fresh = [l for l in self.layers if l.count_a and l.count_g]
+        if not fresh:
+            return
+        a_new = [l.a_sum / l.count_a for l in fresh]
+        g_new = [l.g_sum / l.count_g for l in fresh]
+        world = world_size_of(self.process_group)
+        if world > 1:  # one small all-reduce: every rank preconditions with the same vectors
+            flat = torch.cat(a_new + g_new)
+            dist.all_reduce(flat, group=self.process_group)
+            flat /= world
+            sizes = [v.numel() for v in a_new + g_new]
+            parts = list(flat.split(sizes))
+            a_new, g_new = parts[:len(fresh)], parts[len(fresh):]
+        d = self.factor_decay
+        for layer, a, g in zip(fresh, a_new, g_new):
+            layer.a = a.clone() if layer.a is None else (1 - d) * layer.a + d * a
+            layer.g = g.clone() if layer.g is None else (1 - d) * layer.g + d * g
+        for layer in self.layers:
+            layer.a_sum = layer.g_sum = None
+            layer.count_a = layer.count_g = 0
+
+    # -- preconditioning ---------------------------------------------------------------------------------------------
+    def precondition(self, grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The preconditioned gradient of one layer (``grad``: out x in, a bias column appended)."""
+        gamma = self.damping
+        if self.method == "foof":
+            ga = grad @ a
+            return (grad - torch.outer(ga, a) / (gamma + a.dot(a))) / gamma
+        agg = g @ grad @ a
+        return (grad - (agg / (gamma + a.dot(a) * g.dot(g))) * torch.outer(g, a)) / gamma
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.steps % self.update_interval == 0:
+            self._update_vectors()
+        self.steps += 1
+        updates = []
+        for layer in self.layers:
+            w, b = layer.module.weight, layer.module.bias
+            if w.grad is None or layer.a is None or layer.g is None:
+                continue
+            grad = w.grad.float()
+            has_bias = b is not None and b.grad is not None and layer.a.numel() == grad.shape[1] + 1
+            if has_bias:
+                grad = torch.cat([grad, b.grad.float().unsqueeze(1)], 1)
+            a = layer.a if layer.a.numel() == grad.shape[1] else None
+            if a is None:  # a bias whose gradient is absent this step: drop its column of the vector
+                a = layer.a[:grad.shape[1]]
+            v = self.precondition(grad, a, layer.g)
+            updates.append((layer, grad, v, has_bias))
+        if updates:
+            lr = self.base.param_groups[0]["lr"]
+            if self.kl_clip > 0:
+                vg = sum(float((v * g).sum()) for _, g, v, _ in updates) * lr ** 2
+                nu = min(1.0, math.sqrt(self.kl_clip / vg)) if vg > 0 else 1.0
+            else:
+                gg = sum(float(g.pow(2).sum()) for _, g, _, _ in updates)
+                vv = sum(float(v.pow(2).sum()) for _, _, v, _ in updates)
+                nu = math.sqrt(gg / vv) if vv > 0 else 1.0
+            for layer, grad, v, has_bias in updates:
+                v = v * nu
+                w, b = layer.module.weight, layer.module.bias
+                if has_bias:
+                    w.grad.copy_(v[:, :-1].to(w.grad.dtype))
+                    b.grad.copy_(v[:, -1].to(b.grad.dtype))
+                else:
+                    w.grad.copy_(v.to(w.grad.dtype))
+        self.base.step()
+        return loss
+
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = self.base.state_dict()
+        sd["eva"] = {"steps": self.steps,
+                     "vectors": {l.name: {"a": l.a, "g": l.g} for l in self.layers if l.a is not None}}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        eva = state_dict.pop("eva", None)
+        self.base.load_state_dict(state_dict)
+        if eva is not None:
+            self.steps = int(eva["steps"])
+            by_name = {l.name: l for l in self.layers}
+            for name, vec in eva["vectors"].items():
+                if name in by_name:
+                    by_name[name].a = vec["a"].clone()
+                    by_name[name].g = vec["g"].clone()
+
+    def extra_memory_bytes(self) -> int:
+        """Bytes Eva keeps beyond the wrapped optimizer: two vectors per layer."""
+        return sum((l.a.numel() + l.g.numel()) * 4 for l in self.layers if l.a is not None)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

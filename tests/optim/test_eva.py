@@ -1,0 +1,167 @@
+"""Eva and vectorized FOOF: the preconditioned gradient equals a dense computation of the same formula, huge damping
+gives back the wrapped optimizer, data-parallel ranks precondition identically, checkpoints resume exactly, and bad
+hyperparameters are clear errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_dtrain.optim import Eva
+from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
+
+
+def _one_layer_step(method):
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3)
+    x, target = torch.randn(4, 7, 5), torch.randn(4, 7, 3)
+    w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
+    opt = Eva(layer.parameters(), model=layer, base_optimizer="sgd", lr=0.1, damping=0.03, kl_clip=1e9,
+              factor_decay=1.0, method=method, exclude=())
+    out = layer(x)
+    out.retain_grad()
+    ((out - target) ** 2).mean().backward()
+    grad = torch.cat([layer.weight.grad, layer.bias.grad.unsqueeze(1)], 1).double()
+    a = torch.cat([x.reshape(-1, 5).mean(0), torch.ones(1)]).double()
+    g = out.grad.reshape(-1, 3).mean(0).double()
+    opt.step()
+    return layer, w0, b0, grad, a, g
+
+
+def test_eva_equals_dense_kronecker_inverse():
+    layer, w0, b0, grad, a, g = _one_layer_step("eva")
+    gamma = 0.03
+    # vec (column-major) of g aᵀ is a ⊗ g: the curvature (ā āᵀ) ⊗ (ḡ ḡᵀ) acts on vec(∇) as kron(a aᵀ, g gᵀ)
+    fisher = torch.kron(torch.outer(a, a), torch.outer(g, g))
+    vec = grad.T.reshape(-1)
+    v = torch.linalg.solve(fisher + gamma * torch.eye(vec.numel(), dtype=torch.float64), vec).reshape(6, 3).T
+    torch.testing.assert_close(layer.weight.detach().double(), w0.double() - 0.1 * v[:, :5], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.bias.detach().double(), b0.double() - 0.1 * v[:, 5], atol=1e-5, rtol=1e-5)
+
+
+def test_foof_equals_dense_input_side_inverse():
+    layer, w0, b0, grad, a, _ = _one_layer_step("foof")
+    v = grad @ torch.linalg.inv(torch.outer(a, a) + 0.03 * torch.eye(6, dtype=torch.float64))
+    torch.testing.assert_close(layer.weight.detach().double(), w0.double() - 0.1 * v[:, :5], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.bias.detach().double(), b0.double() - 0.1 * v[:, 5], atol=1e-5, rtol=1e-5)
+
+
+def test_kl_clip_bounds_the_update():
+    """The paper's KL clip: the applied step U = ν V has lr² ν² Σ V⊙∇ = κ when clipping is active."""
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3, bias=False)
+    lr, kappa = 0.1, 1e-6
+    opt = Eva(layer.parameters(), model=layer, lr=lr, damping=1e-3, kl_clip=kappa, factor_decay=1.0, exclude=())
+    x = torch.randn(8, 5)
+    w0 = layer.weight.detach().clone()
+    out = layer(x)
+    out.retain_grad()
+    out.pow(2).sum().backward()
+    grad = layer.weight.grad.clone()
+    v = opt.precondition(grad, x.mean(0), out.grad.mean(0))
+    opt.step()
+    applied = (w0 - layer.weight.detach()) / lr
+    nu = float((applied * v).sum() / (v * v).sum())
+    torch.testing.assert_close(applied, nu * v, atol=1e-7, rtol=1e-4)  # a scaled copy of V
+    assert 0 < nu < 1  # clipping active
+    assert abs(lr ** 2 * nu ** 2 * float((v * grad).sum()) - kappa) < 1e-3 * kappa
+
+
+@pytest.mark.parametrize("base, kwargs", [("sgd", {"lr": 0.05, "momentum": 0.9}), ("adamw", {"lr": 1e-3})])
+def test_infinite_damping_gives_back_the_wrapped_optimizer(base, kwargs):
+    """γ -> ∞ makes the curvature term vanish: V = ∇ / γ, which kl_clip=0 rescales to the raw gradient's norm."""
+    ref, model = tiny_llama(seed=0), tiny_llama(seed=0)
+    ref_opt = (torch.optim.SGD if base == "sgd" else torch.optim.AdamW)(ref.parameters(), **kwargs)
+    opt = Eva(model.parameters(), model=model, base_optimizer=base, damping=1e12, kl_clip=0.0, **kwargs)
+    assert len(opt.layers) > 0
+    for step in range(4):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(**random_batch(seed=step)).loss.backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    def make():
+        model = tiny_llama(seed=0)
+        return model, Eva(model.parameters(), model=model, base_optimizer="adamw", lr=1e-3, update_interval=2)
+
+    def run(model, opt, steps):
+        losses = []
+        for step in steps:
+            loss = model(**random_batch(seed=step)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model, opt = make()
+    run(model, opt, range(3))
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    straight = run(model, opt, range(3, 7))
+    model2, opt2 = make()
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.steps == 3 and opt2.extra_memory_bytes() == opt.extra_memory_bytes() > 0
+    assert run(model2, opt2, range(3, 7)) == straight
+
+
+def test_preconditions_peft_adapter_layers():
+    """peft's LoRA adapters are nn.Linear layers: Eva preconditions them and leaves the frozen base alone."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights=False))
+    opt = Eva([p for p in model.parameters() if p.requires_grad], model=model, lr=0.1)
+    names = [layer.name for layer in opt.layers]
+    assert len(names) == 2 * 2 * 2 and all("lora_A" in n or "lora_B" in n for n in names), names
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(**random_batch()).loss.backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(before[n], p) != p.requires_grad, n  # adapters move, the base does not
+
+
+def test_bad_hyperparameters():
+    model = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"damping must be a positive finite number"):
+        Eva(model.parameters(), model=model, damping=-1.0, exclude=())
+    with pytest.raises(ValueError, match=r"update_interval must be an integer >= 1"):
+        Eva(model.parameters(), model=model, update_interval=0, exclude=())
+    with pytest.raises(ValueError, match=r"kl_clip must be >= 0"):
+        Eva(model.parameters(), model=model, kl_clip=-0.1, exclude=())
+    with pytest.raises(ValueError, match=r"method='shampoo' is unknown; use one of eva, foof"):
+        Eva(model.parameters(), model=model, method="shampoo", exclude=())
+    with pytest.raises(ValueError, match=r"base_optimizer='lion' is unknown"):
+        Eva(model.parameters(), model=model, base_optimizer="lion", exclude=())
+    with pytest.raises(ValueError, match=r"found no trainable nn.Linear"):
+        emb = nn.Embedding(3, 3)
+        Eva(emb.parameters(), model=emb)
+    with pytest.raises(TypeError, match=r"Eva needs the model"):
+        Eva(model.parameters(), model="model")
+
+
+def _ddp_rank(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(tiny_llama(seed=0))
+    opt = Eva(model.parameters(), model=model, base_optimizer="sgd", lr=0.1, momentum=0.9)
+    for step in range(3):
+        model(**random_batch(seed=10 * step + rank)).loss.backward()  # different data on every rank
+        opt.step()
+        opt.zero_grad()
+    vectors = torch.cat([torch.cat([layer.a, layer.g]) for layer in opt.layers])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for t in (vectors, flat):
+        gathered = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(gathered, t)
+        assert all(torch.equal(gathered[0], x) for x in gathered)  # averaged vectors, identical replicas
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel_ranks_precondition_identically(world):
+    run_distributed(_ddp_rank, world_size=world, timeout=180)
