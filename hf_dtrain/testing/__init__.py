@@ -143,3 +143,24 @@ def train_steps(model, steps: int, lr: float = 1e-2, batch_seed=lambda step: 0, 
         opt.step()
         opt.zero_grad()
     return losses
+
+
+def train_on_loader(model, optimizer, loader) -> list[float]:
+    """One pass of ``model`` over ``loader`` (batches of model kwargs with labels); returns the losses."""
+    losses = []
+    for batch in loader:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def mean_over_ranks(value: float, group=None) -> float:
+    """The mean of a per-rank number over the ranks of ``group`` (one all-reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t) / dist.get_world_size(group)

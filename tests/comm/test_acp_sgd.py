@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
+from hf_dtrain.testing import mean_over_ranks, random_batch, run_distributed, tiny_llama, train_on_loader
 
 STEPS, START = 9, 3
 
@@ -184,17 +184,8 @@ def _convergence_rank(rank, world, base, out_dir):
         data = tasks.make_task_dataset(tok, CONV_STEPS * 16, seed=100 + rank, split="train", digits=2)
         loader = DataLoader(data, batch_size=16, collate_fn=tasks.task_collator(tok))
         opt = torch.optim.AdamW(ddp.parameters(), lr=CONV_LR)
-        losses = []
-        for batch in loader:
-            loss = ddp(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        # the training loss of both ranks' batches, mean of the last 20 steps
-        last = torch.tensor(sum(losses[-20:]) / 20)
-        torch.distributed.all_reduce(last)
-        final[method] = float(last) / world
+        losses = train_on_loader(ddp, opt, loader)
+        final[method] = mean_over_ranks(sum(losses[-20:]) / 20)  # both ranks' batches, the last 20 steps
         final[method + "_bytes"] = state.stats.steps[-1]
         del ddp, opt
     if rank == 0:
