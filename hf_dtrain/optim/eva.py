@@ -138,7 +138,9 @@ class Eva(torch.optim.Optimizer):
 
     # -- collecting the vectors -------------------------------------------------------------------------------------
     def _collecting(self, module) -> bool:
-        return module.training and torch.is_grad_enabled() and self.steps % self.update_interval == 0
+        # not tied to module.training: a model loaded with from_pretrained is in eval mode until .train(), and a
+        # forward with gradients enabled is a training forward either way
+        return torch.is_grad_enabled() and self.steps % self.update_interval == 0
 
     def _make_forward_hook(self, layer: _Layer):
         def hook(module, inputs, output):
@@ -200,6 +202,10 @@ class Eva(torch.optim.Optimizer):
                 loss = closure()
         if self.steps % self.update_interval == 0:
             self._update_vectors()
+        if self.steps == 0 and all(l.a is None for l in self.layers) and any(
+                l.module.weight.grad is not None for l in self.layers):
+            raise ValueError("Eva saw no forward pass of the model's Linear layers with gradients enabled before its "
+                             "first step(): pass model= the module that is trained (the same object, not a copy).")
         self.steps += 1
         updates = []
         for layer in self.layers:

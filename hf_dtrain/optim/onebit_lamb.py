@@ -47,7 +47,7 @@ class OneBitLamb(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, process_group=None):
+                 factor_threshold: float = 0.1, mask_threshold: float = 1e-4, process_group=None):
         if not lr > 0:
             raise ValueError(f"OneBitLamb lr must be > 0, got {lr!r}.")
         if not isinstance(freeze_step, int) or freeze_step < 1:
@@ -66,6 +66,9 @@ class OneBitLamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
+        if not mask_threshold >= 0:
+            raise ValueError(f"OneBitLamb mask_threshold must be >= 0, got {mask_threshold!r}.")
+        self.mask_threshold = mask_threshold
         self.process_group = process_group
         self.stats = WireStats()
         params = self._params()
@@ -179,6 +182,12 @@ class OneBitLamb(torch.optim.Optimizer):
                 st = self.state[p]
                 st["scaling_coeff"] = torch.tensor(united / nrm if nrm > 0 else 1.0)
                 st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
+                # a 1-bit momentum gives every element +-scale; over the frozen sqrt(v) of an element that (almost)
+                # never had a gradient in the warm-up (embedding rows of unseen tokens, output rows of tokens never
+                # predicted) that blows up. DeepSpeed asked users for an exp_avg_mask; here the mask is the elements
+                # whose frozen variance is above mask_threshold x the tensor's mean variance (0: exact zeros only).
+                v = st["exp_avg_sq"]
+                st["exp_avg_mask"] = (v > self.mask_threshold * v.mean()).to(st["exp_avg"].dtype)
         previous = []
         pieces = []
         for p in params:
@@ -195,7 +204,7 @@ class OneBitLamb(torch.optim.Optimizer):
             st = self.state[p]
             group = group_of[id(p)]
             b1, b2 = group["betas"]
-            m = averaged[offset:offset + p.numel()].view_as(p) / st["scaling_coeff"]
+            m = averaged[offset:offset + p.numel()].view_as(p) / st["scaling_coeff"] * st["exp_avg_mask"]
             offset += p.numel()
             st["exp_avg"].copy_(m)
             grad_est = (m - b1 * prev) / (1 - b1)

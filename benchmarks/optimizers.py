@@ -1,0 +1,237 @@
+"""Optimizers on the default model: AdamW, SGD with momentum, Eva on SGD and on AdamW (one process each), and LAMB
+against 1-bit LAMB with 2 gloo ranks on loopback.
+
+Full fine-tuning of the embedded default model (tiny LLaMA) on the addition task, the same data order for every
+method. Reports the training loss against steps and against wall time (PNG), the steps and the time to a target loss
+as ratios to AdamW (the target: AdamW's final smoothed loss times ``--target-factor``), bytes per step for LAMB and
+1-bit LAMB, and Eva's extra memory against the wrapped optimizer's state.
+
+    python benchmarks/optimizers.py                 # about 5 minutes on 2 CPU cores
+    python benchmarks/optimizers.py --steps 200 --lr eva_sgd=0.05
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LR = {"adamw": 5e-4, "sgd": 0.01, "eva_sgd": 0.01, "eva_adamw": 5e-4, "lamb": 2e-3, "onebit_lamb": 2e-3}
+SINGLE = ["adamw", "sgd", "eva_sgd", "eva_adamw"]
+SMOOTH = 20
+
+
+def _smooth(losses: list[float]) -> list[float]:
+    out, acc = [], []
+    for x in losses:
+        acc.append(x)
+        acc = acc[-SMOOTH:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def _state_bytes(opt) -> int:
+    import torch
+
+    total = 0
+    for st in opt.state.values():
+        total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return total
+
+
+def run_single(method: str, steps: int, batch: int, lr: float) -> dict:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from hf_dtrain.data import tasks
+    from hf_dtrain.models import load_model_and_tokenizer
+    from hf_dtrain.optim import Eva
+
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(None, progress=False)
+    data = tasks.make_task_dataset(tok, steps * batch, seed=100, split="train")
+    loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))
+    if method == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    elif method == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    elif method == "eva_sgd":
+        opt = Eva(model.parameters(), model=model, base_optimizer="sgd", lr=lr, momentum=0.9)
+    else:
+        opt = Eva(model.parameters(), model=model, base_optimizer="adamw", lr=lr)
+    losses, times = [], []
+    t0 = time.perf_counter()
+    for b in loader:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    row = {"method": method, "lr": lr, "losses": losses, "times": times}
+    if isinstance(opt, Eva):
+        row["eva_extra_bytes"] = opt.extra_memory_bytes()
+        row["base_state_bytes"] = _state_bytes(opt.base)
+    else:
+        row["base_state_bytes"] = _state_bytes(opt)
+    return row
+
+
+def worker(rank: int, world: int, port: str, method: str, steps: int, batch: int, lr: float, freeze: int) -> dict:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+
+    from hf_dtrain.data import tasks
+    from hf_dtrain.models import load_model_and_tokenizer
+    from hf_dtrain.optim import OneBitLamb
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(None, progress=False)
+    ddp = DDP(model)
+    OneBitLamb.attach_ddp(ddp)
+    # LAMB: the same optimizer that never reaches its compression stage (warm-up = LAMB over an fp32 all-reduce)
+    opt = OneBitLamb(ddp.parameters(), lr=lr, freeze_step=freeze if method == "onebit_lamb" else steps + 1)
+    data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank, split="train")
+    loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))
+    losses, times = [], []
+    t0 = time.perf_counter()
+    for b in loader:
+        loss = ddp(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = torch.tensor(loss.item())
+        dist.all_reduce(mean)  # the loss of the global batch (both ranks)
+        losses.append(float(mean) / world)
+        times.append(time.perf_counter() - t0)
+    bytes_steps = list(opt.stats.steps)
+    del ddp, opt  # before the group (see benchmarks/comm_hooks.py: gloo teardown deadlock)
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+    return {"method": method, "lr": lr, "losses": losses, "times": times, "bytes_steps": bytes_steps}
+
+
+def run_pair(method: str, steps: int, batch: int, lr: float, freeze: int, world: int) -> dict:
+    from hf_dtrain.testing import free_port
+    from hf_dtrain.testing.netns import run_ranks
+
+    port = str(free_port())
+    argv = [[sys.executable, __file__, "--worker", f"{r}:{world}:{port}:{method}:{freeze}", "--steps", str(steps),
+             "--batch-size", str(batch), "--lr", f"{method}={lr}"] for r in range(world)]
+    outs = run_ranks(argv, [dict(os.environ)] * world, timeout=3600)
+    return json.loads(outs[0].split("RESULT ", 1)[1])
+
+
+def main():
+    from _report import apply_lr_overrides, rerender, training_parser
+
+    ap = training_parser(__doc__, LR)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--freeze-fraction", type=float, default=0.15, help="1-bit LAMB's LAMB warm-up, share of steps")
+    ap.add_argument("--target-factor", type=float, default=1.05)
+    ap.set_defaults(steps=400)
+    args = ap.parse_args()
+    apply_lr_overrides(args.lr, LR)
+    if args.from_json:
+        rerender(args.from_json, "optimizers", render)
+        return
+    if args.worker:
+        rank, world, port, method, freeze = args.worker.split(":")
+        print("RESULT " + json.dumps(worker(int(rank), int(world), port, method, args.steps, args.batch_size,
+                                            LR[method], int(freeze))))
+        return
+    from tqdm import tqdm
+
+    from hf_dtrain.models import build_default_model
+
+    build_default_model("tiny", progress=True)
+    freeze = max(1, int(args.freeze_fraction * args.steps))
+    rows = []
+    for method in tqdm(SINGLE + ["lamb", "onebit_lamb"], desc="optimizers"):
+        if method in SINGLE:
+            rows.append(run_single(method, args.steps, args.batch_size, LR[method]))
+        else:
+            rows.append(run_pair(method, args.steps, args.batch_size, LR[method], freeze, args.world))
+    payload = {"rows": rows, "args": vars(args), "freeze_step": freeze}
+    from _report import write
+
+    table, fig, notes = render(payload)
+    paths = write("optimizers", payload, table, fig, notes)
+    print(table)
+    print("\n".join(str(p) for p in paths.values()))
+
+
+def _first_below(smoothed: list[float], target: float):
+    return next((i for i, x in enumerate(smoothed) if x <= target), None)
+
+
+def render(payload: dict):
+    from _report import markdown_table
+
+    rows, args = payload["rows"], payload["args"]
+    for r in rows:
+        r["smoothed"] = _smooth(r["losses"])
+        r["final"] = r["smoothed"][-1]
+        r["seconds"] = r["times"][-1]
+    adamw = next(r for r in rows if r["method"] == "adamw")
+    target = adamw["final"] * args["target_factor"]
+    lamb = next((r for r in rows if r["method"] == "lamb"), None)
+    for r in rows:
+        i = _first_below(r["smoothed"], target)
+        r["steps_to_target"] = None if i is None else i + 1
+        r["time_to_target"] = None if i is None else r["times"][i]
+        r["steps_vs_adamw"] = None if i is None else r["steps_to_target"] / adamw["steps_to_target"]
+        r["time_vs_adamw"] = None if i is None else r["time_to_target"] / adamw["time_to_target"]
+        if "bytes_steps" in r:
+            r["bytes_per_step"] = r["bytes_steps"][-1]
+            r["bytes_vs_lamb"] = r["bytes_per_step"] / lamb["bytes_steps"][-1] if lamb else None
+        if "eva_extra_bytes" in r:
+            r["eva_extra_vs_state"] = r["eva_extra_bytes"] / max(1, r["base_state_bytes"])
+    table = markdown_table(rows, [
+        ("method", "optimizer", ""), ("lr", "lr", ".0e"), ("final", "final loss (smoothed)", ".3f"),
+        ("steps_to_target", "steps to target", ""), ("steps_vs_adamw", "steps / AdamW", ".2f"),
+        ("time_to_target", "time to target (s)", ".1f"), ("time_vs_adamw", "time / AdamW", ".2f"),
+        ("seconds", "total time (s)", ".1f"), ("bytes_per_step", "bytes per step (after warm-up)", ""),
+        ("bytes_vs_lamb", "bytes / LAMB", ".4f"), ("eva_extra_bytes", "Eva extra memory (B)", ""),
+        ("eva_extra_vs_state", "Eva extra / optimizer state", ".4f"),
+    ])
+    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA) on the addition task, {args['steps']} steps "
+             f"of batch {args['batch_size']}; one process for AdamW, SGD (momentum 0.9) and Eva (paper defaults: "
+             f"damping 0.03, KL clip 0.001, decay 0.95), {args['world']} gloo ranks on loopback for LAMB and 1-bit "
+             f"LAMB (batch {args['batch_size']} per rank, LAMB warm-up {payload['freeze_step']} steps). Loss: mean of "
+             f"the last {SMOOTH} training losses. Target loss: AdamW's final smoothed loss x {args['target_factor']} = "
+             f"{target:.3f}. Empty cells: the target was not reached. Bytes: what each rank hands to collectives per "
+             "step (hf_dtrain.distributed.WireStats).")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for r in rows:
+        axes[0].plot(range(1, len(r["smoothed"]) + 1), r["smoothed"], label=r["method"])
+        axes[1].plot(r["times"], r["smoothed"], label=r["method"])
+    for ax, xlabel in zip(axes, ["step", "wall time (s)"]):
+        ax.axhline(target, color="gray", lw=0.8, ls="--")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"training loss (mean of last {SMOOTH})")
+    axes[0].legend()
+    fig.suptitle("Optimizers on the default model (dashed: target loss)")
+    return table, fig, notes
+
+
+if __name__ == "__main__":
+    main()
