@@ -6,7 +6,8 @@ silently ignores a callable ``comm_hook``), :class:`hf_dtrain.callbacks.CommHook
 
 Methods: ``"allreduce"`` (the dense baseline, counted), ``"acp_sgd"`` (:mod:`hf_dtrain.comm.acp_sgd`),
 ``"s2_reducer"`` (:mod:`hf_dtrain.comm.s2_reducer`), ``"dear"`` (:mod:`hf_dtrain.comm.dear`; needs the optimizer),
-``"embrace"`` (:mod:`hf_dtrain.comm.embrace`; call :func:`exclude_embeddings` before wrapping).
+``"embrace"`` (:mod:`hf_dtrain.comm.embrace`; call :func:`exclude_embeddings` before wrapping), ``"noop"`` (DDP
+sends nothing: for optimizers that exchange gradients themselves, such as :class:`hf_dtrain.optim.OneBitLamb`).
 """
 
 
@@ -23,7 +24,7 @@ from .dear import DeARState, dear_hook, dear_step_bytes
 from .embrace import EXCHANGES, EmbRaceState, embrace_dense_hook, embrace_step_bytes, exclude_embeddings
 from .s2_reducer import S2ReducerState, s2_reducer_hook
 
-METHODS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace")
+METHODS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace", "noop")
 
 
 @dataclass
@@ -125,6 +126,11 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
         state = DenseState(process_group=process_group)
         ddp.register_comm_hook(state, dense_allreduce_hook)
         return state
+    if config.method == "noop":  # gradients stay local: the optimizer communicates (1-bit LAMB, decentralized)
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+        ddp.register_comm_hook(None, noop_hook)
+        return DenseState(process_group=process_group)
     if config.method == "dear":
         if optimizer is None:
             raise ValueError("DeAR defers the optimizer update to the next forward and needs the optimizer: "

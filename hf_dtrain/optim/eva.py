@@ -49,8 +49,9 @@ class _Layer:
 class Eva(torch.optim.Optimizer):
     """Eva (or vectorized FOOF) preconditioning around a torch optimizer.
 
-    ``Eva(model.parameters(), model=model, base_optimizer="sgd", lr=0.1, momentum=0.9)``; as the Trainer's
-    ``optimizer_cls_and_kwargs=(Eva, {"model": model, "base_optimizer": "adamw", "lr": 1e-3})``; with Accelerate and
+    ``Eva(model.parameters(), model=model, base_optimizer="sgd", lr=0.1, momentum=0.9)`` or ``Eva(model, ...)``
+    (its trainable parameters); as the Trainer's ``optimizer_cls_and_kwargs=(Eva, {"model": model,
+    "base_optimizer": "adamw", "lr": 1e-3})`` (the Trainer then passes the model itself); with Accelerate and
     as a DeepSpeed client optimizer like any torch optimizer. Every trainable ``nn.Linear`` of ``model`` (peft adapter
     Linear layers included) is preconditioned, except names matching ``exclude`` (the vocabulary projection by
     default, as in the paper's code); other parameters get the wrapped optimizer's plain update.
@@ -62,9 +63,12 @@ class Eva(torch.optim.Optimizer):
     * ``method``: ``"eva"`` or ``"foof"``.
     """
 
-    def __init__(self, params: Iterable, model: nn.Module, base_optimizer: Union[str, Callable] = "sgd",
+    def __init__(self, params: Union[Iterable, nn.Module], model: Optional[nn.Module] = None, base_optimizer: Union[str, Callable] = "sgd",
                  damping: float = 0.03, kl_clip: float = 0.001, factor_decay: float = 0.95, update_interval: int = 1,
                  method: str = "eva", exclude: tuple[str, ...] = ("lm_head",), process_group=None, **base_kwargs):
+        if isinstance(params, nn.Module):  # Eva(model, ...); also what the Trainer passes for kwargs with "model"
+            model = params if model is None else model
+            params = [p for p in params.parameters() if p.requires_grad]
         if not isinstance(model, nn.Module):
             raise TypeError(f"Eva needs the model (to hook its Linear layers): model=..., got {type(model).__name__}.")
         if not (isinstance(damping, (int, float)) and damping > 0 and math.isfinite(damping)):

@@ -92,10 +92,12 @@ class OneBitLamb(torch.optim.Optimizer):
     # -- DDP / DeepSpeed ---------------------------------------------------------------------------------------------
     @staticmethod
     def attach_ddp(ddp_model) -> None:
-        """Keep DDP from averaging the gradients (this optimizer exchanges them itself)."""
-        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+        """Keep DDP from averaging the gradients (this optimizer exchanges them itself): DDP's ``noop_hook``, as
+        ``hf_dtrain.comm.register(ddp_model, "noop")``; with the Trainer, ``CommHookCallback.attach(trainer,
+        "noop")``."""
+        from ..comm import register
 
-        ddp_model.register_comm_hook(None, noop_hook)
+        register(ddp_model, "noop")
 
     # -- the 1-bit all-reduce ----------------------------------------------------------------------------------------
     def compressed_allreduce(self, x: torch.Tensor) -> torch.Tensor:

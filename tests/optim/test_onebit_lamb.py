@@ -121,6 +121,12 @@ def _resume_rank(rank, world, out_dir):
         return out
 
     ddp, opt = make()
+    ddp(**random_batch(seed=rank)).loss.backward()  # DDP sends nothing (noop hook): the gradients stay local
+    grad = ddp.module.lm_head.weight.grad.clone()
+    others = [torch.empty_like(grad) for _ in range(world)]
+    torch.distributed.all_gather(others, grad)
+    assert not torch.equal(others[0], others[1])
+    opt.zero_grad()
     run(ddp, opt, range(4))
     torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict()}, f"{out_dir}/ckpt{rank}.pt")
     straight = run(ddp, opt, range(4, 8))

@@ -1,0 +1,70 @@
+"""Eva and 1-bit LAMB from the tools users use: the Trainer's optimizer_cls_and_kwargs, and DeepSpeed client optimizers
+(ZeRO stage 0, CPU accelerator, 2 gloo ranks; 1-bit LAMB with the engine's all-reduce off)."""
+
+import os
+
+import pytest
+import torch
+
+from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
+
+
+def test_eva_from_trainer_optimizer_cls_and_kwargs(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dtrain.optim import Eva
+
+    rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seed=s % 4).items()} for s in range(64)]
+    model = tiny_llama(seed=0)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_steps=1000, disable_tqdm=True,
+                             learning_rate=1e-3, max_grad_norm=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                      optimizer_cls_and_kwargs=(Eva, {"model": model, "base_optimizer": "adamw", "lr": 1e-3}))
+    before = trainer.evaluate(Dataset.from_list(rows[:8]))["eval_loss"]
+    trainer.train()
+    inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert isinstance(inner, Eva) and inner.steps == 30 and inner.extra_memory_bytes() > 0  # Eva really stepped
+    assert trainer.evaluate(Dataset.from_list(rows[:8]))["eval_loss"] < before
+
+
+def _deepspeed_rank(rank, world, which):
+    import torch.distributed as dist
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    from hf_dtrain.optim import Eva, OneBitLamb
+
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0)
+    if which == "eva":
+        opt = Eva(model.parameters(), model=model, base_optimizer="adamw", lr=1e-3)
+    else:
+        opt = OneBitLamb(model.parameters(), lr=1e-3, freeze_step=2)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}, "steps_per_print": 10**6}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+    if which == "onebit_lamb":
+        engine.enable_backward_allreduce = False  # the optimizer exchanges (1-bit) itself
+    losses = []
+    for step in range(6):
+        loss = engine(**random_batch(seed=10 * step + rank)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    flat = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], g) for g in gathered)  # replicas identical
+    if which == "eva":
+        assert opt.steps == 6
+    else:
+        assert len(opt.stats.steps) == 6 and opt.stats.steps[-1] < opt.stats.steps[0] / 16  # compressed after warm-up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["eva", "onebit_lamb"])
+def test_deepspeed_client_optimizer(which):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
+    run_distributed(_deepspeed_rank, world_size=2, args=(which,), timeout=300)
