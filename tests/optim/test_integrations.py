@@ -68,3 +68,32 @@ def _deepspeed_rank(rank, world, which):
 def test_deepspeed_client_optimizer(which):
     pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
     run_distributed(_deepspeed_rank, world_size=2, args=(which,), timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["onebit_lamb", "eva"])
+def test_accelerate_recipe_two_processes(tmp_path, optimizer):
+    """recipes/optimizers_accelerate.py under accelerate launch (2 gloo processes): the replicas agree, the loss
+    falls, and 1-bit LAMB's steps after its warm-up send under 1/16 of the warm-up's bytes."""
+    import json
+    import subprocess
+    import sys
+
+    from hf_dtrain.testing import free_port, tiny_default_base
+
+    base = tiny_default_base(tmp_path / "cache", steps=50)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
+           "--main_process_port", str(free_port()), "recipes/optimizers_accelerate.py", "--model", base,
+           "--optimizer", optimizer, "--steps", "40", "--freeze-fraction", "0.25", "--out", str(tmp_path / "out")]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.load(open(tmp_path / "out" / f"optim_{r}.json")) for r in range(2)]
+    assert all(r["world_size"] == 2 and r["steps"] == 40 for r in reports)
+    assert reports[0]["param_checksum"] == reports[1]["param_checksum"]
+    assert reports[0]["loss_last10"] < reports[0]["loss_first10"]
+    if optimizer == "onebit_lamb":
+        sent = reports[0]["bytes_per_step"]
+        assert len(sent) == 40 and max(sent[10:]) * 16 < sent[0]
