@@ -227,12 +227,13 @@ class Eva(torch.optim.Optimizer):
             updates.append((layer, grad, v, has_bias))
         if updates:
             lr = self.base.param_groups[0]["lr"]
+            # one host sync for all layers (a float() per layer would stall a GPU once per layer)
             if self.kl_clip > 0:
-                vg = sum(float((v * g).sum()) for _, g, v, _ in updates) * lr ** 2
+                vg = float(torch.stack([(v * g).sum() for _, g, v, _ in updates]).sum()) * lr ** 2
                 nu = min(1.0, math.sqrt(self.kl_clip / vg)) if vg > 0 else 1.0
             else:
-                gg = sum(float(g.pow(2).sum()) for _, g, _, _ in updates)
-                vv = sum(float(v.pow(2).sum()) for _, _, v, _ in updates)
+                sums = torch.stack([torch.stack([g.pow(2).sum(), v.pow(2).sum()]) for _, g, v, _ in updates]).sum(0)
+                gg, vv = (float(x) for x in sums)
                 nu = math.sqrt(gg / vv) if vv > 0 else 1.0
             for layer, grad, v, has_bias in updates:
                 v = v * nu
