@@ -37,13 +37,32 @@ BASE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": t
 
 
 class _Layer:
-    __slots__ = ("name", "module", "a_sum", "g_sum", "count_a", "count_g", "a", "g")
+    """One preconditioned matrix: ``weight`` (out x in) and ``bias`` (or None), the map from the module's mean input
+    to the matrix's mean input (``project``), and the factor from the module's output gradient to the matrix's
+    output gradient (``g_scale``)."""
 
-    def __init__(self, name: str, module: nn.Linear):
-        self.name, self.module = name, module
+    __slots__ = ("name", "module", "weight", "bias", "project", "g_scale", "a_sum", "g_sum", "count_a", "count_g",
+                 "a", "g")
+
+    def __init__(self, name, module, weight, bias=None, project=None, g_scale: float = 1.0):
+        self.name, self.module, self.weight, self.bias = name, module, weight, bias
+        self.project, self.g_scale = project, g_scale
         self.a_sum = self.g_sum = None
         self.count_a = self.count_g = 0
         self.a = self.g = None  # running means
+
+
+def _lorafa_targets(name: str, module) -> list:
+    """hf_dtrain LoRA-FA layers: ``y = W x + s B (A x)`` with W and A frozen; B (out x r) sees ``A x`` and the
+    output gradient times ``s`` (dropout on ``A x`` is left out of the mean input)."""
+    targets = []
+    for adapter in getattr(module, "active_adapters", []):
+        if adapter not in module.lorafa_B or not module.lorafa_B[adapter].requires_grad:
+            continue
+        a_matrix = module.lorafa_A[adapter]
+        targets.append(_Layer(f"{name}.lorafa_B.{adapter}", module, module.lorafa_B[adapter],
+                              project=lambda x, a=a_matrix: a.float() @ x, g_scale=float(module.scaling[adapter])))
+    return targets
 
 
 class Eva(torch.optim.Optimizer):
@@ -53,7 +72,7 @@ class Eva(torch.optim.Optimizer):
     (its trainable parameters); as the Trainer's ``optimizer_cls_and_kwargs=(Eva, {"model": model,
     "base_optimizer": "adamw", "lr": 1e-3})`` (the Trainer then passes the model itself); with Accelerate and
     as a DeepSpeed client optimizer like any torch optimizer. Every trainable ``nn.Linear`` of ``model`` (peft adapter
-    Linear layers included) is preconditioned, except names matching ``exclude`` (the vocabulary projection by
+    Linear layers included) and every hf_dtrain LoRA-FA adapter is preconditioned, except names matching ``exclude`` (the vocabulary projection by
     default, as in the paper's code); other parameters get the wrapped optimizer's plain update.
 
     * ``base_optimizer``: a ``torch.optim.Optimizer`` class or ``"sgd"``/``"adamw"``/``"adam"``; ``**base_kwargs``
@@ -101,16 +120,22 @@ class Eva(torch.optim.Optimizer):
         self.layers: list[_Layer] = []
         self._handles = []
         for name, module in model.named_modules():
-            if not isinstance(module, nn.Linear) or any(e and e in name for e in exclude):
+            if any(e and e in name for e in exclude):
                 continue
-            if not module.weight.requires_grad or id(module.weight) not in optimized:
+            if isinstance(module, nn.Linear):
+                targets = [_Layer(name, module, module.weight, module.bias)]
+            elif hasattr(module, "lorafa_B") and hasattr(module, "lorafa_A"):
+                targets = _lorafa_targets(name, module)
+            else:
                 continue
-            layer = _Layer(name, module)
-            self.layers.append(layer)
-            self._handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
+            for layer in targets:
+                if not layer.weight.requires_grad or id(layer.weight) not in optimized:
+                    continue
+                self.layers.append(layer)
+                self._handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
         if not self.layers:
-            raise ValueError("Eva found no trainable nn.Linear in the model among the optimized parameters; "
-                             "nothing to precondition (check model= and exclude=).")
+            raise ValueError("Eva found no trainable nn.Linear (or LoRA-FA adapter) in the model among the optimized "
+                             "parameters; nothing to precondition (check model= and exclude=).")
 
     # -- the wrapped optimizer's surface ----------------------------------------------------------------------------
     @property
@@ -152,13 +177,15 @@ class Eva(torch.optim.Optimizer):
                 return
             x = inputs[0].detach()
             a = x.reshape(-1, x.shape[-1]).float().mean(0)
-            if module.bias is not None:
+            if layer.project is not None:
+                a = layer.project(a)
+            if layer.bias is not None:
                 a = torch.cat([a, a.new_ones(1)])
             layer.a_sum = a if layer.a_sum is None else layer.a_sum + a
             layer.count_a += 1
             if output.requires_grad:
                 def grad_hook(grad):
-                    g = grad.detach().reshape(-1, grad.shape[-1]).float().mean(0)
+                    g = grad.detach().reshape(-1, grad.shape[-1]).float().mean(0) * layer.g_scale
                     layer.g_sum = g if layer.g_sum is None else layer.g_sum + g
                     layer.count_g += 1
 
@@ -207,13 +234,13 @@ class Eva(torch.optim.Optimizer):
         if self.steps % self.update_interval == 0:
             self._update_vectors()
         if self.steps == 0 and all(l.a is None for l in self.layers) and any(
-                l.module.weight.grad is not None for l in self.layers):
+                l.weight.grad is not None for l in self.layers):
             raise ValueError("Eva saw no forward pass of the model's Linear layers with gradients enabled before its "
                              "first step(): pass model= the module that is trained (the same object, not a copy).")
         self.steps += 1
         updates = []
         for layer in self.layers:
-            w, b = layer.module.weight, layer.module.bias
+            w, b = layer.weight, layer.bias
             if w.grad is None or layer.a is None or layer.g is None:
                 continue
             grad = w.grad.float()
@@ -237,7 +264,7 @@ class Eva(torch.optim.Optimizer):
                 nu = math.sqrt(gg / vv) if vv > 0 else 1.0
             for layer, grad, v, has_bias in updates:
                 v = v * nu
-                w, b = layer.module.weight, layer.module.bias
+                w, b = layer.weight, layer.bias
                 if has_bias:
                     w.grad.copy_(v[:, :-1].to(w.grad.dtype))
                     b.grad.copy_(v[:, -1].to(b.grad.dtype))

@@ -125,6 +125,46 @@ def test_preconditions_peft_adapter_layers():
         assert torch.equal(before[n], p) != p.requires_grad, n  # adapters move, the base does not
 
 
+def test_preconditions_lorafa_adapters_with_their_own_input():
+    """LoRA-FA's trainable B sees A x (A frozen) and the layer's output gradient times the scaling s: Eva's update of B
+    equals the dense Kronecker inverse built from those vectors."""
+    from peft import get_peft_model
+
+    from hf_dtrain import LoraFAConfig
+
+    model = get_peft_model(tiny_llama(seed=0), LoraFAConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                            init_seed=0))
+    opt = Eva([p for p in model.parameters() if p.requires_grad], model=model, lr=0.1, kl_clip=1e9,
+              factor_decay=1.0)
+    assert len(opt.layers) == 2 and all("lorafa_B" in layer.name for layer in opt.layers)
+    layer = opt.layers[0]
+    module = layer.module
+    seen = {}
+    def keep(m, i, o):
+        o.retain_grad()
+        seen.update(x=i[0].detach(), out=o)
+
+    module.register_forward_hook(keep)
+    with torch.no_grad():  # nonzero B so that the step is not trivially zero for every layer
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.02)
+    model(**random_batch()).loss.backward()
+    b = layer.weight
+    b0, grad = b.detach().clone().double(), b.grad.detach().clone().double()
+    opt.step()
+    s = module.scaling["default"]
+    a = (module.lorafa_A["default"].double() @ seen["x"].reshape(-1, seen["x"].shape[-1]).double().mean(0))
+    torch.testing.assert_close(layer.a.double(), a, atol=1e-6, rtol=1e-5)
+    g = s * seen["out"].grad.reshape(-1, seen["out"].shape[-1]).double().mean(0)  # s x the mean output gradient
+    torch.testing.assert_close(layer.g.double(), g, atol=1e-7, rtol=1e-5)
+    fisher = torch.kron(torch.outer(a, a), torch.outer(g, g))
+    vec = grad.T.reshape(-1)
+    v = torch.linalg.solve(fisher + 0.03 * torch.eye(vec.numel(), dtype=torch.float64), vec).reshape(a.numel(), -1).T
+    torch.testing.assert_close(b.detach().double(), b0 - 0.1 * v, atol=1e-5, rtol=1e-5)
+    assert s == 2.0 and float(g.norm()) > 0
+
+
 def test_bad_hyperparameters():
     model = nn.Linear(3, 3)
     with pytest.raises(ValueError, match=r"damping must be a positive finite number"):
