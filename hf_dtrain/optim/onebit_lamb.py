@@ -28,7 +28,6 @@ with DeepSpeed turn the engine's all-reduce off (``engine.enable_backward_allred
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
