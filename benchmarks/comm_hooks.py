@@ -14,7 +14,6 @@ the same link, and the training loss (mean of the last 10 steps) after the same 
 
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import sys
@@ -47,8 +46,13 @@ def torch_hook_bytes(method: str, model) -> int:
 
 
 def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int, batch: int, lr: float) -> dict:
-    from datetime import timedelta
+    from hf_dtrain.testing import gloo_group
 
+    with gloo_group(rank, world, addr, port, timeout_s=300):  # DDP lives in _train only: freed before the group
+        return _train(rank, world, method, steps, batch, lr)
+
+
+def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -58,9 +62,6 @@ def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int,
     from hf_dtrain.data import tasks
     from hf_dtrain.models import load_model_and_tokenizer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(None, progress=False)
     if method == "embrace":
@@ -100,13 +101,6 @@ def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int,
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
-    # Drop DDP before the process group. Otherwise the Reducer, freed from Python with the GIL held, drops the last
-    # reference to the gloo group, whose destructor joins its worker threads while one of them waits for the GIL to
-    # free the all-gather's tensors: a deadlock at exit, seen here as "rank 0 done, rank 1 never exits"
-    # (pytorch/pytorch#56297). destroy_process_group releases the GIL before destroying the group.
-    del ddp, opt
-    gc.collect()
-    dist.destroy_process_group()
     return {"method": method, "bytes_per_step": sent, "dense_bytes": sum(p.numel() * 4 for p in model.parameters()),
             "step_time_median_s": statistics.median(times[len(times) // 2:]),
             "loss_last10": statistics.mean(losses[-10:]),

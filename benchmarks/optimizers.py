@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +49,7 @@ def run_single(method: str, steps: int, batch: int, lr: float) -> dict:
     from hf_dtrain.data import tasks
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.optim import Eva
+    from hf_dtrain.testing import train_on_loader
 
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(None, progress=False)
@@ -63,15 +63,8 @@ def run_single(method: str, steps: int, batch: int, lr: float) -> dict:
         opt = Eva(model.parameters(), model=model, base_optimizer="sgd", lr=lr, momentum=0.9)
     else:
         opt = Eva(model.parameters(), model=model, base_optimizer="adamw", lr=lr)
-    losses, times = [], []
-    t0 = time.perf_counter()
-    for b in loader:
-        loss = model(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
+    times: list[float] = []
+    losses = train_on_loader(model, opt, loader, times)
     row = {"method": method, "lr": lr, "losses": losses, "times": times}
     if isinstance(opt, Eva):
         row["eva_extra_bytes"] = opt.extra_memory_bytes()
@@ -82,8 +75,13 @@ def run_single(method: str, steps: int, batch: int, lr: float) -> dict:
 
 
 def worker(rank: int, world: int, port: str, method: str, steps: int, batch: int, lr: float, freeze: int) -> dict:
-    from datetime import timedelta
+    from hf_dtrain.testing import gloo_group
 
+    with gloo_group(rank, world, port=port, timeout_s=300):  # DDP lives in _train_pair only: freed before the group
+        return _train_pair(rank, world, method, steps, batch, lr, freeze)
+
+
+def _train_pair(rank: int, world: int, method: str, steps: int, batch: int, lr: float, freeze: int) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -92,10 +90,8 @@ def worker(rank: int, world: int, port: str, method: str, steps: int, batch: int
     from hf_dtrain.data import tasks
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.optim import OneBitLamb
+    from hf_dtrain.testing import train_on_loader
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(None, progress=False)
     ddp = DDP(model)
@@ -103,25 +99,13 @@ def worker(rank: int, world: int, port: str, method: str, steps: int, batch: int
     # LAMB: the same optimizer that never reaches its compression stage (warm-up = LAMB over an fp32 all-reduce)
     opt = OneBitLamb(ddp.parameters(), lr=lr, freeze_step=freeze if method == "onebit_lamb" else steps + 1)
     data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank, split="train")
-    loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))
-    losses, times = [], []
-    t0 = time.perf_counter()
-    for b in loader:
-        loss = ddp(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = torch.tensor(loss.item())
-        dist.all_reduce(mean)  # the loss of the global batch (both ranks)
-        losses.append(float(mean) / world)
-        times.append(time.perf_counter() - t0)
-    bytes_steps = list(opt.stats.steps)
-    del ddp, opt  # before the group (see benchmarks/comm_hooks.py: gloo teardown deadlock)
-    import gc
-
-    gc.collect()
-    dist.destroy_process_group()
-    return {"method": method, "lr": lr, "losses": losses, "times": times, "bytes_steps": bytes_steps}
+    times: list[float] = []
+    losses = train_on_loader(ddp, opt, DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok)), times)
+    # the loss of the global batch (both ranks) per step, in one all-reduce after the run (not a sync per step)
+    mean = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean)
+    return {"method": method, "lr": lr, "losses": (mean / world).tolist(), "times": times,
+            "bytes_steps": list(opt.stats.steps)}
 
 
 def run_pair(method: str, steps: int, batch: int, lr: float, freeze: int, world: int) -> dict:

@@ -82,24 +82,34 @@ def tiny_default_base(cache_dir, steps: int = 200, seed: int = 0) -> str:
                                data_bytes=300_000, batch_size=8, seq_len=64)
 
 
-def _distributed_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout_s: float) -> None:
+@contextmanager
+def gloo_group(rank: int, world_size: int, addr: str = "127.0.0.1", port: int | str = 29500,
+               timeout_s: float = 60):
+    """A gloo default process group for the block (every collective times out after ``timeout_s``), destroyed
+    safely at the end. Keep DDP models inside a function called in the block, not in the block's own locals: a DDP
+    freed after the group is destroyed drops the group's last reference with the GIL held, and the group's
+    destructor then deadlocks with its worker threads (pytorch/pytorch#56297; one rank exits, the other never does).
+    The exit collects reference cycles while the group is still registered, then destroys it."""
+    import gc
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     try:
-        fn(rank, world_size, *args)
+        yield
     finally:
-        # free DDP models caught in reference cycles while the group is still registered: a DDP freed after the
-        # group is destroyed drops the group's last reference with the GIL held (pytorch/pytorch#56297)
-        import gc
-
         gc.collect()
         dist.destroy_process_group()
+
+
+def _distributed_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    with gloo_group(rank, world_size, port=port, timeout_s=pg_timeout_s):
+        fn(rank, world_size, *args)
 
 
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180, pg_timeout_s: float = 60) -> None:
@@ -145,15 +155,21 @@ def train_steps(model, steps: int, lr: float = 1e-2, batch_seed=lambda step: 0, 
     return losses
 
 
-def train_on_loader(model, optimizer, loader) -> list[float]:
-    """One pass of ``model`` over ``loader`` (batches of model kwargs with labels); returns the losses."""
+def train_on_loader(model, optimizer, loader, times: list | None = None) -> list[float]:
+    """One pass of ``model`` over ``loader`` (batches of model kwargs with labels); returns the losses. ``times``,
+    if given, receives the seconds since the start after every step."""
+    import time
+
     losses = []
+    t0 = time.perf_counter()
     for batch in loader:
         loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if times is not None:
+            times.append(time.perf_counter() - t0)
     return losses
 
 
