@@ -41,15 +41,52 @@ class _Layer:
     to the matrix's mean input (``project``), and the factor from the module's output gradient to the matrix's
     output gradient (``g_scale``)."""
 
-    __slots__ = ("name", "module", "weight", "bias", "project", "g_scale", "a_sum", "g_sum", "count_a", "count_g",
-                 "a", "g")
+    __slots__ = ("name", "module", "_weight", "bias", "project", "g_scale", "a_sum", "g_sum", "count_a", "count_g",
+                 "a", "g", "smt_adapter")
 
-    def __init__(self, name, module, weight, bias=None, project=None, g_scale: float = 1.0):
-        self.name, self.module, self.weight, self.bias = name, module, weight, bias
+    def __init__(self, name, module, weight, bias=None, project=None, g_scale: float = 1.0, smt_adapter=None):
+        self.name, self.module, self._weight, self.bias = name, module, weight, bias
         self.project, self.g_scale = project, g_scale
+        self.smt_adapter = smt_adapter  # SMT: the adapter whose (k, b, b) delta blocks are the matrix's parameter
         self.a_sum = self.g_sum = None
         self.count_a = self.count_g = 0
         self.a = self.g = None  # running means
+
+    @property
+    def weight(self):
+        # SMT replaces its block parameter when the blocks are selected after the warm-up: always the live one
+        return self.module.smt_weight[self.smt_adapter] if self.smt_adapter is not None else self._weight
+
+
+def _smt_targets(name: str, module) -> list:
+    """hf_dtrain SMT layers: ``y = W x + D x`` with W frozen and D block-sparse; the trainable blocks of D see the
+    layer's input and output gradient, so Eva's curvature is that of the dense matrix restricted to the blocks."""
+    return [_Layer(f"{name}.smt_weight.{adapter}", module, None, smt_adapter=adapter)
+            for adapter in getattr(module, "active_adapters", []) if adapter in module.smt_weight]
+
+
+def _block_precondition(method: str, gamma: float, grad: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                        a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Eva / FOOF for block-sparse parameters: ``grad`` (k, b, b) holds the gradients of the blocks at block
+    positions ``(rows[k], cols[k])`` of a matrix with mean input ``a`` and mean output gradient ``g``.
+
+    The curvature restricted to the selected entries is still rank one for Eva: ``u uᵀ`` with ``u`` the entries of
+    ``ḡ āᵀ`` at the blocks, so ``(u uᵀ + γ I)⁻¹ ∇ = (∇ - (uᵀ∇ / (γ + ‖u‖²)) u) / γ``. For FOOF each output row
+    couples only the selected input columns of that row: per block row ``r``, ``(ā_r ā_rᵀ + γ I)⁻¹`` with ``ā_r``
+    the input mean over the row's selected column blocks."""
+    bs = grad.shape[-1]
+    a_k = a.view(-1, bs).index_select(0, cols)  # (k, b) input mean of each block's columns
+    if method == "foof":
+        s = torch.einsum("kob,kb->ko", grad, a_k)  # ∇_k ā_k per block, summed over the row's blocks below
+        n_rows = int(rows.max()) + 1
+        s_r = s.new_zeros(n_rows, bs).index_add_(0, rows, s)
+        n_r = s.new_zeros(n_rows).index_add_(0, rows, a_k.pow(2).sum(1))
+        coeff = s_r.index_select(0, rows) / (gamma + n_r.index_select(0, rows)).unsqueeze(1)
+        return (grad - coeff.unsqueeze(2) * a_k.unsqueeze(1)) / gamma
+    g_k = g.view(-1, bs).index_select(0, rows)  # (k, b) output-gradient mean of each block's rows
+    u_grad = torch.einsum("ko,kob,kb->", g_k, grad, a_k)
+    u_norm = (g_k.pow(2).sum(1) * a_k.pow(2).sum(1)).sum()
+    return (grad - (u_grad / (gamma + u_norm)) * torch.einsum("ko,kb->kob", g_k, a_k)) / gamma
 
 
 def _lorafa_targets(name: str, module) -> list:
@@ -72,8 +109,10 @@ class Eva(torch.optim.Optimizer):
     (its trainable parameters); as the Trainer's ``optimizer_cls_and_kwargs=(Eva, {"model": model,
     "base_optimizer": "adamw", "lr": 1e-3})`` (the Trainer then passes the model itself); with Accelerate and
     as a DeepSpeed client optimizer like any torch optimizer. Every trainable ``nn.Linear`` of ``model`` (peft adapter
-    Linear layers included) and every hf_dtrain LoRA-FA adapter is preconditioned, except names matching ``exclude`` (the vocabulary projection by
-    default, as in the paper's code); other parameters get the wrapped optimizer's plain update.
+    Linear layers included), every hf_dtrain LoRA-FA adapter (B, with input ``A x``) and every SMT adapter (its delta
+    blocks, with the dense curvature restricted to them) is preconditioned, except names matching ``exclude`` (the
+    vocabulary projection by default, as in the paper's code); other parameters get the wrapped optimizer's plain
+    update.
 
     * ``base_optimizer``: a ``torch.optim.Optimizer`` class or ``"sgd"``/``"adamw"``/``"adam"``; ``**base_kwargs``
       go to it (``lr``, ``momentum``, ``weight_decay``, ...);
@@ -126,6 +165,8 @@ class Eva(torch.optim.Optimizer):
                 targets = [_Layer(name, module, module.weight, module.bias)]
             elif hasattr(module, "lorafa_B") and hasattr(module, "lorafa_A"):
                 targets = _lorafa_targets(name, module)
+            elif hasattr(module, "smt_weight") and hasattr(module, "smt_indices"):
+                targets = _smt_targets(name, module)
             else:
                 continue
             for layer in targets:
@@ -134,7 +175,7 @@ class Eva(torch.optim.Optimizer):
                 self.layers.append(layer)
                 self._handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
         if not self.layers:
-            raise ValueError("Eva found no trainable nn.Linear (or LoRA-FA adapter) in the model among the optimized "
+            raise ValueError("Eva found no trainable nn.Linear (or LoRA-FA / SMT adapter) in the model among the optimized "
                              "parameters; nothing to precondition (check model= and exclude=).")
 
     # -- the wrapped optimizer's surface ----------------------------------------------------------------------------
@@ -238,10 +279,16 @@ class Eva(torch.optim.Optimizer):
             raise ValueError("Eva saw no forward pass of the model's Linear layers with gradients enabled before its "
                              "first step(): pass model= the module that is trained (the same object, not a copy).")
         self.steps += 1
-        updates = []
+        updates = []  # (target parameters, their raw gradient, the preconditioned gradient)
         for layer in self.layers:
             w, b = layer.weight, layer.bias
-            if w.grad is None or layer.a is None or layer.g is None:
+            if w.grad is None or layer.a is None or layer.g is None or w.numel() == 0:
+                continue
+            if layer.smt_adapter is not None:
+                idx = layer.module.smt_indices[layer.smt_adapter]
+                grad = w.grad.float()
+                v = _block_precondition(self.method, self.damping, grad, idx[:, 0], idx[:, 1], layer.a, layer.g)
+                updates.append(((w,), grad, v))
                 continue
             grad = w.grad.float()
             has_bias = b is not None and b.grad is not None and layer.a.numel() == grad.shape[1] + 1
@@ -251,25 +298,25 @@ class Eva(torch.optim.Optimizer):
             if a is None:  # a bias whose gradient is absent this step: drop its column of the vector
                 a = layer.a[:grad.shape[1]]
             v = self.precondition(grad, a, layer.g)
-            updates.append((layer, grad, v, has_bias))
+            updates.append(((w, b) if has_bias else (w,), grad, v))
         if updates:
             lr = self.base.param_groups[0]["lr"]
             # one host sync for all layers (a float() per layer would stall a GPU once per layer)
             if self.kl_clip > 0:
-                vg = float(torch.stack([(v * g).sum() for _, g, v, _ in updates]).sum()) * lr ** 2
+                vg = float(torch.stack([(v * g).sum() for _, g, v in updates]).sum()) * lr ** 2
                 nu = min(1.0, math.sqrt(self.kl_clip / vg)) if vg > 0 else 1.0
             else:
-                sums = torch.stack([torch.stack([g.pow(2).sum(), v.pow(2).sum()]) for _, g, v, _ in updates]).sum(0)
+                sums = torch.stack([torch.stack([g.pow(2).sum(), v.pow(2).sum()]) for _, g, v in updates]).sum(0)
                 gg, vv = (float(x) for x in sums)
                 nu = math.sqrt(gg / vv) if vv > 0 else 1.0
-            for layer, grad, v, has_bias in updates:
+            for params, _, v in updates:
                 v = v * nu
-                w, b = layer.weight, layer.bias
-                if has_bias:
+                if len(params) == 2:
+                    w, b = params
                     w.grad.copy_(v[:, :-1].to(w.grad.dtype))
                     b.grad.copy_(v[:, -1].to(b.grad.dtype))
                 else:
-                    w.grad.copy_(v.to(w.grad.dtype))
+                    params[0].grad.copy_(v.to(params[0].grad.dtype))
         self.base.step()
         return loss
 

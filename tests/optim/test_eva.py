@@ -165,6 +165,68 @@ def test_preconditions_lorafa_adapters_with_their_own_input():
     assert s == 2.0 and float(g.norm()) > 0
 
 
+def _smt_dense_reference(method, grad_blocks, idx, bs, a, g, out_f, in_f, gamma):
+    """The dense computation: the curvature of the full matrix (Eva: (ā āᵀ) ⊗ (ḡ ḡᵀ); FOOF: (ā āᵀ) ⊗ I) restricted to
+    the entries of the selected blocks, damped and inverted as a matrix, applied to those entries' gradient."""
+    rows = [(int(r) * bs + i, int(c) * bs + j) for r, c in idx.tolist() for i in range(bs) for j in range(bs)]
+    pos = torch.tensor([j * out_f + i for i, j in rows])  # column-major vec index of entry (i, j)
+    full = torch.kron(torch.outer(a, a), torch.outer(g, g) if method == "eva" else torch.eye(out_f, dtype=a.dtype))
+    fisher = full[pos][:, pos]
+    vec = grad_blocks.reshape(-1)  # (k, i, j) order matches ``rows``
+    v = torch.linalg.solve(fisher + gamma * torch.eye(len(pos), dtype=a.dtype), vec)
+    return v.reshape(grad_blocks.shape)
+
+
+@pytest.mark.parametrize("method", ["eva", "foof"])
+def test_preconditions_smt_blocks_with_the_restricted_curvature(method):
+    """SMT's trainable delta blocks see the layer's input and output gradient: Eva's update of the blocks equals the
+    dense inverse of the matrix's curvature restricted to the selected entries (two blocks share a block row, so FOOF
+    couples them), and the live parameter is followed when the blocks are (re)selected."""
+    from peft import get_peft_model
+
+    from hf_dtrain import SMTConfig, set_smt_block_indices
+
+    key = "model.layers.0.self_attn.q_proj"
+    model = get_peft_model(tiny_llama(seed=0), SMTConfig(block_size=16, target_modules=["q_proj"],
+                                                         block_indices={key: [[0, 0]]}))
+    gamma = 0.03  # the paper's damping
+    opt = Eva([p for p in model.parameters() if p.requires_grad], model=model, lr=0.1, kl_clip=1e9,
+              factor_decay=1.0, method=method, damping=gamma)
+    assert [layer.name.endswith("smt_weight.default") for layer in opt.layers] == [True, True]
+    # the selection replaces the block parameters; Eva (through the optimizer swap) follows them
+    set_smt_block_indices(model, {key: [[0, 0], [0, 2], [3, 1]]}, optimizer=opt)
+    layer = next(layer for layer in opt.layers if key in layer.name)
+    module = layer.module
+    seen = {}
+
+    def keep(m, i, o):
+        o.retain_grad()
+        seen.update(x=i[0].detach(), out=o)
+
+    module.register_forward_hook(keep)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.02)
+    loss = model(**random_batch()).loss
+    # plus a term whose output gradient is the same at every token, so the gradient has a large component along
+    # ḡ āᵀ (the LM loss alone gives a nearly orthogonal one and the curvature term would hardly show)
+    c = torch.randn(module.out_features, generator=torch.Generator().manual_seed(1))
+    (loss + seen["out"].mean((0, 1)) @ c).backward()
+    blocks = module.smt_weight["default"]
+    assert blocks.shape[0] == 3 and layer.weight is blocks
+    b0, grad = blocks.detach().clone().double(), blocks.grad.detach().clone().double()
+    opt.step()
+    a = seen["x"].reshape(-1, seen["x"].shape[-1]).double().mean(0)
+    g = seen["out"].grad.reshape(-1, seen["out"].shape[-1]).double().mean(0)
+    v = _smt_dense_reference(method, grad, module.smt_indices["default"], 16, a, g, module.out_features,
+                             module.in_features, gamma)
+    step = b0 - blocks.detach().double()
+    torch.testing.assert_close(step, 0.1 * v, atol=1e-5 * float(step.abs().max()), rtol=1e-5)
+    # the curvature term is not negligible: the step is far from plain gradient / damping
+    assert float((v - grad / gamma).norm() / (grad / gamma).norm()) > 0.05
+
+
 def test_bad_hyperparameters():
     model = nn.Linear(3, 3)
     with pytest.raises(ValueError, match=r"damping must be a positive finite number"):
