@@ -125,6 +125,23 @@ def test_preconditions_peft_adapter_layers():
         assert torch.equal(before[n], p) != p.requires_grad, n  # adapters move, the base does not
 
 
+def _watch_and_randomize(model, module) -> dict:
+    """Record ``module``'s input and output (its gradient retained) at each forward, and give the trainable
+    parameters small random values (nonzero adapters, so no step is trivially zero)."""
+    seen = {}
+
+    def keep(m, i, o):
+        o.retain_grad()
+        seen.update(x=i[0].detach(), out=o)
+
+    module.register_forward_hook(keep)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.02)
+    return seen
+
+
 def test_preconditions_lorafa_adapters_with_their_own_input():
     """LoRA-FA's trainable B sees A x (A frozen) and the layer's output gradient times the scaling s: Eva's update of B
     equals the dense Kronecker inverse built from those vectors."""
@@ -139,16 +156,7 @@ def test_preconditions_lorafa_adapters_with_their_own_input():
     assert len(opt.layers) == 2 and all("lorafa_B" in layer.name for layer in opt.layers)
     layer = opt.layers[0]
     module = layer.module
-    seen = {}
-    def keep(m, i, o):
-        o.retain_grad()
-        seen.update(x=i[0].detach(), out=o)
-
-    module.register_forward_hook(keep)
-    with torch.no_grad():  # nonzero B so that the step is not trivially zero for every layer
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.02)
+    seen = _watch_and_randomize(model, module)
     model(**random_batch()).loss.backward()
     b = layer.weight
     b0, grad = b.detach().clone().double(), b.grad.detach().clone().double()
@@ -197,17 +205,7 @@ def test_preconditions_smt_blocks_with_the_restricted_curvature(method):
     set_smt_block_indices(model, {key: [[0, 0], [0, 2], [3, 1]]}, optimizer=opt)
     layer = next(layer for layer in opt.layers if key in layer.name)
     module = layer.module
-    seen = {}
-
-    def keep(m, i, o):
-        o.retain_grad()
-        seen.update(x=i[0].detach(), out=o)
-
-    module.register_forward_hook(keep)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.02)
+    seen = _watch_and_randomize(model, module)
     loss = model(**random_batch()).loss
     # plus a term whose output gradient is the same at every token, so the gradient has a large component along
     # ḡ āᵀ (the LM loss alone gives a nearly orthogonal one and the curvature term would hardly show)
