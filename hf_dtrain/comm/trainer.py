@@ -4,13 +4,15 @@ before the first backward.
 
 EmbRace: ``attach`` excludes the embeddings from DDP at once (the Trainer wraps the model inside ``train()``). DeAR:
 the deferred update is applied before every save, evaluation, and at the end of training; the Trainer's gradient
-clipping would clip local gradients, so DeAR needs ``max_grad_norm=0``."""
+clipping would clip local gradients, so DeAR needs ``max_grad_norm=0``. An optimizer with per-rank state
+(``OneBitLamb``, torch's ``ZeroRedundancyOptimizer``) is consolidated on rank 0 before every save, since the Trainer
+writes rank 0's optimizer state only."""
 
 from typing import Optional, Union
 
 from transformers import TrainerCallback
 
-from . import CommHookConfig, exclude_embeddings, register
+from . import CommHookConfig, exclude_embeddings, register, unwrap_optimizer
 
 
 class CommHookCallback(TrainerCallback):
@@ -51,11 +53,16 @@ class CommHookCallback(TrainerCallback):
         if self.state is not None and hasattr(self.state, "flush"):
             self.state.flush()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         # DeAR: the last update is deferred to the next forward; apply it before the weights are read
         if control.should_save or control.should_evaluate or control.should_training_stop or (
                 state.max_steps and state.global_step >= state.max_steps):
             self._flush()
+        # an optimizer with per-rank state (1-bit LAMB's error feedback, torch's ZeroRedundancyOptimizer): the
+        # Trainer writes rank 0's state_dict() only, so every rank's part is gathered there first
+        inner = unwrap_optimizer(optimizer) if optimizer is not None else None
+        if control.should_save and hasattr(inner, "consolidate_state_dict"):
+            inner.consolidate_state_dict(to=0)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._flush()

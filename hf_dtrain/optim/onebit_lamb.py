@@ -228,17 +228,63 @@ class OneBitLamb(torch.optim.Optimizer):
         return loss
 
     # -- checkpoints: the error-feedback buffers and the step travel with the optimizer state ------------------------
+    # The moments, trust ratios and masks are the same on every rank; the two error-feedback buffers are not (each
+    # rank's compression error). The Trainer, Accelerate and DeepSpeed (stage 0) write the optimizer state of rank 0
+    # only, so, as torch's ZeroRedundancyOptimizer, ``consolidate_state_dict(to=0)`` (a collective, on every rank)
+    # gathers every rank's buffers onto rank ``to`` first; its next ``state_dict()`` then carries all of them and each
+    # rank restores its own. ``CommHookCallback`` calls it before every Trainer save.
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's error-feedback buffers onto rank ``to`` (call on every rank before saving there)."""
+        gs = self.global_state
+        local = torch.cat([gs["worker_error"], gs["server_error"]])
+        me = dist.get_rank(self.process_group)
+        gathered = [torch.empty_like(local) for _ in range(self.world)] if me == to else None
+        dist.gather(local, gathered, dst=dist.get_global_rank(self.process_group, to) if self.process_group else to,
+                    group=self.process_group)
+        if me == to:
+            stacked = torch.stack(gathered)
+            self._consolidated = {"step": gs["step"], "worker_error": stacked[:, :self.padded].clone(),
+                                  "server_error": stacked[:, self.padded:].clone()}
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["onebit"] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.global_state.items()}
+        gs = self.global_state
+        onebit = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in gs.items()}
+        onebit["rank"], onebit["world"] = dist.get_rank(self.process_group), self.world
+        consolidated = getattr(self, "_consolidated", None)
+        if consolidated is not None and consolidated["step"] == gs["step"]:
+            onebit["per_rank"] = {"worker_error": consolidated["worker_error"],
+                                  "server_error": consolidated["server_error"]}
+        sd["onebit"] = onebit
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
         onebit = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
-        if onebit is not None:
-            self.global_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in onebit.items()}
+        if onebit is None:
+            return
+        onebit = dict(onebit)
+        per_rank = onebit.pop("per_rank", None)
+        saved_rank, saved_world = onebit.pop("rank", None), onebit.pop("world", self.world)
+        me = dist.get_rank(self.process_group)
+        if saved_world != self.world:
+            raise ValueError(f"This OneBitLamb state was saved with {saved_world} ranks and is loaded on {self.world}; "
+                             "the compressed chunks (and their error feedback) depend on the world size: resume "
+                             f"with {saved_world} processes.")
+        if per_rank is not None:
+            onebit["worker_error"] = per_rank["worker_error"][me]
+            onebit["server_error"] = per_rank["server_error"][me]
+        elif saved_rank is not None and saved_rank != me and onebit["step"] > self.freeze_step:
+            import warnings
+
+            warnings.warn(f"OneBitLamb: rank {me} loads the state saved by rank {saved_rank}, without its own "
+                          "error-feedback buffers; they restart at zero, so the resume is close but not exact. Call "
+                          "optimizer.consolidate_state_dict() on every rank before saving (CommHookCallback does it "
+                          "for the Trainer), or save each rank's state_dict().", stacklevel=2)
+            onebit["worker_error"] = torch.zeros_like(self.global_state["worker_error"])
+            onebit["server_error"] = torch.zeros_like(self.global_state["server_error"])
+        self.global_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in onebit.items()}
 
 
 def onebit_lamb_step_bytes(numel: int, world: int) -> int:

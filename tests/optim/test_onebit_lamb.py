@@ -135,6 +135,23 @@ def _resume_rank(rank, world, out_dir):
     ddp2.module.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
     assert run(ddp2, opt2, range(4, 8)) == straight
+    # rank 0's state alone (what the Trainer / Accelerate write) lacks the other ranks' error feedback: a warning
+    # that says what to do, not a silent inexact resume; after consolidate_state_dict() it carries every rank's
+    _, opt3 = make()
+    rank0 = torch.load(f"{out_dir}/ckpt0.pt", weights_only=True)["opt"]
+    if rank == 1:
+        with pytest.warns(UserWarning, match=r"consolidate_state_dict"):
+            opt3.load_state_dict(rank0)
+    opt2.consolidate_state_dict(to=0)
+    if rank == 0:
+        sd = opt2.state_dict()
+        per_rank = sd["onebit"]["per_rank"]["worker_error"]
+        assert per_rank.shape[0] == world and not torch.equal(per_rank[0], per_rank[1])  # the ranks' errors differ
+        torch.save(sd, f"{out_dir}/consolidated.pt")
+    torch.distributed.barrier()
+    opt3.load_state_dict(torch.load(f"{out_dir}/consolidated.pt", weights_only=True))
+    assert torch.equal(opt3.global_state["worker_error"], opt2.global_state["worker_error"])
+    assert torch.equal(opt3.global_state["server_error"], opt2.global_state["server_error"])
 
 
 def test_checkpoint_resume_is_exact(tmp_path):
