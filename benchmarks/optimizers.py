@@ -42,7 +42,7 @@ def _state_bytes(opt) -> int:
     return total
 
 
-def run_single(method: str, steps: int, batch: int, lr: float) -> dict:
+def run_single(method: str, steps: int, batch: int, lr: float, eva_kwargs: dict | None = None) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
@@ -60,9 +60,9 @@ def run_single(method: str, steps: int, batch: int, lr: float) -> dict:
     elif method == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     elif method == "eva_sgd":
-        opt = Eva(model.parameters(), model=model, base_optimizer="sgd", lr=lr, momentum=0.9)
+        opt = Eva(model.parameters(), model=model, base_optimizer="sgd", lr=lr, momentum=0.9, **(eva_kwargs or {}))
     else:
-        opt = Eva(model.parameters(), model=model, base_optimizer="adamw", lr=lr)
+        opt = Eva(model.parameters(), model=model, base_optimizer="adamw", lr=lr, **(eva_kwargs or {}))
     times: list[float] = []
     losses = train_on_loader(model, opt, loader, times)
     row = {"method": method, "lr": lr, "losses": losses, "times": times}

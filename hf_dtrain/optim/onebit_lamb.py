@@ -9,16 +9,21 @@ Li et al., arXiv 2104.06069; the algorithm of DeepSpeed's implementation (``runt
    scales it per tensor (``scaling_coeff``, fixed at the first compressed step), and the momenta are averaged by a
    1-bit all-reduce with error feedback:
 
-   - worker: ``x += e_w``; ``s_w = ‖x‖ / sqrt(n)``; ``e_w = x - s_w sign(x)``; signs packed 8 per byte, chunk k of
-     the signs goes to rank k (``all_to_all``), the scales by ``all_gather``;
-   - server (rank k, chunk k): ``y = mean_i(s_w,i sign_i) + e_s``; ``s_s = ‖y‖ / sqrt(n / N)``;
-     ``e_s = y - s_s sign(y)``; signs and scale ``all_gather``-ed back: ``m = concat_k(s_s,k sign_k)``.
+   - worker: ``x += e_w``; ``x`` is cut into N chunks (chunk k belongs to rank k) and each chunk into blocks of
+     ``scale_block`` elements (2048; None: the whole chunk); ``s_w`` = each block's RMS; ``e_w = x - s_w sign(x)``;
+     signs packed 8 per byte, chunk k of the signs and its scales go to rank k (``all_to_all``);
+   - server (rank k, chunk k): ``y = mean_i(s_w,i sign_i) + e_s``; ``s_s`` = per-block RMS of ``y``;
+     ``e_s = y - s_s sign(y)``; signs and scales ``all_gather``-ed back: ``m = concat_k(s_s,k sign_k)``.
+
+   DeepSpeed used one worker scale for the whole buffer; a scale per chunk (or per block) keeps the sign messages
+   and costs 4 bytes per block.
 
    The update is ``m / (sqrt(v) + eps) (+ wd p)`` times the frozen trust ratio, corrected by how far a fresh
    variance estimate drifted (``factor``, clamped to ``[factor_min, factor_max]`` and to ``±factor_threshold`` of the
    previous factor).
 
-Wire bytes per compressed step and rank: ``n / 8`` (phase 1) ``+ n / (8 N)`` (phase 2) plus 4-byte scales, against
+Wire bytes per compressed step and rank: ``n / 8`` (phase 1) ``+ n / (8 N)`` (phase 2) plus 4-byte scales
+(:func:`onebit_lamb_step_bytes`), against
 ``4 n`` for an fp32 all-reduce; the packed messages are 1/32 of the fp32 payload.
 
 Gradients must reach the optimizer **un-averaged**: under DDP register ``noop_hook`` (:meth:`OneBitLamb.attach_ddp`),
@@ -46,7 +51,8 @@ class OneBitLamb(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, mask_threshold: float = 1e-4, process_group=None):
+                 factor_threshold: float = 0.1, mask_threshold: float = 1e-4, scale_block: int | None = 2048,
+                 process_group=None):
         if not lr > 0:
             raise ValueError(f"OneBitLamb lr must be > 0, got {lr!r}.")
         if not isinstance(freeze_step, int) or freeze_step < 1:
@@ -68,6 +74,10 @@ class OneBitLamb(torch.optim.Optimizer):
         if not mask_threshold >= 0:
             raise ValueError(f"OneBitLamb mask_threshold must be >= 0, got {mask_threshold!r}.")
         self.mask_threshold = mask_threshold
+        if scale_block is not None and (not isinstance(scale_block, int) or scale_block < 1):
+            raise ValueError(f"OneBitLamb scale_block must be None (one scale per rank's chunk, as DeepSpeed) or an "
+                             f"integer >= 1 (one scale per that many elements), got {scale_block!r}.")
+        self.scale_block = scale_block
         self.process_group = process_group
         self.stats = WireStats()
         params = self._params()
@@ -99,35 +109,58 @@ class OneBitLamb(torch.optim.Optimizer):
         register(ddp_model, "noop")
 
     # -- the 1-bit all-reduce ----------------------------------------------------------------------------------------
+    def _scale_blocks(self, chunk: int) -> tuple[int, int]:
+        """(block length, blocks per chunk) of the per-block scales."""
+        block = min(self.scale_block or chunk, chunk)
+        return block, -(-chunk // block)
+
+    def _compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` (rows, chunk) -> (signs ±1, per-block scales (rows, blocks), the compression error): the scale of a
+        block is its RMS, so ``scale * sign`` keeps the block's L2 norm."""
+        rows, chunk = x.shape
+        block, nb = self._scale_blocks(chunk)
+        padded = torch.nn.functional.pad(x, (0, nb * block - chunk)).view(rows, nb, block)
+        counts = torch.full((nb,), float(block))
+        counts[-1] = chunk - (nb - 1) * block
+        scales = padded.norm(dim=2) / counts.sqrt()
+        sign = _sign(x)
+        approx = scales.repeat_interleave(block, dim=1)[:, :chunk] * sign
+        return sign, scales, x - approx
+
+    def _decompress(self, sign: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        block, _ = self._scale_blocks(sign.shape[1])
+        return scales.repeat_interleave(block, dim=1)[:, :sign.shape[1]] * sign
+
     def compressed_allreduce(self, x: torch.Tensor) -> torch.Tensor:
         """Average ``x`` (padded, flat fp32) over ranks with 1-bit messages and worker/server error feedback."""
         world, group, gs = self.world, self.process_group, self.global_state
-        x = x + gs["worker_error"]
-        s_w = x.norm() / math.sqrt(x.numel())
-        sign = _sign(x)
-        gs["worker_error"] = x - s_w * sign
-        packed = pack_bits(sign > 0)  # padded length is a multiple of 8 * world: whole bytes per chunk
-        received = torch.empty_like(packed)
-        scales = torch.empty(world)
-        self.stats.add(packed)
-        self.stats.add(s_w.reshape(1))
-        dist.all_to_all_single(received, packed, group=group)
-        all_gather_single(scales, s_w.reshape(1).float(), group=group)
         chunk = x.numel() // world
+        _, nb = self._scale_blocks(chunk)
+        x = (x + gs["worker_error"]).view(world, chunk)
+        sign, s_w, err = self._compress(x)
+        gs["worker_error"] = err.reshape(-1)
+        packed = pack_bits(sign.reshape(-1) > 0)  # padded length is a multiple of 8 * world: whole bytes per chunk
+        received = torch.empty_like(packed)
+        scales = torch.empty(world * nb)
+        self.stats.add(packed)
+        self.stats.add(s_w)
+        # phase 1: chunk k of every rank's signs (and its block scales) to rank k
+        dist.all_to_all_single(received, packed, group=group)
+        dist.all_to_all_single(scales, s_w.reshape(-1).contiguous(), group=group)
         signs = unpack_bits(received, chunk * world).view(world, chunk).float() * 2 - 1
-        y = (scales.unsqueeze(1) * signs).mean(0) + gs["server_error"]
-        s_s = y.norm() / math.sqrt(chunk)
-        server_sign = _sign(y)
-        gs["server_error"] = y - s_s * server_sign
-        mine = pack_bits(server_sign > 0)
+        y = self._decompress(signs, scales.view(world, nb)).mean(0, keepdim=True) + gs["server_error"]
+        server_sign, s_s, err = self._compress(y)
+        gs["server_error"] = err.reshape(-1)
+        mine = pack_bits(server_sign.reshape(-1) > 0)
         all_signs = torch.empty(mine.numel() * world, dtype=torch.uint8)
-        all_scales = torch.empty(world)
+        all_scales = torch.empty(world * nb)
         self.stats.add(mine)
-        self.stats.add(s_s.reshape(1))
+        self.stats.add(s_s)
+        # phase 2: every rank's averaged chunk (signs and block scales) to every rank
         all_gather_single(all_signs, mine, group=group)
-        all_gather_single(all_scales, s_s.reshape(1).float(), group=group)
+        all_gather_single(all_scales, s_s.reshape(-1).contiguous(), group=group)
         out = unpack_bits(all_signs, chunk * world).view(world, chunk).float() * 2 - 1
-        return (all_scales.unsqueeze(1) * out).reshape(-1)
+        return self._decompress(out, all_scales.view(world, nb)).reshape(-1)
 
     # -- the step ----------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -287,7 +320,10 @@ class OneBitLamb(torch.optim.Optimizer):
         self.global_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in onebit.items()}
 
 
-def onebit_lamb_step_bytes(numel: int, world: int) -> int:
-    """Bytes per compressed step and rank: packed signs of both phases plus the two 4-byte scales."""
+def onebit_lamb_step_bytes(numel: int, world: int, scale_block: int | None = 2048) -> int:
+    """Bytes per compressed step and rank: packed signs of both phases plus the 4-byte scales (phase 1: one per
+    block of every rank's chunk, phase 2: one per block of the own chunk)."""
     padded = math.ceil(numel / (8 * world)) * 8 * world
-    return padded // 8 + 4 + padded // world // 8 + 4
+    chunk = padded // world
+    blocks = -(-chunk // min(scale_block or chunk, chunk))
+    return padded // 8 + 4 * world * blocks + chunk // 8 + 4 * blocks

@@ -7,17 +7,17 @@ import json
 import pytest
 import torch
 
-from hf_dtrain.testing import mean_over_ranks, random_batch, run_distributed, tiny_llama, train_on_loader
+from hf_dtrain.testing import random_batch, run_distributed, tiny_llama, train_on_loader
 
 
-def _allreduce_rank(rank, world, out_dir):
+def _allreduce_rank(rank, world, out_dir, scale_block):
     import torch.distributed as dist
 
     from hf_dtrain.optim.onebit_lamb import OneBitLamb
 
     n = 1000
     param = torch.nn.Parameter(torch.zeros(n))
-    opt = OneBitLamb([param], freeze_step=1)
+    opt = OneBitLamb([param], freeze_step=1, scale_block=scale_block)
     gen = torch.Generator().manual_seed(rank)
     x = torch.zeros(opt.padded)
     x[:n] = torch.randn(n, generator=gen) + 0.3
@@ -41,16 +41,36 @@ def _allreduce_rank(rank, world, out_dir):
         json.dump({"bytes": opt.stats.steps[-1], "padded": opt.padded}, open(f"{out_dir}/bytes.json", "w"))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_compressed_allreduce_bytes_identity_and_error_feedback(tmp_path, world):
+@pytest.mark.parametrize("world, scale_block", [(2, None), (3, None), (2, 96)])
+def test_compressed_allreduce_bytes_identity_and_error_feedback(tmp_path, world, scale_block):
+    """96 does not divide the chunk (504 on 2 ranks): 6 blocks per chunk, the last one shorter."""
     from hf_dtrain.optim.onebit_lamb import onebit_lamb_step_bytes
 
-    run_distributed(_allreduce_rank, world_size=world, args=(str(tmp_path),), timeout=180)
+    run_distributed(_allreduce_rank, world_size=world, args=(str(tmp_path), scale_block), timeout=180)
     r = json.load(open(tmp_path / "bytes.json"))
     padded = r["padded"]
     assert padded % (8 * world) == 0
-    assert r["bytes"] == onebit_lamb_step_bytes(1000, world) == padded // 8 + 4 + padded // world // 8 + 4
-    assert padded // 8 == 4 * padded / 32  # phase 1: 1/32 of the fp32 payload, plus a 4-byte scale
+    blocks = 1 if scale_block is None else -(-(padded // world) // scale_block)
+    assert blocks == (1 if scale_block is None else 6)
+    # signs of both phases, 8 per byte, plus a 4-byte scale per block: phase 1 of every chunk, phase 2 of its own
+    expected = padded // 8 + 4 * world * blocks + padded // world // 8 + 4 * blocks
+    assert r["bytes"] == onebit_lamb_step_bytes(1000, world, scale_block) == expected
+    assert padded // 8 == 4 * padded / 32  # phase 1: 1/32 of the fp32 payload, plus the scales
+
+
+def test_block_compression_keeps_each_block_norm():
+    """sign x per-block RMS keeps each block's L2 norm, and the returned error is exactly what is not sent."""
+    from hf_dtrain.optim.onebit_lamb import OneBitLamb
+
+    opt = OneBitLamb.__new__(OneBitLamb)  # the compression alone needs no process group
+    opt.scale_block = 4
+    x = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    sign, scales, err = opt._compress(x)
+    assert scales.shape == (2, 3)
+    approx = opt._decompress(sign, scales)
+    torch.testing.assert_close(approx + err, x)
+    for lo, hi in ((0, 4), (4, 8), (8, 10)):
+        torch.testing.assert_close(approx[:, lo:hi].norm(dim=1), x[:, lo:hi].norm(dim=1))
 
 
 FREEZE = 20  # LAMB warm-up steps before compression
@@ -71,8 +91,13 @@ def _train_rank(rank, world, base, out_dir, steps, freeze):
     OneBitLamb.attach_ddp(ddp)  # DDP must not average: the optimizer exchanges (compressed) itself
     opt = OneBitLamb(ddp.parameters(), lr=LR, freeze_step=freeze)
     data = tasks.make_task_dataset(tok, steps * 16, seed=100 + rank, split="train", digits=2)
-    losses = train_on_loader(ddp, opt, DataLoader(data, batch_size=16, collate_fn=tasks.task_collator(tok)))
-    loss = mean_over_ranks(sum(losses[-20:]) / 20)  # both ranks' batches, the last 20 steps
+    train_on_loader(ddp, opt, DataLoader(data, batch_size=16, collate_fn=tasks.task_collator(tok)))
+    # the loss on 256 held-out problems (the same on both ranks: the replicas are identical)
+    held_out = tasks.make_task_dataset(tok, 256, seed=7, split="eval", digits=2)
+    model.eval()
+    with torch.no_grad():
+        loss = sum(model(**b).loss.item() for b in DataLoader(held_out, batch_size=64,
+                                                               collate_fn=tasks.task_collator(tok))) / 4
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     torch.distributed.all_gather(gathered, flat)
@@ -84,8 +109,9 @@ def _train_rank(rank, world, base, out_dir, steps, freeze):
 
 @pytest.mark.slow
 def test_onebit_lamb_trains_close_to_lamb(tmp_path):
-    """150 steps on the test-size default model, 2 ranks, 20 LAMB warm-up steps: measured 4.8% above LAMB's loss
-    (5.3% with 40 warm-up steps, 7.5% at lr 1e-3). The issue's 5% is not met with margin yet; this holds 10%."""
+    """150 steps on the test-size default model, 2 ranks, 20 LAMB warm-up steps, then 130 compressed steps: the
+    held-out loss within 5% of LAMB's after the same steps (measured: 2.4% above with scale blocks of 2048, 4.1% with
+    one scale per chunk, 5.1% with DeepSpeed's one scale per buffer)."""
     from hf_dtrain.testing import tiny_default_base
 
     base = tiny_default_base(tmp_path / "cache", steps=200)
@@ -96,7 +122,7 @@ def test_onebit_lamb_trains_close_to_lamb(tmp_path):
     onebit, lamb = (json.load(open(tmp_path / f"{f}.json")) for f in (FREEZE, steps + 1))
     print(f"1-bit LAMB loss {onebit['loss']:.4f} vs LAMB {lamb['loss']:.4f}; bytes per step "
           f"{onebit['bytes'][-1]} vs {lamb['bytes'][-1]}")
-    assert onebit["loss"] <= 1.10 * lamb["loss"], (onebit["loss"], lamb["loss"])
+    assert onebit["loss"] <= 1.05 * lamb["loss"], (onebit["loss"], lamb["loss"])
     assert max(onebit["bytes"][FREEZE:]) * 16 <= lamb["bytes"][-1]  # at most 1/16 of LAMB's bytes after warm-up
 
 
