@@ -47,6 +47,11 @@ class CommHookCallback(TrainerCallback):
             raise ValueError(f"DeAR averages gradients after optimizer.step() is called, so the Trainer's gradient "
                              f"clipping (max_grad_norm={args.max_grad_norm}) would clip local gradients; set "
                              "TrainingArguments(max_grad_norm=0) (--max_grad_norm 0).")
+        inner = unwrap_optimizer(self.trainer.optimizer) if self.trainer.optimizer is not None else None
+        if getattr(inner, "exchanges_gradients_itself", False) and args.max_grad_norm:
+            raise ValueError(f"{type(inner).__name__} averages the gradients inside its step(), so the Trainer's "
+                             f"gradient clipping (max_grad_norm={args.max_grad_norm}) would clip each rank's local "
+                             "gradient; set TrainingArguments(max_grad_norm=0) (--max_grad_norm 0).")
         self.state = register(self.trainer.model_wrapped, self.config, optimizer=self.trainer.optimizer)
 
     def _flush(self):

@@ -48,6 +48,8 @@ def _sign(x: torch.Tensor) -> torch.Tensor:
 class OneBitLamb(torch.optim.Optimizer):
     """1-bit LAMB over ``torch.distributed`` (defaults: DeepSpeed's, with a shorter ``freeze_step``)."""
 
+    exchanges_gradients_itself = True  # DDP must not average (noop hook), and a Trainer must not clip local grads
+
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,

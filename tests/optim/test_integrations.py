@@ -74,7 +74,8 @@ def test_deepspeed_client_optimizer(which):
 @pytest.mark.parametrize("optimizer", ["onebit_lamb", "eva"])
 def test_accelerate_recipe_two_processes(tmp_path, optimizer):
     """recipes/optimizers_accelerate.py under accelerate launch (2 gloo processes): the replicas agree, the loss
-    falls, and 1-bit LAMB's steps after its warm-up send under 1/16 of the warm-up's bytes."""
+    falls, and 1-bit LAMB's steps after its warm-up send under 1/16 of the warm-up's bytes; its saved state
+    (accelerator.save_state) carries both ranks' error feedback."""
     import json
     import subprocess
     import sys
@@ -85,7 +86,8 @@ def test_accelerate_recipe_two_processes(tmp_path, optimizer):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
            "--main_process_port", str(free_port()), "recipes/optimizers_accelerate.py", "--model", base,
-           "--optimizer", optimizer, "--steps", "40", "--freeze-fraction", "0.25", "--out", str(tmp_path / "out")]
+           "--optimizer", optimizer, "--steps", "40", "--freeze-fraction", "0.25", "--out", str(tmp_path / "out"),
+           "--save-state", str(tmp_path / "state")]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
@@ -99,3 +101,6 @@ def test_accelerate_recipe_two_processes(tmp_path, optimizer):
     if optimizer == "onebit_lamb":
         sent = reports[0]["bytes_per_step"]
         assert len(sent) == 40 and max(sent[10:]) * 16 < sent[0], sent
+        state = torch.load(tmp_path / "state" / "optimizer.bin", weights_only=True)
+        per_rank = state["onebit"]["per_rank"]["worker_error"]
+        assert per_rank.shape[0] == 2 and not torch.equal(per_rank[0], per_rank[1])

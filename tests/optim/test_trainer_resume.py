@@ -74,6 +74,11 @@ def _onebit_rank(rank, world, out_dir, port):
         pathlib.Path(out_dir), (OneBitLamb, {"lr": 2e-3, "freeze_step": 3}), rank,
         callbacks_for=lambda t: hooks.append(CommHookCallback.attach(t, "noop")))
     assert straight.args.world_size == world
+    clipped = _trainer(pathlib.Path(out_dir) / "clipped", (OneBitLamb, {"lr": 2e-3, "freeze_step": 3}), rank,
+                       callbacks_for=lambda t: CommHookCallback.attach(t, "noop"))
+    clipped.args.max_grad_norm = 1.0
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0\) would clip each rank's local gradient"):
+        clipped.train()
     inner = straight.optimizer.optimizer if hasattr(straight.optimizer, "optimizer") else straight.optimizer
     if rank == 0:
         json.dump({"straight": a, "resumed": b, "bytes": inner.stats.steps,
