@@ -23,7 +23,6 @@ all micro-batches of a step are averaged.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import Callable, Iterable, Optional, Union
 
 import torch
@@ -31,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import world_size_of
+from .wrapper import WrappedOptimizer, build_base_optimizer
 
 METHODS = ("eva", "foof")
-BASE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
 class _Layer:
@@ -102,7 +101,7 @@ def _lorafa_targets(name: str, module) -> list:
     return targets
 
 
-class Eva(torch.optim.Optimizer):
+class Eva(WrappedOptimizer):
     """Eva (or vectorized FOOF) preconditioning around a torch optimizer.
 
     ``Eva(model.parameters(), model=model, base_optimizer="sgd", lr=0.1, momentum=0.9)`` or ``Eva(model, ...)``
@@ -140,21 +139,11 @@ class Eva(torch.optim.Optimizer):
             raise ValueError(f"Eva update_interval must be an integer >= 1 (1: every step), got {update_interval!r}.")
         if method not in METHODS:
             raise ValueError(f"Eva method={method!r} is unknown; use one of {', '.join(METHODS)}.")
-        if isinstance(base_optimizer, str):
-            if base_optimizer.lower() not in BASE_OPTIMIZERS:
-                raise ValueError(f"Eva base_optimizer={base_optimizer!r} is unknown; use one of "
-                                 f"{', '.join(BASE_OPTIMIZERS)} or a torch.optim.Optimizer class.")
-            base_optimizer = BASE_OPTIMIZERS[base_optimizer.lower()]
-        self.base = base_optimizer(params, **base_kwargs)
+        self._init_wrapper()
+        self.base = build_base_optimizer(base_optimizer, params, "Eva", **base_kwargs)
         self.damping, self.kl_clip, self.factor_decay = float(damping), float(kl_clip), float(factor_decay)
         self.update_interval, self.method, self.process_group = update_interval, method, process_group
         self.steps = 0
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         optimized = {id(p) for g in self.base.param_groups for p in g["params"]}
         self.layers: list[_Layer] = []
         self._handles = []
@@ -177,29 +166,6 @@ class Eva(torch.optim.Optimizer):
         if not self.layers:
             raise ValueError("Eva found no trainable nn.Linear (or LoRA-FA / SMT adapter) in the model among the optimized "
                              "parameters; nothing to precondition (check model= and exclude=).")
-
-    # -- the wrapped optimizer's surface ----------------------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.base.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.base.param_groups = value
-
-    @property
-    def state(self):
-        return self.base.state
-
-    @property
-    def defaults(self):
-        return self.base.defaults
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.base.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict) -> None:
-        self.base.add_param_group(param_group)
 
     def __repr__(self) -> str:
         return (f"Eva(method={self.method}, damping={self.damping}, kl_clip={self.kl_clip}, "
@@ -320,24 +286,19 @@ class Eva(torch.optim.Optimizer):
         self.base.step()
         return loss
 
-    # -- checkpoints -------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        sd = self.base.state_dict()
-        sd["eva"] = {"steps": self.steps,
-                     "vectors": {l.name: {"a": l.a, "g": l.g} for l in self.layers if l.a is not None}}
-        return sd
+    # -- checkpoints: Eva's step and vectors under the "eva" key of the wrapped optimizer's state dict ------------
+    state_key = "eva"
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        eva = state_dict.pop("eva", None)
-        self.base.load_state_dict(state_dict)
-        if eva is not None:
-            self.steps = int(eva["steps"])
-            by_name = {l.name: l for l in self.layers}
-            for name, vec in eva["vectors"].items():
-                if name in by_name:
-                    by_name[name].a = vec["a"].clone()
-                    by_name[name].g = vec["g"].clone()
+    def _wrapper_state(self) -> dict:
+        return {"steps": self.steps, "vectors": {l.name: {"a": l.a, "g": l.g} for l in self.layers if l.a is not None}}
+
+    def _load_wrapper_state(self, eva: dict) -> None:
+        self.steps = int(eva["steps"])
+        by_name = {l.name: l for l in self.layers}
+        for name, vec in eva["vectors"].items():
+            if name in by_name:
+                by_name[name].a = vec["a"].clone()
+                by_name[name].g = vec["g"].clone()
 
     def extra_memory_bytes(self) -> int:
         """Bytes Eva keeps beyond the wrapped optimizer: two vectors per layer."""
