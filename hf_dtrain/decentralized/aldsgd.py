@@ -25,6 +25,25 @@ from .gossip import exchange
 from .topology import Topology
 
 
+def aldsgd_combine(rank: int, x: torch.Tensor, loss: float, degree: int,
+                   neighbours: dict[int, tuple[torch.Tensor, float, int]], w_row: torch.Tensor, c1: float, c2: float,
+                   p1: float, p2: float) -> tuple[torch.Tensor, int, int]:
+    """One AL-DSGD combination on rank ``rank``: ``neighbours`` maps each active neighbour to (parameters, loss,
+    degree), ``w_row`` is row ``rank`` of the mixing matrix. Returns the new parameters, the lowest-loss rank and the
+    highest-degree rank among itself and its neighbours (ties go to the lowest rank)."""
+    models = {rank: x, **{j: v[0] for j, v in neighbours.items()}}
+    loss_of = {rank: loss, **{j: v[1] for j, v in neighbours.items()}}
+    degree_of = {rank: degree, **{j: v[2] for j, v in neighbours.items()}}
+    y = x * float(w_row[rank])
+    for j, (xj, _, _) in neighbours.items():
+        y = y + float(w_row[j]) * xj
+    best = min(models, key=lambda r: (loss_of[r], r))
+    maxdeg = min(models, key=lambda r: (-degree_of[r], r))
+    y = (1 - c1 - c2) * y + c1 * models[best] + c2 * models[maxdeg]
+    y = y - p1 * (y - models[best]) - p2 * (y - models[maxdeg])
+    return y, best, maxdeg
+
+
 class ALDSGD(GossipMixin, WrappedOptimizer):
     """``ALDSGD(params, model=model, topology="matcha", base_optimizer="sgd", lr=0.1, momentum=0.9)``."""
 
@@ -42,6 +61,7 @@ class ALDSGD(GossipMixin, WrappedOptimizer):
         kwargs = {"budget": budget, "seed": seed} if topology == "matcha" else {}
         self._init_gossip(topology, process_group, model=model, **kwargs)
         self.c1, self.c2, self.p1, self.p2 = c1, c2, p1, p2
+        self.leaders: list[tuple[int, int, int]] = []  # (step, lowest-loss rank, highest-degree rank) seen here
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -58,17 +78,11 @@ class ALDSGD(GossipMixin, WrappedOptimizer):
         message = torch.cat([x, torch.tensor([self._current_loss(), float(degree)], dtype=x.dtype)])
         received = exchange(message, self.topology, t, self.process_group, self.stats)
         if received:
-            models = {i: x, **{j: m[:-2] for j, m in received.items()}}
-            loss_of = {i: self._current_loss(), **{j: float(m[-2]) for j, m in received.items()}}
-            degree_of = {i: degree, **{j: int(m[-1]) for j, m in received.items()}}
-            y = x * float(w[i, i])
-            for j, xj in received.items():
-                y.add_(xj[:-2], alpha=float(w[i, j]))
-            best = min(models, key=lambda r: (loss_of[r], r))
-            maxdeg = min(models, key=lambda r: (-degree_of[r], r))
-            y = (1 - self.c1 - self.c2) * y + self.c1 * models[best] + self.c2 * models[maxdeg]
-            y = y - self.p1 * (y - models[best]) - self.p2 * (y - models[maxdeg])
+            neighbours = {j: (m[:-2], float(m[-2]), int(m[-1])) for j, m in received.items()}
+            y, best, maxdeg = aldsgd_combine(i, x, self._current_loss(), degree, neighbours, w[i],
+                                             self.c1, self.c2, self.p1, self.p2)
             self._set_flat(y)
+            self.leaders.append((t, best, maxdeg))
         self.gossip_steps += 1
         self.stats.end_step()
         return loss
