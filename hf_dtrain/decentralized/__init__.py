@@ -1,12 +1,13 @@
 """Decentralized and straggler-tolerant training: topologies with doubly stochastic mixing, neighbour gossip on
-torch.distributed, and optimizers built on them (D-PSGD, DecentLaM, LSGD, AL-DSGD)."""
+torch.distributed, and optimizers built on them (D-PSGD, DecentLaM, LSGD, AL-DSGD), and Non-blocking SGD with a straggler injector."""
 
 from .aldsgd import ALDSGD
 from .decentlam import DecentLaM
 from .dpsgd import DPSGD
 from .gossip import consensus_distance, exchange, gossip
 from .lsgd import LSGD
+from .nonblocking import NonBlockingSGD, Straggler
 from .topology import MatchaTopology, Topology, metropolis_weights
 
 __all__ = ["Topology", "MatchaTopology", "metropolis_weights", "gossip", "exchange", "consensus_distance", "DPSGD",
-           "DecentLaM", "LSGD", "ALDSGD"]
+           "DecentLaM", "LSGD", "ALDSGD", "NonBlockingSGD", "Straggler"]
