@@ -156,7 +156,7 @@ class HeterogeneityAwareSampler(Sampler[int]):
 
     def __init__(self, labels: Optional[Sequence[int]], speeds: Sequence[float], rank: Optional[int] = None,
                  features: Optional[torch.Tensor] = None, shuffle: bool = True, seed: int = 0,
-                 num_samples: Optional[int] = None):
+                 num_samples: Optional[int] = None, global_batch_size: Optional[int] = None):
         if rank is None:
             import torch.distributed as dist
 
@@ -166,18 +166,33 @@ class HeterogeneityAwareSampler(Sampler[int]):
         self.shards = partition_indices(labels, speeds, num_samples, features, seed)
         self.rank, self.speeds, self.shuffle, self.seed, self.epoch = rank, list(speeds), shuffle, seed, 0
         self.indices = self.shards[rank]
+        # with a global batch size: this rank's batch size, and a length padded (by wrapping around the shard, as
+        # DistributedSampler pads) so that every rank has the same number of batches per epoch: rounding the batch
+        # sizes would otherwise leave one rank a batch short, and its peers waiting in a collective
+        self.global_batch_size = global_batch_size
+        self.steps_per_epoch: Optional[int] = None
+        if global_batch_size is not None:
+            if not isinstance(global_batch_size, int) or global_batch_size < len(speeds):
+                raise ValueError(f"global_batch_size must be an integer >= the number of workers ({len(speeds)}), "
+                                 f"got {global_batch_size!r}.")
+            sizes = [max(1, b) for b in speed_quotas(global_batch_size, self.shard_sizes)]
+            self.steps_per_epoch = max(-(-len(s) // b) for s, b in zip(self.shards, sizes))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        if not self.shuffle:
-            return iter(self.indices)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter([self.indices[i] for i in torch.randperm(len(self.indices), generator=g).tolist()])
+        order = list(self.indices)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = [self.indices[i] for i in torch.randperm(len(self.indices), generator=g).tolist()]
+        n = len(self)
+        return iter((order * (-(-n // len(order))))[:n])
 
     def __len__(self) -> int:
-        return len(self.indices)
+        if self.steps_per_epoch is None:
+            return len(self.indices)
+        return self.steps_per_epoch * self.batch_size_for(self.global_batch_size)
 
     @property
     def shard_sizes(self) -> list[int]:

@@ -59,6 +59,20 @@ def test_sampler_iterates_this_ranks_shard_and_sizes_batches():
     assert [s.loss_scale(12) for s in samplers] == [0.5, 1.0, 1.5]
 
 
+def test_every_rank_gets_the_same_number_of_batches():
+    """Rounded batch sizes would leave a rank a batch short (here 77 samples in batches of 7 = 11 against 13 on the
+    others) and its peers waiting in a collective: with global_batch_size the shards are padded to equal steps."""
+    from torch.utils.data import DataLoader
+
+    speeds = [1, 1, 1, 1 / 3]
+    samplers = [HeterogeneityAwareSampler(None, speeds, rank=r, num_samples=768, global_batch_size=64)
+                for r in range(4)]
+    assert samplers[3].shard_sizes == [231, 230, 230, 77] and samplers[3].batch_size_for(64) == 7
+    loaders = [DataLoader(range(768), batch_size=s.batch_size_for(64), sampler=s) for s in samplers]
+    assert [len(loader) for loader in loaders] == [13] * 4
+    assert set(samplers[3]) == set(samplers[3].indices)  # the padding repeats the rank's own shard only
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match=r"3 samples over 4 workers would leave workers empty"):
         partition_indices([0, 1, 0], [1, 1, 1, 1])
@@ -68,5 +82,7 @@ def test_bad_input():
         partition_indices([0] * 10, [0.01, 5])
     with pytest.raises(ValueError, match=r"features has 2 rows for 3 samples"):
         partition_indices([0, 1, 0], [1, 1], features=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"global_batch_size must be an integer >= the number of workers"):
+        HeterogeneityAwareSampler([0, 1, 0], [1, 1], rank=0, global_batch_size=1)
     with pytest.raises(ValueError, match=r"rank 2 has no speed"):
         HeterogeneityAwareSampler([0, 1, 0], [1, 1], rank=2)
