@@ -1,0 +1,112 @@
+"""DELTA's profiler pass: one measured training step recording, per decoder layer (the unit the planner decides on),
+the bytes autograd saves for backward (unique storages, parameters excluded), the bytes of the layer's input (what a
+recomputed layer keeps), and the forward time; plus the measured bandwidth of the offload tier."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks of a transformers model (``...layers.N``: the ModuleList the decoder iterates)."""
+    best: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best) and name.split(".")[-1] in ("layers", "h",
+                                                                                                       "blocks"):
+            best = [(f"{name}.{i}", m) for i, m in enumerate(module)]
+    if not best:
+        raise ValueError(f"No decoder layers found in {type(model).__name__} (a ModuleList named layers / h / blocks); "
+                         "DELTA plans per decoder layer.")
+    return best
+
+
+@dataclass
+class GroupProfile:
+    name: str
+    saved_bytes: int  # saved for backward while the layer runs (unique storages, parameters excluded)
+    input_bytes: int  # the layer's input hidden states: what a recomputed (checkpointed) layer keeps
+    forward_seconds: float
+
+
+@dataclass
+class Profile:
+    groups: list[GroupProfile]
+    total_saved_bytes: int  # the whole model's step, groups included
+    shape: tuple
+    tier_bandwidth: float  # bytes/s, one direction
+    groups_saved_bytes: int = field(init=False)
+
+    def __post_init__(self):
+        self.groups_saved_bytes = sum(g.saved_bytes for g in self.groups)
+
+    @property
+    def other_bytes(self) -> int:
+        """Saved outside the decoder layers (embeddings, final norm, the loss on the logits): always kept."""
+        return max(0, self.total_saved_bytes - self.groups_saved_bytes)
+
+
+def measure_tier_bandwidth(tier, nbytes: int = 8 << 20) -> float:
+    """Bytes/s of a write plus read through ``tier`` (the mean of the two directions), on a scratch buffer."""
+    x = torch.randn(nbytes // 4)
+    tier.reset()
+    t0 = time.perf_counter()
+    handle = tier.store(x)
+    y = tier.load(handle)
+    seconds = time.perf_counter() - t0
+    tier.reset()
+    assert torch.equal(x, y)
+    return 2 * nbytes / max(seconds, 1e-9)
+
+
+def profile_step(model: nn.Module, batch: dict, tier, layers: Optional[list] = None) -> Profile:
+    """Run one forward + backward of ``model`` on ``batch`` keeping everything, and measure. Gradients are left as
+    they were (the step is for measuring only)."""
+    layers = layers or decoder_layers(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, tuple[int, Optional[int]]] = {}  # data_ptr -> (bytes, group index of first save)
+    current: list[Optional[int]] = [None]
+    inputs: dict[int, int] = {}
+    times: dict[int, float] = {}
+    starts: dict[int, float] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in params and ptr not in storages:
+            storages[ptr] = (st.nbytes(), current[0])
+        return t
+
+    handles = []
+    for i, (_, layer) in enumerate(layers):
+        def pre(module, args, kwargs, i=i):
+            current[0] = i
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            inputs[i] = hidden.untyped_storage().nbytes() if torch.is_tensor(hidden) else 0
+            starts[i] = time.perf_counter()
+
+        def post(module, args, kwargs, output, i=i):
+            times[i] = time.perf_counter() - starts[i]
+            current[0] = None
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(**batch).loss
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in grads.items():
+            p.grad = g
+    groups = [GroupProfile(name, sum(b for b, g in storages.values() if g == i), inputs.get(i, 0), times.get(i, 0.0))
+              for i, (name, _) in enumerate(layers)]
+    ids = batch.get("input_ids")
+    return Profile(groups, sum(b for b, _ in storages.values()), tuple(ids.shape) if torch.is_tensor(ids) else (),
+                   measure_tier_bandwidth(tier))

@@ -1,0 +1,110 @@
+"""DELTA: losses and gradients equal plain training exactly on CPU at several budgets, the measured saved-tensor
+bytes stay under the budget, the plan changes with the sequence length, an impossible budget names the minimum, and
+the Trainer callback trains exactly as the plain Trainer."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_dtrain.memory import DeltaCallback, apply_delta, make_plan, profile_step
+from hf_dtrain.memory.executor import FileTier
+from hf_dtrain.testing import random_batch, tiny_llama
+
+
+def _train(model, steps=4, seq=32, accumulate=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(steps):
+        for micro in range(accumulate):
+            loss = model(**random_batch(batch=4, seq=seq, seed=10 * step + micro)).loss
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _deep():
+    return tiny_llama(seed=0, num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.6, 0.35, "minimum"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_exactly_plain_training_and_under_the_budget(budget, accumulate):
+    ref_losses, ref_grads, ref_params = _train(_deep(), accumulate=accumulate)
+    model = _deep()
+    if budget == "minimum":
+        profile = profile_step(model, random_batch(batch=4, seq=32), FileTier())
+        budget = profile.other_bytes + 1  # every layer offloaded
+    scheduler = apply_delta(model, budget)
+    losses, grads, params = _train(model, accumulate=accumulate)
+    assert losses == ref_losses  # bit for bit
+    for g, rg in zip(grads, ref_grads):
+        assert all(torch.equal(g[n], rg[n]) for n in rg)
+    assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
+    plan = scheduler.plans[(4, 32)]
+    for step in scheduler.executor.stats.history:
+        assert step["saved_bytes"] <= plan.budget, (step, plan.budget)
+    actions = set(plan.actions.values())
+    if budget == 1.0:
+        assert actions == {"keep"}
+    else:
+        assert actions != {"keep"}  # the budget forced recompute or offload
+    scheduler.remove()
+
+
+def test_plan_changes_with_the_sequence_length():
+    model = _deep()
+    budget = 600_000
+    scheduler = apply_delta(model, budget)
+    _train(model, steps=1, seq=16)
+    _train(model, steps=1, seq=64)
+    short, long = scheduler.plans[(4, 16)], scheduler.plans[(4, 64)]
+    assert short.profile.total_saved_bytes < long.profile.total_saved_bytes
+    assert list(short.actions.values()).count("keep") > list(long.actions.values()).count("keep"), (
+        short.actions, long.actions)
+    assert all(h["saved_bytes"] <= budget for h in scheduler.executor.stats.history)
+    scheduler.remove()
+
+
+def test_impossible_budget_states_the_minimum():
+    model = _deep()
+    profile = profile_step(model, random_batch(batch=4, seq=32), FileTier())
+    with pytest.raises(ValueError, match=rf"minimum feasible budget .* is {profile.other_bytes:,} bytes"):
+        make_plan(profile, profile.other_bytes - 1)
+    with pytest.raises(ValueError, match=r"minimum feasible budget"):
+        make_plan(profile, profile.other_bytes, allow_offload=False)  # recompute alone keeps the layer inputs
+    plan = make_plan(profile, profile.total_saved_bytes // 2)
+    table = plan.table()
+    assert all(g.name in table for g in profile.groups) and "budget" in table
+    delta = make_plan(profile, profile.total_saved_bytes // 2, method="delta")
+    assert delta.predicted_bytes <= profile.total_saved_bytes // 2
+    assert plan.predicted_seconds <= delta.predicted_seconds + 1e-12  # the exact solver is never worse
+    with pytest.raises(ValueError, match=r"budget must be a positive number of bytes"):
+        apply_delta(model, 0)
+    with pytest.raises(ValueError, match=r"fraction in \(0, 1\] \(float\), got 1.5"):
+        DeltaCallback(budget=1.5)
+
+
+def test_trainer_callback_trains_exactly_as_the_plain_trainer(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seq=32, seed=s).items()} for s in range(32)]
+
+    def run(callbacks):
+        model = _deep()
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, report_to=[],
+                                 use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
+                                 learning_rate=1e-3)
+        trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), callbacks=callbacks)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+    plain, _ = run([])
+    cb = DeltaCallback(budget=0.4)
+    with_delta, model = run([cb])
+    assert with_delta == plain
+    assert cb.scheduler is None and model.forward.__func__ is type(model).forward  # removed at the end
