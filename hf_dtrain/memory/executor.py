@@ -3,8 +3,8 @@
 * **recompute**: the layer runs under non-reentrant ``torch.utils.checkpoint`` (only its input is kept; its forward
   runs again in backward);
 * **offload**: what the layer saves for backward goes to the offload tier through ``saved_tensors_hooks`` and comes
-  back when backward needs it. On a CPU-only host the tier is a memory-mapped file in a private directory (the same
-  scheduler, a slower tier); buffers are one reused allocation, not one per tensor;
+  back when backward needs it. On a CPU-only host the tier is a file in a private directory, written and read at
+  offsets of one reused region (the same scheduler, a slower tier);
 * **keep**: as plain training.
 
 Values are copied exactly and recomputation is deterministic on CPU, so losses and gradients equal plain training
@@ -25,22 +25,16 @@ from torch.utils.checkpoint import checkpoint
 
 
 class FileTier:
-    """Offload tier for CPU hosts: one memory-mapped file (mode 0600 in a 0700 directory), used as a bump allocator
-    that is reset every step; it grows (a new mapping) when a step needs more."""
+    """Offload tier for CPU hosts: one file (mode 0600 in a 0700 directory) written and read with ``pwrite`` /
+    ``preadv`` at offsets of a bump allocator reset every step. Not memory-mapped: the data lives in the page cache
+    or on disk, outside the process's resident memory, which is the point of offloading on a host without a GPU."""
 
-    def __init__(self, capacity: int = 64 << 20, directory: Optional[str] = None):
+    def __init__(self, directory: Optional[str] = None):
         self.dir = tempfile.mkdtemp(prefix="hf_dtrain_delta_", dir=directory)  # 0700
         self.path = os.path.join(self.dir, "tier.bin")
-        self.capacity, self.offset, self.buffer = 0, 0, None
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.offset = 0
         self.live: set = set()  # offsets stored and not yet loaded back (gradient accumulation keeps several)
-        self._grow(capacity)
-
-    def _grow(self, capacity: int) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, capacity)
-        os.close(fd)
-        self.buffer = torch.from_file(self.path, shared=True, size=capacity, dtype=torch.uint8)
-        self.capacity = capacity
 
     def reset(self) -> None:
         self.offset = 0
@@ -49,37 +43,35 @@ class FileTier:
     def store(self, t: torch.Tensor):
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         n = flat.numel()
-        if self.offset + n > self.capacity:
-            if self.offset == 0:
-                self._grow(max(n, 2 * self.capacity))
-            else:  # stored tensors live in the current mapping: spill this one to its own file-backed buffer
-                return ("own", t.detach().clone(), None, None, None)
-        self.buffer[self.offset:self.offset + n].copy_(flat)
-        handle = ("tier", self.offset, tuple(t.shape), t.stride(), t.dtype)
+        written = os.pwrite(self.fd, memoryview(flat.numpy()), self.offset)
+        if written != n:
+            raise OSError(f"DELTA offload tier: wrote {written} of {n} bytes to {self.path} (disk full?)")
+        handle = (self.offset, n, tuple(t.shape), t.stride(), t.dtype)
         self.live.add(self.offset)
-        self.offset += (n + 63) // 64 * 64
+        self.offset += (n + 4095) // 4096 * 4096
         return handle
 
     def load(self, handle) -> torch.Tensor:
-        kind, a, shape, stride, dtype = handle
-        if kind == "own":
-            return a
-        self.live.discard(a)
-        numel = 1
-        for d in shape:
-            numel *= d
-        n = torch.empty((), dtype=dtype).element_size() * numel
-        data = self.buffer[a:a + n].view(dtype).reshape(shape)
+        offset, n, shape, stride, dtype = handle
+        self.live.discard(offset)
+        raw = torch.empty(n, dtype=torch.uint8)
+        got = os.preadv(self.fd, [memoryview(raw.numpy())], offset)
+        if got != n:
+            raise OSError(f"DELTA offload tier: read {got} of {n} bytes from {self.path}")
         out = torch.empty_strided(shape, stride, dtype=dtype)
-        out.copy_(data)
+        out.copy_(raw.view(dtype).reshape(shape))
         return out
 
     def close(self) -> None:
         try:
+            os.close(self.fd)
             os.unlink(self.path)
             os.rmdir(self.dir)
         except OSError:
             pass
+
+    def __del__(self):
+        self.close()
 
 
 @dataclass
