@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from .executor import DeltaExecutor, FileTier
 from .planner import Plan, make_plan, minimum_budget
-from .profiler import Profile, decoder_layers, profile_step
+from .profiler import Profile, decoder_layers, measure_tier_bandwidth, profile_step
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,9 @@ __all__ = ["DeltaScheduler", "DeltaCallback", "apply_delta", "FileTier", "Plan",
 
 
 class DeltaScheduler:
-    """Wraps ``model.forward``: the first training forward at each new input shape runs a measured profiling step
-    (forward + backward, everything kept, parameters, gradients and RNG left as they were), plans for the budget,
-    then every training forward runs under the plan. ``plans`` maps shapes to plans; ``executor.stats.history`` has
+    """Wraps ``model.forward``: the first training step at each new input shape is the profiling step (it runs with
+    everything kept and is measured as it runs), after which a plan is made for the budget and every later training
+    forward at that shape runs under it. ``plans`` maps shapes to plans; ``executor.stats.history`` has
     the measured saved and offloaded bytes of every step."""
 
     def __init__(self, model: nn.Module, budget: Union[int, float], method: str = "exact",
@@ -45,7 +45,7 @@ class DeltaScheduler:
         self.executor = DeltaExecutor(model, self.layers, self.tier)
         self.plans: dict[tuple, Plan] = {}
         self._replanned: set = set()
-        self._profiling = False
+        self.bandwidth = measure_tier_bandwidth(self.tier)
         self._orig_forward = model.forward
         model.forward = self._forward
 
@@ -58,31 +58,22 @@ class DeltaScheduler:
             ids = kwargs.get("inputs_embeds")
         return tuple(ids.shape) if torch.is_tensor(ids) else ()
 
-    def _plan_for(self, shape, args, kwargs) -> Plan:
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self._profiling = True
-        self.executor.set_plan({})  # the profiling step keeps everything (no layer checkpointed or offloaded)
-        try:
-            batch = dict(kwargs)
-            if args:
-                batch["input_ids"] = args[0]
-            profile = profile_step(self.model, batch, self.tier, self.layers)
-        finally:
-            self._profiling = False
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-        plan = make_plan(profile, self.budget_bytes(profile), self.method, self.allow_offload)
-        logger.info("DELTA plan for input shape %s:\n%s", shape, plan.table())
-        return plan
-
     def _forward(self, *args, **kwargs):
-        if self._profiling or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return self._orig_forward(*args, **kwargs)
         shape = self._shape(args, kwargs)
         if shape not in self.plans:
-            self.plans[shape] = self._plan_for(shape, args, kwargs)
+            # the profiling step: this training step itself, everything kept, measured as it runs (no extra step,
+            # no backward inside the forward, so DDP and gradient accumulation see an ordinary step)
+            self.executor.set_plan({})
+            self.executor.begin_step(profile=True)
+            with self.executor.hooks():
+                out = self._orig_forward(*args, **kwargs)
+            self.executor.end_step()
+            profile = self.executor.profile(shape, self.bandwidth)
+            self.plans[shape] = make_plan(profile, self.budget_bytes(profile), self.method, self.allow_offload)
+            logger.info("DELTA plan for input shape %s:\n%s", shape, self.plans[shape].table())
+            return out
         plan = self.plans[shape]
         self.executor.set_plan(plan.actions)
         self.executor.begin_step()

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from .profiler import GroupProfile, Profile
 
 
 class FileTier:
@@ -89,7 +92,11 @@ class DeltaExecutor:
         self.actions = {name: "keep" for name, _ in layers}
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.current: Optional[str] = None
+        self.profiling = False
         self._storages: dict[int, int] = {}
+        self._group_of: dict[int, Optional[str]] = {}
+        self._inputs: dict[str, int] = {}
+        self._times: dict[str, float] = {}
         self.stats = StepStats()
         self._orig = {}
         for name, layer in layers:
@@ -100,11 +107,25 @@ class DeltaExecutor:
         self.actions = dict(actions)
 
     def _wrap(self, name, forward):
+        layer = dict(self.layers)[name]
+
         def run(*args, **kwargs):
             action = self.actions.get(name, "keep") if torch.is_grad_enabled() else "keep"
             previous, self.current = self.current, name
+            if self.profiling:
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                self._inputs[name] = hidden.untyped_storage().nbytes() if torch.is_tensor(hidden) else 0
+                start = time.perf_counter()
             try:
                 if action == "recompute":
+                    # as transformers' own checkpointing: a layer that writes the KV cache must not run twice with it
+                    # (the backward replay would append the keys again); the cache plays no part in the loss
+                    if kwargs.get("use_cache"):
+                        kwargs["use_cache"] = False
+                    if not getattr(layer, "_can_checkpoint_with_cache", False):
+                        for key in ("past_key_values", "past_key_value", "layer_past"):
+                            if kwargs.get(key) is not None:
+                                kwargs[key] = None
                     for a in list(args) + list(kwargs.values()):
                         if torch.is_tensor(a):
                             self._count(a)  # the checkpoint keeps its inputs
@@ -112,6 +133,8 @@ class DeltaExecutor:
                 return forward(*args, **kwargs)
             finally:
                 self.current = previous
+                if self.profiling:
+                    self._times[name] = time.perf_counter() - start
 
         return run
 
@@ -119,7 +142,21 @@ class DeltaExecutor:
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr not in self.params:
+            if ptr not in self._storages:
+                self._group_of[ptr] = self.current
             self._storages[ptr] = max(self._storages.get(ptr, 0), st.nbytes())
+
+    def profile(self, shape: tuple, bandwidth: float) -> Profile:
+        """The profile of the step just run with ``begin_step(profile=True)`` (everything kept): per layer the bytes
+        first saved while it ran, its input bytes and its forward time."""
+        per_group = {name: 0 for name, _ in self.layers}
+        for ptr, nbytes in self._storages.items():
+            group = self._group_of.get(ptr)
+            if group is not None:
+                per_group[group] += nbytes
+        groups = [GroupProfile(name, per_group[name], self._inputs.get(name, 0), self._times.get(name, 0.0))
+                  for name, _ in self.layers]
+        return Profile(groups, sum(self._storages.values()), shape, bandwidth)
 
     def pack(self, t: torch.Tensor):
         if t.untyped_storage().data_ptr() in self.params:
@@ -139,8 +176,9 @@ class DeltaExecutor:
         """The context to run a training forward in (the model-level saved-tensor hooks)."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def begin_step(self) -> None:
-        self._storages = {}
+    def begin_step(self, profile: bool = False) -> None:
+        self.profiling = profile
+        self._storages, self._group_of, self._inputs, self._times = {}, {}, {}, {}
         self.stats.saved_bytes = self.stats.offloaded_bytes = 0
         if not getattr(self.tier, "live", None):  # nothing offloaded is still waiting for its backward
             self.tier.reset()
@@ -148,7 +186,7 @@ class DeltaExecutor:
     def end_step(self) -> None:
         self.stats.saved_bytes = sum(self._storages.values())
         self.stats.history.append({"saved_bytes": self.stats.saved_bytes,
-                                   "offloaded_bytes": self.stats.offloaded_bytes})
+                                   "offloaded_bytes": self.stats.offloaded_bytes, "profiling": self.profiling})
 
     def remove(self) -> None:
         for name, layer in self.layers:

@@ -27,7 +27,7 @@ def _train(model, steps=4, seq=32, accumulate=1):
 
 
 def _deep():
-    return tiny_llama(seed=0, num_hidden_layers=4)
+    return tiny_llama(seed=0, num_hidden_layers=4, use_cache=True)  # as loaded models: the layers write a KV cache
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.6, 0.35, "minimum"])
@@ -45,7 +45,9 @@ def test_exactly_plain_training_and_under_the_budget(budget, accumulate):
         assert all(torch.equal(g[n], rg[n]) for n in rg)
     assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
     plan = scheduler.plans[(4, 32)]
-    for step in scheduler.executor.stats.history:
+    history = scheduler.executor.stats.history
+    assert [h["profiling"] for h in history] == [True] + [False] * (len(history) - 1)  # the first step measures
+    for step in history[1:]:
         assert step["saved_bytes"] <= plan.budget, (step, plan.budget)
     actions = set(plan.actions.values())
     if budget == 1.0:
@@ -59,13 +61,14 @@ def test_plan_changes_with_the_sequence_length():
     model = _deep()
     budget = 600_000
     scheduler = apply_delta(model, budget)
-    _train(model, steps=1, seq=16)
-    _train(model, steps=1, seq=64)
+    _train(model, steps=2, seq=16)
+    _train(model, steps=2, seq=64)
     short, long = scheduler.plans[(4, 16)], scheduler.plans[(4, 64)]
     assert short.profile.total_saved_bytes < long.profile.total_saved_bytes
     assert list(short.actions.values()).count("keep") > list(long.actions.values()).count("keep"), (
         short.actions, long.actions)
-    assert all(h["saved_bytes"] <= budget for h in scheduler.executor.stats.history)
+    assert all(h["saved_bytes"] <= budget for h in scheduler.executor.stats.history if not h["profiling"])
+    assert sum(h["profiling"] for h in scheduler.executor.stats.history) == 2  # one profiling step per shape
     scheduler.remove()
 
 
@@ -108,3 +111,31 @@ def test_trainer_callback_trains_exactly_as_the_plain_trainer(tmp_path):
     with_delta, model = run([cb])
     assert with_delta == plain
     assert cb.scheduler is None and model.forward.__func__ is type(model).forward  # removed at the end
+
+
+@pytest.mark.slow
+def test_accelerate_recipe_two_processes(tmp_path):
+    """recipes/delta_accelerate.py under accelerate launch (2 gloo ranks, DDP): the profiling step is an ordinary
+    step, every later step stays under the budget, and the loss falls."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from hf_dtrain.testing import free_port, tiny_default_base
+
+    base = tiny_default_base(tmp_path / "cache", steps=50)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
+           "--main_process_port", str(free_port()), "recipes/delta_accelerate.py", "--model", base, "--budget", "0.4",
+           "--steps", "20", "--batch-size", "8", "--out", str(tmp_path / "out")]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        r = json.load(open(tmp_path / "out" / f"delta_{rank}.json"))
+        budget = max(r["budgets"].values())
+        steady = [h for h in r["history"] if not h["profiling"]]
+        assert steady and all(h["saved_bytes"] <= budget for h in steady), (r["history"], budget)
+        assert sum(r["losses"][-5:]) < sum(r["losses"][:5])
