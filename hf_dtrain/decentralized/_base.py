@@ -56,6 +56,23 @@ class GossipMixin:
                              "before optimizer.step().")
         return float(self._last_loss)
 
+    def _closure_loss(self, closure):
+        """Run ``step(closure)``'s closure with gradients on; its loss is also this step's loss for leader picks."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            loss = closure()
+        self.set_loss(loss)
+        return loss
+
+    # checkpoints of the wrapping optimizers: the step counter (it seeds time-varying graphs) next to the wrapped
+    # optimizer's state
+    def _wrapper_state(self) -> dict:
+        return {"gossip_steps": self.gossip_steps}
+
+    def _load_wrapper_state(self, state: dict) -> None:
+        self.gossip_steps = int(state["gossip_steps"])
+
     def _gossiped_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 

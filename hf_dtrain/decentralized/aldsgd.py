@@ -65,11 +65,7 @@ class ALDSGD(GossipMixin, WrappedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-                self.set_loss(loss)
+        loss = self._closure_loss(closure)
         self.base.step()
         t, i = self.gossip_steps, self.rank
         w = self.topology.mixing(t)
@@ -86,12 +82,3 @@ class ALDSGD(GossipMixin, WrappedOptimizer):
         self.gossip_steps += 1
         self.stats.end_step()
         return loss
-
-    def _wrapper_state(self) -> dict:
-        return {"gossip_steps": self.gossip_steps}
-
-    def _load_wrapper_state(self, state: dict) -> None:
-        self.gossip_steps = int(state["gossip_steps"])
-
-
-

@@ -42,10 +42,7 @@ class DecentLaM(GossipMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         params, hyper = [], []
         z_parts = []
         for group in self.param_groups:

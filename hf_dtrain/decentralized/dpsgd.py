@@ -43,10 +43,7 @@ class DPSGD(GossipMixin, WrappedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         step = self.gossip_steps
         if self.mode == "cta":
             before = self._flat()
@@ -59,9 +56,3 @@ class DPSGD(GossipMixin, WrappedOptimizer):
         self.gossip_steps += 1
         self.stats.end_step()
         return loss
-
-    def _wrapper_state(self) -> dict:
-        return {"gossip_steps": self.gossip_steps}
-
-    def _load_wrapper_state(self, state: dict) -> None:
-        self.gossip_steps = int(state["gossip_steps"])

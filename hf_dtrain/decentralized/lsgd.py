@@ -74,11 +74,7 @@ class LSGD(GossipMixin, WrappedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-                self.set_loss(loss)
+        loss = self._closure_loss(closure)
         self.base.step()
         self.gossip_steps += 1
         t = self.gossip_steps
@@ -101,9 +97,3 @@ class LSGD(GossipMixin, WrappedOptimizer):
                 self.leaders.append((t, leader, "global"))
         self.stats.end_step()
         return loss
-
-    def _wrapper_state(self) -> dict:
-        return {"gossip_steps": self.gossip_steps}
-
-    def _load_wrapper_state(self, state: dict) -> None:
-        self.gossip_steps = int(state["gossip_steps"])
