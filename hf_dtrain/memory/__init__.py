@@ -15,13 +15,13 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .executor import DeltaExecutor, FileTier
+from .executor import DeltaExecutor, FileTier, PinnedTier
 from .planner import Plan, make_plan, minimum_budget
 from .profiler import Profile, decoder_layers, measure_tier_bandwidth, profile_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeltaScheduler", "DeltaCallback", "apply_delta", "FileTier", "Plan", "Profile", "make_plan",
+__all__ = ["DeltaScheduler", "DeltaCallback", "apply_delta", "FileTier", "PinnedTier", "Plan", "Profile", "make_plan",
            "minimum_budget", "profile_step", "decoder_layers"]
 
 
@@ -40,7 +40,9 @@ class DeltaScheduler:
             raise ValueError(f"A float DELTA budget is a fraction of the no-saving activation memory and must be in "
                              f"(0, 1]; give bytes as an int, got {budget!r}.")
         self.model, self.budget, self.method, self.allow_offload = model, budget, method, allow_offload
-        self.tier = tier or FileTier()
+        device = next(model.parameters()).device
+        self.overlap = device.type == "cuda"  # a side stream overlaps the copies with compute
+        self.tier = tier or (PinnedTier(device) if self.overlap else FileTier())
         self.layers = decoder_layers(model)
         self.executor = DeltaExecutor(model, self.layers, self.tier)
         self.plans: dict[tuple, Plan] = {}
@@ -71,7 +73,8 @@ class DeltaScheduler:
                 out = self._orig_forward(*args, **kwargs)
             self.executor.end_step()
             profile = self.executor.profile(shape, self.bandwidth)
-            self.plans[shape] = make_plan(profile, self.budget_bytes(profile), self.method, self.allow_offload)
+            self.plans[shape] = make_plan(profile, self.budget_bytes(profile), self.method, self.allow_offload,
+                                          overlap=self.overlap)
             logger.info("DELTA plan for input shape %s:\n%s", shape, self.plans[shape].table())
             return out
         plan = self.plans[shape]
@@ -86,7 +89,8 @@ class DeltaScheduler:
             self._replanned.add(shape)
             excess = measured - plan.predicted_bytes
             corrected = make_plan(plan.profile, max(minimum_budget(plan.profile, self.allow_offload),
-                                                    plan.budget - excess), self.method, self.allow_offload)
+                                                    plan.budget - excess), self.method, self.allow_offload,
+                                   overlap=self.overlap)
             corrected.budget = plan.budget
             self.plans[shape] = corrected
             logger.warning("DELTA: %d bytes saved against a budget of %d for shape %s; re-planned.", measured,

@@ -77,6 +77,81 @@ class FileTier:
         self.close()
 
 
+class PinnedTier:
+    """Offload tier for CUDA devices: host memory from one pinned region reused across steps (a bump allocator; no
+    per-tensor ``cudaHostAlloc``, which costs milliseconds each), device-to-host copies on a side stream that overlap
+    the forward, and host-to-device copies that the executor starts one layer ahead during backward (``prefetch``).
+
+    Stream rules: the side stream waits for the compute stream before copying a tensor out, and the tensor is
+    recorded on the side stream so the caching allocator does not reuse its memory before the copy ends; a loaded
+    tensor makes the compute stream wait for its copy and is recorded on the compute stream.
+    Chosen at run time when the model is on a CUDA device (not exercised on CPU-only hosts)."""
+
+    def __init__(self, device, capacity: int = 64 << 20):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.capacity, self.offset, self.region = 0, 0, None
+        self.live: set = set()
+        self._prefetched: dict[int, torch.Tensor] = {}
+        self._spills = 0
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        self.region = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        self.capacity = capacity
+
+    def reset(self) -> None:
+        self.offset = 0
+        self.live.clear()
+        self._prefetched.clear()
+
+    def store(self, t: torch.Tensor):
+        n = t.numel() * t.element_size()
+        if self.offset + n > self.capacity:
+            if self.offset == 0:
+                self._grow(max(n, 2 * self.capacity))
+                dst = self.region[:n]
+            else:  # the region holds this step's earlier tensors: this one gets its own pinned buffer
+                dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        else:
+            dst = self.region[self.offset:self.offset + n]
+        own = dst.data_ptr() != self.region[self.offset:].data_ptr()
+        if own:
+            self._spills += 1
+        key = -self._spills if own else self.offset
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+        t.record_stream(self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        if key >= 0:
+            self.offset += (n + 511) // 512 * 512
+        self.live.add(key)
+        return (key, dst, tuple(t.shape), t.stride(), t.dtype, done)
+
+    def prefetch(self, handle) -> None:
+        key, dst, shape, stride, dtype, done = handle
+        if key in self._prefetched:
+            return
+        out = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+        self.stream.wait_event(done)
+        with torch.cuda.stream(self.stream):
+            out.copy_(dst.view(dtype).reshape(shape), non_blocking=True)
+        self._prefetched[key] = out
+
+    def load(self, handle) -> torch.Tensor:
+        key = handle[0]
+        self.prefetch(handle)  # no-op if the executor already started it
+        out = self._prefetched.pop(key)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.stream)
+        out.record_stream(compute)
+        self.live.discard(key)
+        return out
+
+
 @dataclass
 class StepStats:
     saved_bytes: int = 0
@@ -97,6 +172,8 @@ class DeltaExecutor:
         self._group_of: dict[int, Optional[str]] = {}
         self._inputs: dict[str, int] = {}
         self._times: dict[str, float] = {}
+        self._offloaded: dict[str, list] = {}  # layer -> its offloaded handles this step (for the prefetch)
+        self._prefetch_started: set = set()
         self.stats = StepStats()
         self._orig = {}
         for name, layer in layers:
@@ -115,6 +192,8 @@ class DeltaExecutor:
             if self.profiling:
                 hidden = args[0] if args else kwargs.get("hidden_states")
                 self._inputs[name] = hidden.untyped_storage().nbytes() if torch.is_tensor(hidden) else 0
+                if torch.is_tensor(hidden) and hidden.is_cuda:  # time the kernels, not their launches
+                    torch.cuda.synchronize(hidden.device)
                 start = time.perf_counter()
             try:
                 if action == "recompute":
@@ -134,6 +213,8 @@ class DeltaExecutor:
             finally:
                 self.current = previous
                 if self.profiling:
+                    if torch.cuda.is_available() and torch.cuda.is_initialized():
+                        torch.cuda.synchronize()
                     self._times[name] = time.perf_counter() - start
 
         return run
@@ -163,13 +244,25 @@ class DeltaExecutor:
             return t
         if self.current is not None and self.actions.get(self.current) == "offload":
             self.stats.offloaded_bytes += t.numel() * t.element_size()
-            return ("delta-offload", self.tier.store(t))
+            handle = self.tier.store(t)
+            self._offloaded.setdefault(self.current, []).append(handle)
+            return ("delta-offload", handle, self.current)
         self._count(t)
         return t
 
     def unpack(self, packed):
-        if isinstance(packed, tuple) and len(packed) == 2 and packed[0] == "delta-offload":
-            return self.tier.load(packed[1])
+        if isinstance(packed, tuple) and len(packed) == 3 and packed[0] == "delta-offload":
+            _, handle, group = packed
+            prefetch = getattr(self.tier, "prefetch", None)
+            if prefetch is not None and group not in self._prefetch_started:
+                # backward reached this layer: start bringing back the previous offloaded layer (the next one needed)
+                self._prefetch_started.add(group)
+                order = [name for name, _ in self.layers if name in self._offloaded]
+                earlier = order[:order.index(group)] if group in order else []
+                if earlier and earlier[-1] not in self._prefetch_started:
+                    for h in self._offloaded[earlier[-1]]:
+                        prefetch(h)
+            return self.tier.load(handle)
         return packed
 
     def hooks(self):
@@ -178,6 +271,8 @@ class DeltaExecutor:
 
     def begin_step(self, profile: bool = False) -> None:
         self.profiling = profile
+        if not getattr(self.tier, "live", None):
+            self._offloaded, self._prefetch_started = {}, set()
         self._storages, self._group_of, self._inputs, self._times = {}, {}, {}, {}
         self.stats.saved_bytes = self.stats.offloaded_bytes = 0
         if not getattr(self.tier, "live", None):  # nothing offloaded is still waiting for its backward

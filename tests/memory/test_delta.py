@@ -2,8 +2,6 @@
 bytes stay under the budget, the plan changes with the sequence length, an impossible budget names the minimum, and
 the Trainer callback trains exactly as the plain Trainer."""
 
-import copy
-
 import pytest
 import torch
 
@@ -17,7 +15,9 @@ def _train(model, steps=4, seq=32, accumulate=1):
     losses, grads = [], []
     for step in range(steps):
         for micro in range(accumulate):
-            loss = model(**random_batch(batch=4, seq=seq, seed=10 * step + micro)).loss
+            batch = random_batch(batch=4, seq=seq, seed=10 * step + micro)
+            device = next(model.parameters()).device
+            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
             (loss / accumulate).backward()
             losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -139,3 +139,38 @@ def test_accelerate_recipe_two_processes(tmp_path):
         steady = [h for h in r["history"] if not h["profiling"]]
         assert steady and all(h["saved_bytes"] <= budget for h in steady), (r["history"], budget)
         assert sum(r["losses"][-5:]) < sum(r["losses"][:5])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the pinned-memory tier, its side stream and the prefetch need a CUDA device")
+def test_cuda_pinned_tier_with_prefetch_is_exact():
+    ref_losses, ref_grads, ref_params = _train(_deep().cuda())
+    model = _deep().cuda()
+    scheduler = apply_delta(model, 0.3)
+    losses, grads, params = _train(model)
+    assert type(scheduler.tier).__name__ == "PinnedTier"
+    assert losses == ref_losses
+    assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
+    scheduler.remove()
+
+
+def test_backward_prefetches_the_next_offloaded_layer():
+    """The executor starts bringing back layer k-1's tensors when backward first needs layer k's (what the CUDA
+    tier overlaps with compute); checked here with a CPU tier that records the prefetch calls."""
+    order = []
+
+    class RecordingTier(FileTier):
+        def prefetch(self, handle):
+            order.append(handle[0])
+
+    model = _deep()
+    profile_tier = FileTier()
+    profile = profile_step(model, random_batch(batch=4, seq=32), profile_tier)
+    scheduler = apply_delta(model, profile.other_bytes + 1, tier=RecordingTier())  # every layer offloaded
+    _train(model, steps=2)
+    offloaded = scheduler.executor._offloaded
+    names = [name for name, _ in scheduler.layers]
+    assert list(offloaded) == names  # every layer offloaded in the planned step
+    expected = [h[0] for name in reversed(names[:-1]) for h in offloaded[name]]  # layers 2, 1, 0 in backward order
+    assert order == expected
+    scheduler.remove()
