@@ -69,3 +69,15 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None,
     """``reduce_scatter_single`` (torch >= 2.13), else ``reduce_scatter_tensor`` (its old name)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def release_process_group() -> None:
+    """End a distributed run cleanly: collect what still references DDP models, then destroy the default process
+    group. Freeing a DDP model after its gloo group is gone (or at interpreter exit) can abort or hang the process
+    (pytorch/pytorch#56297); call this after the last collective, once the DDP model's own references are dropped
+    (``del model`` in the caller)."""
+    import gc
+
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

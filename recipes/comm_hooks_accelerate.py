@@ -86,4 +86,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from hf_dtrain.distributed import release_process_group
+
     main()
+    release_process_group()  # DDP freed while its gloo group still exists, then the group (pytorch#56297)
