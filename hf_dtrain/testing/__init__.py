@@ -90,10 +90,11 @@ def gloo_group(rank: int, world_size: int, addr: str = "127.0.0.1", port: int | 
     freed after the group is destroyed drops the group's last reference with the GIL held, and the group's
     destructor then deadlocks with its worker threads (pytorch/pytorch#56297; one rank exits, the other never does).
     The exit collects reference cycles while the group is still registered, then destroys it."""
-    import gc
     from datetime import timedelta
 
     import torch.distributed as dist
+
+    from ..distributed import release_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
@@ -101,8 +102,7 @@ def gloo_group(rank: int, world_size: int, addr: str = "127.0.0.1", port: int | 
     try:
         yield
     finally:
-        gc.collect()
-        dist.destroy_process_group()
+        release_process_group()
 
 
 def _distributed_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout_s: float) -> None:
