@@ -93,3 +93,20 @@ def rerender(path: str, name: str, render) -> dict[str, Path]:
     payload.pop("benchmark", None)
     table, fig, notes = render(payload)
     return write(name, payload, table, fig, notes, env=env)
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """The mean of the last ``window`` values at every position (fewer at the start)."""
+    out, acc = [], []
+    for x in values:
+        acc = (acc + [x])[-window:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def summarize_curve(row: dict, window: int) -> None:
+    """A training run's row gets ``smoothed`` (trailing mean of ``losses``), ``final`` and ``seconds`` (the last
+    entry of ``times``)."""
+    row["smoothed"] = trailing_mean(row["losses"], window)
+    row["final"] = row["smoothed"][-1]
+    row["seconds"] = row["times"][-1]

@@ -32,14 +32,6 @@ WORLD, SLOW_RANK, SLOWDOWN, MICRO = 4, 3, 3.0, 4
 SMOOTH = 20
 
 
-def _smooth(losses: list[float]) -> list[float]:
-    out, acc = [], []
-    for x in losses:
-        acc = (acc + [x])[-SMOOTH:]
-        out.append(sum(acc) / len(acc))
-    return out
-
-
 def worker(rank: int, world: int, port: str, method: str, straggle: bool, steps: int, batch: int, lr: float) -> dict:
     from hf_dtrain.testing import gloo_group
 
@@ -243,13 +235,11 @@ def main():
 
 
 def render(payload: dict):
-    from _report import markdown_table
+    from _report import markdown_table, summarize_curve
 
     rows, args = payload["rows"], payload["args"]
     for r in rows:
-        r["smoothed"] = _smooth(r["losses"])
-        r["final"] = r["smoothed"][-1]
-        r["seconds"] = r["times"][-1]
+        summarize_curve(r, SMOOTH)
         r["label"] = r["method"] + (" (3x straggler)" if r["straggler"] else "")
         r["bytes_per_step"] = round(sum(r["bytes_steps"]) / len(r["bytes_steps"])) if r["bytes_steps"] else None
         r["mean_count"] = (sum(sum(c) for c in r["counts_by_rank"]) / max(1, sum(len(c) for c in r["counts_by_rank"]))

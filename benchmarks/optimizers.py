@@ -36,15 +36,6 @@ SINGLE = list(GRID)
 SMOOTH = 20
 
 
-def _smooth(losses: list[float]) -> list[float]:
-    out, acc = [], []
-    for x in losses:
-        acc.append(x)
-        acc = acc[-SMOOTH:]
-        out.append(sum(acc) / len(acc))
-    return out
-
-
 def _state_bytes(opt) -> int:
     import torch
 
@@ -189,13 +180,11 @@ def _label(row: dict) -> str:
 
 
 def render(payload: dict):
-    from _report import markdown_table
+    from _report import markdown_table, summarize_curve
 
     rows, args = payload["rows"], payload["args"]
     for r in rows:
-        r["smoothed"] = _smooth(r["losses"])
-        r["final"] = r["smoothed"][-1]
-        r["seconds"] = r["times"][-1]
+        summarize_curve(r, SMOOTH)
         r["label"] = _label(r)
     # each method at its best configuration (lowest final loss) in the main table; the sweep in the second
     best: dict[str, dict] = {}

@@ -23,10 +23,9 @@ def test_mixing_matrices_are_doubly_stochastic_and_connected(name, n):
         # neighbour lists agree with the matrix
         for i in range(n):
             assert topo.in_neighbors(i, step) == [j for j in range(n) if j != i and w[i, j] > 0]
-    if name != "matcha":  # the static graph itself is connected: gossip contracts towards the average
-        assert topo.spectral_gap() > 0
-    else:  # each step may be disconnected; the expected graph is connected
-        assert topo.spectral_gap() > 0
+    # gossip contracts towards the average: the static graph is connected (MATCHA: its expected graph is, although a
+    # single step's matchings may not be)
+    assert topo.spectral_gap() > 1e-3
 
 
 def test_matcha_matchings_cover_the_base_graph_and_follow_the_budget():
