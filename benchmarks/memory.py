@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PRESETS = ["tiny", "small"]
 BUDGETS = [0.75, 0.5, 0.25, 0.15]
+SUB_BUDGETS = [0.5, 0.25]  # granularity="submodule": attention, MLP and norms planned separately
 BATCH, SEQ, STEPS = 8, 256, 4
 
 
@@ -67,8 +68,9 @@ def worker(preset: str, method: str, batch: int, seq: int, steps: int) -> dict:
 
         def unpack(x):
             return tier.load(x[1]) if isinstance(x, tuple) and x and x[0] == "off" else x
-    elif method.startswith("delta"):
-        scheduler = apply_delta(model, float(method.split("_")[1]))
+    elif method.startswith("delta"):  # delta_<budget>: per decoder layer; delta-sub_<budget>: per sub-module
+        scheduler = apply_delta(model, float(method.split("_")[1]),
+                                granularity="submodule" if method.startswith("delta-sub") else "layer")
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times, saved = [], []
@@ -149,7 +151,8 @@ def main():
         return
     from tqdm import tqdm
 
-    methods = ["none", "checkpoint", "hf_offload", "offload_all"] + [f"delta_{b}" for b in BUDGETS]
+    methods = (["none", "checkpoint", "hf_offload", "offload_all"] + [f"delta_{b}" for b in BUDGETS]
+               + [f"delta-sub_{b}" for b in SUB_BUDGETS])
     rows, batches = [], []
     env = dict(os.environ, OMP_NUM_THREADS="2")
     for preset in args.presets.split(","):
@@ -182,12 +185,13 @@ def render(payload: dict):
         r["saved_mib"] = r["saved_bytes"] / 2 ** 20
         r["rss_mib"] = r["peak_rss_bytes"] / 2 ** 20
         r["actions"] = (", ".join(f"{a}: {list(r['plan'].values()).count(a)}" for a in ("keep", "recompute", "offload"))
+                        + (" (sub-modules)" if r["method"].startswith("delta-sub") else " (layers)")
                         if "plan" in r else None)
     table = markdown_table(rows, [
         ("preset", "model", ""), ("method", "method", ""), ("saved_mib", "saved activations (MiB)", ".1f"),
         ("saved_vs_none", "saved / no saving", ".2f"), ("rss_mib", "peak RSS (MiB)", ".0f"),
         ("step_seconds", "step time (s)", ".3f"), ("time_vs_none", "step time / no saving", ".2f"),
-        ("actions", "DELTA plan (layers)", ""),
+        ("actions", "DELTA plan (units)", ""),
     ])
     for b in payload["largest_batch"]:
         b["ratio"] = b["delta"] / max(1, b["none"])
@@ -200,7 +204,8 @@ def render(payload: dict):
              "layers: their kept inputs); what is offloaded to the file tier is not counted as saved. transformers' "
              "offload option on a host without a GPU copies the checkpoint inputs to host memory, so they stay "
              "resident. offload_all: every saved activation to the file tier with saved-tensor hooks (torchtune's "
-             "technique, on this host's slower tier). DELTA budgets: fractions of the no-saving activation bytes. "
+             "technique, on this host's slower tier). DELTA budgets: fractions of the no-saving activation bytes; delta-sub: "
+             "planned per sub-module (attention, MLP, the two norms of each layer). "
              "Largest batch: the budget is the no-saving bytes of batch 8; from measured profiles at each batch size "
              "(DELTA: its minimum feasible budget, every layer offloaded).")
     import matplotlib

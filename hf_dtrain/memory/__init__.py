@@ -17,12 +17,12 @@ from transformers import TrainerCallback
 
 from .executor import DeltaExecutor, FileTier, PinnedTier
 from .planner import Plan, make_plan, minimum_budget
-from .profiler import Profile, decoder_layers, measure_tier_bandwidth, profile_step
+from .profiler import GRANULARITIES, Profile, decoder_layers, measure_tier_bandwidth, plan_units, profile_step
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeltaScheduler", "DeltaCallback", "apply_delta", "FileTier", "PinnedTier", "Plan", "Profile", "make_plan",
-           "minimum_budget", "profile_step", "decoder_layers"]
+           "minimum_budget", "profile_step", "decoder_layers", "plan_units"]
 
 
 class DeltaScheduler:
@@ -32,7 +32,7 @@ class DeltaScheduler:
     the measured saved and offloaded bytes of every step."""
 
     def __init__(self, model: nn.Module, budget: Union[int, float], method: str = "exact",
-                 allow_offload: bool = True, tier=None):
+                 allow_offload: bool = True, tier=None, granularity: str = "layer"):
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
             raise ValueError(f"DELTA budget must be a positive number of bytes (int) or a fraction in (0, 1] of the "
                              f"no-saving activation memory (float), got {budget!r}.")
@@ -43,13 +43,17 @@ class DeltaScheduler:
         device = next(model.parameters()).device
         self.overlap = device.type == "cuda"  # a side stream overlaps the copies with compute
         self.tier = tier or (PinnedTier(device) if self.overlap else FileTier())
-        self.layers = decoder_layers(model)
-        self.executor = DeltaExecutor(model, self.layers, self.tier)
+        self.executor = DeltaExecutor(model, plan_units(model, granularity), self.tier)
         self.plans: dict[tuple, Plan] = {}
         self._replanned: set = set()
         self.bandwidth = measure_tier_bandwidth(self.tier)
         self._orig_forward = model.forward
         model.forward = self._forward
+
+    @property
+    def layers(self) -> list:
+        """The planning units (name, module), in the order the profiling step ran them."""
+        return self.executor.layers
 
     def budget_bytes(self, profile: Profile) -> int:
         return int(self.budget * profile.total_saved_bytes) if isinstance(self.budget, float) else int(self.budget)
@@ -115,17 +119,21 @@ class DeltaCallback(TrainerCallback):
     """``Trainer(..., callbacks=[DeltaCallback(budget=0.5)])``: DELTA on the Trainer's model from ``on_train_begin``
     to ``on_train_end``. ``budget``: bytes (int) or a fraction (float) of the profiled no-saving activation bytes."""
 
-    def __init__(self, budget: Union[int, float], method: str = "exact", allow_offload: bool = True):
+    def __init__(self, budget: Union[int, float], method: str = "exact", allow_offload: bool = True,
+                 granularity: str = "layer"):
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0 or (
                 isinstance(budget, float) and budget > 1):
             raise ValueError(f"DeltaCallback budget must be bytes (int > 0) or a fraction in (0, 1] (float), got "
                              f"{budget!r}.")
-        self.budget, self.method, self.allow_offload = budget, method, allow_offload
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"DeltaCallback granularity must be one of {GRANULARITIES}, got {granularity!r}.")
+        self.budget, self.method, self.allow_offload, self.granularity = budget, method, allow_offload, granularity
         self.scheduler: Optional[DeltaScheduler] = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.scheduler is None:
-            self.scheduler = DeltaScheduler(model, self.budget, self.method, self.allow_offload)
+            self.scheduler = DeltaScheduler(model, self.budget, self.method, self.allow_offload,
+                                            granularity=self.granularity)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.scheduler is not None:

@@ -1,4 +1,4 @@
-"""DELTA's executor: applies a plan to the decoder layers.
+"""DELTA's executor: applies a plan to the planning units (decoder layers, or their sub-modules).
 
 * **recompute**: the layer runs under non-reentrant ``torch.utils.checkpoint`` (only its input is kept; its forward
   runs again in backward);
@@ -66,12 +66,14 @@ class FileTier:
         return out
 
     def close(self) -> None:
-        try:
-            os.close(self.fd)
-            os.unlink(self.path)
-            os.rmdir(self.dir)
-        except OSError:
-            pass
+        fd, self.fd = getattr(self, "fd", None), None
+        if fd is None:  # closed already: never close the number again (another file may own it by now)
+            return
+        for release in (lambda: os.close(fd), lambda: os.unlink(self.path), lambda: os.rmdir(self.dir)):
+            try:
+                release()
+            except OSError:
+                pass
 
     def __del__(self):
         self.close()
@@ -163,7 +165,7 @@ class DeltaExecutor:
     """Installs a plan on ``layers`` (name, module) of ``model``; ``remove()`` restores the model."""
 
     def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], tier):
-        self.model, self.layers, self.tier = model, layers, tier
+        self.model, self.layers, self.tier = model, list(layers), tier
         self.actions = {name: "keep" for name, _ in layers}
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.current: Optional[str] = None
@@ -174,6 +176,7 @@ class DeltaExecutor:
         self._times: dict[str, float] = {}
         self._offloaded: dict[str, list] = {}  # layer -> its offloaded handles this step (for the prefetch)
         self._prefetch_started: set = set()
+        self._first_call: dict[str, int] = {}
         self.stats = StepStats()
         self._orig = {}
         for name, layer in layers:
@@ -190,6 +193,7 @@ class DeltaExecutor:
             action = self.actions.get(name, "keep") if torch.is_grad_enabled() else "keep"
             previous, self.current = self.current, name
             if self.profiling:
+                self._first_call.setdefault(name, len(self._first_call))
                 hidden = args[0] if args else kwargs.get("hidden_states")
                 self._inputs[name] = hidden.untyped_storage().nbytes() if torch.is_tensor(hidden) else 0
                 if torch.is_tensor(hidden) and hidden.is_cuda:  # time the kernels, not their launches
@@ -230,6 +234,9 @@ class DeltaExecutor:
     def profile(self, shape: tuple, bandwidth: float) -> Profile:
         """The profile of the step just run with ``begin_step(profile=True)`` (everything kept): per layer the bytes
         first saved while it ran, its input bytes and its forward time."""
+        # the units in the order they ran (sub-modules are registered in another order than LLaMA runs them);
+        # the prefetch follows this order backwards
+        self.layers.sort(key=lambda unit: self._first_call.get(unit[0], len(self._first_call)))
         per_group = {name: 0 for name, _ in self.layers}
         for ptr, nbytes in self._storages.items():
             group = self._group_of.get(ptr)
@@ -273,7 +280,7 @@ class DeltaExecutor:
         self.profiling = profile
         if not getattr(self.tier, "live", None):
             self._offloaded, self._prefetch_started = {}, set()
-        self._storages, self._group_of, self._inputs, self._times = {}, {}, {}, {}
+        self._storages, self._group_of, self._inputs, self._times, self._first_call = {}, {}, {}, {}, {}
         self.stats.saved_bytes = self.stats.offloaded_bytes = 0
         if not getattr(self.tier, "live", None):  # nothing offloaded is still waiting for its backward
             self.tier.reset()

@@ -1,6 +1,7 @@
-"""DELTA's profiler pass: one measured training step recording, per decoder layer (the unit the planner decides on),
-the bytes autograd saves for backward (unique storages, parameters excluded), the bytes of the layer's input (what a
-recomputed layer keeps), and the forward time; plus the measured bandwidth of the offload tier."""
+"""DELTA's profiler pass: one measured training step recording, per planning unit (a decoder layer, or with
+``granularity="submodule"`` each of its sub-modules: attention, MLP, norms), the bytes autograd saves for backward
+(unique storages, parameters excluded), the bytes of the unit's input (what a recomputed unit keeps), and the forward
+time; plus the measured bandwidth of the offload tier."""
 
 from __future__ import annotations
 
@@ -23,6 +24,29 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         raise ValueError(f"No decoder layers found in {type(model).__name__} (a ModuleList named layers / h / blocks); "
                          "DELTA plans per decoder layer.")
     return best
+
+
+GRANULARITIES = ("layer", "submodule")
+
+
+def plan_units(model: nn.Module, granularity: str = "layer") -> list[tuple[str, nn.Module]]:
+    """The modules the planner decides on: the decoder layers, or (``"submodule"``) each layer's direct children that
+    hold parameters (for LLaMA: ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``), in
+    registration order (the scheduler reorders them by execution order after its profiling step)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"DELTA granularity must be one of {GRANULARITIES}, got {granularity!r}.")
+    layers = decoder_layers(model)
+    if granularity == "layer":
+        return layers
+    units = []
+    for name, layer in layers:
+        children = [(f"{name}.{child}", m) for child, m in layer.named_children()
+                    if next(m.parameters(), None) is not None]
+        if not children:
+            raise ValueError(f"Decoder layer {name} ({type(layer).__name__}) has no sub-modules with parameters; use "
+                             "granularity='layer'.")
+        units.extend(children)
+    return units
 
 
 @dataclass
@@ -107,6 +131,7 @@ def profile_step(model: nn.Module, batch: dict, tier, layers: Optional[list] = N
             p.grad = g
     groups = [GroupProfile(name, sum(b for b, g in storages.values() if g == i), inputs.get(i, 0), times.get(i, 0.0))
               for i, (name, _) in enumerate(layers)]
+    groups = [groups[i] for i in sorted(range(len(groups)), key=lambda i: starts.get(i, float("inf")))]  # run order
     ids = batch.get("input_ids")
     return Profile(groups, sum(b for b, _ in storages.values()), tuple(ids.shape) if torch.is_tensor(ids) else (),
                    measure_tier_bandwidth(tier))

@@ -57,6 +57,43 @@ def test_exactly_plain_training_and_under_the_budget(budget, accumulate):
     scheduler.remove()
 
 
+@pytest.mark.parametrize("budget", [0.35, 0.2])
+def test_submodule_granularity_is_exact_finer_and_under_the_budget(budget):
+    """Planning per sub-module (attention, MLP, norms): still bit-exact with accumulation, the units are in the order
+    LLaMA runs them (not registration order), and the plan mixes actions inside one decoder layer."""
+    ref_losses, ref_grads, _ = _train(_deep(), accumulate=2)
+    model = _deep()
+    scheduler = apply_delta(model, budget, granularity="submodule")
+    losses, grads, _ = _train(model, accumulate=2)
+    assert losses == ref_losses
+    for g, rg in zip(grads, ref_grads):
+        assert all(torch.equal(g[n], rg[n]) for n in rg)
+    plan = scheduler.plans[(4, 32)]
+    names = [g.name for g in plan.profile.groups]
+    assert names[:4] == ["model.layers.0.input_layernorm", "model.layers.0.self_attn",
+                         "model.layers.0.post_attention_layernorm", "model.layers.0.mlp"]
+    assert [n for n, _ in scheduler.layers] == names  # the prefetch walks this order backwards
+    per_layer = {}
+    for name, action in plan.actions.items():
+        per_layer.setdefault(name.rsplit(".", 1)[0], set()).add(action)
+    assert any(len(actions) > 1 for actions in per_layer.values()), plan.actions
+    assert all(h["saved_bytes"] <= plan.budget for h in scheduler.executor.stats.history if not h["profiling"])
+    scheduler.remove()
+    with pytest.raises(ValueError, match=r"granularity must be one of .*'layer', 'submodule'.*got 'op'"):
+        DeltaCallback(budget=0.5, granularity="op")
+
+
+def test_file_tier_closes_its_descriptor_once(tmp_path):
+    """close() then garbage collection must not close a descriptor number another file owns by then."""
+    first = FileTier(str(tmp_path))
+    first.close()
+    second = FileTier(str(tmp_path))
+    first.close()  # what __del__ does later
+    x = torch.arange(1000, dtype=torch.float32)
+    assert torch.equal(second.load(second.store(x)), x)
+    second.close()
+
+
 def test_plan_changes_with_the_sequence_length():
     model = _deep()
     budget = 600_000
