@@ -1,0 +1,16 @@
+"""In-memory fault tolerance (after REFT, arXiv 2310.12670): snapshots of each rank's training state in host memory
+every few steps, held by a snapshot process per node that outlives the trainers, protected against lost nodes by
+erasure coding across nodes, restored exactly.
+
+* ``SnapshotEngine`` (function API for Accelerate and custom loops): ``snapshot(step, extra)``, ``wait()``,
+  ``restore()``;
+* ``InMemoryFaultToleranceCallback`` for the Trainer;
+* ``python -m hf_dtrain.fault.smp`` runs a node's snapshot process by hand (the engine starts one otherwise).
+"""
+
+from .callback import InMemoryFaultToleranceCallback
+from .erasure import ErasureCode, UnrecoverableError
+from .snapshot import Restored, SnapshotEngine, SnapshotError
+
+__all__ = ["InMemoryFaultToleranceCallback", "SnapshotEngine", "SnapshotError", "Restored", "ErasureCode",
+           "UnrecoverableError"]

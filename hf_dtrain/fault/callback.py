@@ -1,0 +1,99 @@
+"""``InMemoryFaultToleranceCallback``: the snapshot engine driven by Trainer events, and the restart path that hands
+the restored state to the Trainer's own resume (so its data skipping and RNG hand-off stay exactly as in a checkpoint
+resume)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from typing import Optional
+
+import torch
+from transformers import TrainerCallback
+
+from .snapshot import Restored, SnapshotEngine, _unwrap
+
+logger = logging.getLogger(__name__)
+
+
+class InMemoryFaultToleranceCallback(TrainerCallback):
+    """Snapshots every ``every_n_steps`` optimizer steps into the node's snapshot process::
+
+        ft = InMemoryFaultToleranceCallback(every_n_steps=1)
+        trainer = Trainer(..., callbacks=[ft])
+        trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))   # None on a fresh start
+
+    ``resume_checkpoint`` restores the newest snapshot every rank has (memory, else parity, else disk; logged and in
+    ``self.restored``) and writes it as a Trainer checkpoint in a private directory, which ``train`` then resumes
+    from. ``parity``/``group_size``: erasure coding across nodes; ``persist_dir``/``persist_every``: every N-th
+    snapshot also to disk (safetensors) in the background."""
+
+    def __init__(self, every_n_steps: int = 1, parity: int = 1, group_size: Optional[int] = None,
+                 persist_dir: Optional[str] = None, persist_every: int = 0, directory: Optional[str] = None,
+                 timeout: float = 60.0):
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        self.every_n_steps = every_n_steps
+        self.kwargs = dict(parity=parity, group_size=group_size, persist_dir=persist_dir,
+                           persist_every=persist_every, directory=directory, timeout=timeout)
+        self.engine: Optional[SnapshotEngine] = None
+        self.restored: Optional[Restored] = None
+
+    def _engine(self, model) -> SnapshotEngine:
+        if self.engine is None:
+            self.engine = SnapshotEngine(model, **self.kwargs)
+        return self.engine
+
+    def resume_checkpoint(self, trainer) -> Optional[str]:
+        """Restore before ``trainer.train``; returns the checkpoint directory to resume from, or ``None``."""
+        trainer.args.device  # noqa: B018  (sets up the process group, as Trainer does)
+        engine = self._engine(trainer.model)
+        restored = engine.restore(apply=False)
+        self.restored = restored
+        if restored is None:
+            return None
+        state = restored.state
+        out = os.path.join(engine.dir, f"resume-rank{engine.rank}", f"checkpoint-{restored.step}")
+        shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+        os.makedirs(out, mode=0o700)
+        model = _unwrap(trainer.model)
+        with torch.no_grad():
+            live = engine._model_state()
+            for name, t in state["model"].items():
+                live[name].copy_(t)
+        model.save_pretrained(out, safe_serialization=True)
+        # the files Trainer._save_checkpoint writes; Trainer loads them with torch.load(weights_only=True)
+        torch.save(state["optimizer"], os.path.join(out, "optimizer.pt"))
+        if "scheduler" in state:
+            torch.save(state["scheduler"], os.path.join(out, "scheduler.pt"))
+        rng = state["rng"]
+        rng_file = "rng_state.pth" if engine.world == 1 else f"rng_state_{engine.rank}.pth"
+        torch.save({"python": rng["python"], "numpy": rng["numpy"], "cpu": rng["torch"],
+                    **({"cuda": rng["cuda"]} if "cuda" in rng else {})}, os.path.join(out, rng_file))
+        with open(os.path.join(out, "trainer_state.json"), "w") as f:
+            f.write(restored.extra["trainer_state"])
+        logger.warning("resuming from step %d restored from %s (%s)", restored.step, restored.source,
+                       restored.detail)
+        return out
+
+    # ---------------------------------------------------------------- Trainer events
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        engine = self._engine(model)
+        engine.optimizer, engine.scheduler = optimizer, lr_scheduler
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.engine is not None:
+            self.engine.wait()  # the copy in flight reads what this step is about to change
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.engine is not None and state.global_step % self.every_n_steps == 0:
+            trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+            self.engine.snapshot(state.global_step, extra={"trainer_state": trainer_state})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.engine is not None:
+            self.engine.close(shutdown=True)  # the run is over: its snapshots are no longer needed
+            self.engine = None

@@ -1,0 +1,480 @@
+"""The snapshot engine: at a step boundary, each rank's training state goes into a host-memory slot owned by its node's
+snapshot process (``smp.py``), copied by a background thread that overlaps the next forward and backward and is
+awaited before the next optimizer step; then committed with a checksum. ``restore()`` brings the newest step every
+rank can load back: from the snapshot processes, else rebuilt from peers' parity, else from the last snapshot
+persisted to disk, and says which it used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import mmap
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .erasure import node_groups
+from .smp import SMPClient, _connect, checksum
+from .state import Layout, flatten_state, parse, rng_state, set_rng_state, unflatten_state
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotError(RuntimeError):
+    """A run whose snapshots exist but cannot be restored (and no disk copy to fall back to)."""
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    source: str  # "memory", "parity" or "disk"
+    extra: Any  # what was passed to snapshot(extra=...): the data position, trainer state
+    detail: str = ""
+    state: Optional[dict] = dataclasses.field(default=None, repr=False)  # everything, with restore(apply=False)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def _node_info(rank: int, world: int) -> tuple[int, int, list[int]]:
+    """(node id, number of nodes, local ranks): ``HF_DTRAIN_NODE_RANK`` or torchrun's ``GROUP_RANK``, else
+    consecutive ranks by ``LOCAL_WORLD_SIZE``."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world % local:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world}")
+    node = int(os.environ.get("HF_DTRAIN_NODE_RANK", os.environ.get("GROUP_RANK", rank // local)))
+    return node, world // local, [node * local + i for i in range(local)]
+
+
+def default_directory(job: Optional[str] = None) -> str:
+    """Per-user, per-job private directory for the snapshot processes' sockets and logs."""
+    job = job or os.environ.get("HF_DTRAIN_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+    return os.path.join(tempfile.gettempdir(), f"hf_dtrain_ft_{os.getuid()}", job)
+
+
+class SnapshotEngine:
+    """In-memory snapshots for one rank.
+
+    ``engine.snapshot(step, extra)`` after ``optimizer.step()`` (and the scheduler's), ``engine.wait()`` before the
+    next ``optimizer.step()``; ``engine.restore()`` at start-up. ``extra``: JSON-able or tensor state you want back
+    (the data position). With a frozen base (PEFT), only trainable parameters are stored.
+    """
+
+    def __init__(self, model: nn.Module, optimizer=None, scheduler=None, scaler=None, *,
+                 directory: Optional[str] = None, parity: int = 1, group_size: Optional[int] = None,
+                 persist_dir: Optional[str] = None, persist_every: int = 0, trainable_only: Optional[bool] = None,
+                 timeout: float = 60.0, process_group=None):
+        if parity < 0:
+            raise ValueError(f"parity must be >= 0 (0 turns erasure coding off), got {parity}")
+        if persist_every < 0 or (persist_every and not persist_dir):
+            raise ValueError("persist_every > 0 needs persist_dir (where every N-th snapshot is written)")
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.group = process_group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.world = dist.get_world_size(process_group) if self.distributed else 1
+        self.node, self.num_nodes, self.local_ranks = _node_info(self.rank, self.world)
+        group_size = group_size or self.num_nodes
+        if parity and self.num_nodes > 1:
+            if parity >= group_size:
+                raise ValueError(f"parity={parity} needs erasure groups of more than {parity} nodes; group_size is "
+                                 f"{group_size} ({self.num_nodes} nodes). Lower parity or use more nodes.")
+            self.groups = node_groups(self.num_nodes, group_size)
+        else:
+            parity, self.groups = 0, [[n] for n in range(self.num_nodes)]
+        self.parity = parity
+        self.node_group = next(g for g in self.groups if self.node in g)
+        base = directory or default_directory()
+        self.base = base
+        self.dir = os.path.join(base, f"node{self.node}")
+        self.persist_dir, self.persist_every = persist_dir, persist_every
+        self.timeout = timeout
+        if trainable_only is None:
+            trainable_only = any(not p.requires_grad for p in _unwrap(model).parameters())
+        self.trainable_only = trainable_only
+        self.fingerprint = self._fingerprint()
+        self.layout: Optional[Layout] = None
+        self._maps: dict[int, tuple[int, mmap.mmap]] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._persist: Optional[threading.Thread] = None
+        self.stats = {"snapshots": 0, "stall_seconds": [], "copy_seconds": [], "wait_seconds": [],
+                      "bytes": 0}
+        self.key = self._shared_key()
+        self.client = self._start_smp()
+        self._configure()
+
+    # ---------------------------------------------------------------- set-up
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        m = _unwrap(self.model)
+        if self.trainable_only:
+            return {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}
+        return {k: v.detach() for k, v in m.state_dict(keep_vars=True).items()}
+
+    def _fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for name, t in self._model_state().items():
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        return h.hexdigest()[:16]
+
+    def _shared_key(self) -> bytes:
+        """The authkey of this job's snapshot processes: made by rank 0 once (file 0600 in the 0700 job
+        directory, reused by restarted trainers) and broadcast to every rank."""
+        os.makedirs(self.base, mode=0o700, exist_ok=True)
+        os.chmod(self.base, 0o700)
+        path = os.path.join(self.base, "key")
+        key = None
+        if self.rank == 0:
+            if os.path.exists(path):
+                st = os.stat(path)
+                if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                    raise PermissionError(f"{path} must be owned by this user with mode 0600")
+                key = bytes.fromhex(open(path).read().strip())
+            else:
+                key = secrets.token_bytes(32)
+                self._write_private(path, key.hex().encode())
+        if self.distributed:
+            t = torch.zeros(32, dtype=torch.uint8)
+            if key is not None:
+                t.copy_(torch.frombuffer(bytearray(key), dtype=torch.uint8))
+            dist.broadcast(t, src=0, group=self.group)
+            key = bytes(t.tolist())
+            if not os.path.exists(path):
+                self._write_private(path, key.hex().encode())
+        return key
+
+    @staticmethod
+    def _write_private(path: str, data: bytes) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def _smp_alive(self) -> bool:
+        try:
+            conn = _connect(os.path.join(self.dir, "smp.sock"), self.key, 0)
+            conn.close()
+            return True
+        except Exception:
+            return False
+
+    def _start_smp(self) -> SMPClient:
+        """Connects to this node's snapshot process, starting it (its own session, so it outlives this trainer)
+        from the node's first local rank when none is running."""
+        if self.rank == self.local_ranks[0] and not self._smp_alive():
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            log = open(os.path.join(self.dir, "smp.log"), "ab")
+            smp_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smp.py")
+            proc = subprocess.Popen([sys.executable, smp_path, "--dir", self.dir, "--node", str(self.node),
+                                     "--host", os.environ.get("HF_DTRAIN_SMP_HOST", "127.0.0.1")],
+                                    stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
+            proc.stdin.write(self.key.hex().encode() + b"\n")
+            proc.stdin.close()
+            logger.info("started the snapshot process of node %d (pid %d)", self.node, proc.pid)
+        return SMPClient(self.dir, self.key, self.timeout)
+
+    def _configure(self) -> None:
+        """Tells the node's snapshot process its local ranks, erasure group and the peers' addresses."""
+        address = self.client.info()["address"]
+        mine = json.dumps({"node": self.node, "address": address}).encode()
+        entries = [mine]
+        if self.distributed:
+            buf = torch.zeros(256, dtype=torch.uint8)
+            buf[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            out = [torch.zeros_like(buf) for _ in range(self.world)]
+            dist.all_gather(out, buf, group=self.group)
+            entries = [bytes(t.tolist()).rstrip(b"\0") for t in out]
+        peers = {}
+        for e in entries:
+            d = json.loads(e)
+            peers[d["node"]] = d["address"]
+        reply, _ = self.client.call({"op": "config", "local_ranks": self.local_ranks, "group": self.node_group,
+                                     "parity": self.parity, "peers": {str(k): v for k, v in peers.items()}})
+        if not reply.get("ok"):
+            raise SnapshotError(f"snapshot process refused its configuration: {reply}")
+
+    # ---------------------------------------------------------------- snapshot
+    def _collect(self, step: int, extra: Any) -> tuple[dict, dict[str, torch.Tensor]]:
+        state = {"model": self._model_state(), "rng": rng_state(), "extra": extra}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = flatten_state(state, tensors)
+        metadata = {"step": str(step), "rank": str(self.rank), "world_size": str(self.world),
+                    "fingerprint": self.fingerprint, "skeleton": json.dumps(skeleton, separators=(",", ":"))}
+        return metadata, tensors
+
+    def _map(self, slot: int, fd: int, size: int) -> mmap.mmap:
+        old = self._maps.get(slot)
+        if old is not None and old[0] >= size:
+            os.close(fd)
+            return old[1]
+        if old is not None:
+            old[1].close()
+        m = mmap.mmap(fd, size)
+        os.close(fd)
+        self._maps[slot] = (size, m)
+        return m
+
+    def snapshot(self, step: int, extra: Any = None) -> None:
+        """Start a snapshot of the state after ``step``: collected now, copied in the background. The previous
+        snapshot is awaited first (one in flight at a time)."""
+        t0 = time.perf_counter()
+        self.wait()
+        metadata, tensors = self._collect(step, extra)
+        if self.layout is None or not self.layout.matches(tensors):
+            self.layout = Layout(tensors)
+        header = self.layout.header(metadata)
+        total = self.layout.total_bytes
+        reply, fd = self.client.call({"op": "slot", "rank": self.rank, "nbytes": total}, want_fd=True)
+        buf = self._map(reply["slot"], fd, reply["size"])
+        stream = None
+        if any(t.is_cuda for t in tensors.values()):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())  # the copy reads what the optimizer step just wrote
+        self._thread = threading.Thread(target=self._copy, args=(step, reply["slot"], buf, header, tensors, total,
+                                                                 stream), daemon=True)
+        self._thread.start()
+        self.stats["stall_seconds"].append(time.perf_counter() - t0)
+
+    def _copy(self, step, slot, buf, header, tensors, total, stream) -> None:
+        try:
+            t0 = time.perf_counter()
+            buf[:len(header)] = header
+            base = len(header)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for key, t in tensors.items():
+                    _, _, a, b = self.layout.entries[key]
+                    if b > a:
+                        dst = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=base + a)
+                        dst.view(t.dtype).view(t.shape).copy_(t)
+            digest = checksum(memoryview(buf)[:total])
+            manifest = {"step": step, "nbytes": total, "checksum": digest, "fingerprint": self.fingerprint,
+                        "world_size": self.world}
+            reply, _ = self.client.call({"op": "commit", "rank": self.rank, "slot": slot, "manifest": manifest})
+            self.stats["copy_seconds"].append(time.perf_counter() - t0)
+            self.stats["snapshots"] += 1
+            self.stats["bytes"] = total
+            if self.persist_every and step % self.persist_every == 0:
+                self._start_persist(step, bytes(memoryview(buf)[:total]), manifest)
+        except BaseException as e:  # surfaced by wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight is committed (call before the next optimizer step)."""
+        if self._thread is not None:
+            t0 = time.perf_counter()
+            self._thread.join()
+            self._thread = None
+            self.stats["wait_seconds"].append(time.perf_counter() - t0)
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise SnapshotError(f"snapshot failed on rank {self.rank}: {type(e).__name__}: {e}") from e
+
+    # ---------------------------------------------------------------- disk persistence
+    def _start_persist(self, step: int, data: bytes, manifest: dict) -> None:
+        if self._persist is not None:
+            self._persist.join()
+
+        def write():
+            d = os.path.join(self.persist_dir, f"snapshot-{step}")
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            self._write_private(os.path.join(d, f"rank{self.rank}.safetensors"), data)  # the slot is safetensors
+            self._write_private(os.path.join(d, f"rank{self.rank}.json"), json.dumps(manifest).encode())
+
+        self._persist = threading.Thread(target=write, daemon=True)
+        self._persist.start()
+
+    def _disk_steps(self) -> list[int]:
+        if not self.persist_dir or not os.path.isdir(self.persist_dir):
+            return []
+        steps = []
+        for name in os.listdir(self.persist_dir):
+            if name.startswith("snapshot-") and os.path.exists(
+                    os.path.join(self.persist_dir, name, f"rank{self.rank}.json")):
+                steps.append(int(name.split("-", 1)[1]))
+        return sorted(steps)
+
+    # ---------------------------------------------------------------- restore
+    def _agree(self, steps: list[int]) -> list[int]:
+        """The steps every rank has, newest first."""
+        if not self.distributed:
+            return sorted(steps, reverse=True)
+        buf = torch.full((64,), -1, dtype=torch.int64)
+        mine = sorted(steps)[-64:]
+        buf[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        out = [torch.zeros_like(buf) for _ in range(self.world)]
+        dist.all_gather(out, buf, group=self.group)
+        common = set(int(s) for s in out[0].tolist() if s >= 0)
+        for t in out[1:]:
+            common &= set(int(s) for s in t.tolist() if s >= 0)
+        return sorted(common, reverse=True)
+
+    def _all(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def _any(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def _check_all(self, metadata: dict, where: str) -> None:
+        """``_check`` on every rank at once: a mismatch anywhere is a ``ValueError`` everywhere (no rank is left
+        waiting in a collective)."""
+        problem = None
+        try:
+            self._check(metadata, where)
+        except ValueError as e:
+            problem = e
+        if self._any(problem is not None):
+            raise problem or ValueError(f"another rank's snapshot {where} does not match this run (see its error)")
+
+    def _check(self, metadata: dict, where: str) -> None:
+        if int(metadata["world_size"]) != self.world:
+            raise ValueError(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run has "
+                             f"{self.world}. Restart with the same number of processes, or resume from a disk "
+                             "checkpoint with a resharding loader.")
+        if metadata["fingerprint"] != self.fingerprint:
+            raise ValueError(f"The snapshot {where} was taken of a different model (parameter names, shapes or "
+                             f"dtypes differ: fingerprint {metadata['fingerprint']} against {self.fingerprint}); "
+                             "restore it into the model it was taken of.")
+
+    def _load(self, metadata: dict, tensors: dict[str, torch.Tensor], apply: bool = True) -> dict:
+        """The snapshot's state (tensors cloned out of the slot); with ``apply``, loaded into the model, optimizer,
+        scheduler, scaler and RNGs."""
+        state = _clone(unflatten_state(json.loads(metadata["skeleton"]), tensors))
+        if apply:
+            self._apply(state)
+        return state
+
+    def _apply(self, state: dict) -> None:
+        live = self._model_state()
+        with torch.no_grad():
+            for name, t in state["model"].items():
+                live[name].copy_(t)
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+
+    def _try_memory(self, step: int) -> tuple[Optional[tuple[dict, dict, bool]], str]:
+        reply, fd = self.client.call({"op": "open", "rank": self.rank, "step": step}, want_fd=True)
+        if "error" in reply:
+            return None, reply["error"]
+        manifest = reply["manifest"]
+        with mmap.mmap(fd, reply["size"], prot=mmap.PROT_READ) as m:
+            data = bytes(m[:manifest["nbytes"]])
+        os.close(fd)
+        if checksum(data) != manifest["checksum"]:
+            return None, (f"rank {self.rank}'s snapshot of step {step} fails its checksum (a corrupted byte); "
+                          "it is not used")
+        metadata, tensors = parse(bytearray(data))
+        return (metadata, tensors, reply.get("rebuilt", False)), ""
+
+    def available(self) -> tuple[list[int], str, str]:
+        reply, _ = self.client.call({"op": "available", "rank": self.rank})
+        return reply["steps"], reply["source"], reply.get("reason", "")
+
+    def restore(self, apply: bool = True) -> Optional[Restored]:
+        """Load the newest step every rank has: from memory, else rebuilt from parity, else from disk (with
+        ``apply=False`` the state is returned in ``Restored.state`` and nothing is loaded). Returns
+        ``None`` on a fresh start (nothing anywhere); raises ``SnapshotError`` when snapshots existed but none can be
+        restored; ``ValueError`` for a snapshot of another world size or model."""
+        steps, source, reason = self.available()
+        reasons = [reason] if reason else []
+        had_any = self._any(bool(steps) or bool(reason) or bool(self._disk_steps()))
+        for step in self._agree(steps):
+            got, why = self._try_memory(step)
+            if self._all(got is not None):
+                self._check_all(got[0], f"in memory at step {step}")
+                metadata, tensors, rebuilt = got
+                state = self._load(metadata, tensors, apply)
+                used = "parity" if self._any(rebuilt) else "memory"
+                self._discard_after(step)
+                detail = "rebuilt from peers' parity" if used == "parity" else "held by the snapshot processes"
+                logger.warning("restored step %d from %s (%s)", step, used, detail)
+                return Restored(step, used, state["extra"], detail, state)
+            if why:
+                reasons.append(why)
+                logger.error("cannot use step %d from memory: %s", step, why)
+        if reasons:
+            logger.error("in-memory restore failed: %s; falling back to the disk snapshots", "; ".join(reasons))
+        for step in self._agree(self._disk_steps()):
+            d = os.path.join(self.persist_dir, f"snapshot-{step}")
+            manifest = json.load(open(os.path.join(d, f"rank{self.rank}.json")))
+            data = open(os.path.join(d, f"rank{self.rank}.safetensors"), "rb").read()
+            good = checksum(data) == manifest["checksum"]
+            if self._all(good):
+                metadata, tensors = parse(bytearray(data))
+                self._check_all(metadata, f"on disk at {d}")
+                state = self._load(metadata, tensors, apply)
+                self._discard_after(-1)
+                detail = f"{d}" + (f" (memory: {'; '.join(reasons)})" if reasons else "")
+                logger.warning("restored step %d from disk (%s)", step, detail)
+                return Restored(step, "disk", state["extra"], detail, state)
+        if had_any or self._any(bool(reasons)):
+            raise SnapshotError("This run has snapshots but none can be restored: " + ("; ".join(reasons) or
+                                "no step is held by every rank") + (". No disk snapshot to fall back to (set "
+                                "persist_dir and persist_every)." if not self.persist_dir else "."))
+        return None
+
+    def _discard_after(self, step: int) -> None:
+        self.client.call({"op": "discard", "rank": self.rank, "after": step})
+
+    def close(self, shutdown: bool = False) -> None:
+        """Finish the snapshot in flight; with ``shutdown`` (the run is over) stop the node's snapshot process."""
+        self.wait()
+        if self._persist is not None:
+            self._persist.join()
+        for _, m in self._maps.values():
+            m.close()
+        self._maps.clear()
+        if shutdown:
+            if self.distributed:
+                dist.barrier(group=self.group)
+            if self.rank == self.local_ranks[0]:
+                self.client.call({"op": "shutdown"})
+        self.client.close()
+
+
+def _clone(obj):
+    """Deep copy with tensors cloned (what is restored must not alias the slot's memory)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone(v) for v in obj)
+    return obj

@@ -1,0 +1,95 @@
+"""One rank of the fault-injection runs: DDP over gloo, AdamW + a LambdaLR, batches drawn from every RNG (Python,
+NumPy, torch), a snapshot after every step, and an optional fault. Configured by environment variables (see the
+test); appends ``step loss.hex()`` per step to ``$FT_OUT/rank{r}.log`` and the restore source to
+``$FT_OUT/rank{r}.restore``."""
+
+import os
+import random
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = os.environ["FT_OUT"]
+    steps = int(os.environ.get("FT_STEPS", "8"))
+    fault = os.environ.get("FT_FAULT", "")  # "rank:step:where"
+    fault_rank, fault_step, where = (fault.split(":") + ["", "", ""])[:3] if fault else ("-1", "-1", "")
+    fault_here = int(fault_rank) == rank
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+    from hf_dtrain.testing import random_batch, tiny_llama
+
+    model = tiny_llama(seed=0, hidden_size=int(os.environ.get("FT_HIDDEN", "64")))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.1 * k))
+    engine = None
+    start = 1
+    if not os.environ.get("FT_NOFT"):
+        from hf_dtrain.fault import SnapshotEngine, SnapshotError
+
+        persist = os.environ.get("FT_PERSIST") or None
+        engine = SnapshotEngine(model, opt, sched, directory=os.environ["FT_DIR"],
+                                parity=int(os.environ.get("FT_PARITY", "1")), persist_dir=persist,
+                                persist_every=int(os.environ.get("FT_PERSIST_EVERY", "0")), timeout=30)
+        if fault_here and where == "mid_snapshot":
+            import hf_dtrain.fault.snapshot as snap
+
+            real = snap.checksum
+
+            def checksum_then_die(buf):  # the slot is written, the commit not yet sent
+                if engine._pending_step == int(fault_step):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(buf)
+
+            snap.checksum = checksum_then_die
+        try:
+            restored = engine.restore()
+        except (SnapshotError, ValueError) as e:
+            with open(os.path.join(out, f"rank{rank}.error"), "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
+            dist.destroy_process_group()
+            sys.exit(3)
+        if restored is not None:
+            start = restored.extra["next_step"]
+            with open(os.path.join(out, f"rank{rank}.restore"), "a") as f:
+                f.write(f"{restored.step} {restored.source}\n")
+    log = open(os.path.join(out, f"rank{rank}.log"), "a")
+    for step in range(start, steps + 1):
+        seed = int(torch.randint(0, 1 << 20, (1,))) + random.randrange(1 << 20) + int(np.random.randint(1 << 20))
+        batch = random_batch(batch=2, seq=16, seed=seed + 1000 * rank)
+        loss = ddp(**batch).loss
+        loss.backward()
+        if fault_here and step == int(fault_step) and where == "before_step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if engine is not None:
+            engine.wait()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        log.write(f"{step} {loss.item().hex()}\n")
+        log.flush()
+        if engine is not None:
+            engine._pending_step = step
+            engine.snapshot(step, extra={"next_step": step + 1})
+            if fault_here and step == int(fault_step) and where == "after_snapshot":
+                engine.wait()
+                time.sleep(1.5)  # the parity exchange of this step completes
+                os.kill(os.getpid(), signal.SIGKILL)
+    if engine is not None:
+        engine.close(shutdown=os.environ.get("FT_SHUTDOWN", "1") == "1")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The snapshot engine on one process (its snapshot process still a separate one): exact state back, a corrupted
+byte caught, another world size or model refused, PEFT stores only trainable state, the slot is a safetensors file,
+and the sockets, key and memory are private."""
+
+import json
+import mmap
+import os
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dtrain.fault import SnapshotEngine
+from hf_dtrain.fault.state import Layout, flatten_state, parse, unflatten_state
+from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
+
+
+def _setup(hidden=64):
+    model = tiny_llama(seed=0, hidden_size=hidden)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
+    return model, opt, sched
+
+
+def _steps(model, opt, sched, engine, first, last, snapshot=True):
+    losses = []
+    for step in range(first, last + 1):
+        seed = int(torch.randint(0, 1 << 20, (1,)))
+        loss = model(**random_batch(batch=2, seq=16, seed=seed)).loss
+        loss.backward()
+        engine.wait()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if snapshot:
+            engine.snapshot(step, extra={"next_step": step + 1, "epoch": np.int64(0)})
+    engine.wait()
+    return losses
+
+
+@pytest.fixture
+def ft_dir(tmp_path):
+    d = str(tmp_path / "ft")
+    yield d
+    for node in os.listdir(d) if os.path.isdir(d) else []:
+        info = os.path.join(d, node, "smp.json")
+        if os.path.exists(info):
+            try:
+                os.kill(json.load(open(info))["pid"], 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_restore_is_exact_and_a_corrupted_byte_is_caught(ft_dir, caplog):
+    torch.manual_seed(0)
+    model, opt, sched = _setup()
+    engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)
+    assert engine.restore() is None  # a fresh start
+    _steps(model, opt, sched, engine, 1, 4)
+    _steps(model, opt, sched, engine, 5, 7)
+    engine.close()
+
+    # a restarted trainer: state after step 7 comes back, then steps 8.. are what the first run would do
+    model2, opt2, sched2 = _setup()
+    engine2 = SnapshotEngine(model2, opt2, sched2, directory=ft_dir, parity=0)
+    restored = engine2.restore()
+    assert (restored.step, restored.source, restored.extra) == (7, "memory", {"next_step": 8, "epoch": 0})
+    for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(p, q), n
+    assert sched2.state_dict()["last_epoch"] == 7 and opt2.state_dict()["state"][0]["step"] == 7
+    engine2.close()
+
+    # flip one byte of the newest slot: the checksum catches it and the step before is used
+    model3, opt3, sched3 = _setup()
+    engine3 = SnapshotEngine(model3, opt3, sched3, directory=ft_dir, parity=0)
+    reply, fd = engine3.client.call({"op": "open", "rank": 0, "step": 7, "pid": os.getpid()}, want_fd=True)
+    with mmap.mmap(fd, reply["size"]) as m:
+        m[reply["manifest"]["nbytes"] - 100] ^= 0xFF
+    os.close(fd)
+    with caplog.at_level("ERROR"):
+        restored = engine3.restore()
+    assert restored.step == 6 and restored.source == "memory"
+    assert "fails its checksum" in caplog.text
+    engine3.close(shutdown=True)
+
+
+def test_restored_run_continues_bit_for_bit(ft_dir):
+    torch.manual_seed(0)
+    model, opt, sched = _setup()
+    engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)
+    _steps(model, opt, sched, engine, 1, 3)
+    expected = _steps(model, opt, sched, engine, 4, 6, snapshot=False)  # then the trainer dies
+    engine.close()
+    model2, opt2, sched2 = _setup()
+    torch.manual_seed(999)  # a restarted process has other RNG states: the snapshot's must win
+    engine2 = SnapshotEngine(model2, opt2, sched2, directory=ft_dir, parity=0)
+    assert engine2.restore().step == 3
+    assert _steps(model2, opt2, sched2, engine2, 4, 6) == expected
+    engine2.close(shutdown=True)
+
+
+def _snapshot_two_ranks(rank, world, ft_dir):
+    model, opt, sched = _setup()
+    engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=1)
+    _steps(model, opt, sched, engine, 1, 2)
+    engine.close()
+
+
+def test_another_world_size_or_model_is_refused(ft_dir):
+    run_distributed(_snapshot_two_ranks, world_size=2, args=(ft_dir,), timeout=240)
+    model, opt, sched = _setup()
+    engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)  # world size 1, node 0's process
+    with pytest.raises(ValueError, match=r"taken with world size 2; this run has 1"):
+        engine.restore()
+    engine.close()
+    os.environ["HF_DTRAIN_NODE_RANK"] = "0"
+    try:
+        model, opt, sched = _setup(hidden=96)
+        other = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)
+        other.world = 2  # past the world-size check, to reach the model check
+        with pytest.raises(ValueError, match=r"taken of a different model"):
+            other.restore()
+        other.close(shutdown=True)
+    finally:
+        del os.environ["HF_DTRAIN_NODE_RANK"]
+
+
+def test_peft_stores_only_the_adapter(ft_dir):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    engine = SnapshotEngine(model, opt, directory=ft_dir, parity=0)
+    assert engine.trainable_only
+    _steps(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0), engine, 1, 1)
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert engine.stats["bytes"] < 3 * trainable + 64 * 1024 < total  # adapter + AdamW moments + header
+    engine.close(shutdown=True)
+
+
+def test_state_round_trip_and_the_slot_is_a_safetensors_file(tmp_path):
+    from safetensors.torch import load_file
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
+                                                                          "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "rng": (3, (1, 2, 3), None), "np": np.arange(4, dtype=np.uint32), "inf": float("inf"),
+             "dtype": torch.bfloat16}
+    tensors = {}
+    skeleton = flatten_state(state, tensors)
+    layout = Layout(tensors)
+    header = layout.header({"skeleton": json.dumps(skeleton)})
+    buf = bytearray(layout.total_bytes)
+    buf[:len(header)] = header
+    meta, views = parse(buf)
+    for k, t in tensors.items():
+        views[k].copy_(t)
+    back = unflatten_state(json.loads(meta["skeleton"]), views)
+    assert back["optimizer"]["state"][0]["step"].item() == 3.0 and back["rng"] == (3, (1, 2, 3), None)
+    assert back["np"].dtype == np.uint32 and back["inf"] == float("inf") and back["dtype"] is torch.bfloat16
+    path = tmp_path / "slot.safetensors"
+    path.write_bytes(bytes(buf))
+    assert torch.equal(load_file(str(path))["state.model.w"], state["model"]["w"])
+    with pytest.raises(TypeError, match=r"state.bad is a object"):
+        flatten_state({"bad": object()}, {})
+
+
+def test_private_directory_key_socket_and_no_shared_memory_name(ft_dir):
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    model, opt, sched = _setup()
+    engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)
+    _steps(model, opt, sched, engine, 1, 1)
+    assert stat.S_IMODE(os.stat(ft_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(ft_dir, "key")).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(engine.dir).st_mode) == 0o700
+    with pytest.raises(AuthenticationError):
+        Client(os.path.join(engine.dir, "smp.sock"), family="AF_UNIX", authkey=b"not the key" * 3)
+    assert not [f for f in os.listdir("/dev/shm") if "hf_dtrain" in f]  # memfd: no name anyone could open
+    engine.close(shutdown=True)
