@@ -68,9 +68,11 @@ def worker(preset: str, method: str, batch: int, seq: int, steps: int) -> dict:
 
         def unpack(x):
             return tier.load(x[1]) if isinstance(x, tuple) and x and x[0] == "off" else x
-    elif method.startswith("delta"):  # delta_<budget>: per decoder layer; delta-sub_<budget>: per sub-module
+    elif method.startswith("delta"):  # delta_<budget>: per decoder layer; delta-sub_<budget>: per sub-module;
+        # delta-mem_<budget>: the fewest bytes predicted no slower than full checkpointing
         scheduler = apply_delta(model, float(method.split("_")[1]),
-                                granularity="submodule" if method.startswith("delta-sub") else "layer")
+                                granularity="submodule" if method.startswith("delta-sub") else "layer",
+                                objective="memory" if method.startswith("delta-mem") else "time")
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times, saved = [], []
@@ -152,7 +154,7 @@ def main():
     from tqdm import tqdm
 
     methods = (["none", "checkpoint", "hf_offload", "offload_all"] + [f"delta_{b}" for b in BUDGETS]
-               + [f"delta-sub_{b}" for b in SUB_BUDGETS])
+               + [f"delta-sub_{b}" for b in SUB_BUDGETS] + ["delta-mem_0.5"])
     rows, batches = [], []
     env = dict(os.environ, OMP_NUM_THREADS="2")
     for preset in args.presets.split(","):
@@ -185,7 +187,8 @@ def render(payload: dict):
         r["saved_mib"] = r["saved_bytes"] / 2 ** 20
         r["rss_mib"] = r["peak_rss_bytes"] / 2 ** 20
         r["actions"] = (", ".join(f"{a}: {list(r['plan'].values()).count(a)}" for a in ("keep", "recompute", "offload"))
-                        + (" (sub-modules)" if r["method"].startswith("delta-sub") else " (layers)")
+                        + (" (sub-modules)" if r["method"].startswith("delta-sub") else
+                           " (layers, fewest bytes)" if r["method"].startswith("delta-mem") else " (layers)")
                         if "plan" in r else None)
     table = markdown_table(rows, [
         ("preset", "model", ""), ("method", "method", ""), ("saved_mib", "saved activations (MiB)", ".1f"),
@@ -205,7 +208,8 @@ def render(payload: dict):
              "offload option on a host without a GPU copies the checkpoint inputs to host memory, so they stay "
              "resident. offload_all: every saved activation to the file tier with saved-tensor hooks (torchtune's "
              "technique, on this host's slower tier). DELTA budgets: fractions of the no-saving activation bytes; delta-sub: "
-             "planned per sub-module (attention, MLP, the two norms of each layer). "
+             "planned per sub-module (attention, MLP, the two norms of each layer); delta-mem: objective='memory', "
+             "the fewest bytes among the plans predicted no slower than full checkpointing. "
              "Largest batch: the budget is the no-saving bytes of batch 8; from measured profiles at each batch size "
              "(DELTA: its minimum feasible budget, every layer offloaded).")
     import matplotlib

@@ -111,6 +111,8 @@ class SnapshotEngine:
         self.fingerprint = self._fingerprint()
         self.layout: Optional[Layout] = None
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}
+        self._registered: dict[int, int] = {}
+        self._cuda = any(p.is_cuda for p in _unwrap(model).parameters())
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._persist: Optional[threading.Thread] = None
@@ -231,11 +233,23 @@ class SnapshotEngine:
             os.close(fd)
             return old[1]
         if old is not None:
+            self._unregister(slot)
             old[1].close()
         m = mmap.mmap(fd, size)
         os.close(fd)
+        if self._cuda:  # page-locked, so the device-to-host copies run asynchronously on the side stream
+            import ctypes
+
+            ptr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+            self._registered[slot] = ptr
         self._maps[slot] = (size, m)
         return m
+
+    def _unregister(self, slot: int) -> None:
+        ptr = self._registered.pop(slot, None)
+        if ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def snapshot(self, step: int, extra: Any = None) -> None:
         """Start a snapshot of the state after ``step``: collected now, copied in the background. The previous
@@ -268,7 +282,9 @@ class SnapshotEngine:
                     _, _, a, b = self.layout.entries[key]
                     if b > a:
                         dst = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=base + a)
-                        dst.view(t.dtype).view(t.shape).copy_(t)
+                        dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=t.is_cuda)
+            if stream is not None:
+                stream.synchronize()  # the device-to-host copies have landed
             digest = checksum(memoryview(buf)[:total])
             manifest = {"step": step, "nbytes": total, "checksum": digest, "fingerprint": self.fingerprint,
                         "world_size": self.world}
@@ -456,7 +472,8 @@ class SnapshotEngine:
         self.wait()
         if self._persist is not None:
             self._persist.join()
-        for _, m in self._maps.values():
+        for slot, (_, m) in self._maps.items():
+            self._unregister(slot)
             m.close()
         self._maps.clear()
         if shutdown:

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from .executor import DeltaExecutor, FileTier, PinnedTier
-from .planner import Plan, make_plan, minimum_budget
+from .planner import OBJECTIVES, Plan, make_plan, minimum_budget
 from .profiler import GRANULARITIES, Profile, decoder_layers, measure_tier_bandwidth, plan_units, profile_step
 
 logger = logging.getLogger(__name__)
@@ -32,14 +32,17 @@ class DeltaScheduler:
     the measured saved and offloaded bytes of every step."""
 
     def __init__(self, model: nn.Module, budget: Union[int, float], method: str = "exact",
-                 allow_offload: bool = True, tier=None, granularity: str = "layer"):
+                 allow_offload: bool = True, tier=None, granularity: str = "layer", objective: str = "time"):
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
             raise ValueError(f"DELTA budget must be a positive number of bytes (int) or a fraction in (0, 1] of the "
                              f"no-saving activation memory (float), got {budget!r}.")
         if isinstance(budget, float) and budget > 1:
             raise ValueError(f"A float DELTA budget is a fraction of the no-saving activation memory and must be in "
                              f"(0, 1]; give bytes as an int, got {budget!r}.")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"DELTA objective must be one of {OBJECTIVES}, got {objective!r}.")
         self.model, self.budget, self.method, self.allow_offload = model, budget, method, allow_offload
+        self.objective = objective
         device = next(model.parameters()).device
         self.overlap = device.type == "cuda"  # a side stream overlaps the copies with compute
         self.tier = tier or (PinnedTier(device) if self.overlap else FileTier())
@@ -78,7 +81,7 @@ class DeltaScheduler:
             self.executor.end_step()
             profile = self.executor.profile(shape, self.bandwidth)
             self.plans[shape] = make_plan(profile, self.budget_bytes(profile), self.method, self.allow_offload,
-                                          overlap=self.overlap)
+                                          overlap=self.overlap, objective=self.objective)
             logger.info("DELTA plan for input shape %s:\n%s", shape, self.plans[shape].table())
             return out
         plan = self.plans[shape]
@@ -94,7 +97,7 @@ class DeltaScheduler:
             excess = measured - plan.predicted_bytes
             corrected = make_plan(plan.profile, max(minimum_budget(plan.profile, self.allow_offload),
                                                     plan.budget - excess), self.method, self.allow_offload,
-                                   overlap=self.overlap)
+                                   overlap=self.overlap, objective=self.objective)
             corrected.budget = plan.budget
             self.plans[shape] = corrected
             logger.warning("DELTA: %d bytes saved against a budget of %d for shape %s; re-planned.", measured,
@@ -120,20 +123,23 @@ class DeltaCallback(TrainerCallback):
     to ``on_train_end``. ``budget``: bytes (int) or a fraction (float) of the profiled no-saving activation bytes."""
 
     def __init__(self, budget: Union[int, float], method: str = "exact", allow_offload: bool = True,
-                 granularity: str = "layer"):
+                 granularity: str = "layer", objective: str = "time"):
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0 or (
                 isinstance(budget, float) and budget > 1):
             raise ValueError(f"DeltaCallback budget must be bytes (int > 0) or a fraction in (0, 1] (float), got "
                              f"{budget!r}.")
         if granularity not in GRANULARITIES:
             raise ValueError(f"DeltaCallback granularity must be one of {GRANULARITIES}, got {granularity!r}.")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"DeltaCallback objective must be one of {OBJECTIVES}, got {objective!r}.")
         self.budget, self.method, self.allow_offload, self.granularity = budget, method, allow_offload, granularity
+        self.objective = objective
         self.scheduler: Optional[DeltaScheduler] = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.scheduler is None:
             self.scheduler = DeltaScheduler(model, self.budget, self.method, self.allow_offload,
-                                            granularity=self.granularity)
+                                            granularity=self.granularity, objective=self.objective)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.scheduler is not None:

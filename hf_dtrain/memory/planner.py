@@ -57,12 +57,23 @@ def minimum_budget(profile: Profile, allow_offload: bool = True) -> int:
     return profile.other_bytes + sum(per_group)
 
 
+OBJECTIVES = ("time", "memory")
+
+
 def make_plan(profile: Profile, budget: int, method: str = "exact", allow_offload: bool = True,
-              overlap: bool = False) -> Plan:
+              overlap: bool = False, objective: str = "time") -> Plan:
     """The plan for ``budget`` bytes of saved activations; a ``ValueError`` stating the minimum feasible budget when
-    none fits."""
+    none fits.
+
+    ``objective="time"``: the least predicted time within the budget. ``objective="memory"``: the fewest bytes among
+    the plans within the budget predicted no slower than recomputing every unit (full gradient checkpointing), for
+    users who would otherwise checkpoint everything (exact solver only)."""
     if method not in ("exact", "delta"):
         raise ValueError(f"DELTA planner method must be 'exact' or 'delta', got {method!r}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"DELTA planner objective must be one of {OBJECTIVES}, got {objective!r}.")
+    if objective == "memory" and method != "exact":
+        raise ValueError("objective='memory' needs method='exact' (it picks from the exact solver's Pareto frontier).")
     floor = minimum_budget(profile, allow_offload)
     if budget < floor:
         raise ValueError(f"A budget of {budget:,} bytes cannot be met: the minimum feasible budget for this model and "
@@ -84,6 +95,11 @@ def make_plan(profile: Profile, budget: int, method: str = "exact", allow_offloa
                 if not frontier or c[1] < frontier[-1][1] - 1e-15:
                     frontier.append(c)
         best = min(frontier, key=lambda c: (c[1], c[0]))
+        if objective == "memory":
+            checkpoint_seconds = sum(g.forward_seconds for g in profile.groups)
+            no_slower = [c for c in frontier if c[1] <= checkpoint_seconds + 1e-12]
+            if no_slower:
+                best = min(no_slower, key=lambda c: (c[0], c[1]))
         actions = dict(zip((g.name for g in profile.groups), best[2]))
         return Plan(actions, best[0], best[1], budget, profile)
     # DELTA: filter (largest x least recently needed first) and director (recompute vs swap), until under budget

@@ -77,14 +77,16 @@ class Profile:
 def measure_tier_bandwidth(tier, nbytes: int = 8 << 20) -> float:
     """Bytes/s of a write plus read through ``tier`` (the mean of the two directions), on a scratch buffer."""
     x = torch.randn(nbytes // 4)
-    tier.reset()
-    t0 = time.perf_counter()
-    handle = tier.store(x)
-    y = tier.load(handle)
-    seconds = time.perf_counter() - t0
-    tier.reset()
-    assert torch.equal(x, y)
-    return 2 * nbytes / max(seconds, 1e-9)
+    best = float("inf")
+    for _ in range(2):  # the first pass also grows the tier (file blocks, pinned pages): steady state is the second
+        tier.reset()
+        t0 = time.perf_counter()
+        handle = tier.store(x)
+        y = tier.load(handle)
+        best = min(best, time.perf_counter() - t0)
+        tier.reset()
+        assert torch.equal(x, y)
+    return 2 * nbytes / max(best, 1e-9)
 
 
 def profile_step(model: nn.Module, batch: dict, tier, layers: Optional[list] = None) -> Profile:

@@ -52,6 +52,7 @@ def main():
                 return real(buf)
 
             snap.checksum = checksum_then_die
+        t0 = time.perf_counter()
         try:
             restored = engine.restore()
         except (SnapshotError, ValueError) as e:
@@ -62,7 +63,7 @@ def main():
         if restored is not None:
             start = restored.extra["next_step"]
             with open(os.path.join(out, f"rank{rank}.restore"), "a") as f:
-                f.write(f"{restored.step} {restored.source}\n")
+                f.write(f"{restored.step} {restored.source} {time.perf_counter() - t0:.3f}\n")
     log = open(os.path.join(out, f"rank{rank}.log"), "a")
     for step in range(start, steps + 1):
         seed = int(torch.randint(0, 1 << 20, (1,))) + random.randrange(1 << 20) + int(np.random.randint(1 << 20))

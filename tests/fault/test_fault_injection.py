@@ -108,7 +108,7 @@ def _run(tmp_path, fault: str, kill_smps=(), persist_every=0, expect_first_codes
 def test_killed_trainer_resumes_exactly_from_the_snapshot_processes(tmp_path, reference, fault):
     out, codes = _run(tmp_path, fault)
     assert codes == [0] * WORLD, open(os.path.join(out, "rank0.stderr")).read()[-3000:]
-    restored = open(os.path.join(out, "rank0.restore")).read().split()
+    restored = open(os.path.join(out, "rank0.restore")).read().split()[:2]
     expected = {"1:5:before_step": 4, "2:4:mid_snapshot": 3}[fault]  # the last step every rank committed
     assert restored == [str(expected), "memory"]
     assert _losses(out) == reference  # every step, bit for bit (float.hex)
@@ -117,7 +117,7 @@ def test_killed_trainer_resumes_exactly_from_the_snapshot_processes(tmp_path, re
 def test_lost_node_is_rebuilt_from_parity(tmp_path, reference):
     out, codes = _run(tmp_path, "1:4:after_snapshot", kill_smps=[1])
     assert codes == [0] * WORLD, open(os.path.join(out, "rank1.stderr")).read()[-3000:]
-    step, source = open(os.path.join(out, "rank1.restore")).read().split()
+    step, source = open(os.path.join(out, "rank1.restore")).read().split()[:2]
     assert source == "parity" and int(step) >= 3
     assert "rebuilt" in open(os.path.join(tmp_path / "ft", "node1", "smp.log")).read()
     assert _losses(out) == reference
@@ -126,7 +126,7 @@ def test_lost_node_is_rebuilt_from_parity(tmp_path, reference):
 def test_more_lost_nodes_than_parity_falls_back_to_disk(tmp_path, reference):
     out, codes = _run(tmp_path, "1:5:after_snapshot", kill_smps=[1, 2], persist_every=2)
     assert codes == [0] * WORLD, open(os.path.join(out, "rank0.stderr")).read()[-3000:]
-    assert open(os.path.join(out, "rank0.restore")).read().split() == ["4", "disk"]
+    assert open(os.path.join(out, "rank0.restore")).read().split()[:2] == ["4", "disk"]
     assert "2 nodes of erasure group [0, 1, 2] are lost" in open(os.path.join(out, "rank1.stderr")).read()
     assert _losses(out) == reference
 

@@ -211,3 +211,24 @@ def test_backward_prefetches_the_next_offloaded_layer():
     expected = [h[0] for name in reversed(names[:-1]) for h in offloaded[name]]  # layers 2, 1, 0 in backward order
     assert order == expected
     scheduler.remove()
+
+
+def test_memory_objective_saves_most_without_being_slower_than_checkpointing():
+    """objective='memory' picks, among the plans within the budget, the fewest bytes predicted no slower than
+    recomputing every layer; objective='time' the fastest. Synthetic profile: offloading layer 0 is cheaper than
+    recomputing it, layer 1 the opposite."""
+    from hf_dtrain.memory import Profile
+    from hf_dtrain.memory.profiler import GroupProfile
+
+    groups = [GroupProfile("l0", 1000, 100, 0.010), GroupProfile("l1", 3000, 100, 0.001)]
+    # offload: 4 ms for l0, 12 ms for l1; recomputing everything: 11 ms
+    profile = Profile(groups, total_saved_bytes=4500, shape=(1, 1), tier_bandwidth=2000 / 0.004)
+    fast = make_plan(profile, 4500)
+    assert fast.actions == {"l0": "keep", "l1": "keep"} and fast.predicted_seconds == 0
+    lean = make_plan(profile, 4500, objective="memory")
+    assert lean.actions == {"l0": "offload", "l1": "recompute"}  # 5 ms <= 11 ms, 100 bytes kept of the layers'
+    assert lean.predicted_bytes == 600 and lean.predicted_seconds == pytest.approx(0.005)
+    with pytest.raises(ValueError, match=r"objective must be one of \('time', 'memory'\)"):
+        make_plan(profile, 4500, objective="bytes")
+    with pytest.raises(ValueError, match=r"objective='memory' needs method='exact'"):
+        make_plan(profile, 4500, method="delta", objective="memory")

@@ -1,0 +1,44 @@
+"""A Trainer run with InMemoryFaultToleranceCallback: optionally SIGKILLed after step $FT_KILL_AT, and on start
+resumed with ``trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))``. Writes the logged losses to
+``$FT_OUT/losses.json`` (appending runs) and the restore source to ``$FT_OUT/restored.json``."""
+
+import json
+import os
+import signal
+
+from datasets import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_dtrain.fault import InMemoryFaultToleranceCallback
+from hf_dtrain.testing import random_batch, tiny_llama
+
+out = os.environ["FT_OUT"]
+kill_at = int(os.environ.get("FT_KILL_AT", "0"))
+rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seq=16, seed=s).items()} for s in range(48)]
+
+
+class Log(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            with open(os.path.join(out, "losses.jsonl"), "a") as f:
+                f.write(json.dumps([state.global_step, logs["loss"]]) + "\n")
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == kill_at:
+            ft.engine.wait()  # the snapshot of this step is in (a kill mid-copy is the engine tests' case)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+callbacks = [Log()]
+ft = None
+if not os.environ.get("FT_NOFT"):
+    ft = InMemoryFaultToleranceCallback(every_n_steps=1, directory=os.environ["FT_DIR"])
+    callbacks.insert(0, ft)
+args = TrainingArguments(output_dir=os.path.join(out, "trainer"), max_steps=10, per_device_train_batch_size=4,
+                         report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
+                         learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, dataloader_num_workers=0)
+trainer = Trainer(model=tiny_llama(seed=0), args=args, train_dataset=Dataset.from_list(rows), callbacks=callbacks)
+resume = ft.resume_checkpoint(trainer) if ft is not None else None
+if ft is not None and ft.restored is not None:
+    json.dump({"step": ft.restored.step, "source": ft.restored.source}, open(os.path.join(out, "restored.json"), "w"))
+trainer.train(resume_from_checkpoint=resume)
