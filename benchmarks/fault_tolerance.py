@@ -41,7 +41,8 @@ def _state(model, opt, sched):
     import torch
 
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
+            "rng": {"python": random.getstate(), "numpy": torch.from_numpy(np.random.get_state()[1].copy()),
+                    "torch": torch.get_rng_state()}}  # loadable with torch.load(weights_only=True)
 
 
 def worker(preset: str, method: str, interval: int, steps: int) -> dict:
@@ -196,7 +197,9 @@ def lost_node_runs() -> list[dict]:
     sys.path.insert(0, str(ROOT / "tests" / "fault"))
     import signal
 
-    from test_fault_injection import _kill_smp, _launch, _shutdown_smps
+    from test_fault_injection import _kill_smp, _launch
+
+    from hf_dtrain.testing import stop_snapshot_processes
 
     rows = []
     for name, fault, kill in [("killed trainer", "1:12:after_snapshot", []),
@@ -213,7 +216,7 @@ def lost_node_runs() -> list[dict]:
             env.pop("FT_FAULT")
             assert _launch(3, env) == [0, 0, 0]
         finally:
-            _shutdown_smps(str(ft_dir))
+            stop_snapshot_processes(ft_dir)
         step, source, seconds = open(out / "rank1.restore").read().split()[:3]
         rows.append({"case": name, "source": source, "restored_step": int(step), "failed_at_step": 12,
                      "lost_steps": 12 - int(step), "restore_seconds": float(seconds)})

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_dtrain.compose import EXCHANGING, ComposeOptions, build_optimizer, wire_bytes
+
 METHODS = ("lora", "dora", "lorafa", "smt", "qbara", "qahira", "full")
 # Per-method default learning rates (used when ``learning_rate`` is None); qahira's single matrix acts on inputs
 # averaged over a whole quantization group and needs much larger steps (benchmarks/results/quantized_adapters_lr_sweep.md).
@@ -28,8 +30,9 @@ SMT_TARGETS = ["q_proj", "k_proj", "v_proj"]
 
 
 @dataclass
-class FinetuneConfig:
-    """Settings of one fine-tuning run; every field is also a ``hf-dtrain finetune`` flag and a recipe YAML key."""
+class FinetuneConfig(ComposeOptions):
+    """Settings of one fine-tuning run; every field is also a ``hf-dtrain finetune`` flag and a recipe YAML key (the
+    switches of :class:`hf_dtrain.compose.ComposeOptions` included)."""
 
     method: str = field(default="lorafa", metadata={"help": f"One of {', '.join(METHODS)}."})
     model: str | None = field(default=None, metadata={"help": "Base model path or hub id; None = embedded default."})
@@ -61,11 +64,6 @@ class FinetuneConfig:
     qahira_lambda_out: int | None = field(default=None, metadata={
         "help": "qahira: output repeat factor; default the divisor of every target's out_features whose parameter "
                 "count is closest to lora's at lora_r."})
-    comm_hook: str | None = field(default=None, metadata={
-        "help": "Gradient communication under DDP (hf_dtrain.comm): acp_sgd, s2_reducer, dear, embrace or allreduce "
-                "(dense, counted); None: DDP's own all-reduce. Needs >= 2 processes."})
-    comm_rank: int = field(default=4, metadata={"help": "acp_sgd: rank of the P/Q factors."})
-    comm_start_iter: int = field(default=10, metadata={"help": "acp_sgd: uncompressed all-reduce steps first (>= 2)."})
     target_modules: list[str] | None = field(default=None, metadata={
         "help": f"Modules to adapt; default {LORA_TARGETS} (lora/dora/lorafa), {SMT_TARGETS} (smt)."})
     task_digits: int | None = field(default=None, metadata={
@@ -85,11 +83,7 @@ class FinetuneConfig:
             raise ValueError(f"method={self.method!r} is unknown; set --method to one of {', '.join(METHODS)}.")
         if isinstance(self.target_modules, str):
             self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
-        from hf_dtrain.comm import METHODS as COMM_METHODS
-
-        if self.comm_hook is not None and self.comm_hook not in COMM_METHODS:
-            raise ValueError(f"comm_hook={self.comm_hook!r} is unknown; set --comm-hook to one of "
-                             f"{', '.join(COMM_METHODS)} (or leave it out).")
+        self.validate()
         if self.quantize is not None:
             self.quantize = str(self.quantize).lower()
             if self.quantize in ("none", ""):
@@ -339,12 +333,32 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         use_cpu=use_cpu, report_to=[], save_strategy="no", eval_strategy="no", logging_steps=cfg.logging_steps,
         disable_tqdm=not cfg.progress, remove_unused_columns=False, dataloader_num_workers=0,
         ddp_find_unused_parameters=False if cfg.method != "full" else None,
-        # DeAR averages the gradients after step() is called: clipping local gradients would be wrong
-        max_grad_norm=0.0 if cfg.comm_hook == "dear" else 1.0,
+        # DeAR averages the gradients after step() is called, and the exchanging optimizers never average them:
+        # clipping local gradients would be wrong
+        max_grad_norm=0.0 if cfg.comm_hook == "dear" or cfg.optimizer in EXCHANGING else 1.0,
+        deepspeed=cfg.deepspeed,
     )
     # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
     world_size = args.world_size
+    cfg.check(world_size, engine="trainer", lorafa_optimizer=cfg.method == "lorafa" and cfg.lorafa_optimizer)
     optimizers, callbacks = (None, None), []
+    if cfg.optimizer != "adamw":
+        optimizers = (build_optimizer(cfg, model, lr, cfg.weight_decay), None)
+    delta_cb = ft = None
+    if cfg.delta_budget is not None:
+        from hf_dtrain.memory import DeltaCallback
+
+        budget = cfg.delta_budget if cfg.delta_budget <= 1 else int(cfg.delta_budget)
+        delta_cb = DeltaCallback(budget=budget, granularity=cfg.delta_granularity)
+        callbacks.append(delta_cb)
+    if cfg.fault_tolerance:
+        from hf_dtrain.fault import InMemoryFaultToleranceCallback
+
+        ft = InMemoryFaultToleranceCallback(
+            every_n_steps=cfg.ft_every, parity=cfg.ft_parity, directory=cfg.ft_dir,
+            persist_dir=os.path.join(output_dir, "snapshots") if cfg.ft_persist_every else None,
+            persist_every=cfg.ft_persist_every)
+        callbacks.append(ft)
     if cfg.method == "lorafa" and cfg.lorafa_optimizer:
         from hf_dtrain.tuners.lorafa import create_lorafa_optimizer
 
@@ -372,19 +386,20 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
                       optimizers=optimizers)
 
     comm = None
-    if cfg.comm_hook is not None:
-        if world_size < 2:
-            raise ValueError(f"comm_hook={cfg.comm_hook!r} needs >= 2 processes (accelerate launch / torchrun); this "
-                             "run has 1. Leave --comm-hook out for a single process.")
+    if cfg.comm_hook is not None or cfg.optimizer in EXCHANGING:
         from hf_dtrain.callbacks import CommHookCallback
 
-        comm = CommHookCallback.attach(trainer, {"method": cfg.comm_hook, "rank": cfg.comm_rank,
-                                                 "start_iter": cfg.comm_start_iter})
+        hook = "noop" if cfg.optimizer in EXCHANGING else {"method": cfg.comm_hook, "rank": cfg.comm_rank,
+                                                           "start_iter": cfg.comm_start_iter}
+        comm = CommHookCallback.attach(trainer, hook)
+        if ft is not None:
+            ft.kwargs["stateful"] = {"comm_hook": comm}  # the hook's error feedback goes into the snapshots
 
+    resume = ft.resume_checkpoint(trainer) if ft is not None else None
     before = trainer.evaluate()  # adapters start as the identity: this is the base model
     _allow_ddp_after_evaluate(trainer)
     t0 = time.perf_counter()
-    train_out = trainer.train()
+    train_out = trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - t0
     after = trainer.evaluate()
     replicas_identical = _replicas_identical(trainer.model, world_size)
@@ -392,13 +407,23 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     trainable, total = _count(trainer.model)
     results = dict(
         method=cfg.method, base_model=cfg.model or f"hf_dtrain default ({cfg.base_preset})", base_path=base_path,
-        quantize=cfg.quantize, comm=comm.summary() if comm is not None else None,
+        quantize=cfg.quantize,
+        comm=(wire_bytes(optimizer=trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
+                         else trainer.optimizer) if cfg.optimizer in EXCHANGING
+              else comm.summary() if comm is not None else None),
+        delta=None if delta_cb is None else {
+            "saved_bytes": [h["saved_bytes"] for h in delta_cb.history if not h["profiling"]],
+            "budget_bytes": delta_cb.budgets},
+        fault_tolerance=None if ft is None else {
+            "snapshots": ft.snapshots, "restored": None if ft.restored is None else {
+                "step": ft.restored.step, "source": ft.restored.source}},
         replicas_identical=replicas_identical,
         dataset=cfg.dataset or "default addition task (hf_dtrain.data.tasks)",
         trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(1, total),
         train_seconds=train_seconds, train_loss=float(train_out.training_loss),
         eval_loss_before=float(before["eval_loss"]), eval_loss_after=float(after["eval_loss"]),
         accuracy_before=float(before["eval_accuracy"]), accuracy_after=float(after["eval_accuracy"]),
+        losses={int(h["step"]): float(h["loss"]) for h in trainer.state.log_history if "loss" in h},
         max_steps=cfg.max_steps, learning_rate=lr, per_device_train_batch_size=cfg.per_device_train_batch_size,
         world_size=world_size, output_dir=output_dir, config=dataclasses.asdict(cfg),
     )

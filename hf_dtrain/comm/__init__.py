@@ -153,6 +153,7 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
                         min_compression_rate=config.min_compression_rate,
                         use_error_feedback=config.use_error_feedback, seed=config.seed)
     state.check_rank((n, p.shape) for n, p in ddp.module.named_parameters() if p.requires_grad)
+    state.param_names = {id(p): n for n, p in ddp.module.named_parameters()}  # state keyed by parameter
     ddp.register_comm_hook(state, acp_sgd_hook)
     return state
 

@@ -18,6 +18,8 @@ flat buffer: one all-reduce per bucket per step.
 from dataclasses import dataclass, field
 from typing import Optional
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -25,12 +27,11 @@ from ..distributed import WireStats, world_size_of
 
 
 @dataclass
-class _BucketState:
-    shapes: list[tuple[int, int]]  # (n, m) of each compressed tensor, in bucket order
-    compressed: list[bool]  # per tensor of the bucket
-    errors: list[torch.Tensor]  # E per compressed tensor
-    p: list[torch.Tensor]  # last P (all-reduced average, or seeded random before the first odd step)
-    q: list[torch.Tensor]  # last Q
+class _TensorState:
+    shape: tuple[int, int]  # (n, m) of the gradient as a matrix
+    error: torch.Tensor  # E
+    p: torch.Tensor  # last P (all-reduced average, or zeros before the first odd step)
+    q: torch.Tensor  # last Q (seeded random before the first even step)
 
 
 @dataclass
@@ -55,7 +56,10 @@ class ACPSGDState:
     seed: int = 0
     iter: int = 0
     stats: WireStats = field(default_factory=WireStats)
-    buckets: dict[int, _BucketState] = field(default_factory=dict)
+    # per compressed tensor, keyed by its parameter's name (``register`` fills ``param_names``), so the state does not
+    # depend on DDP's bucket layout: a restarted run starts with DDP's initial buckets, not the rebuilt ones
+    tensors: dict[str, _TensorState] = field(default_factory=dict)
+    param_names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
@@ -65,6 +69,24 @@ class ACPSGDState:
                              f"first step), got {self.start_iter!r}.")
         if self.min_compression_rate < 0:
             raise ValueError(f"ACPSGDState.min_compression_rate must be >= 0, got {self.min_compression_rate!r}.")
+
+    def state_dict(self) -> dict:
+        """The step count and every tensor's factors and error feedback, as copies (the hook changes them in the
+        next backward): what a snapshot needs for the run to go on exactly."""
+        return {"iter": self.iter, "tensors": {k: {"shape": list(t.shape), "error": t.error.clone(),
+                                                   "p": t.p.clone(), "q": t.q.clone()}
+                                               for k, t in self.tensors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iter = int(state["iter"])
+        self.tensors = {k: _TensorState(tuple(t["shape"]), t["error"].clone(), t["p"].clone(), t["q"].clone())
+                        for k, t in state["tensors"].items()}
+
+    def tensor_key(self, bucket: dist.GradBucket, position: int, param=None) -> str:
+        """The state key of the ``position``-th tensor of ``bucket``: its parameter's name when known."""
+        if param is not None and id(param) in self.param_names:
+            return self.param_names[id(param)]
+        return f"bucket{bucket.index()}.{position}"
 
     def compresses(self, shape: torch.Size) -> bool:
         if len(shape) < 2:
@@ -93,23 +115,28 @@ def _orth(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(x).Q
 
 
-def _bucket_state(state: ACPSGDState, bucket: dist.GradBucket) -> _BucketState:
-    idx = bucket.index()
-    bs = state.buckets.get(idx)
+def _tensor_states(state: ACPSGDState, bucket: dist.GradBucket) -> list:
+    """Per tensor of the bucket: its ``_TensorState`` if compressed, else None (created on first use, the initial Q
+    seeded from ``seed`` and the tensor's key, identical on every rank)."""
     grads = bucket.gradients()
-    if bs is None or len(bs.compressed) != len(grads):
-        gen = torch.Generator().manual_seed(state.seed + 1_000_003 * idx)
-        compressed = [state.compresses(g.shape) for g in grads]
-        shapes = [(g.shape[0], g.numel() // g.shape[0]) for g, c in zip(grads, compressed) if c]
-        device, dtype = bucket.buffer().device, bucket.buffer().dtype
-        bs = _BucketState(
-            shapes=shapes, compressed=compressed,
-            errors=[torch.zeros(n, m, device=device, dtype=dtype) for n, m in shapes],
-            p=[torch.zeros(n, state.rank, device=device, dtype=dtype) for n, _ in shapes],
-            q=[torch.randn(m, state.rank, generator=gen).to(device=device, dtype=dtype) for _, m in shapes],
-        )
-        state.buckets[idx] = bs
-    return bs
+    params = bucket.parameters() if state.param_names else [None] * len(grads)
+    out = []
+    for position, (g, param) in enumerate(zip(grads, params)):
+        if not state.compresses(g.shape):
+            out.append(None)
+            continue
+        key = state.tensor_key(bucket, position, param)
+        ts = state.tensors.get(key)
+        n, m = g.shape[0], g.numel() // g.shape[0]
+        if ts is None or ts.shape != (n, m):
+            gen = torch.Generator().manual_seed(state.seed + 1_000_003 * zlib.crc32(key.encode()))
+            device, dtype = g.device, g.dtype
+            ts = _TensorState((n, m), torch.zeros(n, m, device=device, dtype=dtype),
+                              torch.zeros(n, state.rank, device=device, dtype=dtype),
+                              torch.randn(m, state.rank, generator=gen).to(device=device, dtype=dtype))
+            state.tensors[key] = ts
+        out.append(ts)
+    return out
 
 
 # (no `from __future__ import annotations` here: DDP checks these annotations against the real classes)
@@ -133,59 +160,55 @@ def acp_sgd_hook(state: ACPSGDState, bucket: dist.GradBucket) -> torch.futures.F
 
         return fut.then(plain)
 
-    bs = _bucket_state(state, bucket)
+    states = _tensor_states(state, bucket)
     even = state.even
     grads = bucket.gradients()
-    pieces, sent, orth = [], [], []
-    k = 0
-    for g, comp in zip(grads, bs.compressed):
-        if not comp:
+    pieces, orth = [], []
+    for g, ts in zip(grads, states):
+        if ts is None:
             pieces.append(g.reshape(-1))
+            orth.append(None)
             continue
-        n, m = bs.shapes[k]
+        n, m = ts.shape
         mat = g.reshape(n, m)
         if state.use_error_feedback:
-            mat = mat + bs.errors[k]
+            mat = mat + ts.error
         if even:
-            q = _orth(bs.q[k])
+            q = _orth(ts.q)
             p = mat @ q
             if state.use_error_feedback:
-                bs.errors[k] = mat - p @ q.T
+                ts.error = mat - p @ q.T
             pieces.append(p.reshape(-1))
-            sent.append(p)
             orth.append(q)
         else:
-            p = _orth(bs.p[k])
+            p = _orth(ts.p)
             q = mat.T @ p
             if state.use_error_feedback:
-                bs.errors[k] = mat - p @ q.T
+                ts.error = mat - p @ q.T
             pieces.append(q.reshape(-1))
-            sent.append(q)
             orth.append(p)
-        k += 1
     flat = torch.cat(pieces) if pieces else buffer.new_zeros(0)
     state.stats.add(flat)
     fut = dist.all_reduce(flat, group=group, async_op=True).get_future()
 
     def decompress(f):
         reduced = f.value()[0].div_(world)
-        offset, k = 0, 0
-        for g, comp in zip(grads, bs.compressed):
-            if not comp:
+        offset = 0
+        for g, ts, o in zip(grads, states, orth):
+            if ts is None:
                 g.copy_(reduced[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
                 continue
-            n, m = bs.shapes[k]
+            n, m = ts.shape
             size = (n if even else m) * state.rank
             factor = reduced[offset:offset + size].view(-1, state.rank)
             offset += size
             if even:
-                bs.p[k] = factor.clone()
-                g.copy_((factor @ orth[k].T).view_as(g))
+                ts.p = factor.clone()
+                g.copy_((factor @ o.T).view_as(g))
             else:
-                bs.q[k] = factor.clone()
-                g.copy_((orth[k] @ factor.T).view_as(g))
-            k += 1
+                ts.q = factor.clone()
+                g.copy_((o @ factor.T).view_as(g))
         if last:
             state.iter += 1
             state.stats.end_step()

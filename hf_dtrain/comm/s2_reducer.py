@@ -53,6 +53,13 @@ class S2ReducerState:
     union_positions: int = 0
     last_decode: dict = field(default_factory=dict)  # bucket index -> (union positions, exactly decoded mask)
 
+    def state_dict(self) -> dict:
+        """The step count (the hashes and signs are drawn per step from ``seed`` and it)."""
+        return {"iter": self.iter}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iter = int(state["iter"])
+
     def __post_init__(self):
         if not isinstance(self.rows, int) or self.rows < 1 or self.rows % 2 == 0:
             raise ValueError(f"S2ReducerState.rows must be an odd positive integer, got {self.rows!r}.")

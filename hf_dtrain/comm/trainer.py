@@ -27,6 +27,7 @@ class CommHookCallback(TrainerCallback):
         self.config = CommHookConfig.from_any(config)
         self.trainer = None
         self.state = None
+        self._pending = None
 
     @classmethod
     def attach(cls, trainer, config: Union[CommHookConfig, dict, str, None] = None) -> "CommHookCallback":
@@ -53,6 +54,23 @@ class CommHookCallback(TrainerCallback):
                              f"gradient clipping (max_grad_norm={args.max_grad_norm}) would clip each rank's local "
                              "gradient; set TrainingArguments(max_grad_norm=0) (--max_grad_norm 0).")
         self.state = register(self.trainer.model_wrapped, self.config, optimizer=self.trainer.optimizer)
+        if self._pending is not None:  # restored by a snapshot before the hook existed
+            self.state.load_state_dict(self._pending)
+            self._pending = None
+
+    def state_dict(self) -> dict:
+        """The hook's state (ACP-SGD's factors and error feedback, S2's step count), for in-memory snapshots."""
+        if self.state is None:
+            return {}
+        return self.state.state_dict() if hasattr(self.state, "state_dict") else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        if self.state is None:
+            self._pending = state  # applied when on_train_begin registers the hook
+        else:
+            self.state.load_state_dict(state)
 
     def _flush(self):
         if self.state is not None and hasattr(self.state, "flush"):

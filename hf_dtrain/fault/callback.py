@@ -33,14 +33,15 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
 
     def __init__(self, every_n_steps: int = 1, parity: int = 1, group_size: Optional[int] = None,
                  persist_dir: Optional[str] = None, persist_every: int = 0, directory: Optional[str] = None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, stateful: Optional[dict] = None):
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
         self.kwargs = dict(parity=parity, group_size=group_size, persist_dir=persist_dir,
-                           persist_every=persist_every, directory=directory, timeout=timeout)
+                           persist_every=persist_every, directory=directory, timeout=timeout, stateful=stateful)
         self.engine: Optional[SnapshotEngine] = None
         self.restored: Optional[Restored] = None
+        self.snapshots = 0  # taken in this process's run (after train: the count)
 
     def _engine(self, model) -> SnapshotEngine:
         if self.engine is None:
@@ -56,6 +57,9 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         if restored is None:
             return None
         state = restored.state
+        for name, obj in engine.stateful.items():  # e.g. the comm hook's state (CommHookCallback applies it later)
+            if name in state.get("stateful", {}):
+                obj.load_state_dict(state["stateful"][name])
         out = os.path.join(engine.dir, f"resume-rank{engine.rank}", f"checkpoint-{restored.step}")
         shutil.rmtree(os.path.dirname(out), ignore_errors=True)
         os.makedirs(out, mode=0o700)
@@ -95,5 +99,7 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.engine is not None:
+            self.engine.wait()
+            self.snapshots = self.engine.stats["snapshots"]
             self.engine.close(shutdown=True)  # the run is over: its snapshots are no longer needed
             self.engine = None

@@ -85,8 +85,11 @@ class Slot:
 class SnapshotManager:
     """The SMP's state and request handling (``serve`` runs it)."""
 
-    def __init__(self, directory: str, node: int, key: bytes, host: str = "127.0.0.1"):
+    def __init__(self, directory: str, node: int, key: bytes, host: str = "127.0.0.1", idle_exit: float = 3600.0):
         self.dir, self.node, self.key, self.host = directory, node, key, host
+        self.idle_exit = idle_exit  # no trainer connected for this long: the job is gone, free the memory
+        self.connected = 0
+        self.last_seen = time.monotonic()
         self.lock = threading.RLock()
         self.rebuild_lock = threading.Lock()
         self.slots: dict[int, list[Slot]] = {}
@@ -429,7 +432,9 @@ class SnapshotManager:
         if ready is not None:
             ready()
         while not self._stop.wait(0.2):
-            pass
+            if self.connected == 0 and time.monotonic() - self.last_seen > self.idle_exit:
+                logger.warning("SMP node %d: no trainer for %.0f s; exiting", self.node, self.idle_exit)
+                break
         for listener in (local, peer):
             listener.close()
         for f in ("smp.json", "smp.sock"):
@@ -449,6 +454,8 @@ class SnapshotManager:
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
 
     def _serve_conn(self, conn: Connection) -> None:
+        with self.lock:
+            self.connected += 1
         try:
             while not self._stop.is_set():
                 msg = recv(conn)
@@ -463,6 +470,9 @@ class SnapshotManager:
             pass
         finally:
             conn.close()
+            with self.lock:
+                self.connected -= 1
+                self.last_seen = time.monotonic()
 
 
 def _connect(address, key: bytes, timeout: float) -> Connection:
@@ -508,12 +518,14 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", required=True, help="private directory for the socket (created 0700)")
     ap.add_argument("--node", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1", help="address peers reach this node's SMP on")
+    ap.add_argument("--idle-exit", type=float, default=3600.0,
+                    help="exit after this many seconds without any connection (the job is gone)")
     args = ap.parse_args(argv)
     key = bytes.fromhex(sys.stdin.readline().strip())
     if len(key) < 16:
         raise SystemExit("SMP: expected a hex key of at least 16 bytes on stdin")
     logging.basicConfig(level=logging.INFO, format=f"[smp node {args.node}] %(message)s")
-    SnapshotManager(args.dir, args.node, key, args.host).serve()
+    SnapshotManager(args.dir, args.node, key, args.host, args.idle_exit).serve()
 
 
 if __name__ == "__main__":

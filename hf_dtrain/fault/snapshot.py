@@ -73,18 +73,26 @@ class SnapshotEngine:
 
     ``engine.snapshot(step, extra)`` after ``optimizer.step()`` (and the scheduler's), ``engine.wait()`` before the
     next ``optimizer.step()``; ``engine.restore()`` at start-up. ``extra``: JSON-able or tensor state you want back
-    (the data position). With a frozen base (PEFT), only trainable parameters are stored.
+    (the data position). ``stateful``: more objects with ``state_dict()`` / ``load_state_dict()`` to keep (a
+    communication hook's state: error feedback); their ``state_dict()`` must return copies of anything that changes
+    before the next optimizer step. With a frozen base (PEFT), only trainable parameters are stored. A snapshot process with
+    no trainer connected for ``idle_exit`` seconds exits (the job is gone), so crashed jobs do not hold memory.
     """
 
     def __init__(self, model: nn.Module, optimizer=None, scheduler=None, scaler=None, *,
                  directory: Optional[str] = None, parity: int = 1, group_size: Optional[int] = None,
                  persist_dir: Optional[str] = None, persist_every: int = 0, trainable_only: Optional[bool] = None,
-                 timeout: float = 60.0, process_group=None):
+                 timeout: float = 60.0, process_group=None, idle_exit: float = 3600.0,
+                 stateful: Optional[dict] = None):
         if parity < 0:
             raise ValueError(f"parity must be >= 0 (0 turns erasure coding off), got {parity}")
         if persist_every < 0 or (persist_every and not persist_dir):
             raise ValueError("persist_every > 0 needs persist_dir (where every N-th snapshot is written)")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.stateful = dict(stateful or {})
+        for name, obj in self.stateful.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"stateful[{name!r}] ({type(obj).__name__}) needs state_dict() and load_state_dict()")
         self.group = process_group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if self.distributed else 0
@@ -104,7 +112,7 @@ class SnapshotEngine:
         self.base = base
         self.dir = os.path.join(base, f"node{self.node}")
         self.persist_dir, self.persist_every = persist_dir, persist_every
-        self.timeout = timeout
+        self.timeout, self.idle_exit = timeout, idle_exit
         if trainable_only is None:
             trainable_only = any(not p.requires_grad for p in _unwrap(model).parameters())
         self.trainable_only = trainable_only
@@ -185,7 +193,8 @@ class SnapshotEngine:
             log = open(os.path.join(self.dir, "smp.log"), "ab")
             smp_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smp.py")
             proc = subprocess.Popen([sys.executable, smp_path, "--dir", self.dir, "--node", str(self.node),
-                                     "--host", os.environ.get("HF_DTRAIN_SMP_HOST", "127.0.0.1")],
+                                     "--host", os.environ.get("HF_DTRAIN_SMP_HOST", "127.0.0.1"),
+                                     "--idle-exit", str(self.idle_exit)],
                                     stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
             proc.stdin.write(self.key.hex().encode() + b"\n")
             proc.stdin.close()
@@ -221,6 +230,8 @@ class SnapshotEngine:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if self.stateful:
+            state["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         tensors: dict[str, torch.Tensor] = {}
         skeleton = flatten_state(state, tensors)
         metadata = {"step": str(step), "rank": str(self.rank), "world_size": str(self.world),
@@ -271,6 +282,7 @@ class SnapshotEngine:
                                                                  stream), daemon=True)
         self._thread.start()
         self.stats["stall_seconds"].append(time.perf_counter() - t0)
+        _inject_fault(self, step)
 
     def _copy(self, step, slot, buf, header, tensors, total, stream) -> None:
         try:
@@ -402,6 +414,9 @@ class SnapshotEngine:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
+        for name, obj in self.stateful.items():
+            if name in state.get("stateful", {}):
+                obj.load_state_dict(state["stateful"][name])
 
     def _try_memory(self, step: int) -> tuple[Optional[tuple[dict, dict, bool]], str]:
         reply, fd = self.client.call({"op": "open", "rank": self.rank, "step": step}, want_fd=True)
@@ -482,6 +497,20 @@ class SnapshotEngine:
             if self.rank == self.local_ranks[0]:
                 self.client.call({"op": "shutdown"})
         self.client.close()
+
+
+def _inject_fault(engine: "SnapshotEngine", step: int) -> None:
+    """``HF_DTRAIN_INJECT_FAULT=rank:step``: that rank SIGKILLs itself once its snapshot of that step is committed
+    (a fault injector for tests and demos, as torchft's)."""
+    spec = os.environ.get("HF_DTRAIN_INJECT_FAULT")
+    if not spec:
+        return
+    rank, at = (int(x) for x in spec.split(":"))
+    if rank == engine.rank and at == step:
+        import signal
+
+        engine.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _clone(obj):

@@ -135,6 +135,8 @@ class DeltaCallback(TrainerCallback):
         self.budget, self.method, self.allow_offload, self.granularity = budget, method, allow_offload, granularity
         self.objective = objective
         self.scheduler: Optional[DeltaScheduler] = None
+        self.history: list = []
+        self.budgets: dict = {}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.scheduler is None:
@@ -143,5 +145,8 @@ class DeltaCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.scheduler is not None:
+            # kept for reports after the run: every step's measured bytes, and the budget of each shape's plan
+            self.history = list(self.scheduler.executor.stats.history)
+            self.budgets = {str(k): p.budget for k, p in self.scheduler.plans.items()}
             self.scheduler.remove()
             self.scheduler = None

@@ -141,6 +141,63 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
                 p.join(5)
 
 
+def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, timeout: float = 300,
+                   log_dir: str | None = None, per_rank_env=None) -> list[int]:
+    """Start ``argv`` once per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``,
+    ``LOCAL_WORLD_SIZE=1`` and ``HF_DTRAIN_NODE_RANK=rank``: every rank its own emulated node) and behave as an
+    elastic agent: when one rank dies the others are killed. Returns the exit codes (``-9`` for SIGKILL). Output goes
+    to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers)."""
+    import time
+
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs, logs = [], []
+    for rank in range(world_size):
+        e = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1", HF_DTRAIN_NODE_RANK=str(rank), OMP_NUM_THREADS="1",
+                 PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **(env or {}))
+        if per_rank_env is not None:
+            e.update(per_rank_env(rank))
+        log = open(os.path.join(log_dir, f"rank{rank}.out"), "a") if log_dir else subprocess.DEVNULL
+        logs.append(log)
+        procs.append(subprocess.Popen(argv, env=e, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                time.sleep(0.5)
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                return [p.wait() for p in procs]
+            if all(c == 0 for c in codes):
+                return codes
+            time.sleep(0.2)
+        raise TimeoutError(f"ranks still running after {timeout}s: {argv}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            if log is not subprocess.DEVNULL:
+                log.close()
+
+
+def stop_snapshot_processes(directory) -> None:
+    """SIGKILL every snapshot process under ``directory`` (``node*/smp.json``): test clean-up."""
+    import glob
+    import json
+    import signal
+
+    for info in glob.glob(os.path.join(str(directory), "node*", "smp.json")):
+        try:
+            os.kill(json.load(open(info))["pid"], signal.SIGKILL)
+        except (ProcessLookupError, ValueError, OSError):
+            pass
+
+
 def train_steps(model, steps: int, lr: float = 1e-2, batch_seed=lambda step: 0, optimizer=None) -> list[float]:
     """``steps`` AdamW steps of ``model`` on ``random_batch(seed=batch_seed(step))``; returns the losses. The fixed
     default batch makes "the loss falls" a reliable check in a few steps."""

@@ -36,8 +36,8 @@ def _acp_rank(rank, world, out_dir, rank_r):
         fut = acp_sgd_hook(st, bucket)
 
         def record(f):
-            for k, (before, after) in enumerate(zip(local, bucket.gradients())):
-                key = (bucket.index(), k)
+            for k, (before, after, param) in enumerate(zip(local, bucket.gradients(), bucket.parameters())):
+                key = st.tensor_key(bucket, k, param)
                 if compressing:
                     sums_local[key] = sums_local.get(key, 0) + before
                     sums_applied[key] = sums_applied.get(key, 0) + after.detach().clone()
@@ -49,6 +49,7 @@ def _acp_rank(rank, world, out_dir, rank_r):
 
     model2 = DDP(tiny_llama(seed=0))
     state2 = ACPSGDState(rank=rank_r, start_iter=START)
+    state2.param_names = {id(p): n for n, p in model2.module.named_parameters()}
     model2.register_comm_hook(state2, recording_hook)
     for m in (model, model2):
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
@@ -60,20 +61,18 @@ def _acp_rank(rank, world, out_dir, rank_r):
     assert state.iter == STEPS and len(state.stats.steps) == STEPS and calls[0] > 0
 
     # 1. error feedback: sum of applied averaged gradients = average of the summed local gradients - average final E
-    for (idx, k), applied in sums_applied.items():
-        local = sums_local[(idx, k)].clone()
+    for key, applied in sorted(sums_applied.items()):
+        local = sums_local[key].clone()
         dist.all_reduce(local)
         local /= world
-        bs = state2.buckets[idx]
-        if bs.compressed[k]:
-            j = sum(bs.compressed[:k])
-            err = bs.errors[j].clone()
+        if key in state2.tensors:
+            err = state2.tensors[key].error.clone()
             dist.all_reduce(err)
             expected = local - (err / world).view_as(local)
         else:
             expected = local  # uncompressed tensors are averaged exactly every step
         torch.testing.assert_close(applied, expected, atol=2e-5, rtol=1e-4)
-    assert any(bs_c for bs in state2.buckets.values() for bs_c in bs.compressed)
+    assert state2.tensors and set(state2.tensors) <= set(sums_applied)  # keyed by parameter name
 
     # 2. replicas identical on every rank (the same averaged gradient everywhere)
     for m in (model, model2):

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from hf_dtrain.testing import stop_snapshot_processes
+
 pytestmark = pytest.mark.slow
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_trainer_worker.py")
@@ -36,6 +38,13 @@ def test_trainer_killed_and_resumed_from_memory_matches_the_uninterrupted_run(tm
     assert _run(ref, FT_NOFT="1").returncode == 0
     out, ft_dir = tmp_path / "run", tmp_path / "ft"
     out.mkdir()
+    try:
+        _killed_then_resumed(out, ft_dir, ref)
+    finally:
+        stop_snapshot_processes(ft_dir)
+
+
+def _killed_then_resumed(out, ft_dir, ref):
     killed = _run(out, FT_DIR=str(ft_dir), FT_KILL_AT="4")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert max(_losses(out)) == 3  # killed in step 4's on_step_end, before the Trainer logs step 4
@@ -77,10 +86,4 @@ def test_accelerate_recipe_killed_then_resumed(tmp_path):
             assert r["restored"] == {"step": 6, "source": "memory"}
             assert [s for s, _ in r["losses"]] == list(range(7, 15))
     finally:
-        for node in ("node0", "node1"):
-            info = snaps / node / "smp.json"
-            if info.exists():
-                try:
-                    os.kill(json.load(open(info))["pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_snapshot_processes(snaps)

@@ -71,3 +71,4 @@ def test_bad_configurations_are_refused():
     with pytest.raises(ValueError, match="divide the number of nodes"):
         node_groups(5, 2)
     assert node_groups(4, 2) == [[0, 1], [2, 3]]
+

@@ -12,47 +12,23 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from hf_dtrain.testing import free_port
+from hf_dtrain.testing import elastic_launch, stop_snapshot_processes
 
 pytestmark = pytest.mark.slow
 
 WORLD = 3
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ft_worker.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _launch(world: int, env: dict, timeout: float = 180) -> list[int]:
-    """All ranks at once; when one dies the others are killed (what torchrun's elastic agent does) and the exit
-    codes are returned."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                 LOCAL_WORLD_SIZE="1", HF_DTRAIN_NODE_RANK=str(rank), OMP_NUM_THREADS="1",
-                 PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])), **env)
-        err = open(os.path.join(env["FT_OUT"], f"rank{rank}.stderr"), "a")
-        procs.append(subprocess.Popen([sys.executable, WORKER], env=e, stdout=err, stderr=err))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
-            time.sleep(0.5)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            return [p.wait() for p in procs]
-        if all(c == 0 for c in codes):
-            return codes
-        time.sleep(0.2)
-    for p in procs:
-        p.kill()
-    raise TimeoutError(f"ranks still running after {timeout}s")
+    """All ranks at once; when one dies the others are killed (torchrun's elastic agent) and the exit codes are
+    returned."""
+    return elastic_launch([sys.executable, WORKER], world, env, timeout, log_dir=env["FT_OUT"])
 
 
 def _losses(out: str, rank: int = 0) -> dict[int, str]:
@@ -67,16 +43,6 @@ def _kill_smp(ft_dir: str, node: int) -> None:
     info = json.load(open(os.path.join(ft_dir, f"node{node}", "smp.json")))
     os.kill(info["pid"], signal.SIGKILL)
     time.sleep(0.3)
-
-
-def _shutdown_smps(ft_dir: str) -> None:
-    for node in range(WORLD):
-        path = os.path.join(ft_dir, f"node{node}", "smp.json")
-        if os.path.exists(path):
-            try:
-                os.kill(json.load(open(path))["pid"], signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +67,13 @@ def _run(tmp_path, fault: str, kill_smps=(), persist_every=0, expect_first_codes
         codes = _launch(WORLD, env)
         return out, codes
     finally:
-        _shutdown_smps(ft_dir)
+        stop_snapshot_processes(ft_dir)
 
 
 @pytest.mark.parametrize("fault", ["1:5:before_step", "2:4:mid_snapshot"])
 def test_killed_trainer_resumes_exactly_from_the_snapshot_processes(tmp_path, reference, fault):
     out, codes = _run(tmp_path, fault)
-    assert codes == [0] * WORLD, open(os.path.join(out, "rank0.stderr")).read()[-3000:]
+    assert codes == [0] * WORLD, open(os.path.join(out, "rank0.out")).read()[-3000:]
     restored = open(os.path.join(out, "rank0.restore")).read().split()[:2]
     expected = {"1:5:before_step": 4, "2:4:mid_snapshot": 3}[fault]  # the last step every rank committed
     assert restored == [str(expected), "memory"]
@@ -116,7 +82,7 @@ def test_killed_trainer_resumes_exactly_from_the_snapshot_processes(tmp_path, re
 
 def test_lost_node_is_rebuilt_from_parity(tmp_path, reference):
     out, codes = _run(tmp_path, "1:4:after_snapshot", kill_smps=[1])
-    assert codes == [0] * WORLD, open(os.path.join(out, "rank1.stderr")).read()[-3000:]
+    assert codes == [0] * WORLD, open(os.path.join(out, "rank1.out")).read()[-3000:]
     step, source = open(os.path.join(out, "rank1.restore")).read().split()[:2]
     assert source == "parity" and int(step) >= 3
     assert "rebuilt" in open(os.path.join(tmp_path / "ft", "node1", "smp.log")).read()
@@ -125,9 +91,9 @@ def test_lost_node_is_rebuilt_from_parity(tmp_path, reference):
 
 def test_more_lost_nodes_than_parity_falls_back_to_disk(tmp_path, reference):
     out, codes = _run(tmp_path, "1:5:after_snapshot", kill_smps=[1, 2], persist_every=2)
-    assert codes == [0] * WORLD, open(os.path.join(out, "rank0.stderr")).read()[-3000:]
+    assert codes == [0] * WORLD, open(os.path.join(out, "rank0.out")).read()[-3000:]
     assert open(os.path.join(out, "rank0.restore")).read().split()[:2] == ["4", "disk"]
-    assert "2 nodes of erasure group [0, 1, 2] are lost" in open(os.path.join(out, "rank1.stderr")).read()
+    assert "2 nodes of erasure group [0, 1, 2] are lost" in open(os.path.join(out, "rank1.out")).read()
     assert _losses(out) == reference
 
 

@@ -181,3 +181,18 @@ def test_private_directory_key_socket_and_no_shared_memory_name(ft_dir):
         Client(os.path.join(engine.dir, "smp.sock"), family="AF_UNIX", authkey=b"not the key" * 3)
     assert not [f for f in os.listdir("/dev/shm") if "hf_dtrain" in f]  # memfd: no name anyone could open
     engine.close(shutdown=True)
+
+
+def test_an_idle_snapshot_process_exits(tmp_path):
+    """A snapshot process whose trainers never come back frees its memory after ``--idle-exit`` seconds."""
+    import subprocess
+    import sys
+
+    import hf_dtrain.fault.smp as smp
+
+    proc = subprocess.Popen([sys.executable, smp.__file__, "--dir", str(tmp_path / "node0"), "--node", "0",
+                             "--idle-exit", "1"], stdin=subprocess.PIPE)
+    proc.stdin.write(os.urandom(32).hex().encode() + b"\n")
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    assert not (tmp_path / "node0" / "smp.sock").exists()

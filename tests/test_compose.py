@@ -1,0 +1,58 @@
+"""Composition switches: clashing combinations are refused with a message naming both sides and the fix; the CLI
+turns them into an exit with that message."""
+
+import json
+
+import pytest
+
+from hf_dtrain.compose import ComposeOptions
+
+
+@pytest.mark.parametrize("kwargs,world,engine,expected", [
+    (dict(comm_hook="acp_sgd", optimizer="onebit_lamb"), 2, "accelerate",
+     r"optimizer=onebit_lamb exchanges .* comm_hook=acp_sgd would be a second exchange: drop --comm-hook"),
+    (dict(comm_hook="acp_sgd"), 1, "accelerate", r"comm_hook=acp_sgd needs >= 2 processes; this run has 1"),
+    (dict(optimizer="decentlam"), 1, "trainer", r"optimizer=decentlam needs >= 2 processes"),
+    (dict(fault_tolerance=True, comm_hook="dear"), 2, "trainer", r"comm_hook=dear defers each update"),
+    (dict(hetero_speeds=[1.0, 2.0]), 2, "trainer", r"Trainer shards its loader again"),
+    (dict(hetero_speeds=[1.0, 2.0, 3.0]), 2, "accelerate", r"hetero_speeds has 3 values for 2 processes"),
+])
+def test_clashes_are_refused_naming_both_sides(kwargs, world, engine, expected):
+    with pytest.raises(ValueError, match=r"cannot be combined: .*" + expected):
+        ComposeOptions(**kwargs).check(world, engine)
+
+
+def test_two_optimizers_and_deepspeed_clashes(tmp_path):
+    with pytest.raises(ValueError, match=r"two optimizers: --method lorafa builds its own .* --lorafa-optimizer false"):
+        ComposeOptions(optimizer="eva").check(2, "trainer", lorafa_optimizer=True)
+    zero3 = tmp_path / "ds.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError) as err:
+        ComposeOptions(comm_hook="acp_sgd", delta_budget=0.5, fault_tolerance=True, deepspeed=str(zero3)).check(
+            2, "trainer")
+    message = str(err.value)
+    assert "comm_hook=acp_sgd is a DDP communication hook and DeepSpeed ZeRO-3 replaces DDP" in message
+    assert "delta_budget with DeepSpeed ZeRO-3" in message and "fault_tolerance with DeepSpeed ZeRO-3" in message
+    with pytest.raises(ValueError, match=r"hf-dtrain pretrain runs DDP through Accelerate"):
+        ComposeOptions(deepspeed=str(zero3)).check(2, "accelerate")
+    ComposeOptions(comm_hook="acp_sgd", delta_budget=0.5, fault_tolerance=True, optimizer="eva").check(2, "accelerate")
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match=r"optimizer='sgd2' is unknown; set --optimizer to one of adamw, eva"):
+        ComposeOptions(optimizer="sgd2").validate()
+    with pytest.raises(ValueError, match=r"comm_hook='powersgd' is unknown"):
+        ComposeOptions(comm_hook="powersgd").validate()
+    with pytest.raises(ValueError, match=r"delta_budget must be > 0"):
+        ComposeOptions(delta_budget=0).validate()
+    with pytest.raises(ValueError, match=r"delta_granularity must be layer or submodule"):
+        ComposeOptions(delta_granularity="op").validate()
+
+
+def test_cli_refuses_a_clash_before_training(capsys):
+    from hf_dtrain.cli import main
+
+    with pytest.raises(SystemExit, match=r"hf-dtrain pretrain: .*cannot be combined.*second exchange"):
+        main(["pretrain", "--comm-hook", "acp_sgd", "--optimizer", "onebit_lamb", "--max-steps", "1"])
+    with pytest.raises(SystemExit, match=r"hf-dtrain finetune: .*two optimizers"):
+        main(["finetune", "--method", "lorafa", "--optimizer", "eva", "--max-steps", "1"])
