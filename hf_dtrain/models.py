@@ -19,7 +19,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # Shapes. "test" is for unit tests (milliseconds per step); "tiny" is the embedded default base model; "small" is a
-# larger CPU-trainable shape; "llama2-7b"/"llama3-8b" are the real shapes for GPU users (never built in tests).
+# larger CPU-trainable shape; "llama2-7b"/"llama2-70b"/"llama3-8b" are the real shapes for GPU users (never built in
+# tests; benchmarks/scaling.py reads their parameter shapes from a meta-device model).
 PRESETS: dict[str, dict] = {
     "test": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -36,6 +37,10 @@ PRESETS: dict[str, dict] = {
     "llama2-7b": dict(
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+    ),
+    "llama2-70b": dict(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
     ),
     "llama3-8b": dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -256,6 +256,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             epoch += 1
 
     history, t0 = [], time.perf_counter()
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    # one line per step as it happens (kept across a crash and the relaunch: the full curve of a restarted run)
+    step_log = open(os.path.join(cfg.output_dir, f"history_rank{rank}.jsonl"), "a")
     bar = tqdm(total=cfg.max_steps, initial=start - 1, disable=not (cfg.progress and accelerator.is_main_process),
                desc=f"pretrain {cfg.preset}")
     step = start - 1
@@ -272,12 +275,15 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         scheduler.step()
         optimizer.zero_grad()
         history.append({"step": step, "loss": loss.item(), "seconds": time.perf_counter() - t0})
+        step_log.write(json.dumps({**history[-1], "time": time.time()}) + "\n")
+        step_log.flush()
         if engine is not None and step % cfg.ft_every == 0:
             engine.snapshot(step, extra={"next_step": step + 1})
         bar.update(1)
         if accelerator.is_main_process and cfg.logging_steps and step % cfg.logging_steps == 0:
             bar.write(f"step {step}: loss {loss.item():.4f}")
     bar.close()
+    step_log.close()
     if engine is not None:
         engine.wait()
 
@@ -291,7 +297,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             unwrapped.train()
         held_loss = sum(losses) / len(losses)
     results = dict(
-        preset=cfg.preset, world_size=world, rank=rank, steps=cfg.max_steps, first_step=start,
+        preset=cfg.preset, world_size=world, rank=rank, steps=cfg.max_steps, first_step=start, batch_size=batch,
         history=history, held_out_loss=held_loss,
         wire=wire_bytes(comm_state, unwrap_optimizer(optimizer) if cfg.optimizer in EXCHANGING else None),
         delta=None if delta is None else {

@@ -226,7 +226,7 @@ def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_
 
 def test_every_committed_recipe_loads():
     """A typo in a committed recipe fails here, not in a user's run: finetune recipes become FinetuneConfig, the
-    communication-method recipes become CommHookConfig."""
+    communication-method recipes CommHookConfig, the pretrain recipes a PretrainConfig that passes the clash check."""
     import glob
 
     import yaml
@@ -243,3 +243,12 @@ def test_every_committed_recipe_loads():
     for path in comm:
         data = yaml.safe_load(open(path))["comm_hook"]
         assert CommHookConfig.from_any(data).method == data["method"]
+    from hf_dtrain.cli import build_parser
+    from hf_dtrain.pretrain import PretrainConfig
+
+    pretrain = sorted(glob.glob(os.path.join(root, "recipes", "pretrain_*.yaml")))
+    assert pretrain
+    for path in pretrain:
+        cfg = finetune_config_from_args(build_parser().parse_args(["pretrain", "--recipe", path]), PretrainConfig)
+        assert cfg.comm_hook == yaml.safe_load(open(path)).get("comm_hook")
+        cfg.check(2, "accelerate")  # the committed combination composes

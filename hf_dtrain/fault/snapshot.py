@@ -395,9 +395,9 @@ class SnapshotEngine:
                              "restore it into the model it was taken of.")
 
     def _load(self, metadata: dict, tensors: dict[str, torch.Tensor], apply: bool = True) -> dict:
-        """The snapshot's state (tensors cloned out of the slot); with ``apply``, loaded into the model, optimizer,
-        scheduler, scaler and RNGs."""
-        state = _clone(unflatten_state(json.loads(metadata["skeleton"]), tensors))
+        """The snapshot's state (its tensors are views into a private copy of the slot); with ``apply``, loaded into
+        the model, optimizer, scheduler, scaler and RNGs."""
+        state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
         if apply:
             self._apply(state)
         return state
@@ -423,13 +423,16 @@ class SnapshotEngine:
         if "error" in reply:
             return None, reply["error"]
         manifest = reply["manifest"]
-        with mmap.mmap(fd, reply["size"], prot=mmap.PROT_READ) as m:
-            data = bytes(m[:manifest["nbytes"]])
-        os.close(fd)
-        if checksum(data) != manifest["checksum"]:
+        # one kernel copy into private memory (mapping the slot here would fault in every page: ~8x slower)
+        buf = torch.empty(manifest["nbytes"], dtype=torch.uint8)
+        try:
+            got = os.preadv(fd, [memoryview(buf.numpy())], 0)
+        finally:
+            os.close(fd)
+        if got != manifest["nbytes"] or checksum(buf.numpy()) != manifest["checksum"]:
             return None, (f"rank {self.rank}'s snapshot of step {step} fails its checksum (a corrupted byte); "
                           "it is not used")
-        metadata, tensors = parse(bytearray(data))
+        metadata, tensors = parse(buf.numpy())  # views into the private copy
         return (metadata, tensors, reply.get("rebuilt", False)), ""
 
     def available(self) -> tuple[list[int], str, str]:
@@ -463,10 +466,15 @@ class SnapshotEngine:
         for step in self._agree(self._disk_steps()):
             d = os.path.join(self.persist_dir, f"snapshot-{step}")
             manifest = json.load(open(os.path.join(d, f"rank{self.rank}.json")))
-            data = open(os.path.join(d, f"rank{self.rank}.safetensors"), "rb").read()
-            good = checksum(data) == manifest["checksum"]
+            try:
+                data = torch.from_file(os.path.join(d, f"rank{self.rank}.safetensors"), size=manifest["nbytes"],
+                                       dtype=torch.uint8).numpy()  # a private mapping: writes never reach the file
+                good = checksum(data) == manifest["checksum"]
+            except (RuntimeError, OSError) as e:  # a truncated or missing file
+                data, good = None, False
+                reasons.append(f"disk snapshot {d} of rank {self.rank}: {e}")
             if self._all(good):
-                metadata, tensors = parse(bytearray(data))
+                metadata, tensors = parse(data)
                 self._check_all(metadata, f"on disk at {d}")
                 state = self._load(metadata, tensors, apply)
                 self._discard_after(-1)
@@ -511,16 +519,3 @@ def _inject_fault(engine: "SnapshotEngine", step: int) -> None:
 
         engine.wait()
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _clone(obj):
-    """Deep copy with tensors cloned (what is restored must not alias the slot's memory)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone(v) for v in obj)
-    return obj

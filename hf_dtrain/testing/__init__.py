@@ -142,25 +142,28 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
 
 
 def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, timeout: float = 300,
-                   log_dir: str | None = None, per_rank_env=None) -> list[int]:
+                   log_dir: str | None = None, per_rank_env=None, per_rank_argv=None,
+                   master_addr: str = "127.0.0.1") -> list[int]:
     """Start ``argv`` once per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``,
     ``LOCAL_WORLD_SIZE=1`` and ``HF_DTRAIN_NODE_RANK=rank``: every rank its own emulated node) and behave as an
     elastic agent: when one rank dies the others are killed. Returns the exit codes (``-9`` for SIGKILL). Output goes
-    to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers)."""
+    to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers).
+    ``per_rank_argv(rank, argv)``: the command of that rank (``Host.command`` to run it in an emulated host)."""
     import time
 
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs, logs = [], []
     for rank in range(world_size):
-        e = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+        e = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                  MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1", HF_DTRAIN_NODE_RANK=str(rank), OMP_NUM_THREADS="1",
                  PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **(env or {}))
         if per_rank_env is not None:
             e.update(per_rank_env(rank))
         log = open(os.path.join(log_dir, f"rank{rank}.out"), "a") if log_dir else subprocess.DEVNULL
         logs.append(log)
-        procs.append(subprocess.Popen(argv, env=e, stdout=log, stderr=subprocess.STDOUT))
+        command = per_rank_argv(rank, argv) if per_rank_argv is not None else argv
+        procs.append(subprocess.Popen(command, env=e, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

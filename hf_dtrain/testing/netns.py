@@ -58,9 +58,13 @@ def _netem_available() -> bool:
 
 
 @contextmanager
-def emulated_hosts(n: int, rate: Optional[str] = "100mbit", delay_ms: float = 0.0, subnet: int = 77):
+def emulated_hosts(n: int, rate: Optional[str] = "100mbit", delay_ms: float = 0.0, subnet: int = 77,
+                   rates: Optional[list] = None):
     """Create ``n`` hosts (2 to 4) whose links to a shared bridge carry at most ``rate`` each way (``tc tbf``;
-    None: unlimited). ``delay_ms`` adds ``netem`` delay where the kernel has it (raises otherwise). Yields the hosts."""
+    None: unlimited); ``rates`` gives each host its own (a slowed host). ``delay_ms`` adds ``netem`` delay where the
+    kernel has it (raises otherwise). Yields the hosts."""
+    if rates is not None and len(rates) != n:
+        raise ValueError(f"rates has {len(rates)} entries for {n} hosts; give one rate per host (or None).")
     if not 2 <= n <= 4:
         raise ValueError(f"emulated_hosts supports 2 to 4 hosts, got n={n}.")
     if delay_ms and not _netem_available():
@@ -89,12 +93,13 @@ def emulated_hosts(n: int, rate: Optional[str] = "100mbit", delay_ms: float = 0.
             _run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.interface)
             _run("ip", "-n", host.namespace, "link", "set", host.interface, "up")
             _run("ip", "-n", host.namespace, "link", "set", "lo", "up")
+            link_rate = rates[i] if rates is not None else rate
             for ns, dev in ((host.namespace, host.interface), (switch, peer)):  # both directions
-                if rate is not None:
+                if link_rate is not None:
                     _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-                         "rate", rate, "burst", "64kb", "latency", "50ms")
+                         "rate", link_rate, "burst", "64kb", "latency", "50ms")
                 if delay_ms:
-                    parent = ["parent", "1:1"] if rate is not None else ["root"]
+                    parent = ["parent", "1:1"] if link_rate is not None else ["root"]
                     _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *parent, "netem", "delay",
                          f"{delay_ms / 2}ms")
         yield hosts
