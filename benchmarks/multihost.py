@@ -5,7 +5,7 @@ running ``hf-dtrain pretrain`` with several parts at once:
    after step 12 (its trainer SIGKILLed and its snapshot process killed, as when a machine disappears); the other
    trainers are stopped as an elastic agent would, all four relaunched, and the run continues from the snapshots,
    host 2's rebuilt from the peers' parity.
-2. **DecentLaM (decentralized, ring) on 1 Gbit/s links, then with host 3 slowed to 20 Mbit/s.**
+2. **DecentLaM (decentralized, ring) on 1 Gbit/s links, then with host 3 slowed to 100 Mbit/s.**
 
 Each rank is its own host with its own snapshot process, listening on the host's address. Writes the per-rank logs
 and results under ``benchmarks/results/multihost/``, and ``multihost.json`` / ``.md`` / ``.png`` (loss against wall
@@ -71,6 +71,8 @@ def _run_hosts(name: str, job: list[str], rates: list[str], fault=None, lose_hos
             assert codes == [0, 0, 0, 0], (codes, (out / "rank0.out").read_text()[-3000:])
         finally:
             stop_snapshot_processes(ft_dir)
+            for log in ft_dir.glob("node*/smp.log"):  # the snapshot processes' own logs (rebuilds, exchanges)
+                shutil.copy(log, out / f"smp_{log.parent.name}.log")
             shutil.rmtree(ft_dir, ignore_errors=True)
     ranks = [json.load(open(out / f"results_rank{r}.json")) for r in range(4)]
     for r, res in enumerate(ranks):
@@ -103,10 +105,10 @@ def main():
     runs = [
         _run_hosts("acp_delta_ft_lost_host", JOB + ["--comm-hook", "acp_sgd", "--comm-rank", "2", "--comm-start-iter",
                                                     "4", "--delta-budget", "0.5", "--fault-tolerance", "true",
-                                                    "--ft-parity", "1"], fast, fault="2:12", lose_host=2),
+                                                    "--ft-parity", "1"], fast, fault="2:12:3", lose_host=2),
         _run_hosts("decentlam", JOB + ["--optimizer", "decentlam", "--learning-rate", "0.05"], fast),
         _run_hosts("decentlam_slow_host", JOB + ["--optimizer", "decentlam", "--learning-rate", "0.05"],
-                   ["1gbit", "1gbit", "1gbit", "20mbit"]),
+                   ["1gbit", "1gbit", "1gbit", "100mbit"]),
     ]
     payload = {"runs": runs, "steps": STEPS, "hosts": 4}
     from _report import write

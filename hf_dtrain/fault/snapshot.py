@@ -508,14 +508,18 @@ class SnapshotEngine:
 
 
 def _inject_fault(engine: "SnapshotEngine", step: int) -> None:
-    """``HF_DTRAIN_INJECT_FAULT=rank:step``: that rank SIGKILLs itself once its snapshot of that step is committed
-    (a fault injector for tests and demos, as torchft's)."""
+    """``HF_DTRAIN_INJECT_FAULT=rank:step[:seconds]``: that rank SIGKILLs itself once its snapshot of that step is
+    committed, after ``seconds`` more (time for the parity exchange); a fault injector for tests and demos, as
+    torchft's."""
     spec = os.environ.get("HF_DTRAIN_INJECT_FAULT")
     if not spec:
         return
-    rank, at = (int(x) for x in spec.split(":"))
+    parts = spec.split(":")
+    rank, at = int(parts[0]), int(parts[1])
     if rank == engine.rank and at == step:
         import signal
 
         engine.wait()
+        if len(parts) > 2:
+            time.sleep(float(parts[2]))
         os.kill(os.getpid(), signal.SIGKILL)
