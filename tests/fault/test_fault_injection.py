@@ -89,17 +89,30 @@ def test_lost_node_is_rebuilt_from_parity(tmp_path, reference):
     assert _losses(out) == reference
 
 
-def test_more_lost_nodes_than_parity_falls_back_to_disk(tmp_path, reference):
-    out, codes = _run(tmp_path, "1:5:after_snapshot", kill_smps=[1, 2], persist_every=2)
-    assert codes == [0] * WORLD, open(os.path.join(out, "rank0.out")).read()[-3000:]
-    assert open(os.path.join(out, "rank0.restore")).read().split()[:2] == ["4", "disk"]
-    assert "2 nodes of erasure group [0, 1, 2] are lost" in open(os.path.join(out, "rank1.out")).read()
-    assert _losses(out) == reference
-
-
-def test_more_lost_nodes_than_parity_without_disk_is_a_clear_error(tmp_path):
-    out, codes = _run(tmp_path, "1:3:after_snapshot", kill_smps=[1, 2])
-    assert all(c == 3 for c in codes), codes  # every rank refuses; none trains from a wrong state
-    error = open(os.path.join(out, "rank0.error")).read()
-    assert "SnapshotError" in error and "none can be restored" in error and "persist_dir" in error
-    assert not os.path.exists(os.path.join(out, "rank0.restore"))
+def test_more_lost_nodes_than_parity_is_a_clear_error_then_the_disk_copy(tmp_path, reference):
+    """Two of three nodes lost with parity 1: relaunched without a disk copy configured, every rank refuses with a
+    clear error (none trains from a wrong state); relaunched with it, the run resumes from disk, exactly."""
+    out, ft_dir, disk = str(tmp_path / "out"), str(tmp_path / "ft"), str(tmp_path / "disk")
+    os.makedirs(out)
+    env = {"FT_OUT": out, "FT_DIR": ft_dir, "FT_FAULT": "1:5:after_snapshot", "FT_SHUTDOWN": "1",
+           "FT_PERSIST": disk, "FT_PERSIST_EVERY": "2"}
+    try:
+        codes = _launch(WORLD, env)
+        assert any(c == -signal.SIGKILL for c in codes), codes
+        for node in (1, 2):
+            _kill_smp(ft_dir, node)
+        env.pop("FT_FAULT")
+        no_disk = {k: v for k, v in env.items() if not k.startswith("FT_PERSIST")}
+        codes = _launch(WORLD, no_disk)
+        assert all(c == 3 for c in codes), codes  # every rank refuses
+        error = open(os.path.join(out, "rank0.error")).read()
+        assert "SnapshotError" in error and "none can be restored" in error and "persist_dir" in error
+        assert "2 nodes of erasure group [0, 1, 2] are lost" in open(os.path.join(out, "rank1.error")).read()
+        assert not os.path.exists(os.path.join(out, "rank0.restore"))
+        codes = _launch(WORLD, env)
+        assert codes == [0] * WORLD, open(os.path.join(out, "rank0.out")).read()[-3000:]
+        assert open(os.path.join(out, "rank0.restore")).read().split()[:2] == ["4", "disk"]
+        assert "2 nodes of erasure group [0, 1, 2] are lost" in open(os.path.join(out, "rank1.out")).read()
+        assert _losses(out) == reference
+    finally:
+        stop_snapshot_processes(ft_dir)
