@@ -359,19 +359,19 @@ class SnapshotEngine:
             common &= set(int(s) for s in t.tolist() if s >= 0)
         return sorted(common, reverse=True)
 
-    def _all(self, flag: bool) -> bool:
+    def _vote(self, flag: bool, every: bool) -> bool:
+        """``flag`` on every rank (``every``) or on any rank: one all-reduce of 0/1 (MIN or MAX)."""
         if not self.distributed:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if every else dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
+    def _all(self, flag: bool) -> bool:
+        return self._vote(flag, every=True)
+
     def _any(self, flag: bool) -> bool:
-        if not self.distributed:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return self._vote(flag, every=False)
 
     def _check_all(self, metadata: dict, where: str) -> None:
         """``_check`` on every rank at once: a mismatch anywhere is a ``ValueError`` everywhere (no rank is left
