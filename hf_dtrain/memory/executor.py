@@ -154,6 +154,14 @@ class PinnedTier:
         return out
 
 
+def _without_cache(kwargs: dict) -> dict:
+    """``kwargs`` with every KV cache replaced by None, found by type (``transformers.Cache``), not by name: the
+    keyword changed across transformers releases (``past_key_value``, ``past_key_values``, ``cache`` in 5.24)."""
+    from transformers import Cache
+
+    return {k: None if isinstance(v, Cache) else v for k, v in kwargs.items()}
+
+
 @dataclass
 class StepStats:
     saved_bytes: int = 0
@@ -206,9 +214,7 @@ class DeltaExecutor:
                     if kwargs.get("use_cache"):
                         kwargs["use_cache"] = False
                     if not getattr(layer, "_can_checkpoint_with_cache", False):
-                        for key in ("past_key_values", "past_key_value", "layer_past"):
-                            if kwargs.get(key) is not None:
-                                kwargs[key] = None
+                        kwargs = _without_cache(kwargs)
                     for a in list(args) + list(kwargs.values()):
                         if torch.is_tensor(a):
                             self._count(a)  # the checkpoint keeps its inputs
