@@ -32,14 +32,14 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     from hf_dtrain.data import tasks
-    from hf_dtrain.memory import apply_delta
+    from hf_dtrain.memory import DeltaConfig, apply_delta
     from hf_dtrain.models import load_model_and_tokenizer
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     with accelerator.main_process_first():
         model, tok = load_model_and_tokenizer(args.model, progress=accelerator.is_main_process)
     model.train()
-    scheduler = apply_delta(model, budget, method=args.method)  # on the unwrapped model, before prepare
+    scheduler = apply_delta(model, DeltaConfig(budget=budget, method=args.method))  # unwrapped, before prepare
     train = tasks.make_task_dataset(tok, args.steps * args.batch_size * accelerator.num_processes, seed=0,
                                     split="train")
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=tasks.task_collator(tok),

@@ -13,7 +13,7 @@ sends nothing: for optimizers that exchange gradients themselves, such as :class
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,10 @@ import torch.distributed as dist
 from ..distributed import WireStats, check_same_across_ranks, world_size_of
 from .acp_sgd import ACPSGDState, acp_sgd_hook, acp_sgd_step_bytes
 from .dear import DeARState, dear_hook, dear_step_bytes
-from .embrace import EXCHANGES, EmbRaceState, embrace_dense_hook, embrace_step_bytes, exclude_embeddings
+from .config import METHODS, CommHookConfig
+from .embrace import EmbRaceState, embrace_dense_hook, embrace_step_bytes, exclude_embeddings
 from .s2_reducer import S2ReducerState, s2_reducer_hook
 
-METHODS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace", "noop")
 
 
 @dataclass
@@ -51,44 +51,6 @@ def dense_allreduce_hook(state: DenseState, bucket: dist.GradBucket) -> torch.fu
         return f.value()
 
     return fut.then(end)
-
-
-@dataclass
-class CommHookConfig:
-    """A communication method and its settings; every field is a YAML recipe key (``comm_hook: {method: acp_sgd,
-    rank: 4}``)."""
-
-    method: str = "acp_sgd"
-    rank: int = 4
-    start_iter: int = 10
-    min_compression_rate: float = 2.0
-    use_error_feedback: bool = True
-    seed: int = 0
-    sketch_rows: int = 3
-    sketch_width_factor: float = 4.0
-    exchange: str = "allgather"  # EmbRace: "allgather" or "alltoall"
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"CommHookConfig.method={self.method!r} is unknown; use one of {', '.join(METHODS)}.")
-        if self.exchange not in EXCHANGES:
-            raise ValueError(f"CommHookConfig.exchange={self.exchange!r} is unknown; use one of {', '.join(EXCHANGES)}.")
-
-    @classmethod
-    def from_any(cls, config: Union["CommHookConfig", dict, str, None]) -> "CommHookConfig":
-        if config is None:
-            return cls()
-        if isinstance(config, cls):
-            return config
-        if isinstance(config, str):
-            return cls(method=config)
-        if isinstance(config, dict):
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(config) - known)
-            if unknown:
-                raise ValueError(f"comm hook config: unknown key(s) {unknown}; valid keys are {sorted(known)}.")
-            return cls(**config)
-        raise TypeError(f"comm hook config must be a CommHookConfig, a dict or a method name, got {type(config).__name__}.")
 
 
 def _ddp_module(model):
@@ -122,34 +84,49 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
         raise ValueError("communication hooks need a world of >= 2 processes; this one has 1. Launch with "
                          "accelerate launch / torchrun --nproc_per_node >= 2 (on CPU set ACCELERATE_USE_CPU=true).")
     check_same_across_ranks(dataclasses.asdict(config), "comm hook config", process_group)
-    if config.method == "allreduce":
-        state = DenseState(process_group=process_group)
-        ddp.register_comm_hook(state, dense_allreduce_hook)
-        return state
-    if config.method == "noop":  # gradients stay local: the optimizer communicates (1-bit LAMB, decentralized)
-        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+    return _REGISTER[config.method](ddp, config, process_group, optimizer)
 
-        ddp.register_comm_hook(None, noop_hook)
-        return DenseState(process_group=process_group)
-    if config.method == "dear":
-        if optimizer is None:
-            raise ValueError("DeAR defers the optimizer update to the next forward and needs the optimizer: "
-                             "register(model, 'dear', optimizer=optimizer) with the prepared optimizer.")
-        state = DeARState(process_group=process_group)
-        state.attach(ddp, unwrap_optimizer(optimizer))
-        ddp.register_comm_hook(state, dear_hook)
-        return state
-    if config.method == "embrace":
-        state = EmbRaceState(process_group=process_group, exchange=config.exchange)
-        state.attach(ddp)
-        ddp.register_comm_hook(state, embrace_dense_hook)
-        return state
-    if config.method == "s2_reducer":
-        state = S2ReducerState(process_group=process_group, rows=config.sketch_rows,
-                               width_factor=config.sketch_width_factor, seed=config.seed)
-        ddp.register_comm_hook(state, s2_reducer_hook)
-        return state
-    state = ACPSGDState(process_group=process_group, rank=config.rank, start_iter=config.start_iter,
+
+def _register_allreduce(ddp, config, group, optimizer):
+    state = DenseState(process_group=group)
+    ddp.register_comm_hook(state, dense_allreduce_hook)
+    return state
+
+
+def _register_noop(ddp, config, group, optimizer):
+    """Gradients stay local: the optimizer communicates (1-bit LAMB, decentralized)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    ddp.register_comm_hook(None, noop_hook)
+    return DenseState(process_group=group)
+
+
+def _register_dear(ddp, config, group, optimizer):
+    if optimizer is None:
+        raise ValueError("DeAR defers the optimizer update to the next forward and needs the optimizer: "
+                         "register(model, 'dear', optimizer=optimizer) with the prepared optimizer.")
+    state = DeARState(process_group=group)
+    state.attach(ddp, unwrap_optimizer(optimizer))
+    ddp.register_comm_hook(state, dear_hook)
+    return state
+
+
+def _register_embrace(ddp, config, group, optimizer):
+    state = EmbRaceState(process_group=group, exchange=config.exchange)
+    state.attach(ddp)
+    ddp.register_comm_hook(state, embrace_dense_hook)
+    return state
+
+
+def _register_s2_reducer(ddp, config, group, optimizer):
+    state = S2ReducerState(process_group=group, rows=config.sketch_rows, width_factor=config.sketch_width_factor,
+                           seed=config.seed)
+    ddp.register_comm_hook(state, s2_reducer_hook)
+    return state
+
+
+def _register_acp_sgd(ddp, config, group, optimizer):
+    state = ACPSGDState(process_group=group, rank=config.rank, start_iter=config.start_iter,
                         min_compression_rate=config.min_compression_rate,
                         use_error_feedback=config.use_error_feedback, seed=config.seed)
     state.check_rank((n, p.shape) for n, p in ddp.module.named_parameters() if p.requires_grad)
@@ -157,6 +134,12 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
     ddp.register_comm_hook(state, acp_sgd_hook)
     return state
 
+
+# method name -> (DDP model, config, process group, optimizer) -> the hook's state
+_REGISTER: dict[str, Callable] = {"allreduce": _register_allreduce, "noop": _register_noop, "dear": _register_dear,
+                                  "embrace": _register_embrace, "s2_reducer": _register_s2_reducer,
+                                  "acp_sgd": _register_acp_sgd}
+assert set(_REGISTER) == set(METHODS)
 
 __all__ = ["CommHookConfig", "register", "unwrap_optimizer", "DenseState", "dense_allreduce_hook", "ACPSGDState",
            "acp_sgd_hook", "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "DeARState", "dear_hook",

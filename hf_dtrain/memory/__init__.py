@@ -2,8 +2,8 @@
 recompute per decoder layer under a budget of saved-activation bytes, apply the plan with non-reentrant
 checkpointing and saved-tensor hooks, and re-plan when the batch shape changes or the budget is exceeded.
 
-``scheduler = apply_delta(model, budget=0.5)`` (a fraction of the profiled no-saving activation bytes, or bytes);
-``DeltaCallback(budget=...)`` for the Trainer.
+``scheduler = apply_delta(model, DeltaConfig(budget=0.5))`` (a fraction of the profiled no-saving activation bytes,
+or bytes); ``DeltaCallback(DeltaConfig(...))`` for the Trainer. :class:`DeltaConfig` holds every setting.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .config import DeltaConfig
 from .executor import DeltaExecutor, FileTier, PinnedTier
-from .planner import OBJECTIVES, Plan, make_plan, minimum_budget
-from .profiler import GRANULARITIES, Profile, decoder_layers, measure_tier_bandwidth, plan_units, profile_step
+from .planner import Plan, make_plan, minimum_budget
+from .profiler import Profile, decoder_layers, measure_tier_bandwidth, plan_units, profile_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeltaScheduler", "DeltaCallback", "apply_delta", "FileTier", "PinnedTier", "Plan", "Profile", "make_plan",
+__all__ = ["DeltaConfig", "DeltaScheduler", "DeltaCallback", "apply_delta", "FileTier", "PinnedTier", "Plan", "Profile", "make_plan",
            "minimum_budget", "profile_step", "decoder_layers", "plan_units"]
 
 
@@ -31,22 +32,16 @@ class DeltaScheduler:
     forward at that shape runs under it. ``plans`` maps shapes to plans; ``executor.stats.history`` has
     the measured saved and offloaded bytes of every step."""
 
-    def __init__(self, model: nn.Module, budget: Union[int, float], method: str = "exact",
-                 allow_offload: bool = True, tier=None, granularity: str = "layer", objective: str = "time"):
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
-            raise ValueError(f"DELTA budget must be a positive number of bytes (int) or a fraction in (0, 1] of the "
-                             f"no-saving activation memory (float), got {budget!r}.")
-        if isinstance(budget, float) and budget > 1:
-            raise ValueError(f"A float DELTA budget is a fraction of the no-saving activation memory and must be in "
-                             f"(0, 1]; give bytes as an int, got {budget!r}.")
-        if objective not in OBJECTIVES:
-            raise ValueError(f"DELTA objective must be one of {OBJECTIVES}, got {objective!r}.")
-        self.model, self.budget, self.method, self.allow_offload = model, budget, method, allow_offload
-        self.objective = objective
+    def __init__(self, model: nn.Module, config: Union[DeltaConfig, int, float, None] = None, tier=None,
+                 **overrides):
+        self.config = DeltaConfig.from_any(config, **overrides)
+        self.model = model
+        self.budget, self.method = self.config.budget, self.config.method
+        self.allow_offload, self.objective = self.config.allow_offload, self.config.objective
         device = next(model.parameters()).device
         self.overlap = device.type == "cuda"  # a side stream overlaps the copies with compute
         self.tier = tier or (PinnedTier(device) if self.overlap else FileTier())
-        self.executor = DeltaExecutor(model, plan_units(model, granularity), self.tier)
+        self.executor = DeltaExecutor(model, plan_units(model, self.config.granularity), self.tier)
         self.plans: dict[tuple, Plan] = {}
         self._replanned: set = set()
         self.bandwidth = measure_tier_bandwidth(self.tier)
@@ -59,7 +54,7 @@ class DeltaScheduler:
         return self.executor.layers
 
     def budget_bytes(self, profile: Profile) -> int:
-        return int(self.budget * profile.total_saved_bytes) if isinstance(self.budget, float) else int(self.budget)
+        return self.config.budget_bytes(profile.total_saved_bytes)
 
     def _shape(self, args, kwargs) -> tuple:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -112,36 +107,26 @@ class DeltaScheduler:
             self.tier.close()
 
 
-def apply_delta(model: nn.Module, budget: Union[int, float], **kwargs) -> DeltaScheduler:
+def apply_delta(model: nn.Module, config: Union[DeltaConfig, int, float, None] = None, **overrides) -> DeltaScheduler:
     """DELTA on ``model`` for Accelerate and custom loops (call before ``accelerator.prepare``, or on the unwrapped
-    model); returns the scheduler (``.plans``, ``.executor.stats``, ``.remove()``)."""
-    return DeltaScheduler(model, budget, **kwargs)
+    model); ``config`` is a :class:`DeltaConfig` or a budget (``apply_delta(model, 0.5, granularity="submodule")``).
+    Returns the scheduler (``.plans``, ``.executor.stats``, ``.remove()``)."""
+    return DeltaScheduler(model, config, **overrides)
 
 
 class DeltaCallback(TrainerCallback):
-    """``Trainer(..., callbacks=[DeltaCallback(budget=0.5)])``: DELTA on the Trainer's model from ``on_train_begin``
-    to ``on_train_end``. ``budget``: bytes (int) or a fraction (float) of the profiled no-saving activation bytes."""
+    """``Trainer(..., callbacks=[DeltaCallback(DeltaConfig(budget=0.5))])`` (or ``DeltaCallback(0.5)``): DELTA on the
+    Trainer's model from ``on_train_begin`` to ``on_train_end``. The config is validated here, before training."""
 
-    def __init__(self, budget: Union[int, float], method: str = "exact", allow_offload: bool = True,
-                 granularity: str = "layer", objective: str = "time"):
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0 or (
-                isinstance(budget, float) and budget > 1):
-            raise ValueError(f"DeltaCallback budget must be bytes (int > 0) or a fraction in (0, 1] (float), got "
-                             f"{budget!r}.")
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"DeltaCallback granularity must be one of {GRANULARITIES}, got {granularity!r}.")
-        if objective not in OBJECTIVES:
-            raise ValueError(f"DeltaCallback objective must be one of {OBJECTIVES}, got {objective!r}.")
-        self.budget, self.method, self.allow_offload, self.granularity = budget, method, allow_offload, granularity
-        self.objective = objective
+    def __init__(self, config: Union[DeltaConfig, int, float, None] = None, **overrides):
+        self.config = DeltaConfig.from_any(config, **overrides)
         self.scheduler: Optional[DeltaScheduler] = None
         self.history: list = []
         self.budgets: dict = {}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.scheduler is None:
-            self.scheduler = DeltaScheduler(model, self.budget, self.method, self.allow_offload,
-                                            granularity=self.granularity, objective=self.objective)
+            self.scheduler = DeltaScheduler(model, self.config)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.scheduler is not None:

@@ -235,6 +235,10 @@ class DeltaExecutor:
         if ptr not in self.params:
             if ptr not in self._storages:
                 self._group_of[ptr] = self.current
+            elif self._group_of.get(ptr) != self.current:
+                # saved by more than one unit (the attention mask every layer reads): no single unit's action frees
+                # it, so the planner must count it as always kept
+                self._group_of[ptr] = None
             self._storages[ptr] = max(self._storages.get(ptr, 0), st.nbytes())
 
     def profile(self, shape: tuple, bandwidth: float) -> Profile:

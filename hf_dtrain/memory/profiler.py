@@ -103,8 +103,11 @@ def profile_step(model: nn.Module, batch: dict, tier, layers: Optional[list] = N
     def pack(t):
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr not in params and ptr not in storages:
-            storages[ptr] = (st.nbytes(), current[0])
+        if ptr not in params:
+            if ptr not in storages:
+                storages[ptr] = (st.nbytes(), current[0])
+            elif storages[ptr][1] != current[0]:  # saved by several units: no one unit's action frees it
+                storages[ptr] = (storages[ptr][0], None)
         return t
 
     handles = []

@@ -1,0 +1,75 @@
+"""``CommHookConfig``: which gradient-communication method a DDP model uses, and its settings. Every field is a
+``--comm-hook.<field>`` flag of ``hf-dtrain finetune`` / ``pretrain`` and a key of the ``comm_hook:`` YAML section
+(``comm_hook: acp_sgd`` is short for ``comm_hook: {method: acp_sgd}``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+from .embrace import EXCHANGES
+
+METHODS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace", "noop")
+
+
+@dataclass
+class CommHookConfig:
+    """A communication method and its settings (validated on construction)."""
+
+    shorthand: ClassVar[str] = "method"
+
+    method: str = field(default="acp_sgd", metadata={
+        "help": "allreduce (DDP's dense all-reduce, counted), acp_sgd (alternating PowerSGD factors, error feedback), "
+                "s2_reducer (sparse bitmap + count sketch), dear (reduce-scatter in backward, all-gather in the next "
+                "forward; exact), embrace (embedding rows as index/row pairs; exact), noop (nothing: for optimizers "
+                "that exchange themselves)."})
+    rank: int = field(default=4, metadata={"help": "acp_sgd: rank r of the P (n x r) and Q (m x r) factors."})
+    start_iter: int = field(default=10, metadata={
+        "help": "acp_sgd: steps of plain all-reduce before compressing (>= 2: DDP rebuilds its buckets after step 1)."})
+    min_compression_rate: float = field(default=2.0, metadata={
+        "help": "acp_sgd: compress an n x m gradient only if n*m >= this * (n + m) * rank; smaller ones go dense."})
+    use_error_feedback: bool = field(default=True, metadata={
+        "help": "acp_sgd: add the local compression error to the next step's gradient."})
+    seed: int = field(default=0, metadata={
+        "help": "acp_sgd: seed of the initial Q factors; s2_reducer: seed of the sketch hashes (same on all ranks)."})
+    sketch_rows: int = field(default=3, metadata={
+        "help": "s2_reducer: count-sketch rows d (odd, so the median is one of the estimates)."})
+    sketch_width_factor: float = field(default=4.0, metadata={
+        "help": "s2_reducer: counters per row per nonzero position of the union of the ranks' nonzeros."})
+    exchange: str = field(default="allgather", metadata={
+        "help": "embrace: how embedding rows travel, allgather or alltoall."})
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"CommHookConfig.method={self.method!r} is unknown; set comm_hook.method "
+                             f"(--comm-hook) to one of {', '.join(METHODS)}.")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"CommHookConfig.exchange={self.exchange!r} is unknown; set comm_hook.exchange to one of "
+                             f"{', '.join(EXCHANGES)}.")
+        for name in ("rank", "sketch_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CommHookConfig.{name} must be an integer >= 1, got {value!r}; set comm_hook.{name}.")
+        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 2:
+            raise ValueError(f"CommHookConfig.start_iter must be an integer >= 2 (DDP rebuilds its buckets after the "
+                             f"first step), got {self.start_iter!r}; set comm_hook.start_iter.")
+        if not self.min_compression_rate >= 0:
+            raise ValueError(f"CommHookConfig.min_compression_rate must be >= 0, got {self.min_compression_rate!r}.")
+        if not self.sketch_width_factor > 0:
+            raise ValueError(f"CommHookConfig.sketch_width_factor must be > 0, got {self.sketch_width_factor!r}.")
+
+    @classmethod
+    def from_any(cls, config: Union["CommHookConfig", dict, str, None]) -> "CommHookConfig":
+        """A config from itself, a method name, or a dict of fields (unknown keys refused, naming the valid ones)."""
+        from hf_dtrain.settings import build
+
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, str):
+            return cls(method=config)
+        if isinstance(config, dict):
+            return build(cls, config, "comm hook config")
+        raise TypeError(f"comm hook config must be a CommHookConfig, a dict or a method name, got "
+                        f"{type(config).__name__}.")

@@ -1,0 +1,126 @@
+"""How hf_dtrain's typed configs become objects from plain data (YAML, JSON, CLI flags), with errors that name the
+field and the fix.
+
+Every feature has one dataclass next to its engine (``CommHookConfig`` in :mod:`hf_dtrain.comm`, ``DeltaConfig`` in
+:mod:`hf_dtrain.memory`, ``SnapshotConfig`` in :mod:`hf_dtrain.fault`, ``EvaConfig`` / ``OneBitLambConfig`` in
+:mod:`hf_dtrain.optim`, ``GossipConfig`` in :mod:`hf_dtrain.decentralized`): each field carries its help text in
+``metadata["help"]`` and the class validates itself in ``__post_init__``. A job config (``FinetuneConfig``,
+``PretrainConfig``) holds those dataclasses as *sections*. This module walks them:
+
+* :func:`walk_fields` lists every leaf setting as a dotted path (``comm_hook.rank``): the CLI makes one flag per path
+  (``--comm-hook.rank``) and a test checks that every engine field has one;
+* :func:`build` turns nested plain data into the dataclass, refusing unknown keys with the list of valid ones.
+
+A section may be optional (``Optional[DeltaConfig] = None``: the feature is off). It is switched on by giving any of
+its fields, or by its short form: a scalar for the field named by the class's ``shorthand`` (``comm_hook: acp_sgd``
+is ``comm_hook: {method: acp_sgd}``), ``true`` for the section with its defaults, ``false``/``null`` for off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Iterator, Optional
+
+
+def is_config(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """``(inner type, optional)`` of an annotation such as ``Optional[X]`` / ``X | None``."""
+    args = typing.get_args(tp)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+    return tp, False
+
+
+def section_type(cls: type, name: str) -> Optional[tuple[type, bool]]:
+    """``(config class, optional)`` when field ``name`` of ``cls`` is a nested config section, else None."""
+    inner, optional = unwrap_optional(typing.get_type_hints(cls)[name])
+    return (inner, optional) if is_config(inner) else None
+
+
+def walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any, type]]:
+    """``(dotted path, field, annotation, owning class)`` of every leaf setting of ``cls``, sections expanded."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        sec = section_type(cls, f.name)
+        if sec is not None:
+            yield from walk_fields(sec[0], prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f, hints[f.name], cls
+
+
+def section_value(cls: type, value: Any, where: str) -> Optional[dict]:
+    """A section's plain value in its dict form (None: off): a mapping, ``true`` (defaults), ``false``/``None`` (off),
+    or a scalar for the class's ``shorthand`` field."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, dict):
+        return dict(value)
+    short = getattr(cls, "shorthand", None)
+    if short is None:
+        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields or true/false, got {value!r}.")
+    return {short: value}
+
+
+def merge(base: dict, over: dict, cls: type) -> dict:
+    """``over`` on top of ``base`` (plain data for ``cls``): sections merge field by field, leaves are replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        sec = section_type(cls, key) if key in {f.name for f in dataclasses.fields(cls)} else None
+        if sec is not None and key in out:
+            old = section_value(sec[0], out[key], key)
+            new = section_value(sec[0], value, key)
+            out[key] = None if new is None else merge(old or {}, new, sec[0])
+        else:
+            out[key] = value
+    return out
+
+
+def build(cls: type, data: Optional[dict], where: Optional[str] = None):
+    """``cls(**data)`` with nested sections built from their plain values; unknown keys are a ``ValueError`` that
+    lists the valid ones."""
+    where = where or cls.__name__
+    data = {str(k).replace("-", "_"): v for k, v in (data or {}).items()}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {', '.join(sorted(fields))}.")
+    kwargs = {}
+    for name, value in data.items():
+        sec = section_type(cls, name)
+        if sec is not None:
+            inner, optional = sec
+            plain = section_value(inner, value, f"{where}.{name}")
+            if plain is None and not optional:
+                raise ValueError(f"{where}.{name} cannot be switched off; give a mapping of {inner.__name__} fields.")
+            kwargs[name] = None if plain is None else build(inner, plain, f"{where}.{name}")
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def coerce_section(owner: Any, name: str) -> None:
+    """In an owner's ``__post_init__``: turn a section given as plain data (``"acp_sgd"``, ``0.5``, ``True``, a dict)
+    into its config object, so Python callers may write ``ComposeOptions(comm_hook="acp_sgd")``."""
+    cls, optional = section_type(type(owner), name)
+    value = getattr(owner, name)
+    if isinstance(value, cls):
+        return
+    plain = section_value(cls, value, f"{type(owner).__name__}.{name}")
+    if plain is None and not optional:
+        plain = {}
+    setattr(owner, name, None if plain is None else build(cls, plain, f"{type(owner).__name__}.{name}"))
+
+
+def help_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("help", "")
