@@ -42,7 +42,9 @@ def _run_hosts(name: str, job: list[str], rates: list[str], fault=None, lose_hos
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ft_dir = Path(tempfile.mkdtemp(prefix="hf_dtrain_multihost_"))
-    argv = [sys.executable, "-m", "hf_dtrain.cli", *job, "--output-dir", str(out), "--ft-dir", str(ft_dir)]
+    argv = [sys.executable, "-m", "hf_dtrain.cli", *job, "--output-dir", str(out)]
+    if any(a.startswith("--fault-tolerance") for a in job):  # a --fault-tolerance.* flag alone would turn it on
+        argv += ["--fault-tolerance.directory", str(ft_dir)]
     launches = []
     with emulated_hosts(4, rates=rates) as hosts:
         def per_rank_env(rank):
@@ -103,9 +105,9 @@ def main():
         raise SystemExit(f"multihost benchmark needs network namespaces: {why}")
     fast = ["1gbit"] * 4
     runs = [
-        _run_hosts("acp_delta_ft_lost_host", JOB + ["--comm-hook", "acp_sgd", "--comm-rank", "2", "--comm-start-iter",
-                                                    "4", "--delta-budget", "0.5", "--fault-tolerance", "true",
-                                                    "--ft-parity", "1"], fast, fault="2:12:3", lose_host=2),
+        _run_hosts("acp_delta_ft_lost_host", JOB + ["--comm-hook", "acp_sgd", "--comm-hook.rank", "2",
+                                                    "--comm-hook.start-iter", "4", "--delta.budget", "0.5",
+                                                    "--fault-tolerance.parity", "1"], fast, fault="2:12:3", lose_host=2),
         _run_hosts("decentlam", JOB + ["--optimizer", "decentlam", "--learning-rate", "0.05"], fast),
         _run_hosts("decentlam_slow_host", JOB + ["--optimizer", "decentlam", "--learning-rate", "0.05"],
                    ["1gbit", "1gbit", "1gbit", "100mbit"]),

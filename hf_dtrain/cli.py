@@ -5,8 +5,9 @@ Subcommands:
   pretrain     pretrain a LLaMA from a LlamaConfig preset (see :mod:`hf_dtrain.pretrain`)
   build-base   build (and cache) the embedded default base model
 
-Both jobs take the switches of :class:`hf_dtrain.compose.ComposeOptions` (a communication hook or a 1-bit /
-decentralized optimizer, Eva, DELTA, in-memory fault tolerance, the heterogeneity-aware sampler).
+Both jobs take the engine configs held by :class:`hf_dtrain.compose.ComposeOptions` as flag sections, generated
+from the dataclasses: --comm-hook.* (CommHookConfig), --eva.* / --onebit-lamb.* / --gossip.* (the optimizers),
+--delta.* (DeltaConfig), --fault-tolerance.* (SnapshotConfig). A recipe YAML gives the same as nested mappings.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import dataclasses
 import sys
 import typing
 
+from hf_dtrain.compose import LEGACY_KEYS
 from hf_dtrain.finetune import METHODS, FinetuneConfig
+from hf_dtrain.settings import help_of, merge, section_type, unwrap_optional, walk_fields
 
 
 def _bool(text: str) -> bool:
@@ -36,59 +39,106 @@ def _none_or(conv):
     return parse
 
 
-def _field_type(f: dataclasses.Field, cls=FinetuneConfig):
-    """(argparse type, nargs) for a config field from its annotation."""
-    hints = typing.get_type_hints(cls)
-    tp = hints[f.name]
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    optional = type(None) in typing.get_args(tp)
-    base = args[0] if args else tp
-    if typing.get_origin(base) is list:
-        inner = (typing.get_args(base) or (str,))[0]
-        return {float: float, int: int}.get(inner, str), "+"
-    conv = {bool: _bool, int: int, float: float, str: str}.get(base, str)
+def _number(text: str):
+    """An int where the text is one (bytes), else a float (a fraction)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _converter(tp) -> tuple:
+    """(argparse type, nargs) for a field's annotation."""
+    base, optional = unwrap_optional(tp)
+    origin = typing.get_origin(base)
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(base) if a is not Ellipsis] or [str]
+        inner = {float: float, int: int}.get(args[0], str)
+        return inner, (len(args) if origin is tuple and Ellipsis not in typing.get_args(base) else "+")
+    conv = {bool: _bool, int: int, float: _number if optional else float, str: str}.get(base, str)
     return (_none_or(conv) if optional else conv), None
 
 
-def add_finetune_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> None:
+def flag_of(path: str) -> str:
+    """``comm_hook.start_iter`` -> ``--comm-hook.start-iter``."""
+    return "--" + path.replace("_", "-")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> None:
+    """One flag per setting of ``cls``, sections expanded (``--delta.budget``), generated from the dataclasses: a
+    field added to an engine's config is a flag with no other edit. Optional sections also get their short form
+    (``--comm-hook acp_sgd``, ``--delta 0.5``, ``--fault-tolerance true``); the previous release's flat flags stay for
+    one release and warn."""
     parser.add_argument("--recipe", metavar="FILE.yaml",
-                        help="YAML file whose keys are the job's fields; flags given explicitly override it.")
+                        help="YAML file whose keys are the job's fields (sections as nested mappings); flags given "
+                             "explicitly override it.")
     for f in dataclasses.fields(cls):
-        conv, nargs = _field_type(f, cls)
-        flag = "--" + f.name.replace("_", "-")
-        kwargs = dict(dest=f.name, type=conv, default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
+        sec = section_type(cls, f.name)
+        if sec is not None and sec[1]:  # an optional section's short form
+            inner = sec[0]
+            short = getattr(inner, "shorthand", None)
+            if short is None:
+                conv, meta = _bool, "{true,false}"
+            else:
+                conv, _ = _converter(typing.get_type_hints(inner)[short])
+                conv, meta = _none_or(conv), None
+            what = f"the {short} of the section" if short else "true: on with the section's defaults"
+            parser.add_argument(flag_of(f.name), dest=f.name, type=conv, default=argparse.SUPPRESS, metavar=meta,
+                                help=f"{help_of(f)} Short form: {what}; any {flag_of(f.name)}.* flag turns it on too.")
+    groups: dict = {}
+    for path, f, tp, owner in walk_fields(cls):
+        conv, nargs = _converter(tp)
+        kwargs = dict(dest=path, type=conv, default=argparse.SUPPRESS, help=help_of(f),
+                      metavar=path.rsplit(".", 1)[-1].upper())
+        section = path.split(".")[0] if "." in path else None
+        if section not in groups:
+            groups[section] = parser if section is None else parser.add_argument_group(
+                f"{section} ({owner.__name__}, {owner.__module__.rsplit('.', 1)[0]})")
         if nargs:
             kwargs["nargs"] = nargs
-        if f.name == "method":
+        if path == "method" and owner is cls:
             kwargs["choices"] = METHODS
         if conv is _bool:
             kwargs["metavar"] = "{true,false}"
-        parser.add_argument(flag, **kwargs)
+        groups[section].add_argument(flag_of(path), **kwargs)
+    legacy = parser.add_argument_group("deprecated flat flags (removed in the next release)")
+    for old, new in LEGACY_KEYS.items():
+        sec, name = new.split(".")
+        tp = typing.get_type_hints(section_type(cls, sec)[0])[name]
+        conv, nargs = _converter(tp)
+        legacy.add_argument(flag_of(old), dest=old, type=conv, default=argparse.SUPPRESS, metavar=name.upper(),
+                            help=f"Use {flag_of(new)}.")
 
 
-def load_recipe(path: str, cls=FinetuneConfig) -> dict:
-    """Read a recipe YAML; raise ``ValueError`` naming any key that is not a field of the job's config."""
+def load_recipe(path: str) -> dict:
+    """A recipe YAML's mapping (checked against the job's fields when the config is built)."""
     import yaml
 
     with open(path) as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"recipe {path}: expected a mapping of finetune fields, got {type(data).__name__}.")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    known = set(cls.field_names())
-    unknown = sorted(set(data) - known)
-    if unknown:
-        job = "finetune" if cls is FinetuneConfig else "pretrain"
-        raise ValueError(f"recipe {path}: unknown key(s) {unknown}; valid keys are the {job} fields: "
-                         f"{', '.join(sorted(known))}.")
+        raise ValueError(f"recipe {path}: expected a mapping of job fields, got {type(data).__name__}.")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def args_to_data(ns: argparse.Namespace, cls=FinetuneConfig) -> dict:
+    """The flags given explicitly, as nested plain data (``--comm-hook.rank 8`` -> ``{"comm_hook": {"rank": 8}}``)."""
+    data: dict = {}
+    given = {k: v for k, v in vars(ns).items() if k not in ("command", "recipe")}
+    for key, value in sorted(given.items(), key=lambda kv: kv[0].count(".")):  # short forms before fields
+        if "." in key:
+            section, name = key.split(".", 1)
+            data = merge(data, {section: {name: value}}, cls)
+        else:
+            data = merge(data, {key: value}, cls)
     return data
 
 
-def finetune_config_from_args(ns: argparse.Namespace, cls=FinetuneConfig):
-    """Recipe values first, then the flags given explicitly on the command line (flags win)."""
-    values = load_recipe(ns.recipe, cls) if getattr(ns, "recipe", None) else {}
-    values.update({k: v for k, v in vars(ns).items() if k in cls.field_names()})
-    return cls(**values)
+def job_config_from_args(ns: argparse.Namespace, cls=FinetuneConfig):
+    """Recipe values first, then the flags given explicitly on the command line (flags win, field by field)."""
+    recipe = load_recipe(ns.recipe) if getattr(ns, "recipe", None) else {}
+    where = f"recipe {ns.recipe}" if getattr(ns, "recipe", None) else cls.__name__
+    return cls.from_dict(merge(recipe, args_to_data(ns, cls), cls), where=where)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,11 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ft = sub.add_parser("finetune", help="fine-tune a base model and report eval loss / accuracy before and after")
-    add_finetune_arguments(ft)
+    add_job_arguments(ft)
     from hf_dtrain.pretrain import PretrainConfig
 
     pt = sub.add_parser("pretrain", help="pretrain a LLaMA from a LlamaConfig preset with any compatible parts")
-    add_finetune_arguments(pt, PretrainConfig)
+    add_job_arguments(pt, PretrainConfig)
     bb = sub.add_parser("build-base", help="build and cache the embedded default base model")
     bb.add_argument("--preset", default="tiny", help="LlamaConfig preset (hf_dtrain.models.PRESETS)")
     bb.add_argument("--steps", type=int, default=None, help="pretraining steps (default per preset)")
@@ -125,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             from hf_dtrain.pretrain import PretrainConfig as cls
             from hf_dtrain.pretrain import run_pretrain as run
         try:
-            cfg = finetune_config_from_args(ns, cls)
+            cfg = job_config_from_args(ns, cls)
         except (ValueError, TypeError, OSError) as e:
             raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
         try:

@@ -1,56 +1,119 @@
-"""Composing hf_dtrain's parts in one run: the switches ``hf-dtrain pretrain`` and ``hf-dtrain finetune`` share, the
-check that refuses combinations that clash (naming the clash and the fix), and the builders both jobs use.
+"""Composing hf_dtrain's parts in one run: the engine configs ``hf-dtrain pretrain`` and ``hf-dtrain finetune``
+share (each one the engine's own dataclass, held here as a section and passed down unchanged), the check that refuses
+combinations that clash (naming the clash and the fix), and the optimizer table both jobs use.
 
-    opts = ComposeOptions(comm_hook="acp_sgd", delta_budget=0.5, fault_tolerance=True)
+    opts = ComposeOptions(comm_hook=CommHookConfig(method="acp_sgd", rank=8), delta=DeltaConfig(budget=0.5),
+                          fault_tolerance=SnapshotConfig())
     opts.check(world_size=4, engine="accelerate")          # ValueError naming any clash
+    ComposeOptions.from_dict({"comm_hook": "acp_sgd", "delta": {"budget": 0.5}})   # YAML / JSON data
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
-OPTIMIZERS = ("adamw", "eva", "onebit_lamb", "dpsgd", "decentlam")
-# optimizers that exchange gradients or parameters themselves (DDP runs its noop hook under them)
-EXCHANGING = ("onebit_lamb", "dpsgd", "decentlam")
+from hf_dtrain.comm.config import CommHookConfig
+from hf_dtrain.decentralized.config import GossipConfig
+from hf_dtrain.fault.config import SnapshotConfig
+from hf_dtrain.memory.config import DeltaConfig
+from hf_dtrain.optim.config import EvaConfig, OneBitLambConfig
+from hf_dtrain.settings import build, coerce_section, merge
+
 ENGINES = ("accelerate", "trainer")
+
+# The jobs' defaults where they differ from the engine's own: Eva's damping for transformers (docs/optim.md) and a
+# shorter 1-bit LAMB warm-up for short fine-tuning runs.
+JOB_EVA = EvaConfig(damping=1e-6)
+JOB_ONEBIT_LAMB = OneBitLambConfig(freeze_step=20)
+
+# Flat names of the previous release -> their place in the sections (accepted for one release, with a FutureWarning).
+LEGACY_KEYS = {
+    "comm_rank": "comm_hook.rank", "comm_start_iter": "comm_hook.start_iter",
+    "topology": "gossip.topology", "onebit_freeze_step": "onebit_lamb.freeze_step", "eva_damping": "eva.damping",
+    "delta_budget": "delta.budget", "delta_granularity": "delta.granularity",
+    "ft_every": "fault_tolerance.every_n_steps", "ft_parity": "fault_tolerance.parity",
+    "ft_persist_every": "fault_tolerance.persist_every", "ft_dir": "fault_tolerance.directory",
+}
+# a legacy key whose section is optional turns nothing on by itself, except the one that was the switch
+_LEGACY_SWITCHES = {"delta_budget"}
 
 
 @dataclass
 class ComposeOptions:
-    """Switches for the parts of hf_dtrain; every field is a flag of ``pretrain`` and ``finetune`` and a YAML key."""
+    """The engine configs of one run; every field of every section is a ``--section.field`` flag of ``pretrain`` and
+    ``finetune`` and a key of the YAML section of that name."""
 
-    comm_hook: Optional[str] = field(default=None, metadata={
-        "help": "Gradient communication under DDP (hf_dtrain.comm): acp_sgd, s2_reducer, dear, embrace or allreduce "
-                "(dense, counted); None: DDP's own all-reduce. Needs >= 2 processes."})
-    comm_rank: int = field(default=4, metadata={"help": "acp_sgd: rank of the P/Q factors."})
-    comm_start_iter: int = field(default=10, metadata={"help": "acp_sgd: uncompressed all-reduce steps first (>= 2)."})
+    comm_hook: Optional[CommHookConfig] = field(default=None, metadata={
+        "help": "Gradient communication under DDP (hf_dtrain.comm; >= 2 processes); None: DDP's own all-reduce."})
     optimizer: str = field(default="adamw", metadata={
-        "help": f"One of {', '.join(OPTIMIZERS)}: eva preconditions AdamW; onebit_lamb, dpsgd and decentlam exchange "
-                "gradients/parameters themselves (>= 2 processes)."})
-    topology: str = field(default="ring", metadata={"help": "dpsgd/decentlam: ring, torus, exponential or complete."})
-    onebit_freeze_step: int = field(default=20, metadata={"help": "onebit_lamb: LAMB warm-up steps before 1-bit."})
-    eva_damping: float = field(default=1e-6, metadata={"help": "eva: damping (1e-6 for transformers, see docs)."})
-    delta_budget: Optional[float] = field(default=None, metadata={
-        "help": "DELTA memory budget for saved activations: a fraction in (0, 1] of the no-saving bytes, or bytes "
-                "(> 1); None: off."})
-    delta_granularity: str = field(default="layer", metadata={"help": "DELTA planning unit: layer or submodule."})
-    fault_tolerance: bool = field(default=False, metadata={
+        "help": "adamw; eva (preconditions AdamW, settings in eva.*); onebit_lamb, dpsgd and decentlam exchange "
+                "gradients/parameters themselves (>= 2 processes; settings in onebit_lamb.* / gossip.*)."})
+    eva: EvaConfig = field(default_factory=lambda: dataclasses.replace(JOB_EVA), metadata={
+        "help": "Eva's settings (used with optimizer=eva)."})
+    onebit_lamb: OneBitLambConfig = field(default_factory=lambda: dataclasses.replace(JOB_ONEBIT_LAMB), metadata={
+        "help": "1-bit LAMB's settings (used with optimizer=onebit_lamb)."})
+    gossip: GossipConfig = field(default_factory=GossipConfig, metadata={
+        "help": "The decentralized optimizers' settings (used with optimizer=dpsgd / decentlam)."})
+    delta: Optional[DeltaConfig] = field(default=None, metadata={
+        "help": "DELTA memory scheduling (hf_dtrain.memory); None: off."})
+    fault_tolerance: Optional[SnapshotConfig] = field(default=None, metadata={
         "help": "In-memory snapshots held by a snapshot process per node, erasure coded across nodes; a relaunched "
-                "run resumes from them."})
-    ft_every: int = field(default=1, metadata={"help": "Snapshot every N optimizer steps."})
-    ft_parity: int = field(default=1, metadata={"help": "Lost nodes to survive (erasure coding across nodes)."})
-    ft_persist_every: int = field(default=0, metadata={"help": "Also write every N-th snapshot to disk (0: never)."})
-    ft_dir: Optional[str] = field(default=None, metadata={"help": "Directory of the snapshot processes."})
+                "run resumes from them (hf_dtrain.fault). None: off."})
     hetero_speeds: Optional[list[float]] = field(default=None, metadata={
         "help": "Heterogeneity-aware sampler: relative speed of each rank (one per process); None: even shards."})
     deepspeed: Optional[str] = field(default=None, metadata={
         "help": "DeepSpeed config JSON (finetune: passed to the Trainer); checked against the other switches."})
 
-    def compose_fields(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ComposeOptions)}
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def comm_method(self) -> Optional[str]:
+        return None if self.comm_hook is None else self.comm_hook.method
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: Optional[dict], where: Optional[str] = None):
+        """The config from plain data (a YAML recipe, JSON, the CLI's parsed flags): sections as mappings or their
+        short forms, unknown keys refused naming the valid ones, the previous release's flat keys mapped with a
+        ``FutureWarning``."""
+        data = {str(k).replace("-", "_"): v for k, v in (data or {}).items()}
+        legacy = {k: data.pop(k) for k in list(data) if k in LEGACY_KEYS}
+        nested: dict = {}
+        for key, value in legacy.items():
+            section, name = LEGACY_KEYS[key].split(".")
+            warnings.warn(f"{key!r} is deprecated and will be removed in the next release; use {section}.{name} "
+                          f"(--{section.replace('_', '-')}.{name.replace('_', '-')}).", FutureWarning, stacklevel=2)
+            optional = section in ("comm_hook", "delta", "fault_tolerance")
+            if optional and key not in _LEGACY_SWITCHES and not _switched_on(data.get(section)):
+                continue  # as before: a setting of a feature that is off does nothing
+            nested = merge(nested, {section: {name: value}}, cls)
+        return build(cls, merge(nested, data, cls), where or cls.__name__)
+
+    def validate(self) -> None:
+        """Checks that need no world: the sections are built and valid (each validates itself), names are known."""
+        for name in ("comm_hook", "eva", "onebit_lamb", "gossip", "delta", "fault_tolerance"):
+            coerce_section(self, name)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is unknown; set --optimizer to one of "
+                             f"{', '.join(OPTIMIZERS)}.")
+        if isinstance(self.hetero_speeds, str):
+            self.hetero_speeds = [float(s) for s in self.hetero_speeds.split(",") if s.strip()]
+        unused = [(section, chosen) for section, chosen, default in (
+            ("eva", ("eva",), JOB_EVA), ("onebit_lamb", ("onebit_lamb",), JOB_ONEBIT_LAMB),
+            ("gossip", ("dpsgd", "decentlam"), GossipConfig())) if getattr(self, section) != default
+            and self.optimizer not in chosen]
+        if unused:
+            section, chosen = unused[0]
+            raise ValueError(f"{section}.* settings are given but optimizer={self.optimizer}; set --optimizer "
+                             f"{' or '.join(chosen)}, or drop the {section} settings.")
 
     def deepspeed_stage(self) -> Optional[int]:
         if not self.deepspeed:
@@ -58,28 +121,6 @@ class ComposeOptions:
         with open(self.deepspeed) as f:
             cfg = json.load(f)
         return int(cfg.get("zero_optimization", {}).get("stage", 0))
-
-    def validate(self) -> None:
-        """Checks that need no world: names, ranges."""
-        from hf_dtrain.comm import METHODS as COMM_METHODS
-
-        if self.comm_hook is not None and self.comm_hook not in COMM_METHODS:
-            raise ValueError(f"comm_hook={self.comm_hook!r} is unknown; set --comm-hook to one of "
-                             f"{', '.join(COMM_METHODS)} (or leave it out).")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r} is unknown; set --optimizer to one of "
-                             f"{', '.join(OPTIMIZERS)}.")
-        if self.delta_budget is not None and not self.delta_budget > 0:
-            raise ValueError(f"delta_budget must be > 0 (a fraction in (0, 1] or bytes), got {self.delta_budget!r}.")
-        if self.delta_granularity not in ("layer", "submodule"):
-            raise ValueError(f"delta_granularity must be layer or submodule, got {self.delta_granularity!r}.")
-        for name in ("ft_every", "comm_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}.")
-        if self.ft_parity < 0 or self.ft_persist_every < 0:
-            raise ValueError("ft_parity and ft_persist_every must be >= 0.")
-        if isinstance(self.hetero_speeds, str):
-            self.hetero_speeds = [float(s) for s in self.hetero_speeds.split(",") if s.strip()]
 
     def check(self, world_size: int, engine: str, lorafa_optimizer: bool = False) -> None:
         """Refuse combinations that clash, with a ``ValueError`` naming both sides and what to change."""
@@ -89,11 +130,11 @@ class ComposeOptions:
         clashes = []
         if self.comm_hook is not None and self.optimizer in EXCHANGING:
             clashes.append(f"optimizer={self.optimizer} exchanges gradients/parameters itself (DDP runs the noop "
-                           f"hook) and comm_hook={self.comm_hook} would be a second exchange: drop --comm-hook, or use "
+                           f"hook) and comm_hook={self.comm_method} would be a second exchange: drop --comm-hook, or use "
                            "--optimizer adamw/eva with the hook")
         if world_size < 2:
             if self.comm_hook is not None:
-                clashes.append(f"comm_hook={self.comm_hook} needs >= 2 processes; this run has 1 (accelerate "
+                clashes.append(f"comm_hook={self.comm_method} needs >= 2 processes; this run has 1 (accelerate "
                                "launch / torchrun, or leave --comm-hook out)")
             if self.optimizer in EXCHANGING:
                 clashes.append(f"optimizer={self.optimizer} needs >= 2 processes; this run has 1")
@@ -101,7 +142,7 @@ class ComposeOptions:
             clashes.append(f"two optimizers: --method lorafa builds its own (create_lorafa_optimizer) and "
                            f"--optimizer {self.optimizer} would replace it; set --lorafa-optimizer false to use "
                            f"{self.optimizer}")
-        if self.fault_tolerance and self.comm_hook == "dear":
+        if self.fault_tolerance is not None and self.comm_method == "dear":
             clashes.append("comm_hook=dear defers each update into the next forward, so a snapshot at the step "
                            "boundary would miss it: use another hook with --fault-tolerance")
         if self.hetero_speeds is not None:
@@ -118,7 +159,7 @@ class ComposeOptions:
                 clashes.append("deepspeed: hf-dtrain pretrain runs DDP through Accelerate; DeepSpeed configs are "
                                "taken by hf-dtrain finetune (the Trainer)")
             if self.comm_hook is not None:
-                clashes.append(f"comm_hook={self.comm_hook} is a DDP communication hook and DeepSpeed ZeRO-{stage} "
+                clashes.append(f"comm_hook={self.comm_method} is a DDP communication hook and DeepSpeed ZeRO-{stage} "
                                "replaces DDP (its own reduce/reduce-scatter): drop --comm-hook, or use "
                                "hf_dtrain.comm.register_deepspeed with ZeRO stage 0 from Python")
             if self.optimizer in EXCHANGING:
@@ -127,39 +168,76 @@ class ComposeOptions:
             if self.optimizer == "eva" and stage >= 1:
                 clashes.append(f"optimizer=eva keeps per-layer vectors for full parameters; DeepSpeed ZeRO-{stage} "
                                "partitions the optimizer (not supported)")
-            if self.delta_budget is not None and stage == 3:
-                clashes.append("delta_budget with DeepSpeed ZeRO-3: ZeRO-3 gathers parameters in module hooks that "
+            if self.delta is not None and stage == 3:
+                clashes.append("delta with DeepSpeed ZeRO-3: ZeRO-3 gathers parameters in module hooks that "
                                "DELTA's recompute would run again (not supported)")
-            if self.fault_tolerance and stage >= 1:
+            if self.fault_tolerance is not None and stage >= 1:
                 clashes.append(f"fault_tolerance with DeepSpeed ZeRO-{stage}: snapshotting partitioned optimizer state "
                                "is not supported yet; use DDP (no --deepspeed) or ZeRO stage 0")
         if clashes:
             raise ValueError("These switches cannot be combined: " + "; ".join(clashes) + ".")
 
 
-def build_optimizer(opts: ComposeOptions, model, lr: float, weight_decay: float = 0.0):
-    """The torch optimizer for ``opts.optimizer`` on ``model``'s trainable parameters (``model`` unwrapped)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if opts.optimizer == "adamw":
-        import torch
+def _adamw(opts, model, params, lr, weight_decay):
+    import torch
 
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if opts.optimizer == "eva":
-        from hf_dtrain.optim import Eva
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
-        return Eva(params, model=model, base_optimizer="adamw", lr=lr, damping=opts.eva_damping,
-                   weight_decay=weight_decay)
-    if opts.optimizer == "onebit_lamb":
-        from hf_dtrain.optim import OneBitLamb
 
-        return OneBitLamb(params, lr=lr, freeze_step=opts.onebit_freeze_step, weight_decay=weight_decay)
-    if opts.optimizer == "dpsgd":
-        from hf_dtrain.decentralized import DPSGD
+def _eva(opts, model, params, lr, weight_decay):
+    from hf_dtrain.optim import Eva
 
-        return DPSGD(params, topology=opts.topology, base_optimizer="adamw", lr=lr, weight_decay=weight_decay)
+    return Eva.from_config(params, opts.eva, model=model, base_optimizer="adamw", lr=lr, weight_decay=weight_decay)
+
+
+def _onebit_lamb(opts, model, params, lr, weight_decay):
+    from hf_dtrain.optim import OneBitLamb
+
+    return OneBitLamb.from_config(params, opts.onebit_lamb, lr=lr, weight_decay=weight_decay)
+
+
+def _dpsgd(opts, model, params, lr, weight_decay):
+    from hf_dtrain.decentralized import DPSGD
+
+    return DPSGD(params, topology=opts.gossip.topology, mode=opts.gossip.mode, base_optimizer="adamw", lr=lr,
+                 weight_decay=weight_decay)
+
+
+def _decentlam(opts, model, params, lr, weight_decay):
     from hf_dtrain.decentralized import DecentLaM
 
-    return DecentLaM(params, lr=lr, topology=opts.topology, weight_decay=weight_decay)
+    return DecentLaM(params, lr=lr, momentum=opts.gossip.momentum, topology=opts.gossip.topology,
+                     weight_decay=weight_decay)
+
+
+# --optimizer name -> (options, unwrapped model, trainable parameters, lr, weight decay) -> torch optimizer
+OPTIMIZER_BUILDERS: dict[str, Callable] = {"adamw": _adamw, "eva": _eva, "onebit_lamb": _onebit_lamb,
+                                           "dpsgd": _dpsgd, "decentlam": _decentlam}
+OPTIMIZERS = tuple(OPTIMIZER_BUILDERS)
+# optimizers that exchange gradients or parameters themselves (DDP runs its noop hook under them)
+EXCHANGING = ("onebit_lamb", "dpsgd", "decentlam")
+
+
+def build_optimizer(opts: ComposeOptions, model, lr: float, weight_decay: float = 0.0):
+    """The torch optimizer for ``opts.optimizer`` on ``model``'s trainable parameters (``model`` unwrapped)."""
+    if opts.optimizer not in OPTIMIZER_BUILDERS:
+        raise ValueError(f"optimizer={opts.optimizer!r} is unknown; use one of {', '.join(OPTIMIZER_BUILDERS)}.")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return OPTIMIZER_BUILDERS[opts.optimizer](opts, model, params, lr, weight_decay)
+
+
+def snapshot_config_for(config: SnapshotConfig, output_dir: str) -> SnapshotConfig:
+    """The jobs' one default on top of the user's config: disk snapshots go under ``<output_dir>/snapshots`` when
+    ``persist_every`` is set and ``persist_dir`` is not."""
+    import os
+
+    if config.persist_every and not config.persist_dir:
+        return dataclasses.replace(config, persist_dir=os.path.join(output_dir, "snapshots"))
+    return config
+
+
+def _switched_on(value) -> bool:
+    return value is not None and value is not False
 
 
 def wire_bytes(comm_state=None, optimizer=None) -> Optional[dict]:

@@ -39,6 +39,13 @@ class WireStats:
         return self.steps[-1] if self.steps else None
 
 
+def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` / DeepSpeed's wrappers (or the optimizer)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def world_size_of(process_group=None) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1

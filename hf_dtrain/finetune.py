@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_dtrain.compose import EXCHANGING, ComposeOptions, build_optimizer, wire_bytes
+from hf_dtrain.compose import EXCHANGING, ComposeOptions, build_optimizer, snapshot_config_for, wire_bytes
 
 METHODS = ("lora", "dora", "lorafa", "smt", "qbara", "qahira", "full")
 # Per-method default learning rates (used when ``learning_rate`` is None); qahira's single matrix acts on inputs
@@ -335,7 +335,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         ddp_find_unused_parameters=False if cfg.method != "full" else None,
         # DeAR averages the gradients after step() is called, and the exchanging optimizers never average them:
         # clipping local gradients would be wrong
-        max_grad_norm=0.0 if cfg.comm_hook == "dear" or cfg.optimizer in EXCHANGING else 1.0,
+        max_grad_norm=0.0 if cfg.comm_method == "dear" or cfg.optimizer in EXCHANGING else 1.0,
         deepspeed=cfg.deepspeed,
     )
     # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
@@ -345,19 +345,15 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     if cfg.optimizer != "adamw":
         optimizers = (build_optimizer(cfg, model, lr, cfg.weight_decay), None)
     delta_cb = ft = None
-    if cfg.delta_budget is not None:
+    if cfg.delta is not None:
         from hf_dtrain.memory import DeltaCallback
 
-        budget = cfg.delta_budget if cfg.delta_budget <= 1 else int(cfg.delta_budget)
-        delta_cb = DeltaCallback(budget=budget, granularity=cfg.delta_granularity)
+        delta_cb = DeltaCallback(cfg.delta)
         callbacks.append(delta_cb)
-    if cfg.fault_tolerance:
+    if cfg.fault_tolerance is not None:
         from hf_dtrain.fault import InMemoryFaultToleranceCallback
 
-        ft = InMemoryFaultToleranceCallback(
-            every_n_steps=cfg.ft_every, parity=cfg.ft_parity, directory=cfg.ft_dir,
-            persist_dir=os.path.join(output_dir, "snapshots") if cfg.ft_persist_every else None,
-            persist_every=cfg.ft_persist_every)
+        ft = InMemoryFaultToleranceCallback(snapshot_config_for(cfg.fault_tolerance, output_dir))
         callbacks.append(ft)
     if cfg.method == "lorafa" and cfg.lorafa_optimizer:
         from hf_dtrain.tuners.lorafa import create_lorafa_optimizer
@@ -389,11 +385,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     if cfg.comm_hook is not None or cfg.optimizer in EXCHANGING:
         from hf_dtrain.callbacks import CommHookCallback
 
-        hook = "noop" if cfg.optimizer in EXCHANGING else {"method": cfg.comm_hook, "rank": cfg.comm_rank,
-                                                           "start_iter": cfg.comm_start_iter}
-        comm = CommHookCallback.attach(trainer, hook)
+        comm = CommHookCallback.attach(trainer, "noop" if cfg.optimizer in EXCHANGING else cfg.comm_hook)
         if ft is not None:
-            ft.kwargs["stateful"] = {"comm_hook": comm}  # the hook's error feedback goes into the snapshots
+            ft.add_stateful("comm_hook", comm)  # the hook's error feedback goes into the snapshots
 
     resume = ft.resume_checkpoint(trainer) if ft is not None else None
     before = trainer.evaluate()  # adapters start as the identity: this is the base model

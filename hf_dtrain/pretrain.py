@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from hf_dtrain.compose import EXCHANGING, ComposeOptions, build_optimizer, wire_bytes
+from hf_dtrain.compose import EXCHANGING, ComposeOptions, build_optimizer, snapshot_config_for, wire_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
 
     from accelerate.utils import DataLoaderConfiguration
 
-    from hf_dtrain.comm import unwrap_optimizer
+    from hf_dtrain.distributed import unwrap_optimizer
     from hf_dtrain.models import PRESETS, build_llama
 
     # a seedable sampler: epoch e's order depends on (seed, e) only, so a resumed run skips into the same order
@@ -173,11 +173,10 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     model = build_llama(cfg.preset, seed=cfg.seed, vocab_size=max(len(tokenizer), PRESETS[cfg.preset]["vocab_size"]))
     model.train()
     delta = None
-    if cfg.delta_budget is not None:
+    if cfg.delta is not None:
         from hf_dtrain.memory import apply_delta
 
-        budget = cfg.delta_budget if cfg.delta_budget <= 1 else int(cfg.delta_budget)
-        delta = apply_delta(model, budget, granularity=cfg.delta_granularity)  # on the unwrapped model
+        delta = apply_delta(model, cfg.delta)  # on the unwrapped model
     optimizer = build_optimizer(cfg, model, cfg.learning_rate, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
 
@@ -212,20 +211,19 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     if cfg.comm_hook is not None:
         from hf_dtrain.comm import register
 
-        comm_state = register(model, {"method": cfg.comm_hook, "rank": cfg.comm_rank,
-                                      "start_iter": cfg.comm_start_iter}, optimizer=optimizer)
+        comm_state = register(model, cfg.comm_hook, optimizer=optimizer)
     elif cfg.optimizer in EXCHANGING:
         from hf_dtrain.comm import register
 
         register(model, "noop")  # the optimizer exchanges; DDP must not average as well
     engine, restored, start = None, None, 1
-    if cfg.fault_tolerance:
+    if cfg.fault_tolerance is not None:
         from hf_dtrain.fault import SnapshotEngine
 
         stateful = {"comm_hook": comm_state} if hasattr(comm_state, "state_dict") else None
-        engine = SnapshotEngine(model, optimizer, scheduler, directory=cfg.ft_dir, parity=cfg.ft_parity,
-                                persist_dir=os.path.join(cfg.output_dir, "snapshots") if cfg.ft_persist_every else None,
-                                persist_every=cfg.ft_persist_every, stateful=stateful)
+        engine = SnapshotEngine(model, optimizer, scheduler, config=snapshot_config_for(cfg.fault_tolerance,
+                                                                                        cfg.output_dir),
+                                stateful=stateful)
         restored = engine.restore()
         if restored is not None:
             start = restored.extra["next_step"]
@@ -277,7 +275,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         history.append({"step": step, "loss": loss.item(), "seconds": time.perf_counter() - t0})
         step_log.write(json.dumps({**history[-1], "time": time.time()}) + "\n")
         step_log.flush()
-        if engine is not None and step % cfg.ft_every == 0:
+        if engine is not None and step % cfg.fault_tolerance.every_n_steps == 0:
             engine.snapshot(step, extra={"next_step": step + 1})
         bar.update(1)
         if accelerator.is_main_process and cfg.logging_steps and step % cfg.logging_steps == 0:

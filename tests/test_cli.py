@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from hf_dtrain.cli import build_parser, finetune_config_from_args, load_recipe, main
+from hf_dtrain.cli import build_parser, job_config_from_args, main
 from hf_dtrain.finetune import FinetuneConfig, run_finetune
 from hf_dtrain.testing import tiny_default_base
 
 
 def _cfg(argv):
-    return finetune_config_from_args(build_parser().parse_args(["finetune", *argv]))
+    return job_config_from_args(build_parser().parse_args(["finetune", *argv]))
 
 
 def test_defaults_and_flags():
@@ -38,8 +38,8 @@ def test_recipe_then_explicit_flags_win(tmp_path):
 def test_bad_recipe_key_and_bad_method(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("method: lora\nlora_rank: 4\n")
-    with pytest.raises(ValueError, match="lora_rank.*valid keys.*lora_r"):
-        load_recipe(str(recipe))
+    with pytest.raises(ValueError, match=r"recipe .*r.yaml: unknown key\(s\) \['lora_rank'\]; valid keys .*lora_r"):
+        _cfg(["--recipe", str(recipe)])
     with pytest.raises(SystemExit, match="lora_rank"):
         main(["finetune", "--recipe", str(recipe)])
     recipe.write_text("method: qlora\n")
@@ -47,7 +47,8 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
         main(["finetune", "--recipe", str(recipe)])
     with pytest.raises(SystemExit):  # argparse rejects it with the valid choices
         main(["finetune", "--method", "qlora"])
-    with pytest.raises(ValueError, match=r"comm_hook=.topk. is unknown; set --comm-hook to one of allreduce, acp_sgd"):
+    with pytest.raises(ValueError, match=r"method='topk' is unknown; set comm_hook.method \(--comm-hook\) to one of "
+                                         r"allreduce, acp_sgd"):
         FinetuneConfig(comm_hook="topk")
     with pytest.raises(ValueError, match="one of lora, dora, lorafa, smt, qbara, qahira, full"):
         FinetuneConfig(method="adapter")
@@ -187,7 +188,7 @@ def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_
     if quantize:
         cmd += ["--quantize", quantize, "--quant-group-size", "16"]
     if method == "lorafa":  # the Trainer's way in for communication hooks (hf_dtrain.callbacks.CommHookCallback)
-        cmd += ["--comm-hook", "acp_sgd", "--comm-rank", "2", "--comm-start-iter", "5"]
+        cmd += ["--comm-hook", "acp_sgd", "--comm-hook.rank", "2", "--comm-hook.start-iter", "5"]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
@@ -242,13 +243,14 @@ def test_every_committed_recipe_loads():
         assert cfg.method == yaml.safe_load(open(path))["method"]
     for path in comm:
         data = yaml.safe_load(open(path))["comm_hook"]
-        assert CommHookConfig.from_any(data).method == data["method"]
+        assert CommHookConfig.from_any(data) == CommHookConfig(**data)
     from hf_dtrain.cli import build_parser
     from hf_dtrain.pretrain import PretrainConfig
 
     pretrain = sorted(glob.glob(os.path.join(root, "recipes", "pretrain_*.yaml")))
     assert pretrain
     for path in pretrain:
-        cfg = finetune_config_from_args(build_parser().parse_args(["pretrain", "--recipe", path]), PretrainConfig)
-        assert cfg.comm_hook == yaml.safe_load(open(path)).get("comm_hook")
+        cfg = job_config_from_args(build_parser().parse_args(["pretrain", "--recipe", path]), PretrainConfig)
+        data = yaml.safe_load(open(path))
+        assert cfg.comm_hook == (CommHookConfig(**data["comm_hook"]) if data.get("comm_hook") else None)
         cfg.check(2, "accelerate")  # the committed combination composes

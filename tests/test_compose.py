@@ -28,25 +28,30 @@ def test_two_optimizers_and_deepspeed_clashes(tmp_path):
     zero3 = tmp_path / "ds.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with pytest.raises(ValueError) as err:
-        ComposeOptions(comm_hook="acp_sgd", delta_budget=0.5, fault_tolerance=True, deepspeed=str(zero3)).check(
+        ComposeOptions(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, deepspeed=str(zero3)).check(
             2, "trainer")
     message = str(err.value)
     assert "comm_hook=acp_sgd is a DDP communication hook and DeepSpeed ZeRO-3 replaces DDP" in message
-    assert "delta_budget with DeepSpeed ZeRO-3" in message and "fault_tolerance with DeepSpeed ZeRO-3" in message
+    assert "delta with DeepSpeed ZeRO-3" in message and "fault_tolerance with DeepSpeed ZeRO-3" in message
     with pytest.raises(ValueError, match=r"hf-dtrain pretrain runs DDP through Accelerate"):
         ComposeOptions(deepspeed=str(zero3)).check(2, "accelerate")
-    ComposeOptions(comm_hook="acp_sgd", delta_budget=0.5, fault_tolerance=True, optimizer="eva").check(2, "accelerate")
+    ComposeOptions(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, optimizer="eva").check(2, "accelerate")
 
 
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match=r"optimizer='sgd2' is unknown; set --optimizer to one of adamw, eva"):
         ComposeOptions(optimizer="sgd2").validate()
-    with pytest.raises(ValueError, match=r"comm_hook='powersgd' is unknown"):
-        ComposeOptions(comm_hook="powersgd").validate()
-    with pytest.raises(ValueError, match=r"delta_budget must be > 0"):
-        ComposeOptions(delta_budget=0).validate()
-    with pytest.raises(ValueError, match=r"delta_granularity must be layer or submodule"):
-        ComposeOptions(delta_granularity="op").validate()
+    with pytest.raises(ValueError, match=r"method='powersgd' is unknown; set comm_hook.method"):
+        ComposeOptions(comm_hook="powersgd")
+    with pytest.raises(ValueError, match=r"DeltaConfig.budget must be a fraction in \(0, 1\] or bytes"):
+        ComposeOptions(delta=0)
+    with pytest.raises(ValueError, match=r"granularity='op' is unknown; set delta.granularity to one of layer"):
+        ComposeOptions(delta={"budget": 0.5, "granularity": "op"})
+    with pytest.raises(ValueError, match=r"eva.\* settings are given but optimizer=adamw; set --optimizer eva"):
+        ComposeOptions(eva={"damping": 0.1})
+    with pytest.raises(ValueError, match=r"ComposeOptions.delta: unknown key\(s\) \['budgett'\]; valid keys are "
+                                         r"allow_offload, budget, granularity"):
+        ComposeOptions.from_dict({"delta": {"budgett": 0.5}})
 
 
 def test_cli_refuses_a_clash_before_training(capsys):
@@ -69,7 +74,7 @@ def test_pretrain_on_a_local_jsonl_dataset_one_process(tmp_path, streaming):
     data.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "out"
     assert main(["pretrain", "--dataset", str(data), "--streaming", str(streaming).lower(), "--max-steps", "6",
-                 "--per-device-train-batch-size", "4", "--seq-len", "64", "--delta-budget", "0.6", "--progress",
+                 "--per-device-train-batch-size", "4", "--seq-len", "64", "--delta.budget", "0.6", "--progress",
                  "false", "--save-model", "false", "--output-dir", str(out)]) == 0
     results = json.load(open(out / "results.json"))
     assert [h["step"] for h in results["history"]] == list(range(1, 7))

@@ -12,14 +12,14 @@ from hf_dtrain.testing import elastic_launch, stop_snapshot_processes, tiny_defa
 
 pytestmark = pytest.mark.slow
 
-PARTS = ["--comm-hook", "acp_sgd", "--comm-start-iter", "4", "--comm-rank", "2", "--delta-budget", "0.5",
-         "--fault-tolerance", "true", "--ft-parity", "1", "--progress", "false", "--logging-steps", "1"]
+PARTS = ["--comm-hook", "acp_sgd", "--comm-hook.start-iter", "4", "--comm-hook.rank", "2", "--delta.budget", "0.5",
+         "--fault-tolerance.parity", "1", "--progress", "false", "--logging-steps", "1"]
 
 
 def _run(tmp_path, name, job_argv, fault=None):
     out, ft = tmp_path / name, tmp_path / f"{name}_ft"
     out.mkdir()
-    argv = [sys.executable, "-m", "hf_dtrain.cli", *job_argv, *PARTS, "--ft-dir", str(ft), "--output-dir", str(out)]
+    argv = [sys.executable, "-m", "hf_dtrain.cli", *job_argv, *PARTS, "--fault-tolerance.directory", str(ft), "--output-dir", str(out)]
     try:
         if fault:
             codes = elastic_launch(argv, 2, {"HF_DTRAIN_INJECT_FAULT": fault}, timeout=600, log_dir=str(out))

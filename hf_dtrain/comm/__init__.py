@@ -18,7 +18,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..distributed import WireStats, check_same_across_ranks, world_size_of
+from ..distributed import WireStats, check_same_across_ranks, unwrap_optimizer, world_size_of
 from .acp_sgd import ACPSGDState, acp_sgd_hook, acp_sgd_step_bytes
 from .dear import DeARState, dear_hook, dear_step_bytes
 from .config import METHODS, CommHookConfig
@@ -63,13 +63,6 @@ def _ddp_module(model):
         f"got {type(model).__name__}. Call it after accelerator.prepare and before the first backward; with one "
         "process there is nothing to communicate (launch with accelerate launch / torchrun and >= 2 processes)."
     )
-
-
-def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or the optimizer itself)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def register(model, config: Union[CommHookConfig, dict, str, None] = None, process_group=None, optimizer=None):

@@ -2,6 +2,7 @@
 torch.distributed, and optimizers built on them (D-PSGD, DecentLaM, LSGD, AL-DSGD), and Non-blocking SGD with a straggler injector."""
 
 from .aldsgd import ALDSGD
+from .config import GossipConfig
 from .decentlam import DecentLaM
 from .dpsgd import DPSGD
 from .gossip import consensus_distance, exchange, gossip
@@ -9,5 +10,5 @@ from .lsgd import LSGD
 from .nonblocking import NonBlockingSGD, Straggler
 from .topology import MatchaTopology, Topology, metropolis_weights
 
-__all__ = ["Topology", "MatchaTopology", "metropolis_weights", "gossip", "exchange", "consensus_distance", "DPSGD",
+__all__ = ["GossipConfig", "Topology", "MatchaTopology", "metropolis_weights", "gossip", "exchange", "consensus_distance", "DPSGD",
            "DecentLaM", "LSGD", "ALDSGD", "NonBlockingSGD", "Straggler"]

@@ -9,8 +9,9 @@ erasure coding across nodes, restored exactly.
 """
 
 from .callback import InMemoryFaultToleranceCallback
+from .config import SnapshotConfig
 from .erasure import ErasureCode, UnrecoverableError
 from .snapshot import Restored, SnapshotEngine, SnapshotError
 
-__all__ = ["InMemoryFaultToleranceCallback", "SnapshotEngine", "SnapshotError", "Restored", "ErasureCode",
+__all__ = ["SnapshotConfig", "InMemoryFaultToleranceCallback", "SnapshotEngine", "SnapshotError", "Restored", "ErasureCode",
            "UnrecoverableError"]

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from transformers import TrainerCallback
 
+from .config import SnapshotConfig
 from .snapshot import Restored, SnapshotEngine, _unwrap
 
 logger = logging.getLogger(__name__)
@@ -22,30 +23,37 @@ logger = logging.getLogger(__name__)
 class InMemoryFaultToleranceCallback(TrainerCallback):
     """Snapshots every ``every_n_steps`` optimizer steps into the node's snapshot process::
 
-        ft = InMemoryFaultToleranceCallback(every_n_steps=1)
+        ft = InMemoryFaultToleranceCallback(SnapshotConfig(every_n_steps=1))
         trainer = Trainer(..., callbacks=[ft])
         trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))   # None on a fresh start
 
     ``resume_checkpoint`` restores the newest snapshot every rank has (memory, else parity, else disk; logged and in
     ``self.restored``) and writes it as a Trainer checkpoint in a private directory, which ``train`` then resumes
-    from. ``parity``/``group_size``: erasure coding across nodes; ``persist_dir``/``persist_every``: every N-th
-    snapshot also to disk (safetensors) in the background."""
+    from. Every setting is a field of :class:`~hf_dtrain.fault.SnapshotConfig` (also accepted as keywords:
+    ``InMemoryFaultToleranceCallback(every_n_steps=1, parity=1)``)."""
 
-    def __init__(self, every_n_steps: int = 1, parity: int = 1, group_size: Optional[int] = None,
-                 persist_dir: Optional[str] = None, persist_every: int = 0, directory: Optional[str] = None,
-                 timeout: float = 60.0, stateful: Optional[dict] = None):
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
-        self.every_n_steps = every_n_steps
-        self.kwargs = dict(parity=parity, group_size=group_size, persist_dir=persist_dir,
-                           persist_every=persist_every, directory=directory, timeout=timeout, stateful=stateful)
+    def __init__(self, config: Optional[SnapshotConfig] = None, *, stateful: Optional[dict] = None, **settings):
+        if config is None:
+            config = SnapshotConfig(**settings)
+        elif settings:
+            config = SnapshotConfig(**{**config.__dict__, **settings})
+        self.config = config
+        self.every_n_steps = config.every_n_steps
+        self.stateful = dict(stateful or {})
         self.engine: Optional[SnapshotEngine] = None
         self.restored: Optional[Restored] = None
         self.snapshots = 0  # taken in this process's run (after train: the count)
 
+    def add_stateful(self, name: str, obj) -> None:
+        """Keep ``obj`` (``state_dict()`` / ``load_state_dict()``) in every snapshot, for example a communication
+        hook's error feedback; call before ``resume_checkpoint``."""
+        if self.engine is not None:
+            raise RuntimeError("add_stateful() must come before resume_checkpoint() and train().")
+        self.stateful[name] = obj
+
     def _engine(self, model) -> SnapshotEngine:
         if self.engine is None:
-            self.engine = SnapshotEngine(model, **self.kwargs)
+            self.engine = SnapshotEngine(model, config=self.config, stateful=self.stateful)
         return self.engine
 
     def resume_checkpoint(self, trainer) -> Optional[str]:

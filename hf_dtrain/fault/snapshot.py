@@ -79,15 +79,21 @@ class SnapshotEngine:
     no trainer connected for ``idle_exit`` seconds exits (the job is gone), so crashed jobs do not hold memory.
     """
 
-    def __init__(self, model: nn.Module, optimizer=None, scheduler=None, scaler=None, *,
-                 directory: Optional[str] = None, parity: int = 1, group_size: Optional[int] = None,
-                 persist_dir: Optional[str] = None, persist_every: int = 0, trainable_only: Optional[bool] = None,
-                 timeout: float = 60.0, process_group=None, idle_exit: float = 3600.0,
-                 stateful: Optional[dict] = None):
-        if parity < 0:
-            raise ValueError(f"parity must be >= 0 (0 turns erasure coding off), got {parity}")
-        if persist_every < 0 or (persist_every and not persist_dir):
-            raise ValueError("persist_every > 0 needs persist_dir (where every N-th snapshot is written)")
+    def __init__(self, model: nn.Module, optimizer=None, scheduler=None, scaler=None, config=None, *,
+                 stateful: Optional[dict] = None, process_group=None, **settings):
+        from .config import SnapshotConfig
+
+        if config is None:
+            config = SnapshotConfig(**settings)
+        elif settings:
+            config = SnapshotConfig(**{**config.__dict__, **settings})
+        self.config = config
+        directory, parity, group_size = config.directory, config.parity, config.group_size
+        persist_dir, persist_every = config.persist_dir, config.persist_every
+        timeout, idle_exit, trainable_only = config.timeout, config.idle_exit, config.trainable_only
+        if persist_every and not persist_dir:
+            raise ValueError("SnapshotConfig.persist_every > 0 needs persist_dir (where every N-th snapshot is "
+                             "written); set fault_tolerance.persist_dir.")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.stateful = dict(stateful or {})
         for name, obj in self.stateful.items():

@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import world_size_of
+from .config import EVA_METHODS, EvaConfig, config_kwargs
 from .wrapper import WrappedOptimizer, build_base_optimizer
 
-METHODS = ("eva", "foof")
+METHODS = EVA_METHODS
 
 
 class _Layer:
@@ -128,20 +129,11 @@ class Eva(WrappedOptimizer):
             params = [p for p in params.parameters() if p.requires_grad]
         if not isinstance(model, nn.Module):
             raise TypeError(f"Eva needs the model (to hook its Linear layers): model=..., got {type(model).__name__}.")
-        if not (isinstance(damping, (int, float)) and damping > 0 and math.isfinite(damping)):
-            raise ValueError(f"Eva damping must be a positive finite number (the paper uses 0.03), got {damping!r}.")
-        if not (isinstance(kl_clip, (int, float)) and kl_clip >= 0):
-            raise ValueError(f"Eva kl_clip must be >= 0 (0.001 in the paper; 0 rescales to the gradient norm), "
-                             f"got {kl_clip!r}.")
-        if not (isinstance(factor_decay, (int, float)) and 0 < factor_decay <= 1):
-            raise ValueError(f"Eva factor_decay must be in (0, 1] (the paper uses 0.95), got {factor_decay!r}.")
-        if not isinstance(update_interval, int) or isinstance(update_interval, bool) or update_interval < 1:
-            raise ValueError(f"Eva update_interval must be an integer >= 1 (1: every step), got {update_interval!r}.")
-        if method not in METHODS:
-            raise ValueError(f"Eva method={method!r} is unknown; use one of {', '.join(METHODS)}.")
+        self.config = EvaConfig(damping=damping, kl_clip=kl_clip, factor_decay=factor_decay,
+                                update_interval=update_interval, method=method, exclude=list(exclude))
         self._init_wrapper()
         self.base = build_base_optimizer(base_optimizer, params, "Eva", **base_kwargs)
-        self.damping, self.kl_clip, self.factor_decay = float(damping), float(kl_clip), float(factor_decay)
+        self.damping, self.kl_clip, self.factor_decay = float(damping), float(kl_clip), float(factor_decay)  # validated
         self.update_interval, self.method, self.process_group = update_interval, method, process_group
         self.steps = 0
         optimized = {id(p) for g in self.base.param_groups for p in g["params"]}
@@ -166,6 +158,14 @@ class Eva(WrappedOptimizer):
         if not self.layers:
             raise ValueError("Eva found no trainable nn.Linear (or LoRA-FA / SMT adapter) in the model among the optimized "
                              "parameters; nothing to precondition (check model= and exclude=).")
+
+    @classmethod
+    def from_config(cls, params, config: EvaConfig, model: Optional[nn.Module] = None,
+                    base_optimizer: Union[str, Callable] = "sgd", process_group=None, **base_kwargs) -> "Eva":
+        """``Eva`` with every setting from ``config`` (what the jobs pass down); ``base_kwargs`` (lr, weight decay)
+        go to the wrapped optimizer."""
+        return cls(params, model=model, base_optimizer=base_optimizer, process_group=process_group,
+                   **config_kwargs(config), **base_kwargs)
 
     def __repr__(self) -> str:
         return (f"Eva(method={self.method}, damping={self.damping}, kl_clip={self.kl_clip}, "

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..comm.s2_reducer import pack_bits, unpack_bits
 from ..distributed import WireStats, all_gather_single, check_same_across_ranks, world_size_of
+from .config import OneBitLambConfig, config_kwargs
 
 
 def _sign(x: torch.Tensor) -> torch.Tensor:
@@ -57,13 +58,10 @@ class OneBitLamb(torch.optim.Optimizer):
                  process_group=None):
         if not lr > 0:
             raise ValueError(f"OneBitLamb lr must be > 0, got {lr!r}.")
-        if not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(f"OneBitLamb freeze_step (LAMB warm-up steps before compression) must be an integer "
-                             f">= 1, got {freeze_step!r}.")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"OneBitLamb betas must be in [0, 1), got {betas!r}.")
-        if not 0 < min_coeff <= max_coeff:
-            raise ValueError(f"OneBitLamb needs 0 < min_coeff <= max_coeff, got {min_coeff!r}, {max_coeff!r}.")
+        self.config = OneBitLambConfig(freeze_step=freeze_step, betas=betas, eps=eps, max_coeff=max_coeff,
+                                       min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+                                       factor_min=factor_min, factor_threshold=factor_threshold,
+                                       mask_threshold=mask_threshold, scale_block=scale_block)
         self.world = world_size_of(process_group)
         if self.world < 2:
             raise ValueError("OneBitLamb compresses the gradient exchange between processes and needs a world of >= 2 "
@@ -73,12 +71,7 @@ class OneBitLamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
-        if not mask_threshold >= 0:
-            raise ValueError(f"OneBitLamb mask_threshold must be >= 0, got {mask_threshold!r}.")
         self.mask_threshold = mask_threshold
-        if scale_block is not None and (not isinstance(scale_block, int) or scale_block < 1):
-            raise ValueError(f"OneBitLamb scale_block must be None (one scale per rank's chunk, as DeepSpeed) or an "
-                             f"integer >= 1 (one scale per that many elements), got {scale_block!r}.")
         self.scale_block = scale_block
         self.process_group = process_group
         self.stats = WireStats()
@@ -96,6 +89,12 @@ class OneBitLamb(torch.optim.Optimizer):
         self.padded = math.ceil(n / (8 * self.world)) * 8 * self.world
         self.global_state = {"step": 0, "worker_error": torch.zeros(self.padded),
                              "server_error": torch.zeros(self.padded // self.world)}
+
+    @classmethod
+    def from_config(cls, params, config: OneBitLambConfig, lr: float = 1e-3, weight_decay: float = 0.0,
+                    process_group=None) -> "OneBitLamb":
+        """``OneBitLamb`` with every setting from ``config`` (what the jobs pass down)."""
+        return cls(params, lr=lr, weight_decay=weight_decay, process_group=process_group, **config_kwargs(config))
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]

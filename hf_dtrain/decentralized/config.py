@@ -1,0 +1,31 @@
+"""``GossipConfig``: the settings the jobs pass to the decentralized optimizers (``--gossip.<field>``, YAML section
+``gossip:``); D-PSGD and DecentLaM take them as keywords too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TOPOLOGIES = ("ring", "torus", "exponential", "fully_connected", "matcha")
+MODES = ("atc", "cta")
+
+
+@dataclass
+class GossipConfig:
+    """Decentralized optimizer settings (validated on construction)."""
+
+    topology: str = field(default="ring", metadata={
+        "help": "Communication graph: ring, torus, exponential, fully_connected, or matcha (time-varying matchings "
+                "of a torus)."})
+    momentum: float = field(default=0.9, metadata={"help": "decentlam: momentum beta in [0, 1)."})
+    mode: str = field(default="atc", metadata={
+        "help": "dpsgd: atc (adapt, then combine with the neighbours) or cta (combine, then adapt)."})
+
+    def __post_init__(self):
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"GossipConfig.topology={self.topology!r} is unknown; set gossip.topology to one of "
+                             f"{', '.join(TOPOLOGIES)}.")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"GossipConfig.momentum must be in [0, 1), got {self.momentum!r}; set gossip.momentum.")
+        if self.mode not in MODES:
+            raise ValueError(f"GossipConfig.mode={self.mode!r} is unknown; set gossip.mode to one of "
+                             f"{', '.join(MODES)}.")

@@ -1,0 +1,46 @@
+"""``SnapshotConfig``: how often and where in-memory snapshots are taken, and how they are protected. Every field is
+a ``--fault-tolerance.<field>`` flag of ``hf-dtrain finetune`` / ``pretrain`` and a key of the ``fault_tolerance:``
+YAML section (``fault_tolerance: true`` turns it on with these defaults); ``SnapshotEngine(..., config=...)`` and
+``InMemoryFaultToleranceCallback(config)`` take it unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SnapshotConfig:
+    """In-memory fault tolerance settings (validated on construction)."""
+
+    every_n_steps: int = field(default=1, metadata={"help": "Snapshot every N optimizer steps."})
+    parity: int = field(default=1, metadata={
+        "help": "Lost nodes to survive: erasure coding across nodes (XOR for 1, Reed-Solomon above; 0: off)."})
+    group_size: Optional[int] = field(default=None, metadata={
+        "help": "Nodes per erasure-coding group (more than parity); default all nodes in one group."})
+    persist_every: int = field(default=0, metadata={
+        "help": "Also write every N-th snapshot to disk as safetensors, in the background (0: never)."})
+    persist_dir: Optional[str] = field(default=None, metadata={
+        "help": "Where the disk snapshots go (the jobs default to <output_dir>/snapshots when persist_every > 0)."})
+    directory: Optional[str] = field(default=None, metadata={
+        "help": "Private directory of the snapshot processes (sockets, key, logs); default a per-user, per-job "
+                "directory under the system's temporary directory."})
+    timeout: float = field(default=60.0, metadata={
+        "help": "Seconds to wait for the snapshot process and for the other ranks before failing with a message."})
+    idle_exit: float = field(default=3600.0, metadata={
+        "help": "A snapshot process with no trainer connected for this many seconds exits (a crashed job does not "
+                "hold memory forever)."})
+    trainable_only: Optional[bool] = field(default=None, metadata={
+        "help": "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."})
+
+    def __post_init__(self):
+        for name, low in (("every_n_steps", 1), ("parity", 0), ("persist_every", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"SnapshotConfig.{name} must be an integer >= {low}, got {value!r}; set "
+                                 f"fault_tolerance.{name}.")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
+            raise ValueError(f"SnapshotConfig.group_size must be a positive integer or None, got {self.group_size!r}.")
+        for name in ("timeout", "idle_exit"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SnapshotConfig.{name} must be > 0 seconds, got {getattr(self, name)!r}.")

@@ -1,0 +1,97 @@
+"""The optimizers' settings as typed configs: ``EvaConfig`` and ``OneBitLambConfig``. The optimizers build and
+validate one from their keyword arguments (torch style: ``Eva(model, damping=0.03)``); the jobs hold one per
+optimizer (``--eva.<field>``, ``--onebit-lamb.<field>``; YAML sections ``eva:`` and ``onebit_lamb:``) and pass it
+with ``Eva.from_config`` / ``OneBitLamb.from_config``. Learning rate and weight decay are the job's, not these."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+EVA_METHODS = ("eva", "foof")
+
+
+@dataclass
+class EvaConfig:
+    """Eva / vectorized FOOF preconditioning settings (validated on construction)."""
+
+    damping: float = field(default=0.03, metadata={
+        "help": "Damping gamma > 0 of the Sherman-Morrison inverse (0.03 in the paper; the jobs use 1e-6 for "
+                "transformers, see docs/optim.md)."})
+    kl_clip: float = field(default=0.001, metadata={
+        "help": "KL clipping kappa >= 0 of the preconditioned update (0: rescale to the raw gradient's norm)."})
+    factor_decay: float = field(default=0.95, metadata={
+        "help": "Running-average decay in (0, 1] of the activation and gradient vectors."})
+    update_interval: int = field(default=1, metadata={
+        "help": "Collect the vectors every N steps (reused in between)."})
+    method: str = field(default="eva", metadata={"help": "eva or foof (vectorized FOOF: activations only)."})
+    exclude: list[str] = field(default_factory=lambda: ["lm_head"], metadata={
+        "help": "Module names (substrings) left to the wrapped optimizer's plain update."})
+
+    def __post_init__(self):
+        d = self.damping
+        if isinstance(d, bool) or not (isinstance(d, (int, float)) and d > 0 and math.isfinite(d)):
+            raise ValueError(f"Eva damping must be a positive finite number (the paper uses 0.03), got {d!r}; set "
+                             "eva.damping.")
+        if isinstance(self.kl_clip, bool) or not (isinstance(self.kl_clip, (int, float)) and self.kl_clip >= 0):
+            raise ValueError(f"Eva kl_clip must be >= 0 (0.001 in the paper; 0 rescales to the gradient norm), "
+                             f"got {self.kl_clip!r}; set eva.kl_clip.")
+        if not (isinstance(self.factor_decay, (int, float)) and 0 < self.factor_decay <= 1):
+            raise ValueError(f"Eva factor_decay must be in (0, 1] (the paper uses 0.95), got {self.factor_decay!r}; "
+                             "set eva.factor_decay.")
+        u = self.update_interval
+        if not isinstance(u, int) or isinstance(u, bool) or u < 1:
+            raise ValueError(f"Eva update_interval must be an integer >= 1 (1: every step), got {u!r}; set "
+                             "eva.update_interval.")
+        if self.method not in EVA_METHODS:
+            raise ValueError(f"Eva method={self.method!r} is unknown; set eva.method to one of "
+                             f"{', '.join(EVA_METHODS)}.")
+        self.exclude = list(self.exclude)
+
+
+@dataclass
+class OneBitLambConfig:
+    """1-bit LAMB settings (DeepSpeed's defaults, with a shorter ``freeze_step``; validated on construction)."""
+
+    freeze_step: int = field(default=100, metadata={
+        "help": "Plain LAMB warm-up steps before the momenta are compressed to 1 bit."})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "Adam moment decays (two numbers)."})
+    eps: float = field(default=1e-8, metadata={"help": "Denominator epsilon."})
+    max_coeff: float = field(default=10.0, metadata={"help": "Upper clip of the LAMB trust ratio."})
+    min_coeff: float = field(default=0.01, metadata={"help": "Lower clip of the LAMB trust ratio."})
+    coeff_beta: float = field(default=0.9, metadata={"help": "Decay of the running trust ratio frozen at freeze_step."})
+    factor_max: float = field(default=4.0, metadata={"help": "Upper clip of the compression-stage scaling factor."})
+    factor_min: float = field(default=0.5, metadata={"help": "Lower clip of the compression-stage scaling factor."})
+    factor_threshold: float = field(default=0.1, metadata={
+        "help": "Largest relative change of the scaling factor per step."})
+    mask_threshold: float = field(default=1e-4, metadata={
+        "help": "Variance entries below this are not updated in the compression stage (>= 0)."})
+    scale_block: Optional[int] = field(default=2048, metadata={
+        "help": "One 1-bit scale per this many elements; None: one per rank's chunk (DeepSpeed)."})
+
+    def __post_init__(self):
+        f = self.freeze_step
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            raise ValueError(f"OneBitLamb freeze_step (LAMB warm-up steps before compression) must be an integer "
+                             f">= 1, got {f!r}; set onebit_lamb.freeze_step.")
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
+            raise ValueError(f"OneBitLamb betas must be two numbers in [0, 1), got {self.betas!r}; set "
+                             "onebit_lamb.betas.")
+        if not 0 < self.min_coeff <= self.max_coeff:
+            raise ValueError(f"OneBitLamb needs 0 < min_coeff <= max_coeff, got {self.min_coeff!r}, "
+                             f"{self.max_coeff!r}; set onebit_lamb.min_coeff / max_coeff.")
+        if not self.mask_threshold >= 0:
+            raise ValueError(f"OneBitLamb mask_threshold must be >= 0, got {self.mask_threshold!r}.")
+        s = self.scale_block
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+            raise ValueError(f"OneBitLamb scale_block must be None (one scale per rank's chunk, as DeepSpeed) or an "
+                             f"integer >= 1 (one scale per that many elements), got {s!r}; set "
+                             "onebit_lamb.scale_block.")
+
+
+def config_kwargs(config) -> dict:
+    """A config's fields as keyword arguments (for the optimizers' ``from_config``)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
