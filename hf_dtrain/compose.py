@@ -92,7 +92,9 @@ class ComposeOptions:
             warnings.warn(f"{key!r} is deprecated and will be removed in the next release; use {section}.{name} "
                           f"(--{section.replace('_', '-')}.{name.replace('_', '-')}).", FutureWarning, stacklevel=2)
             optional = section in ("comm_hook", "delta", "fault_tolerance")
-            if optional and key not in _LEGACY_SWITCHES and not _switched_on(data.get(section)):
+            switched = _switched_on(data.get(section)) or any(
+                LEGACY_KEYS[k].startswith(section + ".") for k in legacy if k in _LEGACY_SWITCHES)
+            if optional and not switched:
                 continue  # as before: a setting of a feature that is off does nothing
             nested = merge(nested, {section: {name: value}}, cls)
         return build(cls, merge(nested, data, cls), where or cls.__name__)
