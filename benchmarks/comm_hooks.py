@@ -59,7 +59,7 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
     from torch.utils.data import DataLoader
 
     import hf_dtrain.comm as comm
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import load_model_and_tokenizer
 
     torch.manual_seed(0)

@@ -195,12 +195,11 @@ def trainer_worker(preset: str, interval: int, steps: int, tmp: str) -> dict:
 
 def lost_node_runs() -> list[dict]:
     """The 3-rank fault runs of the test suite's worker, timed: a trainer killed, then a node lost."""
-    sys.path.insert(0, str(ROOT / "tests" / "fault"))
     import signal
 
-    from test_fault_injection import _kill_smp, _launch
-
     from hf_dtrain.testing import stop_snapshot_processes
+    from hf_dtrain.testing.fault import kill_snapshot_process as _kill_smp
+    from hf_dtrain.testing.fault import launch_ft_workers as _launch
 
     rows = []
     for name, fault, kill in [("killed trainer", "1:12:after_snapshot", []),

@@ -51,9 +51,9 @@ def _run_hosts(name: str, job: list[str], rates: list[str], fault=None, lose_hos
             return {"GLOO_SOCKET_IFNAME": hosts[rank].interface, "HF_DTRAIN_SMP_HOST": hosts[rank].address,
                     "ACCELERATE_USE_CPU": "true"}
 
-        def launch(extra_env):
+        def launch(command):
             t0 = time.time()
-            codes = elastic_launch(argv, 4, extra_env, timeout=900, log_dir=str(out), per_rank_env=per_rank_env,
+            codes = elastic_launch(command, 4, timeout=900, log_dir=str(out), per_rank_env=per_rank_env,
                                    per_rank_argv=lambda rank, a: hosts[rank].command(a),
                                    master_addr=hosts[0].address)
             launches.append({"start": t0, "end": time.time(), "codes": codes})
@@ -61,7 +61,8 @@ def _run_hosts(name: str, job: list[str], rates: list[str], fault=None, lose_hos
 
         try:
             if fault:
-                codes = launch({"HF_DTRAIN_INJECT_FAULT": fault})
+                # the same job under the testing fault injector (hf_dtrain.testing.fault): rank:step[:seconds]
+                codes = launch([sys.executable, "-m", "hf_dtrain.testing.fault", fault, *argv[2:]])
                 assert codes[int(fault.split(":")[0])] == -9, codes
                 if lose_host is not None:
                     info = json.load(open(ft_dir / f"node{lose_host}" / "smp.json"))
@@ -69,7 +70,7 @@ def _run_hosts(name: str, job: list[str], rates: list[str], fault=None, lose_hos
                     import signal
 
                     os.kill(info["pid"], signal.SIGKILL)  # the host's memory is gone with it
-            codes = launch({})
+            codes = launch(argv)
             assert codes == [0, 0, 0, 0], (codes, (out / "rank0.out").read_text()[-3000:])
         finally:
             stop_snapshot_processes(ft_dir)

@@ -49,7 +49,7 @@ def run_single(method: str, steps: int, batch: int, lr: float, eva_kwargs: dict 
     import torch
     from torch.utils.data import DataLoader
 
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.optim import Eva
     from hf_dtrain.testing import train_on_loader
@@ -90,7 +90,7 @@ def _train_pair(rank: int, world: int, method: str, steps: int, batch: int, lr: 
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
 
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.optim import OneBitLamb
     from hf_dtrain.testing import train_on_loader

@@ -78,7 +78,7 @@ def worker(method: str, steps: int, batch_size: int, seed: int) -> dict:
     from torch.utils.data import DataLoader
     from transformers import get_linear_schedule_with_warmup
 
-    from hf_dtrain.data.tasks import exact_match, make_task_dataset, task_collator
+    from hf_dtrain.tasks import exact_match, make_task_dataset, task_collator
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.testing import SavedTensorCounter
     from hf_dtrain.tuners.smt import smt_warmup
@@ -149,7 +149,7 @@ def base_eval(seed: int) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from hf_dtrain.data.tasks import exact_match, make_task_dataset, task_collator
+    from hf_dtrain.tasks import exact_match, make_task_dataset, task_collator
     from hf_dtrain.models import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(None, progress=True)

@@ -124,7 +124,7 @@ def requantize_merge(model, kind: str):
 def evaluate(model, loader):
     import torch
 
-    from hf_dtrain.data.tasks import exact_match
+    from hf_dtrain.tasks import exact_match
 
     model.eval()
     losses, hits, logits = [], [], []
@@ -143,7 +143,7 @@ def worker(base_kind: str, method: str, steps: int, batch_size: int, seed: int) 
     from torch.utils.data import DataLoader
     from transformers import get_linear_schedule_with_warmup
 
-    from hf_dtrain.data.tasks import make_task_dataset, task_collator
+    from hf_dtrain.tasks import make_task_dataset, task_collator
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
     from hf_dtrain.quantization import load_quantized_model
 

@@ -46,6 +46,37 @@ def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+# bit i of a byte holds position i (little-endian bit order)
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean vector as uint8, 8 positions per byte (little-endian bit order, zero-padded): the bitmaps of the
+    S2 Reducer and the signs of 1-bit LAMB."""
+    n = mask.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask.reshape(-1)
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` positions as a boolean vector."""
+    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)).ne(0)
+    return bits.reshape(-1)[:n]
+
+
+def keep_gradients_local(ddp_model) -> None:
+    """Register torch's ``noop_hook`` on a DDP model: DDP sends nothing and each rank keeps its own gradients, for
+    optimizers that exchange gradients or parameters themselves (1-bit LAMB, the decentralized optimizers)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"keep_gradients_local() needs the DistributedDataParallel model that accelerator.prepare "
+                        f"(or DDP(model)) returns, got {type(ddp_model).__name__}.")
+    ddp_model.register_comm_hook(None, noop_hook)
+
+
 def world_size_of(process_group=None) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1

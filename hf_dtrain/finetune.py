@@ -67,7 +67,7 @@ class FinetuneConfig(ComposeOptions):
     target_modules: list[str] | None = field(default=None, metadata={
         "help": f"Modules to adapt; default {LORA_TARGETS} (lora/dora/lorafa), {SMT_TARGETS} (smt)."})
     task_digits: int | None = field(default=None, metadata={
-        "help": "Default task: operands have 1 to N digits (default hf_dtrain.data.tasks.TASK_DIGITS)."})
+        "help": "Default task: operands have 1 to N digits (default hf_dtrain.tasks.TASK_DIGITS)."})
     train_size: int = field(default=32000, metadata={"help": "Training examples (default task) or cap (dataset)."})
     eval_size: int = field(default=200, metadata={"help": "Held-out examples for eval loss and accuracy."})
     max_length: int = field(default=512, metadata={"help": "Truncation length for --dataset examples."})
@@ -285,7 +285,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     from accelerate import PartialState
     from transformers import Trainer, TrainingArguments, set_seed
 
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
 
     use_cpu = not torch.cuda.is_available()
@@ -412,7 +412,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
             "snapshots": ft.snapshots, "restored": None if ft.restored is None else {
                 "step": ft.restored.step, "source": ft.restored.source}},
         replicas_identical=replicas_identical,
-        dataset=cfg.dataset or "default addition task (hf_dtrain.data.tasks)",
+        dataset=cfg.dataset or "default addition task (hf_dtrain.tasks)",
         trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(1, total),
         train_seconds=train_seconds, train_loss=float(train_out.training_loss),
         eval_loss_before=float(before["eval_loss"]), eval_loss_after=float(after["eval_loss"]),

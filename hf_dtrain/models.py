@@ -202,13 +202,13 @@ def build_default_model(
     The directory loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Built once
     per settings: a byte-level BPE tokenizer trained on the stdlib's source, then ``steps`` AdamW steps of causal-LM
     pretraining of the ``preset`` LLaMA on that text, with a ``task_share`` of blocks made of default-task examples
-    (see :mod:`hf_dtrain.data.tasks`). Written to a temporary directory and renamed, so a crash leaves no half cache.
+    (see :mod:`hf_dtrain.tasks`). Written to a temporary directory and renamed, so a crash leaves no half cache.
     Cache root: ``cache_dir``, else ``$HF_DTRAIN_CACHE``, else ``~/.cache/hf_dtrain``.
     """
     global build_count
     from tqdm.auto import tqdm
 
-    from hf_dtrain.data.tasks import pretraining_task_texts
+    from hf_dtrain.tasks import pretraining_task_texts
 
     steps, seed, seq_len, batch_size, data_bytes, task_share, lr = _resolve(
         preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr

@@ -37,7 +37,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     import hf_dtrain.comm
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import load_model_and_tokenizer
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())

@@ -34,7 +34,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     from hf_dtrain.comm import register
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.decentralized import ALDSGD, DPSGD, LSGD, DecentLaM, NonBlockingSGD, Straggler
     from hf_dtrain.models import load_model_and_tokenizer
 

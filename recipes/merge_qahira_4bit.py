@@ -29,7 +29,7 @@ def main(argv=None):
     from peft import PeftModel
     from torch.utils.data import DataLoader
 
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
     from hf_dtrain.quantization import load_quantized_model
 

@@ -41,7 +41,7 @@ def main(argv=None):
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.optim import Eva, OneBitLamb
 

@@ -19,10 +19,12 @@ PARTS = ["--comm-hook", "acp_sgd", "--comm-hook.start-iter", "4", "--comm-hook.r
 def _run(tmp_path, name, job_argv, fault=None):
     out, ft = tmp_path / name, tmp_path / f"{name}_ft"
     out.mkdir()
-    argv = [sys.executable, "-m", "hf_dtrain.cli", *job_argv, *PARTS, "--fault-tolerance.directory", str(ft), "--output-dir", str(out)]
+    cli = ["hf_dtrain.cli", *job_argv, *PARTS, "--fault-tolerance.directory", str(ft), "--output-dir", str(out)]
+    argv = [sys.executable, "-m", *cli]
     try:
-        if fault:
-            codes = elastic_launch(argv, 2, {"HF_DTRAIN_INJECT_FAULT": fault}, timeout=600, log_dir=str(out))
+        if fault:  # the same job under the testing fault injector: rank:step killed after that step's snapshot
+            codes = elastic_launch([sys.executable, "-m", "hf_dtrain.testing.fault", fault, *cli], 2, timeout=600,
+                                   log_dir=str(out))
             assert codes[1] == -9 and codes[0] != 0, codes  # rank 1 killed itself, the agent stopped rank 0
         codes = elastic_launch(argv, 2, timeout=600, log_dir=str(out))
         assert codes == [0, 0], open(out / "rank0.out").read()[-4000:]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import EvalPrediction
 
-from hf_dtrain.data import tasks
+from hf_dtrain import tasks
 from hf_dtrain.testing import tiny_default_base
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..distributed import WireStats, check_same_across_ranks, unwrap_optimizer, world_size_of
+from ..distributed import WireStats, check_same_across_ranks, keep_gradients_local, unwrap_optimizer, world_size_of
 from .acp_sgd import ACPSGDState, acp_sgd_hook, acp_sgd_step_bytes
 from .dear import DeARState, dear_hook, dear_step_bytes
 from .config import METHODS, CommHookConfig
@@ -88,9 +88,7 @@ def _register_allreduce(ddp, config, group, optimizer):
 
 def _register_noop(ddp, config, group, optimizer):
     """Gradients stay local: the optimizer communicates (1-bit LAMB, decentralized)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
-
-    ddp.register_comm_hook(None, noop_hook)
+    keep_gradients_local(ddp)
     return DenseState(process_group=group)
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..distributed import WireStats, world_size_of
+from ..distributed import WireStats, pack_bits, unpack_bits, world_size_of
 
 
 @dataclass
@@ -67,21 +67,6 @@ class S2ReducerState:
             raise ValueError(f"S2ReducerState.width_factor must be >= 1, got {self.width_factor!r}.")
 
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean vector as uint8, 8 positions per byte (little-endian bit order, zero-padded)."""
-    n = mask.numel()
-    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
-    padded[:n] = mask.reshape(-1)
-    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(mask.device)).sum(1, dtype=torch.uint8)
-
-
-def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``n`` positions as a boolean vector."""
-    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)).ne(0)
-    return bits.reshape(-1)[:n]
 
 
 def _hashes(state: S2ReducerState, n: int, width: int, bucket_index: int, device):

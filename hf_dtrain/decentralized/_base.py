@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..distributed import WireStats
+from ..distributed import WireStats, keep_gradients_local
 from .gossip import check_world, consensus_distance, flatten, require_world, unflatten_into
 from .topology import Topology
 
@@ -91,6 +91,4 @@ class GossipMixin:
         """Keep DDP from averaging the gradients (this optimizer gossips the parameters itself): DDP's
         ``noop_hook``, as ``hf_dtrain.comm.register(ddp_model, "noop")``; with the Trainer,
         ``CommHookCallback.attach(trainer, "noop")``."""
-        from ..comm import register
-
-        register(ddp_model, "noop")
+        keep_gradients_local(ddp_model)

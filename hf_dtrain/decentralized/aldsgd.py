@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from ..optim.wrapper import WrappedOptimizer, build_base_optimizer
+from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
 from .gossip import exchange
 from .topology import Topology

@@ -19,7 +19,7 @@ from typing import Callable, Union
 
 import torch
 
-from ..optim.wrapper import WrappedOptimizer, build_base_optimizer
+from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
 from .gossip import gossip
 from .topology import Topology

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import all_gather_single
-from ..optim.wrapper import WrappedOptimizer, build_base_optimizer
+from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
 from .topology import Topology
 

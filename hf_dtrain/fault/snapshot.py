@@ -71,6 +71,10 @@ def default_directory(job: Optional[str] = None) -> str:
 class SnapshotEngine:
     """In-memory snapshots for one rank.
 
+    ``snapshot_hooks``: callables ``hook(engine, step)`` run after each ``snapshot()`` has started its copy (metrics, or
+    the fault injector of :mod:`hf_dtrain.testing.fault`); an engine starts with the class-wide
+    ``default_snapshot_hooks``.
+
     ``engine.snapshot(step, extra)`` after ``optimizer.step()`` (and the scheduler's), ``engine.wait()`` before the
     next ``optimizer.step()``; ``engine.restore()`` at start-up. ``extra``: JSON-able or tensor state you want back
     (the data position). ``stateful``: more objects with ``state_dict()`` / ``load_state_dict()`` to keep (a
@@ -78,6 +82,8 @@ class SnapshotEngine:
     before the next optimizer step. With a frozen base (PEFT), only trainable parameters are stored. A snapshot process with
     no trainer connected for ``idle_exit`` seconds exits (the job is gone), so crashed jobs do not hold memory.
     """
+
+    default_snapshot_hooks: list = []
 
     def __init__(self, model: nn.Module, optimizer=None, scheduler=None, scaler=None, config=None, *,
                  stateful: Optional[dict] = None, process_group=None, **settings):
@@ -95,6 +101,7 @@ class SnapshotEngine:
             raise ValueError("SnapshotConfig.persist_every > 0 needs persist_dir (where every N-th snapshot is "
                              "written); set fault_tolerance.persist_dir.")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.snapshot_hooks: list = list(type(self).default_snapshot_hooks)
         self.stateful = dict(stateful or {})
         for name, obj in self.stateful.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -288,7 +295,8 @@ class SnapshotEngine:
                                                                  stream), daemon=True)
         self._thread.start()
         self.stats["stall_seconds"].append(time.perf_counter() - t0)
-        _inject_fault(self, step)
+        for hook in self.snapshot_hooks:
+            hook(self, step)
 
     def _copy(self, step, slot, buf, header, tensors, total, stream) -> None:
         try:
@@ -511,21 +519,3 @@ class SnapshotEngine:
             if self.rank == self.local_ranks[0]:
                 self.client.call({"op": "shutdown"})
         self.client.close()
-
-
-def _inject_fault(engine: "SnapshotEngine", step: int) -> None:
-    """``HF_DTRAIN_INJECT_FAULT=rank:step[:seconds]``: that rank SIGKILLs itself once its snapshot of that step is
-    committed, after ``seconds`` more (time for the parity exchange); a fault injector for tests and demos, as
-    torchft's."""
-    spec = os.environ.get("HF_DTRAIN_INJECT_FAULT")
-    if not spec:
-        return
-    parts = spec.split(":")
-    rank, at = int(parts[0]), int(parts[1])
-    if rank == engine.rank and at == step:
-        import signal
-
-        engine.wait()
-        if len(parts) > 2:
-            time.sleep(float(parts[2]))
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..distributed import world_size_of
 from .config import EVA_METHODS, EvaConfig, config_kwargs
-from .wrapper import WrappedOptimizer, build_base_optimizer
+from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 
 METHODS = EVA_METHODS
 

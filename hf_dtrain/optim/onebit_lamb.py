@@ -37,8 +37,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..comm.s2_reducer import pack_bits, unpack_bits
-from ..distributed import WireStats, all_gather_single, check_same_across_ranks, world_size_of
+from ..distributed import (WireStats, all_gather_single, check_same_across_ranks, keep_gradients_local,
+                           pack_bits, unpack_bits, world_size_of)
 from .config import OneBitLambConfig, config_kwargs
 
 
@@ -105,9 +105,7 @@ class OneBitLamb(torch.optim.Optimizer):
         """Keep DDP from averaging the gradients (this optimizer exchanges them itself): DDP's ``noop_hook``, as
         ``hf_dtrain.comm.register(ddp_model, "noop")``; with the Trainer, ``CommHookCallback.attach(trainer,
         "noop")``."""
-        from ..comm import register
-
-        register(ddp_model, "noop")
+        keep_gradients_local(ddp_model)
 
     # -- the 1-bit all-reduce ----------------------------------------------------------------------------------------
     def _scale_blocks(self, chunk: int) -> tuple[int, int]:

@@ -171,7 +171,7 @@ def _convergence_rank(rank, world, base, out_dir):
     from torch.utils.data import DataLoader
 
     import hf_dtrain.comm as comm
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import load_model_and_tokenizer
 
     final = {}

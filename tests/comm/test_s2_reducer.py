@@ -103,7 +103,7 @@ def test_s2_reducer_exact_where_recovered_and_dense_fallback(world, kind):
 
 
 def test_bitmap_packing_roundtrip():
-    from hf_dtrain.comm.s2_reducer import pack_bits, unpack_bits
+    from hf_dtrain.distributed import pack_bits, unpack_bits
 
     gen = torch.Generator().manual_seed(0)
     for n in (1, 7, 8, 9, 1000):

@@ -42,7 +42,7 @@ def test_every_finished_micro_batch_has_the_same_weight(tmp_path):
 def _straggler_rank(rank, world, base, out_dir, mode):
     from torch.utils.data import DataLoader
 
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.decentralized import NonBlockingSGD, Straggler
     from hf_dtrain.models import load_model_and_tokenizer
 

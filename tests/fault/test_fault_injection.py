@@ -9,40 +9,19 @@
   without a disk snapshot, a clear error and no training from a wrong state.
 """
 
-import json
 import os
 import signal
-import sys
-import time
 
 import pytest
 
-from hf_dtrain.testing import elastic_launch, stop_snapshot_processes
+from hf_dtrain.testing import stop_snapshot_processes
+from hf_dtrain.testing.fault import kill_snapshot_process as _kill_smp
+from hf_dtrain.testing.fault import launch_ft_workers as _launch
+from hf_dtrain.testing.fault import worker_losses as _losses
 
 pytestmark = pytest.mark.slow
 
 WORLD = 3
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ft_worker.py")
-
-
-def _launch(world: int, env: dict, timeout: float = 180) -> list[int]:
-    """All ranks at once; when one dies the others are killed (torchrun's elastic agent) and the exit codes are
-    returned."""
-    return elastic_launch([sys.executable, WORKER], world, env, timeout, log_dir=env["FT_OUT"])
-
-
-def _losses(out: str, rank: int = 0) -> dict[int, str]:
-    got = {}
-    for line in open(os.path.join(out, f"rank{rank}.log")):
-        step, loss = line.split()
-        got[int(step)] = loss  # a step run again after a restore overwrites the one before
-    return got
-
-
-def _kill_smp(ft_dir: str, node: int) -> None:
-    info = json.load(open(os.path.join(ft_dir, f"node{node}", "smp.json")))
-    os.kill(info["pid"], signal.SIGKILL)
-    time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")

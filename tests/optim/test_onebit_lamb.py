@@ -81,7 +81,7 @@ def _train_rank(rank, world, base, out_dir, steps, freeze):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
 
-    from hf_dtrain.data import tasks
+    from hf_dtrain import tasks
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.optim.onebit_lamb import OneBitLamb
 

@@ -7,7 +7,7 @@ same way. Bases: dense ``nn.Linear``, bitsandbytes 4-bit, HQQ ``HQQLinear`` and 
 from .config import QAHiRAConfig
 from .layer import Linear, QAHiRALayer
 from .model import QAHiRAModel
-from .quant import Int4Linear, dequantize_int4, pack_int4, quantize_int4, quantize_model_int4, unpack_int4
+from ...quantization.int4 import Int4Linear, dequantize_int4, pack_int4, quantize_int4, quantize_model_int4, unpack_int4
 
 __all__ = ["QAHiRAConfig", "QAHiRAModel", "QAHiRALayer", "Linear", "Int4Linear", "quantize_int4", "dequantize_int4",
            "pack_int4", "unpack_int4", "quantize_model_int4"]

@@ -1,4 +1,5 @@
-"""One rank of the fault-injection runs: DDP over gloo, AdamW + a LambdaLR, batches drawn from every RNG (Python,
+"""One rank of the fault-injection runs (``python -m hf_dtrain.testing.ft_worker``, launched by
+:func:`hf_dtrain.testing.fault.launch_ft_workers`): DDP over gloo, AdamW + a LambdaLR, batches drawn from every RNG (Python,
 NumPy, torch), a snapshot after every step, and an optional fault. Configured by environment variables (see the
 test); appends ``step loss.hex()`` per step to ``$FT_OUT/rank{r}.log`` and the restore source to
 ``$FT_OUT/rank{r}.restore``."""
@@ -26,7 +27,7 @@ def main():
     torch.manual_seed(1234)
     random.seed(1234)
     np.random.seed(1234)
-    from hf_dtrain.testing import random_batch, tiny_llama
+    from hf_dtrain.testing.models import random_batch, tiny_llama
 
     model = tiny_llama(seed=0, hidden_size=int(os.environ.get("FT_HIDDEN", "64")))
     ddp = torch.nn.parallel.DistributedDataParallel(model)

@@ -9,7 +9,7 @@ Three 4-bit formats are supported as base layers:
   ``W = s (q - z)`` with floating-point zero-points ``z``). A group-constant update (QA-HiRA, QA-LoRA) folds exactly
   into ``z``; peft's LoRA supports it too (merge by re-quantizing).
 * ``"int4"``: hf_dtrain's dependency-free ``Int4Linear`` (round-to-nearest, same ``s (q - z)`` layout, plain buffers
-  saved with safetensors); see :mod:`hf_dtrain.tuners.qahira.quant`.
+  saved with safetensors); see :mod:`hf_dtrain.quantization.int4`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _hqq_linear():
 def quantized_base_types() -> tuple[type, ...]:
     """Quantized linear classes an adapter may wrap besides ``nn.Linear`` (bitsandbytes' ``Linear4bit`` already is
     an ``nn.Linear`` subclass): ``Int4Linear`` and, when ``hqq`` is installed, ``HQQLinear``."""
-    from hf_dtrain.tuners.qahira.quant import Int4Linear
+    from hf_dtrain.quantization.int4 import Int4Linear
 
     hqq = _hqq_linear()
     return (Int4Linear,) if hqq is None else (Int4Linear, hqq)
@@ -49,7 +49,7 @@ def quantized_base_types() -> tuple[type, ...]:
 
 def quantized_kind(module: nn.Module) -> Optional[str]:
     """``"nf4"`` (any bitsandbytes 4-bit layer), ``"hqq4"``, ``"int4"`` or None for a dense layer."""
-    from hf_dtrain.tuners.qahira.quant import Int4Linear
+    from hf_dtrain.quantization.int4 import Int4Linear
 
     if isinstance(module, Int4Linear):
         return "int4"
@@ -173,7 +173,7 @@ def load_quantized_model(path: str, quantize: Optional[str], group_size: int = 6
     if quantize == "hqq4":
         quantize_model_hqq(model, group_size=group_size, compute_dtype=compute_dtype)
     elif quantize == "int4":
-        from hf_dtrain.tuners.qahira.quant import quantize_model_int4
+        from hf_dtrain.quantization.int4 import quantize_model_int4
 
         quantize_model_int4(model, group_size=group_size)
     return model

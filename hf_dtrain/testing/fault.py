@@ -1,0 +1,98 @@
+"""Fault-tolerance test and benchmark helpers: the fault injector (an explicit testing hook on
+:class:`~hf_dtrain.fault.SnapshotEngine`), the runner that installs it in a job launched as a module, the
+fault-injection worker's launcher and log reader, and snapshot-process clean-up."""
+
+from __future__ import annotations
+
+import os
+
+
+def stop_snapshot_processes(directory) -> None:
+    """SIGKILL every snapshot process under ``directory`` (``node*/smp.json``): test clean-up."""
+    import glob
+    import json
+    import signal
+
+    for info in glob.glob(os.path.join(str(directory), "node*", "smp.json")):
+        try:
+            os.kill(json.load(open(info))["pid"], signal.SIGKILL)
+        except (ProcessLookupError, ValueError, OSError):
+            pass
+
+
+class FaultInjector:
+    """A snapshot hook that SIGKILLs rank ``rank`` once its snapshot of ``step`` is committed, after ``delay`` more
+    seconds (time for the parity exchange), as torchft's injector. ``spec``: ``"rank:step[:seconds]"``."""
+
+    def __init__(self, spec: str):
+        parts = spec.split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"fault spec {spec!r}: expected rank:step[:seconds]")
+        self.rank, self.step = int(parts[0]), int(parts[1])
+        self.delay = float(parts[2]) if len(parts) == 3 else 0.0
+
+    def __call__(self, engine, step: int) -> None:
+        if engine.rank == self.rank and step == self.step:
+            import signal
+            import time
+
+            engine.wait()
+            time.sleep(self.delay)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv=None) -> None:
+    """``python -m hf_dtrain.testing.fault RANK:STEP[:SECONDS] MODULE [ARGS...]``: run ``python -m MODULE ARGS`` with a
+    :class:`FaultInjector` on every snapshot engine the run creates (how tests kill a rank of ``hf-dtrain pretrain``
+    after a given snapshot)."""
+    import runpy
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2:
+        raise SystemExit("usage: python -m hf_dtrain.testing.fault RANK:STEP[:SECONDS] MODULE [ARGS...]")
+    from hf_dtrain.fault import SnapshotEngine
+
+    SnapshotEngine.default_snapshot_hooks.append(FaultInjector(argv[0]))
+    sys.argv = [argv[1], *argv[2:]]
+    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+
+
+def ft_worker_command() -> list[str]:
+    """The command of one rank of the fault-injection worker (:mod:`hf_dtrain.testing.ft_worker`)."""
+    import sys
+
+    return [sys.executable, "-m", "hf_dtrain.testing.ft_worker"]
+
+
+def launch_ft_workers(world: int, env: dict, timeout: float = 180) -> list[int]:
+    """All ranks of the fault-injection worker at once; when one dies the others are killed (torchrun's elastic
+    agent); returns the exit codes. ``env``: the worker's ``FT_*`` settings (``FT_OUT`` is also the log directory)."""
+    from .launch import elastic_launch
+
+    return elastic_launch(ft_worker_command(), world, env, timeout, log_dir=env["FT_OUT"])
+
+
+def worker_losses(out: str, rank: int = 0) -> dict[int, str]:
+    """Step -> loss (hex) from a fault-injection worker's log; a step run again after a restore overwrites the one
+    before."""
+    got = {}
+    for line in open(os.path.join(out, f"rank{rank}.log")):
+        step, loss = line.split()
+        got[int(step)] = loss
+    return got
+
+
+def kill_snapshot_process(directory: str, node: int) -> None:
+    """SIGKILL node ``node``'s snapshot process (a lost node's memory)."""
+    import json
+    import signal
+    import time
+
+    info = json.load(open(os.path.join(directory, f"node{node}", "smp.json")))
+    os.kill(info["pid"], signal.SIGKILL)
+    time.sleep(0.3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Test and benchmark helpers: free ports, fresh Python processes, gloo groups, multi-process runs in one call, and
+an elastic-agent style launcher of one process per rank."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_python(code: str, timeout: float = 300, env: dict | None = None, cwd: str | None = None) -> str:
+    """Run ``code`` in a fresh Python process; return stdout, raise with stderr on failure or timeout."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc.stdout
+
+
+@contextmanager
+def gloo_group(rank: int, world_size: int, addr: str = "127.0.0.1", port: int | str = 29500,
+               timeout_s: float = 60):
+    """A gloo default process group for the block (every collective times out after ``timeout_s``), destroyed
+    safely at the end. Keep DDP models inside a function called in the block, not in the block's own locals: a DDP
+    freed after the group is destroyed drops the group's last reference with the GIL held, and the group's
+    destructor then deadlocks with its worker threads (pytorch/pytorch#56297; one rank exits, the other never does).
+    The exit collects reference cycles while the group is still registered, then destroys it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ..distributed import release_process_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        release_process_group()
+
+
+def _distributed_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    with gloo_group(rank, world_size, port=port, timeout_s=pg_timeout_s):
+        fn(rank, world_size, *args)
+
+
+def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180, pg_timeout_s: float = 60) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined by a gloo process group on a
+    free localhost port. Every collective times out after ``pg_timeout_s``; the whole run is killed after ``timeout``
+    seconds. Raises if any rank fails or hangs. ``fn`` must be importable (a module-level function)."""
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_distributed_entry, args=(fn, r, world_size, port, args, pg_timeout_s)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout}s")
+        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        if failed:
+            raise RuntimeError(f"ranks failed with exit codes {failed}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, timeout: float = 300,
+                   log_dir: str | None = None, per_rank_env=None, per_rank_argv=None,
+                   master_addr: str = "127.0.0.1") -> list[int]:
+    """Start ``argv`` once per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``,
+    ``LOCAL_WORLD_SIZE=1`` and ``HF_DTRAIN_NODE_RANK=rank``: every rank its own emulated node) and behave as an
+    elastic agent: when one rank dies the others are killed. Returns the exit codes (``-9`` for SIGKILL). Output goes
+    to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers).
+    ``per_rank_argv(rank, argv)``: the command of that rank (``Host.command`` to run it in an emulated host)."""
+    import time
+
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs, logs = [], []
+    for rank in range(world_size):
+        e = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
+                 MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1", HF_DTRAIN_NODE_RANK=str(rank), OMP_NUM_THREADS="1",
+                 PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **(env or {}))
+        if per_rank_env is not None:
+            e.update(per_rank_env(rank))
+        log = open(os.path.join(log_dir, f"rank{rank}.out"), "a") if log_dir else subprocess.DEVNULL
+        logs.append(log)
+        command = per_rank_argv(rank, argv) if per_rank_argv is not None else argv
+        procs.append(subprocess.Popen(command, env=e, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                time.sleep(0.5)
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                return [p.wait() for p in procs]
+            if all(c == 0 for c in codes):
+                return codes
+            time.sleep(0.2)
+        raise TimeoutError(f"ranks still running after {timeout}s: {argv}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            if log is not subprocess.DEVNULL:
+                log.close()
+
+
+def mean_over_ranks(value: float, group=None) -> float:
+    """The mean of a per-rank number over the ranks of ``group`` (one all-reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t) / dist.get_world_size(group)

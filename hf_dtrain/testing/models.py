@@ -1,0 +1,92 @@
+"""Test and benchmark helpers: the tiny LLaMA, random batches, saved-tensor byte counting, short training loops."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from hf_dtrain.models import build_llama
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """The "test" preset LLaMA (2 layers, hidden 64, vocab 128): a few milliseconds per step on CPU."""
+    return build_llama("test", seed=seed, **overrides)
+
+
+def random_batch(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+class SavedTensorCounter:
+    """Counts the bytes autograd saves for backward, as unique storages (``saved_tensors_hooks``).
+
+    ``exclude`` takes tensors (for example parameters) whose storages are not activations and should not count.
+    """
+
+    def __init__(self, exclude=()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self._exclude:
+            self._storages[ptr] = max(self._storages.get(ptr, 0), st.nbytes())
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._storages.values())
+
+    @contextmanager
+    def __call__(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+def tiny_default_base(cache_dir, steps: int = 200, seed: int = 0) -> str:
+    """The embedded default base model built at test size: "test" preset, a 300 kB slice of the stdlib, ``steps``
+    pretraining steps (seconds on CPU), cached under ``cache_dir``."""
+    from hf_dtrain.models import build_default_model
+
+    return build_default_model("test", cache_dir=cache_dir, steps=steps, seed=seed, progress=False,
+                               data_bytes=300_000, batch_size=8, seq_len=64)
+
+
+def train_steps(model, steps: int, lr: float = 1e-2, batch_seed=lambda step: 0, optimizer=None) -> list[float]:
+    """``steps`` AdamW steps of ``model`` on ``random_batch(seed=batch_seed(step))``; returns the losses. The fixed
+    default batch makes "the loss falls" a reliable check in a few steps."""
+    opt = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = model(**random_batch(seed=batch_seed(step))).loss
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def train_on_loader(model, optimizer, loader, times: list | None = None) -> list[float]:
+    """One pass of ``model`` over ``loader`` (batches of model kwargs with labels); returns the losses. ``times``,
+    if given, receives the seconds since the start after every step."""
+    import time
+
+    losses = []
+    t0 = time.perf_counter()
+    for batch in loader:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+    return losses

@@ -1,0 +1,114 @@
+"""Imports run one way (../shared/DESIGN.md section 2): the base never imports an engine, an engine never imports
+another engine or anything above it, the package never imports ``hf_dtrain.testing``, and benchmarks import
+``hf_dtrain`` (its testing helpers included) but never the tests. Checked on the source with ``ast``, imports inside
+functions included."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "hf_dtrain")
+
+# lowest first; a module may import its own unit and any unit of a lower layer
+LAYERS = [
+    ("base", {"distributed", "quantization", "models", "tasks", "settings", "optimizer_wrapper"}),
+    ("engines", {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault"}),
+    ("composition", {"compose", "callbacks", "model_card"}),
+    ("jobs", {"finetune", "pretrain"}),
+    ("cli", {"cli"}),
+]
+LEVEL = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
+NAME = {i: name for i, (name, _) in enumerate(LAYERS)}
+
+
+def _unit(module: str) -> str:
+    """``hf_dtrain.comm.acp_sgd`` -> ``comm``; ``hf_dtrain`` itself -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: str, module: str):
+    tree = ast.parse(open(path).read(), path)
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield node.lineno, target
+            if node.module is None or (node.level and not node.module):
+                for alias in node.names:  # "from . import x" / "from hf_dtrain import x"
+                    yield node.lineno, f"{target}.{alias.name}"
+
+
+def _modules(top: str, prefix: str):
+    for dirpath, _, files in os.walk(top):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, os.path.dirname(top))[:-3].replace(os.sep, ".")
+                yield path, rel.removesuffix(".__init__")
+
+
+def violations() -> list[str]:
+    found = []
+    for path, module in _modules(PACKAGE, "hf_dtrain"):
+        unit = _unit(module)
+        if unit in ("", "testing"):  # the public API module re-exports; testing may use anything
+            continue
+        assert unit in LEVEL, f"{module}: the unit {unit!r} has no layer; add it to LAYERS (and DESIGN.md)"
+        for line, target in _imports(path, module):
+            if not target.startswith("hf_dtrain"):
+                continue
+            other = _unit(target)
+            where = f"{os.path.relpath(path, ROOT)}:{line} imports {target}"
+            if other == "testing":
+                found.append(f"{where}: the package never imports its testing helpers")
+            elif other == "":
+                if target == "hf_dtrain" and LEVEL[unit] < LEVEL["finetune"]:
+                    found.append(f"{where}: the top-level package (everything) from the {NAME[LEVEL[unit]]} layer")
+            elif other != unit and LEVEL[other] > LEVEL[unit]:
+                found.append(f"{where}: {NAME[LEVEL[other]]} from the {NAME[LEVEL[unit]]} layer")
+            elif other != unit and LEVEL[other] == LEVEL[unit] == LEVEL["comm"]:
+                found.append(f"{where}: one engine imports another (move what they share to the base layer)")
+    for path, module in _modules(os.path.join(ROOT, "benchmarks"), "benchmarks"):
+        for line, text in enumerate(open(path), 1):
+            if "sys.path" in text and '"tests"' in text:
+                found.append(f"{os.path.relpath(path, ROOT)}:{line} puts the tests on sys.path: benchmarks import "
+                             "hf_dtrain.testing, never the tests")
+        for line, target in _imports(path, module):
+            if target == "tests" or target.startswith("tests."):
+                found.append(f"{os.path.relpath(path, ROOT)}:{line} imports {target}: benchmarks import "
+                             "hf_dtrain.testing, never the tests")
+    return found
+
+
+def test_imports_run_one_way():
+    found = violations()
+    assert not found, "imports against the layers:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("from hf_dtrain.tuners.qahira.quant import x\n", "engines from the base layer"),
+    ("def f():\n    from .comm import register\n", "engines from the base layer"),
+])
+def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch, source, expected):
+    """The checker itself: an upward import written into a base module (at top level or inside a function) is
+    reported."""
+    pkg = tmp_path / "hf_dtrain"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "distributed.py").write_text(source)
+    (tmp_path / "benchmarks").mkdir()
+    monkeypatch.setitem(globals(), "PACKAGE", str(pkg))
+    monkeypatch.setitem(globals(), "ROOT", str(tmp_path))
+    found = violations()
+    assert len(found) == 1 and expected in found[0], found
