@@ -17,16 +17,17 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_dtrain.compose import EXCHANGING, ComposeOptions, build_optimizer, snapshot_config_for, wire_bytes
+from hf_dtrain.model_card import write_model_card
+from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS
+from hf_dtrain.tuners.smt.job import SMT_TARGETS
 
-METHODS = ("lora", "dora", "lorafa", "smt", "qbara", "qahira", "full")
-# Per-method default learning rates (used when ``learning_rate`` is None); qahira's single matrix acts on inputs
-# averaged over a whole quantization group and needs much larger steps (benchmarks/results/quantized_adapters_lr_sweep.md).
-DEFAULT_LR = {"lora": 4e-3, "dora": 4e-3, "lorafa": 4e-3, "smt": 2e-3, "qbara": 4e-3, "qahira": 8e-2, "full": 5e-4}
+# Each method's fine-tuning knowledge (default learning rate, 4-bit bases, peft config with the budget matched to
+# LoRA's, its own optimizer) lives in its tuner folder: hf_dtrain/tuners/<method>/job.py.
+METHODS = tuple(FINETUNE_METHODS)
+DEFAULT_LR = {name: m.default_lr for name, m in FINETUNE_METHODS.items()}
 # Which methods train on which 4-bit base (``--quantize``); see hf_dtrain.quantization.
-QUANTIZED_METHODS = {"nf4": ("lora", "dora", "lorafa", "qbara", "qahira"), "hqq4": ("lora", "qbara", "qahira"),
-                     "int4": ("qbara", "qahira")}
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SMT_TARGETS = ["q_proj", "k_proj", "v_proj"]
+QUANTIZED_METHODS = {base: tuple(n for n, m in FINETUNE_METHODS.items() if base in m.quantized_bases)
+                     for base in ("nf4", "hqq4", "int4")}
 
 
 @dataclass
@@ -102,142 +103,15 @@ class FinetuneConfig(ComposeOptions):
         return [f.name for f in dataclasses.fields(cls)]
 
 
-def _linear_shapes(model, targets):
-    """``(out, in)`` of every linear (dense or 4-bit) whose name ends with one of ``targets``."""
-    shapes = []
-    for name, mod in model.named_modules():
-        if name.split(".")[-1] in targets and hasattr(mod, "in_features") and hasattr(mod, "out_features"):
-            shapes.append((mod.out_features, mod.in_features))
-    return shapes
-
-
 def build_peft_config(cfg: FinetuneConfig, model):
-    """The peft config for ``cfg.method`` (None for "full"), with trainable budgets matched to lora at ``lora_r``."""
-    method = cfg.method
-    if method == "full":
-        return None
-    if method in ("lora", "dora"):
-        from peft import LoraConfig
-
-        return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=cfg.target_modules or LORA_TARGETS, use_dora=method == "dora",
-                          task_type="CAUSAL_LM")
-    if method == "lorafa":
-        from hf_dtrain import LoraFAConfig
-
-        return LoraFAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules or LORA_TARGETS,
-                            lora_dropout=0.0)
-    if method == "qbara":
-        from hf_dtrain import QBaRAConfig
-
-        return QBaRAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, pool=cfg.qbara_pool,
-                           target_modules=cfg.target_modules or LORA_TARGETS)
-    if method == "qahira":
-        from hf_dtrain import QAHiRAConfig
-
-        targets = cfg.target_modules or LORA_TARGETS
-        g, lam = cfg.quant_group_size, cfg.qahira_lambda_out
-        shapes = _linear_shapes(model, targets)
-        if lam is None:  # the divisor of every out_features whose count (out/lam)(in/g) is closest to lora's
-            lora_budget = sum(cfg.lora_r * (o + i) for o, i in shapes)
-            common = [d for d in range(1, min(o for o, _ in shapes) + 1) if all(o % d == 0 for o, _ in shapes)]
-            lam = min(common, key=lambda d: abs(sum((o // d) * (i // g) for o, i in shapes) - lora_budget))
-        return QAHiRAConfig(group_size=g, lambda_out=lam, target_modules=targets)
-    # smt
-    from hf_dtrain import SMTConfig
-
-    targets = cfg.target_modules or SMT_TARGETS
-    b = cfg.smt_block_size
-    shapes = _linear_shapes(model, targets)
-    available = sum((o // b) * (i // b) for o, i in shapes)
-    if available == 0:
-        raise ValueError(f"smt_block_size={b} does not fit any of {targets} (shapes {sorted(set(shapes))}); "
-                         "set --smt-block-size to a divisor of the hidden size.")
-    num_blocks = cfg.smt_num_blocks
-    if num_blocks is None:  # the lora budget at the same rank on the same targets
-        lora_budget = sum(cfg.lora_r * (o + i) for o, i in shapes)
-        num_blocks = max(1, round(lora_budget / (b * b)))
-    num_blocks = min(num_blocks, available)
-    return SMTConfig(target_modules=targets, block_size=b, num_blocks=num_blocks,
-                     warmup_steps=cfg.smt_warmup_steps, score="abs_mean")
+    """The peft config for ``cfg.method`` (None for "full"), built by the method's own ``tuners/<method>/job.py``."""
+    return FINETUNE_METHODS[cfg.method].build_config(cfg, model)
 
 
 def _count(model):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return trainable, total
-
-
-CARD_TEMPLATE = """---
-{{ card_data }}
----
-
-# {{ model_name }}
-
-{{ description }}
-
-Trained with `hf-dtrain finetune --method {{ method }}{{ quant_flag }}` (hf_dtrain {{ version }}), on {{ dataset_desc }}.
-
-## Results
-
-| | before | after |
-|---|---|---|
-| eval loss | {{ "%.4f"|format(eval_loss_before) }} | {{ "%.4f"|format(eval_loss_after) }} |
-| exact-match accuracy | {{ "%.3f"|format(accuracy_before) }} | {{ "%.3f"|format(accuracy_after) }} |
-
-- trainable parameters: {{ trainable_params }} of {{ total_params }} ({{ "%.3f"|format(trainable_pct) }}%)
-- steps: {{ max_steps }}, learning rate {{ learning_rate }}, batch {{ batch }} x {{ world_size }} process(es)
-- train time: {{ "%.1f"|format(train_seconds) }} s
-
-## Use
-
-```python
-import hf_dtrain  # registers hf_dtrain's peft methods (needed to load its adapters)
-{{ usage }}
-```
-"""
-
-
-def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
-    """Write ``README.md`` (a ``huggingface_hub.ModelCard`` with YAML metadata) into ``output_dir``; return its path."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    full = results["method"] == "full"
-    data = ModelCardData(base_model=base_model, library_name="transformers" if full else "peft",
-                         tags=["hf_dtrain", results["method"], "text-generation"], pipeline_tag="text-generation")
-    if full:
-        usage = f'from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained("{output_dir}")'
-    else:
-        quantize = results.get("quantize")
-        if quantize:  # the same 4-bit base the adapter was trained on
-            if base_model.startswith("hf_dtrain/default-"):
-                preset = base_model.removeprefix("hf_dtrain/default-")
-                path = ("from hf_dtrain.models import build_default_model\n"
-                        f'path = build_default_model("{preset}")\n')
-            else:
-                path = f'path = "{base_model}"\n'
-            group = results["config"]["quant_group_size"]
-            load_base = (f"from hf_dtrain.quantization import load_quantized_model\n{path}"
-                         f'base = load_quantized_model(path, "{quantize}", group_size={group})')
-        elif base_model.startswith("hf_dtrain/default-"):  # the embedded default: rebuilt (or found in the cache) locally
-            preset = base_model.removeprefix("hf_dtrain/default-")
-            load_base = ("from hf_dtrain.models import load_model_and_tokenizer\n"
-                         f'base, tokenizer = load_model_and_tokenizer(None, preset="{preset}")')
-        else:
-            load_base = f'from transformers import AutoModelForCausalLM\nbase = AutoModelForCausalLM.from_pretrained("{base_model}")'
-        usage = f'{load_base}\nfrom peft import PeftModel\nmodel = PeftModel.from_pretrained(base, "{output_dir}")'
-
-    card = ModelCard.from_template(
-        data, template_str=CARD_TEMPLATE, model_name=f"{results['method']} fine-tune of {base_model}",
-        description=("A full fine-tune." if full else f"A {results['method']} adapter"
-                     + (f" trained on the {results['quantize']} 4-bit base." if results.get("quantize") else ".")),
-        dataset_desc=results["dataset"], batch=results["per_device_train_batch_size"], usage=usage,
-        quant_flag=f" --quantize {results['quantize']}" if results.get("quantize") else "",
-        version=__import__("hf_dtrain").__version__, **results,
-    )
-    path = os.path.join(output_dir, "README.md")
-    card.save(path)
-    return path
 
 
 def format_table(r: dict) -> str:
@@ -355,10 +229,10 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
 
         ft = InMemoryFaultToleranceCallback(snapshot_config_for(cfg.fault_tolerance, output_dir))
         callbacks.append(ft)
-    if cfg.method == "lorafa" and cfg.lorafa_optimizer:
-        from hf_dtrain.tuners.lorafa import create_lorafa_optimizer
-
-        optimizers = (create_lorafa_optimizer(model, lr=lr, weight_decay=cfg.weight_decay), None)
+    own = FINETUNE_METHODS[cfg.method].build_optimizer
+    own_optimizer = own(cfg, model, lr, cfg.weight_decay) if own is not None else None
+    if own_optimizer is not None:  # the method's own optimizer (lorafa's); the clash check above refused another
+        optimizers = (own_optimizer, None)
     if cfg.method == "smt":
         if world_size > 1:
             # DDP cannot change parameter shapes after wrapping: select the blocks before the Trainer exists.

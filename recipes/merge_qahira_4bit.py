@@ -77,7 +77,7 @@ def main(argv=None):
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from hf_dtrain.tuners.qahira import quantize_model_int4
+        from hf_dtrain.quantization.int4 import quantize_model_int4
 
         reloaded = quantize_model_int4(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out)),
                                        group_size=cfg["quant_group_size"])

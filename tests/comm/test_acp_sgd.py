@@ -81,12 +81,24 @@ def _acp_rank(rank, world, out_dir, rank_r):
         dist.all_gather(gathered, flat)
         assert all(torch.equal(gathered[0], g) for g in gathered)
 
-    # 3. bytes per step: dense warm-up, then the alternating P / Q formula
-    shapes = [(n, p.shape) for n, p in model.module.named_parameters()]
+    # 3. bytes per step: dense warm-up, then the alternating P / Q factors, counted here from the shapes (not with
+    # the hook's own compresses() / acp_sgd_step_bytes): an n x m gradient with n m >= 2 (n + m) r sends P (n x r) on
+    # even steps and Q (m x r) on odd ones, anything else goes dense; float32
+    def counted(even):
+        total = 0
+        for p in model.module.parameters():
+            n, m = (p.shape[0], p.numel() // p.shape[0]) if p.dim() >= 2 else (None, None)
+            if n is not None and n * m >= 2.0 * (n + m) * rank_r:
+                total += (n if even else m) * rank_r
+            else:
+                total += p.numel()
+        return 4 * total
+
     dense = sum(p.numel() for p in model.parameters()) * 4
-    expected = [dense] * START + [acp_sgd_step_bytes(state, shapes, even=(t - START) % 2 == 0)
-                                  for t in range(START, STEPS)]
+    expected = [dense] * START + [counted((t - START) % 2 == 0) for t in range(START, STEPS)]
     assert state.stats.steps == expected, (state.stats.steps, expected)
+    assert expected[START:] == [acp_sgd_step_bytes(state, [(n, p.shape) for n, p in model.module.named_parameters()],
+                                                   even=(t - START) % 2 == 0) for t in range(START, STEPS)]
     if rank == 0:
         with open(f"{out_dir}/bytes.json", "w") as f:
             json.dump({"steps": state.stats.steps, "dense": dense}, f)
@@ -204,3 +216,16 @@ def test_acp_sgd_with_error_feedback_converges_within_5pct_of_dense(tmp_path):
     r = json.load(open(tmp_path / "convergence.json"))
     assert r["acp_sgd"] <= 1.05 * r["allreduce"], r
     assert r["acp_sgd_bytes"] < r["allreduce_bytes"] / 5, r
+
+
+def test_step_bytes_formula_against_hand_counted_bytes():
+    """acp_sgd_step_bytes on shapes counted by hand (rank 4, min_compression_rate 2, float32):
+    64x64: 4096 >= 2*128*4 = 1024, compressed, P 64*4 = 256 / Q 256; 128x64: 8192 >= 1536, P 512 / Q 256;
+    a bias of 64 and an 8x8 matrix (64 < 2*16*4 = 128) go dense, 64 each."""
+    from hf_dtrain.comm import ACPSGDState, acp_sgd_step_bytes
+
+    shapes = [("a", (64, 64)), ("b", (128, 64)), ("bias", (64,)), ("small", (8, 8))]
+    state = ACPSGDState(rank=4)
+    assert acp_sgd_step_bytes(state, shapes, even=True) == (256 + 512 + 64 + 64) * 4 == 3584
+    assert acp_sgd_step_bytes(state, shapes, even=False) == (256 + 256 + 64 + 64) * 4 == 2560
+    assert acp_sgd_step_bytes(state, [("conv", (16, 4, 3, 3))], even=False) == 36 * 4 * 4  # 16 x 36: Q is 36 x 4

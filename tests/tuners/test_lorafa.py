@@ -125,3 +125,24 @@ def test_create_lorafa_optimizer_without_adapter_is_a_clear_error():
 def test_bad_input_raises_clear_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         get_peft_model(tiny_llama(), LoraFAConfig(**kwargs))
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_output_is_base_plus_scaled_BAx_computed_by_hand(use_rslora):
+    """y = W x + s B A x with s = alpha / r, or alpha / sqrt(r) with use_rslora, recomputed here from the adapter's
+    own A and B (B set to nonzero values so the update shows)."""
+    import math
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 12))
+    ref = copy.deepcopy(base)
+    r, alpha = 4, 10
+    model = get_peft_model(base, LoraFAConfig(r=r, lora_alpha=alpha, target_modules=["0"], use_rslora=use_rslora))
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lorafa_B["default"].normal_()
+    a, b = layer.lorafa_A["default"], layer.lorafa_B["default"]  # (r, in), (out, r)
+    x = torch.randn(3, 16)
+    scale = alpha / (math.sqrt(r) if use_rslora else r)
+    expected = ref(x) + scale * (x @ a.T @ b.T)
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)

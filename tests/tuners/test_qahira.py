@@ -98,7 +98,7 @@ import torch, hf_dtrain
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from hf_dtrain.testing import tiny_llama
-from hf_dtrain.tuners.qahira import quantize_model_int4
+from hf_dtrain.quantization.int4 import quantize_model_int4
 b = load_file({str(tmp_path / 'batch.safetensors')!r})
 m = PeftModel.from_pretrained(quantize_model_int4(tiny_llama(), group_size=16), {str(tmp_path / 'adapter')!r}).eval()
 with torch.no_grad():

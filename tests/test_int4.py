@@ -1,4 +1,4 @@
-"""The group-wise asymmetric INT4 format (issue 3's quantized base) and its exact zero-point fold."""
+"""The group-wise asymmetric INT4 base format (hf_dtrain.quantization.int4) and its exact zero-point fold."""
 
 import copy
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from hf_dtrain.testing import random_batch, tiny_llama
-from hf_dtrain.tuners.qahira import Int4Linear, dequantize_int4, pack_int4, quantize_int4, quantize_model_int4, unpack_int4
+from hf_dtrain.quantization.int4 import Int4Linear, dequantize_int4, pack_int4, quantize_int4, quantize_model_int4, unpack_int4
 
 
 def test_pack_unpack_round_trip_and_layout():

@@ -1,0 +1,21 @@
+"""QA-HiRA in ``hf-dtrain finetune``. Its single matrix acts on inputs averaged over a whole quantization group and
+needs much larger steps than LoRA (benchmarks/results/quantized_adapters_lr_sweep.md); the output repeat factor is
+chosen so the trainable count is closest to LoRA's at the job's rank."""
+
+from ..finetune_method import LORA_TARGETS, FinetuneMethod, linear_shapes, lora_budget
+
+
+def _config(cfg, model):
+    from .config import QAHiRAConfig
+
+    targets = cfg.target_modules or LORA_TARGETS
+    g, lam = cfg.quant_group_size, cfg.qahira_lambda_out
+    shapes = linear_shapes(model, targets)
+    if lam is None:  # the divisor of every out_features whose count (out/lam)(in/g) is closest to lora's
+        budget = lora_budget(cfg.lora_r, shapes)
+        common = [d for d in range(1, min(o for o, _ in shapes) + 1) if all(o % d == 0 for o, _ in shapes)]
+        lam = min(common, key=lambda d: abs(sum((o // d) * (i // g) for o, i in shapes) - budget))
+    return QAHiRAConfig(group_size=g, lambda_out=lam, target_modules=targets)
+
+
+METHOD = FinetuneMethod("qahira", 8e-2, _config, quantized_bases=("nf4", "hqq4", "int4"))
