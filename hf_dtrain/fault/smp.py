@@ -9,9 +9,9 @@ shard to the peers holding the codewords' parity (``erasure.ErasureCode``) and k
 for the last two steps. A fresh SMP that replaces a lost node rebuilds its shard from the survivors' shards and
 parity and checks it against the replicated manifests' checksums.
 
-Transport: ``multiprocessing.connection`` with an ``authkey`` (HMAC challenge both ways), bytes only
-(``send_bytes``/``recv_bytes``: JSON headers and raw payloads, never pickle). The Unix socket lives in a 0700
-directory; the key is read from stdin, never from the command line.
+Modules: ``wire.py`` (the authenticated byte protocol and the trainer's client), ``parity.py`` (the exchange with
+peers and the rebuild), this file (slots, the request table, serving). The Unix socket lives in a 0700 directory; the
+key is read from stdin, never from the command line.
 
     python path/to/hf_dtrain/fault/smp.py --dir DIR --node N [--host 127.0.0.1] < key   # or started by the engine
 
@@ -28,35 +28,20 @@ import os
 import sys
 import threading
 import time
-from multiprocessing.connection import Client, Connection, Listener
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.connection import Connection, Listener
+from multiprocessing.reduction import send_handle
 from typing import Optional
 
 if __package__:
-    from .erasure import ErasureCode, UnrecoverableError
+    from .erasure import UnrecoverableError
+    from .parity import KEEP_STEPS, ParityExchange
+    from .wire import recv, send
 else:  # started by path (what the engine does): the snapshot process never imports torch or transformers
-    from erasure import ErasureCode, UnrecoverableError
+    from erasure import UnrecoverableError
+    from parity import KEEP_STEPS, ParityExchange
+    from wire import recv, send
 
 logger = logging.getLogger("hf_dtrain.fault.smp")
-
-KEEP_STEPS = 2  # complete steps kept per rank (the latest and the one before), and parity steps kept
-
-
-def checksum(buf) -> str:
-    """xxh3-64 of ``buf`` (hex): GB/s, so it runs on every snapshot; strong enough to catch corruption."""
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(memoryview(buf))
-
-
-def send(conn: Connection, header: dict, payload: Optional[bytes] = None) -> None:
-    conn.send_bytes(json.dumps(header).encode())
-    if payload is not None:
-        conn.send_bytes(payload)
-
-
-def recv(conn: Connection) -> dict:
-    return json.loads(conn.recv_bytes())
 
 
 class Slot:
@@ -82,7 +67,7 @@ class Slot:
             m[:len(data)] = data
 
 
-class SnapshotManager:
+class SnapshotManager(ParityExchange):
     """The SMP's state and request handling (``serve`` runs it)."""
 
     def __init__(self, directory: str, node: int, key: bytes, host: str = "127.0.0.1", idle_exit: float = 3600.0):
@@ -118,295 +103,97 @@ class SnapshotManager:
     def _slot_with(self, rank: int, step: int) -> Optional[Slot]:
         return next((s for s in self.slots.get(rank, []) if s.manifest and s.manifest["step"] == step), None)
 
-    def handle_local(self, conn: Connection, msg: dict) -> None:
-        op = msg["op"]
-        if op == "config":
-            with self.lock:
-                self.local_ranks = sorted(msg["local_ranks"])
-                self.group, self.parity = msg["group"], msg["parity"]
-                self.peers = {int(n): tuple(a) for n, a in msg["peers"].items()}
-            send(conn, {"ok": True})
-        elif op == "slot":  # the slot to write the next snapshot into: never the latest complete one
-            with self.lock:
-                slots = self._rank_slots(msg["rank"])
-                # an unfinished slot first, else the oldest complete one
-                target = min(slots, key=lambda s: (s.manifest is not None, s.manifest["step"] if s.manifest else 0))
-                target.manifest = None  # being written: not served until committed
-                target.resize(msg["nbytes"])
-            send(conn, {"slot": target.index, "size": target.size})
-            send_handle(conn, target.fd, msg["pid"])
-        elif op == "commit":
-            with self.lock:
-                slot = self._rank_slots(msg["rank"])[msg["slot"]]
-                slot.manifest = dict(msg["manifest"], rank=msg["rank"])
-                step = slot.manifest["step"]
-                if self.parity and all(self._slot_with(r, step) for r in self.local_ranks):
-                    self._send_queue.append(step)
-                    self._send_cv.notify()
-            send(conn, {"ok": True})
-        elif op == "available":  # complete steps of a rank; for a rank with none, the steps peers can rebuild
-            with self.lock:
-                local = self.complete_steps(msg["rank"])
-            if local or not msg.get("recover", True):
-                send(conn, {"steps": local, "source": "memory"})
-            else:
-                steps, reason = self.recoverable_steps()
-                send(conn, {"steps": steps, "source": "parity", "reason": reason})
-        elif op == "open":  # the manifest and descriptor of a rank's snapshot at a step (rebuilt if needed)
-            rank, step = msg["rank"], msg["step"]
-            error = None
+    # every request the snapshot process answers: the trainer's (local socket) and the peers' (TCP); anything
+    # else is refused with the list
+    HANDLERS = {name: f"_op_{name}" for name in ("config", "slot", "commit", "available", "open", "discard",
+                                                 "status", "shutdown", "piece", "holdings", "fetch_shard",
+                                                 "fetch_parity", "ping")}
+
+    def handle(self, conn: Connection, msg: dict) -> None:
+        op = msg.get("op")
+        method = self.HANDLERS.get(op)
+        if method is None:
+            send(conn, {"error": f"unknown op {op!r}; the snapshot process answers "
+                                 f"{', '.join(sorted(self.HANDLERS))}"})
+            return
+        getattr(self, method)(conn, msg)
+
+    def _op_config(self, conn: Connection, msg: dict) -> None:
+        with self.lock:
+            self.local_ranks = sorted(msg["local_ranks"])
+            self.group, self.parity = msg["group"], msg["parity"]
+            self.peers = {int(n): tuple(a) for n, a in msg["peers"].items()}
+        send(conn, {"ok": True})
+
+    def _op_slot(self, conn: Connection, msg: dict) -> None:
+        # the slot to write the next snapshot into: never the latest complete one
+        with self.lock:
+            slots = self._rank_slots(msg["rank"])
+            # an unfinished slot first, else the oldest complete one
+            target = min(slots, key=lambda s: (s.manifest is not None, s.manifest["step"] if s.manifest else 0))
+            target.manifest = None  # being written: not served until committed
+            target.resize(msg["nbytes"])
+        send(conn, {"slot": target.index, "size": target.size})
+        send_handle(conn, target.fd, msg["pid"])
+
+    def _op_commit(self, conn: Connection, msg: dict) -> None:
+        with self.lock:
+            slot = self._rank_slots(msg["rank"])[msg["slot"]]
+            slot.manifest = dict(msg["manifest"], rank=msg["rank"])
+            step = slot.manifest["step"]
+            if self.parity and all(self._slot_with(r, step) for r in self.local_ranks):
+                self._send_queue.append(step)
+                self._send_cv.notify()
+        send(conn, {"ok": True})
+
+    def _op_available(self, conn: Connection, msg: dict) -> None:
+        # complete steps of a rank; for a rank with none, the steps peers can rebuild
+        with self.lock:
+            local = self.complete_steps(msg["rank"])
+        if local or not msg.get("recover", True):
+            send(conn, {"steps": local, "source": "memory"})
+        else:
+            steps, reason = self.recoverable_steps()
+            send(conn, {"steps": steps, "source": "parity", "reason": reason})
+
+    def _op_open(self, conn: Connection, msg: dict) -> None:
+        # the manifest and descriptor of a rank's snapshot at a step (rebuilt if needed)
+        rank, step = msg["rank"], msg["step"]
+        error = None
+        with self.lock:
+            slot = self._slot_with(rank, step)
+        if slot is None:
+            try:
+                with self.rebuild_lock:  # the node's other ranks wait for the same rebuild
+                    if self._slot_with(rank, step) is None:
+                        self.rebuild(step)
+            except (UnrecoverableError, OSError, EOFError, KeyError, ValueError) as e:
+                error = f"{type(e).__name__}: {e}"
             with self.lock:
                 slot = self._slot_with(rank, step)
-            if slot is None:
-                try:
-                    with self.rebuild_lock:  # the node's other ranks wait for the same rebuild
-                        if self._slot_with(rank, step) is None:
-                            self.rebuild(step)
-                except (UnrecoverableError, OSError, EOFError, KeyError, ValueError) as e:
-                    error = f"{type(e).__name__}: {e}"
-                with self.lock:
-                    slot = self._slot_with(rank, step)
-            if slot is None:
-                send(conn, {"error": error or f"no snapshot of rank {rank} at step {step} on node {self.node}"})
-                return
-            send(conn, {"manifest": slot.manifest, "size": slot.size, "rebuilt": bool(slot.manifest.get("rebuilt"))})
-            send_handle(conn, slot.fd, msg["pid"])
-        elif op == "discard":  # after a restore to step S: snapshots past S belong to the failed timeline
-            with self.lock:
-                for slot in self._rank_slots(msg["rank"]):
-                    if slot.manifest and slot.manifest["step"] > msg["after"]:
-                        slot.manifest = None
-            send(conn, {"ok": True})
-        elif op == "status":
-            with self.lock:
-                send(conn, {"node": self.node, "pid": os.getpid(), "ranks": {r: self.complete_steps(r)
-                                                                             for r in self.slots},
-                            "parity_steps": sorted(self.parity_blocks), "events": self.events[-50:]})
-        elif op == "shutdown":
-            send(conn, {"ok": True})
-            self._stop.set()
-        else:
-            self.handle_peer(conn, msg)
+        if slot is None:
+            send(conn, {"error": error or f"no snapshot of rank {rank} at step {step} on node {self.node}"})
+            return
+        send(conn, {"manifest": slot.manifest, "size": slot.size, "rebuilt": bool(slot.manifest.get("rebuilt"))})
+        send_handle(conn, slot.fd, msg["pid"])
 
-    # ---------------------------------------------------------------- erasure coding with peers
-    @property
-    def code(self) -> ErasureCode:
-        return ErasureCode(len(self.group), self.parity)
-
-    @property
-    def position(self) -> int:
-        return self.group.index(self.node)
-
-    def shard(self, step: int) -> tuple[bytes, dict]:
-        """This node's shard at ``step`` (its ranks' snapshots, concatenated) and its node manifest."""
+    def _op_discard(self, conn: Connection, msg: dict) -> None:
+        # after a restore to step S: snapshots past S belong to the failed timeline
         with self.lock:
-            slots = [self._slot_with(r, step) for r in self.local_ranks]
-            if not self.local_ranks or any(s is None for s in slots):
-                raise KeyError(f"node {self.node} has no complete snapshot of every local rank at step {step}")
-            manifest = {"node": self.node, "step": step, "ranks": [s.manifest for s in slots]}
-            data = b"".join(s.read(s.manifest["nbytes"]) for s in slots)
-        manifest["shard_bytes"] = len(data)
-        return data, manifest
+            for slot in self._rank_slots(msg["rank"]):
+                if slot.manifest and slot.manifest["step"] > msg["after"]:
+                    slot.manifest = None
+        send(conn, {"ok": True})
 
-    def _sender(self) -> None:
-        """Sends this node's pieces of each newly complete step to the codewords' parity holders (the newest step
-        first; older queued steps are dropped)."""
-        while not self._stop.is_set():
-            with self._send_cv:
-                while not self._send_queue and not self._stop.is_set():
-                    self._send_cv.wait(0.5)
-                if self._stop.is_set():
-                    return
-                step = max(self._send_queue)
-                self._send_queue.clear()
-            try:
-                data, manifest = self.shard(step)
-                code, me = self.code, self.position
-                for p in code.codewords_of(me):
-                    piece = code.piece(me, data, p)
-                    for holder in code.parity_holders(p):
-                        node = self.group[holder]
-                        header = {"op": "piece", "step": step, "codeword": p, "from": me, "manifest": manifest}
-                        if node == self.node:
-                            self.receive_piece(header, piece)
-                        else:
-                            self._peer_call(node, header, piece)
-            except Exception as e:  # a peer down: its parity for this step stays incomplete, training goes on
-                self.events.append(f"step {step}: parity exchange failed: {type(e).__name__}: {e}")
-                logger.warning("SMP node %d: parity exchange for step %d failed: %s", self.node, step, e)
-
-    def receive_piece(self, header: dict, piece: bytes) -> None:
-        step, p, frm = header["step"], header["codeword"], header["from"]
+    def _op_status(self, conn: Connection, msg: dict) -> None:
         with self.lock:
-            self.manifests.setdefault(step, {})[self.group[frm]] = header["manifest"]
-            got = self.pieces.setdefault((step, p), {})
-            got[frm] = piece
-            code = self.code
-            data = code.data_nodes(p)
-            if not all(n in got for n in data):
-                return
-            self.pieces.pop((step, p))
-        block = max(len(got[n]) for n in data)
-        padded = [got[n] + bytes(block - len(got[n])) for n in data]
-        blocks = code.encode(padded)
-        with self.lock:
-            store = self.parity_blocks.setdefault(step, {})
-            for l, holder in enumerate(code.parity_holders(p)):
-                if holder == self.position:
-                    store[(p, l)] = blocks[l]
-            for old in sorted(self.parity_blocks)[:-KEEP_STEPS]:
-                self.parity_blocks.pop(old, None)
-                self.manifests.pop(old, None)
-            for key in [k for k in self.pieces if k[0] < step - KEEP_STEPS]:
-                self.pieces.pop(key)
+            send(conn, {"node": self.node, "pid": os.getpid(), "ranks": {r: self.complete_steps(r)
+                                                                         for r in self.slots},
+                        "parity_steps": sorted(self.parity_blocks), "events": self.events[-50:]})
 
-    def _complete_parity_steps(self) -> list[int]:
-        """Steps for which this node holds every parity block it is responsible for."""
-        code, me = self.code, self.position
-        mine = {(p, l) for p in range(code.group_size) for l, h in enumerate(code.parity_holders(p)) if h == me}
-        return sorted(s for s, blocks in self.parity_blocks.items() if mine <= set(blocks))
-
-    def handle_peer(self, conn: Connection, msg: dict) -> None:
-        op = msg["op"]
-        if op == "piece":
-            piece = conn.recv_bytes()
-            self.receive_piece(msg, piece)
-            send(conn, {"ok": True})
-        elif op == "holdings":  # what this node can contribute to a rebuild
-            with self.lock:
-                ranks_steps = [set(self.complete_steps(r)) for r in self.local_ranks]
-                local = sorted(set.intersection(*ranks_steps)) if ranks_steps else []
-                send(conn, {"local_steps": local, "parity_steps": self._complete_parity_steps(),
-                            "manifests": {str(s): {str(n): m for n, m in ms.items()}
-                                          for s, ms in self.manifests.items()}})
-        elif op == "fetch_shard":
-            try:
-                data, manifest = self.shard(msg["step"])
-            except KeyError as e:
-                send(conn, {"error": str(e)})
-                return
-            send(conn, {"manifest": manifest}, data)
-        elif op == "fetch_parity":
-            with self.lock:
-                blocks = dict(self.parity_blocks.get(msg["step"], {}))
-            keys = sorted(blocks)
-            send(conn, {"keys": keys})
-            for k in keys:
-                conn.send_bytes(blocks[k])
-        elif op == "ping":
-            send(conn, {"node": self.node, "pid": os.getpid()})
-        else:
-            send(conn, {"error": f"unknown op {op!r}"})
-
-    def _peer_call(self, node: int, header: dict, payload: Optional[bytes] = None, timeout: float = 30.0):
-        host, port = self.peers[node]
-        conn = _connect((host, port), self.key, timeout)
-        try:
-            send(conn, header, payload)
-            if not conn.poll(timeout):
-                raise TimeoutError(f"SMP of node {node} did not answer {header['op']} in {timeout:.0f} s")
-            return conn, recv(conn)
-        except BaseException:
-            conn.close()
-            raise
-
-    def recoverable_steps(self) -> tuple[list[int], str]:
-        """Steps at which this (empty) node's shard can be rebuilt: every survivor holds the step and the parity of
-        every codeword this node is part of survives."""
-        if not self.parity:
-            return [], ""  # no parity: another rank holding steps this one lacks tells the restore
-        code, me = self.code, self.position
-        survivors, down = {}, []
-        for pos, node in enumerate(self.group):
-            if node == self.node:
-                continue
-            try:
-                conn, info = self._peer_call(node, {"op": "holdings"}, timeout=10.0)
-                conn.close()
-                survivors[pos] = info
-            except (OSError, EOFError, TimeoutError, KeyError):
-                down.append(node)
-        if not any(info["local_steps"] or info["manifests"] for info in survivors.values()):
-            return [], ""  # nobody has snapshots: a fresh start, nothing to recover
-        for pos in [pos for pos, info in survivors.items() if not info["local_steps"]]:
-            down.append(self.group[pos])  # a fresh process in a lost node's place holds nothing
-            survivors.pop(pos)
-        lost = [self.group[me]] + down
-        if len(lost) > code.parity:
-            return [], (f"{len(lost)} nodes of erasure group {self.group} are lost ({sorted(lost)}); parity "
-                        f"{code.parity} covers {code.parity}")
-        candidates = None
-        for pos, info in survivors.items():
-            steps = set(info["local_steps"])
-            candidates = steps if candidates is None else candidates & steps
-        good = []
-        for step in sorted(candidates or ()):
-            ok = True
-            for p in range(code.group_size):
-                if me not in code.data_nodes(p) and not any(self.group[h] in down for h in code.parity_holders(p)):
-                    continue
-                for l, h in enumerate(code.parity_holders(p)):
-                    if h in survivors and step not in survivors[h]["parity_steps"]:
-                        ok = False
-            if ok and any(str(self.node) in info["manifests"].get(str(step), {}) for info in survivors.values()):
-                good.append(step)
-        return good, "" if good else "no step has both the survivors' snapshots and complete parity"
-
-    def rebuild(self, step: int) -> None:
-        """Rebuild this node's shard at ``step`` from the survivors, verify each rank's checksum, and install it."""
-        code, me = self.code, self.position
-        shards, blocks, manifests, down = {}, {}, {}, []
-        for pos, node in enumerate(self.group):
-            if node == self.node:
-                continue
-            try:
-                conn, head = self._peer_call(node, {"op": "fetch_shard", "step": step})
-                try:
-                    if "error" in head:
-                        raise KeyError(head["error"])
-                    shards[pos] = conn.recv_bytes()
-                    manifests[pos] = head["manifest"]
-                finally:
-                    conn.close()
-                conn, head = self._peer_call(node, {"op": "fetch_parity", "step": step})
-                try:
-                    for p, l in head["keys"]:
-                        blocks[(p, l)] = conn.recv_bytes()
-                finally:
-                    conn.close()
-                conn, info = self._peer_call(node, {"op": "holdings"})
-                conn.close()
-                mine = info["manifests"].get(str(step), {}).get(str(self.node))
-                if mine is not None:
-                    manifests[me] = mine
-            except (OSError, EOFError, TimeoutError, KeyError):
-                down.append(node)
-        if me not in manifests:
-            raise UnrecoverableError(f"no surviving peer holds node {self.node}'s manifest for step {step}")
-        lost = [me] + [self.group.index(n) for n in down]
-        lengths = {pos: m["shard_bytes"] for pos, m in manifests.items()}
-        for pos in lost:
-            if pos not in lengths:
-                raise UnrecoverableError(f"{len(lost)} nodes of erasure group {self.group} are lost; parity "
-                                         f"{code.parity} covers {code.parity}")
-        shard = code.rebuild(lost, shards, blocks, lengths)[me]
-        offset = 0
-        installed = []
-        for rank_manifest in manifests[me]["ranks"]:
-            n = rank_manifest["nbytes"]
-            data = shard[offset:offset + n]
-            offset += n
-            if checksum(data) != rank_manifest["checksum"]:
-                raise UnrecoverableError(f"rank {rank_manifest['rank']}'s snapshot rebuilt from parity at step "
-                                         f"{step} fails its checksum")
-            installed.append((rank_manifest, data))
-        with self.lock:
-            for rank_manifest, data in installed:
-                slot = self._rank_slots(rank_manifest["rank"])[0]
-                slot.write(data)
-                slot.manifest = dict(rank_manifest, rebuilt=True)
-            self.events.append(f"rebuilt step {step} from parity (lost: {sorted(self.group[p] for p in lost)})")
-        logger.warning("SMP node %d: rebuilt step %d from peers' parity", self.node, step)
+    def _op_shutdown(self, conn: Connection, msg: dict) -> None:
+        send(conn, {"ok": True})
+        self._stop.set()
 
     # ---------------------------------------------------------------- serving
     def serve(self, ready=None) -> None:
@@ -460,7 +247,7 @@ class SnapshotManager:
             while not self._stop.is_set():
                 msg = recv(conn)
                 try:
-                    self.handle_local(conn, msg)
+                    self.handle(conn, msg)
                 except (EOFError, OSError):
                     raise
                 except Exception as e:  # a bad request: say why, keep serving
@@ -473,44 +260,6 @@ class SnapshotManager:
             with self.lock:
                 self.connected -= 1
                 self.last_seen = time.monotonic()
-
-
-def _connect(address, key: bytes, timeout: float) -> Connection:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return Client(address, family="AF_UNIX" if isinstance(address, str) else "AF_INET", authkey=key)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
-
-
-class SMPClient:
-    """A trainer's connection to its node's SMP."""
-
-    def __init__(self, directory: str, key: bytes, timeout: float = 30.0):
-        self.dir, self.key, self.timeout = directory, key, timeout
-        self.conn = _connect(os.path.join(directory, "smp.sock"), key, timeout)
-        self.lock = threading.Lock()
-
-    def call(self, header: dict, want_fd: bool = False):
-        with self.lock:
-            send(self.conn, dict(header, pid=os.getpid()))
-            if not self.conn.poll(self.timeout):
-                raise TimeoutError(f"the snapshot process in {self.dir} did not answer {header['op']} in "
-                                   f"{self.timeout:.0f} s")
-            reply = recv(self.conn)
-            if "error" in reply:
-                return reply, None
-            fd = recv_handle(self.conn) if want_fd else None
-            return reply, fd
-
-    def info(self) -> dict:
-        with open(os.path.join(self.dir, "smp.json")) as f:
-            return json.load(f)
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def main(argv=None) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .erasure import node_groups
-from .smp import SMPClient, _connect, checksum
+from .wire import SMPClient, checksum, connect
 from .state import Layout, flatten_state, parse, rng_state, set_rng_state, unflatten_state
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class SnapshotEngine:
 
     def _smp_alive(self) -> bool:
         try:
-            conn = _connect(os.path.join(self.dir, "smp.sock"), self.key, 0)
+            conn = connect(os.path.join(self.dir, "smp.sock"), self.key, 0)
             conn.close()
             return True
         except Exception:

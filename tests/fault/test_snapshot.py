@@ -180,6 +180,11 @@ def test_private_directory_key_socket_and_no_shared_memory_name(ft_dir):
     with pytest.raises(AuthenticationError):
         Client(os.path.join(engine.dir, "smp.sock"), family="AF_UNIX", authkey=b"not the key" * 3)
     assert not [f for f in os.listdir("/dev/shm") if "hf_dtrain" in f]  # memfd: no name anyone could open
+    # an authenticated request the snapshot process does not know is refused, naming what it answers
+    reply, fd = engine.client.call({"op": "delete_everything", "rank": 0})
+    assert fd is None and reply["error"].startswith("unknown op 'delete_everything'; the snapshot process answers ")
+    assert "commit" in reply["error"] and "fetch_parity" in reply["error"]
+    assert engine.client.call({"op": "available", "rank": 0})[0]["steps"] == [1]  # and it keeps serving
     engine.close(shutdown=True)
 
 
