@@ -13,6 +13,34 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+RESULT_TAG = "RESULT "
+
+
+def emit_result(result) -> None:
+    """A worker's last word: its result as one JSON line after :data:`RESULT_TAG` on stdout."""
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def parse_result(stdout: str):
+    """The result a worker emitted (the last :data:`RESULT_TAG` line of its output)."""
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if not lines:
+        raise RuntimeError(f"the worker printed no {RESULT_TAG.strip()} line; its output ended with:\n{stdout[-2000:]}")
+    return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def run_worker(script: str, argv: list[str], env: dict | None = None, timeout: float = 1800, what: str = ""):
+    """Run ``python script *argv`` (a benchmark in its worker mode) in a fresh process; return its result, or raise
+    with the end of its stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {what or ' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
+    return parse_result(proc.stdout)
+
+
 def environment() -> dict:
     import torch
 

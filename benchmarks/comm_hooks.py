@@ -14,13 +14,13 @@ the same link, and the training loss (mean of the last 10 steps) after the same 
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
 
 METHODS = ["allreduce", "fp16", "powersgd", "acp_sgd", "s2_reducer", "dear", "embrace"]
 OURS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace")
@@ -128,7 +128,7 @@ def run_config(link: str, method: str, steps: int, batch: int, world: int, extra
     else:  # loopback: same processes, no rate limit
         outs = run_ranks([argv(r, None) for r in range(world)], [dict(os.environ)] * world, timeout=3600)
         where = f"loopback, no rate limit ({why})"
-    result = json.loads(outs[0].split("RESULT ", 1)[1])
+    result = parse_result(outs[0])
     return result, where
 
 
@@ -154,7 +154,7 @@ def main():
         return
     if args.worker:
         rank, world, addr, port, method = args.worker.split(":")
-        print("RESULT " + json.dumps(worker(int(rank), int(world), addr, port, method, args.steps, args.batch_size,
+        emit_result((worker(int(rank), int(world), addr, port, method, args.steps, args.batch_size,
                                             args.learning_rate)))
         return
     from tqdm import tqdm

@@ -16,13 +16,13 @@ replicas, and CRAIG's held-out loss and gradient error against random subsets.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
 
 LR = {"allreduce": 0.01, "dpsgd": 0.01, "decentlam": 0.01, "lsgd": 0.01, "aldsgd": 0.01, "partition": 0.01,
       "nonblocking": 0.01, "nb_dpsgd": 0.01, "nb_decentlam": 0.01, "craig": 0.01}
@@ -142,7 +142,7 @@ def run_world(method: str, straggle: bool, steps: int, batch: int, lr: float, wo
              str(steps), "--batch-size", str(batch), "--lr", f"{method}={lr}"] for r in range(world)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     outs = run_ranks(argv, [env] * world, timeout=3600)
-    rows = [json.loads(o.split("RESULT ", 1)[1]) for o in outs]
+    rows = [parse_result(o) for o in outs]
     row = rows[0]
     row["counts_by_rank"] = [r["counts"] for r in rows]
     return row
@@ -210,7 +210,7 @@ def main():
         return
     if args.worker:
         rank, world, port, method, straggle = args.worker.split(":")
-        print("RESULT " + json.dumps(worker(int(rank), int(world), port, method, bool(int(straggle)), args.steps,
+        emit_result((worker(int(rank), int(world), port, method, bool(int(straggle)), args.steps,
                                             args.batch_size, LR[method])))
         return
     from tqdm import tqdm

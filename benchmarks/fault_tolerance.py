@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit_result, run_worker  # noqa: E402  (the worker protocol)
 ROOT = Path(__file__).resolve().parent.parent
 
 PRESETS = {"tiny": {"steps": 24, "intervals": [1, 5, 20]}, "small": {"steps": 11, "intervals": [1, 5]}}
@@ -111,7 +111,7 @@ def worker(preset: str, method: str, interval: int, steps: int) -> dict:
         # recovery in a fresh process: restore from the snapshot process, against torch.load of a checkpoint
         torch.save(_state(model, opt, sched), os.path.join(tmp, "ckpt.pt"))
         engine.close()
-        row["restore_seconds"] = json.loads(_run(["--restore", f"{preset}:{tmp}"]))
+        row["restore_seconds"] = _run(["--restore", f"{preset}:{tmp}"])
         _stop_snapshot_processes(os.path.join(tmp, "ft"))
     if future is not None:
         future.result()
@@ -229,13 +229,10 @@ def _report_date() -> str:
     return environment()["date"]
 
 
-def _run(argv: list[str]) -> str:
+def _run(argv: list[str]):
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                                                         os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env, timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return out.stdout.split("RESULT ", 1)[1]
+    return run_worker(__file__, argv, env=env, timeout=1800)
 
 
 def main():
@@ -256,7 +253,7 @@ def main():
         env = payload.pop("environment")
         payload.pop("benchmark", None)
         for preset in args.presets.split(","):
-            row = json.loads(_run(["--worker", f"{preset}:ours:1"]))
+            row = _run(["--worker", f"{preset}:ours:1"])
             for r in payload["rows"]:
                 if r["preset"] == preset and r["method"] == "ours":
                     r["restore_seconds"] = row["restore_seconds"]
@@ -273,11 +270,11 @@ def main():
     if args.worker:
         preset, method, interval = args.worker.split(":")
         steps = max(PRESETS[preset]["steps"], 2 * int(interval) + 1)  # at least two saves: one after the first
-        print("RESULT " + json.dumps(worker(preset, method, int(interval), steps)))
+        emit_result((worker(preset, method, int(interval), steps)))
         return
     if args.restore:
         preset, tmp = args.restore.split(":", 1)
-        print("RESULT " + json.dumps(restore_worker(preset, tmp)))
+        emit_result((restore_worker(preset, tmp)))
         return
     from tqdm import tqdm
 
@@ -290,7 +287,7 @@ def main():
     rows = []
     partial = RESULTS_PARTIAL
     for p, m, i in tqdm(jobs, desc="configurations"):
-        rows.append(json.loads(_run(["--worker", f"{p}:{m}:{i}"])))
+        rows.append(_run(["--worker", f"{p}:{m}:{i}"]))
         partial.write_text(json.dumps({"rows": rows}))  # measured rows survive a failure further on
     payload = {"rows": rows, "recovery": lost_node_runs(), "batch": BATCH, "seq": SEQ}
     partial.write_text(json.dumps(payload))

@@ -14,13 +14,12 @@ DELTA, from measured profiles at each batch size. JSON, markdown and a PNG (memo
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit_result, run_worker  # noqa: E402  (the worker protocol)
 
 PRESETS = ["tiny", "small"]
 BUDGETS = [0.75, 0.5, 0.25, 0.15]
@@ -149,7 +148,7 @@ def main():
         return
     if args.worker:
         preset, method = args.worker.split(":")
-        print("RESULT " + json.dumps(worker(preset, method, BATCH, SEQ, STEPS)))
+        emit_result((worker(preset, method, BATCH, SEQ, STEPS)))
         return
     from tqdm import tqdm
 
@@ -159,11 +158,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="2")
     for preset in args.presets.split(","):
         for method in tqdm(methods, desc=preset):
-            out = subprocess.run([sys.executable, __file__, "--worker", f"{preset}:{method}"], capture_output=True,
-                                 text=True, env=env, timeout=1800)
-            if out.returncode != 0:
-                raise RuntimeError(out.stderr[-3000:])
-            rows.append(json.loads(out.stdout.split("RESULT ", 1)[1]))
+            rows.append(run_worker(__file__, ["--worker", f"{preset}:{method}"], env=env, timeout=1800))
         none = next(r for r in rows if r["preset"] == preset and r["method"] == "none")
         batches.append({"preset": preset, "budget_bytes": none["saved_bytes"],
                         **largest_batch(preset, SEQ, none["saved_bytes"])})

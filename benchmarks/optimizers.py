@@ -15,12 +15,12 @@ state.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
 
 LR = {"adamw": 5e-4, "sgd": 0.01, "eva_sgd": 0.01, "eva_adamw": 5e-4, "lamb": 2e-3, "onebit_lamb": 2e-3}
 # the one-process optimizers' sweeps: learning rates, and for Eva the paper's damping (0.03) against a small one (at
@@ -119,7 +119,7 @@ def run_pair(method: str, steps: int, batch: int, lr: float, freeze: int, world:
     argv = [[sys.executable, __file__, "--worker", f"{r}:{world}:{port}:{method}:{freeze}", "--steps", str(steps),
              "--batch-size", str(batch), "--lr", f"{method}={lr}"] for r in range(world)]
     outs = run_ranks(argv, [dict(os.environ)] * world, timeout=3600)
-    return json.loads(outs[0].split("RESULT ", 1)[1])
+    return parse_result(outs[0])
 
 
 def main():
@@ -141,7 +141,7 @@ def main():
         return
     if args.worker:
         rank, world, port, method, freeze = args.worker.split(":")
-        print("RESULT " + json.dumps(worker(int(rank), int(world), port, method, args.steps, args.batch_size,
+        emit_result((worker(int(rank), int(world), port, method, args.steps, args.batch_size,
                                             LR[method], int(freeze))))
         return
     from tqdm import tqdm

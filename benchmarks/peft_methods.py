@@ -13,7 +13,6 @@ accuracy on held-out additions.
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import subprocess
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
 
 METHODS = ["full", "lora", "dora", "lora+peft_lorafa_opt", "lorafa", "smt"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -175,7 +175,7 @@ def main():
         return
     apply_lr_overrides(args.lr, LR)
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.steps, args.batch_size, args.seed)))
+        emit_result((worker(args.worker, args.steps, args.batch_size, args.seed)))
         return
 
     from tqdm import tqdm
@@ -190,7 +190,7 @@ def main():
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"{method} (seed {seed}) failed:\n{proc.stderr[-4000:]}")
-        runs.append(dict(json.loads(proc.stdout.split("RESULT ", 1)[1]), seed=seed))
+        runs.append(dict(parse_result(proc.stdout), seed=seed))
     rows = []
     for method in methods:
         mine = [r for r in runs if r["method"] == method]

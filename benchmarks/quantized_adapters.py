@@ -23,7 +23,6 @@ the same way (NF4 has no zero-point); QA-LoRA and QA-HiRA on HQQ fold the update
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
 
 BASES = ["nf4", "hqq4"]
 METHODS = ["qlora", "qa-lora", "qbara", "qahira"]
@@ -212,7 +212,7 @@ def main():
     apply_lr_overrides(args.lr, LR)
     if args.worker:
         base_kind, method = args.worker.split(":")
-        print("RESULT " + json.dumps(worker(base_kind, method, args.steps, args.batch_size, args.seed)))
+        emit_result((worker(base_kind, method, args.steps, args.batch_size, args.seed)))
         return
 
     from tqdm import tqdm
@@ -230,7 +230,7 @@ def main():
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise SystemExit(f"{base_kind}:{method} (seed {seed}) failed:\n{proc.stderr[-4000:]}")
-        runs.append(dict(json.loads(proc.stdout.split("RESULT ", 1)[1]), seed=seed))
+        runs.append(dict(parse_result(proc.stdout), seed=seed))
     for r in runs:
         ref = next((x for x in runs if (x["base"], x["method"], x["seed"]) == (r["base"], "qlora", r["seed"])), None)
         r["step_time_vs_qlora"] = r["step_time_median_s"] / ref["step_time_median_s"] if ref else None
