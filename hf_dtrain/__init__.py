@@ -1,6 +1,6 @@
 """hf_dtrain: efficient, distributed and fault-tolerant fine-tuning and pretraining inside the Hugging Face stack.
 
-``import hf_dtrain`` registers its peft methods (SMT, LoRA-FA) with peft, so ``get_peft_model``,
+``import hf_dtrain`` registers its peft methods (SMT, LoRA-FA, Q-BaRA, QA-HiRA) with peft, so ``get_peft_model``,
 ``PeftModel.from_pretrained`` and ``AutoPeftModelForCausalLM.from_pretrained`` work with them. Import it before
 loading a saved hf_dtrain adapter.
 """

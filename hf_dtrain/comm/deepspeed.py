@@ -13,7 +13,7 @@ What applies where:
   (forward pre-hooks on DDP's buckets; parameters ignored by DDP) and are refused.
 * **stage 1 and up**: DeepSpeed's ZeRO optimizer reduces the gradients into its partitions itself (reduce-scatter /
   all-reduce inside ``DeepSpeedZeroOptimizer``), so there is nothing to replace from outside; refused with a
-  ``ValueError``. Stage 1 still benefits from hf_dtrain's optimizers that do their own communication (issue 5).
+  ``ValueError``. Stage 1 still benefits from hf_dtrain's optimizers that do their own communication.
 * The engine's ``gradient_clipping`` runs before the optimizer step, that is before the gradients are averaged here;
   it is refused (clip inside the optimizer if needed). Gradient accumulation works: the step pre-hook runs at the
   accumulation boundary only.

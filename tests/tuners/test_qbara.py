@@ -1,4 +1,4 @@
-"""Q-BaRA (issue 3, in progress): LoRA's parameter count, rank up to lambda * r, the derived merge constant, and
+"""Q-BaRA: LoRA's parameter count, rank up to lambda * r, the derived merge constant, and
 training on a bitsandbytes 4-bit base on CPU."""
 
 import copy

@@ -1,4 +1,4 @@
-"""Q-BaRA (Shen et al., arXiv 2407.17029): pooled input, rank lambda*r at LoRA's parameter count (issue 3, in progress)."""
+"""Q-BaRA (Shen et al., arXiv 2407.17029): pooled input, rank lambda*r at LoRA's parameter count."""
 
 from .config import QBaRAConfig
 from .layer import Linear, QBaRALayer
