@@ -105,16 +105,27 @@ def test_every_engine_field_is_a_flag_that_reaches_the_engine_config(job, comman
     assert checked == sum(len(dataclasses.fields(c)) for c in ENGINE_CONFIGS)
 
 
-def test_the_config_reaches_the_engine_unchanged():
-    """The object the job holds is the object the engine uses: not rebuilt from a subset of its fields."""
-    from hf_dtrain.memory import DeltaCallback
+def test_the_config_reaches_the_engine_unchanged(tmp_path):
+    """The object the job holds is the object its engine uses, not rebuilt from a subset of its fields (what
+    hf-dtrain finetune builds), and the snapshot engine takes its config as given."""
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.finetune import engine_callbacks
+    from hf_dtrain.testing import stop_snapshot_processes, tiny_llama
 
-    cfg = FinetuneConfig.from_dict({"delta": {"budget": 0.3, "objective": "memory", "allow_offload": False}})
-    assert DeltaCallback(cfg.delta).config is cfg.delta
-    from hf_dtrain.fault import InMemoryFaultToleranceCallback
-
-    ft = FinetuneConfig.from_dict({"fault_tolerance": {"parity": 2, "idle_exit": 5.0}}).fault_tolerance
-    assert InMemoryFaultToleranceCallback(ft).config is ft
+    cfg = FinetuneConfig.from_dict({"delta": {"budget": 0.3, "objective": "memory", "allow_offload": False},
+                                    "fault_tolerance": {"parity": 0, "idle_exit": 5.0, "directory": str(tmp_path)}})
+    delta_cb, ft = engine_callbacks(cfg, str(tmp_path / "out"))
+    assert delta_cb.config is cfg.delta and ft.config is cfg.fault_tolerance
+    persisting = dataclasses.replace(cfg.fault_tolerance, persist_every=5)
+    _, ft = engine_callbacks(dataclasses.replace(cfg, fault_tolerance=persisting), str(tmp_path / "out"))
+    assert ft.config == dataclasses.replace(persisting, persist_dir=str(tmp_path / "out" / "snapshots"))
+    model = tiny_llama()
+    try:
+        engine = SnapshotEngine(model, config=cfg.fault_tolerance)
+        assert engine.config is cfg.fault_tolerance and engine.idle_exit == 5.0 and engine.base == str(tmp_path)
+        engine.close(shutdown=True)
+    finally:
+        stop_snapshot_processes(tmp_path)
 
 
 def test_flat_flags_of_the_previous_release_still_work_and_warn():

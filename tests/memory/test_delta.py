@@ -83,6 +83,21 @@ def test_exactly_plain_training_and_under_the_budget(budget, accumulate):
     scheduler.remove()
 
 
+@pytest.mark.parametrize("granularity", ["layer", "submodule"])
+def test_recompute_only_is_exact_with_a_kv_cache_and_padding(granularity):
+    """With offloading off, the budget forces recomputation: the replay must not write the layer's KV cache again
+    (the cache keyword changed across transformers releases), and the result is still bit-exact."""
+    ref_losses, ref_grads, _ = _train(_deep())
+    model = _deep()
+    scheduler = apply_delta(model, DeltaConfig(budget=0.5, allow_offload=False, granularity=granularity))
+    losses, grads, _ = _train(model)
+    assert "recompute" in scheduler.plans[(4, 32)].actions.values()
+    assert losses == ref_losses
+    for g, rg in zip(grads, ref_grads):
+        assert all(torch.equal(g[n], rg[n]) for n in rg)
+    scheduler.remove()
+
+
 @pytest.mark.parametrize("budget", [0.35, 0.2])
 def test_submodule_granularity_is_exact_finer_and_under_the_budget(budget):
     """Planning per sub-module (attention, MLP, norms): still bit-exact with accumulation, the units are in the order
