@@ -154,6 +154,21 @@ def _replicas_identical(model, world_size: int) -> bool:
     return all(torch.equal(gathered[0], g) for g in gathered)
 
 
+def engine_callbacks(cfg: FinetuneConfig, output_dir: str):
+    """(DELTA callback, fault-tolerance callback), each None when its section is off; each gets its section's config
+    object as it is (the snapshot config with the job's default disk directory when it persists)."""
+    delta_cb = ft = None
+    if cfg.delta is not None:
+        from hf_dtrain.memory import DeltaCallback
+
+        delta_cb = DeltaCallback(cfg.delta)
+    if cfg.fault_tolerance is not None:
+        from hf_dtrain.fault import InMemoryFaultToleranceCallback
+
+        ft = InMemoryFaultToleranceCallback(snapshot_config_for(cfg.fault_tolerance, output_dir))
+    return delta_cb, ft
+
+
 def run_finetune(cfg: FinetuneConfig) -> dict:
     """Run one fine-tuning job; return the measured figures (also written to ``<output_dir>/results.json``)."""
     from accelerate import PartialState
@@ -218,17 +233,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     optimizers, callbacks = (None, None), []
     if cfg.optimizer != "adamw":
         optimizers = (build_optimizer(cfg, model, lr, cfg.weight_decay), None)
-    delta_cb = ft = None
-    if cfg.delta is not None:
-        from hf_dtrain.memory import DeltaCallback
-
-        delta_cb = DeltaCallback(cfg.delta)
-        callbacks.append(delta_cb)
-    if cfg.fault_tolerance is not None:
-        from hf_dtrain.fault import InMemoryFaultToleranceCallback
-
-        ft = InMemoryFaultToleranceCallback(snapshot_config_for(cfg.fault_tolerance, output_dir))
-        callbacks.append(ft)
+    delta_cb, ft = engine_callbacks(cfg, output_dir)
+    callbacks += [cb for cb in (delta_cb, ft) if cb is not None]
     own = FINETUNE_METHODS[cfg.method].build_optimizer
     own_optimizer = own(cfg, model, lr, cfg.weight_decay) if own is not None else None
     if own_optimizer is not None:  # the method's own optimizer (lorafa's); the clash check above refused another

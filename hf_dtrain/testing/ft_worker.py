@@ -59,7 +59,10 @@ def main():
         except (SnapshotError, ValueError) as e:
             with open(os.path.join(out, f"rank{rank}.error"), "w") as f:
                 f.write(f"{type(e).__name__}: {e}")
-            dist.destroy_process_group()
+            from hf_dtrain.distributed import release_process_group
+
+            del ddp  # DDP freed while its gloo group exists, then the group (a rank could hang at exit otherwise)
+            release_process_group()
             sys.exit(3)
         if restored is not None:
             start = restored.extra["next_step"]

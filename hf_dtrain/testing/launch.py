@@ -94,7 +94,8 @@ def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, ti
                    master_addr: str = "127.0.0.1") -> list[int]:
     """Start ``argv`` once per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``,
     ``LOCAL_WORLD_SIZE=1`` and ``HF_DTRAIN_NODE_RANK=rank``: every rank its own emulated node) and behave as an
-    elastic agent: when one rank dies the others are killed. Returns the exit codes (``-9`` for SIGKILL). Output goes
+    elastic agent: when one rank dies the others are killed (at once after a signal; after up to 15 s for ranks
+    that exit with an error, which may be refusing the same thing). Returns the exit codes (``-9`` for SIGKILL). Output goes
     to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers).
     ``per_rank_argv(rank, argv)``: the command of that rank (``Host.command`` to run it in an emulated host)."""
     import time
@@ -117,7 +118,12 @@ def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, ti
         while time.monotonic() < deadline:
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes):
-                time.sleep(0.5)
+                # a rank killed by a signal: the others are stuck in a collective, stop them at once; a rank that
+                # exited with an error: the others are usually refusing the same thing, give them time to say so
+                grace = 0.5 if any(c is not None and c < 0 for c in codes) else 15.0
+                end = time.monotonic() + grace
+                while time.monotonic() < end and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
                 for p in procs:
                     if p.poll() is None:
                         p.kill()

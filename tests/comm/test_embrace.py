@@ -103,7 +103,8 @@ def test_embrace_needs_embeddings_excluded_before_wrapping():
 def test_embrace_bad_config():
     from hf_dtrain.comm import CommHookConfig, exclude_embeddings
 
-    with pytest.raises(ValueError, match=r"exchange='ring' is unknown; use one of allgather, alltoall"):
+    with pytest.raises(ValueError, match=r"exchange='ring' is unknown; set comm_hook.exchange to one of allgather, "
+                                         r"alltoall"):
         CommHookConfig(method="embrace", exchange="ring")
     with pytest.raises(ValueError, match=r"found no trainable nn.Embedding"):
         exclude_embeddings(nn.Linear(3, 3))

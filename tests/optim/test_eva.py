@@ -233,7 +233,7 @@ def test_bad_hyperparameters():
         Eva(model.parameters(), model=model, update_interval=0, exclude=())
     with pytest.raises(ValueError, match=r"kl_clip must be >= 0"):
         Eva(model.parameters(), model=model, kl_clip=-0.1, exclude=())
-    with pytest.raises(ValueError, match=r"method='shampoo' is unknown; use one of eva, foof"):
+    with pytest.raises(ValueError, match=r"method='shampoo' is unknown; set eva.method to one of eva, foof"):
         Eva(model.parameters(), model=model, method="shampoo", exclude=())
     with pytest.raises(ValueError, match=r"base_optimizer='lion' is unknown"):
         Eva(model.parameters(), model=model, base_optimizer="lion", exclude=())
