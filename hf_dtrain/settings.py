@@ -122,5 +122,22 @@ def coerce_section(owner: Any, name: str) -> None:
     setattr(owner, name, None if plain is None else build(cls, plain, f"{type(owner).__name__}.{name}"))
 
 
+def check_choice(config: Any, name: str, choices, key: Optional[str] = None) -> None:
+    """``ValueError`` unless ``config.name`` is one of ``choices``, naming the field, the key to set and the choices.
+    ``key``: how the user sets it (default ``<section>.<name>`` is left to the caller; plain ``name`` otherwise)."""
+    value = getattr(config, name)
+    if value not in choices:
+        raise ValueError(f"{type(config).__name__}.{name}={value!r} is unknown; set {key or name} to one of "
+                         f"{', '.join(map(str, choices))}.")
+
+
+def check_int(config: Any, name: str, low: int, key: Optional[str] = None, why: str = "") -> None:
+    """``ValueError`` unless ``config.name`` is an integer (not a bool) >= ``low``, naming the field and the key."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{type(config).__name__}.{name} must be an integer >= {low}{why}, got {value!r}; set "
+                         f"{key or name}.")
+
+
 def help_of(f: dataclasses.Field) -> str:
     return f.metadata.get("help", "")

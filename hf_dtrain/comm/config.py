@@ -40,19 +40,13 @@ class CommHookConfig:
         "help": "embrace: how embedding rows travel, allgather or alltoall."})
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"CommHookConfig.method={self.method!r} is unknown; set comm_hook.method "
-                             f"(--comm-hook) to one of {', '.join(METHODS)}.")
-        if self.exchange not in EXCHANGES:
-            raise ValueError(f"CommHookConfig.exchange={self.exchange!r} is unknown; set comm_hook.exchange to one of "
-                             f"{', '.join(EXCHANGES)}.")
-        for name in ("rank", "sketch_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CommHookConfig.{name} must be an integer >= 1, got {value!r}; set comm_hook.{name}.")
-        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 2:
-            raise ValueError(f"CommHookConfig.start_iter must be an integer >= 2 (DDP rebuilds its buckets after the "
-                             f"first step), got {self.start_iter!r}; set comm_hook.start_iter.")
+        from hf_dtrain.settings import check_choice, check_int
+
+        check_choice(self, "method", METHODS, "comm_hook.method (--comm-hook)")
+        check_choice(self, "exchange", EXCHANGES, "comm_hook.exchange")
+        check_int(self, "rank", 1, "comm_hook.rank")
+        check_int(self, "sketch_rows", 1, "comm_hook.sketch_rows")
+        check_int(self, "start_iter", 2, "comm_hook.start_iter", " (DDP rebuilds its buckets after the first step)")
         if not self.min_compression_rate >= 0:
             raise ValueError(f"CommHookConfig.min_compression_rate must be >= 0, got {self.min_compression_rate!r}.")
         if not self.sketch_width_factor > 0:

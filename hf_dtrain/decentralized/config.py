@@ -21,11 +21,9 @@ class GossipConfig:
         "help": "dpsgd: atc (adapt, then combine with the neighbours) or cta (combine, then adapt)."})
 
     def __post_init__(self):
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"GossipConfig.topology={self.topology!r} is unknown; set gossip.topology to one of "
-                             f"{', '.join(TOPOLOGIES)}.")
+        from hf_dtrain.settings import check_choice
+
+        check_choice(self, "topology", TOPOLOGIES, "gossip.topology")
+        check_choice(self, "mode", MODES, "gossip.mode")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"GossipConfig.momentum must be in [0, 1), got {self.momentum!r}; set gossip.momentum.")
-        if self.mode not in MODES:
-            raise ValueError(f"GossipConfig.mode={self.mode!r} is unknown; set gossip.mode to one of "
-                             f"{', '.join(MODES)}.")

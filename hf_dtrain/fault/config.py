@@ -34,11 +34,10 @@ class SnapshotConfig:
         "help": "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."})
 
     def __post_init__(self):
+        from hf_dtrain.settings import check_int
+
         for name, low in (("every_n_steps", 1), ("parity", 0), ("persist_every", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"SnapshotConfig.{name} must be an integer >= {low}, got {value!r}; set "
-                                 f"fault_tolerance.{name}.")
+            check_int(self, name, low, f"fault_tolerance.{name}")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
             raise ValueError(f"SnapshotConfig.group_size must be a positive integer or None, got {self.group_size!r}.")
         for name in ("timeout", "idle_exit"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Union
 
+from hf_dtrain.settings import check_choice
+
 from .planner import OBJECTIVES
 from .profiler import GRANULARITIES
 
@@ -46,15 +48,9 @@ class DeltaConfig:
                              "a fraction of the no-saving activation bytes is in (0, 1].")
         # the one rule: up to 1 is a fraction of the no-saving bytes, above 1 a number of bytes
         self.budget = float(b) if b <= 1 else int(b)
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"DeltaConfig.granularity={self.granularity!r} is unknown; set delta.granularity to one "
-                             f"of {', '.join(GRANULARITIES)}.")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"DeltaConfig.objective={self.objective!r} is unknown; set delta.objective to one of "
-                             f"{', '.join(OBJECTIVES)}.")
-        if self.method not in PLANNERS:
-            raise ValueError(f"DeltaConfig.method={self.method!r} is unknown; set delta.method to one of "
-                             f"{', '.join(PLANNERS)}.")
+        check_choice(self, "granularity", GRANULARITIES, "delta.granularity")
+        check_choice(self, "objective", OBJECTIVES, "delta.objective")
+        check_choice(self, "method", PLANNERS, "delta.method")
 
     def budget_bytes(self, no_saving_bytes: int) -> int:
         """The budget in bytes for a step that saves ``no_saving_bytes`` with everything kept."""

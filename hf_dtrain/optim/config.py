@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hf_dtrain.settings import check_choice, check_int
+
 EVA_METHODS = ("eva", "foof")
 
 
@@ -41,13 +43,8 @@ class EvaConfig:
         if not (isinstance(self.factor_decay, (int, float)) and 0 < self.factor_decay <= 1):
             raise ValueError(f"Eva factor_decay must be in (0, 1] (the paper uses 0.95), got {self.factor_decay!r}; "
                              "set eva.factor_decay.")
-        u = self.update_interval
-        if not isinstance(u, int) or isinstance(u, bool) or u < 1:
-            raise ValueError(f"Eva update_interval must be an integer >= 1 (1: every step), got {u!r}; set "
-                             "eva.update_interval.")
-        if self.method not in EVA_METHODS:
-            raise ValueError(f"Eva method={self.method!r} is unknown; set eva.method to one of "
-                             f"{', '.join(EVA_METHODS)}.")
+        check_int(self, "update_interval", 1, "eva.update_interval", " (1: every step)")
+        check_choice(self, "method", EVA_METHODS, "eva.method")
         self.exclude = list(self.exclude)
 
 
@@ -72,10 +69,8 @@ class OneBitLambConfig:
         "help": "One 1-bit scale per this many elements; None: one per rank's chunk (DeepSpeed)."})
 
     def __post_init__(self):
-        f = self.freeze_step
-        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-            raise ValueError(f"OneBitLamb freeze_step (LAMB warm-up steps before compression) must be an integer "
-                             f">= 1, got {f!r}; set onebit_lamb.freeze_step.")
+        check_int(self, "freeze_step", 1, "onebit_lamb.freeze_step",
+                  " (plain LAMB warm-up steps before the momenta are compressed)")
         self.betas = tuple(self.betas)
         if len(self.betas) != 2 or not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
             raise ValueError(f"OneBitLamb betas must be two numbers in [0, 1), got {self.betas!r}; set "
