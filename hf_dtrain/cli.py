@@ -39,14 +39,6 @@ def _none_or(conv):
     return parse
 
 
-def _number(text: str):
-    """An int where the text is one (bytes), else a float (a fraction)."""
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
 def _converter(tp) -> tuple:
     """(argparse type, nargs) for a field's annotation."""
     base, optional = unwrap_optional(tp)
@@ -55,7 +47,7 @@ def _converter(tp) -> tuple:
         args = [a for a in typing.get_args(base) if a is not Ellipsis] or [str]
         inner = {float: float, int: int}.get(args[0], str)
         return inner, (len(args) if origin is tuple and Ellipsis not in typing.get_args(base) else "+")
-    conv = {bool: _bool, int: int, float: _number if optional else float, str: str}.get(base, str)
+    conv = {bool: _bool, int: int, float: float, str: str}.get(base, str)
     return (_none_or(conv) if optional else conv), None
 
 
@@ -126,11 +118,8 @@ def args_to_data(ns: argparse.Namespace, cls=FinetuneConfig) -> dict:
     data: dict = {}
     given = {k: v for k, v in vars(ns).items() if k not in ("command", "recipe")}
     for key, value in sorted(given.items(), key=lambda kv: kv[0].count(".")):  # short forms before fields
-        if "." in key:
-            section, name = key.split(".", 1)
-            data = merge(data, {section: {name: value}}, cls)
-        else:
-            data = merge(data, {key: value}, cls)
+        section, _, name = key.partition(".")
+        data = merge(data, {section: {name: value}} if name else {key: value}, cls)
     return data
 
 

@@ -21,7 +21,7 @@ from hf_dtrain.decentralized.config import GossipConfig
 from hf_dtrain.fault.config import SnapshotConfig
 from hf_dtrain.memory.config import DeltaConfig
 from hf_dtrain.optim.config import EvaConfig, OneBitLambConfig
-from hf_dtrain.settings import build, coerce_section, merge
+from hf_dtrain.settings import build, coerce_section, merge, section_type, sections
 
 ENGINES = ("accelerate", "trainer")
 
@@ -75,9 +75,6 @@ class ComposeOptions:
     def comm_method(self) -> Optional[str]:
         return None if self.comm_hook is None else self.comm_hook.method
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def from_dict(cls, data: Optional[dict], where: Optional[str] = None):
@@ -91,7 +88,7 @@ class ComposeOptions:
             section, name = LEGACY_KEYS[key].split(".")
             warnings.warn(f"{key!r} is deprecated and will be removed in the next release; use {section}.{name} "
                           f"(--{section.replace('_', '-')}.{name.replace('_', '-')}).", FutureWarning, stacklevel=2)
-            optional = section in ("comm_hook", "delta", "fault_tolerance")
+            optional = section_type(cls, section)[1]
             switched = _switched_on(data.get(section)) or any(
                 LEGACY_KEYS[k].startswith(section + ".") for k in legacy if k in _LEGACY_SWITCHES)
             if optional and not switched:
@@ -101,7 +98,7 @@ class ComposeOptions:
 
     def validate(self) -> None:
         """Checks that need no world: the sections are built and valid (each validates itself), names are known."""
-        for name in ("comm_hook", "eva", "onebit_lamb", "gossip", "delta", "fault_tolerance"):
+        for name, _, _ in sections(type(self)):
             coerce_section(self, name)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} is unknown; set --optimizer to one of "

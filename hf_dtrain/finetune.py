@@ -98,9 +98,6 @@ class FinetuneConfig(ComposeOptions):
                                  f"--quantize {self.quantize} use --method one of "
                                  f"{', '.join(QUANTIZED_METHODS[self.quantize])}.")
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
 
 def build_peft_config(cfg: FinetuneConfig, model):

@@ -63,9 +63,6 @@ class PretrainConfig(ComposeOptions):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}.")
         self.validate()
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
 
 def default_tokenizer(preset: str, data_bytes: int = 1_000_000):

@@ -42,6 +42,16 @@ def section_type(cls: type, name: str) -> Optional[tuple[type, bool]]:
     return (inner, optional) if is_config(inner) else None
 
 
+def sections(cls: type) -> list[tuple[str, type, bool]]:
+    """``(field name, config class, optional)`` of every section of ``cls``."""
+    out = []
+    for f in dataclasses.fields(cls):
+        sec = section_type(cls, f.name)
+        if sec is not None:
+            out.append((f.name, *sec))
+    return out
+
+
 def walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any, type]]:
     """``(dotted path, field, annotation, owning class)`` of every leaf setting of ``cls``, sections expanded."""
     hints = typing.get_type_hints(cls)

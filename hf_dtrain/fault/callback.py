@@ -33,12 +33,8 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
     ``InMemoryFaultToleranceCallback(every_n_steps=1, parity=1)``)."""
 
     def __init__(self, config: Optional[SnapshotConfig] = None, *, stateful: Optional[dict] = None, **settings):
-        if config is None:
-            config = SnapshotConfig(**settings)
-        elif settings:
-            config = SnapshotConfig(**{**config.__dict__, **settings})
-        self.config = config
-        self.every_n_steps = config.every_n_steps
+        self.config = SnapshotConfig.from_any(config, **settings)
+        self.every_n_steps = self.config.every_n_steps
         self.stateful = dict(stateful or {})
         self.engine: Optional[SnapshotEngine] = None
         self.restored: Optional[Restored] = None

@@ -5,6 +5,7 @@ YAML section (``fault_tolerance: true`` turns it on with these defaults); ``Snap
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,3 +44,11 @@ class SnapshotConfig:
         for name in ("timeout", "idle_exit"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SnapshotConfig.{name} must be > 0 seconds, got {getattr(self, name)!r}.")
+
+    @classmethod
+    def from_any(cls, config: Optional["SnapshotConfig"] = None, **settings) -> "SnapshotConfig":
+        """``config`` with ``settings`` on top, or a config from ``settings`` alone (the keyword form the engine and
+        the callback also accept)."""
+        if config is None:
+            return cls(**settings)
+        return dataclasses.replace(config, **settings) if settings else config

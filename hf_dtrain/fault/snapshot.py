@@ -89,11 +89,7 @@ class SnapshotEngine:
                  stateful: Optional[dict] = None, process_group=None, **settings):
         from .config import SnapshotConfig
 
-        if config is None:
-            config = SnapshotConfig(**settings)
-        elif settings:
-            config = SnapshotConfig(**{**config.__dict__, **settings})
-        self.config = config
+        self.config = config = SnapshotConfig.from_any(config, **settings)
         directory, parity, group_size = config.directory, config.parity, config.group_size
         persist_dir, persist_every = config.persist_dir, config.persist_every
         timeout, idle_exit, trainable_only = config.timeout, config.idle_exit, config.trainable_only

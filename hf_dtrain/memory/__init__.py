@@ -36,8 +36,6 @@ class DeltaScheduler:
                  **overrides):
         self.config = DeltaConfig.from_any(config, **overrides)
         self.model = model
-        self.budget, self.method = self.config.budget, self.config.method
-        self.allow_offload, self.objective = self.config.allow_offload, self.config.objective
         device = next(model.parameters()).device
         self.overlap = device.type == "cuda"  # a side stream overlaps the copies with compute
         self.tier = tier or (PinnedTier(device) if self.overlap else FileTier())
@@ -75,8 +73,9 @@ class DeltaScheduler:
                 out = self._orig_forward(*args, **kwargs)
             self.executor.end_step()
             profile = self.executor.profile(shape, self.bandwidth)
-            self.plans[shape] = make_plan(profile, self.budget_bytes(profile), self.method, self.allow_offload,
-                                          overlap=self.overlap, objective=self.objective)
+            self.plans[shape] = make_plan(profile, self.budget_bytes(profile), self.config.method,
+                                          self.config.allow_offload, overlap=self.overlap,
+                                          objective=self.config.objective)
             logger.info("DELTA plan for input shape %s:\n%s", shape, self.plans[shape].table())
             return out
         plan = self.plans[shape]
@@ -90,9 +89,10 @@ class DeltaScheduler:
             # measured above the budget (the profile under-predicted): plan again with the excess taken off, once
             self._replanned.add(shape)
             excess = measured - plan.predicted_bytes
-            corrected = make_plan(plan.profile, max(minimum_budget(plan.profile, self.allow_offload),
-                                                    plan.budget - excess), self.method, self.allow_offload,
-                                   overlap=self.overlap, objective=self.objective)
+            config = self.config
+            corrected = make_plan(plan.profile, max(minimum_budget(plan.profile, config.allow_offload),
+                                                    plan.budget - excess), config.method, config.allow_offload,
+                                   overlap=self.overlap, objective=config.objective)
             corrected.budget = plan.budget
             self.plans[shape] = corrected
             logger.warning("DELTA: %d bytes saved against a budget of %d for shape %s; re-planned.", measured,

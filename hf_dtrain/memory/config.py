@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Union
 
@@ -63,5 +64,5 @@ class DeltaConfig:
         if config is None:
             return cls(**overrides)
         if isinstance(config, cls):
-            return cls(**{**config.__dict__, **overrides}) if overrides else config
+            return dataclasses.replace(config, **overrides) if overrides else config
         return cls(budget=config, **overrides)

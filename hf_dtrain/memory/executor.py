@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers import Cache
 
 from .profiler import GroupProfile, Profile
 
@@ -157,8 +158,6 @@ class PinnedTier:
 def _without_cache(kwargs: dict) -> dict:
     """``kwargs`` with every KV cache replaced by None, found by type (``transformers.Cache``), not by name: the
     keyword changed across transformers releases (``past_key_value``, ``past_key_values``, ``cache`` in 5.24)."""
-    from transformers import Cache
-
     return {k: None if isinstance(v, Cache) else v for k, v in kwargs.items()}
 
 

@@ -90,53 +90,22 @@ def measure_tier_bandwidth(tier, nbytes: int = 8 << 20) -> float:
 
 
 def profile_step(model: nn.Module, batch: dict, tier, layers: Optional[list] = None) -> Profile:
-    """Run one forward + backward of ``model`` on ``batch`` keeping everything, and measure. Gradients are left as
-    they were (the step is for measuring only)."""
-    layers = layers or decoder_layers(model)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, tuple[int, Optional[int]]] = {}  # data_ptr -> (bytes, group index of first save)
-    current: list[Optional[int]] = [None]
-    inputs: dict[int, int] = {}
-    times: dict[int, float] = {}
-    starts: dict[int, float] = {}
+    """Run one forward + backward of ``model`` on ``batch`` keeping everything, and measure: the executor's own
+    profiling step (one accounting for both), outside a scheduler. Gradients are left as they were (the step is for
+    measuring only)."""
+    from .executor import DeltaExecutor
 
-    def pack(t):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in params:
-            if ptr not in storages:
-                storages[ptr] = (st.nbytes(), current[0])
-            elif storages[ptr][1] != current[0]:  # saved by several units: no one unit's action frees it
-                storages[ptr] = (storages[ptr][0], None)
-        return t
-
-    handles = []
-    for i, (_, layer) in enumerate(layers):
-        def pre(module, args, kwargs, i=i):
-            current[0] = i
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            inputs[i] = hidden.untyped_storage().nbytes() if torch.is_tensor(hidden) else 0
-            starts[i] = time.perf_counter()
-
-        def post(module, args, kwargs, output, i=i):
-            times[i] = time.perf_counter() - starts[i]
-            current[0] = None
-
-        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    executor = DeltaExecutor(model, layers or decoder_layers(model), tier)
     grads = {p: p.grad for p in model.parameters()}
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        executor.begin_step(profile=True)
+        with executor.hooks():
             loss = model(**batch).loss
+        executor.end_step()
         loss.backward()
     finally:
-        for h in handles:
-            h.remove()
+        executor.remove()
         for p, g in grads.items():
             p.grad = g
-    groups = [GroupProfile(name, sum(b for b, g in storages.values() if g == i), inputs.get(i, 0), times.get(i, 0.0))
-              for i, (name, _) in enumerate(layers)]
-    groups = [groups[i] for i in sorted(range(len(groups)), key=lambda i: starts.get(i, float("inf")))]  # run order
     ids = batch.get("input_ids")
-    return Profile(groups, sum(b for b, _ in storages.values()), tuple(ids.shape) if torch.is_tensor(ids) else (),
-                   measure_tier_bandwidth(tier))
+    return executor.profile(tuple(ids.shape) if torch.is_tensor(ids) else (), measure_tier_bandwidth(tier))

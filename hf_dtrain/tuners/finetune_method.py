@@ -21,7 +21,6 @@ class FinetuneMethod:
     default_lr: float
     build_config: Callable[[Any, Any], Any]  # (job config, base model) -> peft config, or None (full fine-tuning)
     quantized_bases: tuple[str, ...] = ()  # the --quantize values it trains on
-    default_targets: tuple[str, ...] = tuple(LORA_TARGETS)
     build_optimizer: Optional[Callable[[Any, Any, float, float], Any]] = None  # (cfg, model, lr, wd) -> optimizer
 
 
@@ -48,7 +47,7 @@ def _lora(cfg, model, dora=False):
 
 LORA = FinetuneMethod("lora", 4e-3, _lora, quantized_bases=("nf4", "hqq4"))
 DORA = FinetuneMethod("dora", 4e-3, lambda cfg, model: _lora(cfg, model, dora=True), quantized_bases=("nf4",))
-FULL = FinetuneMethod("full", 5e-4, lambda cfg, model: None, default_targets=())
+FULL = FinetuneMethod("full", 5e-4, lambda cfg, model: None)
 
 
 def _registry() -> dict[str, FinetuneMethod]:

@@ -126,6 +126,23 @@ def test_submodule_granularity_is_exact_finer_and_under_the_budget(budget):
         DeltaCallback(budget=0.5, granularity="op")
 
 
+@pytest.mark.parametrize("granularity", ["layer", "submodule"])
+def test_a_tensor_every_layer_saves_is_charged_to_no_layer(granularity):
+    """The padding mask (and the rotary tables) are saved by every layer: no single layer's action frees them, so the
+    profile keeps them outside the layers. Identical layers are then charged identical bytes (charged to the first
+    layer that saved them, layer 0 carried them and a plan offloading it went over its budget)."""
+    from hf_dtrain.memory import plan_units
+
+    model = _deep()
+    profile = profile_step(model, _padded_batch(), FileTier(), layers=plan_units(model, granularity))
+    per_layer = {}
+    for g in profile.groups:
+        layer, _, part = g.name.partition(".layers.")[2].partition(".")
+        per_layer.setdefault(part, set()).add(g.saved_bytes)
+    assert all(len(sizes) == 1 for sizes in per_layer.values()), per_layer
+    assert profile.other_bytes + profile.groups_saved_bytes == profile.total_saved_bytes
+
+
 def test_file_tier_closes_its_descriptor_once(tmp_path):
     """close() then garbage collection must not close a descriptor number another file owns by then."""
     first = FileTier(str(tmp_path))

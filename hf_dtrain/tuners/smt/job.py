@@ -25,4 +25,4 @@ def _config(cfg, model):
                      warmup_steps=cfg.smt_warmup_steps, score="abs_mean")
 
 
-METHOD = FinetuneMethod("smt", 2e-3, _config, default_targets=tuple(SMT_TARGETS))
+METHOD = FinetuneMethod("smt", 2e-3, _config)
