@@ -117,9 +117,21 @@ class ComposeOptions:
     def deepspeed_stage(self) -> Optional[int]:
         if not self.deepspeed:
             return None
-        with open(self.deepspeed) as f:
-            cfg = json.load(f)
-        return int(cfg.get("zero_optimization", {}).get("stage", 0))
+        try:
+            with open(self.deepspeed) as f:
+                cfg = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"deepspeed={self.deepspeed!r}: no such file; set --deepspeed to a DeepSpeed config "
+                             "JSON.") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"deepspeed config {self.deepspeed} cannot be read as JSON: {e}; fix the file or set "
+                             "--deepspeed to another one.") from None
+        zero = cfg.get("zero_optimization", {}) if isinstance(cfg, dict) else None
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"deepspeed config {self.deepspeed}: zero_optimization.stage must be 0, 1, 2 or 3, got "
+                             f"{stage!r}.")
+        return stage
 
     def check(self, world_size: int, engine: str, lorafa_optimizer: bool = False) -> None:
         """Refuse combinations that clash, with a ``ValueError`` naming both sides and what to change."""

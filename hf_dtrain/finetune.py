@@ -40,45 +40,48 @@ class FinetuneConfig(ComposeOptions):
     dataset: str | None = field(default=None, metadata={
         "help": "Local json/jsonl/csv with prompt/completion columns or a hub dataset; None = default addition task."})
     output_dir: str | None = field(default=None, metadata={"help": "Where to save; default outputs/finetune-<method>."})
-    max_steps: int = field(default=2000, metadata={"help": "Optimizer steps."})
-    learning_rate: float | None = field(default=None, metadata={"help": f"Peak LR; default per method {DEFAULT_LR}."})
-    per_device_train_batch_size: int = field(default=16, metadata={"help": "Batch size per process."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    warmup_steps: int = field(default=20, metadata={"help": "Linear LR warm-up steps."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    seed: int = field(default=0, metadata={"help": "Seed of adapter init, data order and the default task's data."})
-    lora_r: int = field(default=8, metadata={"help": "Rank for lora, dora and lorafa."})
-    lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator for lora, dora and lorafa."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout for lora and dora."})
+    max_steps: int = field(default=2000, metadata={"min": 1, "help": "Optimizer steps."})
+    learning_rate: float | None = field(default=None, metadata={"gt": 0, "help": f"Peak LR; default per method {DEFAULT_LR}."})
+    per_device_train_batch_size: int = field(default=16, metadata={"min": 1, "help": "Batch size per process."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"min": 1, "help": "Micro-batches per optimizer step."})
+    warmup_steps: int = field(default=20, metadata={"min": 0, "help": "Linear LR warm-up steps."})
+    weight_decay: float = field(default=0.0, metadata={"min": 0, "help": "AdamW weight decay."})
+    seed: int = field(default=0, metadata={"min": 0, "help": "Seed of adapter init, data order and the default task's data."})
+    lora_r: int = field(default=8, metadata={"min": 1, "help": "Rank for lora, dora and lorafa."})
+    lora_alpha: int = field(default=16, metadata={"gt": 0, "help": "Scaling numerator for lora, dora and lorafa."})
+    lora_dropout: float = field(default=0.0, metadata={"min": 0, "lt": 1, "help": "Dropout for lora and dora."})
     lorafa_optimizer: bool = field(default=True, metadata={
         "help": "lorafa: use hf_dtrain's create_lorafa_optimizer instead of the Trainer's AdamW."})
-    smt_block_size: int = field(default=64, metadata={"help": "smt: side of the square sub-matrices."})
-    smt_num_blocks: int | None = field(default=None, metadata={
+    smt_block_size: int = field(default=64, metadata={"min": 1, "help": "smt: side of the square sub-matrices."})
+    smt_num_blocks: int | None = field(default=None, metadata={"min": 1, 
         "help": "smt: blocks to train; default matches the trainable budget of lora at lora_r."})
-    smt_warmup_steps: int = field(default=20, metadata={"help": "smt: gradient-scoring steps before selection."})
+    smt_warmup_steps: int = field(default=20, metadata={"min": 1, "help": "smt: gradient-scoring steps before selection."})
     quantize: str | None = field(default=None, metadata={
         "help": "Load the base in 4 bits: nf4 (bitsandbytes), hqq4 (HQQ, zero-points) or int4 (hf_dtrain's Int4Linear, "
                 "zero-points); qahira merges exactly into hqq4/int4."})
-    quant_group_size: int = field(default=64, metadata={
+    quant_group_size: int = field(default=64, metadata={"min": 1, 
         "help": "hqq4/int4: quantization group size along in_features (also qahira's input pooling factor)."})
-    qbara_pool: int = field(default=2, metadata={"help": "qbara: pooling/repeat factor lambda (rank lambda * lora_r)."})
-    qahira_lambda_out: int | None = field(default=None, metadata={
+    qbara_pool: int = field(default=2, metadata={"min": 1, "help": "qbara: pooling/repeat factor lambda (rank lambda * lora_r)."})
+    qahira_lambda_out: int | None = field(default=None, metadata={"min": 1, 
         "help": "qahira: output repeat factor; default the divisor of every target's out_features whose parameter "
                 "count is closest to lora's at lora_r."})
     target_modules: list[str] | None = field(default=None, metadata={
         "help": f"Modules to adapt; default {LORA_TARGETS} (lora/dora/lorafa), {SMT_TARGETS} (smt)."})
-    task_digits: int | None = field(default=None, metadata={
+    task_digits: int | None = field(default=None, metadata={"min": 1, 
         "help": "Default task: operands have 1 to N digits (default hf_dtrain.tasks.TASK_DIGITS)."})
-    train_size: int = field(default=32000, metadata={"help": "Training examples (default task) or cap (dataset)."})
-    eval_size: int = field(default=200, metadata={"help": "Held-out examples for eval loss and accuracy."})
-    max_length: int = field(default=512, metadata={"help": "Truncation length for --dataset examples."})
-    logging_steps: int = field(default=200, metadata={"help": "Log the training loss every N steps."})
+    train_size: int = field(default=32000, metadata={"min": 1, "help": "Training examples (default task) or cap (dataset)."})
+    eval_size: int = field(default=200, metadata={"min": 1, "help": "Held-out examples for eval loss and accuracy."})
+    max_length: int = field(default=512, metadata={"min": 2, "help": "Truncation length for --dataset examples."})
+    logging_steps: int = field(default=200, metadata={"min": 1, "help": "Log the training loss every N steps."})
     report: bool = field(default=True, metadata={"help": "Print the result table (rank 0)."})
     progress: bool = field(default=True, metadata={"help": "Show progress bars."})
     base_preset: str = field(default="tiny", metadata={"help": "Preset of the embedded default base model."})
-    base_steps: int | None = field(default=None, metadata={"help": "Pretraining steps of the default base model."})
+    base_steps: int | None = field(default=None, metadata={"min": 1, "help": "Pretraining steps of the default base model."})
 
     def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
         self.method = str(self.method).lower()
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is unknown; set --method to one of {', '.join(METHODS)}.")

@@ -38,22 +38,25 @@ class PretrainConfig(ComposeOptions):
     dataset_config: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration name."})
     text_column: str = field(default="text", metadata={"help": "Column holding the text."})
     streaming: bool = field(default=False, metadata={"help": "Stream the dataset (hub datasets too large to load)."})
-    data_bytes: int = field(default=2_000_000, metadata={"help": "Default corpus: bytes of stdlib source to use."})
-    seq_len: int = field(default=128, metadata={"help": "Tokens per training block."})
-    per_device_train_batch_size: int = field(default=16, metadata={
+    data_bytes: int = field(default=2_000_000, metadata={"min": 1000, "help": "Default corpus: bytes of stdlib source to use."})
+    seq_len: int = field(default=128, metadata={"min": 2, "help": "Tokens per training block."})
+    per_device_train_batch_size: int = field(default=16, metadata={"min": 1, 
         "help": "Blocks per process per step (with --hetero-speeds: the global batch is this x processes)."})
-    max_steps: int = field(default=200, metadata={"help": "Optimizer steps."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
-    warmup_steps: int = field(default=20, metadata={"help": "Linear warm-up steps, then cosine decay to a tenth."})
-    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay."})
-    seed: int = field(default=0, metadata={"help": "Seed of the init and the data order."})
+    max_steps: int = field(default=200, metadata={"min": 1, "help": "Optimizer steps."})
+    learning_rate: float = field(default=1e-3, metadata={"gt": 0, "help": "Peak learning rate."})
+    warmup_steps: int = field(default=20, metadata={"min": 0, "help": "Linear warm-up steps, then cosine decay to a tenth."})
+    weight_decay: float = field(default=0.0, metadata={"min": 0, "help": "Weight decay."})
+    seed: int = field(default=0, metadata={"min": 0, "help": "Seed of the init and the data order."})
     output_dir: str = field(default="outputs/pretrain", metadata={"help": "Where results.json and the model go."})
-    logging_steps: int = field(default=10, metadata={"help": "Print the loss every N steps (rank 0)."})
-    eval_blocks: int = field(default=64, metadata={"help": "Held-out blocks for the final loss (default corpus)."})
+    logging_steps: int = field(default=10, metadata={"min": 0, "help": "Print the loss every N steps (rank 0)."})
+    eval_blocks: int = field(default=64, metadata={"min": 0, "help": "Held-out blocks for the final loss (default corpus)."})
     save_model: bool = field(default=True, metadata={"help": "Save the model and tokenizer at the end (rank 0)."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
 
     def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
         from hf_dtrain.models import PRESETS
 
         if self.preset not in PRESETS:

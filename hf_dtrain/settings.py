@@ -19,6 +19,7 @@ is ``comm_hook: {method: acp_sgd}``), ``true`` for the section with its defaults
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, Iterator, Optional
 
@@ -151,3 +152,119 @@ def check_int(config: Any, name: str, low: int, key: Optional[str] = None, why: 
 
 def help_of(f: dataclasses.Field) -> str:
     return f.metadata.get("help", "")
+
+
+_HINTS: dict = {}
+
+
+def _hints(cls: type) -> dict:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def key_of(config: Any, name: str) -> str:
+    """How a user sets ``config.name``: ``--section.field`` / YAML ``section: {field: ...}`` for an engine config that
+    declares ``section_key``, ``--field`` for a job field."""
+    section = getattr(type(config), "section_key", None)
+    path = f"{section}.{name}" if section else name
+    return f"{path} (--{path.replace('_', '-')})"
+
+
+def _number(value: Any, kind: type) -> Any:
+    """``value`` as ``kind`` (int or float): YAML 1.1 reads ``1e-3`` as a string, so numeric strings are accepted;
+    booleans and non-integral floats for an int are not."""
+    if isinstance(value, bool):
+        raise TypeError
+    if isinstance(value, str):
+        value = float(value.strip()) if kind is float else int(value.strip())
+    if kind is int:
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise TypeError
+            value = int(value)
+        if not isinstance(value, int):
+            raise TypeError
+        return value
+    if not isinstance(value, (int, float)):
+        raise TypeError
+    return float(value)
+
+
+def check_fields(config: Any) -> None:
+    """Every plain field of ``config`` (sections skipped: they check themselves) against its annotation and bounds:
+    bool fields take only true/false (no truthy strings), int fields whole numbers, float fields finite numbers, str
+    fields strings, ``list[X]`` a list of X; ``None`` only where the annotation is ``Optional``. Bounds come from the
+    field's metadata: ``min`` / ``max`` (inclusive), ``gt`` / ``lt`` (exclusive). Numeric strings are converted in place.
+    Raises ``ValueError`` naming the field, the flag / YAML key and what it takes."""
+    cls = type(config)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init or section_type(cls, f.name) is not None:
+            continue
+        tp, optional = unwrap_optional(hints[f.name])
+        value = getattr(config, f.name)
+        where = f"{cls.__name__}.{f.name}"
+        fix = f"set {key_of(config, f.name)}"
+        if value is None:
+            if optional:
+                continue
+            raise ValueError(f"{where} cannot be None; {fix}.")
+        origin = typing.get_origin(tp)
+        if origin in (list, tuple):
+            inner = [a for a in typing.get_args(tp) if a is not Ellipsis]
+            inner = inner[0] if inner else Any
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise ValueError(f"{where} must be a list, got {value!r}; {fix}.")
+            if inner in (int, float):
+                try:
+                    value = [_number(v, inner) for v in value]
+                except (TypeError, ValueError):
+                    raise ValueError(f"{where} must be a list of {inner.__name__} values, got {value!r}; "
+                                     f"{fix}.") from None
+                bad = [v for v in value if isinstance(v, float) and not math.isfinite(v)]
+                if bad:
+                    raise ValueError(f"{where} must hold finite numbers, got {value!r}; {fix}.")
+            elif inner is str and not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{where} must be a list of strings, got {value!r}; {fix}.")
+            object.__setattr__(config, f.name, list(value))
+            continue
+        if tp is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{where} must be true or false, got {value!r}; {fix}.")
+            continue
+        if tp in (int, float):
+            try:
+                value = _number(value, tp)
+            except (TypeError, ValueError):
+                kind = "a whole number" if tp is int else "a number"
+                raise ValueError(f"{where} must be {kind}, got {value!r}; {fix}.") from None
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{where} must be a finite number, got {value!r}; {fix}.")
+            low, high = f.metadata.get("min"), f.metadata.get("max")
+            above, below = f.metadata.get("gt"), f.metadata.get("lt")
+            if low is not None and value < low:
+                raise ValueError(f"{where} must be >= {low}, got {value!r}; {fix}.")
+            if high is not None and value > high:
+                raise ValueError(f"{where} must be <= {high}, got {value!r}; {fix}.")
+            if above is not None and not value > above:
+                raise ValueError(f"{where} must be > {above}, got {value!r}; {fix}.")
+            if below is not None and not value < below:
+                raise ValueError(f"{where} must be < {below}, got {value!r}; {fix}.")
+            object.__setattr__(config, f.name, value)
+            continue
+        if tp is str and not isinstance(value, str):
+            raise ValueError(f"{where} must be a string, got {value!r}; {fix}.")
+
+
+def check_number(config: Any, name: str, gt: Optional[float] = None, low: Optional[float] = None,
+                 key: Optional[str] = None) -> None:
+    """``ValueError`` unless ``config.name`` is a finite number (not a bool) > ``gt`` / >= ``low``, naming the field:
+    for configs that are not ours field by field (peft's ``PeftConfig`` subclasses)."""
+    value = getattr(config, name)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    ok = ok and (gt is None or value > gt) and (low is None or value >= low)
+    if not ok:
+        bound = f" > {gt}" if gt is not None else (f" >= {low}" if low is not None else "")
+        raise ValueError(f"{type(config).__name__}.{name} must be a finite number{bound}, got {value!r}; set "
+                         f"{key or name}.")

@@ -16,6 +16,8 @@ METHODS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace", "noop")
 class CommHookConfig:
     """A communication method and its settings (validated on construction)."""
 
+    section_key: ClassVar[str] = "comm_hook"  # flags --comm-hook.<field>, YAML comm_hook:
+
     shorthand: ClassVar[str] = "method"
 
     method: str = field(default="acp_sgd", metadata={
@@ -40,7 +42,9 @@ class CommHookConfig:
         "help": "embrace: how embedding rows travel, allgather or alltoall."})
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_choice, check_int
+        from hf_dtrain.settings import check_choice, check_fields, check_int
+
+        check_fields(self)
 
         check_choice(self, "method", METHODS, "comm_hook.method (--comm-hook)")
         check_choice(self, "exchange", EXCHANGES, "comm_hook.exchange")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 TOPOLOGIES = ("ring", "torus", "exponential", "fully_connected", "matcha")
 MODES = ("atc", "cta")
@@ -13,6 +14,8 @@ MODES = ("atc", "cta")
 class GossipConfig:
     """Decentralized optimizer settings (validated on construction)."""
 
+    section_key: ClassVar[str] = "gossip"  # flags --gossip.<field>, YAML gossip:
+
     topology: str = field(default="ring", metadata={
         "help": "Communication graph: ring, torus, exponential, fully_connected, or matcha (time-varying matchings "
                 "of a torus)."})
@@ -21,7 +24,9 @@ class GossipConfig:
         "help": "dpsgd: atc (adapt, then combine with the neighbours) or cta (combine, then adapt)."})
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_choice
+        from hf_dtrain.settings import check_choice, check_fields
+
+        check_fields(self)
 
         check_choice(self, "topology", TOPOLOGIES, "gossip.topology")
         check_choice(self, "mode", MODES, "gossip.mode")

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 
 @dataclass
 class SnapshotConfig:
     """In-memory fault tolerance settings (validated on construction)."""
+
+    section_key: ClassVar[str] = "fault_tolerance"  # flags --fault-tolerance.<field>, YAML fault_tolerance:
 
     every_n_steps: int = field(default=1, metadata={"help": "Snapshot every N optimizer steps."})
     parity: int = field(default=1, metadata={
@@ -35,7 +37,9 @@ class SnapshotConfig:
         "help": "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."})
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_int
+        from hf_dtrain.settings import check_fields, check_int
+
+        check_fields(self)
 
         for name, low in (("every_n_steps", 1), ("parity", 0), ("persist_every", 0)):
             check_int(self, name, low, f"fault_tolerance.{name}")

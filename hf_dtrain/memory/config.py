@@ -20,6 +20,8 @@ PLANNERS = ("exact", "delta")
 class DeltaConfig:
     """DELTA's settings (validated on construction; the budget rule lives here and nowhere else)."""
 
+    section_key: ClassVar[str] = "delta"  # flags --delta.<field>, YAML delta:
+
     shorthand: ClassVar[str] = "budget"
 
     budget: Optional[float] = field(default=None, metadata={
@@ -37,6 +39,9 @@ class DeltaConfig:
                 "or keep only."})
 
     def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
         b = self.budget
         if b is None:
             raise ValueError("DeltaConfig.budget is required: set delta.budget (--delta.budget) to a fraction in "

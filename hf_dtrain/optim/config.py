@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from hf_dtrain.settings import check_choice, check_int
 
@@ -18,6 +18,8 @@ EVA_METHODS = ("eva", "foof")
 @dataclass
 class EvaConfig:
     """Eva / vectorized FOOF preconditioning settings (validated on construction)."""
+
+    section_key: ClassVar[str] = "eva"  # flags --eva.<field>, YAML eva:
 
     damping: float = field(default=0.03, metadata={
         "help": "Damping gamma > 0 of the Sherman-Morrison inverse (0.03 in the paper; the jobs use 1e-6 for "
@@ -33,6 +35,9 @@ class EvaConfig:
         "help": "Module names (substrings) left to the wrapped optimizer's plain update."})
 
     def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
         d = self.damping
         if isinstance(d, bool) or not (isinstance(d, (int, float)) and d > 0 and math.isfinite(d)):
             raise ValueError(f"Eva damping must be a positive finite number (the paper uses 0.03), got {d!r}; set "
@@ -52,6 +57,8 @@ class EvaConfig:
 class OneBitLambConfig:
     """1-bit LAMB settings (DeepSpeed's defaults, with a shorter ``freeze_step``; validated on construction)."""
 
+    section_key: ClassVar[str] = "onebit_lamb"  # flags --onebit-lamb.<field>, YAML onebit_lamb:
+
     freeze_step: int = field(default=100, metadata={
         "help": "Plain LAMB warm-up steps before the momenta are compressed to 1 bit."})
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "Adam moment decays (two numbers)."})
@@ -69,6 +76,9 @@ class OneBitLambConfig:
         "help": "One 1-bit scale per this many elements; None: one per rank's chunk (DeepSpeed)."})
 
     def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
         check_int(self, "freeze_step", 1, "onebit_lamb.freeze_step",
                   " (plain LAMB warm-up steps before the momenta are compressed)")
         self.betas = tuple(self.betas)

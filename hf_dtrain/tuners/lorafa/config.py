@@ -58,6 +58,10 @@ class LoraFAConfig(PeftConfig):
     def __post_init__(self):
         super().__post_init__()
         self.peft_type = PeftType.LORAFA
+        from hf_dtrain.settings import check_number
+
+        check_number(self, "lora_alpha", gt=0)
+        check_number(self, "lora_dropout", low=0)
         if isinstance(self.target_modules, list):
             self.target_modules = set(self.target_modules)
         if isinstance(self.exclude_modules, list):
