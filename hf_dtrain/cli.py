@@ -167,8 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg = job_config_from_args(ns, cls)
         except (ValueError, TypeError, OSError) as e:
             raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
+        from hf_dtrain.distributed import RankFailure
+        from hf_dtrain.fault.snapshot import SnapshotError, SnapshotMismatch
+
         try:
             run(cfg)
+        except (RankFailure, SnapshotError, SnapshotMismatch) as e:  # a dead rank named, or snapshots that cannot be resumed
+            raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
         except ValueError as e:
             if "cannot be combined" in str(e):  # ComposeOptions.check: the clash, named, before any training
                 raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None

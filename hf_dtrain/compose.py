@@ -247,6 +247,16 @@ def snapshot_config_for(config: SnapshotConfig, output_dir: str) -> SnapshotConf
     return config
 
 
+# job fields that do not change what is trained (left out of the run identity a snapshot records)
+NOT_IDENTITY = ("output_dir", "logging_steps", "progress", "report", "save_model", "fault_tolerance")
+
+
+def run_identity(cfg) -> dict:
+    """What identifies a job for its snapshots: every field of its config except how it reports and where it
+    writes (``NOT_IDENTITY``); a restore into a job whose identity differs is refused naming the difference."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IDENTITY}
+
+
 def _switched_on(value) -> bool:
     return value is not None and value is not False
 

@@ -8,6 +8,7 @@ Works in one process and under ``accelerate launch`` / ``torchrun`` (DDP; only r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_dtrain.compose import EXCHANGING, ComposeOptions, build_optimizer, snapshot_config_for, wire_bytes
+from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, run_identity, snapshot_config_for,
+                               wire_bytes)
 from hf_dtrain.model_card import write_model_card
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS
 from hf_dtrain.tuners.smt.job import SMT_TARGETS
@@ -165,7 +167,8 @@ def engine_callbacks(cfg: FinetuneConfig, output_dir: str):
     if cfg.fault_tolerance is not None:
         from hf_dtrain.fault import InMemoryFaultToleranceCallback
 
-        ft = InMemoryFaultToleranceCallback(snapshot_config_for(cfg.fault_tolerance, output_dir))
+        ft = InMemoryFaultToleranceCallback(snapshot_config_for(cfg.fault_tolerance, output_dir),
+                                            identity=run_identity(cfg))
     return delta_cb, ft
 
 
@@ -177,6 +180,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     from hf_dtrain import tasks
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
 
+    from hf_dtrain.distributed import RankMonitor, init_distributed
+
+    init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
     use_cpu = not torch.cuda.is_available()
     state = PartialState(cpu=use_cpu)
     world_size = state.num_processes
@@ -273,7 +279,15 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     before = trainer.evaluate()  # adapters start as the identity: this is the base model
     _allow_ddp_after_evaluate(trainer)
     t0 = time.perf_counter()
-    train_out = trainer.train(resume_from_checkpoint=resume)
+    monitor = None
+    if world_size > 1:
+        monitor = RankMonitor(resume_hint="relaunch the same command to resume" + (
+            " from the snapshot processes, which keep the state" if ft is not None else ""))
+        monitor.step_of = lambda: trainer.state.global_step
+    with monitor.guard() if monitor is not None else contextlib.nullcontext():
+        train_out = trainer.train(resume_from_checkpoint=resume)
+    if monitor is not None:
+        monitor.close()
     train_seconds = time.perf_counter() - t0
     after = trainer.evaluate()
     replicas_identical = _replicas_identical(trainer.model, world_size)

@@ -11,6 +11,7 @@ loss, bytes per step, DELTA's saved bytes, snapshots and the restore source) and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from hf_dtrain.compose import EXCHANGING, ComposeOptions, build_optimizer, snapshot_config_for, wire_bytes
+from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, run_identity, snapshot_config_for,
+                               wire_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +164,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     from hf_dtrain.models import PRESETS, build_llama
 
     # a seedable sampler: epoch e's order depends on (seed, e) only, so a resumed run skips into the same order
+    from hf_dtrain.distributed import RankMonitor, init_distributed
+
+    init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -221,11 +226,23 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         from hf_dtrain.fault import SnapshotEngine
 
         stateful = {"comm_hook": comm_state} if hasattr(comm_state, "state_dict") else None
+        from hf_dtrain.fault.snapshot import job_key_for
+
         engine = SnapshotEngine(model, optimizer, scheduler, config=snapshot_config_for(cfg.fault_tolerance,
                                                                                         cfg.output_dir),
-                                stateful=stateful)
+                                stateful=stateful, identity=run_identity(cfg), job_key=job_key_for(cfg.output_dir))
         restored = engine.restore()
-        if restored is not None:
+        if restored is not None and restored.source == "completed":
+            previous = os.path.join(cfg.output_dir, f"results_rank{rank}.json")
+            if accelerator.is_main_process:
+                print(f"this job already completed ({restored.detail}); nothing to do. To run it again, relaunch "
+                      "with --fault-tolerance.fresh-start true", flush=True)
+            engine.close()
+            if os.path.exists(previous):
+                with open(previous) as f:
+                    return json.load(f)
+            start = cfg.max_steps + 1
+        elif restored is not None:
             start = restored.extra["next_step"]
             if accelerator.is_main_process:
                 print(f"resumed after step {restored.step} from {restored.source} ({restored.detail})", flush=True)
@@ -259,27 +276,32 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     step_log = open(os.path.join(cfg.output_dir, f"history_rank{rank}.jsonl"), "a")
     bar = tqdm(total=cfg.max_steps, initial=start - 1, disable=not (cfg.progress and accelerator.is_main_process),
                desc=f"pretrain {cfg.preset}")
-    step = start - 1
-    for blocks in batches():
-        if step >= cfg.max_steps:
-            break
-        step += 1
-        blocks = blocks.to(accelerator.device)
-        loss = model(input_ids=blocks, labels=blocks).loss
-        accelerator.backward(loss * loss_scale)
-        if engine is not None:
-            engine.wait()  # the snapshot in flight reads what this step changes
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        history.append({"step": step, "loss": loss.item(), "seconds": time.perf_counter() - t0})
-        step_log.write(json.dumps({**history[-1], "time": time.time()}) + "\n")
-        step_log.flush()
-        if engine is not None and step % cfg.fault_tolerance.every_n_steps == 0:
-            engine.snapshot(step, extra={"next_step": step + 1})
-        bar.update(1)
-        if accelerator.is_main_process and cfg.logging_steps and step % cfg.logging_steps == 0:
-            bar.write(f"step {step}: loss {loss.item():.4f}")
+    monitor = RankMonitor(resume_hint="relaunch the same command to resume" + (
+        " from the snapshot processes, which keep the state" if engine is not None else "")) if world > 1 else None
+    with monitor.guard() if monitor is not None else contextlib.nullcontext():
+        step = start - 1
+        for blocks in batches():
+            if step >= cfg.max_steps:
+                break
+            step += 1
+            if monitor is not None:
+                monitor.step = step
+            blocks = blocks.to(accelerator.device)
+            loss = model(input_ids=blocks, labels=blocks).loss
+            accelerator.backward(loss * loss_scale)
+            if engine is not None:
+                engine.wait()  # the snapshot in flight reads what this step changes
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            history.append({"step": step, "loss": loss.item(), "seconds": time.perf_counter() - t0})
+            step_log.write(json.dumps({**history[-1], "time": time.time()}) + "\n")
+            step_log.flush()
+            if engine is not None and step % cfg.fault_tolerance.every_n_steps == 0:
+                engine.snapshot(step, extra={"next_step": step + 1})
+            bar.update(1)
+            if accelerator.is_main_process and cfg.logging_steps and step % cfg.logging_steps == 0:
+                bar.write(f"step {step}: loss {loss.item():.4f}")
     bar.close()
     step_log.close()
     if engine is not None:
@@ -322,6 +344,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         print(f"pretrain {cfg.preset}: loss {first:.4f} -> {last:.4f}, held-out {held_loss}", flush=True)
     if engine is not None:
         engine.close(shutdown=True)
+    if monitor is not None:
+        monitor.close()
     if delta is not None:
         delta.remove()
     return results

@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from .config import SnapshotConfig
-from .snapshot import Restored, SnapshotEngine, _unwrap
+from .snapshot import Restored, SnapshotEngine, SnapshotError, _unwrap, job_key_for
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,16 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
     from. Every setting is a field of :class:`~hf_dtrain.fault.SnapshotConfig` (also accepted as keywords:
     ``InMemoryFaultToleranceCallback(every_n_steps=1, parity=1)``)."""
 
-    def __init__(self, config: Optional[SnapshotConfig] = None, *, stateful: Optional[dict] = None, **settings):
+    # TrainingArguments that change what is trained: part of the run identity every snapshot records
+    IDENTITY_ARGS = ("seed", "data_seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
+                     "weight_decay", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+                     "gradient_accumulation_steps", "optim", "adam_beta1", "adam_beta2", "adam_epsilon",
+                     "max_grad_norm", "bf16", "fp16")
+
+    def __init__(self, config: Optional[SnapshotConfig] = None, *, stateful: Optional[dict] = None,
+                 identity: Optional[dict] = None, **settings):
         self.config = SnapshotConfig.from_any(config, **settings)
+        self.identity = dict(identity or {})
         self.every_n_steps = self.config.every_n_steps
         self.stateful = dict(stateful or {})
         self.engine: Optional[SnapshotEngine] = None
@@ -47,19 +55,29 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
             raise RuntimeError("add_stateful() must come before resume_checkpoint() and train().")
         self.stateful[name] = obj
 
-    def _engine(self, model) -> SnapshotEngine:
+    def _engine(self, model, args, train_dataset=None) -> SnapshotEngine:
+        """The engine, keyed to this job: its directory derived from ``args.output_dir``, its identity from the
+        training arguments that change what is trained, the training set's fingerprint and ``identity=``."""
         if self.engine is None:
-            self.engine = SnapshotEngine(model, config=self.config, stateful=self.stateful)
+            identity = {"trainer": {k: getattr(args, k, None) for k in self.IDENTITY_ARGS}, "job": self.identity}
+            if train_dataset is not None:
+                identity["train_dataset"] = getattr(train_dataset, "_fingerprint", None) or len(train_dataset)
+            self.engine = SnapshotEngine(model, config=self.config, stateful=self.stateful, identity=identity,
+                                         job_key=job_key_for(args.output_dir))
         return self.engine
 
     def resume_checkpoint(self, trainer) -> Optional[str]:
         """Restore before ``trainer.train``; returns the checkpoint directory to resume from, or ``None``."""
         trainer.args.device  # noqa: B018  (sets up the process group, as Trainer does)
-        engine = self._engine(trainer.model)
+        engine = self._engine(trainer.model, trainer.args, trainer.train_dataset)
         restored = engine.restore(apply=False)
         self.restored = restored
         if restored is None:
             return None
+        if restored.source == "completed":
+            raise SnapshotError(f"This job already completed ({restored.detail}); its snapshots are gone. To train "
+                                "it again, relaunch with --fault-tolerance.fresh-start true "
+                                "(InMemoryFaultToleranceCallback(fresh_start=True)).")
         state = restored.state
         for name, obj in engine.stateful.items():  # e.g. the comm hook's state (CommHookCallback applies it later)
             if name in state.get("stateful", {}):
@@ -89,7 +107,7 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
 
     # ---------------------------------------------------------------- Trainer events
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        engine = self._engine(model)
+        engine = self._engine(model, args)
         engine.optimizer, engine.scheduler = optimizer, lr_scheduler
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):

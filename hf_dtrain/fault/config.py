@@ -30,9 +30,14 @@ class SnapshotConfig:
                 "directory under the system's temporary directory."})
     timeout: float = field(default=60.0, metadata={
         "help": "Seconds to wait for the snapshot process and for the other ranks before failing with a message."})
-    idle_exit: float = field(default=3600.0, metadata={
-        "help": "A snapshot process with no trainer connected for this many seconds exits (a crashed job does not "
-                "hold memory forever)."})
+    idle_exit: float = field(default=300.0, metadata={
+        "help": "Grace period: a snapshot process exits once no trainer and no launcher of its job (torchrun's or "
+                "accelerate's elastic agent, which may restart them) has been alive for this many seconds, so a "
+                "crashed job does not hold memory; relaunch by hand within it to resume from memory."})
+    fresh_start: bool = field(default=False, metadata={
+        "help": "Train from step 0 although this job has snapshots: they are discarded (disk snapshots are moved "
+                "aside to <persist_dir>.discarded-<time>). Without it, a job whose snapshots are lost or belong to "
+                "another job stops with a message instead of starting over."})
     trainable_only: Optional[bool] = field(default=None, metadata={
         "help": "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."})
 

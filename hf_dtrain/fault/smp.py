@@ -35,11 +35,11 @@ from typing import Optional
 if __package__:
     from .erasure import UnrecoverableError
     from .parity import KEEP_STEPS, ParityExchange
-    from .wire import recv, send
+    from .wire import authenticate, private_dir, send
 else:  # started by path (what the engine does): the snapshot process never imports torch or transformers
     from erasure import UnrecoverableError
     from parity import KEEP_STEPS, ParityExchange
-    from wire import recv, send
+    from wire import authenticate, private_dir, send
 
 logger = logging.getLogger("hf_dtrain.fault.smp")
 
@@ -70,11 +70,15 @@ class Slot:
 class SnapshotManager(ParityExchange):
     """The SMP's state and request handling (``serve`` runs it)."""
 
-    def __init__(self, directory: str, node: int, key: bytes, host: str = "127.0.0.1", idle_exit: float = 3600.0):
-        self.dir, self.node, self.key, self.host = directory, node, key, host
-        self.idle_exit = idle_exit  # no trainer connected for this long: the job is gone, free the memory
-        self.connected = 0
-        self.last_seen = time.monotonic()
+    HANDSHAKE_SECONDS = 5.0  # a connection that has not authenticated by then is dropped (it blocks no other)
+
+    def __init__(self, directory: str, node: int, key: bytes, host: str = "127.0.0.1", idle_exit: float = 300.0,
+                 port: int = 0):
+        self.dir, self.node, self.key, self.host, self.port = directory, node, key, host, port
+        self.idle_exit = idle_exit  # nothing of the job alive for this long: it is gone, free the memory
+        self.connected = 0  # trainers connected over the local socket
+        self.trainers: dict[int, int] = {}  # pid -> rank of the local trainers seen
+        self.agents: set[int] = set()  # pids of the launchers that may restart the trainers (torchrun's agent)
         self.lock = threading.RLock()
         self.rebuild_lock = threading.Lock()
         self.slots: dict[int, list[Slot]] = {}
@@ -122,6 +126,8 @@ class SnapshotManager(ParityExchange):
         with self.lock:
             self.local_ranks = sorted(msg["local_ranks"])
             self.group, self.parity = msg["group"], msg["parity"]
+            if msg.get("agent_pid"):
+                self.agents.add(int(msg["agent_pid"]))
             self.peers = {int(n): tuple(a) for n, a in msg["peers"].items()}
         send(conn, {"ok": True})
 
@@ -196,31 +202,49 @@ class SnapshotManager(ParityExchange):
         self._stop.set()
 
     # ---------------------------------------------------------------- serving
+    def job_alive(self) -> bool:
+        """A trainer connected or alive, or a launcher alive that may restart them."""
+        with self.lock:
+            if self.connected:
+                return True
+            pids = list(self.trainers) + list(self.agents)
+        return any(_pid_alive(p) for p in pids)
+
     def serve(self, ready=None) -> None:
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        os.chmod(self.dir, 0o700)
+        private_dir(self.dir)
         sock = os.path.join(self.dir, "smp.sock")
         if os.path.exists(sock):
             os.unlink(sock)
         old = os.umask(0o077)
-        try:
-            local = Listener(sock, family="AF_UNIX", authkey=self.key)
+        try:  # authentication runs per connection, with a deadline (_serve_conn), not in the accept loop
+            local = Listener(sock, family="AF_UNIX", backlog=64)
         finally:
             os.umask(old)
-        peer = Listener((self.host, 0), family="AF_INET", authkey=self.key)
+        try:
+            peer = Listener((self.host, self.port), family="AF_INET", backlog=64)
+        except OSError:  # the previous process's port (a re-spawn) is taken: peers learn the new one on relaunch
+            peer = Listener((self.host, 0), family="AF_INET", backlog=64)
         info = {"pid": os.getpid(), "node": self.node, "address": list(peer.address)}
         tmp = os.path.join(self.dir, "smp.json.tmp")
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(info, f)
         os.replace(tmp, os.path.join(self.dir, "smp.json"))
-        for listener in (local, peer):
-            threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        for listener, is_local in ((local, True), (peer, False)):
+            threading.Thread(target=self._accept, args=(listener, is_local), daemon=True).start()
         threading.Thread(target=self._sender, daemon=True).start()
         if ready is not None:
             ready()
+        gone_since = None
         while not self._stop.wait(0.2):
-            if self.connected == 0 and time.monotonic() - self.last_seen > self.idle_exit:
-                logger.warning("SMP node %d: no trainer for %.0f s; exiting", self.node, self.idle_exit)
+            if self.job_alive():
+                gone_since = None
+                continue
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > self.idle_exit:
+                reason = (f"no trainer and no launcher of the job alive for {self.idle_exit:.0f} s "
+                          "(fault_tolerance.idle_exit); the in-memory snapshots of this node are dropped")
+                logger.warning("SMP node %d: %s; exiting", self.node, reason)
+                self._record_exit(reason)
                 break
         for listener in (local, peer):
             listener.close()
@@ -230,36 +254,72 @@ class SnapshotManager(ParityExchange):
             except OSError:
                 pass
 
-    def _accept(self, listener: Listener) -> None:
+    def _record_exit(self, reason: str) -> None:
+        """Why this process ended, for the next launch's message (``exited.json`` in the node directory)."""
+        try:
+            path = os.path.join(self.dir, "exited.json")
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump({"pid": os.getpid(), "reason": reason, "time": time.time()}, f)
+        except OSError:
+            pass
+
+    def _accept(self, listener: Listener, is_local: bool) -> None:
         while not self._stop.is_set():
             try:
                 conn = listener.accept()
-            except Exception:  # a client failing authentication, or the listener closed
+            except Exception:  # the listener closed
                 if self._stop.is_set():
                     return
                 continue
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve_conn, args=(conn, is_local), daemon=True).start()
 
-    def _serve_conn(self, conn: Connection) -> None:
-        with self.lock:
-            self.connected += 1
+    def _serve_conn(self, conn: Connection, is_local: bool = True) -> None:
+        try:
+            authenticate(conn, self.key, self.HANDSHAKE_SECONDS)
+        except Exception:  # wrong key, silence past the deadline, or a closed socket: drop it
+            conn.close()
+            return
+        if is_local:
+            with self.lock:
+                self.connected += 1
         try:
             while not self._stop.is_set():
-                msg = recv(conn)
+                raw = conn.recv_bytes()
                 try:
+                    msg = json.loads(raw)
+                    if not isinstance(msg, dict):
+                        raise ValueError(f"a request is a JSON object, got {type(msg).__name__}")
+                    if is_local and isinstance(msg.get("pid"), int):
+                        with self.lock:
+                            self.trainers.setdefault(msg["pid"], msg.get("rank", -1))
                     self.handle(conn, msg)
                 except (EOFError, OSError):
                     raise
-                except Exception as e:  # a bad request: say why, keep serving
-                    logger.exception("SMP node %d: request %s failed", self.node, msg.get("op"))
+                except Exception as e:  # a malformed or bad request: say why, keep serving this connection
+                    logger.warning("SMP node %d: refused a request: %s: %s", self.node, type(e).__name__, e)
                     send(conn, {"error": f"{type(e).__name__}: {e}"})
         except (EOFError, OSError):
             pass
         finally:
             conn.close()
-            with self.lock:
-                self.connected -= 1
-                self.last_seen = time.monotonic()
+            if is_local:
+                with self.lock:
+                    self.connected -= 1
+
+
+def _pid_alive(pid: int) -> bool:
+    """``pid`` runs (a zombie waiting for its parent to reap it counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def main(argv=None) -> None:
@@ -267,14 +327,16 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", required=True, help="private directory for the socket (created 0700)")
     ap.add_argument("--node", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1", help="address peers reach this node's SMP on")
-    ap.add_argument("--idle-exit", type=float, default=3600.0,
-                    help="exit after this many seconds without any connection (the job is gone)")
+    ap.add_argument("--port", type=int, default=0, help="TCP port for the peers (0: any; a re-spawn reuses its "
+                                                          "predecessor's, so the peers' addresses stay right)")
+    ap.add_argument("--idle-exit", type=float, default=300.0,
+                    help="exit after this many seconds with no trainer and no launcher of the job alive")
     args = ap.parse_args(argv)
     key = bytes.fromhex(sys.stdin.readline().strip())
     if len(key) < 16:
         raise SystemExit("SMP: expected a hex key of at least 16 bytes on stdin")
     logging.basicConfig(level=logging.INFO, format=f"[smp node {args.node}] %(message)s")
-    SnapshotManager(args.dir, args.node, key, args.host, args.idle_exit).serve()
+    SnapshotManager(args.dir, args.node, key, args.host, args.idle_exit, args.port).serve()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import os
 import secrets
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Optional
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .erasure import node_groups
-from .wire import SMPClient, checksum, connect
+from .wire import SMPClient, checksum, connect, private_dir, runtime_root
 from .state import Layout, flatten_state, parse, rng_state, set_rng_state, unflatten_state
 
 logger = logging.getLogger(__name__)
@@ -35,6 +34,16 @@ logger = logging.getLogger(__name__)
 
 class SnapshotError(RuntimeError):
     """A run whose snapshots exist but cannot be restored (and no disk copy to fall back to)."""
+
+
+class SnapshotMismatch(ValueError):
+    """A snapshot of another job or world size: not resumed (the message names what differs and the way out)."""
+
+
+# connection failures that mean the node's snapshot process is gone (re-spawned by the trainers)
+_SMP_LOST = (EOFError, BrokenPipeError, ConnectionResetError, ConnectionRefusedError, FileNotFoundError)
+
+FRESH_START = "--fault-tolerance.fresh-start true (YAML fault_tolerance: {fresh_start: true})"
 
 
 @dataclasses.dataclass
@@ -62,10 +71,33 @@ def _node_info(rank: int, world: int) -> tuple[int, int, list[int]]:
     return node, world // local, [node * local + i for i in range(local)]
 
 
-def default_directory(job: Optional[str] = None) -> str:
-    """Per-user, per-job private directory for the snapshot processes' sockets and logs."""
-    job = job or os.environ.get("HF_DTRAIN_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
-    return os.path.join(tempfile.gettempdir(), f"hf_dtrain_ft_{os.getuid()}", job)
+def default_directory(job: str) -> str:
+    """This job's private directory for its snapshot processes (sockets, key, logs) under :func:`runtime_root`:
+    ``job`` is derived from the job itself (the jobs: their output directory; otherwise the run identity), never
+    from a launcher variable, so two jobs never share one."""
+    return os.path.join(runtime_root(), job)
+
+
+def job_key_for(output_dir: str) -> str:
+    """The default snapshot directory name of a job writing to ``output_dir`` (its absolute path, hashed)."""
+    return "out-" + hashlib.sha256(os.path.abspath(output_dir).encode()).hexdigest()[:16]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+def identity_diff(theirs: dict, ours: dict, limit: int = 6) -> str:
+    """The settings that differ between two run identities, as ``key: theirs -> ours``."""
+    a, b = _flatten(theirs), _flatten(ours)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    parts = [f"{k}: {a.get(k, '(absent)')!r} there, {b.get(k, '(absent)')!r} here" for k in keys[:limit]]
+    return "; ".join(parts) + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 class SnapshotEngine:
@@ -86,7 +118,8 @@ class SnapshotEngine:
     default_snapshot_hooks: list = []
 
     def __init__(self, model: nn.Module, optimizer=None, scheduler=None, scaler=None, config=None, *,
-                 stateful: Optional[dict] = None, process_group=None, **settings):
+                 stateful: Optional[dict] = None, process_group=None, identity: Optional[dict] = None,
+                 job_key: Optional[str] = None, **settings):
         from .config import SnapshotConfig
 
         self.config = config = SnapshotConfig.from_any(config, **settings)
@@ -117,15 +150,15 @@ class SnapshotEngine:
             parity, self.groups = 0, [[n] for n in range(self.num_nodes)]
         self.parity = parity
         self.node_group = next(g for g in self.groups if self.node in g)
-        base = directory or default_directory()
-        self.base = base
-        self.dir = os.path.join(base, f"node{self.node}")
         self.persist_dir, self.persist_every = persist_dir, persist_every
         self.timeout, self.idle_exit = timeout, idle_exit
         if trainable_only is None:
             trainable_only = any(not p.requires_grad for p in _unwrap(model).parameters())
         self.trainable_only = trainable_only
         self.fingerprint = self._fingerprint()
+        self.identity = self._identity(identity or {})
+        self.identity_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True, default=str).encode()
+                                            ).hexdigest()[:16]
         self.layout: Optional[Layout] = None
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}
         self._registered: dict[int, int] = {}
@@ -135,6 +168,19 @@ class SnapshotEngine:
         self._persist: Optional[threading.Thread] = None
         self.stats = {"snapshots": 0, "stall_seconds": [], "copy_seconds": [], "wait_seconds": [],
                       "bytes": 0}
+        self.base = private_dir(directory or default_directory(job_key or f"job-{self.identity_hash}"))
+        self.dir = private_dir(os.path.join(self.base, f"node{self.node}"))
+        self.marker = os.path.join(self.dir, "run.json")
+        self._marked = False
+        self.respawns = 0
+        self._peers: dict = {}
+        self._last_extra: Any = None
+        self._pending = None
+        self.started_smp: Optional[int] = None
+        if self.rank == self.local_ranks[0]:  # what a writer killed midway left (no snapshot is being written now)
+            self.clean_temporaries(self.dir)
+            if self.persist_dir and os.path.isdir(self.persist_dir):
+                self.clean_temporaries(self.persist_dir)
         self.key = self._shared_key()
         self.client = self._start_smp()
         self._configure()
@@ -145,6 +191,31 @@ class SnapshotEngine:
         if self.trainable_only:
             return {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}
         return {k: v.detach() for k, v in m.state_dict(keep_vars=True).items()}
+
+    def _identity(self, job: dict) -> dict:
+        """What makes this job this job: the caller's settings (``identity=``: the job's config, seed, data source)
+        and what the engine sees itself: the trainable parameter set, the model config, the optimizer's and
+        scheduler's classes and hyper-parameters, hf_dtrain's version. Recorded in every snapshot; a restore into a
+        job whose identity differs is refused, naming what differs."""
+        import hf_dtrain
+
+        model = _unwrap(self.model)
+        out = {"job": job, "hf_dtrain": hf_dtrain.__version__, "parameters": self.fingerprint}
+        config = getattr(model, "config", None)
+        if hasattr(config, "to_dict"):
+            cfg = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+            out["model_config"] = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        if self.optimizer is not None:
+            from hf_dtrain.distributed import unwrap_optimizer
+
+            opt = unwrap_optimizer(self.optimizer)
+            groups = [{k: v for k, v in g.items() if k not in ("params", "lr") and isinstance(v, (int, float, str,
+                                                                                                     bool, tuple))}
+                      for g in opt.param_groups]
+            out["optimizer"] = {"class": type(opt).__name__, "groups": groups}
+        if self.scheduler is not None:
+            out["scheduler"] = type(self.scheduler).__name__
+        return json.loads(json.dumps(out, default=str))
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -180,11 +251,23 @@ class SnapshotEngine:
 
     @staticmethod
     def _write_private(path: str, data: bytes) -> None:
+        """Write ``path`` (0600) all at once: into ``<path>.<pid>.tmp``, then renamed. A writer killed midway leaves
+        only the temporary, which the next engine on that directory removes (``clean_temporaries``).
+        (``O_TMPFILE`` + ``linkat`` through ``/proc`` would leave nothing at all, but fails with EXDEV in
+        containers.)"""
         tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
         os.replace(tmp, path)
+
+    @staticmethod
+    def clean_temporaries(directory: str) -> None:
+        """Remove ``*.tmp`` files a killed writer left under ``directory``."""
+        for root, _, files in os.walk(directory):
+            for name in files:
+                if name.endswith(".tmp"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(root, name))
 
     def _smp_alive(self) -> bool:
         try:
@@ -194,24 +277,36 @@ class SnapshotEngine:
         except Exception:
             return False
 
-    def _start_smp(self) -> SMPClient:
-        """Connects to this node's snapshot process, starting it (its own session, so it outlives this trainer)
-        from the node's first local rank when none is running."""
-        if self.rank == self.local_ranks[0] and not self._smp_alive():
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            log = open(os.path.join(self.dir, "smp.log"), "ab")
-            smp_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smp.py")
-            proc = subprocess.Popen([sys.executable, smp_path, "--dir", self.dir, "--node", str(self.node),
-                                     "--host", os.environ.get("HF_DTRAIN_SMP_HOST", "127.0.0.1"),
-                                     "--idle-exit", str(self.idle_exit)],
-                                    stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
-            proc.stdin.write(self.key.hex().encode() + b"\n")
-            proc.stdin.close()
-            logger.info("started the snapshot process of node %d (pid %d)", self.node, proc.pid)
+    def _start_smp(self, port: int = 0) -> SMPClient:
+        """Connects to this node's snapshot process, starting it (its own session, so it outlives this trainer) when
+        none answers. Any local rank may start it: a lock file lets exactly one do so."""
+        import fcntl
+
+        with open(os.path.join(self.dir, "start.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if not self._smp_alive():
+                    log = open(os.path.join(self.dir, "smp.log"), "ab")
+                    smp_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smp.py")
+                    proc = subprocess.Popen([sys.executable, smp_path, "--dir", self.dir, "--node", str(self.node),
+                                             "--host", os.environ.get("HF_DTRAIN_SMP_HOST", "127.0.0.1"),
+                                             "--idle-exit", str(self.idle_exit), "--port", str(port)],
+                                            stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
+                    proc.stdin.write(self.key.hex().encode() + b"\n")
+                    proc.stdin.close()
+                    log.close()
+                    logger.info("started the snapshot process of node %d (pid %d)", self.node, proc.pid)
+                    client = SMPClient(self.dir, self.key, self.timeout)  # waits until it listens
+                    self.started_smp = proc.pid
+                    return client
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
         return SMPClient(self.dir, self.key, self.timeout)
 
     def _configure(self) -> None:
-        """Tells the node's snapshot process its local ranks, erasure group and the peers' addresses."""
+        """Tells the node's snapshot process its local ranks, erasure group, the peers' addresses and the launcher
+        that may restart the trainers (torchrun's / accelerate's elastic agent: while it lives, so does the snapshot
+        process)."""
         address = self.client.info()["address"]
         mine = json.dumps({"node": self.node, "address": address}).encode()
         entries = [mine]
@@ -225,10 +320,35 @@ class SnapshotEngine:
         for e in entries:
             d = json.loads(e)
             peers[d["node"]] = d["address"]
+        self._peers = {str(k): v for k, v in peers.items()}
+        self._send_config()
+
+    def _send_config(self) -> None:
+        agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         reply, _ = self.client.call({"op": "config", "local_ranks": self.local_ranks, "group": self.node_group,
-                                     "parity": self.parity, "peers": {str(k): v for k, v in peers.items()}})
+                                     "parity": self.parity, "peers": self._peers, "rank": self.rank,
+                                     "agent_pid": agent})
         if not reply.get("ok"):
             raise SnapshotError(f"snapshot process refused its configuration: {reply}")
+
+    def _respawn(self, error: BaseException) -> None:
+        """The node's snapshot process is gone (killed, crashed): start a new one on the same peer port (any local
+        rank may; one does), configure it, and go on; the caller takes a fresh snapshot at once. Logged as a
+        warning: the snapshots it held are lost, the next one protects the run again."""
+        port = 0
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            port = int(self.client.info()["address"][1])
+        with contextlib.suppress(OSError):
+            self.client.close()
+        for slot in list(self._maps):
+            self._unregister(slot)
+            self._maps.pop(slot)[1].close()
+        self.client = self._start_smp(port)
+        self._send_config()
+        self.respawns += 1
+        logger.warning("rank %d: the snapshot process of node %d was lost (%s: %s); a new one (pid %s) took its "
+                       "place and a fresh snapshot is taken now", self.rank, self.node, type(error).__name__, error,
+                       self.client.info().get("pid"))
 
     # ---------------------------------------------------------------- snapshot
     def _collect(self, step: int, extra: Any) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -244,7 +364,8 @@ class SnapshotEngine:
         tensors: dict[str, torch.Tensor] = {}
         skeleton = flatten_state(state, tensors)
         metadata = {"step": str(step), "rank": str(self.rank), "world_size": str(self.world),
-                    "fingerprint": self.fingerprint, "skeleton": json.dumps(skeleton, separators=(",", ":"))}
+                    "fingerprint": self.fingerprint, "identity": json.dumps(self.identity, sort_keys=True),
+                    "skeleton": json.dumps(skeleton, separators=(",", ":"))}
         return metadata, tensors
 
     def _map(self, slot: int, fd: int, size: int) -> mmap.mmap:
@@ -281,20 +402,30 @@ class SnapshotEngine:
             self.layout = Layout(tensors)
         header = self.layout.header(metadata)
         total = self.layout.total_bytes
-        reply, fd = self.client.call({"op": "slot", "rank": self.rank, "nbytes": total}, want_fd=True)
-        buf = self._map(reply["slot"], fd, reply["size"])
+        self._pending = (step, header, tensors, total, extra)
+        try:
+            slot, buf = self._slot(total)
+        except _SMP_LOST as e:
+            self._respawn(e)
+            slot, buf = self._slot(total)
         stream = None
         if any(t.is_cuda for t in tensors.values()):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())  # the copy reads what the optimizer step just wrote
-        self._thread = threading.Thread(target=self._copy, args=(step, reply["slot"], buf, header, tensors, total,
-                                                                 stream), daemon=True)
+        self._thread = threading.Thread(target=self._copy, args=(step, slot, buf, header, tensors, total, stream,
+                                                                 extra), daemon=True)
         self._thread.start()
         self.stats["stall_seconds"].append(time.perf_counter() - t0)
         for hook in self.snapshot_hooks:
             hook(self, step)
 
-    def _copy(self, step, slot, buf, header, tensors, total, stream) -> None:
+    def _slot(self, total: int) -> tuple[int, mmap.mmap]:
+        reply, fd = self.client.call({"op": "slot", "rank": self.rank, "nbytes": total}, want_fd=True)
+        if "error" in reply:
+            raise SnapshotError(f"the snapshot process refused a slot: {reply['error']}")
+        return reply["slot"], self._map(reply["slot"], fd, reply["size"])
+
+    def _copy(self, step, slot, buf, header, tensors, total, stream, extra=None) -> None:
         try:
             t0 = time.perf_counter()
             buf[:len(header)] = header
@@ -304,23 +435,48 @@ class SnapshotEngine:
                     _, _, a, b = self.layout.entries[key]
                     if b > a:
                         dst = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=base + a)
-                        dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=t.is_cuda)
+                        dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=t.is_cuda and stream is not None)
             if stream is not None:
                 stream.synchronize()  # the device-to-host copies have landed
             digest = checksum(memoryview(buf)[:total])
             manifest = {"step": step, "nbytes": total, "checksum": digest, "fingerprint": self.fingerprint,
-                        "world_size": self.world}
+                        "identity": self.identity_hash, "world_size": self.world}
             reply, _ = self.client.call({"op": "commit", "rank": self.rank, "slot": slot, "manifest": manifest})
+            if "error" in reply:
+                raise SnapshotError(f"the snapshot process refused the commit: {reply['error']}")
             self.stats["copy_seconds"].append(time.perf_counter() - t0)
             self.stats["snapshots"] += 1
             self.stats["bytes"] = total
+            self._last_extra = extra
+            if not self._marked:
+                self._write_marker({"identity": self.identity, "identity_hash": self.identity_hash,
+                                    "first_step": step, "completed": False})
             if self.persist_every and step % self.persist_every == 0:
                 self._start_persist(step, bytes(memoryview(buf)[:total]), manifest)
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
+    def _write_marker(self, record: dict) -> None:
+        """``run.json`` in the node directory: this job has taken snapshots (so a relaunch that finds none says
+        what was lost instead of starting over), or has completed."""
+        self._marked = True
+        if self.rank == self.local_ranks[0]:
+            self._write_private(self.marker, json.dumps(record, default=str).encode())
+
+    def _read_marker(self) -> Optional[dict]:
+        try:
+            with open(self.marker) as f:
+                record = json.load(f)
+            return record if isinstance(record, dict) else None
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"damaged": True}
+
     def wait(self) -> None:
-        """Block until the snapshot in flight is committed (call before the next optimizer step)."""
+        """Block until the snapshot in flight is committed (call before the next optimizer step). When the node's
+        snapshot process died meanwhile, a new one is started and the same snapshot written into it (the state
+        has not changed yet: this runs before the optimizer step)."""
         if self._thread is not None:
             t0 = time.perf_counter()
             self._thread.join()
@@ -328,7 +484,17 @@ class SnapshotEngine:
             self.stats["wait_seconds"].append(time.perf_counter() - t0)
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, _SMP_LOST) and getattr(self, "_pending", None) is not None:
+                self._respawn(e)
+                step, header, tensors, total, extra = self._pending
+                slot, buf = self._slot(total)
+                self._copy(step, slot, buf, header, tensors, total, None, extra)
+                if self._error is None:
+                    self._pending = None
+                    return
+                e, self._error = self._error, None
             raise SnapshotError(f"snapshot failed on rank {self.rank}: {type(e).__name__}: {e}") from e
+        self._pending = None
 
     # ---------------------------------------------------------------- disk persistence
     def _start_persist(self, step: int, data: bytes, manifest: dict) -> None:
@@ -345,14 +511,37 @@ class SnapshotEngine:
         self._persist.start()
 
     def _disk_steps(self) -> list[int]:
+        """Steps with a disk snapshot of this rank (``snapshot-<step>/rank<r>.json``); other names are ignored."""
         if not self.persist_dir or not os.path.isdir(self.persist_dir):
             return []
         steps = []
         for name in os.listdir(self.persist_dir):
-            if name.startswith("snapshot-") and os.path.exists(
+            number = name[len("snapshot-"):]
+            if name.startswith("snapshot-") and number.isdigit() and os.path.exists(
                     os.path.join(self.persist_dir, name, f"rank{self.rank}.json")):
-                steps.append(int(name.split("-", 1)[1]))
+                steps.append(int(number))
         return sorted(steps)
+
+    def _read_disk(self, step: int) -> tuple[Optional[Any], str]:
+        """This rank's disk snapshot of ``step`` as bytes, checked against its manifest, or ``(None, why)``."""
+        d = os.path.join(self.persist_dir, f"snapshot-{step}")
+        path = os.path.join(d, f"rank{self.rank}.json")
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+            nbytes, digest = int(manifest["nbytes"]), str(manifest["checksum"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return None, f"{path} is damaged ({type(e).__name__}: {e})"
+        data_path = os.path.join(d, f"rank{self.rank}.safetensors")
+        try:
+            if os.path.getsize(data_path) < nbytes:
+                return None, f"{data_path} is truncated ({os.path.getsize(data_path)} of {nbytes} bytes)"
+            data = torch.from_file(data_path, size=nbytes, dtype=torch.uint8).numpy()  # a private mapping
+        except (RuntimeError, OSError) as e:
+            return None, f"{data_path} cannot be read ({e})"
+        if checksum(data) != digest:
+            return None, f"{data_path} fails its checksum (a corrupted byte)"
+        return data, ""
 
     # ---------------------------------------------------------------- restore
     def _agree(self, steps: list[int]) -> list[int]:
@@ -392,15 +581,22 @@ class SnapshotEngine:
         except ValueError as e:
             problem = e
         if self._any(problem is not None):
-            raise problem or ValueError(f"another rank's snapshot {where} does not match this run (see its error)")
+            raise problem or SnapshotMismatch(f"another rank's snapshot {where} does not match this run (see its "
+                                              "error)")
 
     def _check(self, metadata: dict, where: str) -> None:
         if int(metadata["world_size"]) != self.world:
-            raise ValueError(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run has "
+            raise SnapshotMismatch(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run has "
                              f"{self.world}. Restart with the same number of processes, or resume from a disk "
                              "checkpoint with a resharding loader.")
+        theirs = json.loads(metadata.get("identity") or "{}")
+        if theirs != self.identity:
+            raise SnapshotMismatch(f"The snapshot {where} belongs to another job: {identity_diff(theirs, self.identity)}. "
+                             f"This run does not resume it. To train this job from step 0 and discard those "
+                             f"snapshots, relaunch with {FRESH_START}; to keep them, give this job its own "
+                             "fault_tolerance.directory (or output directory).")
         if metadata["fingerprint"] != self.fingerprint:
-            raise ValueError(f"The snapshot {where} was taken of a different model (parameter names, shapes or "
+            raise SnapshotMismatch(f"The snapshot {where} was taken of a different model (parameter names, shapes or "
                              f"dtypes differ: fingerprint {metadata['fingerprint']} against {self.fingerprint}); "
                              "restore it into the model it was taken of.")
 
@@ -451,12 +647,19 @@ class SnapshotEngine:
 
     def restore(self, apply: bool = True) -> Optional[Restored]:
         """Load the newest step every rank has: from memory, else rebuilt from parity, else from disk (with
-        ``apply=False`` the state is returned in ``Restored.state`` and nothing is loaded). Returns
-        ``None`` on a fresh start (nothing anywhere); raises ``SnapshotError`` when snapshots existed but none can be
-        restored; ``ValueError`` for a snapshot of another world size or model."""
+        ``apply=False`` the state is returned in ``Restored.state`` and nothing is loaded). Returns ``None`` on a
+        fresh start: nothing anywhere and no record of earlier snapshots, or ``fresh_start`` set. Raises
+        ``SnapshotError`` when this job had snapshots but none can be restored (saying which copies were lost and
+        what remains), ``ValueError`` for a snapshot of another world size or another job (naming what differs).
+        A job that already completed returns ``Restored(source="completed")`` with the extra of its last step."""
+        if self.config.fresh_start:
+            self._start_fresh()
+            return None
+        marker = self._read_marker()
         steps, source, reason = self.available()
         reasons = [reason] if reason else []
-        had_any = self._any(bool(steps) or bool(reason) or bool(self._disk_steps()))
+        disk_steps = self._disk_steps()
+        had_any = self._any(bool(steps) or bool(reason) or bool(disk_steps) or marker is not None)
         for step in self._agree(steps):
             got, why = self._try_memory(step)
             if self._all(got is not None):
@@ -465,37 +668,86 @@ class SnapshotEngine:
                 state = self._load(metadata, tensors, apply)
                 used = "parity" if self._any(rebuilt) else "memory"
                 self._discard_after(step)
+                self._marked = False  # written again at the next commit
                 detail = "rebuilt from peers' parity" if used == "parity" else "held by the snapshot processes"
                 logger.warning("restored step %d from %s (%s)", step, used, detail)
                 return Restored(step, used, state["extra"], detail, state)
             if why:
                 reasons.append(why)
                 logger.error("cannot use step %d from memory: %s", step, why)
+        completed = self._completed(marker)
+        if completed is not None:
+            return completed
         if reasons:
             logger.error("in-memory restore failed: %s; falling back to the disk snapshots", "; ".join(reasons))
-        for step in self._agree(self._disk_steps()):
-            d = os.path.join(self.persist_dir, f"snapshot-{step}")
-            manifest = json.load(open(os.path.join(d, f"rank{self.rank}.json")))
-            try:
-                data = torch.from_file(os.path.join(d, f"rank{self.rank}.safetensors"), size=manifest["nbytes"],
-                                       dtype=torch.uint8).numpy()  # a private mapping: writes never reach the file
-                good = checksum(data) == manifest["checksum"]
-            except (RuntimeError, OSError) as e:  # a truncated or missing file
-                data, good = None, False
-                reasons.append(f"disk snapshot {d} of rank {self.rank}: {e}")
-            if self._all(good):
+        skipped = []
+        for step in self._agree(disk_steps):
+            data, why = self._read_disk(step)
+            if why:
+                reasons.append(why)
+            if self._all(data is not None):
+                d = os.path.join(self.persist_dir, f"snapshot-{step}")
                 metadata, tensors = parse(data)
                 self._check_all(metadata, f"on disk at {d}")
                 state = self._load(metadata, tensors, apply)
                 self._discard_after(-1)
-                detail = f"{d}" + (f" (memory: {'; '.join(reasons)})" if reasons else "")
+                self._marked = False
+                detail = f"{d}" + (f" (newer copies unusable: {'; '.join(reasons)})" if reasons else "")
                 logger.warning("restored step %d from disk (%s)", step, detail)
                 return Restored(step, "disk", state["extra"], detail, state)
+            skipped.append(step)
+            logger.error("disk snapshot of step %d is unusable on some rank (%s); trying an older one", step,
+                         why or "another rank's copy")
         if had_any or self._any(bool(reasons)):
-            raise SnapshotError("This run has snapshots but none can be restored: " + ("; ".join(reasons) or
-                                "no step is held by every rank") + (". No disk snapshot to fall back to (set "
-                                "persist_dir and persist_every)." if not self.persist_dir else "."))
+            raise SnapshotError(self._lost_message(marker, reasons, skipped))
         return None
+
+    def _completed(self, marker: Optional[dict]) -> Optional[Restored]:
+        """A relaunch after the job finished (its snapshot processes shut down): the completed record, agreed by
+        every rank, or None."""
+        done = bool(marker) and marker.get("completed") is True and marker.get("identity_hash") == self.identity_hash
+        if not self._all(done):
+            return None
+        logger.warning("this job already completed at step %s; nothing to resume", marker.get("last_step"))
+        return Restored(int(marker.get("last_step") or 0), "completed", marker.get("extra"),
+                        f"the job completed at step {marker.get('last_step')} ({self.marker})")
+
+    def _lost_message(self, marker: Optional[dict], reasons: list[str], skipped: list[int]) -> str:
+        parts = [f"This job took snapshots (rank {self.rank}, node {self.node}: {self.dir}) but none can be "
+                 "restored, so it will not silently start over."]
+        if marker and marker.get("identity_hash") not in (None, self.identity_hash):
+            parts.append(f"They belonged to another job ({identity_diff(marker.get('identity', {}), self.identity)}).")
+        exited = os.path.join(self.dir, "exited.json")
+        if os.path.exists(exited):
+            with contextlib.suppress(OSError, ValueError):
+                parts.append(f"Node {self.node}'s snapshot process exited: {json.load(open(exited))['reason']}.")
+        elif self.started_smp is not None and marker is not None:
+            parts.append(f"Node {self.node}'s snapshot process was lost (a new one was started by this launch), "
+                         "and its snapshots with it.")
+        if reasons:
+            parts.append("Lost or unusable: " + "; ".join(reasons) + ".")
+        if skipped:
+            parts.append(f"Disk snapshots of steps {skipped} are not usable on every rank.")
+        elif not self.persist_dir:
+            parts.append("No disk copy to fall back to (set fault_tolerance.persist_dir and persist_every).")
+        else:
+            parts.append(f"No disk snapshot in {self.persist_dir}.")
+        parts.append(f"To train from step 0, relaunch with {FRESH_START}.")
+        return " ".join(parts)
+
+    def _start_fresh(self) -> None:
+        """``fresh_start``: drop this job's snapshots (memory, the record of them) and move its disk snapshots
+        aside to ``<persist_dir>.discarded-<time>`` (kept, never read again), on every rank, then train from 0."""
+        self._discard_after(-1)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.marker)
+        if self.persist_dir and os.path.isdir(self.persist_dir) and self.rank == 0:
+            aside = f"{self.persist_dir}.discarded-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(self.persist_dir, aside)
+            logger.warning("fresh start: the disk snapshots moved to %s", aside)
+        if self.distributed:
+            dist.barrier(group=self.group)
+        logger.warning("fresh start (fault_tolerance.fresh_start): this job's earlier snapshots are discarded")
 
     def _discard_after(self, step: int) -> None:
         self.client.call({"op": "discard", "rank": self.rank, "after": step})
@@ -513,5 +765,13 @@ class SnapshotEngine:
             if self.distributed:
                 dist.barrier(group=self.group)
             if self.rank == self.local_ranks[0]:
+                last = self.stats["snapshots"] and self._pending_last_step()
+                self._write_private(self.marker, json.dumps({
+                    "identity": self.identity, "identity_hash": self.identity_hash, "completed": True,
+                    "last_step": last, "extra": self._last_extra}, default=str).encode())
                 self.client.call({"op": "shutdown"})
         self.client.close()
+
+    def _pending_last_step(self) -> Optional[int]:
+        reply, _ = self.client.call({"op": "available", "rank": self.rank, "recover": False})
+        return max(reply.get("steps") or [0])

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import stat
+import struct
+import tempfile
 import threading
 import time
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import recv_handle
 from typing import Optional
 
@@ -31,6 +35,52 @@ def send(conn: Connection, header: dict, payload: Optional[bytes] = None) -> Non
 
 def recv(conn: Connection) -> dict:
     return json.loads(conn.recv_bytes())
+
+
+def private_dir(path: str) -> str:
+    """Create ``path`` (and missing parents) owner-only (0700) and verify it: a real directory (not a symlink), owned
+    by this user, no access for group or others (one of ours that others could only read is tightened to 0700). A
+    directory another user created first, or one others could write into, is a ``PermissionError`` naming the path
+    and the fix (nothing is written into it)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        owner = "a symlink" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}"
+        raise PermissionError(f"{path} is {owner}, not a private directory of uid {os.getuid()}: another user may "
+                              "have created it to intercept or deny the snapshot service. Remove it, or set "
+                              "fault_tolerance.directory to a directory of your own.")
+    if st.st_mode & 0o077 and not st.st_mode & 0o022:  # ours, readable by others, writable by none: tighten it
+        os.chmod(path, 0o700)
+    elif st.st_mode & 0o077:  # others could have written into it: nothing in it can be trusted
+        raise PermissionError(f"{path} has mode {oct(st.st_mode & 0o777)}; the snapshot service needs it private "
+                              f"(0700): run chmod 700 {path}, or set fault_tolerance.directory elsewhere.")
+    return path
+
+
+def runtime_root() -> str:
+    """This user's private root for snapshot processes: ``$XDG_RUNTIME_DIR/hf_dtrain_ft`` when that is set (a
+    per-user tmpfs), else ``<tmp>/hf_dtrain_ft_<uid>``; created 0700 and verified (:func:`private_dir`)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return private_dir(os.path.join(xdg, "hf_dtrain_ft"))
+    return private_dir(os.path.join(tempfile.gettempdir(), f"hf_dtrain_ft_{os.getuid()}"))
+
+
+def authenticate(conn: Connection, key: bytes, deadline: float) -> None:
+    """The HMAC challenge both ways (``multiprocessing``'s own), bounded by ``deadline`` seconds: a peer that
+    connects and sends nothing is dropped after it, and (run in the connection's own thread) never delays others."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        timeval = struct.pack("ll", int(deadline), int((deadline % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        deliver_challenge(conn, key)
+        answer_challenge(conn, key)
+        zero = struct.pack("ll", 0, 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, zero)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, zero)
+    finally:
+        sock.close()  # the duplicate descriptor only; the options belong to the socket and were reset above
 
 
 def connect(address, key: bytes, timeout: float) -> Connection:
