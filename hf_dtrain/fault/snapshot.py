@@ -170,7 +170,7 @@ class SnapshotEngine:
                       "bytes": 0}
         self.base = private_dir(directory or default_directory(job_key or f"job-{self.identity_hash}"))
         self.dir = private_dir(os.path.join(self.base, f"node{self.node}"))
-        self.marker = os.path.join(self.dir, "run.json")
+        self.marker = os.path.join(self.dir, f"run-rank{self.rank}.json")
         self._marked = False
         self.respawns = 0
         self._peers: dict = {}
@@ -457,11 +457,10 @@ class SnapshotEngine:
             self._error = e
 
     def _write_marker(self, record: dict) -> None:
-        """``run.json`` in the node directory: this job has taken snapshots (so a relaunch that finds none says
-        what was lost instead of starting over), or has completed."""
+        """``run-rank<r>.json`` in the node directory: this rank has committed snapshots (so a relaunch whose
+        snapshot process holds none of them says what was lost instead of starting over), or the job completed."""
         self._marked = True
-        if self.rank == self.local_ranks[0]:
-            self._write_private(self.marker, json.dumps(record, default=str).encode())
+        self._write_private(self.marker, json.dumps(record, default=str).encode())
 
     def _read_marker(self) -> Optional[dict]:
         try:
@@ -659,7 +658,10 @@ class SnapshotEngine:
         steps, source, reason = self.available()
         reasons = [reason] if reason else []
         disk_steps = self._disk_steps()
-        had_any = self._any(bool(steps) or bool(reason) or bool(disk_steps) or marker is not None)
+        # lost: this rank committed snapshots (its record says so) and its snapshot process holds none now. Ranks
+        # that all hold snapshots but share no step never finished a first one together: a fresh start is right.
+        lost_here = marker is not None and not marker.get("completed") and not steps
+        had_any = self._any(lost_here or bool(reason) or bool(disk_steps))
         for step in self._agree(steps):
             got, why = self._try_memory(step)
             if self._all(got is not None):
@@ -764,11 +766,13 @@ class SnapshotEngine:
         if shutdown:
             if self.distributed:
                 dist.barrier(group=self.group)
+            last = self.stats["snapshots"] and self._pending_last_step()
+            self._write_private(self.marker, json.dumps({
+                "identity": self.identity, "identity_hash": self.identity_hash, "completed": True,
+                "last_step": last, "extra": self._last_extra}, default=str).encode())
+            if self.distributed:
+                dist.barrier(group=self.group)
             if self.rank == self.local_ranks[0]:
-                last = self.stats["snapshots"] and self._pending_last_step()
-                self._write_private(self.marker, json.dumps({
-                    "identity": self.identity, "identity_hash": self.identity_hash, "completed": True,
-                    "last_step": last, "extra": self._last_extra}, default=str).encode())
                 self.client.call({"op": "shutdown"})
         self.client.close()
 

@@ -2,7 +2,13 @@
 :func:`hf_dtrain.testing.fault.launch_ft_workers`): DDP over gloo, AdamW + a LambdaLR, batches drawn from every RNG (Python,
 NumPy, torch), a snapshot after every step, and an optional fault. Configured by environment variables (see the
 test); appends ``step loss.hex()`` per step to ``$FT_OUT/rank{r}.log`` and the restore source to
-``$FT_OUT/rank{r}.restore``."""
+``$FT_OUT/rank{r}.restore``.
+
+``FT_KILLS``: a kill schedule for relaunch trials, ``gen:rank:step:phase`` entries separated by commas; the
+generation is ``TORCHELASTIC_RESTART_COUNT`` under torchrun / accelerate launch, else ``FT_GEN``. Phases:
+``startup`` (after the snapshot engine starts, before the restore), ``before_step`` (after backward, before the
+optimizer step), ``mid_snapshot`` (slot written, commit not sent), ``after_snapshot`` and ``after_last`` (after the
+last step, before the run closes)."""
 
 import os
 import random
@@ -23,7 +29,20 @@ def main():
     fault = os.environ.get("FT_FAULT", "")  # "rank:step:where"
     fault_rank, fault_step, where = (fault.split(":") + ["", "", ""])[:3] if fault else ("-1", "-1", "")
     fault_here = int(fault_rank) == rank
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    gen = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("FT_GEN", "0"))
+    for entry in filter(None, os.environ.get("FT_KILLS", "").split(",")):
+        g, r, st, ph = entry.split(":")
+        if g == gen and int(r) == rank:
+            fault, fault_rank, fault_step, where, fault_here = entry, r, st, ph, True
+    from hf_dtrain.distributed import init_distributed
+
+    def die():  # recorded first: the trials count the kills that happened
+        with open(os.path.join(out, "kills"), "a") as f:
+            f.write(f"{gen}:{rank}:{where}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if not init_distributed():  # torchrun / accelerate launch restarts: the generation's own store keys
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(1234)
     random.seed(1234)
     np.random.seed(1234)
@@ -48,11 +67,13 @@ def main():
             real = snap.checksum
 
             def checksum_then_die(buf):  # the slot is written, the commit not yet sent
-                if engine._pending_step == int(fault_step):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if getattr(engine, "_pending_step", None) == int(fault_step):
+                    die()
                 return real(buf)
 
             snap.checksum = checksum_then_die
+        if fault_here and where == "startup":
+            die()
         t0 = time.perf_counter()
         try:
             restored = engine.restore()
@@ -68,6 +89,8 @@ def main():
             start = restored.extra["next_step"]
             with open(os.path.join(out, f"rank{rank}.restore"), "a") as f:
                 f.write(f"{restored.step} {restored.source} {time.perf_counter() - t0:.3f}\n")
+    if fault_here and os.environ.get("FT_RELATIVE") and where != "after_last":
+        fault_step = str(start - 1 + int(fault_step))  # FT_KILLS steps count from this generation's first step
     log = open(os.path.join(out, f"rank{rank}.log"), "a")
     for step in range(start, steps + 1):
         seed = int(torch.randint(0, 1 << 20, (1,))) + random.randrange(1 << 20) + int(np.random.randint(1 << 20))
@@ -75,7 +98,7 @@ def main():
         loss = ddp(**batch).loss
         loss.backward()
         if fault_here and step == int(fault_step) and where == "before_step":
-            os.kill(os.getpid(), signal.SIGKILL)
+            die()
         if engine is not None:
             engine.wait()
         opt.step()
@@ -89,7 +112,11 @@ def main():
             if fault_here and step == int(fault_step) and where == "after_snapshot":
                 engine.wait()
                 time.sleep(1.5)  # the parity exchange of this step completes
-                os.kill(os.getpid(), signal.SIGKILL)
+                die()
+    if fault_here and where == "after_last":
+        if engine is not None:
+            engine.wait()
+        die()
     if engine is not None:
         engine.close(shutdown=os.environ.get("FT_SHUTDOWN", "1") == "1")
     dist.barrier()

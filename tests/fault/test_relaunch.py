@@ -1,0 +1,117 @@
+"""Every documented relaunch path, tried as a user's job would fail: 10 SIGKILLs at seeded random moments (start-up,
+mid-step, mid-snapshot, after a snapshot, after the last step), each generation relaunched the path's own way, and
+the run must finish with every step's loss equal (``float.hex``) to the uninterrupted run, no step missing, and no
+process left behind. Paths: the same command again (``elastic_launch``, as a user or a scheduler would),
+``torchrun --max-restarts``, ``accelerate launch --max_restarts`` and the Trainer's ``resume_from_checkpoint``."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from hf_dtrain.testing import stop_snapshot_processes
+from hf_dtrain.testing.fault import launch_ft_workers, worker_losses
+from hf_dtrain.testing.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+WORLD, STEPS, KILLS = 2, 24, 10
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PHASES = ("startup", "before_step", "mid_snapshot", "after_snapshot")
+
+
+def kill_schedule(seed: int, kills: int = KILLS) -> str:
+    """``kills`` kills, one per generation: random phases, ranks and steps (1-2 steps after the generation's start,
+    so each kill happens), the last one after the final step."""
+    rng = random.Random(seed)
+    entries = [f"{g}:{rng.randrange(WORLD)}:{rng.randint(1, 2)}:{rng.choice(PHASES)}" for g in range(kills - 1)]
+    return ",".join(entries + [f"{kills - 1}:{rng.randrange(WORLD)}:1:after_last"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("reference"))
+    assert launch_ft_workers(WORLD, {"FT_OUT": out, "FT_NOFT": "1", "FT_STEPS": str(STEPS)}) == [0] * WORLD
+    return worker_losses(out)
+
+
+def _env(out, ft_dir, seed):
+    return {"FT_OUT": out, "FT_DIR": ft_dir, "FT_STEPS": str(STEPS), "FT_PARITY": "0", "FT_RELATIVE": "1",
+            "FT_KILLS": kill_schedule(seed)}
+
+
+def _check(out, ft_dir, reference):
+    assert sorted(worker_losses(out)) == list(range(1, STEPS + 1))  # no step lost
+    assert worker_losses(out) == reference  # every step, bit for bit
+    kills = open(os.path.join(out, "kills")).read().split()
+    assert len(kills) == KILLS, kills
+    leftover = [p for p in _smp_pids(ft_dir) if _alive(p)]
+    assert not leftover, f"snapshot processes left running: {leftover}"
+
+
+def _smp_pids(ft_dir):
+    import glob
+
+    pids = []
+    for info in glob.glob(os.path.join(ft_dir, "node*", "smp.json")):
+        try:
+            pids.append(json.load(open(info))["pid"])
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_same_command_relaunched_after_10_kills(tmp_path, reference):
+    out, ft_dir = str(tmp_path / "out"), str(tmp_path / "ft")
+    os.makedirs(out)
+    env = _env(out, ft_dir, seed=1)
+    try:
+        for gen in range(KILLS + 1):
+            codes = launch_ft_workers(WORLD, dict(env, FT_GEN=str(gen)))
+            if gen < KILLS:
+                assert -signal.SIGKILL in codes, (gen, codes, open(os.path.join(out, "rank0.out")).read()[-2000:])
+            else:
+                assert codes == [0] * WORLD, open(os.path.join(out, "rank0.out")).read()[-3000:]
+        _check(out, ft_dir, reference)
+    finally:
+        stop_snapshot_processes(ft_dir)
+
+
+def _agent_run(tmp_path, reference, command, seed):
+    out, ft_dir = str(tmp_path / "out"), str(tmp_path / "ft")
+    os.makedirs(out)
+    env = dict(os.environ, **_env(out, ft_dir, seed), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    try:
+        with open(os.path.join(out, "agent.out"), "w") as log:
+            proc = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=400, cwd=ROOT)
+        assert proc.returncode == 0, open(os.path.join(out, "agent.out")).read()[-4000:]
+        _check(out, ft_dir, reference)
+    finally:
+        stop_snapshot_processes(ft_dir)
+
+
+def test_torchrun_max_restarts_after_10_kills(tmp_path, reference):
+    _agent_run(tmp_path, reference, [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--max-restarts", str(KILLS),
+        "--monitor-interval", "0.2", "--master-port", str(free_port()), "-m", "hf_dtrain.testing.ft_worker"], seed=2)
+
+
+def test_accelerate_launch_max_restarts_after_10_kills(tmp_path, reference):
+    _agent_run(tmp_path, reference, [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        os.path.join(ROOT, "recipes", "accelerate", "cpu_2proc.yaml"), "--main_process_port", str(free_port()),
+        "--max_restarts", str(KILLS), "--monitor_interval", "0.2", "-m", "hf_dtrain.testing.ft_worker"], seed=3)
