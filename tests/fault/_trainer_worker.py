@@ -14,6 +14,16 @@ from hf_dtrain.testing import random_batch, tiny_llama
 
 out = os.environ["FT_OUT"]
 kill_at = int(os.environ.get("FT_KILL_AT", "0"))
+# FT_KILLS / FT_GEN: this generation's kill, "gen:step:phase" entries (phases: startup, before_step, step_end; a
+# step counted from this generation's first step)
+gen = os.environ.get("FT_GEN", "0")
+kill = next((e.split(":")[1:] for e in os.environ.get("FT_KILLS", "").split(",") if e.split(":")[0] == gen), None)
+
+
+def die(phase):
+    with open(os.path.join(out, "kills"), "a") as f:
+        f.write(f"{gen}:{phase}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
 rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seq=16, seed=s).items()} for s in range(48)]
 
 
@@ -27,6 +37,13 @@ class Log(TrainerCallback):
         if state.global_step == kill_at:
             ft.engine.wait()  # the snapshot of this step is in (a kill mid-copy is the engine tests' case)
             os.kill(os.getpid(), signal.SIGKILL)
+        if kill and kill[1] == "step_end" and state.global_step == first + int(kill[0]) - 1:
+            ft.engine.wait()
+            die("step_end")
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        if kill and kill[1] == "before_step" and state.global_step + 1 == first + int(kill[0]) - 1:
+            die("before_step")
 
 
 callbacks = [Log()]
@@ -38,7 +55,10 @@ args = TrainingArguments(output_dir=os.path.join(out, "trainer"), max_steps=10, 
                          report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
                          learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, dataloader_num_workers=0)
 trainer = Trainer(model=tiny_llama(seed=0), args=args, train_dataset=Dataset.from_list(rows), callbacks=callbacks)
+if kill and kill[1] == "startup":
+    die("startup")
 resume = ft.resume_checkpoint(trainer) if ft is not None else None
+first = (ft.restored.step + 1) if ft is not None and ft.restored is not None else 1
 if ft is not None and ft.restored is not None:
     json.dump({"step": ft.restored.step, "source": ft.restored.source}, open(os.path.join(out, "restored.json"), "w"))
 trainer.train(resume_from_checkpoint=resume)

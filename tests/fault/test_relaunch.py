@@ -115,3 +115,33 @@ def test_accelerate_launch_max_restarts_after_10_kills(tmp_path, reference):
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
         os.path.join(ROOT, "recipes", "accelerate", "cpu_2proc.yaml"), "--main_process_port", str(free_port()),
         "--max_restarts", str(KILLS), "--monitor_interval", "0.2", "-m", "hf_dtrain.testing.ft_worker"], seed=3)
+
+
+def test_trainer_resume_from_checkpoint_after_10_kills(tmp_path):
+    """The Trainer path (``trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))``), relaunched by
+    the same command after each of 10 kills (start-up, before an optimizer step, after a step's snapshot): the
+    logged losses equal the uninterrupted run's at every step."""
+    from tests.fault.test_callback import _losses, _run
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert _run(ref, FT_NOFT="1").returncode == 0
+    rng = random.Random(4)
+    phases = ("startup", "before_step", "step_end")
+    kills = ",".join(f"{g}:1:{phases[g % 3] if g < 3 else rng.choice(phases)}" for g in range(KILLS))
+    out, ft_dir = tmp_path / "run", tmp_path / "ft"
+    out.mkdir()
+    try:
+        for gen in range(KILLS + 1):
+            done = _run(out, FT_DIR=str(ft_dir), FT_KILLS=kills, FT_GEN=str(gen))
+            expect = -signal.SIGKILL if gen < KILLS else 0
+            assert done.returncode == expect, (gen, done.stderr[-3000:])
+        happened = open(out / "kills").read().split()
+        assert len(happened) == KILLS
+        got, want = _losses(out), _losses(ref)
+        assert got == {k: want[k] for k in got}  # every logged step equals the uninterrupted run
+        # a step killed after its snapshot and before its log line is restored, not run again: it is never logged
+        assert len(set(want) - set(got)) == sum(k.endswith("step_end") for k in happened)
+        assert not _smp_pids(str(ft_dir)) or not any(_alive(p) for p in _smp_pids(str(ft_dir)))
+    finally:
+        stop_snapshot_processes(ft_dir)
