@@ -169,7 +169,7 @@ class RankMonitor:
         import threading
 
         self.interval, self.resume_hint = interval, resume_hint
-        self.step = 0
+        self._step = 0
         self.step_of = None  # or a callable giving the current step (a Trainer's state.global_step)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -183,6 +183,7 @@ class RankMonitor:
             self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
                                        is_master=False, timeout=timedelta(seconds=max(5.0, 3 * interval)))
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._beats = 0
         self._beat()
         self._thread = threading.Thread(target=self._run, daemon=True, name="hf_dtrain-heartbeat")
@@ -192,13 +193,26 @@ class RankMonitor:
         if self.store is None:
             return
         if self.step_of is not None:
-            self.step = self.step_of()
+            self._step = self.step_of()
         self._beats += 1
         self.store.set(self.prefix + str(self.rank),
                        json.dumps({"n": self._beats, "host": self.host, "pid": self.pid, "step": self.step}))
 
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:  # published by the heartbeat thread at once (the loop never waits on it)
+        self._step = value
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._beat()
             except Exception:  # the store is gone (its host died): diagnose() says so
@@ -217,7 +231,7 @@ class RankMonitor:
         if self.store is None:
             return None
         if self.step_of is not None:
-            self.step = self.step_of()
+            self._step = self.step_of()
         try:
             first = self._read()
             import time
@@ -263,6 +277,7 @@ class RankMonitor:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
 
 
 def _is_comm_error(e: BaseException) -> bool:

@@ -91,13 +91,15 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
 
 def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, timeout: float = 300,
                    log_dir: str | None = None, per_rank_env=None, per_rank_argv=None,
-                   master_addr: str = "127.0.0.1") -> list[int]:
+                   master_addr: str = "127.0.0.1", grace_after_signal: float = 0.5) -> list[int]:
     """Start ``argv`` once per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``,
     ``LOCAL_WORLD_SIZE=1`` and ``HF_DTRAIN_NODE_RANK=rank``: every rank its own emulated node) and behave as an
     elastic agent: when one rank dies the others are killed (at once after a signal; after up to 15 s for ranks
     that exit with an error, which may be refusing the same thing). Returns the exit codes (``-9`` for SIGKILL). Output goes
     to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers).
-    ``per_rank_argv(rank, argv)``: the command of that rank (``Host.command`` to run it in an emulated host)."""
+    ``per_rank_argv(rank, argv)``: the command of that rank (``Host.command`` to run it in an emulated host).
+    ``grace_after_signal``: how long the others may run after a rank died of a signal (a test of what survivors
+    do)."""
     import time
 
     port = free_port()
@@ -120,7 +122,7 @@ def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, ti
             if any(c not in (None, 0) for c in codes):
                 # a rank killed by a signal: the others are stuck in a collective, stop them at once; a rank that
                 # exited with an error: the others are usually refusing the same thing, give them time to say so
-                grace = 0.5 if any(c is not None and c < 0 for c in codes) else 15.0
+                grace = grace_after_signal if any(c is not None and c < 0 for c in codes) else 15.0
                 end = time.monotonic() + grace
                 while time.monotonic() < end and any(p.poll() is None for p in procs):
                     time.sleep(0.1)
