@@ -107,7 +107,10 @@ def load_recipe(path: str) -> dict:
     import yaml
 
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"recipe {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path}: expected a mapping of job fields, got {type(data).__name__}.")
     return {str(k).replace("-", "_"): v for k, v in data.items()}

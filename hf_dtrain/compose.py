@@ -105,6 +105,10 @@ class ComposeOptions:
                              f"{', '.join(OPTIMIZERS)}.")
         if isinstance(self.hetero_speeds, str):
             self.hetero_speeds = [float(s) for s in self.hetero_speeds.split(",") if s.strip()]
+        if self.hetero_speeds is not None and (not self.hetero_speeds or min(self.hetero_speeds) <= 0):
+            raise ValueError(f"hetero_speeds must be positive relative speeds, one per process, got "
+                             f"{self.hetero_speeds!r}; set --hetero-speeds.")
+        self.deepspeed_stage()  # a missing or unreadable DeepSpeed config is an error now, not after start-up
         unused = [(section, chosen) for section, chosen, default in (
             ("eva", ("eva",), JOB_EVA), ("onebit_lamb", ("onebit_lamb",), JOB_ONEBIT_LAMB),
             ("gossip", ("dpsgd", "decentlam"), GossipConfig())) if getattr(self, section) != default
@@ -255,6 +259,23 @@ def run_identity(cfg) -> dict:
     """What identifies a job for its snapshots: every field of its config except how it reports and where it
     writes (``NOT_IDENTITY``); a restore into a job whose identity differs is refused naming the difference."""
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IDENTITY}
+
+
+def check_local_path(config, name: str, kinds: tuple = (".json", ".jsonl", ".txt", ".csv", ".parquet")) -> None:
+    """``config.name`` names a local file or directory (a path separator, ``./``, or a data-file extension) that
+    does not exist: a ``ValueError`` naming the field and the path, before anything starts (otherwise it would be
+    taken for a hub id and fetched)."""
+    import os
+
+    value = getattr(config, name)
+    if value is None:
+        return
+    # a hub id is "name" or "org/name"; anything else path-like is a local path
+    looks_local = (value.startswith(("/", "./", "../", "~")) or value.count("/") > 1
+                   or value.lower().endswith(kinds))
+    if looks_local and not os.path.exists(os.path.expanduser(value)):
+        raise ValueError(f"{type(config).__name__}.{name}: {value} does not exist; set --{name.replace('_', '-')} "
+                         "to an existing local path or a hub id.")
 
 
 def _switched_on(value) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, run_identity, snapshot_config_for,
+from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, run_identity, snapshot_config_for,
                                wire_bytes)
 from hf_dtrain.model_card import write_model_card
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS
@@ -90,6 +90,8 @@ class FinetuneConfig(ComposeOptions):
         if isinstance(self.target_modules, str):
             self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
         self.validate()
+        check_local_path(self, "dataset")
+        check_local_path(self, "model")
         if self.quantize is not None:
             self.quantize = str(self.quantize).lower()
             if self.quantize in ("none", ""):

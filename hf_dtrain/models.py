@@ -279,6 +279,26 @@ def build_default_model(
     return str(final)
 
 
+def check_weight_files(path: str) -> None:
+    """Every ``*.safetensors`` file of a local model or adapter directory opens (its header parses and its data is
+    all there): a ``ValueError`` naming the damaged file otherwise, instead of a loader error that names none."""
+    import glob
+
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        return
+    for name in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        try:
+            with safe_open(name, framework="pt") as f:
+                keys = list(f.keys())
+                if keys:
+                    f.get_slice(keys[-1])  # the last tensor's bytes lie within the file
+        except Exception as e:  # SafetensorError, OSError: truncated, empty, not safetensors
+            raise ValueError(f"{name} is damaged or truncated ({type(e).__name__}: {e}); replace it (save the "
+                             "model or adapter again) or point --model elsewhere.") from None
+
+
 def load_model_and_tokenizer(model: str | None = None, *, preset: str = "tiny", base_steps: int | None = None,
                              progress: bool = True, load_model: bool = True, **from_pretrained_kwargs):
     """``(model, tokenizer)``: the embedded default base (built and cached if needed) when ``model`` is None, else
@@ -287,6 +307,7 @@ def load_model_and_tokenizer(model: str | None = None, *, preset: str = "tiny", 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = build_default_model(preset, steps=base_steps, progress=progress) if model is None else model
+    check_weight_files(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

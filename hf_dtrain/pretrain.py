@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, run_identity, snapshot_config_for,
+from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, run_identity, snapshot_config_for,
                                wire_bytes)
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class PretrainConfig(ComposeOptions):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}.")
         self.validate()
+        check_local_path(self, "dataset")
 
 
 
