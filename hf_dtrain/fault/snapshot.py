@@ -197,10 +197,14 @@ class SnapshotEngine:
         and what the engine sees itself: the trainable parameter set, the model config, the optimizer's and
         scheduler's classes and hyper-parameters, hf_dtrain's version. Recorded in every snapshot; a restore into a
         job whose identity differs is refused, naming what differs."""
-        import hf_dtrain
+        from importlib.metadata import PackageNotFoundError, version
 
+        try:
+            release = version("hf-dtrain")
+        except PackageNotFoundError:  # run from a source tree that is not installed
+            release = "source"
         model = _unwrap(self.model)
-        out = {"job": job, "hf_dtrain": hf_dtrain.__version__, "parameters": self.fingerprint}
+        out = {"job": job, "hf_dtrain": release, "parameters": self.fingerprint}
         config = getattr(model, "config", None)
         if hasattr(config, "to_dict"):
             cfg = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
