@@ -180,8 +180,11 @@ class RankMonitor:
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             from datetime import timedelta
 
-            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
-                                       is_master=False, timeout=timedelta(seconds=max(5.0, 3 * interval)))
+            try:
+                self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
+                                           is_master=False, timeout=timedelta(seconds=max(5.0, 3 * interval)))
+            except Exception:  # no TCP store there (a file:// rendezvous): failures pass through unnamed
+                self.store = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._beats = 0

@@ -3,7 +3,6 @@ model directories, DeepSpeed configs and disk snapshots. Each must be refused be
 an error of the stated class whose message names the field or the file (and none may hang: each case has a
 timeout). Damaged disk snapshots are the exception that must *not* fail: the newest intact one is used instead."""
 
-import json
 import math
 import os
 
@@ -317,3 +316,12 @@ def test_a_damaged_newest_disk_snapshot_falls_back_to_the_newest_intact_one(tmp_
             assert "snapshot-4" in caplog.text  # says which copy it skipped and why
     finally:
         stop_snapshot_processes(ft_dir)
+
+
+def test_a_snapshot_directory_too_long_for_a_unix_socket_is_named(tmp_path):
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.testing import tiny_llama
+
+    long_dir = str(tmp_path / ("d" * 90))
+    with pytest.raises(ValueError, match=r"smp.sock is \d+ bytes; Unix sockets allow 107.*fault_tolerance.directory"):
+        SnapshotEngine(tiny_llama(seed=0, hidden_size=32), directory=long_dir, parity=0)

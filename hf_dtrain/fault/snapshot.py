@@ -170,6 +170,10 @@ class SnapshotEngine:
                       "bytes": 0}
         self.base = private_dir(directory or default_directory(job_key or f"job-{self.identity_hash}"))
         self.dir = private_dir(os.path.join(self.base, f"node{self.node}"))
+        sock = os.path.join(self.dir, "smp.sock")
+        if len(sock.encode()) > 107:  # sockaddr_un's limit
+            raise ValueError(f"The snapshot socket path {sock} is {len(sock.encode())} bytes; Unix sockets allow 107. "
+                             "Set fault_tolerance.directory to a shorter path.")
         self.marker = os.path.join(self.dir, f"run-rank{self.rank}.json")
         self._marked = False
         self.respawns = 0

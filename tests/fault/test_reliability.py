@@ -4,69 +4,47 @@ the service, an orphaned snapshot process exits, and a rank that dies is named b
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
-import torch
 
-from hf_dtrain.fault import SnapshotConfig, SnapshotEngine
+from hf_dtrain.fault import SnapshotEngine
 from hf_dtrain.fault.snapshot import SnapshotError, SnapshotMismatch, default_directory
 from hf_dtrain.fault.wire import SMPClient, connect, private_dir
-from hf_dtrain.testing import random_batch, stop_snapshot_processes, tiny_llama
+from hf_dtrain.testing import stop_snapshot_processes
 from hf_dtrain.testing.launch import elastic_launch
+from tests.fault.test_snapshot import _setup
+from tests.fault.test_snapshot import _steps as _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _setup(lr=1e-3, seed=0):
-    torch.manual_seed(seed)
-    model = tiny_llama(seed=seed, hidden_size=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
-    return model, opt, sched
-
-
-def _train(model, opt, sched, engine, first, last):
-    losses = []
-    for step in range(first, last + 1):
-        loss = model(**random_batch(batch=2, seq=8, seed=step)).loss
-        loss.backward()
-        engine.wait()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        engine.snapshot(step, extra={"next_step": step + 1})
-    engine.wait()
-    return losses
-
-
-@pytest.fixture
-def ft_dir(tmp_path):
-    d = str(tmp_path / "ft")
-    yield d
-    stop_snapshot_processes(d)
-
-
-def test_two_jobs_with_default_settings_never_share_snapshots(ft_dir):
+def test_two_jobs_with_default_settings_never_share_snapshots(ft_dir, tmp_path, monkeypatch):
     """Default directories differ per job; in one directory (the same output directory), the second job's restore is
     refused on its identity, naming what differs and the flag that starts fresh, and that flag works."""
+    runtime = tempfile.mkdtemp(dir="/tmp")  # short: a Unix socket path has at most 107 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)  # the default root, private to this test
     job_a, job_b = {"seed": 0, "learning_rate": 1e-3}, {"seed": 1, "learning_rate": 3e-4}
     model, opt, sched = _setup()
     a = SnapshotEngine(model, opt, sched, parity=0, identity=job_a, idle_exit=5)
-    model_b, opt_b, sched_b = _setup(lr=3e-4, seed=1)
+    model_b, opt_b, sched_b = _setup()
     b = SnapshotEngine(model_b, opt_b, sched_b, parity=0, identity=job_b, idle_exit=5)
     try:
-        assert a.base != b.base and a.base.startswith(os.path.dirname(default_directory("x")))
+        root = os.path.join(runtime, "hf_dtrain_ft")
+        assert a.base != b.base and os.path.dirname(a.base) == os.path.dirname(b.base) == root
+        assert default_directory("x") == os.path.join(root, "x") and os.stat(root).st_mode & 0o777 == 0o700
         _train(model, opt, sched, a, 1, 2)
         assert b.restore() is None  # B sees nothing of A's
     finally:
         for e in (a, b):
             e.close(shutdown=True)
+        shutil.rmtree(runtime, ignore_errors=True)
     # both in one directory (the same output directory): refused, naming the difference
     a = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0, identity=job_a)
     _train(model, opt, sched, a, 1, 3)

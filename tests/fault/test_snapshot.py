@@ -40,19 +40,6 @@ def _steps(model, opt, sched, engine, first, last, snapshot=True):
     return losses
 
 
-@pytest.fixture
-def ft_dir(tmp_path):
-    d = str(tmp_path / "ft")
-    yield d
-    for node in os.listdir(d) if os.path.isdir(d) else []:
-        info = os.path.join(d, node, "smp.json")
-        if os.path.exists(info):
-            try:
-                os.kill(json.load(open(info))["pid"], 9)
-            except ProcessLookupError:
-                pass
-
-
 def test_restore_is_exact_and_a_corrupted_byte_is_caught(ft_dir, caplog):
     torch.manual_seed(0)
     model, opt, sched = _setup()
