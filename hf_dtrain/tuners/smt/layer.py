@@ -18,6 +18,9 @@ class BlockSparseDelta(torch.autograd.Function):
     (``index_select``), never a view of ``x``: a view would pin the whole input, which is what the official SMT code
     does. Block gradients are ``sum_tokens grad_y[:, rows_k]^T x[:, cols_k]``: exactly the matching blocks of the
     dense weight gradient.
+
+    Under ``torch.autocast`` the products run in the autocast dtype (bf16 / fp16), as a ``Linear`` would, and the
+    output has that dtype; the block gradients are returned in the parameters' own dtype (fp32 master blocks).
     """
 
     @staticmethod
@@ -26,30 +29,33 @@ class BlockSparseDelta(torch.autograd.Function):
         ``unique`` synchronises a CUDA device)."""
         bs = blocks.shape[-1]
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).to(blocks.dtype)
+        device = x.device.type
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else blocks.dtype
+        x2 = x.reshape(-1, x.shape[-1]).to(compute)
         n = x2.shape[0]
         ucols, pos = col_map if col_map is not None else torch.unique(cols, return_inverse=True)
         xs = x2.view(n, -1, bs).index_select(1, ucols)  # (n, u, bs): a copy of just the needed columns
-        y_blocks = torch.einsum("nkb,kob->nko", xs[:, pos], blocks)
-        out = x2.new_zeros(n, out_features // bs, bs)
+        with torch.autocast(device, enabled=False):  # the dtypes are chosen here, once
+            y_blocks = torch.einsum("nkb,kob->nko", xs[:, pos], blocks.to(compute))
+        out = y_blocks.new_zeros(n, out_features // bs, bs)
         out.index_add_(1, rows, y_blocks)
         ctx.save_for_backward(xs, blocks, rows, pos, ucols)
         ctx.in_features = x.shape[-1]
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.compute = x.dtype, compute
         return out.view(*lead, out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
         xs, blocks, rows, pos, ucols = ctx.saved_tensors
         bs = blocks.shape[-1]
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(blocks.dtype)
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.compute)
         n = g.shape[0]
         g_k = g.view(n, -1, bs).index_select(1, rows)  # (n, k, bs)
         grad_blocks = grad_x = None
         if ctx.needs_input_grad[1]:
-            grad_blocks = torch.einsum("nko,nkb->kob", g_k, xs[:, pos])
+            grad_blocks = torch.einsum("nko,nkb->kob", g_k, xs[:, pos]).to(blocks.dtype)
         if ctx.needs_input_grad[0]:
-            gx_k = torch.einsum("nko,kob->nkb", g_k, blocks)
+            gx_k = torch.einsum("nko,kob->nkb", g_k, blocks.to(ctx.compute))
             gx_u = g.new_zeros(n, ucols.numel(), bs).index_add_(1, pos, gx_k)
             grad_x = g.new_zeros(n, ctx.in_features // bs, bs).index_add_(1, ucols, gx_u)
             grad_x = grad_x.view(*grad_out.shape[:-1], ctx.in_features).to(ctx.x_dtype)
