@@ -40,6 +40,8 @@ class LinearTunerModel(BaseTuner):
             raise ValueError("current_key must not be None")
         if isinstance(target, self.linear_cls):
             target.update_layer(adapter_name, config, layer_key=current_key)
+            if getattr(config, "init_weights", True) is False:
+                random_start(target, adapter_name)
             return
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         accepted = (torch.nn.Linear, *quantized_base_types()) if self.quantized_bases else (torch.nn.Linear,)
@@ -49,9 +51,23 @@ class LinearTunerModel(BaseTuner):
                 f"Narrow {self.config_name}.target_modules to linear projections."
             )
         new_module = self.linear_cls(target, adapter_name, config, layer_key=current_key)
+        if getattr(config, "init_weights", True) is False:
+            random_start(new_module, adapter_name)
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
+
+
+def random_start(layer, adapter_name: str, std: float = 0.02) -> None:
+    """``init_weights=False``: the adapter's zero-initialized trainable tensors (what makes its start the identity)
+    drawn from N(0, std) instead, so the adapter changes the output from the start (peft's convention)."""
+    with torch.no_grad():
+        for name in layer.adapter_layer_names:
+            container = getattr(layer, name)
+            if adapter_name in container:
+                p = container[adapter_name]
+                if p.numel() and not p.any():
+                    p.normal_(0.0, std)
 
 
 class MergeableLinearMixin:

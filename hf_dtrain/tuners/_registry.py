@@ -71,3 +71,36 @@ def register(name: str, config_cls: type, model_cls: type, prefix: str) -> PeftT
     register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=prefix)
     return peft_type
 
+
+
+MODEL_CARD_MARK = "<!-- hf_dtrain -->"
+
+
+class HfDtrainConfigMixin:
+    """What every hf_dtrain tuner config adds to peft's ``PeftConfig``: ``save_pretrained`` also tells the reader of
+    the adapter's README (the model card peft writes just before the config) that loading needs ``import
+    hf_dtrain``, which registers the method with peft, and which release wrote it (without the import, peft fails
+    with a bare ``KeyError`` on the method name)."""
+
+    def save_pretrained(self, save_directory: str, **kwargs) -> None:
+        super().save_pretrained(save_directory, **kwargs)
+        import os
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            release = version("hf-dtrain")
+        except PackageNotFoundError:
+            release = "source"
+        method = str(getattr(self.peft_type, "value", self.peft_type))
+        card = os.path.join(save_directory, "README.md")
+        text = open(card).read() if os.path.exists(card) else ""
+        if MODEL_CARD_MARK in text:
+            return
+        note = (f"\n{MODEL_CARD_MARK}\n## Loading this adapter\n\nThis is a **{method}** adapter from "
+                f"[hf_dtrain](https://pypi.org/project/hf-dtrain/) {release}. peft knows the method once hf_dtrain "
+                f"is imported:\n\n```python\nimport hf_dtrain  # registers {method} with peft (pip install "
+                f"hf-dtrain=={release})\nfrom peft import AutoPeftModelForCausalLM\nmodel = "
+                "AutoPeftModelForCausalLM.from_pretrained(\"path/to/this/adapter\")\n```\n\nWithout the import, "
+                f"peft stops with `KeyError: '{method}'`.\n")
+        with open(card, "a") as f:
+            f.write(note)

@@ -6,9 +6,11 @@ from typing import Optional, Union
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
+from .._registry import HfDtrainConfigMixin
+
 
 @dataclass
-class LoraFAConfig(PeftConfig):
+class LoraFAConfig(HfDtrainConfigMixin, PeftConfig):
     """Configuration of a LoRA-FA adapter (LoRA with a frozen down-projection, arXiv 2308.03303).
 
     ``A`` is drawn once (Kaiming-uniform, seeded by ``init_seed``) and never trains; only ``B`` (initialised to zero)
@@ -53,6 +55,14 @@ class LoraFAConfig(PeftConfig):
     )
     modules_to_save: Optional[list[str]] = field(
         default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
+    )
+
+    init_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero start, "
+            "as peft's own methods take it (for testing merges and save/load round trips)."
+        },
     )
 
     def __post_init__(self):

@@ -6,9 +6,11 @@ from typing import Optional, Union
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
+from .._registry import HfDtrainConfigMixin
+
 
 @dataclass
-class QAHiRAConfig(PeftConfig):
+class QAHiRAConfig(HfDtrainConfigMixin, PeftConfig):
     """Configuration of QA-HiRA (Shen et al., arXiv 2407.17029, TACL 2025; "QA-BLoRA" in the final version).
 
     One matrix per layer, no B: the input is average-pooled by ``group_size`` along ``in_features`` (the base's
@@ -42,6 +44,14 @@ class QAHiRAConfig(PeftConfig):
         metadata={"help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."},
     )
     modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Extra modules to train and save."})
+
+    init_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero start, "
+            "as peft's own methods take it (for testing merges and save/load round trips)."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()

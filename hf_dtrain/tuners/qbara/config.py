@@ -6,9 +6,11 @@ from typing import Optional, Union
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
+from .._registry import HfDtrainConfigMixin
+
 
 @dataclass
-class QBaRAConfig(PeftConfig):
+class QBaRAConfig(HfDtrainConfigMixin, PeftConfig):
     """Configuration of Q-BaRA (Shen et al., arXiv 2407.17029, TACL 2025; "Q-BLoRA" in the final version).
 
     The input is average-pooled by ``pool`` (lambda, the paper uses 2 for LLaMA), ``A: in/lambda -> lambda*r``,
@@ -27,6 +29,14 @@ class QBaRAConfig(PeftConfig):
     require_quantized_base: bool = field(
         default=False,
         metadata={"help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."},
+    )
+
+    init_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero start, "
+            "as peft's own methods take it (for testing merges and save/load round trips)."
+        },
     )
 
     def __post_init__(self):

@@ -6,11 +6,13 @@ from typing import Optional, Union
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
+from .._registry import HfDtrainConfigMixin
+
 SMT_SCORES = ("abs_mean", "mean_abs", "l1", "l2")
 
 
 @dataclass
-class SMTConfig(PeftConfig):
+class SMTConfig(HfDtrainConfigMixin, PeftConfig):
     """Configuration of Sparse Matrix Tuning (SMT; He et al., arXiv 2405.15525, ICLR 2025).
 
     The target weight matrices are cut into ``block_size x block_size`` blocks. A warm-up of ``warmup_steps``
@@ -71,6 +73,14 @@ class SMTConfig(PeftConfig):
     )
     modules_to_save: Optional[list[str]] = field(
         default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
+    )
+
+    init_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero start, "
+            "as peft's own methods take it (for testing merges and save/load round trips)."
+        },
     )
 
     def __post_init__(self):

@@ -92,6 +92,7 @@ class SMTLayer(BaseTunerLayer):
         self.base_layer = base_layer
         self.block_size: dict[str, int] = {}
         self.smt_layer_key: dict[str, str] = {}
+        self._smt_random_start: dict[str, bool] = {}
         self.smt_weight = nn.ParameterDict({})
         self.smt_indices = BufferDict({}, persistent=True)
         # unique input-column blocks of the selection and each block's position among them (derived, not saved)
@@ -115,6 +116,7 @@ class SMTLayer(BaseTunerLayer):
             )
         self.block_size[adapter_name] = bs
         self.smt_layer_key[adapter_name] = layer_key
+        self._smt_random_start[adapter_name] = config.init_weights is False
         pairs = (config.block_indices or {}).get(layer_key, [])
         self.set_block_indices(adapter_name, torch.tensor(pairs, dtype=torch.long).reshape(-1, 2))
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
@@ -142,6 +144,9 @@ class SMTLayer(BaseTunerLayer):
         old = self.smt_weight[adapter_name] if adapter_name in self.smt_weight else None
         requires_grad = old.requires_grad if old is not None else True
         param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype), requires_grad=requires_grad)
+        if self._smt_random_start.get(adapter_name):  # init_weights=False: blocks installed later start random too
+            with torch.no_grad():
+                param.normal_(0.0, 0.02)
         self.smt_weight[adapter_name] = param
         self.smt_indices[adapter_name] = indices.to(weight.device)
         col_ids, col_pos = torch.unique(indices[:, 1], return_inverse=True)

@@ -1,0 +1,55 @@
+"""peft's conventions on all four tuners: ``init_weights`` (True: the identity; False: a random non-zero start whose
+merge is exact and which survives save/load, what peft's own test helpers rely on), and the adapter's README saying
+that ``import hf_dtrain`` registers the method, with the release that wrote it."""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from hf_dtrain.testing import random_batch, tiny_llama
+from tests.tuners.test_mixed_precision import CONFIGS
+
+
+def _peft(name, **overrides):
+    config = CONFIGS[name]()
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(tiny_llama(seed=0, hidden_size=64), config).eval()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_init_weights(name, tmp_path):
+    batch = random_batch(batch=2, seq=8, seed=0)
+    base = tiny_llama(seed=0, hidden_size=64).eval()(**batch).logits
+    assert torch.equal(_peft(name)(**batch).logits, base)  # init_weights=True: the identity
+    torch.manual_seed(0)
+    model = _peft(name, init_weights=False)
+    out = model(**batch).logits
+    assert (out - base).abs().max() > 1e-3  # a real start, not the identity
+    model.save_pretrained(str(tmp_path))
+    assert json.load(open(tmp_path / "adapter_config.json"))["init_weights"] is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(tiny_llama(seed=0, hidden_size=64), str(tmp_path)).eval()
+    torch.testing.assert_close(loaded(**batch).logits, out, rtol=0, atol=0)  # the random start was saved
+    torch.testing.assert_close(model.merge_and_unload()(**batch).logits, out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_adapter_readme_says_import_hf_dtrain(name, tmp_path):
+    from importlib.metadata import version
+
+    model = _peft(name)
+    model.save_pretrained(str(tmp_path))
+    model.save_pretrained(str(tmp_path))  # saved again: the note is not repeated
+    text = open(os.path.join(tmp_path, "README.md")).read()
+    method = json.load(open(tmp_path / "adapter_config.json"))["peft_type"]
+    assert text.count("import hf_dtrain  # registers") == 1
+    assert f"**{method}** adapter" in text and f"hf-dtrain=={version('hf-dtrain')}" in text
+    assert f"KeyError: '{method}'" in text
