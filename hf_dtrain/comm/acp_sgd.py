@@ -112,6 +112,10 @@ class ACPSGDState:
 
 
 def _orth(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns of ``x`` by QR, computed in fp32 for bf16 / fp16 factors (QR has no low-precision kernel,
+    and would lose the orthogonality anyway), returned in ``x``'s dtype."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return torch.linalg.qr(x.float()).Q.to(x.dtype)
     return torch.linalg.qr(x).Q
 
 
