@@ -53,3 +53,25 @@ def test_the_adapter_readme_says_import_hf_dtrain(name, tmp_path):
     assert text.count("import hf_dtrain  # registers") == 1
     assert f"**{method}** adapter" in text and f"hf-dtrain=={version('hf-dtrain')}" in text
     assert f"KeyError: '{method}'" in text
+
+
+def test_training_smt_with_no_blocks_selected_warns(recwarn):
+    """A client that only passes ``peft_config=SMTConfig(num_blocks=...)`` (TRL without the selection callback)
+    would train nothing: a warning says what to add."""
+    import hf_dtrain.tuners.smt.layer as smt_layer
+    from hf_dtrain.tuners import SMTConfig
+
+    smt_layer._WARNED.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(tiny_llama(seed=0, hidden_size=64), SMTConfig(block_size=16, num_blocks=4,
+                                                                            target_modules=["q_proj"]))
+    model(**random_batch(batch=2, seq=8, seed=0)).loss.backward()
+    assert any("no blocks selected" in str(w.message) and "SMTSelectionCallback()" in str(w.message)
+               for w in recwarn)
+    recwarn.clear()
+    smt_layer._WARNED.clear()
+    model = _peft("smt")  # explicit blocks: no warning
+    model.train()
+    model(**random_batch(batch=2, seq=8, seed=0)).loss.backward()
+    assert not any("no blocks selected" in str(w.message) for w in recwarn)

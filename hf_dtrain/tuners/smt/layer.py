@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import warnings
+
 from typing import Optional
 
 import torch
@@ -81,6 +83,19 @@ class _GradientProbe(torch.autograd.Function):
         return None, torch.zeros((), device=grad_out.device), None
 
 
+_WARNED = []
+
+
+def _warn_unselected() -> None:
+    """Training an SMT adapter whose blocks were never selected changes nothing: say so, once per process."""
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn("SMT is training with no blocks selected and no warm-up scoring running, so nothing is "
+                      "trained. Add SMTSelectionCallback() to the Trainer's callbacks (TRL: SFTTrainer(..., "
+                      "callbacks=[SMTSelectionCallback()])), call smt_warmup before training, or set "
+                      "SMTConfig.block_indices.", UserWarning, stacklevel=3)
+
+
 class SMTLayer(BaseTunerLayer):
     """SMT adapter state per adapter name: ``smt_weight`` (k, b, b) trainable delta blocks stacked in one parameter,
     ``smt_indices`` (k, 2) persistent buffer of (row_block, col_block)."""
@@ -93,6 +108,7 @@ class SMTLayer(BaseTunerLayer):
         self.block_size: dict[str, int] = {}
         self.smt_layer_key: dict[str, str] = {}
         self._smt_random_start: dict[str, bool] = {}
+        self._smt_unselected: dict[str, bool] = {}
         self.smt_weight = nn.ParameterDict({})
         self.smt_indices = BufferDict({}, persistent=True)
         # unique input-column blocks of the selection and each block's position among them (derived, not saved)
@@ -119,11 +135,13 @@ class SMTLayer(BaseTunerLayer):
         self._smt_random_start[adapter_name] = config.init_weights is False
         pairs = (config.block_indices or {}).get(layer_key, [])
         self.set_block_indices(adapter_name, torch.tensor(pairs, dtype=torch.long).reshape(-1, 2))
+        self._smt_unselected[adapter_name] = config.block_indices is None  # cleared when a selection installs blocks
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def set_block_indices(self, adapter_name: str, indices: torch.Tensor) -> nn.Parameter:
         """Install the (k, 2) block indices for ``adapter_name`` with zero delta blocks; return the new parameter."""
         bs = self.block_size[adapter_name]
+        self._smt_unselected[adapter_name] = False
         indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1, 2)
         n_rows, n_cols = self.out_features // bs, self.in_features // bs
         if len(indices) and (
@@ -224,6 +242,8 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
             delta = BlockSparseDelta.apply(x, blocks, idx[:, 0], idx[:, 1], self.out_features, col_map)
             out = delta if out is None else out + delta
         elif blocks.requires_grad and torch.is_grad_enabled():
+            if self._smt_unselected.get(name) and name not in self._smt_grad_sum:
+                _warn_unselected()
             # a target that got no block: its empty parameter still takes part in the graph (an empty gradient), or
             # DDP would stop at "parameters that were not used in producing loss"
             touch = blocks.sum()
