@@ -142,14 +142,6 @@ def check_choice(config: Any, name: str, choices, key: Optional[str] = None) -> 
                          f"{', '.join(map(str, choices))}.")
 
 
-def check_int(config: Any, name: str, low: int, key: Optional[str] = None, why: str = "") -> None:
-    """``ValueError`` unless ``config.name`` is an integer (not a bool) >= ``low``, naming the field and the key."""
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{type(config).__name__}.{name} must be an integer >= {low}{why}, got {value!r}; set "
-                         f"{key or name}.")
-
-
 def help_of(f: dataclasses.Field) -> str:
     return f.metadata.get("help", "")
 
@@ -195,7 +187,8 @@ def check_fields(config: Any) -> None:
     """Every plain field of ``config`` (sections skipped: they check themselves) against its annotation and bounds:
     bool fields take only true/false (no truthy strings), int fields whole numbers, float fields finite numbers, str
     fields strings, ``list[X]`` a list of X; ``None`` only where the annotation is ``Optional``. Bounds come from the
-    field's metadata: ``min`` / ``max`` (inclusive), ``gt`` / ``lt`` (exclusive). Numeric strings are converted in place.
+    field's metadata: ``min`` / ``max`` (inclusive), ``gt`` / ``lt`` (exclusive), and ``why`` (said with a bound's
+    error). Numeric strings are converted in place.
     Raises ``ValueError`` naming the field, the flag / YAML key and what it takes."""
     cls = type(config)
     hints = _hints(cls)
@@ -241,16 +234,13 @@ def check_fields(config: Any) -> None:
                 raise ValueError(f"{where} must be {kind}, got {value!r}; {fix}.") from None
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{where} must be a finite number, got {value!r}; {fix}.")
-            low, high = f.metadata.get("min"), f.metadata.get("max")
-            above, below = f.metadata.get("gt"), f.metadata.get("lt")
-            if low is not None and value < low:
-                raise ValueError(f"{where} must be >= {low}, got {value!r}; {fix}.")
-            if high is not None and value > high:
-                raise ValueError(f"{where} must be <= {high}, got {value!r}; {fix}.")
-            if above is not None and not value > above:
-                raise ValueError(f"{where} must be > {above}, got {value!r}; {fix}.")
-            if below is not None and not value < below:
-                raise ValueError(f"{where} must be < {below}, got {value!r}; {fix}.")
+            why = f" ({f.metadata['why']})" if "why" in f.metadata else ""
+            for key, ok, text in (("min", lambda v, b: v >= b, ">="), ("max", lambda v, b: v <= b, "<="),
+                                  ("gt", lambda v, b: v > b, ">"), ("lt", lambda v, b: v < b, "<")):
+                limit = f.metadata.get(key)
+                if limit is not None and not ok(value, limit):
+                    kind = "an integer" if tp is int else "a number"
+                    raise ValueError(f"{where} must be {kind} {text} {limit}{why}, got {value!r}; {fix}.")
             object.__setattr__(config, f.name, value)
             continue
         if tp is str and not isinstance(value, str):

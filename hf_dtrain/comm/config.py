@@ -25,36 +25,29 @@ class CommHookConfig:
                 "s2_reducer (sparse bitmap + count sketch), dear (reduce-scatter in backward, all-gather in the next "
                 "forward; exact), embrace (embedding rows as index/row pairs; exact), noop (nothing: for optimizers "
                 "that exchange themselves)."})
-    rank: int = field(default=4, metadata={"help": "acp_sgd: rank r of the P (n x r) and Q (m x r) factors."})
-    start_iter: int = field(default=10, metadata={
+    rank: int = field(default=4, metadata={"min": 1, "help": "acp_sgd: rank r of the P (n x r) and Q (m x r) factors."})
+    start_iter: int = field(default=10, metadata={"min": 2, "why": "DDP rebuilds its buckets after the first step", 
         "help": "acp_sgd: steps of plain all-reduce before compressing (>= 2: DDP rebuilds its buckets after step 1)."})
-    min_compression_rate: float = field(default=2.0, metadata={
+    min_compression_rate: float = field(default=2.0, metadata={"min": 0, 
         "help": "acp_sgd: compress an n x m gradient only if n*m >= this * (n + m) * rank; smaller ones go dense."})
     use_error_feedback: bool = field(default=True, metadata={
         "help": "acp_sgd: add the local compression error to the next step's gradient."})
     seed: int = field(default=0, metadata={
         "help": "acp_sgd: seed of the initial Q factors; s2_reducer: seed of the sketch hashes (same on all ranks)."})
-    sketch_rows: int = field(default=3, metadata={
+    sketch_rows: int = field(default=3, metadata={"min": 1, 
         "help": "s2_reducer: count-sketch rows d (odd, so the median is one of the estimates)."})
-    sketch_width_factor: float = field(default=4.0, metadata={
+    sketch_width_factor: float = field(default=4.0, metadata={"gt": 0, 
         "help": "s2_reducer: counters per row per nonzero position of the union of the ranks' nonzeros."})
     exchange: str = field(default="allgather", metadata={
         "help": "embrace: how embedding rows travel, allgather or alltoall."})
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_choice, check_fields, check_int
+        from hf_dtrain.settings import check_choice, check_fields
 
         check_fields(self)
 
         check_choice(self, "method", METHODS, "comm_hook.method (--comm-hook)")
         check_choice(self, "exchange", EXCHANGES, "comm_hook.exchange")
-        check_int(self, "rank", 1, "comm_hook.rank")
-        check_int(self, "sketch_rows", 1, "comm_hook.sketch_rows")
-        check_int(self, "start_iter", 2, "comm_hook.start_iter", " (DDP rebuilds its buckets after the first step)")
-        if not self.min_compression_rate >= 0:
-            raise ValueError(f"CommHookConfig.min_compression_rate must be >= 0, got {self.min_compression_rate!r}.")
-        if not self.sketch_width_factor > 0:
-            raise ValueError(f"CommHookConfig.sketch_width_factor must be > 0, got {self.sketch_width_factor!r}.")
 
     @classmethod
     def from_any(cls, config: Union["CommHookConfig", dict, str, None]) -> "CommHookConfig":

@@ -19,7 +19,7 @@ class GossipConfig:
     topology: str = field(default="ring", metadata={
         "help": "Communication graph: ring, torus, exponential, fully_connected, or matcha (time-varying matchings "
                 "of a torus)."})
-    momentum: float = field(default=0.9, metadata={"help": "decentlam: momentum beta in [0, 1)."})
+    momentum: float = field(default=0.9, metadata={"min": 0, "lt": 1, "help": "decentlam: momentum beta in [0, 1)."})
     mode: str = field(default="atc", metadata={
         "help": "dpsgd: atc (adapt, then combine with the neighbours) or cta (combine, then adapt)."})
 
@@ -27,8 +27,5 @@ class GossipConfig:
         from hf_dtrain.settings import check_choice, check_fields
 
         check_fields(self)
-
         check_choice(self, "topology", TOPOLOGIES, "gossip.topology")
         check_choice(self, "mode", MODES, "gossip.mode")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"GossipConfig.momentum must be in [0, 1), got {self.momentum!r}; set gossip.momentum.")

@@ -16,21 +16,21 @@ class SnapshotConfig:
 
     section_key: ClassVar[str] = "fault_tolerance"  # flags --fault-tolerance.<field>, YAML fault_tolerance:
 
-    every_n_steps: int = field(default=1, metadata={"help": "Snapshot every N optimizer steps."})
-    parity: int = field(default=1, metadata={
+    every_n_steps: int = field(default=1, metadata={"min": 1, "help": "Snapshot every N optimizer steps."})
+    parity: int = field(default=1, metadata={"min": 0, 
         "help": "Lost nodes to survive: erasure coding across nodes (XOR for 1, Reed-Solomon above; 0: off)."})
-    group_size: Optional[int] = field(default=None, metadata={
+    group_size: Optional[int] = field(default=None, metadata={"min": 1, 
         "help": "Nodes per erasure-coding group (more than parity); default all nodes in one group."})
-    persist_every: int = field(default=0, metadata={
+    persist_every: int = field(default=0, metadata={"min": 0, 
         "help": "Also write every N-th snapshot to disk as safetensors, in the background (0: never)."})
     persist_dir: Optional[str] = field(default=None, metadata={
         "help": "Where the disk snapshots go (the jobs default to <output_dir>/snapshots when persist_every > 0)."})
     directory: Optional[str] = field(default=None, metadata={
         "help": "Private directory of the snapshot processes (sockets, key, logs); default a per-user, per-job "
                 "directory under the system's temporary directory."})
-    timeout: float = field(default=60.0, metadata={
+    timeout: float = field(default=60.0, metadata={"gt": 0, 
         "help": "Seconds to wait for the snapshot process and for the other ranks before failing with a message."})
-    idle_exit: float = field(default=300.0, metadata={
+    idle_exit: float = field(default=300.0, metadata={"gt": 0, 
         "help": "Grace period: a snapshot process exits once no trainer and no launcher of its job (torchrun's or "
                 "accelerate's elastic agent, which may restart them) has been alive for this many seconds, so a "
                 "crashed job does not hold memory; relaunch by hand within it to resume from memory."})
@@ -42,17 +42,9 @@ class SnapshotConfig:
         "help": "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."})
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields, check_int
+        from hf_dtrain.settings import check_fields
 
         check_fields(self)
-
-        for name, low in (("every_n_steps", 1), ("parity", 0), ("persist_every", 0)):
-            check_int(self, name, low, f"fault_tolerance.{name}")
-        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
-            raise ValueError(f"SnapshotConfig.group_size must be a positive integer or None, got {self.group_size!r}.")
-        for name in ("timeout", "idle_exit"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SnapshotConfig.{name} must be > 0 seconds, got {getattr(self, name)!r}.")
 
     @classmethod
     def from_any(cls, config: Optional["SnapshotConfig"] = None, **settings) -> "SnapshotConfig":
