@@ -9,7 +9,7 @@ from .tuners import LoraFAConfig, LoraFAModel, QAHiRAConfig, QAHiRAModel, QBaRAC
 from .tuners.lorafa import create_lorafa_optimizer
 from .tuners.smt import SMTSelectionCallback, select_smt_blocks, set_smt_block_indices, smt_warmup
 
-__version__ = "0.1.0"
+from .settings import RELEASE as __version__
 
 __all__ = [
     "SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel", "QBaRAConfig", "QBaRAModel", "create_lorafa_optimizer",

@@ -3,8 +3,10 @@ agrees before the first collective of a method (a mismatch is a clear error, not
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -131,13 +133,13 @@ def init_distributed(backend: Optional[str] = None) -> bool:
     ``TORCHELASTIC_RESTART_COUNT``. Returns whether it initialized the group (Accelerate and the Trainer then use
     it as it is)."""
     import os
-    from datetime import timedelta
+
+    from torch.distributed.constants import default_pg_timeout as timeout  # what init_process_group uses
 
     if not dist.is_available() or dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return False
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return False
-    timeout = timedelta(seconds=float(os.environ.get("HF_DTRAIN_COLLECTIVE_TIMEOUT", "600")))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -222,9 +224,9 @@ class RankMonitor:
                 return
 
     def _read(self) -> dict:
-        keys = [self.prefix + str(r) for r in range(self.world)]
         out = {}
-        for r, key in enumerate(keys):
+        for r in range(self.world):
+            key = self.prefix + str(r)
             if self.store.check([key]):
                 out[r] = json.loads(self.store.get(key))
         return out
@@ -237,8 +239,6 @@ class RankMonitor:
             self._step = self.step_of()
         try:
             first = self._read()
-            import time
-
             time.sleep(3 * self.interval)
             second = self._read()
         except Exception:
@@ -249,34 +249,24 @@ class RankMonitor:
                 (r not in second or second[r]["n"] == first.get(r, {}).get("n"))]
         if not dead:
             return None
-        named = ", ".join(f"rank {r} (host {second.get(r, {}).get('host', '?')}, pid {second.get(r, {}).get('pid', '?')}, "
-                          f"last at step {second.get(r, {}).get('step', '?')})" for r in dead)
+        beats = {r: second.get(r, {}) for r in dead}
+        named = ", ".join(f"rank {r} (host {b.get('host', '?')}, pid {b.get('pid', '?')}, last at step "
+                          f"{b.get('step', '?')})" for r, b in beats.items())
         return (f"hf_dtrain: {named} stopped responding while rank {self.rank} (host {self.host}) was in a "
                 f"collective at step {self.step}; rank {self.rank} stops too. {self.resume_hint[0].upper()}"
                 f"{self.resume_hint[1:]}.")
 
+    @contextlib.contextmanager
     def guard(self):
         """Context manager: a failing collective inside becomes a :class:`RankFailure` naming the dead rank (the
-        original error chained); any other error passes through unchanged."""
-        import contextlib
-
-        monitor = self
-
-        @contextlib.contextmanager
-        def _guard():
-            try:
-                yield monitor
-            except RankFailure:
+        original error chained); any other error, or one no dead rank explains, passes through unchanged."""
+        try:
+            yield self
+        except Exception as e:
+            message = self.diagnose() if _is_comm_error(e) and not isinstance(e, RankFailure) else None
+            if message is None:
                 raise
-            except Exception as e:
-                if not _is_comm_error(e):
-                    raise
-                message = monitor.diagnose()
-                if message is None:
-                    raise
-                raise RankFailure(message) from e
-
-        return _guard()
+            raise RankFailure(message) from e
 
     def close(self) -> None:
         self._stop.set()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from hf_dtrain.settings import RELEASE
+
 CARD_TEMPLATE = """---
 {{ card_data }}
 ---
@@ -70,7 +72,7 @@ def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
                      + (f" trained on the {results['quantize']} 4-bit base." if results.get("quantize") else ".")),
         dataset_desc=results["dataset"], batch=results["per_device_train_batch_size"], usage=usage,
         quant_flag=f" --quantize {results['quantize']}" if results.get("quantize") else "",
-        version=__import__("hf_dtrain").__version__, **results,
+        version=RELEASE, **results,
     )
     path = os.path.join(output_dir, "README.md")
     card.save(path)

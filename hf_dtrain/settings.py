@@ -24,6 +24,11 @@ import typing
 from typing import Any, Iterator, Optional
 
 
+# The release (``hf_dtrain.__version__``; pyproject.toml reads it from here): recorded in snapshots' run identity
+# and in the README saved with an adapter.
+RELEASE = "0.1.0"
+
+
 def is_config(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 

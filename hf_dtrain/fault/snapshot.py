@@ -178,7 +178,7 @@ class SnapshotEngine:
         self._marked = False
         self.respawns = 0
         self._peers: dict = {}
-        self._last_extra: Any = None
+        self._last: Optional[tuple[int, Any]] = None  # (step, extra) of the newest committed or restored snapshot
         self._pending = None
         self.started_smp: Optional[int] = None
         if self.rank == self.local_ranks[0]:  # what a writer killed midway left (no snapshot is being written now)
@@ -201,14 +201,10 @@ class SnapshotEngine:
         and what the engine sees itself: the trainable parameter set, the model config, the optimizer's and
         scheduler's classes and hyper-parameters, hf_dtrain's version. Recorded in every snapshot; a restore into a
         job whose identity differs is refused, naming what differs."""
-        from importlib.metadata import PackageNotFoundError, version
+        from hf_dtrain.settings import RELEASE
 
-        try:
-            release = version("hf-dtrain")
-        except PackageNotFoundError:  # run from a source tree that is not installed
-            release = "source"
         model = _unwrap(self.model)
-        out = {"job": job, "hf_dtrain": release, "parameters": self.fingerprint}
+        out = {"job": job, "hf_dtrain": RELEASE, "parameters": self.fingerprint}
         config = getattr(model, "config", None)
         if hasattr(config, "to_dict"):
             cfg = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
@@ -455,7 +451,7 @@ class SnapshotEngine:
             self.stats["copy_seconds"].append(time.perf_counter() - t0)
             self.stats["snapshots"] += 1
             self.stats["bytes"] = total
-            self._last_extra = extra
+            self._last = (step, extra)
             if not self._marked:
                 self._write_marker({"identity": self.identity, "identity_hash": self.identity_hash,
                                     "first_step": step, "completed": False})
@@ -491,7 +487,7 @@ class SnapshotEngine:
             self.stats["wait_seconds"].append(time.perf_counter() - t0)
         if self._error is not None:
             e, self._error = self._error, None
-            if isinstance(e, _SMP_LOST) and getattr(self, "_pending", None) is not None:
+            if isinstance(e, _SMP_LOST) and self._pending is not None:
                 self._respawn(e)
                 step, header, tensors, total, extra = self._pending
                 slot, buf = self._slot(total)
@@ -593,19 +589,16 @@ class SnapshotEngine:
 
     def _check(self, metadata: dict, where: str) -> None:
         if int(metadata["world_size"]) != self.world:
-            raise SnapshotMismatch(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run has "
-                             f"{self.world}. Restart with the same number of processes, or resume from a disk "
-                             "checkpoint with a resharding loader.")
+            raise SnapshotMismatch(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run "
+                                   f"has {self.world}. Restart with the same number of processes, or resume from a "
+                                   "disk checkpoint with a resharding loader.")
         theirs = json.loads(metadata.get("identity") or "{}")
         if theirs != self.identity:
-            raise SnapshotMismatch(f"The snapshot {where} belongs to another job: {identity_diff(theirs, self.identity)}. "
-                             f"This run does not resume it. To train this job from step 0 and discard those "
-                             f"snapshots, relaunch with {FRESH_START}; to keep them, give this job its own "
-                             "fault_tolerance.directory (or output directory).")
-        if metadata["fingerprint"] != self.fingerprint:
-            raise SnapshotMismatch(f"The snapshot {where} was taken of a different model (parameter names, shapes or "
-                             f"dtypes differ: fingerprint {metadata['fingerprint']} against {self.fingerprint}); "
-                             "restore it into the model it was taken of.")
+            raise SnapshotMismatch(f"The snapshot {where} belongs to another job: "
+                                   f"{identity_diff(theirs, self.identity)}. This run does not resume it. To train "
+                                   f"this job from step 0 and discard those snapshots, relaunch with "
+                                   f"{FRESH_START}; to keep them, give this job its own fault_tolerance.directory "
+                                   "(or output directory).")
 
     def _load(self, metadata: dict, tensors: dict[str, torch.Tensor], apply: bool = True) -> dict:
         """The snapshot's state (its tensors are views into a private copy of the slot); with ``apply``, loaded into
@@ -679,6 +672,7 @@ class SnapshotEngine:
                 used = "parity" if self._any(rebuilt) else "memory"
                 self._discard_after(step)
                 self._marked = False  # written again at the next commit
+                self._last = (step, state["extra"])
                 detail = "rebuilt from peers' parity" if used == "parity" else "held by the snapshot processes"
                 logger.warning("restored step %d from %s (%s)", step, used, detail)
                 return Restored(step, used, state["extra"], detail, state)
@@ -702,6 +696,7 @@ class SnapshotEngine:
                 state = self._load(metadata, tensors, apply)
                 self._discard_after(-1)
                 self._marked = False
+                self._last = (step, state["extra"])
                 detail = f"{d}" + (f" (newer copies unusable: {'; '.join(reasons)})" if reasons else "")
                 logger.warning("restored step %d from disk (%s)", step, detail)
                 return Restored(step, "disk", state["extra"], detail, state)
@@ -774,16 +769,11 @@ class SnapshotEngine:
         if shutdown:
             if self.distributed:
                 dist.barrier(group=self.group)
-            last = self.stats["snapshots"] and self._pending_last_step()
-            self._write_private(self.marker, json.dumps({
-                "identity": self.identity, "identity_hash": self.identity_hash, "completed": True,
-                "last_step": last, "extra": self._last_extra}, default=str).encode())
+            step, extra = self._last or (0, None)
+            self._write_marker({"identity": self.identity, "identity_hash": self.identity_hash, "completed": True,
+                                "last_step": step, "extra": extra})
             if self.distributed:
                 dist.barrier(group=self.group)
             if self.rank == self.local_ranks[0]:
                 self.client.call({"op": "shutdown"})
         self.client.close()
-
-    def _pending_last_step(self) -> Optional[int]:
-        reply, _ = self.client.call({"op": "available", "rank": self.rank, "recover": False})
-        return max(reply.get("steps") or [0])

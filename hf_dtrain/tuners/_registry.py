@@ -85,12 +85,8 @@ class HfDtrainConfigMixin:
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
         super().save_pretrained(save_directory, **kwargs)
         import os
-        from importlib.metadata import PackageNotFoundError, version
 
-        try:
-            release = version("hf-dtrain")
-        except PackageNotFoundError:
-            release = "source"
+        from hf_dtrain.settings import RELEASE as release
         method = str(getattr(self.peft_type, "value", self.peft_type))
         card = os.path.join(save_directory, "README.md")
         text = open(card).read() if os.path.exists(card) else ""

@@ -9,7 +9,7 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from torch import nn
 
-from .._base import MergeableLinearMixin
+from .._base import MergeableLinearMixin, random_start
 
 
 class BlockSparseDelta(torch.autograd.Function):
@@ -162,10 +162,9 @@ class SMTLayer(BaseTunerLayer):
         old = self.smt_weight[adapter_name] if adapter_name in self.smt_weight else None
         requires_grad = old.requires_grad if old is not None else True
         param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype), requires_grad=requires_grad)
-        if self._smt_random_start.get(adapter_name):  # init_weights=False: blocks installed later start random too
-            with torch.no_grad():
-                param.normal_(0.0, 0.02)
         self.smt_weight[adapter_name] = param
+        if self._smt_random_start.get(adapter_name):  # init_weights=False: blocks installed later start random too
+            random_start(self, adapter_name)
         self.smt_indices[adapter_name] = indices.to(weight.device)
         col_ids, col_pos = torch.unique(indices[:, 1], return_inverse=True)
         self.smt_col_ids[adapter_name] = col_ids.to(weight.device)
