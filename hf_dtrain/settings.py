@@ -198,9 +198,9 @@ def check_fields(config: Any) -> None:
     cls = type(config)
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.init or section_type(cls, f.name) is not None:
+        tp, optional = unwrap_optional(hints[f.name]) if f.init else (None, False)
+        if not f.init or is_config(tp):
             continue
-        tp, optional = unwrap_optional(hints[f.name])
         value = getattr(config, f.name)
         where = f"{cls.__name__}.{f.name}"
         fix = f"set {key_of(config, f.name)}"
