@@ -58,10 +58,11 @@ class SMTConfig(HfDtrainConfigMixin, PeftConfig):
         },
     )
     score: str = field(
-        default="abs_mean",
+        default="mean_abs",
         metadata={
-            "help": "Block score from the summed gradient G: 'abs_mean' mean(|G|) (paper), 'mean_abs' |mean(G)| (the "
-            "official code's default), 'l1' sum(|G|), 'l2' ||G||_F."
+            "help": "Block score from the gradient G summed over the warm-up: 'mean_abs' |mean(G)| over the block (the "
+            "official code's default, used for the paper's runs), 'abs_mean' mean(|G|), 'l1' sum(|G|), 'l2' ||G||_F. "
+            "docs/smt.md compares them on real data."
         },
     )
     block_indices: Optional[dict[str, list[list[int]]]] = field(

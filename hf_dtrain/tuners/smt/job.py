@@ -22,7 +22,7 @@ def _config(cfg, model):
         num_blocks = max(1, round(lora_budget(cfg.lora_r, shapes) / (b * b)))
     num_blocks = min(num_blocks, available)
     return SMTConfig(target_modules=targets, block_size=b, num_blocks=num_blocks,
-                     warmup_steps=cfg.smt_warmup_steps, score="abs_mean")
+                     warmup_steps=cfg.smt_warmup_steps)
 
 
 METHOD = FinetuneMethod("smt", 2e-3, _config)
