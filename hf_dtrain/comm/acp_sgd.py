@@ -168,6 +168,8 @@ def acp_sgd_hook(state: ACPSGDState, bucket: dist.GradBucket) -> torch.futures.F
     even = state.even
     grads = bucket.gradients()
     pieces, orth = [], []
+    # the error feedback before this step: put back if the step overflows (below)
+    errors = [ts.error if ts is not None else None for ts in states]
     for g, ts in zip(grads, states):
         if ts is None:
             pieces.append(g.reshape(-1))
@@ -197,6 +199,19 @@ def acp_sgd_hook(state: ACPSGDState, bucket: dist.GradBucket) -> torch.futures.F
 
     def decompress(f):
         reduced = f.value()[0].div_(world)
+        if not torch.isfinite(reduced).all():
+            # An overflowing step (fp16 with a GradScaler, whose scaled gradients hold inf on some rank): the sum
+            # carries the inf or nan to every rank alike. Hand the non-finite values on, so the scaler skips the
+            # step everywhere, but keep the factors and the error feedback of the last finite step: state taken
+            # from this one would stay nan for the rest of the run.
+            for g, ts, err in zip(grads, states, errors):
+                g.fill_(float("nan"))
+                if ts is not None:
+                    ts.error = err
+            if last:
+                state.iter += 1
+                state.stats.end_step()
+            return buffer
         offset = 0
         for g, ts, o in zip(grads, states, orth):
             if ts is None:

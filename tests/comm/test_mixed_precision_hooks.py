@@ -40,3 +40,50 @@ def _worker(rank, world):
 
 def test_every_hook_trains_a_bf16_model():
     run_distributed(_worker, world_size=2, timeout=240)
+
+
+def _fp16_worker(rank, world):
+    """fp32 master weights, fp16 autocast and a GradScaler whose first scale overflows the fp16 backward: the first
+    steps are skipped on every rank (their gradients hold inf), then training goes on. A hook that keeps state across
+    steps (error feedback, momentum, low-rank factors) must not carry the overflow into the steps after it."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_dtrain.comm import exclude_embeddings, register
+    from hf_dtrain.testing import random_batch, tiny_llama
+
+    for method in METHODS:
+        model = tiny_llama(seed=0, hidden_size=64)
+        if method == "embrace":
+            exclude_embeddings(model)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        register(ddp, {"method": method, "start_iter": 2} if method == "acp_sgd" else method, optimizer=opt)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=1000)
+        start = [p.detach().clone() for p in model.parameters()]
+        scales, losses = [], []
+        for step in range(12):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ddp(**random_batch(batch=2, seq=8, seed=step % 2 + 10 * rank)).loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+            losses.append(loss.item())
+        ddp(**random_batch(batch=2, seq=8, seed=99)).loss  # DeAR applies its last update in the next forward
+        assert scales[0] < 2.0**20, f"{method}: the first step did not overflow, the test checks nothing"
+        assert scales[-1] == scales[-2] == scales[-3], f"{method}: still overflowing at the end: {scales}"
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert torch.isfinite(flat).all(), method
+        moved = max((p.detach() - s).abs().max().item() for p, s in zip(model.parameters(), start))
+        assert moved > 1e-4, f"{method}: no step was taken after the overflow"
+        other = [torch.zeros_like(flat) for _ in range(world)]
+        dist.all_gather(other, flat)
+        assert torch.equal(other[0], other[1]), f"{method}: replicas differ"
+        del ddp
+
+
+def test_every_hook_under_fp16_autocast_with_a_grad_scaler_that_overflows_first():
+    run_distributed(_fp16_worker, world_size=2, timeout=240)
