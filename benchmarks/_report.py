@@ -41,6 +41,27 @@ def run_worker(script: str, argv: list[str], env: dict | None = None, timeout: f
     return parse_result(proc.stdout)
 
 
+def timed_steps(model, loader, params, optimizer, scheduler) -> tuple[list[float], list[float]]:
+    """Train one optimizer step per batch of ``loader`` as the Trainer does (grad-norm clip 1.0, scheduler step);
+    returns the wall time and the loss of every step."""
+    import time
+
+    import torch
+
+    times, losses = [], []
+    for batch in loader:
+        t0 = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # the Trainer's max_grad_norm=1.0
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    return times, losses
+
+
 def environment() -> dict:
     import torch
 

@@ -17,11 +17,10 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result, timed_steps  # noqa: E402  (the worker protocol)
 
 METHODS = ["full", "lora", "dora", "lora+peft_lorafa_opt", "lorafa", "smt"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -41,7 +40,6 @@ def _shapes(model):
 
 def build(method: str, model):
     """The model to train and its optimizer factory, at the LoRA r=8 budget on TARGETS."""
-    import torch
     from peft import LoraConfig, get_peft_model
 
     from hf_dtrain import LoraFAConfig, SMTConfig
@@ -115,17 +113,7 @@ def worker(method: str, steps: int, batch_size: int, seed: int) -> dict:
     probe = {"input_ids": probe_ids, "attention_mask": torch.ones_like(probe_ids), "labels": probe_ids}
     saved_train, saved_probe = saved_bytes(first), saved_bytes(probe)
 
-    times, losses = [], []
-    for step, batch in enumerate(loader):
-        t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable_params, 1.0)  # as the Trainer does (max_grad_norm=1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    times, losses = timed_steps(model, loader, trainable_params, opt, sched)
     opt_state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
 
     model.eval()

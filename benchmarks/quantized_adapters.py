@@ -26,11 +26,10 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result, timed_steps  # noqa: E402  (the worker protocol)
 
 BASES = ["nf4", "hqq4"]
 METHODS = ["qlora", "qa-lora", "qbara", "qahira"]
@@ -162,17 +161,8 @@ def worker(base_kind: str, method: str, steps: int, batch_size: int, seed: int) 
     sched = get_linear_schedule_with_warmup(opt, 20, steps)
 
     model.train()
-    times, losses = [], []
-    for batch in DataLoader(train, batch_size=batch_size, shuffle=False, collate_fn=collate):
-        t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable_params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    times, losses = timed_steps(model, DataLoader(train, batch_size=batch_size, shuffle=False, collate_fn=collate),
+                                trainable_params, opt, sched)
     eval_loss, eval_acc, ref_logits = evaluate(model, eval_loader)
     eff_rank, num_rank = delta_ranks(model)
 
