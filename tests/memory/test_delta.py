@@ -242,6 +242,7 @@ def test_accelerate_recipe_two_processes(tmp_path):
         assert sum(r["losses"][-5:]) < sum(r["losses"][:5])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the pinned-memory tier, its side stream and the prefetch need a CUDA device")
 def test_cuda_pinned_tier_with_prefetch_is_exact():

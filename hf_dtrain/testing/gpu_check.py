@@ -1,0 +1,437 @@
+"""One command for a CUDA machine: run every check of hf_dtrain's GPU paths and measure the GPU figures.
+
+    python -m hf_dtrain.testing.gpu_check                 # on a machine with a CUDA device
+    python -m hf_dtrain.testing.gpu_check --cpu-dry-run   # anywhere: every step runs, on CPU where it can; each
+                                                          # CUDA-only measurement is skipped with a line saying why
+
+Steps (each runs even when an earlier one failed; the exit status is 1 if any failed):
+
+* ``cuda_tests``: the test-suite's tests that need CUDA (pytest marker ``cuda``; they skip on CPU);
+* ``tuners_autocast``: SMT, LoRA-FA, Q-BaRA, QA-HiRA and peft LoRA forward/backward on the device under bf16
+  autocast against fp32 on the same device (loss and gradient agreement);
+* ``bnb_4bit``: Q-BaRA on a bitsandbytes NF4 base on the device (forward/backward finite, adapter gradients);
+* ``comm_hooks``: every DDP communication hook on 2 processes. On one GPU NCCL refuses two ranks on the same device;
+  then the hooks run over gloo with CUDA tensors and the result says so;
+* ``peak_memory``: ``torch.cuda.max_memory_allocated`` of one training step, LoRA-FA against LoRA and SMT against
+  full fine-tuning, on a 1B-class LLaMA shape built from ``LlamaConfig`` (nothing is downloaded).
+
+Writes ``gpu_check.json``, ``gpu_check.md`` and ``gpu_check.png`` under ``--out/<device>/`` (default
+``benchmarks/results/gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Skip(Exception):
+    """A step (or part of one) that cannot run here; the message says why."""
+
+
+@dataclass
+class Step:
+    name: str
+    what: str
+    run: Callable[["Context"], dict]
+
+
+@dataclass
+class Context:
+    device: torch.device
+    dry_run: bool
+    quick: bool
+
+
+# ------------------------------------------------------------------------------------------------------------ steps
+
+def cuda_tests(ctx: Context) -> dict:
+    """pytest on the tests marked ``cuda`` (they skip without a CUDA device, saying why)."""
+    if not (ROOT / "tests").is_dir():
+        raise Skip(f"the test suite is not next to the package ({ROOT / 'tests'}): run from a source checkout")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rs", str(ROOT / "tests")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", tail)}
+    if proc.returncode not in (0, 5) or counts.get("failed") or counts.get("error") or counts.get("errors"):
+        raise AssertionError(f"CUDA tests failed: {tail}\n{proc.stdout[-3000:]}")
+    if ctx.device.type != "cuda":
+        return {"result": tail, "counts": counts, "note": "no CUDA device: the CUDA tests were collected and skipped"}
+    if counts.get("skipped"):
+        raise AssertionError(f"CUDA tests skipped on a CUDA machine: {tail}\n{proc.stdout[-2000:]}")
+    return {"result": tail, "counts": counts}
+
+
+def _tiny(device, dtype=torch.float32):
+    from hf_dtrain.testing import tiny_llama
+
+    return tiny_llama(seed=0, hidden_size=64).to(device=device, dtype=dtype)
+
+
+def _tuner_configs():
+    from peft import LoraConfig
+
+    from hf_dtrain.tuners import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig
+
+    targets = ["q_proj", "v_proj"]
+    return {
+        "lora": lambda: LoraConfig(r=4, target_modules=targets, init_lora_weights=False),
+        "smt": lambda: SMTConfig(block_size=16, target_modules=targets, init_weights=False, block_indices={
+            "model.layers.0.self_attn.q_proj": [[0, 1], [2, 3]], "model.layers.1.self_attn.v_proj": [[1, 0]]}),
+        "lorafa": lambda: LoraFAConfig(r=4, target_modules=targets, init_weights=False),
+        "qbara": lambda: QBaRAConfig(r=4, target_modules=targets, require_quantized_base=False, init_weights=False),
+        "qahira": lambda: QAHiRAConfig(group_size=16, target_modules=targets, require_quantized_base=False,
+                                       init_weights=False),
+    }
+
+
+def tuners_autocast(ctx: Context) -> dict:
+    import warnings
+
+    from peft import get_peft_model
+
+    from hf_dtrain.testing import random_batch
+
+    batch = {k: v.to(ctx.device) for k, v in random_batch(batch=2, seq=16, seed=0).items()}
+    out = {}
+    for name, make in _tuner_configs().items():
+        runs = {}
+        for label, autocast in (("fp32", False), ("bf16", True)):
+            torch.manual_seed(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = get_peft_model(_tiny(ctx.device), make())
+            with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(**batch).loss
+            loss.backward()
+            grads = {n: p.grad.float().flatten() for n, p in model.named_parameters() if p.requires_grad and p.numel()}
+            runs[label] = (loss.item(), grads)
+        (l32, g32), (l16, g16) = runs["fp32"], runs["bf16"]
+        cos = min(torch.nn.functional.cosine_similarity(g32[n], g16[n], dim=0).item() for n in g32 if g32[n].norm() > 0)
+        rel = abs(l16 - l32) / abs(l32)
+        if not (rel < 2e-2 and cos > 0.98):
+            raise AssertionError(f"{name}: bf16 autocast on {ctx.device} disagrees with fp32: loss rel {rel:.3g}, "
+                                 f"min gradient cosine {cos:.4f}")
+        out[name] = {"loss_rel_diff": rel, "min_grad_cosine": cos}
+    return out
+
+
+def bnb_4bit(ctx: Context) -> dict:
+    import warnings
+
+    from peft import get_peft_model
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    from hf_dtrain.quantization import prepare_bnb_4bit_for_training
+    from hf_dtrain.testing import random_batch
+    from hf_dtrain.tuners import QBaRAConfig
+
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise Skip("bitsandbytes is not installed (pip install 'hf-dtrain[quant]')")
+    import tempfile
+
+    kwargs = {} if ctx.device.type == "cuda" else {"device_map": "cpu"}
+    with tempfile.TemporaryDirectory() as path:
+        _tiny("cpu").save_pretrained(path)
+        base = LlamaForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16), **kwargs)
+    prepare_bnb_4bit_for_training(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(base, QBaRAConfig(r=4, target_modules=["q_proj", "v_proj"], init_weights=False))
+    batch = {k: v.to(ctx.device) for k, v in random_batch(batch=2, seq=16, seed=0).items()}
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    if not torch.isfinite(loss) or any(g is None or not torch.isfinite(g).all() for g in grads):
+        raise AssertionError("Q-BaRA on an NF4 base: non-finite loss or missing adapter gradients")
+    if not any(g.abs().sum() > 0 for g in grads):
+        raise AssertionError("Q-BaRA on an NF4 base: every adapter gradient is zero")
+    layer = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
+    return {"loss": loss.item(), "base_layer": f"{type(layer).__module__}.{type(layer).__name__}",
+            "device": str(layer.weight.device)}
+
+
+HOOKS = ["allreduce", "acp_sgd", "s2_reducer", "dear", "embrace"]
+
+
+def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_dtrain.comm import exclude_embeddings, register
+    from hf_dtrain.testing import random_batch
+
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60), **kwargs)
+    try:
+        for method in HOOKS:
+            model = _tiny(device)
+            if method == "embrace":
+                exclude_embeddings(model)
+            ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            register(ddp, {"method": method, "start_iter": 2} if method == "acp_sgd" else method, optimizer=opt)
+            for step in range(4):
+                batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=step + 10 * rank).items()}
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = ddp(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            ddp(**{k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=99).items()}).loss  # DeAR's last
+            flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+            gathered = [torch.zeros_like(flat) for _ in range(world)]
+            dist.all_gather(gathered, flat)
+            if not torch.isfinite(flat).all() or not torch.equal(gathered[0], gathered[1]):
+                raise AssertionError(f"{method}: non-finite or replicas differ on {backend}/{device}")
+        if rank == 0:
+            Path(out).write_text(json.dumps({"backend": backend, "device": str(device), "hooks": HOOKS}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _hooks_main(port: str, backend: str, device_type: str, out: str) -> None:
+    """Entry of the 2-rank hook run (in its own process, so an NCCL refusal cannot take the checker down)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_hooks_worker, args=(2, int(port), backend, device_type, out), nprocs=2, join=True)
+
+
+def _spawn_hooks(backend: str, device_type: str) -> tuple[bool, str, dict]:
+    import tempfile
+
+    from hf_dtrain.testing.launch import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "hooks.json")
+        code = "import sys, hf_dtrain.testing.gpu_check as g; g._hooks_main(*sys.argv[1:])"
+        proc = subprocess.run([sys.executable, "-c", code, str(free_port()), backend, device_type, out],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        if proc.returncode == 0 and os.path.exists(out):
+            return True, "", json.loads(Path(out).read_text())
+        return False, proc.stderr[-3000:], {}
+
+
+def comm_hooks(ctx: Context) -> dict:
+    if ctx.device.type != "cuda":
+        ok, err, info = _spawn_hooks("gloo", "cpu")
+        if not ok:
+            raise AssertionError(f"comm hooks on gloo/CPU failed:\n{err}")
+        return {**info, "note": "no CUDA device: the hooks ran over gloo on CPU (bf16 autocast); NCCL not tried"}
+    ok, err, info = _spawn_hooks("nccl", "cuda")
+    if ok:
+        return {**info, "nccl": "ran"}
+    if torch.cuda.device_count() < 2 and ("Duplicate GPU" in err or "duplicate" in err.lower()):
+        why = "NCCL refuses two ranks on one GPU (\"Duplicate GPU detected\"); the hooks ran over gloo with CUDA tensors"
+    elif torch.cuda.device_count() < 2:
+        why = f"NCCL with two ranks on one GPU failed ({err.strip().splitlines()[-1] if err.strip() else 'no output'})"
+    else:
+        raise AssertionError(f"comm hooks on NCCL failed:\n{err}")
+    ok, err2, info = _spawn_hooks("gloo", "cuda")
+    if not ok:
+        raise AssertionError(f"{why}; and over gloo with CUDA tensors they failed too:\n{err2}")
+    return {**info, "nccl": why}
+
+
+def _llama_1b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+    return LlamaForCausalLM(config)
+
+
+def peak_memory(ctx: Context) -> dict:
+    """Peak allocated memory of one training step (forward, backward, AdamW step) per method."""
+    if ctx.device.type != "cuda":
+        raise Skip("peak memory is torch.cuda.max_memory_allocated: needs a CUDA device")
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_dtrain.tuners import LoraFAConfig, SMTConfig
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    batch, seq = (2, 256) if ctx.quick else (4, 1024)
+    methods = {
+        "full": None,
+        "lora": lambda: LoraConfig(r=16, lora_alpha=32, target_modules=targets),
+        "lorafa": lambda: LoraFAConfig(r=16, lora_alpha=32, target_modules=targets),
+        "smt": lambda: SMTConfig(block_size=256, trainable_ratio=0.01, target_modules=["q_proj", "k_proj", "v_proj"],
+                                 init_weights=False),
+    }
+    out = {}
+    for name, make in methods.items():
+        torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        model = _llama_1b().to(ctx.device, dtype=torch.bfloat16)
+        if make is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = get_peft_model(model, make())
+            if name == "smt":  # blocks picked from one scoring pass, as the warm-up would
+                from hf_dtrain.tuners.smt import select_smt_blocks, start_smt_scoring
+
+                start_smt_scoring(model)
+                ids = torch.randint(0, 32000, (batch, seq), device=ctx.device)
+                model(input_ids=ids, labels=ids).loss.backward()
+                model.zero_grad(set_to_none=True)
+                select_smt_blocks(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-5)
+        ids = torch.randint(0, 32000, (batch, seq), device=ctx.device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(2):  # the second step includes the optimizer state
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        out[name] = {"peak_bytes": torch.cuda.max_memory_allocated(), "trainable": sum(p.numel() for p in params),
+                     "seconds_per_step": (time.perf_counter() - t0) / 2}
+        del model, opt, params
+    out["lorafa_vs_lora"] = out["lorafa"]["peak_bytes"] / out["lora"]["peak_bytes"]
+    out["smt_vs_full"] = out["smt"]["peak_bytes"] / out["full"]["peak_bytes"]
+    out["shape"] = f"LLaMA 2048 wide, 16 layers, bf16 weights, batch {batch} x {seq} tokens"
+    return out
+
+
+STEPS = [
+    Step("cuda_tests", "the suite's CUDA tests (pytest -m cuda)", cuda_tests),
+    Step("tuners_autocast", "every tuner and peft LoRA under bf16 autocast against fp32, on the device", tuners_autocast),
+    Step("bnb_4bit", "Q-BaRA on a bitsandbytes NF4 base, on the device", bnb_4bit),
+    Step("comm_hooks", "every DDP comm hook on 2 ranks (NCCL where it can run)", comm_hooks),
+    Step("peak_memory", "peak memory of a training step: LoRA-FA vs LoRA, SMT vs full fine-tuning", peak_memory),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------- driver
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
+
+
+def run(steps: list[Step], ctx: Context, progress: bool = True) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    results = []
+    for step in tqdm(steps, desc="gpu_check", disable=not progress):
+        t0 = time.perf_counter()
+        try:
+            detail, status = step.run(ctx), "passed"
+        except Skip as why:
+            detail, status = {"reason": str(why)}, "skipped"
+        except Exception as exc:  # a failed step is reported, and the others still run
+            detail, status = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}, "failed"
+        results.append({"step": step.name, "what": step.what, "status": status,
+                        "seconds": round(time.perf_counter() - t0, 1), "detail": detail})
+        line = f"[{status}] {step.name} ({results[-1]['seconds']} s)"
+        if status == "skipped":
+            line += f": {detail['reason']}"
+        elif status == "failed":
+            line += f": {detail['error'][:300]}"
+        print(line, flush=True)
+    return results
+
+
+def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    device = _device_name(ctx.device)
+    folder = out_dir / re.sub(r"[^A-Za-z0-9._-]+", "_", device).strip("_")
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device,
+           "cuda": torch.version.cuda, "torch": torch.__version__, "python": platform.python_version(),
+           "dry_run": ctx.dry_run, "command": "python -m hf_dtrain.testing.gpu_check " + " ".join(sys.argv[1:])}
+    (folder / "gpu_check.json").write_text(json.dumps({"environment": env, "steps": results}, indent=1, default=str))
+    lines = [f"# gpu_check on {device}", "", "| step | what | status | seconds | result |", "|---|---|---|---|---|"]
+    for r in results:
+        d = r["detail"]
+        brief = d.get("reason") or d.get("error", "")[:200] or d.get("note") or d.get("nccl") or d.get("result") or ""
+        lines.append(f"| {r['step']} | {r['what']} | {r['status']} | {r['seconds']} | {str(brief).replace('|', '/')} |")
+    peak = next((r["detail"] for r in results if r["step"] == "peak_memory" and r["status"] == "passed"), None)
+    if peak:
+        lines += ["", f"Peak memory, {peak['shape']}:", "", "| method | trainable | peak (GiB) | s/step |", "|---|---|---|---|"]
+        for m in ("full", "lora", "lorafa", "smt"):
+            lines.append(f"| {m} | {peak[m]['trainable']:,} | {peak[m]['peak_bytes'] / 2**30:.2f} | "
+                         f"{peak[m]['seconds_per_step']:.3f} |")
+        lines += ["", f"LoRA-FA / LoRA: {peak['lorafa_vs_lora']:.2f}; SMT / full fine-tuning: {peak['smt_vs_full']:.2f}"]
+    lines += ["", "## Environment"] + [f"- {k}: {v}" for k, v in env.items()]
+    (folder / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if peak:
+        names = ["full", "lora", "lorafa", "smt"]
+        ax.bar(names, [peak[m]["peak_bytes"] / 2**30 for m in names])
+        ax.set_ylabel("peak GiB")
+        ax.set_title(f"one training step, {device}")
+    else:
+        colors = {"passed": "tab:green", "skipped": "tab:gray", "failed": "tab:red"}
+        ax.barh([r["step"] for r in results], [r["seconds"] for r in results],
+                color=[colors[r["status"]] for r in results])
+        ax.set_xlabel("seconds (green passed, grey skipped, red failed)")
+        ax.set_title(f"gpu_check on {device}")
+    fig.tight_layout()
+    fig.savefig(folder / "gpu_check.png", dpi=110)
+    plt.close(fig)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hf_dtrain.testing.gpu_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-dry-run", action="store_true", help="run every step on CPU where it can, skipping the "
+                    "CUDA-only measurements with a line each")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu"), help="results folder")
+    ap.add_argument("--only", default="", help=f"comma-separated steps to run (of {', '.join(s.name for s in STEPS)})")
+    ap.add_argument("--quick", action="store_true", help="smaller batches for the measurements")
+    args = ap.parse_args(argv)
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here. Run it on a GPU machine, or add --cpu-dry-run to run every step on "
+              "CPU.", file=sys.stderr)
+        return 2
+    steps = STEPS
+    if args.only:
+        names = args.only.split(",")
+        unknown = sorted(set(names) - {s.name for s in STEPS})
+        if unknown:
+            ap.error(f"--only: unknown steps {unknown}; choose from {[s.name for s in STEPS]}")
+        steps = [s for s in STEPS if s.name in names]
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu_dry_run else torch.device("cpu")
+    ctx = Context(device=device, dry_run=args.cpu_dry_run, quick=args.quick)
+    print(f"gpu_check on {_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
+    results = run(steps, ctx)
+    folder = write_report(results, ctx, Path(args.out))
+    failed = [r["step"] for r in results if r["status"] == "failed"]
+    print(f"results in {folder}/gpu_check.{{json,md,png}}; " + (f"FAILED: {', '.join(failed)}" if failed else "no failures"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

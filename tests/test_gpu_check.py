@@ -1,0 +1,58 @@
+"""``python -m hf_dtrain.testing.gpu_check``: its CPU dry run goes end to end (every step runs on CPU where it can,
+the CUDA-only measurement is skipped with its reason), a failing step is reported while the others still run, and
+without a GPU or ``--cpu-dry-run`` it says what to do."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_dtrain.testing import gpu_check
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dry run and the no-GPU message")
+def test_cpu_dry_run_end_to_end(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hf_dtrain.testing.gpu_check", "--cpu-dry-run", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (folder,) = list(tmp_path.iterdir())
+    assert {p.name for p in folder.iterdir()} == {"gpu_check.json", "gpu_check.md", "gpu_check.png"}
+    report = json.loads((folder / "gpu_check.json").read_text())
+    status = {r["step"]: r for r in report["steps"]}
+    assert list(status) == [s.name for s in gpu_check.STEPS]
+    assert status["peak_memory"]["status"] == "skipped"
+    assert "CUDA" in status["peak_memory"]["detail"]["reason"]
+    assert "[skipped] peak_memory" in proc.stdout and "needs a CUDA device" in proc.stdout
+    for name in ("cuda_tests", "tuners_autocast", "bnb_4bit", "comm_hooks"):
+        assert status[name]["status"] == "passed", status[name]
+    assert status["cuda_tests"]["detail"]["counts"].get("skipped", 0) >= 1  # the CUDA tests exist and skip here
+    assert set(status["tuners_autocast"]["detail"]) == {"lora", "smt", "lorafa", "qbara", "qahira"}
+    assert status["comm_hooks"]["detail"]["hooks"] == gpu_check.HOOKS
+    assert report["environment"]["dry_run"] is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_without_a_gpu_it_says_what_to_do():
+    proc = subprocess.run([sys.executable, "-m", "hf_dtrain.testing.gpu_check"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--cpu-dry-run" in proc.stderr
+
+
+def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
+    def broken(ctx):
+        raise RuntimeError("kernel launch failed")
+
+    def fine(ctx):
+        return {"note": "ok"}
+
+    steps = [gpu_check.Step("a", "breaks", broken), gpu_check.Step("b", "works", fine)]
+    ctx = gpu_check.Context(device=torch.device("cpu"), dry_run=True, quick=True)
+    results = gpu_check.run(steps, ctx, progress=False)
+    assert [r["status"] for r in results] == ["failed", "passed"]
+    assert "kernel launch failed" in results[0]["detail"]["error"]
+    folder = gpu_check.write_report(results, ctx, tmp_path)
+    assert "| a | breaks | failed |" in (folder / "gpu_check.md").read_text()
