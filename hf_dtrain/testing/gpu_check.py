@@ -12,6 +12,8 @@ Steps (each runs even when an earlier one failed; the exit status is 1 if any fa
 * ``bnb_4bit``: Q-BaRA on a bitsandbytes NF4 base on the device (forward/backward finite, adapter gradients);
 * ``comm_hooks``: every DDP communication hook on 2 processes. On one GPU NCCL refuses two ranks on the same device;
   then the hooks run over gloo with CUDA tensors and the result says so;
+* ``snapshot_stall``: the training loop's stall per snapshot, hf_dtrain's in-memory snapshot against DCP
+  ``async_save`` with pinned staging;
 * ``peak_memory``: ``torch.cuda.max_memory_allocated`` of one training step, LoRA-FA against LoRA and SMT against
   full fine-tuning, on a 1B-class LLaMA shape built from ``LlamaConfig`` (nothing is downloaded).
 
@@ -320,11 +322,94 @@ def peak_memory(ctx: Context) -> dict:
     return out
 
 
+def snapshot_stall(ctx: Context) -> dict:
+    """How long the training loop is blocked per snapshot, snapshotting after every step: hf_dtrain's in-memory
+    snapshot (the ``snapshot()`` call plus the ``wait()`` before the next optimizer step) against DCP ``async_save``
+    with its default stager (pinned host staging on CUDA, asynchronous staging and non-blocking copies): the call
+    plus waiting for the previous staging before the next optimizer step and for the previous upload before the
+    next save."""
+    import statistics
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.models import build_llama
+    from hf_dtrain.testing import random_batch
+
+    cuda = ctx.device.type == "cuda"
+    steps = 5 if ctx.quick or not cuda else 10
+    out = {}
+    for method in ("hf_dtrain_snapshot", "dcp_async_save"):
+        torch.manual_seed(0)
+        if cuda and not ctx.quick:
+            model, shape = _llama_1b().to(ctx.device), "LLaMA 2048 wide, 16 layers, fp32 + AdamW"
+        else:
+            model, shape = build_llama("tiny", seed=0).to(ctx.device), "the tiny LLaMA preset, fp32 + AdamW"
+        vocab = model.config.vocab_size
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+        stalls, times = [], []
+        with tempfile.TemporaryDirectory() as tmp:
+            engine = stager = staging = upload = None
+            if method == "hf_dtrain_snapshot":
+                engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft"), parity=0)
+            else:
+                stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                      use_async_staging=True, use_non_blocking_copy=cuda))
+            for step in range(steps + 1):
+                batch = {k: v.to(ctx.device) for k, v in random_batch(batch=4, seq=256, vocab=vocab, seed=step).items()}
+                t0 = time.perf_counter()
+                model(**batch).loss.backward()
+                w = time.perf_counter()
+                if engine is not None:
+                    engine.wait()
+                elif staging is not None:
+                    staging.result()  # the state must be staged before the optimizer changes it
+                waited = time.perf_counter() - w
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                c = time.perf_counter()
+                if engine is not None:
+                    engine.snapshot(step)
+                else:
+                    if upload is not None:
+                        upload.result()  # DCP's rule: one save in flight
+                    response = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                              checkpoint_id=os.path.join(tmp, f"dcp{step}"), async_stager=stager,
+                                              no_dist=True)
+                    staging, upload = ((response.staging_completion, response.upload_completion)
+                                       if hasattr(response, "staging_completion") else (None, response))
+                if cuda:
+                    torch.cuda.synchronize()
+                called = time.perf_counter() - c
+                if step >= 2:  # the first saves allocate (our slot, DCP's staging buffers)
+                    stalls.append(called + waited)
+                    times.append(time.perf_counter() - t0)
+            if engine is not None:
+                engine.wait()
+                nbytes = engine.stats["bytes"]
+                engine.close(shutdown=True)
+            else:
+                upload.result()
+                stager.close()
+                nbytes = sum(f.stat().st_size for f in Path(tmp).glob(f"dcp{steps}/*"))
+        out[method] = {"stall_median_s": statistics.median(stalls), "step_median_s": statistics.median(times),
+                       "state_bytes": nbytes}
+        del model, opt
+    out["stall_ours_vs_dcp"] = out["hf_dtrain_snapshot"]["stall_median_s"] / out["dcp_async_save"]["stall_median_s"]
+    out["shape"] = f"{shape}, batch 4 x 256, a snapshot after every step, {steps} steps"
+    return out
+
+
 STEPS = [
     Step("cuda_tests", "the suite's CUDA tests (pytest -m cuda)", cuda_tests),
     Step("tuners_autocast", "every tuner and peft LoRA under bf16 autocast against fp32, on the device", tuners_autocast),
     Step("bnb_4bit", "Q-BaRA on a bitsandbytes NF4 base, on the device", bnb_4bit),
     Step("comm_hooks", "every DDP comm hook on 2 ranks (NCCL where it can run)", comm_hooks),
+    Step("snapshot_stall", "stall per snapshot: hf_dtrain's in-memory snapshot vs DCP async_save", snapshot_stall),
     Step("peak_memory", "peak memory of a training step: LoRA-FA vs LoRA, SMT vs full fine-tuning", peak_memory),
 ]
 
@@ -383,6 +468,14 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
             lines.append(f"| {m} | {peak[m]['trainable']:,} | {peak[m]['peak_bytes'] / 2**30:.2f} | "
                          f"{peak[m]['seconds_per_step']:.3f} |")
         lines += ["", f"LoRA-FA / LoRA: {peak['lorafa_vs_lora']:.2f}; SMT / full fine-tuning: {peak['smt_vs_full']:.2f}"]
+    stall = next((r["detail"] for r in results if r["step"] == "snapshot_stall" and r["status"] == "passed"), None)
+    if stall:
+        lines += ["", f"Stall per snapshot, {stall['shape']}:", "", "| method | stall (s) | step (s) | state bytes |",
+                  "|---|---|---|---|"]
+        for m in ("hf_dtrain_snapshot", "dcp_async_save"):
+            lines.append(f"| {m} | {stall[m]['stall_median_s']:.4f} | {stall[m]['step_median_s']:.3f} | "
+                         f"{stall[m]['state_bytes']:,} |")
+        lines += ["", f"stall, ours / DCP async_save: {stall['stall_ours_vs_dcp']:.2f}"]
     lines += ["", "## Environment"] + [f"- {k}: {v}" for k, v in env.items()]
     (folder / "gpu_check.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(7, 3.5))
