@@ -27,11 +27,16 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert status["peak_memory"]["status"] == "skipped"
     assert "CUDA" in status["peak_memory"]["detail"]["reason"]
     assert "[skipped] peak_memory" in proc.stdout and "needs a CUDA device" in proc.stdout
-    for name in ("cuda_tests", "tuners_autocast", "bnb_4bit", "comm_hooks", "snapshot_stall"):
+    for name in ("cuda_tests", "tuners_autocast", "bnb_4bit", "comm_hooks", "delta_memory", "snapshot_stall"):
         assert status[name]["status"] == "passed", status[name]
     assert status["cuda_tests"]["detail"]["counts"].get("skipped", 0) >= 1  # the CUDA tests exist and skip here
     assert set(status["tuners_autocast"]["detail"]) == {"lora", "smt", "lorafa", "qbara", "qahira"}
     assert status["comm_hooks"]["detail"]["hooks"] == gpu_check.HOOKS
+    delta = status["delta_memory"]["detail"]
+    # a plan per budget: the tighter budget keeps no more layers, and something is offloaded or recomputed
+    assert delta["delta_0.25"]["plan"]["keep"] <= delta["delta_0.5"]["plan"]["keep"]
+    assert delta["delta_0.25"]["plan"]["offload"] + delta["delta_0.25"]["plan"]["recompute"] > 0
+    assert delta["delta_0.25"]["tier"] == "FileTier" and delta["none"]["step_vs_none"] == 1.0
     stall = status["snapshot_stall"]["detail"]
     assert stall["hf_dtrain_snapshot"]["state_bytes"] > 0 and stall["stall_ours_vs_dcp"] > 0
     assert report["environment"]["dry_run"] is True

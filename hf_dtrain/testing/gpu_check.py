@@ -12,6 +12,8 @@ Steps (each runs even when an earlier one failed; the exit status is 1 if any fa
 * ``bnb_4bit``: Q-BaRA on a bitsandbytes NF4 base on the device (forward/backward finite, adapter gradients);
 * ``comm_hooks``: every DDP communication hook on 2 processes. On one GPU NCCL refuses two ranks on the same device;
   then the hooks run over gloo with CUDA tensors and the result says so;
+* ``delta_memory``: DELTA at budgets 0.5 and 0.25 against no saving, full checkpointing and transformers'
+  checkpointing with ``offload=True`` (peak allocated memory on CUDA, step time);
 * ``snapshot_stall``: the training loop's stall per snapshot, hf_dtrain's in-memory snapshot against DCP
   ``async_save`` with pinned staging;
 * ``peak_memory``: ``torch.cuda.max_memory_allocated`` of one training step, LoRA-FA against LoRA and SMT against
@@ -322,6 +324,73 @@ def peak_memory(ctx: Context) -> dict:
     return out
 
 
+def delta_memory(ctx: Context) -> dict:
+    """DELTA (keep / offload / recompute per layer under a budget; on CUDA the pinned host tier with side-stream
+    prefetch) against no saving, full gradient checkpointing and transformers' checkpointing with ``offload=True``:
+    peak allocated memory (CUDA) and step time, steady steps after DELTA's profiling step."""
+    import statistics
+
+    from hf_dtrain.memory import apply_delta
+    from hf_dtrain.models import build_llama
+    from hf_dtrain.testing import random_batch
+
+    cuda = ctx.device.type == "cuda"
+    if cuda and not ctx.quick:
+        make, batch, seq = (lambda: _llama_1b().to(ctx.device, dtype=torch.bfloat16)), 4, 1024
+        shape = "LLaMA 2048 wide, 16 layers, bf16"
+    else:
+        make, batch, seq = (lambda: build_llama("tiny", seed=0).to(ctx.device)), 4, 256
+        shape = "the tiny LLaMA preset, fp32"
+    out = {}
+    for method in ("none", "checkpoint", "hf_offload", "delta_0.5", "delta_0.25"):
+        torch.manual_seed(0)
+        model = make()
+        vocab = model.config.vocab_size
+        scheduler = None
+        if method == "checkpoint":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif method == "hf_offload":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True})
+        elif method.startswith("delta"):
+            scheduler = apply_delta(model, float(method.split("_")[1]))
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        times, losses = [], []
+        for step in range(4):
+            b = {k: v.to(ctx.device) for k, v in random_batch(batch=batch, seq=seq, vocab=vocab, seed=step).items()}
+            if cuda:
+                torch.cuda.synchronize()
+                if step == 2:  # steady state: after DELTA's profiling step and its first planned step
+                    torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            loss = model(**b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            if step >= 2:
+                times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        row = {"step_s": statistics.median(times), "loss": losses[-1],
+               "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+        if scheduler is not None:
+            row["tier"] = type(scheduler.tier).__name__
+            row["plan"] = {a: sum(list(p.actions.values()).count(a) for p in scheduler.plans.values())
+                           for a in ("keep", "offload", "recompute")}
+            scheduler.remove()
+        out[method] = row
+        del model, opt
+    for method, row in list(out.items()):
+        row["step_vs_none"] = row["step_s"] / out["none"]["step_s"]
+        if cuda:
+            row["peak_vs_none"] = row["peak_bytes"] / out["none"]["peak_bytes"]
+    if not cuda:
+        out["note"] = "no CUDA device: step times on CPU (file tier); peak GPU memory needs CUDA"
+    out["shape"] = f"{shape}, batch {batch} x {seq}, SGD"
+    return out
+
+
 def snapshot_stall(ctx: Context) -> dict:
     """How long the training loop is blocked per snapshot, snapshotting after every step: hf_dtrain's in-memory
     snapshot (the ``snapshot()`` call plus the ``wait()`` before the next optimizer step) against DCP ``async_save``
@@ -409,6 +478,7 @@ STEPS = [
     Step("tuners_autocast", "every tuner and peft LoRA under bf16 autocast against fp32, on the device", tuners_autocast),
     Step("bnb_4bit", "Q-BaRA on a bitsandbytes NF4 base, on the device", bnb_4bit),
     Step("comm_hooks", "every DDP comm hook on 2 ranks (NCCL where it can run)", comm_hooks),
+    Step("delta_memory", "DELTA against no saving, checkpointing and transformers' offload", delta_memory),
     Step("snapshot_stall", "stall per snapshot: hf_dtrain's in-memory snapshot vs DCP async_save", snapshot_stall),
     Step("peak_memory", "peak memory of a training step: LoRA-FA vs LoRA, SMT vs full fine-tuning", peak_memory),
 ]
@@ -468,6 +538,15 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
             lines.append(f"| {m} | {peak[m]['trainable']:,} | {peak[m]['peak_bytes'] / 2**30:.2f} | "
                          f"{peak[m]['seconds_per_step']:.3f} |")
         lines += ["", f"LoRA-FA / LoRA: {peak['lorafa_vs_lora']:.2f}; SMT / full fine-tuning: {peak['smt_vs_full']:.2f}"]
+    delta = next((r["detail"] for r in results if r["step"] == "delta_memory" and r["status"] == "passed"), None)
+    if delta:
+        lines += ["", f"Activation memory, {delta['shape']}:", "", "| method | peak (GiB) | peak / none | step / none |",
+                  "|---|---|---|---|"]
+        for m in ("none", "checkpoint", "hf_offload", "delta_0.5", "delta_0.25"):
+            r = delta[m]
+            gib = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
+            ratio = f"{r['peak_vs_none']:.2f}" if "peak_vs_none" in r else "n/a"
+            lines.append(f"| {m} | {gib} | {ratio} | {r['step_vs_none']:.2f} |")
     stall = next((r["detail"] for r in results if r["step"] == "snapshot_stall" and r["status"] == "passed"), None)
     if stall:
         lines += ["", f"Stall per snapshot, {stall['shape']}:", "", "| method | stall (s) | step (s) | state bytes |",
