@@ -27,11 +27,14 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert status["peak_memory"]["status"] == "skipped"
     assert "CUDA" in status["peak_memory"]["detail"]["reason"]
     assert "[skipped] peak_memory" in proc.stdout and "needs a CUDA device" in proc.stdout
-    for name in ("cuda_tests", "tuners_autocast", "bnb_4bit", "comm_hooks", "delta_memory", "snapshot_stall"):
+    for name in ("cuda_tests", "tuners_autocast", "bnb_4bit", "qahira_merge", "comm_hooks", "delta_memory",
+                 "snapshot_stall"):
         assert status[name]["status"] == "passed", status[name]
     assert status["cuda_tests"]["detail"]["counts"].get("skipped", 0) >= 1  # the CUDA tests exist and skip here
     assert set(status["tuners_autocast"]["detail"]) == {"lora", "smt", "lorafa", "qbara", "qahira"}
     assert status["comm_hooks"]["detail"]["hooks"] == gpu_check.HOOKS
+    merge = status["qahira_merge"]["detail"]
+    assert merge["max_logit_diff_after_merge"] < 1e-4 < merge["adapter_logit_change"]
     delta = status["delta_memory"]["detail"]
     # a plan per budget: the tighter budget keeps no more layers, and something is offloaded or recomputed
     assert delta["delta_0.25"]["plan"]["keep"] <= delta["delta_0.5"]["plan"]["keep"]

@@ -10,6 +10,7 @@ Steps (each runs even when an earlier one failed; the exit status is 1 if any fa
 * ``tuners_autocast``: SMT, LoRA-FA, Q-BaRA, QA-HiRA and peft LoRA forward/backward on the device under bf16
   autocast against fp32 on the same device (loss and gradient agreement);
 * ``bnb_4bit``: Q-BaRA on a bitsandbytes NF4 base on the device (forward/backward finite, adapter gradients);
+* ``qahira_merge``: QA-HiRA on an HQQ 4-bit base on the device, merged into the zero-points: logits unchanged;
 * ``comm_hooks``: every DDP communication hook on 2 processes. On one GPU NCCL refuses two ranks on the same device;
   then the hooks run over gloo with CUDA tensors and the result says so;
 * ``delta_memory``: DELTA at budgets 0.5 and 0.25 against no saving, full checkpointing and transformers'
@@ -172,6 +173,46 @@ def bnb_4bit(ctx: Context) -> dict:
     layer = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
     return {"loss": loss.item(), "base_layer": f"{type(layer).__module__}.{type(layer).__name__}",
             "device": str(layer.weight.device)}
+
+
+def qahira_merge(ctx: Context) -> dict:
+    """QA-HiRA on an HQQ 4-bit base on the device, merged into the zero-points: the merged 4-bit model's logits
+    equal the adapter model's (the merge is exact up to float rounding)."""
+    import importlib.util
+    import warnings
+
+    from peft import get_peft_model
+
+    from hf_dtrain.quantization import quantize_model_hqq
+    from hf_dtrain.testing import random_batch
+    from hf_dtrain.tuners import QAHiRAConfig
+
+    if importlib.util.find_spec("hqq") is None:
+        raise Skip("hqq is not installed (pip install 'hf-dtrain[quant]')")
+    model = _tiny(ctx.device)
+    quantize_model_hqq(model, group_size=16, skip=("lm_head",))
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, QAHiRAConfig(group_size=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                         init_weights=False))
+    batch = {k: v.to(ctx.device) for k, v in random_batch(batch=2, seq=16, seed=0).items()}
+    peft_model.eval()
+    with torch.no_grad():
+        adapted = peft_model(**batch).logits.float()
+        with peft_model.disable_adapter():
+            base = peft_model(**batch).logits.float()
+    merged = peft_model.merge_and_unload()
+    with torch.no_grad():
+        out = merged(**batch).logits.float()
+    err, moved = (out - adapted).abs().max().item(), (adapted - base).abs().max().item()
+    layer = merged.get_submodule("model.layers.0.self_attn.q_proj")
+    if moved < 1e-3:
+        raise AssertionError(f"the adapter changed nothing (max logit change {moved:.3g}): the check would be empty")
+    if err > 1e-4 * max(1.0, adapted.abs().max().item()):
+        raise AssertionError(f"merged 4-bit logits differ from the adapter's by {err:.3g} (adapter moved them {moved:.3g})")
+    return {"max_logit_diff_after_merge": err, "adapter_logit_change": moved,
+            "merged_layer": f"{type(layer).__module__}.{type(layer).__name__}", "device": str(ctx.device)}
 
 
 HOOKS = ["allreduce", "acp_sgd", "s2_reducer", "dear", "embrace"]
@@ -477,6 +518,7 @@ STEPS = [
     Step("cuda_tests", "the suite's CUDA tests (pytest -m cuda)", cuda_tests),
     Step("tuners_autocast", "every tuner and peft LoRA under bf16 autocast against fp32, on the device", tuners_autocast),
     Step("bnb_4bit", "Q-BaRA on a bitsandbytes NF4 base, on the device", bnb_4bit),
+    Step("qahira_merge", "QA-HiRA merged exactly into an HQQ 4-bit base, on the device", qahira_merge),
     Step("comm_hooks", "every DDP comm hook on 2 ranks (NCCL where it can run)", comm_hooks),
     Step("delta_memory", "DELTA against no saving, checkpointing and transformers' offload", delta_memory),
     Step("snapshot_stall", "stall per snapshot: hf_dtrain's in-memory snapshot vs DCP async_save", snapshot_stall),
