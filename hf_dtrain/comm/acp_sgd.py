@@ -199,21 +199,13 @@ def acp_sgd_hook(state: ACPSGDState, bucket: dist.GradBucket) -> torch.futures.F
 
     def decompress(f):
         reduced = f.value()[0].div_(world)
-        if not torch.isfinite(reduced).all():
-            # An overflowing step (fp16 with a GradScaler, whose scaled gradients hold inf on some rank): the sum
-            # carries the inf or nan to every rank alike. Hand the non-finite values on, so the scaler skips the
-            # step everywhere, but keep the factors and the error feedback of the last finite step: state taken
-            # from this one would stay nan for the rest of the run.
-            for g, ts, err in zip(grads, states, errors):
-                g.fill_(float("nan"))
-                if ts is not None:
-                    ts.error = err
-            if last:
-                state.iter += 1
-                state.stats.end_step()
-            return buffer
+        # An overflowing step (fp16 with a GradScaler, whose scaled gradients hold inf on some rank) carries inf or
+        # nan through the sum to every rank alike: the gradients below come out non-finite, so every rank's scaler
+        # skips the step, but the factors and the error feedback keep the last finite step's values (state taken
+        # from this one would stay nan for the rest of the run). Chosen on the device: no host sync per bucket.
+        finite = torch.isfinite(reduced).all()
         offset = 0
-        for g, ts, o in zip(grads, states, orth):
+        for g, ts, o, err in zip(grads, states, orth, errors):
             if ts is None:
                 g.copy_(reduced[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
@@ -223,11 +215,13 @@ def acp_sgd_hook(state: ACPSGDState, bucket: dist.GradBucket) -> torch.futures.F
             factor = reduced[offset:offset + size].view(-1, state.rank)
             offset += size
             if even:
-                ts.p = factor.clone()
+                ts.p = torch.where(finite, factor, ts.p)
                 g.copy_((factor @ o.T).view_as(g))
             else:
-                ts.q = factor.clone()
+                ts.q = torch.where(finite, factor, ts.q)
                 g.copy_((o @ factor.T).view_as(g))
+            if state.use_error_feedback:
+                ts.error = torch.where(finite, ts.error, err)
         if last:
             state.iter += 1
             state.stats.end_step()

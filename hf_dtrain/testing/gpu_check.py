@@ -481,6 +481,8 @@ def snapshot_stall(ctx: Context) -> dict:
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.synchronize()  # the step's own kernels are not the save's stall
                 c = time.perf_counter()
                 if engine is not None:
                     engine.snapshot(step)
@@ -492,8 +494,6 @@ def snapshot_stall(ctx: Context) -> dict:
                                               no_dist=True)
                     staging, upload = ((response.staging_completion, response.upload_completion)
                                        if hasattr(response, "staging_completion") else (None, response))
-                if cuda:
-                    torch.cuda.synchronize()
                 called = time.perf_counter() - c
                 if step >= 2:  # the first saves allocate (our slot, DCP's staging buffers)
                     stalls.append(called + waited)
