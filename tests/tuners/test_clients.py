@@ -42,7 +42,7 @@ for name, path in json.loads(sys.argv[1]).items():
     with torch.no_grad():
         plain = base(input_ids=ids).logits[0, -1, :5].tolist()
         base.load_adapter(path)
-        trained = {n: p.double().sum().item() for n, p in a.named_parameters() if "base_layer" not in n and n.count(".") and any(k in n for k in ("lorafa_", "smt_", "qbara_", "qahr_"))}
+        trained = {n: p.double().sum().item() for n, p in a.named_parameters() if p.numel() and "base_layer" not in n and n.count(".") and any(k in n for k in ("lorafa_", "smt_", "qbara_", "qahr_"))}
         out[name] = {"auto": a(input_ids=ids).logits[0, -1, :5].tolist(), "load_adapter": base(input_ids=ids).logits[0, -1, :5].tolist(), "base": plain, "sums": trained}
 print(json.dumps(out))
 """
@@ -81,7 +81,8 @@ def test_trl_sft_trainer_then_reload_in_a_fresh_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, result in got.items():
-        # the trained adapter tensors came back exactly (TRL trains them in fp32 under bf16 autocast)
+        # the trained adapter tensors came back exactly (TRL trains them in fp32 under bf16 autocast); SMT targets
+        # that got no block hold empty, frozen tensors
         want = {n.replace(".default", ""): v for n, v in trained[name].items()}
         have = {n.replace(".default", ""): v for n, v in result["sums"].items()}
         assert have == want, name

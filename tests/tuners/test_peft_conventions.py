@@ -57,7 +57,8 @@ def test_the_adapter_readme_says_import_hf_dtrain(name, tmp_path):
 
 def test_training_smt_with_no_blocks_selected_warns(recwarn):
     """A client that only passes ``peft_config=SMTConfig(num_blocks=...)`` (TRL without the selection callback)
-    would train nothing: a warning says what to add."""
+    would train nothing: a warning says what to add, and the backward fails (no block is trainable) instead of
+    running steps that change nothing."""
     import hf_dtrain.tuners.smt.layer as smt_layer
     from hf_dtrain.tuners import SMTConfig
 
@@ -66,7 +67,9 @@ def test_training_smt_with_no_blocks_selected_warns(recwarn):
         warnings.simplefilter("ignore")
         model = get_peft_model(tiny_llama(seed=0, hidden_size=64), SMTConfig(block_size=16, num_blocks=4,
                                                                             target_modules=["q_proj"]))
-    model(**random_batch(batch=2, seq=8, seed=0)).loss.backward()
+    loss = model(**random_batch(batch=2, seq=8, seed=0)).loss
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        loss.backward()
     assert any("no blocks selected" in str(w.message) and "SMTSelectionCallback()" in str(w.message)
                for w in recwarn)
     recwarn.clear()

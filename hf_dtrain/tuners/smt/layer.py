@@ -109,6 +109,9 @@ class SMTLayer(BaseTunerLayer):
         self.smt_layer_key: dict[str, str] = {}
         self._smt_random_start: dict[str, bool] = {}
         self._smt_unselected: dict[str, bool] = {}
+        # whether peft wants the adapter trained; an empty blocks parameter (no block selected here) is kept frozen,
+        # so no engine sees an empty gradient (FSDP2's reduce-scatter cannot take one, DDP needs no touch)
+        self._smt_wants_grad: dict[str, bool] = {}
         self.smt_weight = nn.ParameterDict({})
         self.smt_indices = BufferDict({}, persistent=True)
         # unique input-column blocks of the selection and each block's position among them (derived, not saved)
@@ -159,10 +162,9 @@ class SMTLayer(BaseTunerLayer):
             indices = indices[order]
         weight = self.get_base_layer().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        old = self.smt_weight[adapter_name] if adapter_name in self.smt_weight else None
-        requires_grad = old.requires_grad if old is not None else True
-        param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype), requires_grad=requires_grad)
+        param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype))
         self.smt_weight[adapter_name] = param
+        self._set_trainable(adapter_name, self._smt_wants_grad.get(adapter_name, True))
         if self._smt_random_start.get(adapter_name):  # init_weights=False: blocks installed later start random too
             random_start(self, adapter_name)
         self.smt_indices[adapter_name] = indices.to(weight.device)
@@ -170,6 +172,16 @@ class SMTLayer(BaseTunerLayer):
         self.smt_col_ids[adapter_name] = col_ids.to(weight.device)
         self.smt_col_pos[adapter_name] = col_pos.to(weight.device)
         return param
+
+    def _set_trainable(self, adapter_name: str, wanted: bool) -> None:
+        self._smt_wants_grad[adapter_name] = wanted
+        blocks = self.smt_weight[adapter_name]
+        blocks.requires_grad_(wanted and blocks.numel() > 0)
+
+    def set_adapter(self, adapter_names, inference_mode: bool = False) -> None:
+        super().set_adapter(adapter_names, inference_mode=inference_mode)  # peft sets requires_grad on every adapter
+        for name in self.smt_weight:
+            self._set_trainable(name, self.smt_weight[name].requires_grad)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         bs = self.block_size[adapter]
@@ -240,13 +252,8 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
             col_map = (self.smt_col_ids[name], self.smt_col_pos[name])
             delta = BlockSparseDelta.apply(x, blocks, idx[:, 0], idx[:, 1], self.out_features, col_map)
             out = delta if out is None else out + delta
-        elif blocks.requires_grad and torch.is_grad_enabled():
-            if self._smt_unselected.get(name) and name not in self._smt_grad_sum:
-                _warn_unselected()
-            # a target that got no block: its empty parameter still takes part in the graph (an empty gradient), or
-            # DDP would stop at "parameters that were not used in producing loss"
-            touch = blocks.sum()
-            out = touch if out is None else out + touch
+        elif self._smt_unselected.get(name) and name not in self._smt_grad_sum and torch.is_grad_enabled():
+            _warn_unselected()
         return out
 
     def __repr__(self) -> str:

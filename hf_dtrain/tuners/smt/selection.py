@@ -46,19 +46,42 @@ def _layers(model, adapter_name: str) -> list[SMTLayer]:
 
 
 def _swap_in_optimizer(optimizer, mapping: dict[int, torch.nn.Parameter], old_params: dict[int, torch.nn.Parameter]) -> None:
-    """Replace old parameters by new ones inside an existing optimizer (also through Accelerate's wrapper)."""
+    """Replace old block parameters by new ones inside an existing optimizer (also through Accelerate's wrapper).
+    Empty block parameters are frozen (nothing to train), so no optimizer holds them: successors of empty ones join
+    the first parameter group, and parameters that became empty leave."""
     inner = optimizer
     while hasattr(inner, "optimizer") and not isinstance(inner, torch.optim.Optimizer):
         inner = inner.optimizer
-    for group in inner.param_groups:
-        group["params"] = [mapping.get(id(p), p) for p in group["params"]]
-    for old_id, old in old_params.items():
+    held = {id(p) for group in inner.param_groups for p in group["params"]}
+    for group in inner.param_groups:  # a block parameter that became empty (frozen) leaves the optimizer
+        group["params"] = [mapping.get(id(p), p) for p in group["params"]
+                           if id(p) not in mapping or mapping[id(p)].requires_grad]
+    joining = [new for old_id, new in mapping.items() if old_id not in held and new.requires_grad]
+    inner.param_groups[0]["params"].extend(joining)
+    for old in old_params.values():
         inner.state.pop(old, None)
+
+
+def _refuse_sharded(model) -> None:
+    """Selection installs new block parameters; an engine that has already sharded the model cannot take them in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        engine = "FSDP2 (fully_shard)"
+    elif any(hasattr(p, "ds_id") for p in model.parameters()):
+        engine = "DeepSpeed ZeRO-3"
+    else:
+        return
+    raise ValueError(f"SMT block selection on a model already sharded by {engine}: selection installs new block "
+                     "parameters, which the engine cannot take in after sharding. Run smt_warmup before sharding "
+                     "(hf-dtrain finetune does), or pass the blocks of an earlier selection as "
+                     "SMTConfig(block_indices=...).")
 
 
 def start_smt_scoring(model, adapter_name: Optional[str] = None) -> None:
     """Start summing the dense gradient of every SMT target; run backward passes, then ``select_smt_blocks``."""
     adapter_name, _ = _adapter_and_config(model, adapter_name)
+    _refuse_sharded(model)
     for layer in _layers(model, adapter_name):
         layer.start_scoring(adapter_name)
 
@@ -66,8 +89,9 @@ def start_smt_scoring(model, adapter_name: Optional[str] = None) -> None:
 def set_smt_block_indices(model, indices: dict[str, torch.Tensor | list], adapter_name: Optional[str] = None, optimizer=None) -> None:
     """Install explicit blocks ``{module_name: (k, 2) [row_block, col_block]}`` (modules not named get none).
 
-    The new delta blocks start at zero. If ``optimizer`` holds the old (empty) block parameters, they are replaced
-    by the new ones in place, so training can continue with the same optimizer object.
+    The new delta blocks start at zero. If ``optimizer`` is given, the new block parameters replace the old ones in
+    it (empty ones, which are frozen, join its first parameter group), so training can continue with the same
+    optimizer object.
     """
     adapter_name, config = _adapter_and_config(model, adapter_name)
     layers = _layers(model, adapter_name)

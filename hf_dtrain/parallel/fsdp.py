@@ -1,0 +1,172 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for Hugging Face models and their peft adapters.
+
+``apply_fsdp(model, FSDPConfig(...))`` shards each decoder layer as one FSDP unit and the root as the last, the way
+torchtitan and Accelerate's FSDP2 plugin do. A peft tuner layer's adapter and its base layer always sit in the same
+unit (a wrap that would split them is refused), so every adapter trains on the rank-local shard of its own layer.
+With ``replicate > 1`` the processes form a 2D mesh (``dp_replicate`` x ``dp_shard``): HSDP, shards within a group
+and an all-reduce across groups.
+
+``full_state_dict`` and ``save_pretrained`` gather a sharded model for saving (peft adapters included); resume
+from sharded checkpoints with ``torch.distributed.checkpoint`` (``get_state_dict`` / ``set_state_dict``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_dtrain.settings import check_choice
+
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 settings (validated on construction). Every field is a ``--fsdp.<field>`` flag of ``hf-dtrain
+    finetune`` / ``pretrain`` and a key of the ``fsdp:`` YAML section; ``apply_fsdp(model, config)`` takes it
+    unchanged."""
+
+    section_key: ClassVar[str] = "fsdp"
+
+    replicate: int = field(default=1, metadata={
+        "help": "HSDP replicas (dp_replicate): the processes form `replicate` groups that each shard the model, "
+                "and gradients are all-reduced across groups. 1: plain FSDP, one shard per process."})
+    reshard_after_forward: bool = field(default=True, metadata={
+        "help": "Free each layer's gathered parameters after its forward and gather them again for backward "
+                "(ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, one all-gather less)."})
+    param_dtype: str = field(default="fp32", metadata={
+        "help": "Dtype of the gathered parameters in forward and backward (MixedPrecisionPolicy.param_dtype): "
+                "fp32, bf16 or fp16. Gradients are reduced in fp32 and the sharded master weights stay fp32."})
+    cpu_offload: bool = field(default=False, metadata={
+        "help": "Keep the sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy); "
+                "the optimizer step runs on the CPU."})
+    layer_classes: Optional[list[str]] = field(default=None, metadata={
+        "help": "Class names of the modules that become FSDP units, e.g. [LlamaDecoderLayer]. Default: the "
+                "model's _no_split_modules (its decoder layer). A class inside a peft tuner layer is refused."})
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "Recompute each decoder layer in backward (transformers' gradient checkpointing, non-reentrant); "
+                "the recomputation runs after FSDP2 has gathered the layer again."})
+
+    def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
+        if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
+            raise ValueError(f"FSDPConfig.replicate must be a whole number >= 1, got {self.replicate!r}; set "
+                             "fsdp.replicate (1 for plain FSDP).")
+        check_choice(self, "param_dtype", tuple(PARAM_DTYPES), "fsdp.param_dtype")
+        if self.layer_classes is not None:
+            if isinstance(self.layer_classes, str):
+                self.layer_classes = [self.layer_classes]
+            if not self.layer_classes or not all(isinstance(c, str) and c for c in self.layer_classes):
+                raise ValueError(f"FSDPConfig.layer_classes must be a non-empty list of class names, got "
+                                 f"{self.layer_classes!r}; e.g. [LlamaDecoderLayer], or leave it unset.")
+        if self.cpu_offload and self.param_dtype == "fp16":
+            raise ValueError("FSDPConfig: cpu_offload with param_dtype=fp16 is refused: the CPU optimizer step "
+                             "has no loss scaling for fp16; use param_dtype=bf16.")
+
+
+def _tuner_layers(model: nn.Module) -> dict[str, nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+
+
+def fsdp_units(model: nn.Module, config: FSDPConfig) -> list[tuple[str, nn.Module]]:
+    """The modules ``apply_fsdp`` shards as units (the root not included), checked: at least one, none inside a
+    peft tuner layer (that would put a base layer in another unit than its adapter)."""
+    classes = config.layer_classes
+    if classes is None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        classes = list(getattr(base, "_no_split_modules", None) or [])
+        if not classes:
+            raise ValueError(f"{type(base).__name__} names no decoder layer (_no_split_modules is empty): set "
+                             "FSDPConfig.layer_classes (fsdp.layer_classes) to the class of its repeated blocks.")
+    units = [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes and n]
+    if not units:
+        raise ValueError(f"FSDPConfig.layer_classes={classes} matches no module of {type(model).__name__}; name "
+                         "the class of its decoder layers (e.g. LlamaDecoderLayer).")
+    tuners = _tuner_layers(model)
+    for name, _ in units:
+        for tname in tuners:
+            if name.startswith(tname + "."):
+                raise ValueError(
+                    f"FSDPConfig.layer_classes={classes} would make {name!r} an FSDP unit of its own, apart from the "
+                    f"adapter of the peft tuner layer {tname!r} that wraps it: the adapter would be gathered and "
+                    "reduced in another unit than its base weight. Wrap whole decoder layers (e.g. "
+                    "[LlamaDecoderLayer]) or the tuner layers themselves.")
+    return units
+
+
+def fsdp_mesh(config: FSDPConfig, device_type: Optional[str] = None):
+    """The data-parallel ``DeviceMesh``: 1D (``dp_shard``) or, with ``replicate > 1``, 2D (``dp_replicate``,
+    ``dp_shard``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("apply_fsdp needs torch.distributed: launch with torchrun / accelerate launch (or call "
+                           "torch.distributed.init_process_group) first.")
+    world = dist.get_world_size()
+    if world % config.replicate:
+        raise ValueError(f"FSDPConfig.replicate={config.replicate} does not divide the {world} processes: HSDP "
+                         "needs replicate x shards = processes; set fsdp.replicate to a divisor of the process count.")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if config.replicate == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (config.replicate, world // config.replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def apply_fsdp(model: nn.Module, config: Optional[FSDPConfig] = None, mesh=None) -> nn.Module:
+    """Shard ``model`` in place with FSDP2: one unit per decoder layer (or ``config.layer_classes``), then the
+    root. Build the optimizer after this call, from ``model.parameters()`` (they are now DTensors).
+
+    peft adapters must be in place first (``get_peft_model`` before ``apply_fsdp``), and SMT's blocks selected
+    (``smt_warmup`` or ``SMTConfig(block_indices=...)``): selection installs new parameters, which FSDP2 cannot
+    take in after sharding."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    config = config or FSDPConfig()
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("apply_fsdp: the model is already sharded with fully_shard; apply it once.")
+    units = fsdp_units(model, config)
+    mesh = mesh if mesh is not None else fsdp_mesh(config)
+    if config.activation_checkpointing:
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise ValueError(f"FSDPConfig.activation_checkpointing: {type(model).__name__} has no "
+                             "gradient_checkpointing_enable; checkpoint its layers yourself or set it false.")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()  # frozen embeddings under peft: the checkpointed input needs grad
+    kwargs = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
+    if PARAM_DTYPES[config.param_dtype] is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[config.param_dtype],
+                                                   reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for _, unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) state dict of an FSDP2 model, on the CPU, on rank 0 (an empty dict elsewhere). Every
+    rank must call it: it gathers."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_pretrained(model: nn.Module, save_directory: str, **kwargs) -> None:
+    """``model.save_pretrained`` for a sharded model (a peft model saves its adapter only): gathers on every rank,
+    writes on rank 0. Every rank must call it."""
+    state = full_state_dict(model)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(save_directory, state_dict=state, **kwargs)
+    if dist.is_initialized():
+        dist.barrier()
