@@ -47,31 +47,59 @@ def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _fsdp_rank(rank, world, out):
+def _steps(model, opt, rank, world, steps):
     import torch.distributed as dist
 
+    losses = []
+    for step in steps:
+        loss = model(**_batch(step, rank)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def _dcp_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _fsdp_rank(rank, world, out):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     results = {}
+    half = STEPS // 2
     for method in METHODS:
         model = _model(method, [random_batch(seed=rank)])
         selection = model.peft_config["default"].block_indices if method == "smt" else None
         apply_fsdp(model, FSDPConfig(activation_checkpointing=True))
         opt = torch.optim.AdamW(_trainable(model), lr=LR)
-        losses = []
-        for step in range(STEPS):
-            loss = model(**_batch(step, rank)).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
+        losses = _steps(model, opt, rank, world, range(half))
+        dcp.save(_dcp_state(model, opt), checkpoint_id=f"{out}/ckpt_{method}")  # the engine's sharded checkpoint
+        losses += _steps(model, opt, rank, world, range(half, STEPS))
+
+        # resume: a fresh sharded model and optimizer load the checkpoint and repeat the second half
+        fresh = _model(method, []) if method != "smt" else get_peft_model(
+            tiny_llama(seed=1), SMTConfig(block_size=16, target_modules=TARGETS, block_indices=selection))
+        apply_fsdp(fresh, FSDPConfig(activation_checkpointing=True))
+        fresh_opt = torch.optim.AdamW(_trainable(fresh), lr=LR)
+        state = _dcp_state(fresh, fresh_opt)
+        dcp.load(state, checkpoint_id=f"{out}/ckpt_{method}")
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        resumed = _steps(fresh, fresh_opt, rank, world, range(half, STEPS))
         if method == "full":
             state = full_state_dict(model)
             if rank == 0:
                 torch.save(state, f"{out}/full.pt")
         else:
             save_pretrained(model, f"{out}/{method}")
-        results[method] = {"losses": losses, "selection": selection}
+        results[method] = {"losses": losses, "selection": selection, "resumed": resumed}
 
     # refused before any step: SMT selection on a sharded model, HSDP replicas that do not divide the processes
     refusals = {}
@@ -140,6 +168,13 @@ def test_fsdp2_trains_like_one_process(fsdp_run, method, tmp_path):
     for cfg in (cfg_saved, cfg_want):  # peft keeps target_modules as a set: its order varies between processes
         cfg["target_modules"] = sorted(cfg["target_modules"])
     assert cfg_saved == cfg_want
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_resume_from_a_sharded_checkpoint_repeats_the_steps_exactly(fsdp_run, method):
+    _, results = fsdp_run
+    got = results[method]
+    assert [x.hex() for x in got["resumed"]] == [x.hex() for x in got["losses"][STEPS // 2:]]
 
 
 @pytest.mark.parametrize("method", list(CONFIGS))
