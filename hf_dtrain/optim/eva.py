@@ -54,15 +54,20 @@ class _Layer:
 
     @property
     def weight(self):
-        # SMT replaces its block parameter when the blocks are selected after the warm-up: always the live one
-        return self.module.smt_weight[self.smt_adapter] if self.smt_adapter is not None else self._weight
+        # SMT replaces its block parameter when the blocks are selected after the warm-up: always the live one (None
+        # while the target has no block)
+        if self.smt_adapter is None:
+            return self._weight
+        blocks = self.module.smt_weight
+        return blocks[self.smt_adapter] if self.smt_adapter in blocks else None
 
 
 def _smt_targets(name: str, module) -> list:
     """hf_dtrain SMT layers: ``y = W x + D x`` with W frozen and D block-sparse; the trainable blocks of D see the
-    layer's input and output gradient, so Eva's curvature is that of the dense matrix restricted to the blocks."""
+    layer's input and output gradient, so Eva's curvature is that of the dense matrix restricted to the blocks. Every
+    target of a trained adapter is kept, also one with no block yet (a later selection may give it some)."""
     return [_Layer(f"{name}.smt_weight.{adapter}", module, None, smt_adapter=adapter)
-            for adapter in getattr(module, "active_adapters", []) if adapter in module.smt_weight]
+            for adapter in getattr(module, "active_adapters", []) if adapter in module.block_size]
 
 
 def _block_precondition(method: str, gamma: float, grad: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
@@ -151,7 +156,10 @@ class Eva(WrappedOptimizer):
             else:
                 continue
             for layer in targets:
-                if not layer.weight.requires_grad or id(layer.weight) not in optimized:
+                if layer.weight is None:  # SMT target with no block yet: kept while its adapter is trained
+                    if not module._smt_wants_grad.get(layer.smt_adapter, True):
+                        continue
+                elif not layer.weight.requires_grad or id(layer.weight) not in optimized:
                     continue
                 self.layers.append(layer)
                 self._handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
@@ -241,14 +249,14 @@ class Eva(WrappedOptimizer):
         if self.steps % self.update_interval == 0:
             self._update_vectors()
         if self.steps == 0 and all(l.a is None for l in self.layers) and any(
-                l.weight.grad is not None for l in self.layers):
+                l.weight is not None and l.weight.grad is not None for l in self.layers):
             raise ValueError("Eva saw no forward pass of the model's Linear layers with gradients enabled before its "
                              "first step(): pass model= the module that is trained (the same object, not a copy).")
         self.steps += 1
         updates = []  # (target parameters, their raw gradient, the preconditioned gradient)
         for layer in self.layers:
             w, b = layer.weight, layer.bias
-            if w.grad is None or layer.a is None or layer.g is None or w.numel() == 0:
+            if w is None or w.grad is None or layer.a is None or layer.g is None or w.numel() == 0:
                 continue
             if layer.smt_adapter is not None:
                 idx = layer.module.smt_indices[layer.smt_adapter]

@@ -78,6 +78,9 @@ class MergeableLinearMixin:
     default adds the dense ``get_delta_weight(adapter)``, layers with a sparse update (SMT) override it, and layers
     with a quantized base override ``_merge_one``."""
 
+    def _has_adapter(self, adapter: str) -> bool:
+        return adapter in getattr(self, self.adapter_layer_names[0])
+
     def _apply_delta(self, weight: torch.Tensor, adapter: str, sign: float) -> torch.Tensor:
         return weight.add_(self.get_delta_weight(adapter).to(weight.dtype), alpha=sign)
 
@@ -99,9 +102,8 @@ class MergeableLinearMixin:
         base.weight.data = merged
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        container = getattr(self, self.adapter_layer_names[0])
         for name in check_adapters_to_merge(self, adapter_names):
-            if name in container:
+            if self._has_adapter(name):
                 self._merge_one(name, 1.0, safe_merge)
                 self.merged_adapters.append(name)
 
@@ -109,10 +111,9 @@ class MergeableLinearMixin:
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.")
             return
-        container = getattr(self, self.adapter_layer_names[0])
         while self.merged_adapters:
             name = self.merged_adapters.pop()
-            if name in container:
+            if self._has_adapter(name):
                 self._merge_one(name, -1.0)
 
     def _adapter_output(self, x: torch.Tensor, adapter: str) -> Optional[torch.Tensor]:
@@ -127,9 +128,8 @@ class MergeableLinearMixin:
         result = self.base_layer(x, *args, **kwargs)
         if self.merged:
             return result
-        container = getattr(self, self.adapter_layer_names[0])
         for name in self.active_adapters:
-            if name in container:
+            if self._has_adapter(name):
                 delta = self._adapter_output(x, name)
                 if delta is not None:
                     result = result + delta.to(result.dtype)

@@ -45,7 +45,7 @@ def test_block_gradients_equal_dense_gradient_blocks():
     for key, layer in smt_layers(model).items():
         idx = layer.smt_indices["default"]
         if not len(idx):
-            assert layer.smt_weight["default"].grad is None or layer.smt_weight["default"].grad.numel() == 0
+            assert "default" not in layer.smt_weight  # a target with no block holds no parameter
             continue
         g = ref[key].view(layer.out_features // 16, 16, layer.in_features // 16, 16)
         for k, (r, c) in enumerate(idx.tolist()):
@@ -152,7 +152,7 @@ def test_trainer_callback_warms_up_then_trains_selected_blocks(tmp_path):
     assert seen[1] == seen[2] == 0 and seen[3] == seen[8] == 4 * 256
     cfg = model.peft_config["default"]
     assert sum(len(v) for v in cfg.block_indices.values()) == 4
-    blocks = [m.smt_weight["default"] for m in smt_layers(model).values() if m.smt_weight["default"].numel()]
+    blocks = [m.smt_weight["default"] for m in smt_layers(model).values() if "default" in m.smt_weight]
     assert all(b.abs().sum() > 0 for b in blocks)  # the selected blocks trained after the switch
     inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     in_opt = {id(p) for g in inner.param_groups for p in g["params"] if p.numel()}

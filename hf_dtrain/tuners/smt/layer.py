@@ -98,7 +98,8 @@ def _warn_unselected() -> None:
 
 class SMTLayer(BaseTunerLayer):
     """SMT adapter state per adapter name: ``smt_weight`` (k, b, b) trainable delta blocks stacked in one parameter,
-    ``smt_indices`` (k, 2) persistent buffer of (row_block, col_block)."""
+    ``smt_indices`` (k, 2) persistent buffer of (row_block, col_block). A target that got no block holds no
+    parameter at all (empty parameters break FSDP2's reduce-scatter and ZeRO-3's gathering)."""
 
     adapter_layer_names = ("smt_weight",)
     other_param_names = ("smt_indices", "smt_col_ids", "smt_col_pos", "block_size", "smt_layer_key")
@@ -109,8 +110,7 @@ class SMTLayer(BaseTunerLayer):
         self.smt_layer_key: dict[str, str] = {}
         self._smt_random_start: dict[str, bool] = {}
         self._smt_unselected: dict[str, bool] = {}
-        # whether peft wants the adapter trained; an empty blocks parameter (no block selected here) is kept frozen,
-        # so no engine sees an empty gradient (FSDP2's reduce-scatter cannot take one, DDP needs no touch)
+        # whether peft wants the adapter trained, for the blocks a later selection installs
         self._smt_wants_grad: dict[str, bool] = {}
         self.smt_weight = nn.ParameterDict({})
         self.smt_indices = BufferDict({}, persistent=True)
@@ -162,29 +162,33 @@ class SMTLayer(BaseTunerLayer):
             indices = indices[order]
         weight = self.get_base_layer().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype))
-        self.smt_weight[adapter_name] = param
-        self._set_trainable(adapter_name, self._smt_wants_grad.get(adapter_name, True))
-        if self._smt_random_start.get(adapter_name):  # init_weights=False: blocks installed later start random too
-            random_start(self, adapter_name)
+        param = None
+        if len(indices):
+            param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype),
+                                 requires_grad=self._smt_wants_grad.get(adapter_name, True))
+            self.smt_weight[adapter_name] = param
+            if self._smt_random_start.get(adapter_name):  # init_weights=False: blocks installed later start random
+                random_start(self, adapter_name)
+        elif adapter_name in self.smt_weight:
+            del self.smt_weight[adapter_name]
         self.smt_indices[adapter_name] = indices.to(weight.device)
         col_ids, col_pos = torch.unique(indices[:, 1], return_inverse=True)
         self.smt_col_ids[adapter_name] = col_ids.to(weight.device)
         self.smt_col_pos[adapter_name] = col_pos.to(weight.device)
         return param
 
-    def _set_trainable(self, adapter_name: str, wanted: bool) -> None:
-        self._smt_wants_grad[adapter_name] = wanted
-        blocks = self.smt_weight[adapter_name]
-        blocks.requires_grad_(wanted and blocks.numel() > 0)
-
     def set_adapter(self, adapter_names, inference_mode: bool = False) -> None:
-        super().set_adapter(adapter_names, inference_mode=inference_mode)  # peft sets requires_grad on every adapter
-        for name in self.smt_weight:
-            self._set_trainable(name, self.smt_weight[name].requires_grad)
+        super().set_adapter(adapter_names, inference_mode=inference_mode)  # peft sets requires_grad on the blocks
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for name in self.block_size:  # remembered for blocks a later selection installs
+            self._smt_wants_grad[name] = name in names and not inference_mode
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         bs = self.block_size[adapter]
+        if adapter not in self.smt_weight:  # no block selected here
+            weight = self.get_base_layer().weight
+            dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+            return torch.zeros(self.out_features, self.in_features, dtype=dtype, device=weight.device)
         blocks = self.smt_weight[adapter]
         idx = self.smt_indices[adapter]
         delta = torch.zeros(self.out_features // bs, self.in_features // bs, bs, bs, dtype=blocks.dtype, device=blocks.device)
@@ -231,9 +235,14 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
+    def _has_adapter(self, adapter: str) -> bool:
+        return adapter in self.block_size  # also a target with no block (it holds no parameter)
+
     def _apply_delta(self, weight: torch.Tensor, name: str, sign: float) -> torch.Tensor:
         """Add (sign=+1) or subtract the delta blocks in place: only the selected blocks of W are written."""
         w = weight
+        if name not in self.smt_weight:  # no block selected here
+            return w
         bs = self.block_size[name]
         view = w.view(self.out_features // bs, bs, self.in_features // bs, bs)
         blocks = self.smt_weight[name].data.to(w.dtype)
@@ -246,8 +255,8 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
         if name in self._smt_grad_sum and torch.is_grad_enabled():  # warm-up: sum the dense gradient
             anchor = torch.zeros((), device=x.device, requires_grad=True)
             out = _GradientProbe.apply(x, anchor, self._smt_grad_sum[name])
-        blocks = self.smt_weight[name]
-        if blocks.shape[0]:
+        if name in self.smt_weight:
+            blocks = self.smt_weight[name]
             idx = self.smt_indices[name]
             col_map = (self.smt_col_ids[name], self.smt_col_pos[name])
             delta = BlockSparseDelta.apply(x, blocks, idx[:, 0], idx[:, 1], self.out_features, col_map)

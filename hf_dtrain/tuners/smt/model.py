@@ -30,7 +30,7 @@ class SMTModel(LinearTunerModel):
     config_name = "SMTConfig"
 
     def _post_injection_hook(self, model, config, adapter_name) -> None:
-        layers = [m for m in model.modules() if isinstance(m, SMTLayer) and adapter_name in m.smt_weight]
+        layers = [m for m in model.modules() if isinstance(m, SMTLayer) and adapter_name in m.block_size]
         total = sum((m.out_features // m.block_size[adapter_name]) * (m.in_features // m.block_size[adapter_name]) for m in layers)
         if config.block_indices is not None:
             known = {m.smt_layer_key[adapter_name] for m in layers}

@@ -39,25 +39,24 @@ def _adapter_and_config(model, adapter_name: Optional[str]):
 
 
 def _layers(model, adapter_name: str) -> list[SMTLayer]:
-    layers = [m for m in model.modules() if isinstance(m, SMTLayer) and adapter_name in m.smt_weight]
+    layers = [m for m in model.modules() if isinstance(m, SMTLayer) and adapter_name in m.block_size]
     if not layers:
         raise ValueError(f"No SMT layer holds adapter {adapter_name!r}.")
     return layers
 
 
-def _swap_in_optimizer(optimizer, mapping: dict[int, torch.nn.Parameter], old_params: dict[int, torch.nn.Parameter]) -> None:
-    """Replace old block parameters by new ones inside an existing optimizer (also through Accelerate's wrapper).
-    Empty block parameters are frozen (nothing to train), so no optimizer holds them: successors of empty ones join
-    the first parameter group, and parameters that became empty leave."""
+def _swap_in_optimizer(optimizer, mapping: dict, old_params: dict, added: list) -> None:
+    """Replace old block parameters by new ones inside an existing optimizer (also through Accelerate's wrapper):
+    ``mapping`` old id -> new parameter (``None`` where no block is left), ``added``: blocks of targets that had
+    none, which join the first parameter group."""
     inner = optimizer
     while hasattr(inner, "optimizer") and not isinstance(inner, torch.optim.Optimizer):
         inner = inner.optimizer
     held = {id(p) for group in inner.param_groups for p in group["params"]}
-    for group in inner.param_groups:  # a block parameter that became empty (frozen) leaves the optimizer
-        group["params"] = [mapping.get(id(p), p) for p in group["params"]
-                           if id(p) not in mapping or mapping[id(p)].requires_grad]
-    joining = [new for old_id, new in mapping.items() if old_id not in held and new.requires_grad]
-    inner.param_groups[0]["params"].extend(joining)
+    for group in inner.param_groups:
+        group["params"] = [mapping.get(id(p), p) for p in group["params"] if mapping.get(id(p), p) is not None]
+    added = added + [new for old_id, new in mapping.items() if old_id not in held and new is not None]
+    inner.param_groups[0]["params"].extend(p for p in added if p.requires_grad)
     for old in old_params.values():
         inner.state.pop(old, None)
 
@@ -90,7 +89,7 @@ def set_smt_block_indices(model, indices: dict[str, torch.Tensor | list], adapte
     """Install explicit blocks ``{module_name: (k, 2) [row_block, col_block]}`` (modules not named get none).
 
     The new delta blocks start at zero. If ``optimizer`` is given, the new block parameters replace the old ones in
-    it (empty ones, which are frozen, join its first parameter group), so training can continue with the same
+    it (blocks of targets that had none join its first parameter group), so training can continue with the same
     optimizer object.
     """
     adapter_name, config = _adapter_and_config(model, adapter_name)
@@ -100,16 +99,20 @@ def set_smt_block_indices(model, indices: dict[str, torch.Tensor | list], adapte
     if unknown:
         raise ValueError(f"Not SMT targets of adapter {adapter_name!r}: {unknown[:5]}; known: {sorted(by_key)[:3]}...")
     mapping, old_params = {}, {}
+    added = []
     for key, layer in by_key.items():
-        old = layer.smt_weight[adapter_name]
+        old = layer.smt_weight[adapter_name] if adapter_name in layer.smt_weight else None
         new = layer.set_block_indices(adapter_name, torch.as_tensor(indices.get(key, []), dtype=torch.long))
-        mapping[id(old)] = new
-        old_params[id(old)] = old
+        if old is not None:
+            mapping[id(old)] = new
+            old_params[id(old)] = old
+        elif new is not None:
+            added.append(new)
         layer.stop_scoring(adapter_name)
     config.block_indices = {k: layer.smt_indices[adapter_name].tolist() for k, layer in by_key.items()
                             if len(layer.smt_indices[adapter_name])}
     if optimizer is not None:
-        _swap_in_optimizer(optimizer, mapping, old_params)
+        _swap_in_optimizer(optimizer, mapping, old_params, added)
 
 
 def select_smt_blocks(model, adapter_name: Optional[str] = None, optimizer=None, num_blocks: Optional[int] = None) -> dict[str, list[list[int]]]:
