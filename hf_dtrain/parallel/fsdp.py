@@ -6,8 +6,9 @@ unit (a wrap that would split them is refused), so every adapter trains on the r
 With ``replicate > 1`` the processes form a 2D mesh (``dp_replicate`` x ``dp_shard``): HSDP, shards within a group
 and an all-reduce across groups.
 
-``full_state_dict`` and ``save_pretrained`` gather a sharded model for saving (peft adapters included); resume
-from sharded checkpoints with ``torch.distributed.checkpoint`` (``get_state_dict`` / ``set_state_dict``).
+``hf_dtrain.parallel.full_state_dict`` and ``save_pretrained`` gather a sharded model for saving (peft adapters
+included); resume from sharded checkpoints with ``torch.distributed.checkpoint`` (``get_state_dict`` /
+``set_state_dict``) or Accelerate's ``save_state`` / ``load_state``.
 """
 
 from __future__ import annotations
@@ -152,21 +153,3 @@ def apply_fsdp(model: nn.Module, config: Optional[FSDPConfig] = None, mesh=None)
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole (unsharded) state dict of an FSDP2 model, on the CPU, on rank 0 (an empty dict elsewhere). Every
-    rank must call it: it gathers."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_pretrained(model: nn.Module, save_directory: str, **kwargs) -> None:
-    """``model.save_pretrained`` for a sharded model (a peft model saves its adapter only): gathers on every rank,
-    writes on rank 0. Every rank must call it."""
-    state = full_state_dict(model)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        model.save_pretrained(save_directory, state_dict=state, **kwargs)
-    if dist.is_initialized():
-        dist.barrier()

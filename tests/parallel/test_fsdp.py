@@ -3,48 +3,17 @@ saved adapter equal one process training on both ranks' batches; SMT selects the
 gradients; the saved adapter reloads and merges; what cannot work is refused before any step."""
 
 import json
-import warnings
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
-from safetensors.torch import load_file
+from peft import get_peft_model
 
-from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig, smt_warmup
+from hf_dtrain import LoraFAConfig, smt_warmup
 from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_dict, save_pretrained
 from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-CONFIGS = {
-    "smt": lambda: SMTConfig(block_size=16, num_blocks=5, target_modules=TARGETS),
-    "lorafa": lambda: LoraFAConfig(r=4, target_modules=TARGETS, init_seed=0),
-    "qbara": lambda: QBaRAConfig(r=4, target_modules=TARGETS, require_quantized_base=False),
-    "qahira": lambda: QAHiRAConfig(group_size=16, target_modules=TARGETS, require_quantized_base=False),
-}
-METHODS = ["full", *CONFIGS]
-STEPS = 10
-LR = 1e-2
-
-
-def _model(method, warmup):
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = tiny_llama(seed=0)
-        if method == "full":
-            return model
-        model = get_peft_model(model, CONFIGS[method]())
-    if method == "smt":
-        smt_warmup(model, warmup, num_steps=len(warmup), progress=False)  # scores summed over ranks when distributed
-    return model
-
-
-def _batch(step, rank):  # two batches per rank, alternating: the loss falls as they are learnt
-    return random_batch(batch=2, seq=16, seed=1000 + 10 * (step % 2) + rank)
-
-
-def _trainable(model):
-    return [p for p in model.parameters() if p.requires_grad]
+from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_same_adapter, batch,
+                     build_model, reference, trainable)
 
 
 def _steps(model, opt, rank, world, steps):
@@ -52,7 +21,7 @@ def _steps(model, opt, rank, world, steps):
 
     losses = []
     for step in steps:
-        loss = model(**_batch(step, rank)).loss
+        loss = model(**batch(step, rank)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -76,19 +45,18 @@ def _fsdp_rank(rank, world, out):
     results = {}
     half = STEPS // 2
     for method in METHODS:
-        model = _model(method, [random_batch(seed=rank)])
+        model = build_model(method, [random_batch(seed=rank)])
         selection = model.peft_config["default"].block_indices if method == "smt" else None
         apply_fsdp(model, FSDPConfig(activation_checkpointing=True))
-        opt = torch.optim.AdamW(_trainable(model), lr=LR)
+        opt = torch.optim.AdamW(trainable(model), lr=LR)
         losses = _steps(model, opt, rank, world, range(half))
         dcp.save(_dcp_state(model, opt), checkpoint_id=f"{out}/ckpt_{method}")  # the engine's sharded checkpoint
         losses += _steps(model, opt, rank, world, range(half, STEPS))
 
         # resume: a fresh sharded model and optimizer load the checkpoint and repeat the second half
-        fresh = _model(method, []) if method != "smt" else get_peft_model(
-            tiny_llama(seed=1), SMTConfig(block_size=16, target_modules=TARGETS, block_indices=selection))
+        fresh = build_model(method, [], selection=selection)
         apply_fsdp(fresh, FSDPConfig(activation_checkpointing=True))
-        fresh_opt = torch.optim.AdamW(_trainable(fresh), lr=LR)
+        fresh_opt = torch.optim.AdamW(trainable(fresh), lr=LR)
         state = _dcp_state(fresh, fresh_opt)
         dcp.load(state, checkpoint_id=f"{out}/ckpt_{method}")
         set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -103,14 +71,14 @@ def _fsdp_rank(rank, world, out):
 
     # refused before any step: SMT selection on a sharded model, HSDP replicas that do not divide the processes
     refusals = {}
-    model = _model("smt", [])
+    model = build_model("smt", [])
     apply_fsdp(model)
     try:
         smt_warmup(model, [random_batch(seed=0)], num_steps=1, progress=False)
     except ValueError as e:
         refusals["smt_after_sharding"] = str(e)
     try:
-        apply_fsdp(_model("lorafa", []), FSDPConfig(replicate=3))
+        apply_fsdp(build_model("lorafa", []), FSDPConfig(replicate=3))
     except ValueError as e:
         refusals["replicate"] = str(e)
     results["refusals"] = refusals
@@ -126,26 +94,10 @@ def fsdp_run(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
-def _reference(method, tmp_path):
-    """One process, the same warm-up data, the mean of both ranks' losses per step."""
-    model = _model(method, [random_batch(seed=0), random_batch(seed=1)])
-    opt = torch.optim.AdamW(_trainable(model), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = (model(**_batch(step, 0)).loss + model(**_batch(step, 1)).loss) / 2
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    if method != "full":
-        model.save_pretrained(str(tmp_path / method))
-    return model, losses
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_fsdp2_trains_like_one_process(fsdp_run, method, tmp_path):
     out, results = fsdp_run
-    model, losses = _reference(method, tmp_path)
+    model, losses = reference(method, tmp_path / method)
     got = results[method]
     # sums of two ranks' gradients in another order, activation checkpointing in the sharded run: float rounding
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=2e-5, atol=0)
@@ -159,15 +111,7 @@ def test_fsdp2_trains_like_one_process(fsdp_run, method, tmp_path):
         return
     if method == "smt":  # the ranks' summed warm-up gradients select exactly the single process's blocks
         assert got["selection"] == model.peft_config["default"].block_indices
-    saved = load_file(out / method / "adapter_model.safetensors")
-    want = load_file(tmp_path / method / "adapter_model.safetensors")
-    assert saved.keys() == want.keys() and saved
-    for k, v in want.items():
-        torch.testing.assert_close(saved[k], v, rtol=1e-4, atol=2e-5, msg=k)
-    cfg_saved, cfg_want = (json.loads((d / method / "adapter_config.json").read_text()) for d in (out, tmp_path))
-    for cfg in (cfg_saved, cfg_want):  # peft keeps target_modules as a set: its order varies between processes
-        cfg["target_modules"] = sorted(cfg["target_modules"])
-    assert cfg_saved == cfg_want
+    assert_same_adapter(out / method, tmp_path / method)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -180,16 +124,7 @@ def test_resume_from_a_sharded_checkpoint_repeats_the_steps_exactly(fsdp_run, me
 @pytest.mark.parametrize("method", list(CONFIGS))
 def test_adapter_from_a_sharded_run_reloads_and_merges(fsdp_run, method):
     out, _ = fsdp_run
-    batch = random_batch(batch=2, seq=16, seed=7)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = PeftModel.from_pretrained(tiny_llama(seed=0), str(out / method)).eval()
-    base_logits = tiny_llama(seed=0).eval()(**batch).logits
-    with torch.no_grad():
-        logits = model(**batch).logits
-        assert (logits - base_logits).abs().max() > 1e-3  # the trained adapter changes the model
-        merged = model.merge_and_unload()(**batch).logits
-    torch.testing.assert_close(merged, logits, rtol=1e-4, atol=1e-4)
+    assert_reloads_and_merges(out / method)
 
 
 def test_sharding_refusals_name_the_fix(fsdp_run):

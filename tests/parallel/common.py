@@ -1,0 +1,95 @@
+"""What the sharded-engine tests share: the methods, their models, the batches each rank sees, and the
+single-process reference they are compared with."""
+
+import json
+import warnings
+
+import torch
+from peft import get_peft_model
+from safetensors.torch import load_file
+
+from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig, smt_warmup
+from hf_dtrain.testing import random_batch, tiny_llama
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CONFIGS = {
+    "smt": lambda: SMTConfig(block_size=16, num_blocks=5, target_modules=TARGETS),
+    "lorafa": lambda: LoraFAConfig(r=4, target_modules=TARGETS, init_seed=0),
+    "qbara": lambda: QBaRAConfig(r=4, target_modules=TARGETS, require_quantized_base=False),
+    "qahira": lambda: QAHiRAConfig(group_size=16, target_modules=TARGETS, require_quantized_base=False),
+}
+METHODS = ["full", *CONFIGS]
+STEPS = 10
+LR = 1e-2
+
+
+def build_model(method, warmup, selection=None):
+    """The tiny LLaMA, fully trainable or with ``method``'s adapter; SMT warms up on ``warmup`` (scores summed over
+    ranks when distributed) unless an earlier ``selection`` is given."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_llama(seed=0)
+        if method == "full":
+            return model
+        if selection is not None:
+            return get_peft_model(model, SMTConfig(block_size=16, target_modules=TARGETS, block_indices=selection))
+        model = get_peft_model(model, CONFIGS[method]())
+    if method == "smt":
+        smt_warmup(model, warmup, num_steps=len(warmup), progress=False)
+    return model
+
+
+def batch(step, rank):
+    """Two batches per rank, alternating: the loss falls as they are learnt."""
+    return random_batch(batch=2, seq=16, seed=1000 + 10 * (step % 2) + rank)
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def reference(method, save_dir=None):
+    """One process, the same warm-up data, the mean of both ranks' losses per step; saves the adapter."""
+    model = build_model(method, [random_batch(seed=0), random_batch(seed=1)])
+    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = (model(**batch(step, 0)).loss + model(**batch(step, 1)).loss) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if method != "full" and save_dir is not None:
+        model.save_pretrained(str(save_dir))
+    return model, losses
+
+
+def assert_same_adapter(saved_dir, want_dir):
+    """The adapter files of a sharded run equal the single-process run's (float rounding of the summed gradients
+    aside), config included."""
+    saved = load_file(saved_dir / "adapter_model.safetensors")
+    want = load_file(want_dir / "adapter_model.safetensors")
+    assert saved.keys() == want.keys() and saved
+    for k, v in want.items():
+        torch.testing.assert_close(saved[k], v, rtol=1e-4, atol=2e-5, msg=k)
+    cfg_saved, cfg_want = (json.loads((d / "adapter_config.json").read_text()) for d in (saved_dir, want_dir))
+    for cfg in (cfg_saved, cfg_want):  # peft keeps target_modules as a set: its order varies between processes
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+    assert cfg_saved == cfg_want
+
+
+def assert_reloads_and_merges(adapter_dir):
+    """The saved adapter loads with peft onto a fresh base, changes its output, and merges exactly."""
+    from peft import PeftModel
+
+    data = random_batch(batch=2, seq=16, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = PeftModel.from_pretrained(tiny_llama(seed=0), str(adapter_dir)).eval()
+    base_logits = tiny_llama(seed=0).eval()(**data).logits
+    with torch.no_grad():
+        logits = model(**data).logits
+        assert (logits - base_logits).abs().max() > 1e-3  # the trained adapter changes the model
+        merged = model.merge_and_unload()(**data).logits
+    torch.testing.assert_close(merged, logits, rtol=1e-4, atol=1e-4)

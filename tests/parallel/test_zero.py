@@ -1,0 +1,130 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 (CPU accelerator, gloo, 2 ranks) with full fine-tuning and each hf_dtrain tuner:
+every step's loss and the saved adapter equal one process training on both ranks' batches, activation
+checkpointing on; DeepSpeed's own checkpoint resumes the run bit for bit; the saved adapter reloads and merges."""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
+
+from hf_dtrain.parallel import full_state_dict, is_zero3, save_pretrained  # noqa: E402
+from hf_dtrain.testing import random_batch, run_distributed  # noqa: E402
+
+from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_same_adapter, batch,  # noqa: E402
+                     build_model, reference, trainable)
+
+STAGES = [2, 3]
+
+
+def _engine(model, stage):
+    import deepspeed
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "peft_config"):
+        model.enable_input_require_grads()
+    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    # DeepSpeed 0.19 clips gradients at norm 1.0 unless told otherwise; the reference does not clip
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              # threshold 0: every parameter is partitioned (the tiny model's would all stay whole by default)
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+    return engine
+
+
+def _steps(engine, rank, world, steps):
+    import torch.distributed as dist
+
+    losses = []
+    for step in steps:
+        loss = engine(**batch(step, rank)).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def _zero_rank(rank, world, out):
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    results = {}
+    half = STEPS // 2
+    for stage in STAGES:
+        for method in METHODS:
+            model = build_model(method, [random_batch(seed=rank)])
+            selection = model.peft_config["default"].block_indices if method == "smt" else None
+            engine = _engine(model, stage)
+            # ZeRO-3 holds no whole parameter between steps: the local tensors are empty placeholders
+            partitioned = is_zero3(engine.module) and all(p.numel() == 0 for p in engine.module.parameters())
+            losses = _steps(engine, rank, world, range(half))
+            engine.save_checkpoint(f"{out}/ckpt_{stage}_{method}", tag="half")  # DeepSpeed's own checkpoint
+            losses += _steps(engine, rank, world, range(half, STEPS))
+            # resume: a fresh engine loads the checkpoint and repeats the second half
+            fresh = _engine(build_model(method, [], selection=selection), stage)
+            fresh.load_checkpoint(f"{out}/ckpt_{stage}_{method}", tag="half")
+            resumed = _steps(fresh, rank, world, range(half, STEPS))
+            if method == "full":
+                state = full_state_dict(engine)
+                if rank == 0:
+                    torch.save(state, f"{out}/full_{stage}.pt")
+            else:
+                save_pretrained(engine, f"{out}/{stage}_{method}")
+            results[f"{stage}_{method}"] = {"losses": losses, "selection": selection, "resumed": resumed,
+                                            "partitioned": partitioned}
+    if rank == 0:
+        with open(f"{out}/results.json", "w") as f:
+            json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def zero_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero")
+    run_distributed(_zero_rank, world_size=2, args=(str(out),), timeout=500)
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    return out, {method: reference(method, out / method) for method in METHODS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_trains_like_one_process(zero_run, references, stage, method):
+    out, results = zero_run
+    ref_dir, refs = references
+    model, losses = refs[method]
+    got = results[f"{stage}_{method}"]
+    assert got["partitioned"] == (stage == 3)  # ZeRO-3 really partitioned the parameters
+    # sums of two ranks' gradients in another order, activation checkpointing in the sharded run: float rounding
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=2e-5, atol=0)
+    assert losses[-2] < losses[0] - 0.01  # it trained (steps 0 and 8 see the same batches)
+    if method == "full":
+        state = torch.load(out / f"full_{stage}.pt", weights_only=True)
+        want = model.state_dict()
+        assert state.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=2e-5, msg=k)
+        return
+    if method == "smt":  # the ranks' summed warm-up gradients select exactly the single process's blocks
+        assert got["selection"] == model.peft_config["default"].block_indices
+    assert_same_adapter(out / f"{stage}_{method}", ref_dir / method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_resume_from_a_deepspeed_checkpoint_repeats_the_steps_exactly(zero_run, stage, method):
+    _, results = zero_run
+    got = results[f"{stage}_{method}"]
+    assert [x.hex() for x in got["resumed"]] == [x.hex() for x in got["losses"][STEPS // 2:]]
+
+
+@pytest.mark.parametrize("method", list(CONFIGS))
+def test_adapter_from_a_zero3_run_reloads_and_merges(zero_run, method):
+    out, _ = zero_run
+    assert_reloads_and_merges(out / f"3_{method}")
