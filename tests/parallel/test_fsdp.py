@@ -12,8 +12,8 @@ from hf_dtrain import LoraFAConfig, smt_warmup
 from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_dict, save_pretrained
 from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
 
-from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_same_adapter, batch,
-                     build_model, reference, trainable)
+from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference, batch,
+                     build_model, trainable)
 
 
 def _steps(model, opt, rank, world, steps):
@@ -95,23 +95,11 @@ def fsdp_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_fsdp2_trains_like_one_process(fsdp_run, method, tmp_path):
+def test_fsdp2_trains_like_one_process(fsdp_run, references, method):
     out, results = fsdp_run
-    model, losses = reference(method, tmp_path / method)
-    got = results[method]
-    # sums of two ranks' gradients in another order, activation checkpointing in the sharded run: float rounding
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=2e-5, atol=0)
-    assert losses[-2] < losses[0] - 0.01  # it trained (steps 0 and 8 see the same batches)
-    if method == "full":
-        state = torch.load(out / "full.pt", weights_only=True)
-        want = model.state_dict()
-        assert state.keys() == want.keys()
-        for k, v in want.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=2e-5, msg=k)
-        return
-    if method == "smt":  # the ranks' summed warm-up gradients select exactly the single process's blocks
-        assert got["selection"] == model.peft_config["default"].block_indices
-    assert_same_adapter(out / method, tmp_path / method)
+    ref_dir, refs = references
+    saved = out / ("full.pt" if method == "full" else method)
+    assert_trains_like_reference(method, results[method], refs[method], saved, ref_dir / method)
 
 
 @pytest.mark.parametrize("method", METHODS)
