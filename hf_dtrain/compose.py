@@ -21,6 +21,7 @@ from hf_dtrain.decentralized.config import GossipConfig
 from hf_dtrain.fault.config import SnapshotConfig
 from hf_dtrain.memory.config import DeltaConfig
 from hf_dtrain.optim.config import EvaConfig, OneBitLambConfig
+from hf_dtrain.parallel.fsdp import FSDPConfig
 from hf_dtrain.settings import build, coerce_section, merge, section_type, sections
 
 ENGINES = ("accelerate", "trainer")
@@ -67,6 +68,9 @@ class ComposeOptions:
         "help": "Heterogeneity-aware sampler: relative speed of each rank (one per process); None: even shards."})
     deepspeed: Optional[str] = field(default=None, metadata={
         "help": "DeepSpeed config JSON (finetune: passed to the Trainer); checked against the other switches."})
+    fsdp: Optional[FSDPConfig] = field(default=None, metadata={
+        "help": "Shard the model with FSDP2 (hf_dtrain.parallel.apply_fsdp: decoder layers and root, tuner layers "
+                "whole; fsdp.replicate > 1 for HSDP) instead of replicating it with DDP. None: DDP."})
 
     def __post_init__(self):
         self.validate()
@@ -168,6 +172,8 @@ class ComposeOptions:
             elif len(self.hetero_speeds) != world_size:
                 clashes.append(f"hetero_speeds has {len(self.hetero_speeds)} values for {world_size} processes; "
                                "give one speed per process")
+        if self.fsdp is not None:
+            clashes += self._fsdp_clashes()
         stage = self.deepspeed_stage()
         if stage is not None:
             if engine != "trainer":
@@ -191,6 +197,29 @@ class ComposeOptions:
                                "is not supported yet; use DDP (no --deepspeed) or ZeRO stage 0")
         if clashes:
             raise ValueError("These switches cannot be combined: " + "; ".join(clashes) + ".")
+
+
+    def _fsdp_clashes(self) -> list[str]:
+        """What cannot run on an FSDP2-sharded model today, each with its reason."""
+        out = []
+        if self.deepspeed:
+            out.append("fsdp and deepspeed are two sharding engines: choose --fsdp (torch FSDP2) or --deepspeed")
+        if self.comm_hook is not None:
+            out.append(f"comm_hook={self.comm_method} is a DDP communication hook and FSDP2 has no DDP (it "
+                       "reduce-scatters gradients itself): drop --comm-hook")
+        if self.optimizer in EXCHANGING:
+            out.append(f"optimizer={self.optimizer} exchanges whole gradients/parameters between replicas; under "
+                       "FSDP2 each rank holds a shard, not a replica: use --optimizer adamw")
+        if self.optimizer == "eva":
+            out.append("optimizer=eva with fsdp: Eva's preconditioning of gradient shards is not built yet "
+                       "(issue 21, item 3); use --optimizer adamw with --fsdp, or Eva under DDP")
+        if self.delta is not None:
+            out.append("delta with fsdp: DELTA's recompute under FSDP2's gather/reshard is not built yet (issue 21, "
+                       "item 2); drop --delta, or use it under DDP")
+        if self.fault_tolerance is not None:
+            out.append("fault_tolerance with fsdp: snapshots of sharded state come with the next issue (22); use "
+                       "DDP for in-memory snapshots, or FSDP2 with the Trainer's / DCP checkpoints")
+        return out
 
 
 def _adamw(opts, model, params, lr, weight_decay):

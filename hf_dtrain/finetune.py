@@ -118,6 +118,16 @@ def _count(model):
     return trainable, total
 
 
+def local_param_bytes(model) -> int:
+    """Bytes of parameters this process holds: the local shard of a DTensor (FSDP2), the partition of a ZeRO-3
+    parameter, else the whole tensor."""
+    total = 0
+    for p in model.parameters():
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
 def format_table(r: dict) -> str:
     method = r["method"] + (f" on {r['quantize']}" if r.get("quantize") else "")
     cols = [("method", method), ("trainable", f"{r['trainable_params']:,} ({r['trainable_pct']:.2f}%)"),
@@ -145,6 +155,34 @@ def _allow_ddp_after_evaluate(trainer) -> None:
     if getattr(model, "_is_accelerate_prepared", False) and trainer.model_wrapped is model:
         del model._is_accelerate_prepared
         trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not model]
+
+
+def fsdp_from_launcher(fsdp):
+    """The job's FSDP2 settings: ``--fsdp`` as given, or, when ``accelerate launch`` was given an Accelerate FSDP
+    config on a machine without CUDA, that config's settings. Accelerate enables its FSDP plugin only on GPU-class
+    devices (1.15: on CPU it silently falls back to DDP), so there hf_dtrain shards the model itself with them. On
+    CUDA the Trainer takes Accelerate's own FSDP2 route."""
+    from hf_dtrain.parallel import FSDPConfig
+
+    if not FSDPConfig.requested_by_accelerate():
+        return fsdp
+    if fsdp is not None:
+        raise ValueError("Two FSDP settings: --fsdp and an Accelerate FSDP launch config (distributed_type: FSDP) "
+                         "both shard the model; keep one (drop --fsdp, or launch with a non-FSDP config).")
+    if torch.cuda.is_available():
+        return None
+    config = FSDPConfig.from_accelerate()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"hf-dtrain: the Accelerate FSDP config runs as FSDP2 on CPU through hf_dtrain.parallel: {config}",
+              flush=True)
+    return config
+
+
+def _keep_sharded(model) -> None:
+    """Let the Trainer use a model FSDP2 has already sharded: Accelerate's ``prepare`` would otherwise wrap it in
+    DDP (on a device where its FSDP plugin is off), which refuses DTensor parameters. A model Accelerate marks as
+    prepared is used as it is; FSDP2 does the gradient reduction itself."""
+    model._is_accelerate_prepared = True
 
 
 def _replicas_identical(model, world_size: int) -> bool:
@@ -237,19 +275,12 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     )
     # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
     world_size = args.world_size
+    cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
     cfg.check(world_size, engine="trainer", lorafa_optimizer=cfg.method == "lorafa" and cfg.lorafa_optimizer)
-    optimizers, callbacks = (None, None), []
-    if cfg.optimizer != "adamw":
-        optimizers = (build_optimizer(cfg, model, lr, cfg.weight_decay), None)
-    delta_cb, ft = engine_callbacks(cfg, output_dir)
-    callbacks += [cb for cb in (delta_cb, ft) if cb is not None]
-    own = FINETUNE_METHODS[cfg.method].build_optimizer
-    own_optimizer = own(cfg, model, lr, cfg.weight_decay) if own is not None else None
-    if own_optimizer is not None:  # the method's own optimizer (lorafa's); the clash check above refused another
-        optimizers = (own_optimizer, None)
+    callbacks = []
     if cfg.method == "smt":
-        if world_size > 1:
-            # DDP cannot change parameter shapes after wrapping: select the blocks before the Trainer exists.
+        if world_size > 1 or cfg.fsdp is not None:
+            # DDP cannot change parameter shapes after wrapping, nor FSDP2 after sharding: select the blocks first
             from torch.utils.data import DataLoader, DistributedSampler
 
             from hf_dtrain.tuners.smt import smt_warmup
@@ -263,6 +294,20 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
             from hf_dtrain.tuners.smt import SMTSelectionCallback
 
             callbacks.append(SMTSelectionCallback())
+    if cfg.fsdp is not None:
+        from hf_dtrain.parallel import apply_fsdp
+
+        apply_fsdp(model, cfg.fsdp)  # before any optimizer exists: they are built on the sharded parameters
+        _keep_sharded(model)
+    optimizers = (None, None)
+    if cfg.optimizer != "adamw":
+        optimizers = (build_optimizer(cfg, model, lr, cfg.weight_decay), None)
+    delta_cb, ft = engine_callbacks(cfg, output_dir)
+    callbacks += [cb for cb in (delta_cb, ft) if cb is not None]
+    own = FINETUNE_METHODS[cfg.method].build_optimizer
+    own_optimizer = own(cfg, model, lr, cfg.weight_decay) if own is not None else None
+    if own_optimizer is not None:  # the method's own optimizer (lorafa's); the clash check above refused another
+        optimizers = (own_optimizer, None)
 
     trainer = Trainer(model=model, args=args, data_collator=collator, train_dataset=train_ds, eval_dataset=eval_ds,
                       processing_class=tokenizer, compute_metrics=tasks.compute_metrics,
@@ -279,7 +324,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
 
     resume = ft.resume_checkpoint(trainer) if ft is not None else None
     before = trainer.evaluate()  # adapters start as the identity: this is the base model
-    _allow_ddp_after_evaluate(trainer)
+    if cfg.fsdp is None:
+        _allow_ddp_after_evaluate(trainer)
     t0 = time.perf_counter()
     monitor = None
     if world_size > 1:
@@ -292,7 +338,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         monitor.close()
     train_seconds = time.perf_counter() - t0
     after = trainer.evaluate()
-    replicas_identical = _replicas_identical(trainer.model, world_size)
+    # FSDP2 holds shards, not replicas (with fsdp.replicate > 1 the replicas are kept equal by FSDP2's own all-reduce)
+    replicas_identical = None if cfg.fsdp is not None else _replicas_identical(trainer.model, world_size)
 
     trainable, total = _count(trainer.model)
     results = dict(
@@ -310,16 +357,24 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         replicas_identical=replicas_identical,
         dataset=cfg.dataset or "default addition task (hf_dtrain.tasks)",
         trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(1, total),
+        param_bytes_local=local_param_bytes(trainer.model),
         train_seconds=train_seconds, train_loss=float(train_out.training_loss),
         eval_loss_before=float(before["eval_loss"]), eval_loss_after=float(after["eval_loss"]),
         accuracy_before=float(before["eval_accuracy"]), accuracy_after=float(after["eval_accuracy"]),
         losses={int(h["step"]): float(h["loss"]) for h in trainer.state.log_history if "loss" in h},
         max_steps=cfg.max_steps, learning_rate=lr, per_device_train_batch_size=cfg.per_device_train_batch_size,
         world_size=world_size, output_dir=output_dir, config=dataclasses.asdict(cfg),
+        engine="fsdp2" if cfg.fsdp is not None else f"deepspeed-zero{cfg.deepspeed_stage()}" if cfg.deepspeed
+        else "ddp" if world_size > 1 else "single process",
     )
+    if cfg.fsdp is not None:
+        from hf_dtrain.parallel import save_pretrained
+
+        save_pretrained(trainer.model, output_dir)  # every rank gathers; rank 0 writes
     if trainer.is_world_process_zero():
         os.makedirs(output_dir, exist_ok=True)
-        trainer.model.save_pretrained(output_dir)
+        if cfg.fsdp is None:
+            trainer.model.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
         base_name = cfg.model or f"hf_dtrain/default-{cfg.base_preset}"
         write_model_card(output_dir, results, base_name)

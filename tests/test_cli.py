@@ -201,6 +201,83 @@ def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_
     assert proc.stdout.count("| method") == 1  # only rank 0 reports
 
 
+def _reload_and_merge(base_path, adapter_dir):
+    """The saved adapter loads with peft onto the base, changes its output and merges exactly."""
+    import warnings
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.arange(1, 17).reshape(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForCausalLM.from_pretrained(base_path).eval()
+        with torch.no_grad():
+            base_logits = base(input_ids=ids).logits
+        model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        assert (logits - base_logits).abs().max() > 1e-4
+        torch.testing.assert_close(model.merge_and_unload()(input_ids=ids).logits, logits, rtol=1e-4, atol=1e-4)
+
+
+def _launch_finetune(config_file, base_path, out, method, steps, extra=()):
+    from hf_dtrain.testing import free_port
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", method,
+           "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "1000",
+           "--eval-size", "10", "--max-steps", str(steps), "--learning-rate", "3e-3", "--smt-block-size", "16",
+           "--smt-warmup-steps", "5", "--progress", "false", "--logging-steps", "1", *extra]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, json.load(open(out / "results.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["smt", "lorafa", "qbara", "qahira"])
+def test_finetune_under_the_accelerate_fsdp2_config_shards_and_trains(base_path, tmp_path, method):
+    """``accelerate launch --config_file recipes/accelerate/fsdp2_cpu_2proc.yaml ... finetune``: 2 gloo ranks, the
+    model really sharded by FSDP2 (each rank holds half the parameter bytes), the loss falls, the adapter is saved
+    once, reloads with peft and merges. SMT's run and LoRA-FA's (with its own optimizer, acting on row shards of
+    B) equal the DDP launch of the same command step for step."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hf_dtrain.parallel import FSDPConfig
+
+    steps = 40
+    proc, r = _launch_finetune("recipes/accelerate/fsdp2_cpu_2proc.yaml", base_path, tmp_path / "fsdp", method, steps)
+    assert "runs as FSDP2 on CPU" in proc.stdout
+    assert r["world_size"] == 2 and r["engine"] == "fsdp2"
+    assert FSDPConfig(**r["config"]["fsdp"]) == FSDPConfig(layer_classes=["LlamaDecoderLayer"],
+                                                          activation_checkpointing=True)  # the YAML's settings
+    whole = r["total_params"] * 4
+    assert r["param_bytes_local"] < 0.55 * whole  # sharded: about half on each of the 2 ranks
+    assert r["eval_loss_after"] < r["eval_loss_before"]
+    assert proc.stdout.count("| method") == 1  # only rank 0 reports
+    _reload_and_merge(base_path, tmp_path / "fsdp")
+    if method in ("smt", "lorafa"):
+        _, ddp = _launch_finetune("recipes/accelerate/cpu_2proc.yaml", base_path, tmp_path / "ddp", method, steps)
+        assert ddp["engine"] == "ddp" and ddp["param_bytes_local"] == whole
+        # the same averaged gradients, reduce-scattered instead of all-reduced: float rounding only
+        losses = [r["losses"][k] for k in sorted(r["losses"], key=int)]
+        want = [ddp["losses"][k] for k in sorted(ddp["losses"], key=int)]
+        assert len(losses) == steps
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-4, atol=0)
+        saved = load_file(tmp_path / "fsdp" / "adapter_model.safetensors")
+        want = load_file(tmp_path / "ddp" / "adapter_model.safetensors")
+        assert saved.keys() == want.keys()
+        for k, v in want.items():
+            # Adam's normalised steps turn rounding differences of tiny gradients into differences of up to
+            # ~1e-3 of the tensor's scale after 40 steps (peft's LoRA-FA projection also runs under bf16 autocast)
+            scale = float(v.abs().max()) if v.numel() else 0.0
+            torch.testing.assert_close(saved[k], v, rtol=1e-3, atol=2e-3 * scale, msg=k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("comm_hook", ["dear", "embrace"])
 def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_hook):

@@ -38,6 +38,43 @@ def test_two_optimizers_and_deepspeed_clashes(tmp_path):
     ComposeOptions(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, optimizer="eva").check(2, "accelerate")
 
 
+def test_fsdp_clashes_name_the_reason(tmp_path):
+    zero3 = tmp_path / "ds.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError) as err:
+        ComposeOptions(fsdp=True, comm_hook="acp_sgd", delta=0.5, fault_tolerance=True,
+                       deepspeed=str(zero3)).check(2, "trainer")
+    message = str(err.value)
+    assert "fsdp and deepspeed are two sharding engines" in message
+    assert "comm_hook=acp_sgd is a DDP communication hook and FSDP2 has no DDP" in message
+    assert "delta with fsdp" in message and "fault_tolerance with fsdp" in message
+    for optimizer, reason in [("eva", "preconditioning of gradient shards is not built yet"),
+                              ("onebit_lamb", "each rank holds a shard, not a replica")]:
+        with pytest.raises(ValueError, match=reason):
+            ComposeOptions(fsdp=True, optimizer=optimizer).check(2, "trainer")
+    ComposeOptions(fsdp={"replicate": 2, "activation_checkpointing": True}).check(4, "trainer")
+
+
+def test_accelerate_fsdp_configs_that_fsdp2_cannot_honour_are_refused():
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from hf_dtrain.parallel import FSDPConfig
+
+    plugin = SimpleNamespace(fsdp_version=2, reshard_after_forward=False, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_offload=CPUOffloadPolicy(),
+                             activation_checkpointing=True)
+    assert FSDPConfig.from_accelerate(plugin, mixed_precision="bf16") == FSDPConfig(
+        reshard_after_forward=False, param_dtype="bf16", cpu_offload=True, layer_classes=["LlamaDecoderLayer"],
+        activation_checkpointing=True)
+    for change, match in [({"fsdp_version": 1}, "hf_dtrain shards with FSDP2 only: set fsdp_config.fsdp_version: 2"),
+                          ({"auto_wrap_policy": "SIZE_BASED_WRAP"}, "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"),
+                          ({"reshard_after_forward": 2}, "takes true or false")]:
+        with pytest.raises(ValueError, match=match):
+            FSDPConfig.from_accelerate(SimpleNamespace(**{**vars(plugin), **change}), mixed_precision="no")
+
+
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match=r"optimizer='sgd2' is unknown; set --optimizer to one of adamw, eva"):
         ComposeOptions(optimizer="sgd2").validate()

@@ -71,6 +71,50 @@ class FSDPConfig:
                              "has no loss scaling for fp16; use param_dtype=bf16.")
 
 
+    @classmethod
+    def from_accelerate(cls, plugin=None, mixed_precision: Optional[str] = None) -> "FSDPConfig":
+        """The settings of an Accelerate FSDP config (``accelerate launch --config_file`` with ``distributed_type:
+        FSDP`` sets them in the environment; ``plugin`` defaults to ``FullyShardedDataParallelPlugin()`` read from
+        there). Only what FSDP2 and this engine can honour is taken; anything else is a ``ValueError`` naming the
+        key to change."""
+        import os
+
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        if plugin is None:
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            plugin = FullyShardedDataParallelPlugin()
+        if plugin.fsdp_version != 2:
+            raise ValueError(f"The Accelerate FSDP config has fsdp_version: {plugin.fsdp_version}; hf_dtrain shards "
+                             "with FSDP2 only: set fsdp_config.fsdp_version: 2.")
+        reshard = plugin.reshard_after_forward
+        if not isinstance(reshard, bool):
+            raise ValueError(f"fsdp_config.fsdp_reshard_after_forward={reshard!r}: hf_dtrain takes true or false.")
+        policy = plugin.auto_wrap_policy
+        policy_name = policy if isinstance(policy, str) or policy is None else getattr(policy, "__name__", str(policy))
+        layer_classes = plugin.transformer_cls_names_to_wrap or None
+        if policy_name and "transformer" not in str(policy_name).lower():
+            raise ValueError(f"fsdp_config.fsdp_auto_wrap_policy={policy_name}: hf_dtrain wraps whole decoder "
+                             "layers; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP (and "
+                             "fsdp_transformer_layer_cls_to_wrap, or leave it out for the model's own).")
+        precision = (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower()
+        dtypes = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+        if precision not in dtypes:
+            raise ValueError(f"mixed_precision={precision}: FSDP2 here takes no, bf16 or fp16.")
+        replicate = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1") or 1)
+        return cls(replicate=replicate, reshard_after_forward=reshard, param_dtype=dtypes[precision],
+                   cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy), layer_classes=layer_classes,
+                   activation_checkpointing=bool(plugin.activation_checkpointing))
+
+    @staticmethod
+    def requested_by_accelerate() -> bool:
+        """Whether ``accelerate launch`` was given an FSDP config (it exports ``ACCELERATE_USE_FSDP=true``)."""
+        import os
+
+        return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1", "yes")
+
+
 def _tuner_layers(model: nn.Module) -> dict[str, nn.Module]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 

@@ -5,6 +5,10 @@ peft's own ``peft.optimizers.create_lorafa_optimizer`` targets peft ``LoraConfig
 parameters, A frozen by the optimizer while the forward still keeps ``x``). Here A is already frozen by the tuner, so
 this function only builds the parameter groups the optimizer expects: for each adapted layer the pair (A, B) in that
 order, named so that peft's pairing by ``"lora" in name`` finds them, with the layer's scaling factor.
+
+Under FSDP2, B and its gradient are row shards (DTensor ``Shard(0)``) while A, a buffer, stays whole. The correction
+acts on each row of ``g_B`` alone, so each rank applies it to its own rows: the step runs with DTensor's implicit
+replication, which treats the whole ``(A A^T)^-1`` as replicated.
 """
 
 from __future__ import annotations
@@ -15,7 +19,22 @@ from peft.optimizers.lorafa import LoraFAOptimizer
 from .layer import LoraFALayer
 
 
-def create_lorafa_optimizer(model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0, **kwargs) -> LoraFAOptimizer:
+class ShardAwareLoraFAOptimizer(LoraFAOptimizer):
+    """peft's ``LoraFAOptimizer``, also for parameters sharded by FSDP2 (see the module docstring)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        sharded = any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"])
+        if not sharded:
+            return super().step(closure)
+        with implicit_replication():
+            return super().step(closure)
+
+
+def create_lorafa_optimizer(model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0, **kwargs) -> ShardAwareLoraFAOptimizer:
     """Return peft's ``LoraFAOptimizer`` for the active LoRA-FA adapters of ``model`` (plus any other trainable
     parameter, e.g. ``modules_to_save``, which it updates with plain AdamW).
 
@@ -50,4 +69,4 @@ def create_lorafa_optimizer(model: torch.nn.Module, lr: float = 1e-3, weight_dec
             names.append(name)
             scalings.append(1.0)
     group = {"params": params, "names": names, "scaling_factors": scalings, "lr": lr, "weight_decay": weight_decay}
-    return LoraFAOptimizer([group], lr=lr, weight_decay=weight_decay, **kwargs)
+    return ShardAwareLoraFAOptimizer([group], lr=lr, weight_decay=weight_decay, **kwargs)
