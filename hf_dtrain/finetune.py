@@ -224,6 +224,15 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
 
     init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
     use_cpu = not torch.cuda.is_available()
+    if cfg.deepspeed and use_cpu:
+        # Accelerate 1.15 enables DeepSpeed only off the CPU: the Trainer would silently train with DDP instead.
+        # Forcing it on (use_cpu=False, DS_ACCELERATOR=cpu) trains, but Accelerate finds no backend for a CPU
+        # without use_cpu and counts 1 process: the Trainer would not split the data between the ranks, and its
+        # evaluation gather fails. ZeRO on CPU is tested from Python (tests/parallel/test_zero.py).
+        raise ValueError(f"deepspeed={cfg.deepspeed}: on a machine without CUDA, Accelerate (1.15) does not enable "
+                         "DeepSpeed for the Trainer and would silently run DDP. Run --deepspeed on a GPU machine, "
+                         "use --fsdp here, or call deepspeed.initialize yourself (DS_ACCELERATOR=cpu; see "
+                         "docs/sharded.md).")
     state = PartialState(cpu=use_cpu)
     world_size = state.num_processes
     output_dir = cfg.output_dir or os.path.join("outputs", f"finetune-{cfg.method}")
@@ -279,8 +288,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     cfg.check(world_size, engine="trainer", lorafa_optimizer=cfg.method == "lorafa" and cfg.lorafa_optimizer)
     callbacks = []
     if cfg.method == "smt":
-        if world_size > 1 or cfg.fsdp is not None:
-            # DDP cannot change parameter shapes after wrapping, nor FSDP2 after sharding: select the blocks first
+        if world_size > 1 or cfg.fsdp is not None or cfg.deepspeed:
+            # DDP cannot change parameter shapes after wrapping, nor FSDP2 / DeepSpeed after sharding: select first
             from torch.utils.data import DataLoader, DistributedSampler
 
             from hf_dtrain.tuners.smt import smt_warmup
@@ -314,6 +323,11 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
                       preprocess_logits_for_metrics=tasks.preprocess_logits_for_metrics, callbacks=callbacks,
                       optimizers=optimizers)
 
+    if cfg.deepspeed and not trainer.is_deepspeed_enabled:  # never train something other than what was asked
+        raise RuntimeError(f"deepspeed={cfg.deepspeed} was given but Accelerate did not enable DeepSpeed (distributed "
+                           f"type {trainer.accelerator.distributed_type}); launch with accelerate launch / torchrun / "
+                           "deepspeed so that LOCAL_RANK is set.")
+
     comm = None
     if cfg.comm_hook is not None or cfg.optimizer in EXCHANGING:
         from hf_dtrain.callbacks import CommHookCallback
@@ -339,7 +353,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     train_seconds = time.perf_counter() - t0
     after = trainer.evaluate()
     # FSDP2 holds shards, not replicas (with fsdp.replicate > 1 the replicas are kept equal by FSDP2's own all-reduce)
-    replicas_identical = None if cfg.fsdp is not None else _replicas_identical(trainer.model, world_size)
+    sharded = cfg.fsdp is not None or (cfg.deepspeed_stage() or 0) == 3
+    replicas_identical = None if sharded else _replicas_identical(trainer.model, world_size)
 
     trainable, total = _count(trainer.model)
     results = dict(
@@ -367,13 +382,13 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         engine="fsdp2" if cfg.fsdp is not None else f"deepspeed-zero{cfg.deepspeed_stage()}" if cfg.deepspeed
         else "ddp" if world_size > 1 else "single process",
     )
-    if cfg.fsdp is not None:
+    if cfg.fsdp is not None or cfg.deepspeed:
         from hf_dtrain.parallel import save_pretrained
 
-        save_pretrained(trainer.model, output_dir)  # every rank gathers; rank 0 writes
+        save_pretrained(trainer.model, output_dir)  # every rank gathers (FSDP2, ZeRO-3); rank 0 writes
     if trainer.is_world_process_zero():
         os.makedirs(output_dir, exist_ok=True)
-        if cfg.fsdp is None:
+        if cfg.fsdp is None and not cfg.deepspeed:
             trainer.model.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
         base_name = cfg.model or f"hf_dtrain/default-{cfg.base_preset}"

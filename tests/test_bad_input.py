@@ -242,6 +242,21 @@ def test_unreadable_deepspeed_config_names_the_file(tmp_path):
             FinetuneConfig(deepspeed=str(path))
 
 
+def test_trainer_deepspeed_without_cuda_is_refused_not_silently_ddp(tmp_path):
+    """Accelerate does not enable DeepSpeed on a CPU: finetune says so before loading anything, instead of training
+    with DDP while the user asked for ZeRO."""
+    import torch
+
+    from hf_dtrain.finetune import run_finetune
+
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA machine the Trainer takes the DeepSpeed config")
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3}}')
+    with pytest.raises(ValueError, match=r"does not enable DeepSpeed for the Trainer and would silently run DDP"):
+        run_finetune(FinetuneConfig(deepspeed=str(path), model=str(tmp_path), max_steps=1))  # not loaded
+
+
 def test_truncated_weights_name_the_file(tmp_path):
     """A model or adapter directory with a damaged ``*.safetensors``: the error names the file."""
     import torch
