@@ -222,6 +222,36 @@ class ComposeOptions:
         return out
 
 
+def fsdp_from_launcher(fsdp):
+    """The job's FSDP2 settings: ``--fsdp`` as given, or, when ``accelerate launch`` was given an Accelerate FSDP
+    config on a machine without CUDA, that config's settings. Accelerate enables its FSDP plugin only on GPU-class
+    devices (1.15: on CPU it silently falls back to DDP), so there hf_dtrain shards the model itself with them. On
+    CUDA the Trainer / Accelerator takes Accelerate's own FSDP2 route."""
+    import os
+
+    import torch
+
+    if not FSDPConfig.requested_by_accelerate():
+        return fsdp
+    if fsdp is not None:
+        raise ValueError("Two FSDP settings: --fsdp and an Accelerate FSDP launch config (distributed_type: FSDP) "
+                         "both shard the model; keep one (drop --fsdp, or launch with a non-FSDP config).")
+    if torch.cuda.is_available():
+        return None
+    config = FSDPConfig.from_accelerate()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"hf-dtrain: the Accelerate FSDP config runs as FSDP2 on CPU through hf_dtrain.parallel: {config}",
+              flush=True)
+    return config
+
+
+def keep_sharded(model) -> None:
+    """Let the Trainer / Accelerator use a model FSDP2 has already sharded: ``prepare`` would otherwise wrap it in
+    DDP (on a device where its FSDP plugin is off), which refuses DTensor parameters. A model Accelerate marks as
+    prepared is used as it is; FSDP2 does the gradient reduction itself."""
+    model._is_accelerate_prepared = True
+
+
 def _adamw(opts, model, params, lr, weight_decay):
     import torch
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, run_identity, snapshot_config_for,
-                               wire_bytes)
+from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, fsdp_from_launcher,
+                               keep_sharded, run_identity, snapshot_config_for, wire_bytes)
+from hf_dtrain.parallel import local_param_bytes
 from hf_dtrain.model_card import write_model_card
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS
 from hf_dtrain.tuners.smt.job import SMT_TARGETS
@@ -118,16 +119,6 @@ def _count(model):
     return trainable, total
 
 
-def local_param_bytes(model) -> int:
-    """Bytes of parameters this process holds: the local shard of a DTensor (FSDP2), the partition of a ZeRO-3
-    parameter, else the whole tensor."""
-    total = 0
-    for p in model.parameters():
-        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
-
-
 def format_table(r: dict) -> str:
     method = r["method"] + (f" on {r['quantize']}" if r.get("quantize") else "")
     cols = [("method", method), ("trainable", f"{r['trainable_params']:,} ({r['trainable_pct']:.2f}%)"),
@@ -155,34 +146,6 @@ def _allow_ddp_after_evaluate(trainer) -> None:
     if getattr(model, "_is_accelerate_prepared", False) and trainer.model_wrapped is model:
         del model._is_accelerate_prepared
         trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not model]
-
-
-def fsdp_from_launcher(fsdp):
-    """The job's FSDP2 settings: ``--fsdp`` as given, or, when ``accelerate launch`` was given an Accelerate FSDP
-    config on a machine without CUDA, that config's settings. Accelerate enables its FSDP plugin only on GPU-class
-    devices (1.15: on CPU it silently falls back to DDP), so there hf_dtrain shards the model itself with them. On
-    CUDA the Trainer takes Accelerate's own FSDP2 route."""
-    from hf_dtrain.parallel import FSDPConfig
-
-    if not FSDPConfig.requested_by_accelerate():
-        return fsdp
-    if fsdp is not None:
-        raise ValueError("Two FSDP settings: --fsdp and an Accelerate FSDP launch config (distributed_type: FSDP) "
-                         "both shard the model; keep one (drop --fsdp, or launch with a non-FSDP config).")
-    if torch.cuda.is_available():
-        return None
-    config = FSDPConfig.from_accelerate()
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"hf-dtrain: the Accelerate FSDP config runs as FSDP2 on CPU through hf_dtrain.parallel: {config}",
-              flush=True)
-    return config
-
-
-def _keep_sharded(model) -> None:
-    """Let the Trainer use a model FSDP2 has already sharded: Accelerate's ``prepare`` would otherwise wrap it in
-    DDP (on a device where its FSDP plugin is off), which refuses DTensor parameters. A model Accelerate marks as
-    prepared is used as it is; FSDP2 does the gradient reduction itself."""
-    model._is_accelerate_prepared = True
 
 
 def _replicas_identical(model, world_size: int) -> bool:
@@ -307,7 +270,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         from hf_dtrain.parallel import apply_fsdp
 
         apply_fsdp(model, cfg.fsdp)  # before any optimizer exists: they are built on the sharded parameters
-        _keep_sharded(model)
+        keep_sharded(model)
     optimizers = (None, None)
     if cfg.optimizer != "adamw":
         optimizers = (build_optimizer(cfg, model, lr, cfg.weight_decay), None)

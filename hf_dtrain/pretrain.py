@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, run_identity, snapshot_config_for,
-                               wire_bytes)
+from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, fsdp_from_launcher,
+                               keep_sharded, run_identity, snapshot_config_for, wire_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
 
     from hf_dtrain.distributed import unwrap_optimizer
     from hf_dtrain.models import PRESETS, build_llama
+    from hf_dtrain.parallel import local_param_bytes
 
     # a seedable sampler: epoch e's order depends on (seed, e) only, so a resumed run skips into the same order
     from hf_dtrain.distributed import RankMonitor, init_distributed
@@ -171,6 +172,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     world, rank = accelerator.num_processes, accelerator.process_index
+    cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
     cfg.check(world, engine="accelerate")
     with accelerator.main_process_first():
         tokenizer = default_tokenizer(cfg.preset)
@@ -183,6 +185,11 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         from hf_dtrain.memory import apply_delta
 
         delta = apply_delta(model, cfg.delta)  # on the unwrapped model
+    if cfg.fsdp is not None:
+        from hf_dtrain.parallel import apply_fsdp
+
+        apply_fsdp(model, cfg.fsdp)  # before the optimizer: it is built on the sharded parameters
+        keep_sharded(model)
     optimizer = build_optimizer(cfg, model, cfg.learning_rate, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
 
@@ -329,17 +336,24 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         fault_tolerance=None if engine is None else {
             "snapshots": engine.stats["snapshots"], "snapshot_bytes": engine.stats["bytes"],
             "restored": None if restored is None else {"step": restored.step, "source": restored.source}},
+        engine="fsdp2" if cfg.fsdp is not None else "ddp" if world > 1 else "single process",
+        param_bytes_local=local_param_bytes(unwrapped),
         config=dataclasses.asdict(cfg),
     )
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
     accelerator.wait_for_everyone()
+    if cfg.save_model and cfg.fsdp is not None:
+        from hf_dtrain.parallel import save_pretrained
+
+        save_pretrained(unwrapped, cfg.output_dir)  # every rank gathers its shards; rank 0 writes
     if accelerator.is_main_process:
         with open(os.path.join(cfg.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
         if cfg.save_model:
-            unwrapped.save_pretrained(cfg.output_dir)
+            if cfg.fsdp is None:
+                unwrapped.save_pretrained(cfg.output_dir)
             tokenizer.save_pretrained(cfg.output_dir)
         first, last = history[0]["loss"] if history else float("nan"), history[-1]["loss"] if history else float("nan")
         print(f"pretrain {cfg.preset}: loss {first:.4f} -> {last:.4f}, held-out {held_loss}", flush=True)

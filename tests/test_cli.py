@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hf_dtrain.cli import build_parser, job_config_from_args, main
 from hf_dtrain.finetune import FinetuneConfig, run_finetune
@@ -276,6 +277,38 @@ def test_finetune_under_the_accelerate_fsdp2_config_shards_and_trains(base_path,
             # ~1e-3 of the tensor's scale after 40 steps (peft's LoRA-FA projection also runs under bf16 autocast)
             scale = float(v.abs().max()) if v.numel() else 0.0
             torch.testing.assert_close(saved[k], v, rtol=1e-3, atol=2e-3 * scale, msg=k)
+
+
+@pytest.mark.slow
+def test_pretrain_under_the_accelerate_fsdp2_config_equals_the_ddp_launch(tmp_path):
+    """``hf-dtrain pretrain`` under the Accelerate FSDP2 config: the model sharded (half the bytes per rank),
+    activation checkpointing from the YAML, and every step's loss, the held-out loss and the saved model bit for bit
+    those of the DDP launch (two ranks: every gradient sum has two operands, the same in either engine)."""
+    from safetensors.torch import load_file
+
+    from hf_dtrain.testing import free_port
+
+    runs = {}
+    for config in ("fsdp2_cpu_2proc", "cpu_2proc"):
+        out = tmp_path / config
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"recipes/accelerate/{config}.yaml",
+               "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "pretrain", "--preset", "tiny",
+               "--max-steps", "12", "--per-device-train-batch-size", "4", "--seq-len", "32", "--data-bytes",
+               "200000", "--progress", "false", "--output-dir", str(out)]
+        env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[config] = (json.load(open(out / "results.json")), load_file(out / "model.safetensors"))
+    (fsdp, fsdp_model), (ddp, ddp_model) = runs["fsdp2_cpu_2proc"], runs["cpu_2proc"]
+    assert fsdp["engine"] == "fsdp2" and ddp["engine"] == "ddp" and fsdp["world_size"] == 2
+    assert fsdp["config"]["fsdp"]["activation_checkpointing"] is True
+    assert fsdp["param_bytes_local"] * 2 == ddp["param_bytes_local"]
+    assert [h["loss"] for h in fsdp["history"]] == [h["loss"] for h in ddp["history"]]
+    assert fsdp["history"][-1]["loss"] < fsdp["history"][0]["loss"] - 0.3
+    assert fsdp["held_out_loss"] == ddp["held_out_loss"]
+    assert fsdp_model.keys() == ddp_model.keys()
+    assert all(torch.equal(fsdp_model[k], ddp_model[k]) for k in ddp_model)
 
 
 @pytest.mark.slow

@@ -94,3 +94,13 @@ def save_pretrained(model: nn.Module, save_directory: str, **kwargs) -> None:
         model.save_pretrained(save_directory, state_dict=state, **kwargs)
     if dist.is_initialized():
         dist.barrier()
+
+
+def local_param_bytes(model) -> int:
+    """Bytes of parameters this process holds: the local shard of a DTensor (FSDP2), the partition of a ZeRO-3
+    parameter, else the whole tensor."""
+    total = 0
+    for p in model.parameters():
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
