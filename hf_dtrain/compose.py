@@ -210,9 +210,6 @@ class ComposeOptions:
         if self.optimizer in EXCHANGING:
             out.append(f"optimizer={self.optimizer} exchanges whole gradients/parameters between replicas; under "
                        "FSDP2 each rank holds a shard, not a replica: use --optimizer adamw")
-        if self.optimizer == "eva":
-            out.append("optimizer=eva with fsdp: Eva's preconditioning of gradient shards is not built yet "
-                       "(issue 21, item 3); use --optimizer adamw with --fsdp, or Eva under DDP")
         if self.delta is not None:
             out.append("delta with fsdp: DELTA's recompute under FSDP2's gather/reshard is not built yet (issue 21, "
                        "item 2); drop --delta, or use it under DDP")

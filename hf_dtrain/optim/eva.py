@@ -94,6 +94,28 @@ def _block_precondition(method: str, gamma: float, grad: torch.Tensor, rows: tor
     return (grad - (u_grad / (gamma + u_norm)) * torch.einsum("ko,kb->kob", g_k, a_k)) / gamma
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local part of an FSDP2 (DTensor) gradient, a view that writes through; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _row_shard(grad: torch.Tensor, name: str):
+    """``(rows, group)`` of an FSDP2 gradient: the slice of the matrix's rows this rank holds and the process group
+    of the mesh dimension that shards them; ``(None, None)`` for a whole gradient. HSDP's replicate dimension holds
+    copies, so only the shard dimension's group sums."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(grad, DTensor):
+        return None, None
+    dims = [i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate)]
+    if len(dims) != 1 or grad.placements[dims[0]] != Shard(0):
+        raise ValueError(f"Eva: the gradient of {name} is sharded as {grad.placements}; Eva preconditions whole "
+                         "matrices or FSDP2's row shards (Shard(0) on one mesh dimension).")
+    shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+    return slice(offset[0], offset[0] + shape[0]), grad.device_mesh.get_group(dims[0])
+
+
 def _lorafa_targets(name: str, module) -> list:
     """hf_dtrain LoRA-FA layers: ``y = W x + s B (A x)`` with W and A frozen; B (out x r) sees ``A x`` and the
     output gradient times ``s`` (dropout on ``A x`` is left out of the mean input)."""
@@ -156,6 +178,10 @@ class Eva(WrappedOptimizer):
             else:
                 continue
             for layer in targets:
+                if layer.smt_adapter is not None and hasattr(layer.weight, "device_mesh"):
+                    raise ValueError(f"Eva: {layer.name} holds SMT blocks sharded by FSDP2; Eva's block curvature "
+                                     "couples the blocks of one block row, which sit on other ranks. Precondition "
+                                     "SMT under DDP, or use another optimizer with --fsdp.")
                 if layer.weight is None:  # SMT target with no block yet: kept while its adapter is trained
                     if not module._smt_wants_grad.get(layer.smt_adapter, True):
                         continue
@@ -231,14 +257,22 @@ class Eva(WrappedOptimizer):
             layer.count_a = layer.count_g = 0
 
     # -- preconditioning ---------------------------------------------------------------------------------------------
-    def precondition(self, grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """The preconditioned gradient of one layer (``grad``: out x in, a bias column appended)."""
+    def precondition(self, grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor, rows: Optional[slice] = None,
+                     group=None) -> torch.Tensor:
+        """The preconditioned gradient of one layer (``grad``: out x in, a bias column appended).
+
+        ``rows``/``group``: ``grad`` holds only these rows of the layer's gradient (an FSDP2 row shard), the other
+        rows being on the other ranks of ``group``. FOOF acts on each row alone; Eva's one scalar ``gᵀ ∇ a`` is a
+        sum over all rows, so each rank adds its rows' part and one all-reduce of that scalar completes it."""
         gamma = self.damping
         if self.method == "foof":
             ga = grad @ a
             return (grad - torch.outer(ga, a) / (gamma + a.dot(a))) / gamma
-        agg = g @ grad @ a
-        return (grad - (agg / (gamma + a.dot(a) * g.dot(g))) * torch.outer(g, a)) / gamma
+        g_rows = g if rows is None else g[rows]
+        agg = g_rows @ grad @ a
+        if group is not None:
+            dist.all_reduce(agg, group=group)
+        return (grad - (agg / (gamma + a.dot(a) * g.dot(g))) * torch.outer(g_rows, a)) / gamma
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -252,45 +286,62 @@ class Eva(WrappedOptimizer):
                 l.weight is not None and l.weight.grad is not None for l in self.layers):
             raise ValueError("Eva saw no forward pass of the model's Linear layers with gradients enabled before its "
                              "first step(): pass model= the module that is trained (the same object, not a copy).")
+        if self.steps == 0 and any(l.a is not None for l in self.layers) and all(
+                l.weight is None or l.weight.grad is None for l in self.layers) and any(
+                p.grad is not None for group in self.base.param_groups for p in group["params"]):
+            # DeepSpeed ZeRO >= 1 hands the client optimizer flat partitions of all parameters, not the layers
+            raise ValueError("Eva found gradients on the optimizer's parameters but none on the model's layers: an "
+                             "engine keeps them elsewhere (DeepSpeed ZeRO stage >= 1 hands its client optimizer flat "
+                             "fp32 partitions with no layer boundaries, so no matrix can be preconditioned). Use Eva "
+                             "with DDP, FSDP2 or ZeRO stage 0.")
         self.steps += 1
         updates = []  # (target parameters, their raw gradient, the preconditioned gradient)
+        shard_group = None  # the FSDP2 shard group, when gradients are row shards
         for layer in self.layers:
             w, b = layer.weight, layer.bias
             if w is None or w.grad is None or layer.a is None or layer.g is None or w.numel() == 0:
                 continue
+            rows, group = _row_shard(w.grad, layer.name)
+            shard_group = group if group is not None else shard_group
             if layer.smt_adapter is not None:
                 idx = layer.module.smt_indices[layer.smt_adapter]
                 grad = w.grad.float()
                 v = _block_precondition(self.method, self.damping, grad, idx[:, 0], idx[:, 1], layer.a, layer.g)
                 updates.append(((w,), grad, v))
                 continue
-            grad = w.grad.float()
+            grad = _local(w.grad).float()
             has_bias = b is not None and b.grad is not None and layer.a.numel() == grad.shape[1] + 1
             if has_bias:
-                grad = torch.cat([grad, b.grad.float().unsqueeze(1)], 1)
+                grad = torch.cat([grad, _local(b.grad).float().unsqueeze(1)], 1)
             a = layer.a if layer.a.numel() == grad.shape[1] else None
             if a is None:  # a bias whose gradient is absent this step: drop its column of the vector
                 a = layer.a[:grad.shape[1]]
-            v = self.precondition(grad, a, layer.g)
+            v = self.precondition(grad, a, layer.g, rows=rows, group=group)
             updates.append(((w, b) if has_bias else (w,), grad, v))
         if updates:
             lr = self.base.param_groups[0]["lr"]
             # one host sync for all layers (a float() per layer would stall a GPU once per layer)
+            # sums over whole matrices: with row shards, each rank adds its rows and one all-reduce completes them
             if self.kl_clip > 0:
-                vg = float(torch.stack([(v * g).sum() for _, g, v in updates]).sum()) * lr ** 2
+                vg = torch.stack([(v * g).sum() for _, g, v in updates]).sum()
+                if shard_group is not None:
+                    dist.all_reduce(vg, group=shard_group)
+                vg = float(vg) * lr ** 2
                 nu = min(1.0, math.sqrt(self.kl_clip / vg)) if vg > 0 else 1.0
             else:
                 sums = torch.stack([torch.stack([g.pow(2).sum(), v.pow(2).sum()]) for _, g, v in updates]).sum(0)
+                if shard_group is not None:
+                    dist.all_reduce(sums, group=shard_group)
                 gg, vv = (float(x) for x in sums)
                 nu = math.sqrt(gg / vv) if vv > 0 else 1.0
             for params, _, v in updates:
                 v = v * nu
                 if len(params) == 2:
                     w, b = params
-                    w.grad.copy_(v[:, :-1].to(w.grad.dtype))
-                    b.grad.copy_(v[:, -1].to(b.grad.dtype))
+                    _local(w.grad).copy_(v[:, :-1].to(w.grad.dtype))
+                    _local(b.grad).copy_(v[:, -1].to(b.grad.dtype))
                 else:
-                    params[0].grad.copy_(v.to(params[0].grad.dtype))
+                    _local(params[0].grad).copy_(v.to(params[0].grad.dtype))
         self.base.step()
         return loss
 

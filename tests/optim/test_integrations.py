@@ -63,6 +63,37 @@ def _deepspeed_rank(rank, world, which):
         assert len(opt.stats.steps) == 6 and opt.stats.steps[-1] < opt.stats.steps[0] / 16  # compressed after warm-up
 
 
+def _zero1_eva_rank(rank, world, out):
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    from hf_dtrain.optim import Eva
+
+    model = tiny_llama(seed=0)
+    opt = Eva(model.parameters(), model=model, base_optimizer="adamw", lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+              "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+    engine.backward(engine(**random_batch(seed=rank)).loss)
+    try:
+        engine.step()
+        message = "stepped"
+    except ValueError as e:
+        message = str(e)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(message)
+
+
+@pytest.mark.slow
+def test_eva_under_zero_stage_1_is_refused_at_the_first_step_not_silently_plain(tmp_path):
+    """ZeRO >= 1 gives the client optimizer flat partitions and leaves the layers without gradients: Eva would
+    precondition nothing and step as plain AdamW. It says so instead."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
+    run_distributed(_zero1_eva_rank, world_size=2, args=(str(tmp_path / "msg"),), timeout=300)
+    assert "DeepSpeed ZeRO stage >= 1 hands its client optimizer flat fp32 partitions" in (tmp_path / "msg").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["eva", "onebit_lamb"])
 def test_deepspeed_client_optimizer(which):
