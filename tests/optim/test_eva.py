@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hf_dtrain.optim import Eva
-from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
+from hf_dtrain.testing import mean_over_ranks, random_batch, run_distributed, tiny_llama
 
 
 def _one_layer_step(method):
@@ -271,7 +271,6 @@ def _fsdp_rank(rank, world, out, method, replicate):
     """Eva on DDP, then on FSDP2 (row shards of every gradient), from the same model and the same per-rank data."""
     import json
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hf_dtrain.parallel import FSDPConfig, apply_fsdp, full_state_dict
@@ -290,9 +289,7 @@ def _fsdp_rank(rank, world, out, method, replicate):
             loss.backward()
             opt.step()
             opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
+            losses.append(mean_over_ranks(loss.item()))
         state = full_state_dict(model) if engine == "fsdp2" else {k: v.clone() for k, v in model.module.state_dict().items()}
         runs[engine] = (losses, state)
     from peft import get_peft_model

@@ -10,24 +10,20 @@ from peft import get_peft_model
 
 from hf_dtrain import LoraFAConfig, smt_warmup
 from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_dict, save_pretrained
-from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
+from hf_dtrain.testing import mean_over_ranks, random_batch, run_distributed, tiny_llama
 
 from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference, batch,
                      build_model, trainable)
 
 
 def _steps(model, opt, rank, world, steps):
-    import torch.distributed as dist
-
     losses = []
     for step in steps:
         loss = model(**batch(step, rank)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(mean_over_ranks(loss.item()))
     return losses
 
 

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
 
 from hf_dtrain.parallel import full_state_dict, is_zero3, save_pretrained  # noqa: E402
-from hf_dtrain.testing import random_batch, run_distributed  # noqa: E402
+from hf_dtrain.testing import mean_over_ranks, random_batch, run_distributed  # noqa: E402
 
 from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference,  # noqa: E402
                      batch, build_model, trainable)
@@ -36,16 +36,12 @@ def _engine(model, stage):
 
 
 def _steps(engine, rank, world, steps):
-    import torch.distributed as dist
-
     losses = []
     for step in steps:
         loss = engine(**batch(step, rank)).loss
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(mean_over_ranks(loss.item()))
     return losses
 
 
