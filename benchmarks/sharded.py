@@ -13,8 +13,8 @@ Each rank's bytes are counted from the tensors the engine holds between backward
   DDP run: none of the three engines shards them.
 
 DDP's gradient buckets (a second copy of the gradients while they are reduced) are not counted. Step time is the
-median of the timed steps, as a ratio to DDP at the same world size, preset and method (this machine is noisy, and
-4 ranks share 2 cores). JSON, markdown and a PNG under ``benchmarks/results/``.
+median of the timed steps, as a ratio to DDP at the same world size, preset and method (one thread per rank; this
+machine is noisy, and 4 ranks share 2 cores). JSON, markdown and a PNG under ``benchmarks/results/``.
 
     python benchmarks/sharded.py              # about 10 minutes on 2 CPU cores
 """
@@ -90,6 +90,7 @@ def _rank(rank: int, world: int, engine: str, out: str, presets: list, methods: 
     from hf_dtrain.testing import SavedTensorCounter, random_batch
 
     os.environ["DS_ACCELERATOR"] = "cpu"
+    torch.set_num_threads(1)  # one thread per rank: 1, 2 and 4 ranks see the same per-rank compute
     rows = []
     for preset in presets:
         for method in methods:
