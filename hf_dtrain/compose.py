@@ -189,9 +189,6 @@ class ComposeOptions:
             if self.optimizer == "eva" and stage >= 1:
                 clashes.append(f"optimizer=eva keeps per-layer vectors for full parameters; DeepSpeed ZeRO-{stage} "
                                "partitions the optimizer (not supported)")
-            if self.delta is not None and stage == 3:
-                clashes.append("delta with DeepSpeed ZeRO-3: ZeRO-3 gathers parameters in module hooks that "
-                               "DELTA's recompute would run again (not supported)")
             if self.fault_tolerance is not None and stage >= 1:
                 clashes.append(f"fault_tolerance with DeepSpeed ZeRO-{stage}: snapshotting partitioned optimizer state "
                                "is not supported yet; use DDP (no --deepspeed) or ZeRO stage 0")
@@ -210,9 +207,6 @@ class ComposeOptions:
         if self.optimizer in EXCHANGING:
             out.append(f"optimizer={self.optimizer} exchanges whole gradients/parameters between replicas; under "
                        "FSDP2 each rank holds a shard, not a replica: use --optimizer adamw")
-        if self.delta is not None:
-            out.append("delta with fsdp: DELTA's recompute under FSDP2's gather/reshard is not built yet (issue 21, "
-                       "item 2); drop --delta, or use it under DDP")
         if self.fault_tolerance is not None:
             out.append("fault_tolerance with fsdp: snapshots of sharded state come with the next issue (22); use "
                        "DDP for in-memory snapshots, or FSDP2 with the Trainer's / DCP checkpoints")

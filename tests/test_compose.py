@@ -32,7 +32,7 @@ def test_two_optimizers_and_deepspeed_clashes(tmp_path):
             2, "trainer")
     message = str(err.value)
     assert "comm_hook=acp_sgd is a DDP communication hook and DeepSpeed ZeRO-3 replaces DDP" in message
-    assert "delta with DeepSpeed ZeRO-3" in message and "fault_tolerance with DeepSpeed ZeRO-3" in message
+    assert "delta" not in message and "fault_tolerance with DeepSpeed ZeRO-3" in message  # DELTA works on ZeRO-3
     with pytest.raises(ValueError, match=r"hf-dtrain pretrain runs DDP through Accelerate"):
         ComposeOptions(deepspeed=str(zero3)).check(2, "accelerate")
     ComposeOptions(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, optimizer="eva").check(2, "accelerate")
@@ -47,7 +47,7 @@ def test_fsdp_clashes_name_the_reason(tmp_path):
     message = str(err.value)
     assert "fsdp and deepspeed are two sharding engines" in message
     assert "comm_hook=acp_sgd is a DDP communication hook and FSDP2 has no DDP" in message
-    assert "delta with fsdp" in message and "fault_tolerance with fsdp" in message
+    assert "delta" not in message and "fault_tolerance with fsdp" in message  # DELTA works on FSDP2
     with pytest.raises(ValueError, match="each rank holds a shard, not a replica"):
         ComposeOptions(fsdp=True, optimizer="onebit_lamb").check(2, "trainer")
     ComposeOptions(fsdp={"replicate": 2, "activation_checkpointing": True}, optimizer="eva").check(4, "trainer")

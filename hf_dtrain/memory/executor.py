@@ -168,13 +168,20 @@ class StepStats:
     history: list = field(default_factory=list)
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.t()`` is what a Linear saves): under FSDP2 (and ZeRO-3) the layer runs
+    with gathered parameters whose storages are not the model's, so the storage test alone would take them for
+    activations, count them against the budget and offload them."""
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
 class DeltaExecutor:
     """Installs a plan on ``layers`` (name, module) of ``model``; ``remove()`` restores the model."""
 
     def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], tier):
         self.model, self.layers, self.tier = model, list(layers), tier
         self.actions = {name: "keep" for name, _ in layers}
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = self._param_storages()
         self.current: Optional[str] = None
         self.profiling = False
         self._storages: dict[int, int] = {}
@@ -189,6 +196,14 @@ class DeltaExecutor:
         for name, layer in layers:
             self._orig[name] = layer.forward
             layer.forward = self._wrap(name, layer.forward)
+
+    def _param_storages(self) -> set:
+        """Storages of the parameters as they are now (an FSDP2 parameter's local shard). Read again every step:
+        sharding after ``apply_delta`` frees the old storages, and activations may then be allocated at their
+        addresses. The gathered parameters FSDP2 or ZeRO-3 hand a layer while it runs are recognised as parameters
+        when saved (``_is_parameter``)."""
+        return {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                for p in self.model.parameters()}
 
     def set_plan(self, actions: dict[str, str]) -> None:
         self.actions = dict(actions)
@@ -231,7 +246,7 @@ class DeltaExecutor:
     def _count(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr not in self.params:
+        if ptr not in self.params and not _is_parameter(t):
             if ptr not in self._storages:
                 self._group_of[ptr] = self.current
             elif self._group_of.get(ptr) != self.current:
@@ -256,7 +271,7 @@ class DeltaExecutor:
         return Profile(groups, sum(self._storages.values()), shape, bandwidth)
 
     def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() in self.params:
+        if t.untyped_storage().data_ptr() in self.params or _is_parameter(t):
             return t
         if self.current is not None and self.actions.get(self.current) == "offload":
             self.stats.offloaded_bytes += t.numel() * t.element_size()
@@ -287,6 +302,7 @@ class DeltaExecutor:
 
     def begin_step(self, profile: bool = False) -> None:
         self.profiling = profile
+        self.params = self._param_storages()
         if not getattr(self.tier, "live", None):
             self._offloaded, self._prefetch_started = {}, set()
         self._storages, self._group_of, self._inputs, self._times, self._first_call = {}, {}, {}, {}, {}
