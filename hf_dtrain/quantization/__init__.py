@@ -146,12 +146,15 @@ def quantize_model_hqq(model: nn.Module, group_size: int = 64, compute_dtype: to
 
 
 def load_quantized_model(path: str, quantize: Optional[str], group_size: int = 64,
-                         compute_dtype: torch.dtype = torch.float32, **from_pretrained_kwargs):
+                         compute_dtype: torch.dtype = torch.float32, quant_storage: Optional[torch.dtype] = None,
+                         **from_pretrained_kwargs):
     """``AutoModelForCausalLM.from_pretrained(path)`` with its linear layers (except ``lm_head``) in 4 bits.
 
     ``quantize``: None (dense), ``"nf4"`` (bitsandbytes through ``BitsAndBytesConfig``), ``"hqq4"`` or ``"int4"``
     (group-wise with zero-points, ``group_size`` along ``in_features``). bitsandbytes layers are prepared for training
-    (:func:`prepare_bnb_4bit_for_training`).
+    (:func:`prepare_bnb_4bit_for_training`). ``quant_storage``: bitsandbytes' ``bnb_4bit_quant_storage`` (the dtype
+    the packed 4-bit codes are stored in; peft's FSDP-QLoRA guide sets it to the compute dtype so FSDP1's flat
+    parameters have one dtype; FSDP2 shards each parameter on its own and takes the default uint8 too).
     """
     from transformers import AutoModelForCausalLM
 
@@ -163,7 +166,8 @@ def load_quantized_model(path: str, quantize: Optional[str], group_size: int = 6
         if _bnb_linear4bit() is None:
             raise ImportError("quantize='nf4' needs bitsandbytes>=0.46.1: pip install 'hf-dtrain[quant]'.")
         bnb_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                        bnb_4bit_compute_dtype=compute_dtype)
+                                        bnb_4bit_compute_dtype=compute_dtype,
+                                        bnb_4bit_quant_storage=quant_storage or torch.uint8)
         kwargs = dict(device_map="cpu") if not torch.cuda.is_available() else {}
         kwargs.update(from_pretrained_kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config, **kwargs)

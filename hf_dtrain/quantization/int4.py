@@ -69,11 +69,16 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return (scales[..., None] * (codes - zeros[..., None])).view(out_f, -1).to(dtype)
 
 
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach(), requires_grad=False)
+
+
 class Int4Linear(nn.Module):
     """A linear layer with group-wise asymmetric INT4 weights (see the module docstring); the bias stays dense.
 
-    The forward dequantizes the weight to the input's dtype and calls ``F.linear`` (portable, CPU and GPU). The
-    buffers are the format: ``state_dict()`` / safetensors round-trip it.
+    The forward dequantizes the weight to the input's dtype and calls ``F.linear`` (portable, CPU and GPU).
+    ``qweight``, ``scales`` and ``zeros`` are frozen parameters (so FSDP2 / ZeRO-3 shard them) and are the format:
+    ``state_dict()`` / safetensors round-trip it.
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 64, bias: bool = True,
@@ -82,16 +87,18 @@ class Int4Linear(nn.Module):
         _check_group(in_features, group_size)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         n_groups = in_features // group_size
-        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.ones(out_features, n_groups, dtype=torch.float32, device=device))
-        self.register_buffer("zeros", torch.zeros(out_features, n_groups, dtype=torch.float32, device=device))
+        # frozen parameters, not buffers: FSDP2 and ZeRO-3 shard parameters only, and the packed weight is most of the
+        # model; state_dict keys are the same either way
+        self.qweight = _frozen(torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.scales = _frozen(torch.ones(out_features, n_groups, dtype=torch.float32, device=device))
+        self.zeros = _frozen(torch.zeros(out_features, n_groups, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> "Int4Linear":
         q = cls(linear.in_features, linear.out_features, group_size, bias=linear.bias is not None,
                 device=linear.weight.device, dtype=linear.weight.dtype)
-        q.qweight, q.scales, q.zeros = quantize_int4(linear.weight, group_size)
+        q.qweight, q.scales, q.zeros = (_frozen(t) for t in quantize_int4(linear.weight, group_size))
         if linear.bias is not None:
             q.bias.data.copy_(linear.bias.detach())
         return q
