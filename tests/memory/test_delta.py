@@ -299,10 +299,21 @@ def test_memory_objective_saves_most_without_being_slower_than_checkpointing():
         make_plan(profile, 4500, method="delta", objective="memory")
 
 
-def _sharded_rank(rank, world, out, budget, engine):
-    """The same 4 steps on FSDP2 or ZeRO-3 without DELTA and with it (DELTA applied before sharding, as the jobs
-    do)."""
+SHARDED = [("fsdp2", 0.35), ("zero3", 0.35)]
+
+
+def _sharded_rank(rank, world, out):
+    """For each engine: the same 4 steps on FSDP2 or ZeRO-3 without DELTA and with it (DELTA applied before
+    sharding, as the jobs do)."""
     import json
+
+    results = {f"{engine}-{budget}": _sharded_runs(rank, engine, budget) for engine, budget in SHARDED}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def _sharded_runs(rank, engine, budget):
     import os
 
     from hf_dtrain.parallel import FSDPConfig, apply_fsdp
@@ -341,26 +352,29 @@ def _sharded_rank(rank, world, out, budget, engine):
             history = scheduler.executor.stats.history
             runs["actions"] = sorted(set(scheduler.plans[(4, 32)].actions.values()))
             runs["saved"] = [h["saved_bytes"] for h in history]
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(runs, f)
+    return runs
 
 
-@pytest.mark.parametrize("engine, budget", [("fsdp2", 0.6), ("fsdp2", 0.35), ("zero3", 0.35)])
-def test_under_sharding_recompute_regathers_and_gathered_weights_are_not_activations(tmp_path, engine, budget):
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    import json
+
+    from hf_dtrain.testing import run_distributed
+
+    pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
+    out = tmp_path_factory.mktemp("delta_sharded") / "r.json"
+    run_distributed(_sharded_rank, world_size=2, args=(str(out),), timeout=300)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("engine, budget", SHARDED)
+def test_under_sharding_recompute_regathers_and_gathered_weights_are_not_activations(sharded_runs, engine, budget):
     """DELTA on a model sharded by FSDP2 or ZeRO-3 (2 gloo ranks, every ZeRO-3 parameter partitioned): recomputed
     layers run inside the engine's backward, after it has gathered the layer again, and offloaded activations come
     back whole, so the losses equal the engine without DELTA bit for bit. The gathered weights a layer saves are
     parameters, not activations: the profiling step counts what the unsharded model saves, and every later step
     stays under the budget."""
-    import json
-
-    from hf_dtrain.testing import run_distributed
-
-    if engine == "zero3":
-        pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
-    run_distributed(_sharded_rank, world_size=2, args=(str(tmp_path / "r.json"), budget, engine), timeout=300)
-    r = json.loads((tmp_path / "r.json").read_text())
+    r = sharded_runs[f"{engine}-{budget}"]
     assert r["delta"] == r["plain"]
     assert r["actions"] != ["keep"]  # the budget forced recompute or offload
     assert r["saved"][0] == _no_saving_bytes()  # weights gathered by FSDP2 are not counted as activations

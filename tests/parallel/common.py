@@ -49,10 +49,11 @@ def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def reference(method, save_dir=None):
-    """One process, the same warm-up data, the mean of both ranks' losses per step; saves the adapter."""
+def reference(method, save_dir=None, optimizer=None):
+    """One process, the same warm-up data, the mean of both ranks' losses per step; saves the adapter.
+    ``optimizer(model)``: another optimizer than AdamW."""
     model = build_model(method, [random_batch(seed=0), random_batch(seed=1)])
-    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    opt = optimizer(model) if optimizer is not None else torch.optim.AdamW(trainable(model), lr=LR)
     losses = []
     for step in range(STEPS):
         loss = (model(**batch(step, 0)).loss + model(**batch(step, 1)).loss) / 2

@@ -8,12 +8,12 @@ import pytest
 import torch
 from peft import get_peft_model
 
-from hf_dtrain import LoraFAConfig, smt_warmup
+from hf_dtrain import LoraFAConfig, create_lorafa_optimizer, smt_warmup
 from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_dict, save_pretrained
 from hf_dtrain.testing import mean_over_ranks, random_batch, run_distributed, tiny_llama
 
 from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference, batch,
-                     build_model, trainable)
+                     build_model, reference, trainable)
 
 
 def _steps(model, opt, rank, world, steps):
@@ -65,6 +65,11 @@ def _fsdp_rank(rank, world, out):
             save_pretrained(model, f"{out}/{method}")
         results[method] = {"losses": losses, "selection": selection, "resumed": resumed}
 
+    # LoRA-FA with its own optimizer (peft's LoraFAOptimizer correcting B's gradient), on row shards of B
+    model = build_model("lorafa", [])
+    apply_fsdp(model)
+    results["lorafa_optimizer"] = _steps(model, create_lorafa_optimizer(model, lr=LR), rank, world, range(STEPS))
+
     # refused before any step: SMT selection on a sharded model, HSDP replicas that do not divide the processes
     refusals = {}
     model = build_model("smt", [])
@@ -96,6 +101,16 @@ def test_fsdp2_trains_like_one_process(fsdp_run, references, method):
     ref_dir, refs = references
     saved = out / ("full.pt" if method == "full" else method)
     assert_trains_like_reference(method, results[method], refs[method], saved, ref_dir / method)
+
+
+def test_lorafa_optimizer_corrects_row_shards_of_b_like_one_process(fsdp_run):
+    """The correction ``g_B (A Aᵀ)⁻¹`` acts on each row of B's gradient alone: on FSDP2's row shards (DTensor's
+    implicit replication of the whole ``(A Aᵀ)⁻¹``) it equals one process. peft runs the product under bf16
+    autocast, so its rounding sets the tolerance."""
+    _, results = fsdp_run
+    _, losses = reference("lorafa", optimizer=lambda model: create_lorafa_optimizer(model, lr=LR))
+    torch.testing.assert_close(torch.tensor(results["lorafa_optimizer"]), torch.tensor(losses), rtol=1e-4, atol=0)
+    assert losses[-2] < losses[0] - 0.01
 
 
 @pytest.mark.parametrize("method", METHODS)
