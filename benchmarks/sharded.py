@@ -68,9 +68,9 @@ def _tensor_bytes(t) -> int:
 
 
 def _optimizer_bytes(optimizer) -> int:
-    inner = optimizer
-    while hasattr(inner, "optimizer") and not isinstance(inner, __import__("torch").optim.Optimizer):
-        inner = inner.optimizer
+    from hf_dtrain.distributed import unwrap_optimizer
+
+    inner = unwrap_optimizer(optimizer)
     total = 0
     for state in inner.state.values():
         total += sum(_tensor_bytes(v) for v in state.values() if hasattr(v, "numel") and v.numel() > 1)

@@ -258,20 +258,19 @@ class Eva(WrappedOptimizer):
 
     # -- preconditioning ---------------------------------------------------------------------------------------------
     def precondition(self, grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor, rows: Optional[slice] = None,
-                     group=None) -> torch.Tensor:
+                     agg: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The preconditioned gradient of one layer (``grad``: out x in, a bias column appended).
 
-        ``rows``/``group``: ``grad`` holds only these rows of the layer's gradient (an FSDP2 row shard), the other
-        rows being on the other ranks of ``group``. FOOF acts on each row alone; Eva's one scalar ``gᵀ ∇ a`` is a
-        sum over all rows, so each rank adds its rows' part and one all-reduce of that scalar completes it."""
+        ``rows``: ``grad`` holds only these rows of the layer's gradient (an FSDP2 row shard). FOOF acts on each row
+        alone; Eva's one scalar ``gᵀ ∇ a`` is a sum over all rows, passed as ``agg`` when the rows are sharded (each
+        rank adds its rows' part, ``step`` sums the parts of every layer in one all-reduce)."""
         gamma = self.damping
         if self.method == "foof":
             ga = grad @ a
             return (grad - torch.outer(ga, a) / (gamma + a.dot(a))) / gamma
         g_rows = g if rows is None else g[rows]
-        agg = g_rows @ grad @ a
-        if group is not None:
-            dist.all_reduce(agg, group=group)
+        if agg is None:
+            agg = g_rows @ grad @ a
         return (grad - (agg / (gamma + a.dot(a) * g.dot(g))) * torch.outer(g_rows, a)) / gamma
 
     @torch.no_grad()
@@ -296,6 +295,7 @@ class Eva(WrappedOptimizer):
                              "with DDP, FSDP2 or ZeRO stage 0.")
         self.steps += 1
         updates = []  # (target parameters, their raw gradient, the preconditioned gradient)
+        dense = []  # (target parameters, raw gradient, a, g, rows) of the matrices preconditioned below
         shard_group = None  # the FSDP2 shard group, when gradients are row shards
         for layer in self.layers:
             w, b = layer.weight, layer.bias
@@ -316,8 +316,18 @@ class Eva(WrappedOptimizer):
             a = layer.a if layer.a.numel() == grad.shape[1] else None
             if a is None:  # a bias whose gradient is absent this step: drop its column of the vector
                 a = layer.a[:grad.shape[1]]
-            v = self.precondition(grad, a, layer.g, rows=rows, group=group)
-            updates.append(((w, b) if has_bias else (w,), grad, v))
+            dense.append(((w, b) if has_bias else (w,), grad, a, layer.g, rows))
+        # Eva on row shards: every layer's partial gᵀ∇a over this rank's rows, completed by one all-reduce
+        aggs = [None] * len(dense)
+        if shard_group is not None and self.method != "foof" and dense:
+            parts = torch.stack([g[rows] @ grad @ a if rows is not None else g @ grad @ a
+                                 for _, grad, a, g, rows in dense])
+            sharded = torch.tensor([rows is not None for *_, rows in dense])
+            summed = parts.where(sharded, torch.zeros_like(parts))
+            dist.all_reduce(summed, group=shard_group)
+            aggs = list(torch.where(sharded, summed, parts))
+        for (params, grad, a, g, rows), agg in zip(dense, aggs):
+            updates.append((params, grad, self.precondition(grad, a, g, rows=rows, agg=agg)))
         if updates:
             lr = self.base.param_groups[0]["lr"]
             # one host sync for all layers (a float() per layer would stall a GPU once per layer)

@@ -113,3 +113,13 @@ def assert_trains_like_reference(method, got, ref, saved, ref_dir):
     if method == "smt":  # the ranks' summed warm-up gradients select exactly the single process's blocks
         assert got["selection"] == model.peft_config["default"].block_indices
     assert_same_adapter(saved, ref_dir)
+
+
+def run_ranks(fn, tmp_path_factory, name, world=2, timeout=400):
+    """``fn(rank, world, out)`` on ``world`` gloo ranks; returns ``out`` (a fresh folder) and the ``results.json``
+    rank 0 wrote there."""
+    from hf_dtrain.testing import run_distributed
+
+    out = tmp_path_factory.mktemp(name)
+    run_distributed(fn, world_size=world, args=(str(out),), timeout=timeout)
+    return out, json.loads((out / "results.json").read_text())

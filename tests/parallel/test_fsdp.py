@@ -10,10 +10,10 @@ from peft import get_peft_model
 
 from hf_dtrain import LoraFAConfig, create_lorafa_optimizer, smt_warmup
 from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_dict, save_pretrained
-from hf_dtrain.testing import mean_over_ranks, random_batch, run_distributed, tiny_llama
+from hf_dtrain.testing import mean_over_ranks, random_batch, tiny_llama
 
 from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference, batch,
-                     build_model, reference, trainable)
+                     build_model, reference, run_ranks, trainable)
 
 
 def _steps(model, opt, rank, world, steps):
@@ -90,9 +90,7 @@ def _fsdp_rank(rank, world, out):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    run_distributed(_fsdp_rank, world_size=2, args=(str(out),), timeout=400)
-    return out, json.loads((out / "results.json").read_text())
+    return run_ranks(_fsdp_rank, tmp_path_factory, "fsdp")
 
 
 @pytest.mark.parametrize("method", METHODS)

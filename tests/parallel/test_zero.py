@@ -11,10 +11,10 @@ import torch
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
 
 from hf_dtrain.parallel import full_state_dict, is_zero3, save_pretrained  # noqa: E402
-from hf_dtrain.testing import mean_over_ranks, random_batch, run_distributed  # noqa: E402
+from hf_dtrain.testing import mean_over_ranks, random_batch  # noqa: E402
 
 from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference,  # noqa: E402
-                     batch, build_model, trainable)
+                     batch, build_model, run_ranks, trainable)
 
 STAGES = [2, 3]
 
@@ -78,9 +78,7 @@ def _zero_rank(rank, world, out):
 
 @pytest.fixture(scope="module")
 def zero_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero")
-    run_distributed(_zero_rank, world_size=2, args=(str(out),), timeout=500)
-    return out, json.loads((out / "results.json").read_text())
+    return run_ranks(_zero_rank, tmp_path_factory, "zero", timeout=500)
 
 
 @pytest.mark.parametrize("method", METHODS)
