@@ -28,7 +28,10 @@ class WireStats:
     collectives: int = 0  # collective calls in the current step
 
     def add(self, tensor: torch.Tensor) -> None:
-        self.current += tensor.numel() * tensor.element_size()
+        self.add_bytes(tensor.numel() * tensor.element_size())
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.current += int(nbytes)
         self.collectives += 1
 
     def end_step(self) -> None:

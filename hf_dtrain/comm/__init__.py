@@ -4,10 +4,14 @@
 silently ignores a callable ``comm_hook``), :class:`hf_dtrain.callbacks.CommHookCallback` with the Trainer, or
 :func:`hf_dtrain.comm.deepspeed.register_deepspeed` on a DeepSpeed engine.
 
-Methods: ``"allreduce"`` (the dense baseline, counted), ``"acp_sgd"`` (:mod:`hf_dtrain.comm.acp_sgd`),
+Methods: ``"allreduce"`` (the dense baseline, counted), ``"bf16"`` / ``"fp16"`` (the same in half precision, torch's
+compress hooks, counted), ``"acp_sgd"`` (:mod:`hf_dtrain.comm.acp_sgd`),
 ``"s2_reducer"`` (:mod:`hf_dtrain.comm.s2_reducer`), ``"dear"`` (:mod:`hf_dtrain.comm.dear`; needs the optimizer),
 ``"embrace"`` (:mod:`hf_dtrain.comm.embrace`; call :func:`exclude_embeddings` before wrapping), ``"noop"`` (DDP
 sends nothing: for optimizers that exchange gradients themselves, such as :class:`hf_dtrain.optim.OneBitLamb`).
+
+FSDP2 has no DDP hooks: under HSDP, :func:`register_fsdp` (:mod:`hf_dtrain.comm.fsdp`) compresses the exchange across
+replica groups with ``allreduce``, ``bf16``, ``fp16`` or ``acp_sgd``.
 """
 
 
@@ -23,6 +27,7 @@ from .acp_sgd import ACPSGDState, acp_sgd_hook, acp_sgd_step_bytes
 from .dear import DeARState, dear_hook, dear_step_bytes
 from .config import METHODS, CommHookConfig
 from .embrace import EmbRaceState, embrace_dense_hook, embrace_step_bytes, exclude_embeddings
+from .fsdp import FSDP_METHODS, FSDPExchangeState, fsdp_exchange_step_bytes, register_fsdp
 from .s2_reducer import S2ReducerState, s2_reducer_hook
 
 
@@ -35,14 +40,22 @@ class DenseState:
     process_group: Optional[dist.ProcessGroup] = None
     stats: WireStats = field(default_factory=WireStats)
     calls: int = 0
+    wire_dtype: Optional[torch.dtype] = None  # bf16 / fp16: the bucket travels in this dtype (torch's hooks)
 
 
 def dense_allreduce_hook(state: DenseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     state.calls += 1
-    state.stats.add(bucket.buffer())
-    fut = allreduce_hook(state.process_group, bucket)
+    buffer = bucket.buffer()
+    if state.wire_dtype is None:
+        state.stats.add(buffer)
+        fut = default_hooks.allreduce_hook(state.process_group, bucket)
+    else:  # torch casts the bucket, all-reduces it and casts back: count what travels
+        state.stats.add_bytes(buffer.numel() * state.wire_dtype.itemsize)
+        half_hook = (default_hooks.bf16_compress_hook if state.wire_dtype == torch.bfloat16
+                     else default_hooks.fp16_compress_hook)
+        fut = half_hook(state.process_group, bucket)
     if not bucket.is_last():
         return fut
 
@@ -82,6 +95,12 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
 
 def _register_allreduce(ddp, config, group, optimizer):
     state = DenseState(process_group=group)
+    ddp.register_comm_hook(state, dense_allreduce_hook)
+    return state
+
+
+def _register_half(ddp, config, group, optimizer):
+    state = DenseState(process_group=group, wire_dtype=torch.bfloat16 if config.method == "bf16" else torch.float16)
     ddp.register_comm_hook(state, dense_allreduce_hook)
     return state
 
@@ -127,7 +146,8 @@ def _register_acp_sgd(ddp, config, group, optimizer):
 
 
 # method name -> (DDP model, config, process group, optimizer) -> the hook's state
-_REGISTER: dict[str, Callable] = {"allreduce": _register_allreduce, "noop": _register_noop, "dear": _register_dear,
+_REGISTER: dict[str, Callable] = {"allreduce": _register_allreduce, "bf16": _register_half, "fp16": _register_half,
+                                  "noop": _register_noop, "dear": _register_dear,
                                   "embrace": _register_embrace, "s2_reducer": _register_s2_reducer,
                                   "acp_sgd": _register_acp_sgd}
 assert set(_REGISTER) == set(METHODS)
@@ -135,4 +155,4 @@ assert set(_REGISTER) == set(METHODS)
 __all__ = ["CommHookConfig", "register", "unwrap_optimizer", "DenseState", "dense_allreduce_hook", "ACPSGDState",
            "acp_sgd_hook", "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "DeARState", "dear_hook",
            "dear_step_bytes", "EmbRaceState", "embrace_dense_hook", "embrace_step_bytes", "exclude_embeddings",
-           "WireStats"]
+           "WireStats", "register_fsdp", "FSDPExchangeState", "fsdp_exchange_step_bytes", "FSDP_METHODS"]

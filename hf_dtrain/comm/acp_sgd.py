@@ -119,9 +119,21 @@ def _orth(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(x).Q
 
 
+def tensor_state(state: ACPSGDState, key: str, n: int, m: int, device, dtype) -> _TensorState:
+    """The ``_TensorState`` of the n x m gradient matrix named ``key`` (created on first use: the initial Q seeded
+    from ``seed`` and the key, identical on every rank)."""
+    ts = state.tensors.get(key)
+    if ts is None or ts.shape != (n, m):
+        gen = torch.Generator().manual_seed(state.seed + 1_000_003 * zlib.crc32(key.encode()))
+        ts = _TensorState((n, m), torch.zeros(n, m, device=device, dtype=dtype),
+                          torch.zeros(n, state.rank, device=device, dtype=dtype),
+                          torch.randn(m, state.rank, generator=gen).to(device=device, dtype=dtype))
+        state.tensors[key] = ts
+    return ts
+
+
 def _tensor_states(state: ACPSGDState, bucket: dist.GradBucket) -> list:
-    """Per tensor of the bucket: its ``_TensorState`` if compressed, else None (created on first use, the initial Q
-    seeded from ``seed`` and the tensor's key, identical on every rank)."""
+    """Per tensor of the bucket: its ``_TensorState`` if compressed, else None."""
     grads = bucket.gradients()
     params = bucket.parameters() if state.param_names else [None] * len(grads)
     out = []
@@ -129,18 +141,70 @@ def _tensor_states(state: ACPSGDState, bucket: dist.GradBucket) -> list:
         if not state.compresses(g.shape):
             out.append(None)
             continue
-        key = state.tensor_key(bucket, position, param)
-        ts = state.tensors.get(key)
-        n, m = g.shape[0], g.numel() // g.shape[0]
-        if ts is None or ts.shape != (n, m):
-            gen = torch.Generator().manual_seed(state.seed + 1_000_003 * zlib.crc32(key.encode()))
-            device, dtype = g.device, g.dtype
-            ts = _TensorState((n, m), torch.zeros(n, m, device=device, dtype=dtype),
-                              torch.zeros(n, state.rank, device=device, dtype=dtype),
-                              torch.randn(m, state.rank, generator=gen).to(device=device, dtype=dtype))
-            state.tensors[key] = ts
-        out.append(ts)
+        out.append(tensor_state(state, state.tensor_key(bucket, position, param), g.shape[0],
+                                g.numel() // g.shape[0], g.device, g.dtype))
     return out
+
+
+def encode(state: ACPSGDState, grads: list, states: list, even: bool):
+    """One step's payload: the flat buffer to all-reduce (P or Q of each compressed gradient, the others whole),
+    the orthogonalised factors kept back, and the error feedback before the step."""
+    pieces, orth = [], []
+    errors = [ts.error if ts is not None else None for ts in states]
+    for g, ts in zip(grads, states):
+        if ts is None:
+            pieces.append(g.reshape(-1))
+            orth.append(None)
+            continue
+        n, m = ts.shape
+        mat = g.reshape(n, m)
+        if state.use_error_feedback:
+            mat = mat + ts.error
+        if even:
+            q = _orth(ts.q)
+            p = mat @ q
+            if state.use_error_feedback:
+                ts.error = mat - p @ q.T
+            pieces.append(p.reshape(-1))
+            orth.append(q)
+        else:
+            p = _orth(ts.p)
+            q = mat.T @ p
+            if state.use_error_feedback:
+                ts.error = mat - p @ q.T
+            pieces.append(q.reshape(-1))
+            orth.append(p)
+    flat = torch.cat(pieces) if pieces else grads[0].new_zeros(0) if grads else torch.zeros(0)
+    return flat, orth, errors
+
+
+def decode(state: ACPSGDState, reduced: torch.Tensor, grads: list, states: list, orth: list, errors: list,
+           even: bool) -> None:
+    """Write the averaged payload ``reduced`` back into ``grads`` (in place) and keep the new factors.
+
+    An overflowing step (fp16 with a GradScaler, whose scaled gradients hold inf on some rank) carries inf or nan
+    through the sum to every rank alike: the gradients come out non-finite, so every rank's scaler skips the step,
+    but the factors and the error feedback keep the last finite step's values (state taken from this one would stay
+    nan for the rest of the run). Chosen on the device: no host sync."""
+    finite = torch.isfinite(reduced).all()
+    offset = 0
+    for g, ts, o, err in zip(grads, states, orth, errors):
+        if ts is None:
+            g.copy_(reduced[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+            continue
+        n, m = ts.shape
+        size = (n if even else m) * state.rank
+        factor = reduced[offset:offset + size].view(-1, state.rank)
+        offset += size
+        if even:
+            ts.p = torch.where(finite, factor, ts.p)
+            g.copy_((factor @ o.T).view_as(g))
+        else:
+            ts.q = torch.where(finite, factor, ts.q)
+            g.copy_((o @ factor.T).view_as(g))
+        if state.use_error_feedback:
+            ts.error = torch.where(finite, ts.error, err)
 
 
 # (no `from __future__ import annotations` here: DDP checks these annotations against the real classes)
@@ -167,61 +231,12 @@ def acp_sgd_hook(state: ACPSGDState, bucket: dist.GradBucket) -> torch.futures.F
     states = _tensor_states(state, bucket)
     even = state.even
     grads = bucket.gradients()
-    pieces, orth = [], []
-    # the error feedback before this step: put back if the step overflows (below)
-    errors = [ts.error if ts is not None else None for ts in states]
-    for g, ts in zip(grads, states):
-        if ts is None:
-            pieces.append(g.reshape(-1))
-            orth.append(None)
-            continue
-        n, m = ts.shape
-        mat = g.reshape(n, m)
-        if state.use_error_feedback:
-            mat = mat + ts.error
-        if even:
-            q = _orth(ts.q)
-            p = mat @ q
-            if state.use_error_feedback:
-                ts.error = mat - p @ q.T
-            pieces.append(p.reshape(-1))
-            orth.append(q)
-        else:
-            p = _orth(ts.p)
-            q = mat.T @ p
-            if state.use_error_feedback:
-                ts.error = mat - p @ q.T
-            pieces.append(q.reshape(-1))
-            orth.append(p)
-    flat = torch.cat(pieces) if pieces else buffer.new_zeros(0)
+    flat, orth, errors = encode(state, grads, states, even)
     state.stats.add(flat)
     fut = dist.all_reduce(flat, group=group, async_op=True).get_future()
 
     def decompress(f):
-        reduced = f.value()[0].div_(world)
-        # An overflowing step (fp16 with a GradScaler, whose scaled gradients hold inf on some rank) carries inf or
-        # nan through the sum to every rank alike: the gradients below come out non-finite, so every rank's scaler
-        # skips the step, but the factors and the error feedback keep the last finite step's values (state taken
-        # from this one would stay nan for the rest of the run). Chosen on the device: no host sync per bucket.
-        finite = torch.isfinite(reduced).all()
-        offset = 0
-        for g, ts, o, err in zip(grads, states, orth, errors):
-            if ts is None:
-                g.copy_(reduced[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-                continue
-            n, m = ts.shape
-            size = (n if even else m) * state.rank
-            factor = reduced[offset:offset + size].view(-1, state.rank)
-            offset += size
-            if even:
-                ts.p = torch.where(finite, factor, ts.p)
-                g.copy_((factor @ o.T).view_as(g))
-            else:
-                ts.q = torch.where(finite, factor, ts.q)
-                g.copy_((o @ factor.T).view_as(g))
-            if state.use_error_feedback:
-                ts.error = torch.where(finite, ts.error, err)
+        decode(state, f.value()[0].div_(world), grads, states, orth, errors, even)
         if last:
             state.iter += 1
             state.stats.end_step()

@@ -9,7 +9,7 @@ from typing import ClassVar, Union
 
 from .embrace import EXCHANGES
 
-METHODS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace", "noop")
+METHODS = ("allreduce", "bf16", "fp16", "acp_sgd", "s2_reducer", "dear", "embrace", "noop")
 
 
 @dataclass
@@ -21,7 +21,8 @@ class CommHookConfig:
     shorthand: ClassVar[str] = "method"
 
     method: str = field(default="acp_sgd", metadata={
-        "help": "allreduce (DDP's dense all-reduce, counted), acp_sgd (alternating PowerSGD factors, error feedback), "
+        "help": "allreduce (DDP's dense all-reduce, counted), bf16 / fp16 (the same in half precision: torch's "
+                "bf16_compress_hook / fp16_compress_hook, counted), acp_sgd (alternating PowerSGD factors, error feedback), "
                 "s2_reducer (sparse bitmap + count sketch), dear (reduce-scatter in backward, all-gather in the next "
                 "forward; exact), embrace (embedding rows as index/row pairs; exact), noop (nothing: for optimizers "
                 "that exchange themselves)."})

@@ -138,7 +138,7 @@ def test_unwrapped_model_and_bad_config():
     with pytest.raises(TypeError, match=r"needs the DistributedDataParallel model that accelerator.prepare"):
         register(tiny_llama(), "acp_sgd")
     with pytest.raises(ValueError, match=r"method='topk' is unknown; set comm_hook.method \(--comm-hook\) to one of "
-                                         r"allreduce, acp_sgd"):
+                                         r"allreduce, bf16, fp16, acp_sgd"):
         CommHookConfig(method="topk")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['rnak'\]"):
         CommHookConfig.from_any({"rnak": 4})

@@ -1,5 +1,5 @@
 """Every communication hook on a bf16 model (bf16 gradient buckets) and under fp16 autocast with a GradScaler, 2 gloo
-ranks: training stays finite and the replicas stay identical. ACP-SGD's QR has no bf16 kernel; it orthogonalizes in
+ranks: training stays finite and the replicas stay identical (bf16 / fp16: torch's compress hooks, half the bytes). ACP-SGD's QR has no bf16 kernel; it orthogonalizes in
 fp32 (it crashed before). ACP-SGD kept the nan of an overflowing fp16 step in its state (fixed)."""
 
 import pytest
@@ -8,7 +8,7 @@ from hf_dtrain.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 
-METHODS = ["allreduce", "acp_sgd", "s2_reducer", "dear", "embrace"]
+METHODS = ["allreduce", "bf16", "fp16", "acp_sgd", "s2_reducer", "dear", "embrace"]
 
 
 def _worker(rank, world):
@@ -67,7 +67,7 @@ def _fp16_worker(rank, world):
             exclude_embeddings(model)
         ddp = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        register(ddp, {"method": method, "start_iter": 2} if method == "acp_sgd" else method, optimizer=opt)
+        state = register(ddp, {"method": method, "start_iter": 2} if method == "acp_sgd" else method, optimizer=opt)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=1000)
         start = [p.detach().clone() for p in model.parameters()]
         scales, losses = [], []
@@ -85,6 +85,9 @@ def _fp16_worker(rank, world):
         assert scales[-1] == scales[-2] == scales[-3], f"{method}: still overflowing at the end: {scales}"
         moved = max((p.detach() - s).abs().max().item() for p, s in zip(model.parameters(), start))
         assert moved > 1e-4, f"{method}: no step was taken after the overflow"
+        numel = sum(p.numel() for p in model.parameters())
+        if method in ("allreduce", "bf16", "fp16"):  # fp32 buckets: the half hooks send half the bytes
+            assert state.stats.steps[-1] == numel * (4 if method == "allreduce" else 2), method
         del ddp
 
 
