@@ -269,7 +269,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     if cfg.fsdp is not None:
         from hf_dtrain.parallel import apply_fsdp
 
-        apply_fsdp(model, cfg.fsdp)  # before any optimizer exists: they are built on the sharded parameters
+        # before any optimizer exists: they are built on the sharded parameters; a comm hook compresses the HSDP
+        # replica exchange (the clash check allowed it only with fsdp.replicate >= 2)
+        apply_fsdp(model, cfg.fsdp, replica_exchange=cfg.comm_hook)
         keep_sharded(model)
     optimizers = (None, None)
     if cfg.optimizer != "adamw":
@@ -292,7 +294,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
                            "deepspeed so that LOCAL_RANK is set.")
 
     comm = None
-    if cfg.comm_hook is not None or cfg.optimizer in EXCHANGING:
+    if (cfg.comm_hook is not None and cfg.fsdp is None) or cfg.optimizer in EXCHANGING:
         from hf_dtrain.callbacks import CommHookCallback
 
         comm = CommHookCallback.attach(trainer, "noop" if cfg.optimizer in EXCHANGING else cfg.comm_hook)
@@ -325,7 +327,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         quantize=cfg.quantize,
         comm=(wire_bytes(optimizer=trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
                          else trainer.optimizer) if cfg.optimizer in EXCHANGING
-              else comm.summary() if comm is not None else None),
+              else comm.summary() if comm is not None
+              else dict(method=cfg.comm_hook.method, **wire_bytes(model.hf_dtrain_replica_exchange))
+              if cfg.fsdp is not None and cfg.comm_hook is not None else None),
         delta=None if delta_cb is None else {
             "saved_bytes": [h["saved_bytes"] for h in delta_cb.history if not h["profiling"]],
             "budget_bytes": delta_cb.budgets},

@@ -188,7 +188,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     if cfg.fsdp is not None:
         from hf_dtrain.parallel import apply_fsdp
 
-        apply_fsdp(model, cfg.fsdp)  # before the optimizer: it is built on the sharded parameters
+        # before the optimizer: it is built on the sharded parameters; a comm hook compresses the HSDP replica
+        # exchange (the clash check allowed it only with fsdp.replicate >= 2)
+        apply_fsdp(model, cfg.fsdp, replica_exchange=cfg.comm_hook)
         keep_sharded(model)
     optimizer = build_optimizer(cfg, model, cfg.learning_rate, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
@@ -221,7 +223,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     if prepare_loader:
         loader = accelerator.prepare(loader)
     comm_state = None
-    if cfg.comm_hook is not None:
+    if cfg.comm_hook is not None and cfg.fsdp is not None:
+        comm_state = accelerator.unwrap_model(model).hf_dtrain_replica_exchange
+    elif cfg.comm_hook is not None:
         from hf_dtrain.comm import register
 
         comm_state = register(model, cfg.comm_hook, optimizer=optimizer)

@@ -123,3 +123,39 @@ def run_ranks(fn, tmp_path_factory, name, world=2, timeout=400):
     out = tmp_path_factory.mktemp(name)
     run_distributed(fn, world_size=world, args=(str(out),), timeout=timeout)
     return out, json.loads((out / "results.json").read_text())
+
+
+# The heterogeneity-aware partitioner under a sharded engine: rank 1 is three times as fast as rank 0, so of a
+# global batch of 8 it takes 6 and rank 0 takes 2; each rank's mean loss is scaled by the sampler's loss_scale, so
+# the engine's equal-weight average of the ranks' gradients weighs every sample alike.
+HETERO_SPEEDS, HETERO_BATCH, HETERO_STEPS = [1.0, 3.0], 8, 4
+_HETERO_POOL = random_batch(batch=HETERO_BATCH * HETERO_STEPS, seq=16, seed=77)
+
+
+def hetero_batches(rank):
+    """This rank's ``(batch, loss_scale)`` per step, from ``HeterogeneityAwareSampler``."""
+    from hf_dtrain.data import HeterogeneityAwareSampler
+
+    sampler = HeterogeneityAwareSampler(None, HETERO_SPEEDS, rank=rank, num_samples=HETERO_BATCH * HETERO_STEPS,
+                                        seed=0, global_batch_size=HETERO_BATCH)
+    size, order = sampler.batch_size_for(HETERO_BATCH), list(sampler)
+    scale = sampler.loss_scale(HETERO_BATCH)
+    return [({k: v[order[i * size:(i + 1) * size]] for k, v in _HETERO_POOL.items()}, scale)
+            for i in range(HETERO_STEPS)]
+
+
+def hetero_reference():
+    """One process, each step on the union of both ranks' samples (the mean over all 8): the losses and the sizes
+    of the ranks' batches."""
+    model = build_model("full", [])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    per_rank = [hetero_batches(r) for r in range(2)]
+    losses = []
+    for step in range(HETERO_STEPS):
+        union = {k: torch.cat([per_rank[r][step][0][k] for r in range(2)]) for k in _HETERO_POOL}
+        loss = model(**union).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [len(per_rank[r][0][0]["input_ids"]) for r in range(2)]

@@ -13,7 +13,7 @@ from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_di
 from hf_dtrain.testing import mean_over_ranks, random_batch, tiny_llama
 
 from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference, batch,
-                     build_model, reference, run_ranks, trainable)
+                     build_model, hetero_batches, hetero_reference, reference, run_ranks, trainable)
 
 
 def _steps(model, opt, rank, world, steps):
@@ -70,6 +70,18 @@ def _fsdp_rank(rank, world, out):
     apply_fsdp(model)
     results["lorafa_optimizer"] = _steps(model, create_lorafa_optimizer(model, lr=LR), rank, world, range(STEPS))
 
+    # the heterogeneity-aware partitioner: batches of 2 and 6, each rank's loss scaled by the sampler
+    model = build_model("full", [])
+    apply_fsdp(model)
+    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    results["hetero"] = []
+    for data, scale in hetero_batches(rank):
+        loss = model(**data).loss
+        (loss * scale).backward()
+        opt.step()
+        opt.zero_grad()
+        results["hetero"].append(mean_over_ranks(loss.item() * scale))
+
     # refused before any step: SMT selection on a sharded model, HSDP replicas that do not divide the processes
     refusals = {}
     model = build_model("smt", [])
@@ -122,6 +134,14 @@ def test_resume_from_a_sharded_checkpoint_repeats_the_steps_exactly(fsdp_run, me
 def test_adapter_from_a_sharded_run_reloads_and_merges(fsdp_run, method):
     out, _ = fsdp_run
     assert_reloads_and_merges(out / method)
+
+
+def test_heterogeneity_aware_partitioner_under_fsdp2_weighs_every_sample_alike(fsdp_run):
+    """Ranks with batches of 2 and 6 (speeds 1:3), each loss scaled by the sampler: every step equals one process
+    on the union of the two batches."""
+    want, sizes = hetero_reference()
+    assert sizes == [2, 6]
+    torch.testing.assert_close(torch.tensor(fsdp_run[1]["hetero"]), torch.tensor(want), rtol=2e-5, atol=0)
 
 
 def test_sharding_refusals_name_the_fix(fsdp_run):

@@ -14,7 +14,7 @@ from hf_dtrain.parallel import full_state_dict, is_zero3, save_pretrained  # noq
 from hf_dtrain.testing import mean_over_ranks, random_batch  # noqa: E402
 
 from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference,  # noqa: E402
-                     batch, build_model, run_ranks, trainable)
+                     batch, build_model, hetero_batches, hetero_reference, run_ranks, trainable)
 
 STAGES = [2, 3]
 
@@ -71,6 +71,14 @@ def _zero_rank(rank, world, out):
                 save_pretrained(engine, f"{out}/{stage}_{method}")
             results[f"{stage}_{method}"] = {"losses": losses, "selection": selection, "resumed": resumed,
                                             "partitioned": partitioned}
+    # the heterogeneity-aware partitioner under ZeRO-3: batches of 2 and 6, each rank's loss scaled by the sampler
+    engine = _engine(build_model("full", []), 3)
+    results["hetero"] = []
+    for data, scale in hetero_batches(rank):
+        loss = engine(**data).loss
+        engine.backward(loss * scale)
+        engine.step()
+        results["hetero"].append(mean_over_ranks(loss.item() * scale))
     if rank == 0:
         with open(f"{out}/results.json", "w") as f:
             json.dump(results, f)
@@ -104,3 +112,11 @@ def test_resume_from_a_deepspeed_checkpoint_repeats_the_steps_exactly(zero_run, 
 def test_adapter_from_a_zero3_run_reloads_and_merges(zero_run, method):
     out, _ = zero_run
     assert_reloads_and_merges(out / f"3_{method}")
+
+
+def test_heterogeneity_aware_partitioner_under_zero3_weighs_every_sample_alike(zero_run):
+    """Ranks with batches of 2 and 6 (speeds 1:3), each loss scaled by the sampler: every step equals one process
+    on the union of the two batches."""
+    want, sizes = hetero_reference()
+    assert sizes == [2, 6]
+    torch.testing.assert_close(torch.tensor(zero_run[1]["hetero"]), torch.tensor(want), rtol=2e-5, atol=0)
