@@ -44,6 +44,43 @@ class WireStats:
         return self.steps[-1] if self.steps else None
 
 
+def sharded_engine_of(p) -> Optional[str]:
+    """Which sharded engine holds ``p``, if any: an FSDP2 DTensor shard, or a DeepSpeed ZeRO-3 partition."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return "FSDP2 (a DTensor shard)"
+    if hasattr(p, "ds_id"):
+        return "DeepSpeed ZeRO-3 (a partitioned parameter)"
+    return None
+
+
+class WholeReplicaGuard:
+    """For optimizers that exchange whole gradients or parameters between replicas (1-bit LAMB, gossip): refuse
+    sharded engines with the reason. ``check_construction`` at ``__init__`` (FSDP2 and ZeRO-3 hand it shards),
+    ``check_step`` at each ``step`` (DeepSpeed ZeRO-1/2 swap the parameters for flat fp32 partitions after
+    construction)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, who: str):
+        self.who = who
+        self.ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                engine = sharded_engine_of(p)
+                if engine is not None:
+                    raise ValueError(self._message(engine))
+
+    def _message(self, engine: str) -> str:
+        return (f"{self.who} exchanges whole gradients or parameters between replicas, and its parameters are held by "
+                f"{engine}: each rank holds a shard, not a replica, so there is nothing whole to exchange. Train it "
+                "with DDP (no --fsdp / --deepspeed, or ZeRO stage 0), or keep the sharded engine with AdamW or Eva.")
+
+    def check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if [id(p) for g in optimizer.param_groups for p in g["params"]] != self.ids:
+            raise ValueError(self._message("an engine that replaced them after construction (DeepSpeed ZeRO stage "
+                                           ">= 1 hands its client optimizer flat fp32 partitions)"))
+
+
 def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` / DeepSpeed's wrappers (or the optimizer)."""
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):

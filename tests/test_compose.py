@@ -46,11 +46,18 @@ def test_fsdp_clashes_name_the_reason(tmp_path):
                        deepspeed=str(zero3)).check(2, "trainer")
     message = str(err.value)
     assert "fsdp and deepspeed are two sharding engines" in message
-    assert "comm_hook=acp_sgd is a DDP communication hook and FSDP2 has no DDP" in message
+    assert "FSDP2 has no DDP hooks" in message and "set --fsdp.replicate N" in message
     assert "delta" not in message and "fault_tolerance with fsdp" in message  # DELTA works on FSDP2
     with pytest.raises(ValueError, match="each rank holds a shard, not a replica"):
         ComposeOptions(fsdp=True, optimizer="onebit_lamb").check(2, "trainer")
     ComposeOptions(fsdp={"replicate": 2, "activation_checkpointing": True}, optimizer="eva").check(4, "trainer")
+    # HSDP: the hooks that can carry the replica exchange are taken, the others refused with their reason
+    for method in ("allreduce", "bf16", "fp16", "acp_sgd"):
+        ComposeOptions(fsdp={"replicate": 2}, comm_hook=method).check(4, "accelerate")
+    for method, why in [("dear", "FSDP2 already does exactly that"), ("embrace", "FSDP2 shards the tables"),
+                        ("s2_reducer", "dense row shards")]:
+        with pytest.raises(ValueError, match=f"comm_hook={method} cannot carry FSDP2's replica exchange: .*{why}"):
+            ComposeOptions(fsdp={"replicate": 2}, comm_hook=method).check(4, "accelerate")
 
 
 def test_accelerate_fsdp_configs_that_fsdp2_cannot_honour_are_refused():

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..distributed import WireStats, keep_gradients_local
+from ..distributed import WholeReplicaGuard, WireStats, keep_gradients_local
 from .gossip import check_world, consensus_distance, flatten, require_world, unflatten_into
 from .topology import Topology
 
@@ -28,6 +28,7 @@ class GossipMixin:
     exchanges_gradients_itself = True  # DDP must not average (noop hook), and a Trainer must not clip local grads
 
     def _init_gossip(self, topology, process_group=None, model: Optional[nn.Module] = None, **topology_kwargs):
+        self._replica_guard = WholeReplicaGuard(self, type(self).__name__)
         self.topology = resolve_topology(topology, require_world(process_group), **topology_kwargs)
         self.rank = check_world(self.topology, process_group)
         self.process_group = process_group
@@ -58,6 +59,7 @@ class GossipMixin:
 
     def _closure_loss(self, closure):
         """Run ``step(closure)``'s closure with gradients on; its loss is also this step's loss for leader picks."""
+        self._replica_guard.check_step(self)
         if closure is None:
             return None
         with torch.enable_grad():

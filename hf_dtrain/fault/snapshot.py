@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed import sharded_engine_of
 from .erasure import node_groups
 from .wire import SMPClient, checksum, connect, private_dir, runtime_root
 from .state import Layout, flatten_state, parse, rng_state, set_rng_state, unflatten_state
@@ -129,6 +130,14 @@ class SnapshotEngine:
         if persist_every and not persist_dir:
             raise ValueError("SnapshotConfig.persist_every > 0 needs persist_dir (where every N-th snapshot is "
                              "written); set fault_tolerance.persist_dir.")
+        sharded = next(filter(None, map(sharded_engine_of, _unwrap(model).parameters())), None)
+        if sharded is not None:
+            raise ValueError(f"In-memory snapshots hold replicated (DDP) state, and this model's parameters are held "
+                             f"by {sharded}: every rank holds different shards, which the snapshot layout, its parity "
+                             "and its restore do not describe yet (sharded snapshots are the next step). Use the "
+                             "engine's own sharded checkpoints (torch.distributed.checkpoint / Trainer save_steps / "
+                             "accelerator.save_state, or DeepSpeed's save_checkpoint) with it, or DDP for in-memory "
+                             "snapshots.")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.snapshot_hooks: list = list(type(self).default_snapshot_hooks)
         self.stateful = dict(stateful or {})

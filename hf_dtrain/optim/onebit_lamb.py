@@ -37,8 +37,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..distributed import (WireStats, all_gather_single, check_same_across_ranks, keep_gradients_local,
-                           pack_bits, unpack_bits, world_size_of)
+from ..distributed import (WholeReplicaGuard, WireStats, all_gather_single, check_same_across_ranks,
+                           keep_gradients_local, pack_bits, unpack_bits, world_size_of)
 from .config import OneBitLambConfig, config_kwargs
 
 
@@ -69,6 +69,7 @@ class OneBitLamb(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff)
         super().__init__(params, defaults)
+        self._replica_guard = WholeReplicaGuard(self, "OneBitLamb")
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self.mask_threshold = mask_threshold
@@ -168,6 +169,7 @@ class OneBitLamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._replica_guard.check_step(self)
         gs = self.global_state
         gs["step"] += 1
         step = gs["step"]

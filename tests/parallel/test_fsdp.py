@@ -94,6 +94,19 @@ def _fsdp_rank(rank, world, out):
         apply_fsdp(build_model("lorafa", []), FSDPConfig(replicate=3))
     except ValueError as e:
         refusals["replicate"] = str(e)
+    from hf_dtrain.decentralized import DPSGD
+    from hf_dtrain.optim import OneBitLamb
+
+    sharded = apply_fsdp(build_model("full", []))
+    from hf_dtrain.fault import SnapshotEngine
+
+    for name, make in {"onebit_lamb": lambda: OneBitLamb(sharded.parameters()),
+                       "dpsgd": lambda: DPSGD(sharded.parameters(), lr=0.1),
+                       "snapshots": lambda: SnapshotEngine(sharded, directory=f"{out}/ft_{rank}")}.items():
+        try:
+            make()
+        except ValueError as e:
+            refusals[name] = str(e)
     results["refusals"] = refusals
     if rank == 0:
         with open(f"{out}/results.json", "w") as f:
@@ -150,6 +163,10 @@ def test_sharding_refusals_name_the_fix(fsdp_run):
     assert "SMT block selection on a model already sharded by FSDP2" in refusals["smt_after_sharding"]
     assert "block_indices" in refusals["smt_after_sharding"]
     assert "replicate=3 does not divide the 2 processes" in refusals["replicate"]
+    for name in ("onebit_lamb", "dpsgd"):  # they exchange whole replicas; FSDP2 holds shards
+        assert "held by FSDP2 (a DTensor shard)" in refusals[name] and "Train it with DDP" in refusals[name]
+    assert "held by FSDP2 (a DTensor shard)" in refusals["snapshots"]  # snapshots describe replicated state
+    assert "Use the engine's own sharded checkpoints" in refusals["snapshots"]
 
 
 def test_a_wrap_that_splits_a_tuner_layer_is_refused():

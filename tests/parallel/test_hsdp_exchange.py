@@ -155,3 +155,31 @@ def test_replica_exchange_refusals_name_the_fix(hsdp_run):
     assert "shard it on the dp_shard mesh dimension only" in refusals["native_mesh"]
     assert "FSDP2 already does exactly that" in refusals["dear"]
     assert "set FSDPConfig.replicate" in refusals["no_replicas"]
+
+
+@pytest.mark.slow
+def test_finetune_with_hsdp_compresses_the_replica_exchange(tmp_path):
+    """``hf-dtrain finetune --fsdp.replicate 2 --comm-hook acp_sgd`` on 4 processes (2 replica groups x 2 shards, the
+    Trainer): the model is sharded with FSDP2, the replica exchange goes through ACP-SGD (dense warm-up steps, then a
+    small fraction of those bytes), and the loss falls."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_dtrain.testing import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+           "-m", "hf_dtrain.cli", "finetune", "--method", "lorafa", "--output-dir", str(tmp_path), "--task-digits",
+           "1", "--train-size", "500", "--eval-size", "10", "--max-steps", "8", "--learning-rate", "3e-3",
+           "--progress", "false", "--logging-steps", "1", "--fsdp.replicate", "2", "--comm-hook", "acp_sgd",
+           "--comm-hook.start-iter", "2", "--comm-hook.rank", "2"]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["engine"] == "fsdp2" and r["world_size"] == 4 and r["config"]["fsdp"]["replicate"] == 2
+    comm = r["comm"]
+    assert comm["method"] == "acp_sgd" and comm["steps"] == 8
+    # two dense warm-up steps, then six compressed ones: the mean is dominated by the dense ones
+    assert comm["bytes_last_step"] * 10 < comm["bytes_per_step_mean"] * 8 / 2
+    assert r["eval_loss_after"] < r["eval_loss_before"] - 0.3

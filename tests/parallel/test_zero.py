@@ -19,13 +19,13 @@ from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, ass
 STAGES = [2, 3]
 
 
-def _engine(model, stage):
+def _engine(model, stage, optimizer=None):
     import deepspeed
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model, "peft_config"):
         model.enable_input_require_grads()
-    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    opt = optimizer if optimizer is not None else torch.optim.AdamW(trainable(model), lr=LR)
     # DeepSpeed 0.19 clips gradients at norm 1.0 unless told otherwise; the reference does not clip
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
@@ -79,6 +79,25 @@ def _zero_rank(rank, world, out):
         engine.backward(loss * scale)
         engine.step()
         results["hetero"].append(mean_over_ranks(loss.item() * scale))
+    from hf_dtrain.fault import SnapshotEngine
+
+    try:
+        SnapshotEngine(engine.module, directory=f"{out}/ft_{rank}")
+    except ValueError as e:
+        snapshot_refusal = str(e)
+    # optimizers that exchange whole replicas: ZeRO hands them flat partitions, refused at their first step
+    from hf_dtrain.decentralized import DPSGD
+    from hf_dtrain.optim import OneBitLamb
+
+    results["refusals"] = {"snapshots": snapshot_refusal}
+    for stage, name, make in [(1, "onebit_lamb", lambda ps: OneBitLamb(ps)), (3, "dpsgd", lambda ps: DPSGD(ps, lr=0.1))]:
+        model = build_model("full", [])
+        engine = _engine(model, stage, optimizer=make(list(model.parameters())))
+        try:
+            engine.backward(engine(**batch(0, rank)).loss)
+            engine.step()
+        except ValueError as e:
+            results["refusals"][f"{stage}_{name}"] = str(e)
     if rank == 0:
         with open(f"{out}/results.json", "w") as f:
             json.dump(results, f)
@@ -120,3 +139,13 @@ def test_heterogeneity_aware_partitioner_under_zero3_weighs_every_sample_alike(z
     want, sizes = hetero_reference()
     assert sizes == [2, 6]
     torch.testing.assert_close(torch.tensor(zero_run[1]["hetero"]), torch.tensor(want), rtol=2e-5, atol=0)
+
+
+def test_optimizers_that_exchange_whole_replicas_are_refused_under_zero(zero_run):
+    refusals = zero_run[1]["refusals"]
+    assert set(refusals) == {"1_onebit_lamb", "3_dpsgd", "snapshots"}
+    # in-memory snapshots describe replicated state; ZeRO-3 holds partitions
+    assert "held by DeepSpeed ZeRO-3 (a partitioned parameter)" in refusals.pop("snapshots")
+    for message in refusals.values():
+        assert "DeepSpeed ZeRO stage >= 1 hands its client optimizer flat fp32 partitions" in message
+        assert "Train it with DDP" in message
