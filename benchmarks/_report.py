@@ -159,3 +159,21 @@ def summarize_curve(row: dict, window: int) -> None:
     row["smoothed"] = trailing_mean(row["losses"], window)
     row["final"] = row["smoothed"][-1]
     row["seconds"] = row["times"][-1]
+
+
+def bars_by_link(panels, rows: list[dict]) -> tuple[list, list]:
+    """Grouped bars of the rows of a links x methods benchmark: for each ``(ax, key, title)`` in ``panels``, one group
+    per method and one bar per link (labelled, for a legend), the methods as x tick labels. Returns (links, methods)
+    in the rows' order."""
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / len(links)
+    for j, link in enumerate(links):
+        sub = {r["method"]: r for r in rows if r["link"] == link}
+        xs = [i + (j - (len(links) - 1) / 2) * width for i in range(len(methods))]
+        for ax, key, _ in panels:
+            ax.bar(xs, [sub[m][key] for m in methods], width, label=link)
+    for ax, _, title in panels:
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+        ax.set_title(title)
+    return links, methods

@@ -210,20 +210,12 @@ def render(payload: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    links = list(dict.fromkeys(r["link"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    from _report import bars_by_link
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    width = 0.8 / len(links)
-    for j, link in enumerate(links):
-        sub = {r["method"]: r for r in rows if r["link"] == link}
-        xs = [i + (j - (len(links) - 1) / 2) * width for i in range(len(methods))]
-        axes[0].bar(xs, [sub[m]["MiB_per_step"] for m in methods], width, label=link)
-        axes[1].bar(xs, [sub[m]["step_time_vs_dense"] for m in methods], width, label=link)
-        axes[2].bar(xs, [sub[m]["loss_last10"] for m in methods], width, label=link)
-    for ax, title in zip(axes, ["MiB per step per rank (log)", "step time / dense all-reduce",
-                                "train loss, last 10 steps"]):
-        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
-        ax.set_title(title)
+    links, _ = bars_by_link([(axes[0], "MiB_per_step", "MiB per step per rank (log)"),
+                             (axes[1], "step_time_vs_dense", "step time / dense all-reduce"),
+                             (axes[2], "loss_last10", "train loss, last 10 steps")], rows)
     axes[0].set_yscale("log")
     axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
     losses = [r["loss_last10"] for r in rows]

@@ -183,22 +183,15 @@ def render(payload: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    links = list(dict.fromkeys(r["link"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    from _report import bars_by_link
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    width = 0.8 / len(links)
-    for j, link in enumerate(links):
-        sub = {r["method"]: r for r in rows if r["link"] == link}
-        xs = [i + (j - (len(links) - 1) / 2) * width for i in range(len(methods))]
-        axes[0].bar(xs, [sub[m]["MiB_per_step"] for m in methods], width, label=link)
-        axes[1].bar(xs, [sub[m]["step_time_vs_native"] for m in methods], width, label=link)
+    links, methods = bars_by_link([(axes[0], "MiB_per_step", "MiB per step per rank, replica exchange (log)"),
+                                   (axes[1], "step_time_vs_native", "step time / native HSDP")], rows)
     for link in links:
         for m in methods:
             r = next(x for x in rows if x["link"] == link and x["method"] == m)
             axes[2].plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{link} {m}", lw=0.9)
-    for ax, title in zip(axes[:2], ["MiB per step per rank, replica exchange (log)", "step time / native HSDP"]):
-        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
-        ax.set_title(title)
     axes[0].set_yscale("log")
     axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
     axes[1].legend(title="link")

@@ -94,7 +94,7 @@ def _fsdp_rank(rank, world, out):
         apply_fsdp(build_model("lorafa", []), FSDPConfig(replicate=3))
     except ValueError as e:
         refusals["replicate"] = str(e)
-    from hf_dtrain.decentralized import DPSGD
+    from hf_dtrain.decentralized import ALDSGD, DPSGD, LSGD, DecentLaM
     from hf_dtrain.optim import OneBitLamb
 
     sharded = apply_fsdp(build_model("full", []))
@@ -102,6 +102,9 @@ def _fsdp_rank(rank, world, out):
 
     for name, make in {"onebit_lamb": lambda: OneBitLamb(sharded.parameters()),
                        "dpsgd": lambda: DPSGD(sharded.parameters(), lr=0.1),
+                       "decentlam": lambda: DecentLaM(sharded.parameters(), lr=0.1),
+                       "lsgd": lambda: LSGD(sharded.parameters(), lr=0.1),
+                       "aldsgd": lambda: ALDSGD(sharded.parameters(), lr=0.1),
                        "snapshots": lambda: SnapshotEngine(sharded, directory=f"{out}/ft_{rank}")}.items():
         try:
             make()
@@ -163,7 +166,7 @@ def test_sharding_refusals_name_the_fix(fsdp_run):
     assert "SMT block selection on a model already sharded by FSDP2" in refusals["smt_after_sharding"]
     assert "block_indices" in refusals["smt_after_sharding"]
     assert "replicate=3 does not divide the 2 processes" in refusals["replicate"]
-    for name in ("onebit_lamb", "dpsgd"):  # they exchange whole replicas; FSDP2 holds shards
+    for name in ("onebit_lamb", "dpsgd", "decentlam", "lsgd", "aldsgd"):  # whole replicas; FSDP2 holds shards
         assert "held by FSDP2 (a DTensor shard)" in refusals[name] and "Train it with DDP" in refusals[name]
     assert "held by FSDP2 (a DTensor shard)" in refusals["snapshots"]  # snapshots describe replicated state
     assert "Use the engine's own sharded checkpoints" in refusals["snapshots"]
