@@ -40,6 +40,33 @@ def build_model(method, warmup, selection=None):
     return model
 
 
+# dims that 2 ranks do not divide: 129 embedding / lm_head rows, 75 rows of gate/up (and 75 columns of down)
+UNEVEN = dict(vocab_size=129, intermediate_size=75)
+
+
+def uneven_model(method):
+    """The tiny LLaMA with ``UNEVEN`` dims, fully trainable or with LoRA-FA (whose B has 75 rows on gate/up)."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_llama(seed=0, **UNEVEN)
+        return model if method == "full" else get_peft_model(model, CONFIGS[method]())
+
+
+def uneven_reference(method):
+    """One process on both ranks' batches, ``STEPS`` AdamW steps: the losses."""
+    model = uneven_model(method)
+    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = (model(**batch(step, 0)).loss + model(**batch(step, 1)).loss) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def batch(step, rank):
     """Two batches per rank, alternating: the loss falls as they are learnt."""
     return random_batch(batch=2, seq=16, seed=1000 + 10 * (step % 2) + rank)

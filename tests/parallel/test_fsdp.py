@@ -13,7 +13,8 @@ from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_di
 from hf_dtrain.testing import mean_over_ranks, random_batch, tiny_llama
 
 from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference, batch,
-                     build_model, hetero_batches, hetero_reference, reference, run_ranks, trainable)
+                     build_model, hetero_batches, hetero_reference, reference, run_ranks, trainable, uneven_model,
+                     uneven_reference)
 
 
 def _steps(model, opt, rank, world, steps):
@@ -69,6 +70,13 @@ def _fsdp_rank(rank, world, out):
     model = build_model("lorafa", [])
     apply_fsdp(model)
     results["lorafa_optimizer"] = _steps(model, create_lorafa_optimizer(model, lr=LR), rank, world, range(STEPS))
+
+    # dims the ranks do not divide: FSDP2 pads the last row shard; nothing to refuse, it must train like one process
+    for method in ("full", "lorafa"):
+        model = uneven_model(method)
+        apply_fsdp(model)
+        results[f"uneven_{method}"] = _steps(model, torch.optim.AdamW(trainable(model), lr=LR), rank, world,
+                                             range(STEPS))
 
     # the heterogeneity-aware partitioner: batches of 2 and 6, each rank's loss scaled by the sampler
     model = build_model("full", [])
@@ -150,6 +158,14 @@ def test_resume_from_a_sharded_checkpoint_repeats_the_steps_exactly(fsdp_run, me
 def test_adapter_from_a_sharded_run_reloads_and_merges(fsdp_run, method):
     out, _ = fsdp_run
     assert_reloads_and_merges(out / method)
+
+
+@pytest.mark.parametrize("method", ["full", "lorafa"])
+def test_dims_that_do_not_divide_the_shard_count_train_like_one_process(fsdp_run, method):
+    """129 vocabulary rows and 75 MLP rows on 2 ranks: FSDP2 pads the last row shard (torch.chunk's split), so
+    uneven dims are not an error to refuse; the losses equal one process."""
+    got = fsdp_run[1][f"uneven_{method}"]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(uneven_reference(method)), rtol=2e-5, atol=0)
 
 
 def test_heterogeneity_aware_partitioner_under_fsdp2_weighs_every_sample_alike(fsdp_run):

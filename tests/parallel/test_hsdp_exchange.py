@@ -11,12 +11,17 @@ import torch
 from hf_dtrain.comm import ACPSGDState, CommHookConfig
 from hf_dtrain.comm.acp_sgd import decode, encode, tensor_state
 
-from .common import batch, build_model, run_ranks, trainable
+from .common import batch, build_model, run_ranks, trainable, uneven_model
+
+
+def _model(name):
+    """The tiny LLaMA, fully trainable; ``*_uneven``: with dims the 2 shards do not divide (uneven row shards)."""
+    return uneven_model("full") if name.endswith("_uneven") else build_model("full", [])
 
 STEPS = 8
 LR = 1e-2
 ACP = {"method": "acp_sgd", "rank": 2, "start_iter": 2}
-RUNS = {"native": None, "allreduce": "allreduce", "bf16": "bf16", "acp_sgd": ACP}
+RUNS = {"native": None, "allreduce": "allreduce", "bf16": "bf16", "acp_sgd": ACP, "acp_sgd_uneven": ACP}
 
 
 def _hsdp_rank(rank, world, out):
@@ -27,7 +32,7 @@ def _hsdp_rank(rank, world, out):
 
     results = {}
     for name, exchange in RUNS.items():
-        model = build_model("full", [])
+        model = _model(name)
         apply_fsdp(model, FSDPConfig(replicate=2),
                    replica_exchange=CommHookConfig(**exchange) if isinstance(exchange, dict) else exchange)
         opt = torch.optim.AdamW(trainable(model), lr=LR)
@@ -42,8 +47,8 @@ def _hsdp_rank(rank, world, out):
             losses.append(total.item() / world)
         # replicas in sync: this rank's shards equal those of the same shard index in the other replica group
         local = torch.cat([p.to_local().reshape(-1) for p in model.parameters()])
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local)
+        gathered = [None] * world  # uneven shards differ in size between shard indices
+        dist.all_gather_object(gathered, local)
         run = {"losses": losses, "replicas_equal": bool(torch.equal(gathered[rank], gathered[(rank + 2) % 4]))}
         state = getattr(model, "hf_dtrain_replica_exchange", None)
         if state is not None:
@@ -72,13 +77,13 @@ def hsdp_run(tmp_path_factory):
     return run_ranks(_hsdp_rank, tmp_path_factory, "hsdp", world=4)[1]
 
 
-def _simulate_acp():
+def _simulate_acp(name):
     """One process: the four ranks' gradients on the same weights, averaged within each replica group (FSDP2's
     reduce-scatter), then per shard index (rows split as torch.chunk splits them) ACP-SGD across the two replica
     groups, each rank with its own error feedback; AdamW on the whole weights."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_model("full", [])
+        model = _model(name)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW([p for _, p in params], lr=LR)
     states = [ACPSGDState(rank=ACP["rank"], start_iter=ACP["start_iter"]) for _ in range(4)]  # rank = 2 j + s
@@ -139,10 +144,17 @@ def test_bf16_exchange_halves_the_bytes_and_tracks_fp32(hsdp_run):
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(dense["losses"]), rtol=1e-2, atol=0)
 
 
-def test_acp_sgd_on_row_shards_equals_its_simulation_and_its_byte_formula(hsdp_run):
-    acp = hsdp_run["acp_sgd"]
-    torch.testing.assert_close(torch.tensor(acp["losses"]), torch.tensor(_simulate_acp()), rtol=1e-5, atol=0)
+@pytest.mark.parametrize("name", ["acp_sgd", "acp_sgd_uneven"])
+def test_acp_sgd_on_row_shards_equals_its_simulation_and_its_byte_formula(hsdp_run, name):
+    """Also with uneven row shards (129 vocabulary rows, 75 MLP rows on 2 shards): the two shard indices compress
+    matrices of different shapes, each across its own replica group."""
+    acp = hsdp_run[name]
+    assert acp["replicas_equal"]
+    torch.testing.assert_close(torch.tensor(acp["losses"]), torch.tensor(_simulate_acp(name)), rtol=1e-5, atol=0)
     start = ACP["start_iter"]
+    if name.endswith("_uneven"):  # rank 0's formula against rank 0's bytes; the dense case is checked below
+        assert acp["bytes"][start:] == acp["formula"] * ((STEPS - start) // 2)
+        return
     dense = hsdp_run["allreduce"]["bytes"][0]
     assert acp["bytes"][:start] == [dense] * start
     even, odd = acp["formula"]
