@@ -11,7 +11,6 @@ combinations that clash (naming the clash and the fix), and the optimizer table 
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -67,7 +66,8 @@ class ComposeOptions:
     hetero_speeds: Optional[list[float]] = field(default=None, metadata={
         "help": "Heterogeneity-aware sampler: relative speed of each rank (one per process); None: even shards."})
     deepspeed: Optional[str] = field(default=None, metadata={
-        "help": "DeepSpeed config JSON (finetune: passed to the Trainer); checked against the other switches."})
+        "help": "DeepSpeed config for finetune's Trainer: zero2 or zero3 (built-in configs whose 'auto' values the "
+                "Trainer fills), or the path of your own JSON; checked against the other switches."})
     fsdp: Optional[FSDPConfig] = field(default=None, metadata={
         "help": "Shard the model with FSDP2 (hf_dtrain.parallel.apply_fsdp: decoder layers and root, tuner layers "
                 "whole; fsdp.replicate > 1 for HSDP) instead of replicating it with DDP. None: DDP."})
@@ -123,23 +123,11 @@ class ComposeOptions:
                              f"{' or '.join(chosen)}, or drop the {section} settings.")
 
     def deepspeed_stage(self) -> Optional[int]:
+        from hf_dtrain.parallel.zero import deepspeed_config, zero_stage
+
         if not self.deepspeed:
             return None
-        try:
-            with open(self.deepspeed) as f:
-                cfg = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"deepspeed={self.deepspeed!r}: no such file; set --deepspeed to a DeepSpeed config "
-                             "JSON.") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"deepspeed config {self.deepspeed} cannot be read as JSON: {e}; fix the file or set "
-                             "--deepspeed to another one.") from None
-        zero = cfg.get("zero_optimization", {}) if isinstance(cfg, dict) else None
-        stage = zero.get("stage", 0) if isinstance(zero, dict) else None
-        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"deepspeed config {self.deepspeed}: zero_optimization.stage must be 0, 1, 2 or 3, got "
-                             f"{stage!r}.")
-        return stage
+        return zero_stage(deepspeed_config(self.deepspeed))
 
     def check(self, world_size: int, engine: str, lorafa_optimizer: bool = False) -> None:
         """Refuse combinations that clash, with a ``ValueError`` naming both sides and what to change."""

@@ -20,6 +20,7 @@ import torch
 from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, fsdp_from_launcher,
                                keep_sharded, run_identity, snapshot_config_for, wire_bytes)
 from hf_dtrain.parallel import local_param_bytes
+from hf_dtrain.parallel.zero import deepspeed_config
 from hf_dtrain.model_card import write_model_card
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS
 from hf_dtrain.tuners.smt.job import SMT_TARGETS
@@ -243,7 +244,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         # DeAR averages the gradients after step() is called, and the exchanging optimizers never average them:
         # clipping local gradients would be wrong
         max_grad_norm=0.0 if cfg.comm_method == "dear" or cfg.optimizer in EXCHANGING else 1.0,
-        deepspeed=cfg.deepspeed,
+        deepspeed=deepspeed_config(cfg.deepspeed) if cfg.deepspeed else None,
     )
     # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
     world_size = args.world_size

@@ -242,6 +242,25 @@ def test_unreadable_deepspeed_config_names_the_file(tmp_path):
             FinetuneConfig(deepspeed=str(path))
 
 
+def test_deepspeed_presets_and_the_recipe_are_one_config(tmp_path):
+    """``--deepspeed zero2`` / ``zero3`` name built-in configs; the shipped recipe JSON is the zero3 preset, and an
+    unknown name is neither a preset nor a file."""
+    import json
+    from pathlib import Path
+
+    from hf_dtrain.compose import ComposeOptions
+    from hf_dtrain.parallel.zero import deepspeed_config
+
+    assert ComposeOptions(deepspeed="zero2").deepspeed_stage() == 2
+    assert ComposeOptions(deepspeed="zero3").deepspeed_stage() == 3
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "deepspeed" / "zero3.json"
+    assert json.loads(recipe.read_text()) == deepspeed_config("zero3")
+    with pytest.raises(ValueError, match=r"no such file and no preset; set --deepspeed to zero2 or zero3"):
+        FinetuneConfig(deepspeed="zero4")
+    with pytest.raises(ValueError, match=r"optimizer=eva keeps per-layer vectors"):
+        ComposeOptions(deepspeed="zero3", optimizer="eva").check(2, "trainer")
+
+
 def test_trainer_deepspeed_without_cuda_is_refused_not_silently_ddp(tmp_path):
     """Accelerate does not enable DeepSpeed on a CPU: finetune says so before loading anything, instead of training
     with DDP while the user asked for ZeRO."""
