@@ -209,6 +209,25 @@ class ComposeOptions:
         return out
 
 
+def shard_with_fsdp(model, fsdp: FSDPConfig, comm_hook=None):
+    """Shard ``model`` with FSDP2 (``apply_fsdp``); with a comm hook (HSDP, ``fsdp.replicate >= 2``) shard it on the
+    ``dp_shard`` mesh dimension and run the exchange across replica groups through
+    ``hf_dtrain.comm.register_fsdp``. Returns that exchange's state (bytes per step), or None."""
+    from hf_dtrain.parallel import apply_fsdp, fsdp_mesh
+
+    if comm_hook is None:
+        apply_fsdp(model, fsdp)
+        return None
+    if fsdp.replicate < 2:
+        raise ValueError("a comm hook with fsdp compresses the exchange across HSDP replica groups: set "
+                         "fsdp.replicate (--fsdp.replicate) >= 2, or drop the comm hook.")
+    from hf_dtrain.comm import register_fsdp
+
+    mesh = fsdp_mesh(fsdp)
+    apply_fsdp(model, fsdp, mesh=mesh["dp_shard"])
+    return register_fsdp(model, comm_hook, mesh["dp_replicate"].get_group())
+
+
 def fsdp_from_launcher(fsdp):
     """The job's FSDP2 settings: ``--fsdp`` as given, or, when ``accelerate launch`` was given an Accelerate FSDP
     config on a machine without CUDA, that config's settings. Accelerate enables its FSDP plugin only on GPU-class

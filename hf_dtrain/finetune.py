@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, fsdp_from_launcher,
-                               keep_sharded, run_identity, snapshot_config_for, wire_bytes)
+                               keep_sharded, run_identity, shard_with_fsdp, snapshot_config_for, wire_bytes)
 from hf_dtrain.parallel import local_param_bytes
 from hf_dtrain.parallel.zero import deepspeed_config
 from hf_dtrain.model_card import write_model_card
@@ -267,12 +267,11 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
             from hf_dtrain.tuners.smt import SMTSelectionCallback
 
             callbacks.append(SMTSelectionCallback())
+    fsdp_exchange = None
     if cfg.fsdp is not None:
-        from hf_dtrain.parallel import apply_fsdp
-
         # before any optimizer exists: they are built on the sharded parameters; a comm hook compresses the HSDP
         # replica exchange (the clash check allowed it only with fsdp.replicate >= 2)
-        apply_fsdp(model, cfg.fsdp, replica_exchange=cfg.comm_hook)
+        fsdp_exchange = shard_with_fsdp(model, cfg.fsdp, cfg.comm_hook)
         keep_sharded(model)
     optimizers = (None, None)
     if cfg.optimizer != "adamw":
@@ -329,8 +328,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         comm=(wire_bytes(optimizer=trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
                          else trainer.optimizer) if cfg.optimizer in EXCHANGING
               else comm.summary() if comm is not None
-              else dict(method=cfg.comm_hook.method, **wire_bytes(model.hf_dtrain_replica_exchange))
-              if cfg.fsdp is not None and cfg.comm_hook is not None else None),
+              else dict(method=cfg.comm_hook.method, **wire_bytes(fsdp_exchange)) if fsdp_exchange is not None
+              else None),
         delta=None if delta_cb is None else {
             "saved_bytes": [h["saved_bytes"] for h in delta_cb.history if not h["profiling"]],
             "budget_bytes": delta_cb.budgets},

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, fsdp_from_launcher,
-                               keep_sharded, run_identity, snapshot_config_for, wire_bytes)
+                               keep_sharded, run_identity, shard_with_fsdp, snapshot_config_for, wire_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -185,12 +185,11 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         from hf_dtrain.memory import apply_delta
 
         delta = apply_delta(model, cfg.delta)  # on the unwrapped model
+    fsdp_exchange = None
     if cfg.fsdp is not None:
-        from hf_dtrain.parallel import apply_fsdp
-
         # before the optimizer: it is built on the sharded parameters; a comm hook compresses the HSDP replica
         # exchange (the clash check allowed it only with fsdp.replicate >= 2)
-        apply_fsdp(model, cfg.fsdp, replica_exchange=cfg.comm_hook)
+        fsdp_exchange = shard_with_fsdp(model, cfg.fsdp, cfg.comm_hook)
         keep_sharded(model)
     optimizer = build_optimizer(cfg, model, cfg.learning_rate, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
@@ -223,8 +222,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     if prepare_loader:
         loader = accelerator.prepare(loader)
     comm_state = None
-    if cfg.comm_hook is not None and cfg.fsdp is not None:
-        comm_state = accelerator.unwrap_model(model).hf_dtrain_replica_exchange
+    if fsdp_exchange is not None:
+        comm_state = fsdp_exchange
     elif cfg.comm_hook is not None:
         from hf_dtrain.comm import register
 

@@ -49,7 +49,7 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
     with pytest.raises(SystemExit):  # argparse rejects it with the valid choices
         main(["finetune", "--method", "qlora"])
     with pytest.raises(ValueError, match=r"method='topk' is unknown; set comm_hook.method \(--comm-hook\) to one of "
-                                         r"allreduce, acp_sgd"):
+                                         r"allreduce, bf16, fp16, acp_sgd"):
         FinetuneConfig(comm_hook="topk")
     with pytest.raises(ValueError, match="one of lora, dora, lorafa, smt, qbara, qahira, full"):
         FinetuneConfig(method="adapter")

@@ -168,9 +168,13 @@ def register_fsdp(model, config: Union[CommHookConfig, dict, str, None], replica
     """Average gradients over HSDP replica groups with ``config.method`` (``allreduce``, ``bf16``, ``fp16`` or
     ``acp_sgd``), through ``set_all_reduce_hook`` on every FSDP unit of ``model``.
 
-    ``model`` must be sharded with ``fully_shard`` on the ``dp_shard`` mesh dimension only (``apply_fsdp(model,
-    FSDPConfig(replicate=R), replica_exchange=config)`` does both), ``replica_group`` the process group of the
-    ``dp_replicate`` dimension. Call before the first backward. Returns the state (``state.stats``: bytes per step)."""
+    ``model`` must be sharded with ``fully_shard`` on the ``dp_shard`` mesh dimension only, ``replica_group`` the
+    process group of the ``dp_replicate`` dimension::
+
+        mesh = fsdp_mesh(FSDPConfig(replicate=R))
+        apply_fsdp(model, config, mesh=mesh["dp_shard"])
+        state = register_fsdp(model, "acp_sgd", mesh["dp_replicate"].get_group())
+ Call before the first backward. Returns the state (``state.stats``: bytes per step)."""
     from torch.distributed.fsdp import FSDPModule
 
     config = CommHookConfig.from_any(config)
@@ -189,7 +193,7 @@ def register_fsdp(model, config: Union[CommHookConfig, dict, str, None], replica
                 if getattr(group, "_is_hsdp", False):
                     raise ValueError("the model is sharded on a 2D (HSDP) mesh, so FSDP2 already all-reduces across "
                                      "replicas before any hook: shard it on the dp_shard mesh dimension only "
-                                     "(apply_fsdp(..., replica_exchange=...) does this).")
+                                     "(apply_fsdp(model, config, mesh=fsdp_mesh(config)['dp_shard'])).")
                 units.append((name or "<root>", module, group))
     if not units:
         raise TypeError(f"register_fsdp needs a model sharded with fully_shard; {type(model).__name__} has no FSDP "

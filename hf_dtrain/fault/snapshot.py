@@ -62,6 +62,35 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of an FSDP2 DTensor (a view that writes through), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _as_shards(optimizer, state: dict) -> dict:
+    """A restored optimizer state dict with each DTensor parameter's state tensors (stored as this rank's local
+    shards) made DTensors again, with the parameter's mesh and placements: what the optimizer held when it was
+    snapshotted. Scalars (AdamW's ``step``) stay as they are."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_dtrain.distributed import unwrap_optimizer
+
+    params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
+    out = dict(state)
+    out["state"] = {}
+    for idx, st in state.get("state", {}).items():
+        p = params[int(idx)] if int(idx) < len(params) else None
+        if isinstance(p, DTensor):
+            local = p.to_local().shape
+            st = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+                  if torch.is_tensor(v) and v.dim() and v.shape == local else v for k, v in st.items()}
+        out["state"][idx] = st
+    return out
+
+
 def _node_info(rank: int, world: int) -> tuple[int, int, list[int]]:
     """(node id, number of nodes, local ranks): ``HF_DTRAIN_NODE_RANK`` or torchrun's ``GROUP_RANK``, else
     consecutive ranks by ``LOCAL_WORLD_SIZE``."""
@@ -131,13 +160,11 @@ class SnapshotEngine:
             raise ValueError("SnapshotConfig.persist_every > 0 needs persist_dir (where every N-th snapshot is "
                              "written); set fault_tolerance.persist_dir.")
         sharded = next(filter(None, map(sharded_engine_of, _unwrap(model).parameters())), None)
-        if sharded is not None:
-            raise ValueError(f"In-memory snapshots hold replicated (DDP) state, and this model's parameters are held "
-                             f"by {sharded}: every rank holds different shards, which the snapshot layout, its parity "
-                             "and its restore do not describe yet (sharded snapshots are the next step). Use the "
-                             "engine's own sharded checkpoints (torch.distributed.checkpoint / Trainer save_steps / "
-                             "accelerator.save_state, or DeepSpeed's save_checkpoint) with it, or DDP for in-memory "
-                             "snapshots.")
+        if sharded is not None and not sharded.startswith("FSDP2"):
+            raise ValueError(f"In-memory snapshots hold DDP replicas or FSDP2 shards, and this model's parameters are "
+                             f"held by {sharded}: its partitions (and the fp32 master copies DeepSpeed keeps apart "
+                             "from the model) are not described by the snapshot layout yet. Use DeepSpeed's "
+                             "save_checkpoint with it, or FSDP2 / DDP for in-memory snapshots.")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.snapshot_hooks: list = list(type(self).default_snapshot_hooks)
         self.stateful = dict(stateful or {})
@@ -199,11 +226,15 @@ class SnapshotEngine:
         self._configure()
 
     # ---------------------------------------------------------------- set-up
-    def _model_state(self) -> dict[str, torch.Tensor]:
+    def _model_state(self, local: bool = True) -> dict[str, torch.Tensor]:
+        """The model's tensors to snapshot; FSDP2's DTensor parameters as this rank's local shards (views that write
+        through), unless ``local`` is false."""
         m = _unwrap(self.model)
         if self.trainable_only:
-            return {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}
-        return {k: v.detach() for k, v in m.state_dict(keep_vars=True).items()}
+            state = {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}
+        else:
+            state = {k: v.detach() for k, v in m.state_dict(keep_vars=True).items()}
+        return {k: _local(v) for k, v in state.items()} if local else state
 
     def _identity(self, job: dict) -> dict:
         """What makes this job this job: the caller's settings (``identity=``: the job's config, seed, data source)
@@ -232,8 +263,9 @@ class SnapshotEngine:
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
-        for name, t in self._model_state().items():
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        for name, t in self._model_state(local=False).items():  # global shapes: the same on every rank
+            placements = getattr(t, "placements", None)
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{placements};".encode())
         return h.hexdigest()[:16]
 
     def _shared_key(self) -> bytes:
@@ -623,7 +655,7 @@ class SnapshotEngine:
             for name, t in state["model"].items():
                 live[name].copy_(t)
         if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(_as_shards(self.optimizer, state["optimizer"]))
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "scaler" in state:

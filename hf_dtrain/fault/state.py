@@ -28,7 +28,10 @@ def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "state
     """The JSON skeleton of ``obj``; its tensors (and numpy arrays) go into ``tensors`` under their path. Keeps the
     types JSON loses (int dict keys, tuples). Anything else is a ``TypeError`` naming where it is."""
     if isinstance(obj, torch.Tensor):
-        tensors[path] = obj
+        from torch.distributed.tensor import DTensor
+
+        # an FSDP2 shard (optimizer state): this rank's part; the restore makes it a DTensor again
+        tensors[path] = obj.to_local() if isinstance(obj, DTensor) else obj
         return {"__t": path}
     if isinstance(obj, np.ndarray):
         tensors[path] = torch.from_numpy(np.ascontiguousarray(obj))

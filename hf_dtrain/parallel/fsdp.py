@@ -166,15 +166,17 @@ def fsdp_mesh(config: FSDPConfig, device_type: Optional[str] = None):
                             mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def apply_fsdp(model: nn.Module, config: Optional[FSDPConfig] = None, mesh=None, replica_exchange=None) -> nn.Module:
+def apply_fsdp(model: nn.Module, config: Optional[FSDPConfig] = None, mesh=None) -> nn.Module:
     """Shard ``model`` in place with FSDP2: one unit per decoder layer (or ``config.layer_classes``), then the
     root. Build the optimizer after this call, from ``model.parameters()`` (they are now DTensors).
 
-    ``replica_exchange`` (HSDP only, ``config.replicate > 1``): a ``hf_dtrain.comm.CommHookConfig`` (or method name:
-    ``allreduce``, ``bf16``, ``fp16``, ``acp_sgd``) for the gradient exchange across replica groups, the one that
-    crosses nodes. The model is then sharded on the ``dp_shard`` mesh dimension and the exchange runs in FSDP2's
-    all-reduce hook (:func:`hf_dtrain.comm.register_fsdp`); its state, with the bytes of every step, is
-    ``model.hf_dtrain_replica_exchange``.
+    ``mesh``: the default is :func:`fsdp_mesh` (2D for HSDP). To compress HSDP's exchange across replica groups,
+    shard on its ``dp_shard`` dimension only and hand the ``dp_replicate`` group to
+    :func:`hf_dtrain.comm.register_fsdp`::
+
+        mesh = fsdp_mesh(config)
+        apply_fsdp(model, config, mesh=mesh["dp_shard"])
+        state = register_fsdp(model, "acp_sgd", mesh["dp_replicate"].get_group())
 
     peft adapters must be in place first (``get_peft_model`` before ``apply_fsdp``), and SMT's blocks selected
     (``smt_warmup`` or ``SMTConfig(block_indices=...)``): selection installs new parameters, which FSDP2 cannot
@@ -186,15 +188,6 @@ def apply_fsdp(model: nn.Module, config: Optional[FSDPConfig] = None, mesh=None,
         raise ValueError("apply_fsdp: the model is already sharded with fully_shard; apply it once.")
     units = fsdp_units(model, config)
     mesh = mesh if mesh is not None else fsdp_mesh(config)
-    if replica_exchange is not None:
-        if mesh.ndim != 2:
-            raise ValueError("apply_fsdp(replica_exchange=...) compresses the all-reduce across HSDP replica groups: "
-                             "set FSDPConfig.replicate (fsdp.replicate) >= 2, or drop the exchange.")
-        if not mesh.mesh_dim_names:
-            raise ValueError("apply_fsdp(replica_exchange=...): name the mesh dimensions (dp_replicate, dp_shard), "
-                             "or leave mesh out for fsdp_mesh(config).")
-        replica_group = mesh.get_group(0)
-        mesh = mesh[mesh.mesh_dim_names[1]]
     if config.activation_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):
             raise ValueError(f"FSDPConfig.activation_checkpointing: {type(model).__name__} has no "
@@ -211,8 +204,4 @@ def apply_fsdp(model: nn.Module, config: Optional[FSDPConfig] = None, mesh=None,
     for _, unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
-    if replica_exchange is not None:
-        from hf_dtrain.comm.fsdp import register_fsdp
-
-        model.hf_dtrain_replica_exchange = register_fsdp(model, replica_exchange, replica_group)
     return model

@@ -1,8 +1,8 @@
 """One rank of the fault-injection runs (``python -m hf_dtrain.testing.ft_worker``, launched by
-:func:`hf_dtrain.testing.fault.launch_ft_workers`): DDP over gloo, AdamW + a LambdaLR, batches drawn from every RNG (Python,
-NumPy, torch), a snapshot after every step, and an optional fault. Configured by environment variables (see the
-test); appends ``step loss.hex()`` per step to ``$FT_OUT/rank{r}.log`` and the restore source to
-``$FT_OUT/rank{r}.restore``.
+:func:`hf_dtrain.testing.fault.launch_ft_workers`): DDP over gloo (``FT_ENGINE=fsdp2``: FSDP2 shards instead),
+AdamW + a LambdaLR, batches drawn from every RNG (Python, NumPy, torch), a snapshot after every step, and an
+optional fault. Configured by environment variables (see the test); appends ``step loss.hex()`` per step to
+``$FT_OUT/rank{r}.log`` and the restore source to ``$FT_OUT/rank{r}.restore``.
 
 ``FT_KILLS``: a kill schedule for relaunch trials, ``gen:rank:step:phase`` entries separated by commas; the
 generation is ``TORCHELASTIC_RESTART_COUNT`` under torchrun / accelerate launch, else ``FT_GEN``. Phases:
@@ -49,7 +49,12 @@ def main():
     from hf_dtrain.testing.models import random_batch, tiny_llama
 
     model = tiny_llama(seed=0, hidden_size=int(os.environ.get("FT_HIDDEN", "64")))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if os.environ.get("FT_ENGINE") == "fsdp2":  # sharded: each rank holds (and snapshots) its own shards
+        from hf_dtrain.parallel import apply_fsdp
+
+        ddp = apply_fsdp(model)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.1 * k))
     engine = None

@@ -13,6 +13,8 @@ Steps (each runs even when an earlier one failed; the exit status is 1 if any fa
 * ``qahira_merge``: QA-HiRA on an HQQ 4-bit base on the device, merged into the zero-points: logits unchanged;
 * ``comm_hooks``: every DDP communication hook on 2 processes. On one GPU NCCL refuses two ranks on the same device;
   then the hooks run over gloo with CUDA tensors and the result says so;
+* ``fsdp2``: ``apply_fsdp`` on the device (one rank, NCCL on CUDA) with bf16 gathered parameters and activation
+  checkpointing, full fine-tuning and every tuner, against the unsharded model under bf16 autocast;
 * ``delta_memory``: DELTA at budgets 0.5 and 0.25 against no saving, full checkpointing and transformers'
   checkpointing with ``offload=True`` (peak allocated memory on CUDA, step time);
 * ``snapshot_stall``: the training loop's stall per snapshot, hf_dtrain's in-memory snapshot against DCP
@@ -301,6 +303,73 @@ def comm_hooks(ctx: Context) -> dict:
     return {**info, "nccl": why}
 
 
+def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
+    """One rank: FSDP2 (``apply_fsdp``, bf16 gathered parameters, activation checkpointing) on the device, for full
+    fine-tuning and each tuner, against the same model unsharded under bf16 autocast."""
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from peft import get_peft_model
+
+    from hf_dtrain.parallel import FSDPConfig, apply_fsdp
+    from hf_dtrain.testing import random_batch
+
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=120), **kwargs)
+    try:
+        results = {}
+        configs = {"full": None, **{k: v for k, v in _tuner_configs().items() if k != "lora"}}
+        for name, make in configs.items():
+            losses = {}
+            for sharded in (False, True):
+                torch.manual_seed(0)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model = _tiny(device) if make is None else get_peft_model(_tiny(device), make())
+                if sharded:
+                    apply_fsdp(model, FSDPConfig(param_dtype="bf16", activation_checkpointing=True))
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+                run = []
+                for step in range(3):
+                    batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=16, seed=step).items()}
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not sharded):
+                        loss = model(**batch).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    run.append(loss.item())
+                losses["fsdp2" if sharded else "autocast"] = run
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses["fsdp2"], losses["autocast"]))
+            if not rel < 3e-2:
+                raise AssertionError(f"{name}: FSDP2 (bf16 parameters) on {device} disagrees with bf16 autocast: "
+                                     f"losses {losses}")
+            results[name] = {"max_loss_rel_diff": rel, **losses}
+        Path(out).write_text(json.dumps({"backend": backend, "device": str(device), "methods": results}))
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2(ctx: Context) -> dict:
+    """FSDP2 on the device (its CUDA streams, bf16 gathers, activation checkpointing), one rank per GPU: NCCL with
+    one rank here (two ranks on one GPU are refused by NCCL; multi-GPU runs are the tests' gloo runs scaled up)."""
+    import tempfile
+
+    from hf_dtrain.testing.launch import free_port
+
+    backend, device_type = ("nccl", "cuda") if ctx.device.type == "cuda" else ("gloo", "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "fsdp2.json")
+        code = "import sys, hf_dtrain.testing.gpu_check as g; g._fsdp2_worker(*sys.argv[1:])"
+        proc = subprocess.run([sys.executable, "-c", code, device_type, backend, str(free_port()), out],
+                              capture_output=True, text=True, timeout=900, cwd=ROOT)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise AssertionError(f"FSDP2 on {backend}/{device_type} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(Path(out).read_text())
+
+
 def _llama_1b():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -520,6 +589,8 @@ STEPS = [
     Step("bnb_4bit", "Q-BaRA on a bitsandbytes NF4 base, on the device", bnb_4bit),
     Step("qahira_merge", "QA-HiRA merged exactly into an HQQ 4-bit base, on the device", qahira_merge),
     Step("comm_hooks", "every DDP comm hook on 2 ranks (NCCL where it can run)", comm_hooks),
+    Step("fsdp2", "FSDP2 with bf16 parameters and activation checkpointing, full and every tuner, on the device",
+         fsdp2),
     Step("delta_memory", "DELTA against no saving, checkpointing and transformers' offload", delta_memory),
     Step("snapshot_stall", "stall per snapshot: hf_dtrain's in-memory snapshot vs DCP async_save", snapshot_stall),
     Step("peak_memory", "peak memory of a training step: LoRA-FA vs LoRA, SMT vs full fine-tuning", peak_memory),

@@ -155,7 +155,7 @@ def run_ranks(fn, tmp_path_factory, name, world=2, timeout=400):
 # The heterogeneity-aware partitioner under a sharded engine: rank 1 is three times as fast as rank 0, so of a
 # global batch of 8 it takes 6 and rank 0 takes 2; each rank's mean loss is scaled by the sampler's loss_scale, so
 # the engine's equal-weight average of the ranks' gradients weighs every sample alike.
-HETERO_SPEEDS, HETERO_BATCH, HETERO_STEPS = [1.0, 3.0], 8, 4
+HETERO_SPEEDS, HETERO_BATCH, HETERO_STEPS = [1.0, 3.0], 8, 10
 _HETERO_POOL = random_batch(batch=HETERO_BATCH * HETERO_STEPS, seq=16, seed=77)
 
 

@@ -21,7 +21,7 @@ from hf_dtrain.testing import mean_over_ranks, run_distributed, tiny_llama  # no
 
 CASES = [("nf4", None, "qbara"), ("nf4", "bf16", "qbara"), ("hqq4", None, "qbara"), ("hqq4", None, "qahira"),
          ("int4", None, "qahira")]
-STEPS = 4
+STEPS = 10
 
 
 def _model(base, quant, storage, method):
@@ -135,4 +135,4 @@ def test_4bit_base_is_sharded_and_trains_like_one_process(run, engine, quant, st
         assert local < 0.55 * whole  # the packed 4-bit weights are sharded with the rest
     losses = _reference(base, quant, storage, method)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
-    assert losses[-2] < losses[0]  # it trained (steps 0 and 2 see the same batches)
+    assert losses[-2] < losses[0]  # it trained (steps 0 and 8 see the same batches)

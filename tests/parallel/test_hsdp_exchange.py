@@ -18,7 +18,7 @@ def _model(name):
     """The tiny LLaMA, fully trainable; ``*_uneven``: with dims the 2 shards do not divide (uneven row shards)."""
     return uneven_model("full") if name.endswith("_uneven") else build_model("full", [])
 
-STEPS = 8
+STEPS = 10
 LR = 1e-2
 ACP = {"method": "acp_sgd", "rank": 2, "start_iter": 2}
 RUNS = {"native": None, "allreduce": "allreduce", "bf16": "bf16", "acp_sgd": ACP, "acp_sgd_uneven": ACP}
@@ -28,13 +28,14 @@ def _hsdp_rank(rank, world, out):
     import torch.distributed as dist
 
     from hf_dtrain.comm import fsdp_exchange_step_bytes, register_fsdp
+    from hf_dtrain.compose import shard_with_fsdp
     from hf_dtrain.parallel import FSDPConfig, apply_fsdp
 
     results = {}
     for name, exchange in RUNS.items():
         model = _model(name)
-        apply_fsdp(model, FSDPConfig(replicate=2),
-                   replica_exchange=CommHookConfig(**exchange) if isinstance(exchange, dict) else exchange)
+        state = shard_with_fsdp(model, FSDPConfig(replicate=2),
+                                CommHookConfig(**exchange) if isinstance(exchange, dict) else exchange)
         opt = torch.optim.AdamW(trainable(model), lr=LR)
         losses = []
         for step in range(STEPS):
@@ -50,7 +51,6 @@ def _hsdp_rank(rank, world, out):
         gathered = [None] * world  # uneven shards differ in size between shard indices
         dist.all_gather_object(gathered, local)
         run = {"losses": losses, "replicas_equal": bool(torch.equal(gathered[rank], gathered[(rank + 2) % 4]))}
-        state = getattr(model, "hf_dtrain_replica_exchange", None)
         if state is not None:
             run["bytes"] = state.stats.steps
             run["formula"] = [fsdp_exchange_step_bytes(state, model, even=e) for e in (True, False)]
@@ -64,7 +64,7 @@ def _hsdp_rank(rank, world, out):
         except ValueError as e:
             refusals[key] = str(e)
     try:
-        apply_fsdp(build_model("full", []), FSDPConfig(replicate=1), replica_exchange="acp_sgd")
+        shard_with_fsdp(build_model("full", []), FSDPConfig(replicate=1), "acp_sgd")
     except ValueError as e:
         refusals["no_replicas"] = str(e)
     results["refusals"] = refusals
@@ -166,7 +166,7 @@ def test_replica_exchange_refusals_name_the_fix(hsdp_run):
     refusals = hsdp_run["refusals"]
     assert "shard it on the dp_shard mesh dimension only" in refusals["native_mesh"]
     assert "FSDP2 already does exactly that" in refusals["dear"]
-    assert "set FSDPConfig.replicate" in refusals["no_replicas"]
+    assert "set fsdp.replicate (--fsdp.replicate) >= 2" in refusals["no_replicas"]
 
 
 @pytest.mark.slow

@@ -77,9 +77,11 @@ class Linear(MergeableLinearMixin, nn.Module, LoraFALayer):
     def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # The base weight is frozen, so autograd keeps W (a parameter) rather than x for the base matmul; A is a
         # buffer, so x @ A.T keeps A rather than x. Only the r-dim projection is saved, for B's gradient.
+        # A is a buffer, so engines that cast parameters (FSDP2's MixedPrecisionPolicy gathers B in bf16) leave it
+        # in its own dtype: each product runs in its weight's dtype
         a, b = self.lorafa_A[name], self.lorafa_B[name]
         h = self.lorafa_dropout[name](F.linear(x.to(a.dtype), a))
-        return F.linear(h, b) * self.scaling[name]
+        return F.linear(h.to(b.dtype), b) * self.scaling[name]
 
     def __repr__(self) -> str:
         return "lorafa." + super().__repr__()
