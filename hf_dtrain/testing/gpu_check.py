@@ -224,40 +224,49 @@ def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: s
     from datetime import timedelta
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hf_dtrain.comm import exclude_embeddings, register
-    from hf_dtrain.testing import random_batch
+    from hf_dtrain.distributed import release_process_group
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60), **kwargs)
     try:
-        for method in HOOKS:
-            model = _tiny(device)
-            if method == "embrace":
-                exclude_embeddings(model)
-            ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            register(ddp, {"method": method, "start_iter": 2} if method == "acp_sgd" else method, optimizer=opt)
-            for step in range(4):
-                batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=step + 10 * rank).items()}
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = ddp(**batch).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            ddp(**{k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=99).items()}).loss  # DeAR's last
-            flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-            gathered = [torch.zeros_like(flat) for _ in range(world)]
-            dist.all_gather(gathered, flat)
-            if not torch.isfinite(flat).all() or not torch.equal(gathered[0], gathered[1]):
-                raise AssertionError(f"{method}: non-finite or replicas differ on {backend}/{device}")
-        if rank == 0:
-            Path(out).write_text(json.dumps({"backend": backend, "device": str(device), "hooks": HOOKS}))
+        _hooks_run(rank, world, backend, device, out)  # its DDP models are freed when it returns
     finally:
-        dist.destroy_process_group()
+        release_process_group()  # a DDP freed after its gloo group is gone can hang (pytorch/pytorch#56297)
+
+
+def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_dtrain.comm import exclude_embeddings, register
+    from hf_dtrain.testing import random_batch
+
+    for method in HOOKS:
+        model = _tiny(device)
+        if method == "embrace":
+            exclude_embeddings(model)
+        ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        register(ddp, {"method": method, "start_iter": 2} if method == "acp_sgd" else method, optimizer=opt)
+        for step in range(4):
+            batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=step + 10 * rank).items()}
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = ddp(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        ddp(**{k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=99).items()}).loss  # DeAR's last
+        flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        if not torch.isfinite(flat).all() or not torch.equal(gathered[0], gathered[1]):
+            raise AssertionError(f"{method}: non-finite or replicas differ on {backend}/{device}")
+        del ddp
+    if rank == 0:
+        Path(out).write_text(json.dumps({"backend": backend, "device": str(device), "hooks": HOOKS}))
 
 
 def _hooks_main(port: str, backend: str, device_type: str, out: str) -> None:
@@ -349,7 +358,9 @@ def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
             results[name] = {"max_loss_rel_diff": rel, **losses}
         Path(out).write_text(json.dumps({"backend": backend, "device": str(device), "methods": results}))
     finally:
-        dist.destroy_process_group()
+        from hf_dtrain.distributed import release_process_group
+
+        release_process_group()
 
 
 def fsdp2(ctx: Context) -> dict:
