@@ -69,14 +69,17 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
         if sec is not None and sec[1]:  # an optional section's short form
             inner = sec[0]
             short = getattr(inner, "shorthand", None)
-            if short is None:
-                conv, meta = _bool, "{true,false}"
+            extra = {}
+            if short is None:  # an on/off section: the bare flag (--fsdp) turns it on
+                conv, meta, extra = _bool, "{true,false}", {"nargs": "?", "const": True}
             else:
                 conv, _ = _converter(typing.get_type_hints(inner)[short])
                 conv, meta = _none_or(conv), None
-            what = f"the {short} of the section" if short else "true: on with the section's defaults"
+            what = (f"the {short} of the section" if short else
+                    "true (or the bare flag): on with the section's defaults")
             parser.add_argument(flag_of(f.name), dest=f.name, type=conv, default=argparse.SUPPRESS, metavar=meta,
-                                help=f"{help_of(f)} Short form: {what}; any {flag_of(f.name)}.* flag turns it on too.")
+                                help=f"{help_of(f)} Short form: {what}; any {flag_of(f.name)}.* flag turns it on too.",
+                                **extra)
     groups: dict = {}
     for path, f, tp, owner in walk_fields(cls):
         conv, nargs = _converter(tp)

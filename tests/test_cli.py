@@ -25,6 +25,16 @@ def test_defaults_and_flags():
     assert cfg.target_modules == ["q_proj", "v_proj"] and cfg.lorafa_optimizer is False and cfg.smt_num_blocks is None
 
 
+def test_bare_section_switches_turn_their_section_on():
+    """``--fsdp`` alone, as the docs write it, is ``--fsdp true``; ``--fsdp false`` stays off."""
+    from hf_dtrain.parallel import FSDPConfig
+
+    assert _cfg(["--fsdp"]).fsdp == FSDPConfig()
+    assert _cfg(["--fsdp", "--fsdp.activation-checkpointing", "true"]).fsdp == FSDPConfig(activation_checkpointing=True)
+    assert _cfg(["--fsdp", "false"]).fsdp is None
+    assert _cfg(["--fault-tolerance"]).fault_tolerance is not None
+
+
 def test_recipe_then_explicit_flags_win(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("method: dora\nmax_steps: 9\nlora_r: 4\nlearning-rate: 0.002\ntarget_modules: [q_proj]\n")
