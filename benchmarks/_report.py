@@ -177,3 +177,13 @@ def bars_by_link(panels, rows: list[dict]) -> tuple[list, list]:
         ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
         ax.set_title(title)
     return links, methods
+
+
+def ratios_per_link(rows: list[dict], baseline: str, suffix: str) -> None:
+    """In place: each row's step time, bytes and loss as ratios to the ``baseline`` method's row on the same link
+    (keys ``step_time_vs_<suffix>``, ``bytes_vs_<suffix>``, ``loss_vs_<suffix>``)."""
+    for r in rows:
+        ref = next(x for x in rows if x["link"] == r["link"] and x["method"] == baseline)
+        r[f"step_time_vs_{suffix}"] = r["step_time_median_s"] / ref["step_time_median_s"]
+        r[f"bytes_vs_{suffix}"] = r["bytes_per_step"] / ref["bytes_per_step"]
+        r[f"loss_vs_{suffix}"] = r["loss_last10"] / ref["loss_last10"]

@@ -168,11 +168,9 @@ def main():
         extra = ["--rank", str(args.rank), "--start-iter", str(args.start_iter), "--learning-rate", str(args.learning_rate)]
         result, where = run_config(link, method, args.steps, args.batch_size, args.world, extra)
         rows.append(dict(result, link=link, network=where))
-    for r in rows:
-        ref = next(x for x in rows if x["link"] == r["link"] and x["method"] == "allreduce")
-        r["step_time_vs_dense"] = r["step_time_median_s"] / ref["step_time_median_s"]
-        r["bytes_vs_dense"] = r["bytes_per_step"] / ref["bytes_per_step"]
-        r["loss_vs_dense"] = r["loss_last10"] / ref["loss_last10"]
+    from _report import ratios_per_link
+
+    ratios_per_link(rows, "allreduce", "dense")
     payload = {"rows": rows, "args": vars(args), "rank": args.rank, "start_iter": args.start_iter}
     from _report import write
 

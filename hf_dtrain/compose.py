@@ -190,7 +190,7 @@ class ComposeOptions:
         if self.deepspeed:
             out.append("fsdp and deepspeed are two sharding engines: choose --fsdp (torch FSDP2) or --deepspeed")
         if self.comm_hook is not None:
-            from hf_dtrain.comm.fsdp import FSDP_METHODS, _WHY_NOT
+            from hf_dtrain.comm.fsdp import FSDP_METHODS, FSDP_REFUSALS
 
             if self.fsdp.replicate < 2:
                 out.append(f"comm_hook={self.comm_method} with fsdp: FSDP2 has no DDP hooks, and a comm hook there "
@@ -198,7 +198,7 @@ class ComposeOptions:
                            "set --fsdp.replicate N (N >= 2 groups of processes, e.g. one per node), or drop --comm-hook")
             elif self.comm_method not in FSDP_METHODS:
                 out.append(f"comm_hook={self.comm_method} cannot carry FSDP2's replica exchange: "
-                           f"{_WHY_NOT.get(self.comm_method, 'not built')}; use --comm-hook "
+                           f"{FSDP_REFUSALS.get(self.comm_method, 'not built')}; use --comm-hook "
                            f"{' / '.join(FSDP_METHODS)} with --fsdp.replicate, or drop --comm-hook")
         if self.optimizer in EXCHANGING:
             out.append(f"optimizer={self.optimizer} exchanges whole gradients/parameters between replicas; under "

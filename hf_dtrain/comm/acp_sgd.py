@@ -174,8 +174,7 @@ def encode(state: ACPSGDState, grads: list, states: list, even: bool):
                 ts.error = mat - p @ q.T
             pieces.append(q.reshape(-1))
             orth.append(p)
-    flat = torch.cat(pieces) if pieces else grads[0].new_zeros(0) if grads else torch.zeros(0)
-    return flat, orth, errors
+    return torch.cat(pieces) if pieces else torch.zeros(0), orth, errors
 
 
 def decode(state: ACPSGDState, reduced: torch.Tensor, grads: list, states: list, orth: list, errors: list,

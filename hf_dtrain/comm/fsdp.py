@@ -36,7 +36,7 @@ from .acp_sgd import ACPSGDState, decode, encode, tensor_state
 from .config import CommHookConfig
 
 FSDP_METHODS = ("allreduce", "bf16", "fp16", "acp_sgd")
-_WHY_NOT = {
+FSDP_REFUSALS = {
     "dear": "DeAR splits the all-reduce into a reduce-scatter in backward and an all-gather before the next forward; "
             "FSDP2 already does exactly that for every unit",
     "embrace": "EmbRace exchanges the rows of replicated embedding tables; FSDP2 shards the tables and "
@@ -179,7 +179,7 @@ def register_fsdp(model, config: Union[CommHookConfig, dict, str, None], replica
 
     config = CommHookConfig.from_any(config)
     if config.method not in FSDP_METHODS:
-        why = _WHY_NOT.get(config.method, "not built")
+        why = FSDP_REFUSALS.get(config.method, "not built")
         raise ValueError(f"comm_hook.method={config.method!r} cannot compress FSDP2's replica exchange: {why}. Use "
                          f"one of {', '.join(FSDP_METHODS)}.")
     replicas = world_size_of(replica_group)

@@ -55,16 +55,7 @@ def uneven_model(method):
 
 def uneven_reference(method):
     """One process on both ranks' batches, ``STEPS`` AdamW steps: the losses."""
-    model = uneven_model(method)
-    opt = torch.optim.AdamW(trainable(model), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = (model(**batch(step, 0)).loss + model(**batch(step, 1)).loss) / 2
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return reference(method, model=uneven_model(method))[1]
 
 
 def batch(step, rank):
@@ -76,10 +67,11 @@ def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def reference(method, save_dir=None, optimizer=None):
+def reference(method, save_dir=None, optimizer=None, model=None):
     """One process, the same warm-up data, the mean of both ranks' losses per step; saves the adapter.
-    ``optimizer(model)``: another optimizer than AdamW."""
-    model = build_model(method, [random_batch(seed=0), random_batch(seed=1)])
+    ``optimizer(model)``: another optimizer than AdamW; ``model``: another model than ``build_model(method)``."""
+    if model is None:
+        model = build_model(method, [random_batch(seed=0), random_batch(seed=1)])
     opt = optimizer(model) if optimizer is not None else torch.optim.AdamW(trainable(model), lr=LR)
     losses = []
     for step in range(STEPS):
