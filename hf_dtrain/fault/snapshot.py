@@ -50,7 +50,7 @@ FRESH_START = "--fault-tolerance.fresh-start true (YAML fault_tolerance: {fresh_
 @dataclasses.dataclass
 class Restored:
     step: int
-    source: str  # "memory", "parity" or "disk"
+    source: str  # "memory", "parity", "disk" or "resharded" (the DCP copy, taken on another world size)
     extra: Any  # what was passed to snapshot(extra=...): the data position, trainer state
     detail: str = ""
     state: Optional[dict] = dataclasses.field(default=None, repr=False)  # everything, with restore(apply=False)
@@ -224,6 +224,21 @@ class SnapshotEngine:
         self.key = self._shared_key()
         self.client = self._start_smp()
         self._configure()
+        # every persist_every-th snapshot is also a DCP checkpoint (restorable onto another world size), written
+        # by the persist thread over a process group of its own
+        self._shards, self._persist_group = None, None
+        if self.persist_every:
+            from datetime import timedelta
+
+            from hf_dtrain.distributed import unwrap_optimizer
+
+            from .reshard import ShardMap
+
+            self._shards = ShardMap(self._model_state(local=False), _unwrap(model),
+                                    None if optimizer is None else unwrap_optimizer(optimizer))
+            if self.distributed:
+                ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+                self._persist_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
 
     # ---------------------------------------------------------------- set-up
     def _model_state(self, local: bool = True) -> dict[str, torch.Tensor]:
@@ -497,7 +512,7 @@ class SnapshotEngine:
                 self._write_marker({"identity": self.identity, "identity_hash": self.identity_hash,
                                     "first_step": step, "completed": False})
             if self.persist_every and step % self.persist_every == 0:
-                self._start_persist(step, bytes(memoryview(buf)[:total]), manifest)
+                self._start_persist(step, bytearray(memoryview(buf)[:total]), manifest)
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
@@ -550,19 +565,41 @@ class SnapshotEngine:
             os.makedirs(d, mode=0o700, exist_ok=True)
             self._write_private(os.path.join(d, f"rank{self.rank}.safetensors"), data)  # the slot is safetensors
             self._write_private(os.path.join(d, f"rank{self.rank}.json"), json.dumps(manifest).encode())
+            if self._shards is not None:
+                try:
+                    self._persist_resharding(d, step, data)
+                except Exception as e:  # the exact per-rank copy is written; only the resharding copy is missing
+                    logger.error("rank %d: the DCP copy of step %d failed (%s: %s); a restart on another world size "
+                                 "cannot use it", self.rank, step, type(e).__name__, e)
 
         self._persist = threading.Thread(target=write, daemon=True)
         self._persist.start()
 
+    def _persist_resharding(self, d: str, step: int, data) -> None:
+        """The snapshot in ``data`` (this rank's slot bytes) as a DCP checkpoint under ``d/dcp`` (each rank its own
+        shards), then ``d/replicated.safetensors`` from rank 0 once every rank's shards are written."""
+        from . import reshard
+
+        metadata, tensors = parse(data)
+        state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
+        sharded, replicated = self._shards.split(state)
+        reshard.save(os.path.join(d, reshard.DCP_DIR), sharded, self._persist_group)  # returns once all have written
+        if self.rank == 0:
+            reshard.write_replicated(os.path.join(d, reshard.REPLICATED), replicated, {
+                "step": str(step), "world_size": str(self.world), "fingerprint": self.fingerprint,
+                "identity": json.dumps(self.identity, sort_keys=True),
+                "model_keys": json.dumps(sorted(sharded["model"]))}, self._write_private)
+
     def _disk_steps(self) -> list[int]:
-        """Steps with a disk snapshot of this rank (``snapshot-<step>/rank<r>.json``); other names are ignored."""
+        """Steps with a disk snapshot of this rank (``snapshot-<step>/rank<r>.json``) or a complete DCP copy
+        (``snapshot-<step>/replicated.safetensors``); other names are ignored."""
         if not self.persist_dir or not os.path.isdir(self.persist_dir):
             return []
         steps = []
         for name in os.listdir(self.persist_dir):
             number = name[len("snapshot-"):]
-            if name.startswith("snapshot-") and number.isdigit() and os.path.exists(
-                    os.path.join(self.persist_dir, name, f"rank{self.rank}.json")):
+            if name.startswith("snapshot-") and number.isdigit() and any(os.path.exists(
+                    os.path.join(self.persist_dir, name, f)) for f in (f"rank{self.rank}.json", "replicated.safetensors")):
                 steps.append(int(number))
         return sorted(steps)
 
@@ -631,8 +668,9 @@ class SnapshotEngine:
     def _check(self, metadata: dict, where: str) -> None:
         if int(metadata["world_size"]) != self.world:
             raise SnapshotMismatch(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run "
-                                   f"has {self.world}. Restart with the same number of processes, or resume from a "
-                                   "disk checkpoint with a resharding loader.")
+                                   f"has {self.world}. Restart with the same number of processes, or set "
+                                   "fault_tolerance.persist_every so that a restart on another world size reshards "
+                                   "the newest persisted DCP snapshot.")
         theirs = json.loads(metadata.get("identity") or "{}")
         if theirs != self.identity:
             raise SnapshotMismatch(f"The snapshot {where} belongs to another job: "
@@ -704,9 +742,17 @@ class SnapshotEngine:
         # that all hold snapshots but share no step never finished a first one together: a fresh start is right.
         lost_here = marker is not None and not marker.get("completed") and not steps
         had_any = self._any(lost_here or bool(reason) or bool(disk_steps))
+        other_world = None  # the world size of in-memory snapshots taken on another number of ranks
         for step in self._agree(steps):
             got, why = self._try_memory(step)
             if self._all(got is not None):
+                theirs = int(got[0]["world_size"])
+                if self._any(theirs != self.world):
+                    other_world = theirs
+                    logger.warning("the in-memory snapshots were taken on %d ranks and this run has %d: they cannot "
+                                   "be loaded here; trying the persisted DCP snapshots, which reshard", theirs,
+                                   self.world)
+                    break
                 self._check_all(got[0], f"in memory at step {step}")
                 metadata, tensors, rebuilt = got
                 state = self._load(metadata, tensors, apply)
@@ -727,6 +773,9 @@ class SnapshotEngine:
             logger.error("in-memory restore failed: %s; falling back to the disk snapshots", "; ".join(reasons))
         skipped = []
         for step in self._agree(disk_steps):
+            resharded = self._try_resharded(step, apply, reasons)
+            if resharded is not None:
+                return resharded
             data, why = self._read_disk(step)
             if why:
                 reasons.append(why)
@@ -744,9 +793,71 @@ class SnapshotEngine:
             skipped.append(step)
             logger.error("disk snapshot of step %d is unusable on some rank (%s); trying an older one", step,
                          why or "another rank's copy")
+        if other_world is not None:
+            raise SnapshotMismatch(
+                f"This job's snapshots were taken on {other_world} ranks and this run has {self.world}; in-memory "
+                "snapshots load only into the world size that took them, and no persisted DCP snapshot "
+                f"{'exists in ' + self.persist_dir if self.persist_dir else 'is configured'} to reshard from. "
+                f"Relaunch on {other_world} ranks to resume from memory; set fault_tolerance.persist_every (and "
+                "persist_dir, on storage every node reads) so a later restart on another world size can reshard; "
+                f"or train from step 0 with {FRESH_START}.")
         if had_any or self._any(bool(reasons)):
             raise SnapshotError(self._lost_message(marker, reasons, skipped))
         return None
+
+    def _try_resharded(self, step: int, apply: bool, reasons: list[str]) -> Optional[Restored]:
+        """Restore ``step`` from its DCP copy when it was taken on another world size (every rank agrees), loading
+        the model's and optimizer's shards into this run's sharding; None when the step was taken on this world size
+        (the exact per-rank copy is used) or has no complete DCP copy. A copy of another job, or one whose tensors
+        do not map onto this model and optimizer, is refused on every rank naming what differs."""
+        from . import reshard
+
+        d = os.path.join(self.persist_dir, f"snapshot-{step}")
+        path = os.path.join(d, reshard.REPLICATED)
+        metadata, state, why = None, None, ""
+        if os.path.exists(path):
+            try:
+                metadata, state = reshard.read_replicated(path)
+            except Exception as e:  # a damaged file: the step is not used
+                why = f"{path} cannot be read ({type(e).__name__}: {e})"
+        other = metadata is not None and int(metadata["world_size"]) != self.world
+        if not self._any(other):
+            return None
+        if not self._all(metadata is not None):
+            reasons.append(why or f"{path} is missing on some rank")
+            return None
+        self._check_all({**metadata, "world_size": str(self.world)}, f"on disk at {d}")
+        model_keys = json.loads(metadata["model_keys"])
+        opt = None
+        if self.optimizer is not None:
+            from hf_dtrain.distributed import unwrap_optimizer
+
+            opt = unwrap_optimizer(self.optimizer)
+        if apply:
+            target, osd = reshard.template(_unwrap(self.model), opt, model_keys)
+            problems = reshard.differences(target, os.path.join(d, reshard.DCP_DIR), model_keys)
+            if self._any(bool(problems)):
+                raise SnapshotMismatch(
+                    f"The snapshot on disk at {d} (taken on {metadata['world_size']} ranks) does not map onto this "
+                    f"model and optimizer: {'; '.join(problems[:6]) or 'see the other ranks'}"
+                    f"{f' (and {len(problems) - 6} more)' if len(problems) > 6 else ''}. Resume it with the model "
+                    f"and optimizer that took it, or train from step 0 with {FRESH_START}.")
+            reshard.load(_unwrap(self.model), opt, os.path.join(d, reshard.DCP_DIR), target, osd, state)
+            if self.scheduler is not None and "scheduler" in state:
+                self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler is not None and "scaler" in state:
+                self.scaler.load_state_dict(state["scaler"])
+            set_rng_state(state["rng"])  # rank 0's: the old ranks' streams do not map onto the new ranks
+            if self.stateful:
+                logger.warning("restored on another world size: %s start afresh (their per-rank state, such as "
+                               "error feedback, does not map onto the new ranks)", ", ".join(self.stateful))
+        self._discard_after(-1)
+        self._marked = False
+        self._last = (step, state["extra"])
+        detail = (f"{d}, taken on {metadata['world_size']} ranks and resharded onto {self.world} by "
+                  "torch.distributed.checkpoint")
+        logger.warning("restored step %d from disk (%s)", step, detail)
+        return Restored(step, "resharded", state["extra"], detail, state)
 
     def _completed(self, marker: Optional[dict]) -> Optional[Restored]:
         """A relaunch after the job finished (its snapshot processes shut down): the completed record, agreed by

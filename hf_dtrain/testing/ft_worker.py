@@ -2,7 +2,9 @@
 :func:`hf_dtrain.testing.fault.launch_ft_workers`): DDP over gloo (``FT_ENGINE=fsdp2``: FSDP2 shards instead),
 AdamW + a LambdaLR, batches drawn from every RNG (Python, NumPy, torch), a snapshot after every step, and an
 optional fault. Configured by environment variables (see the test); appends ``step loss.hex()`` per step to
-``$FT_OUT/rank{r}.log`` and the restore source to ``$FT_OUT/rank{r}.restore``.
+``$FT_OUT/rank{r}.log`` and the restore source to ``$FT_OUT/rank{r}.restore``. ``FT_DUMP``: a directory where the
+whole (gathered) model and optimizer state is written as ``w{world}-step{s}.safetensors`` after a restore and
+after the last step (the resharding test compares them).
 
 ``FT_KILLS``: a kill schedule for relaunch trials, ``gen:rank:step:phase`` entries separated by commas; the
 generation is ``TORCHELASTIC_RESTART_COUNT`` under torchrun / accelerate launch, else ``FT_GEN``. Phases:
@@ -20,6 +22,22 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+
+
+def dump_full_state(model, optimizer, path: str) -> None:
+    """The whole model and optimizer state, gathered from every rank's shards (``get_state_dict`` with full state
+    dicts), written by rank 0 as one safetensors file keyed by FQN."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                         flatten_optimizer_state_dict=True))
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tensors = {f"model.{k}": v for k, v in msd.items()}
+        tensors.update({f"optim.{k}": v for k, v in osd.items() if torch.is_tensor(v)})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    dist.barrier()
 
 
 def main():
@@ -94,6 +112,8 @@ def main():
             start = restored.extra["next_step"]
             with open(os.path.join(out, f"rank{rank}.restore"), "a") as f:
                 f.write(f"{restored.step} {restored.source} {time.perf_counter() - t0:.3f}\n")
+    if os.environ.get("FT_DUMP") and start > 1:  # (an empty optimizer would be initialised by the gathering)
+        dump_full_state(model, opt, os.path.join(os.environ["FT_DUMP"], f"w{world}-step{start - 1}.safetensors"))
     if fault_here and os.environ.get("FT_RELATIVE") and where != "after_last":
         fault_step = str(start - 1 + int(fault_step))  # FT_KILLS steps count from this generation's first step
     log = open(os.path.join(out, f"rank{rank}.log"), "a")
@@ -122,6 +142,8 @@ def main():
         if engine is not None:
             engine.wait()
         die()
+    if os.environ.get("FT_DUMP"):
+        dump_full_state(model, opt, os.path.join(os.environ["FT_DUMP"], f"w{world}-step{steps}.safetensors"))
     if engine is not None:
         engine.close(shutdown=os.environ.get("FT_SHUTDOWN", "1") == "1")
     dist.barrier()

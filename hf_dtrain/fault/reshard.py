@@ -1,0 +1,195 @@
+"""Persisted snapshots that reshard: every ``persist_every``-th snapshot is also written as a
+``torch.distributed.checkpoint`` (DCP) checkpoint, in DCP's Hugging Face safetensors layout
+(``HuggingFaceStorageWriter(save_distributed=True)``: one safetensors file per rank, each tensor's global offsets in
+its header), so ``dcp.load`` can read it into any sharding and any world size, and no file is ever unpickled.
+
+Layout of ``<persist_dir>/snapshot-<step>/``:
+
+* ``rank<r>.safetensors`` + ``rank<r>.json``: the rank's whole snapshot slot (the exact, checksummed same-world
+  restore, written by :class:`~hf_dtrain.fault.SnapshotEngine` as before);
+* ``dcp/shard-*.safetensors``: the model's and the optimizer's tensors by fully qualified name (FQN), each rank
+  writing its own shards (``model.<fqn>``, ``optim.state.<fqn>.<key>``), as ``get_state_dict`` names them;
+* ``replicated.safetensors``: what is not sharded, from rank 0 (scheduler, scaler, RNGs, the caller's ``extra``,
+  the optimizer's param groups by FQN), with the run identity and the world size in its metadata. Written last,
+  after every rank's shards: its presence marks the DCP checkpoint complete.
+
+The shards are written from the snapshot's bytes (not from the live model, which has moved on), by the engine's
+persist thread over a process group of its own, so training does not wait for the disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .state import flatten_state, unflatten_state
+
+DCP_DIR = "dcp"
+REPLICATED = "replicated.safetensors"
+# module wrappers that put a name into parameter paths but not into get_state_dict's FQNs
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_fqn(name: str) -> str:
+    """``name`` as ``torch.distributed.checkpoint.state_dict`` names it (wrapper modules' prefixes removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _meta(t: torch.Tensor) -> Optional[tuple]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return (t.device_mesh, tuple(t.placements), t.shape, t.stride(), tuple(t.to_local().shape))
+    return None
+
+
+def _as_global(local: torch.Tensor, meta: Optional[tuple]) -> torch.Tensor:
+    """A local shard from the snapshot as the DTensor it was (no communication), or a replicated tensor as is."""
+    if meta is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride, _ = meta
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class ShardMap:
+    """How a snapshot's tensors map to DCP's FQNs and global tensors, read once from the live model and optimizer:
+    the model state's keys, each optimizer parameter index's FQN, and the DTensor layout (mesh, placements, global
+    shape and stride) of every sharded one."""
+
+    def __init__(self, model_state: dict[str, torch.Tensor], model: nn.Module, optimizer=None):
+        self.model_keys = {k: canonical_fqn(k) for k in model_state}
+        self.model_meta = {k: _meta(t) for k, t in model_state.items()}
+        names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+        self.param_fqns: list[str] = []
+        self.param_meta: list[Optional[tuple]] = []
+        if optimizer is not None:
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    if id(p) not in names:
+                        raise ValueError("SnapshotConfig.persist_every: the optimizer holds a parameter that is not "
+                                         "the model's, so its state has no name to be resharded by; build the "
+                                         "optimizer on the model's parameters")
+                    self.param_fqns.append(names[id(p)])
+                    self.param_meta.append(_meta(p))
+
+    def split(self, state: dict) -> tuple[dict, dict]:
+        """``state`` (a snapshot, unflattened) as ``(sharded, replicated)``: the tensors DCP writes, with local shards
+        made DTensors again, and everything else (JSON-able or small tensors) for ``replicated.safetensors``."""
+        sharded: dict[str, Any] = {"model": {self.model_keys[k]: _as_global(t, self.model_meta[k])
+                                             for k, t in state["model"].items()}}
+        replicated: dict[str, Any] = {k: state[k] for k in ("rng", "extra", "scheduler", "scaler") if k in state}
+        if "optimizer" in state:
+            opt_state, other = {}, {}
+            for idx, st in state["optimizer"].get("state", {}).items():
+                fqn, meta = self.param_fqns[int(idx)], self.param_meta[int(idx)]
+                local_shape = meta[4] if meta is not None else None
+                tensors = {}
+                for key, v in st.items():
+                    if torch.is_tensor(v):
+                        # state shaped like the parameter's shard is sharded like it; scalars (AdamW's step) replicate
+                        tensors[key] = _as_global(v, meta if v.dim() and tuple(v.shape) == local_shape else None)
+                    else:
+                        other.setdefault(fqn, {})[key] = v
+                opt_state[fqn] = tensors
+            sharded["optim"] = {"state": opt_state}
+            groups = []
+            start = 0
+            for g in state["optimizer"].get("param_groups", []):
+                n = len(g["params"])
+                groups.append({**{k: v for k, v in g.items() if k != "params"},
+                               "params": self.param_fqns[start:start + n]})
+                start += n
+            replicated["optimizer"] = {"param_groups": groups, "other": other}
+        return sharded, replicated
+
+
+def save(directory: str, sharded: dict, process_group=None) -> None:
+    """Write ``sharded`` (from :meth:`ShardMap.split`) as a DCP checkpoint in ``directory`` (owner-only)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    dcp.save(sharded, storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True),
+             process_group=process_group)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o600)
+
+
+def write_replicated(path: str, replicated: dict, metadata: dict[str, str], write) -> None:
+    """``replicated`` as one safetensors file at ``path`` (tensors plus a JSON skeleton in its metadata), written by
+    ``write(path, bytes)`` (atomically, owner-only)."""
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = flatten_state(replicated, tensors)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write(path, save(tensors, metadata={**metadata, "skeleton": json.dumps(skeleton, separators=(",", ":"))}))
+
+
+def read_replicated(path: str) -> tuple[dict[str, str], dict]:
+    """Metadata and state of a ``replicated.safetensors``."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        metadata = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return metadata, unflatten_state(json.loads(metadata["skeleton"]), tensors)
+
+
+def template(model: nn.Module, optimizer, model_keys: list[str]) -> tuple[dict, dict]:
+    """What DCP loads into: this run's model and optimizer state (``get_state_dict``: its own sharding, the
+    optimizer's state initialised if empty) restricted to the snapshot's model keys; and the optimizer state dict
+    whose ``state`` it fills."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    target: dict[str, Any] = {"model": {k: msd[k] for k in model_keys if k in msd}}
+    if optimizer is not None:
+        target["optim"] = {"state": osd["state"]}
+    return target, osd
+
+
+def differences(target: dict, directory: str, model_keys: list[str]) -> list[str]:
+    """What keeps the checkpoint in ``directory`` from loading into ``target``: names it lacks or holds beyond this
+    run's, and global shapes that differ (a sharding DCP cannot map)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    stored = HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(target)
+    out = [f"model.{k}: in the snapshot, not in this model" for k in model_keys
+           if f"model.{k}" not in flat]
+    for key, t in flat.items():
+        if key not in stored:
+            out.append(f"{key}: in this run, not in the snapshot")
+        elif tuple(stored[key].size) != tuple(t.shape):
+            out.append(f"{key}: shape {tuple(stored[key].size)} in the snapshot, {tuple(t.shape)} here")
+    out += [f"{key}: in the snapshot, not in this run" for key in stored if key not in flat]
+    return out
+
+
+def load(model: nn.Module, optimizer, directory: str, target: dict, osd: dict, replicated: dict) -> None:
+    """Load the DCP checkpoint in ``directory`` into ``target`` (any sharding: DCP reads the overlapping parts of
+    each rank's file), then into the model and the optimizer (param groups by FQN from ``replicated``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    dcp.load(target, storage_reader=HuggingFaceStorageReader(directory))
+    optim_sd = None
+    if optimizer is not None:
+        state = target["optim"]["state"]
+        for fqn, values in replicated.get("optimizer", {}).get("other", {}).items():
+            state.setdefault(fqn, {}).update(values)
+        groups = replicated.get("optimizer", {}).get("param_groups") or osd["param_groups"]
+        optim_sd = {"state": state, "param_groups": groups}
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=target["model"],
+                   optim_state_dict=optim_sd or {}, options=StateDictOptions(strict=False))

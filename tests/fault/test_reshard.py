@@ -1,0 +1,60 @@
+"""Restore onto another world size (FSDP2, gloo, one emulated node per rank): every 4th snapshot is also persisted
+as a ``torch.distributed.checkpoint`` checkpoint in DCP's safetensors layout. A 4-rank run loses two nodes for good;
+the job restarts on 2 ranks, which reshard the newest persisted snapshot (the in-memory ones of the survivors were
+taken on 4 ranks and cannot load), train on and persist; then it restarts on 3 ranks. After each restore the whole
+model and optimizer state (gathered from the shards) equals, bit for bit, the state the previous world size had at
+that step. A restart with another model is refused on every rank, naming what differs."""
+
+import os
+
+import pytest
+from safetensors.torch import load_file
+
+from hf_dtrain.testing import stop_snapshot_processes
+from hf_dtrain.testing.fault import kill_snapshot_process, launch_ft_workers
+
+pytestmark = pytest.mark.slow
+
+
+def _equal(a: str, b: str) -> None:
+    x, y = load_file(a), load_file(b)
+    assert sorted(x) == sorted(y)
+    assert any(k.startswith("optim.state.") and k.endswith("exp_avg_sq") for k in x)  # the optimizer's state too
+    bad = [k for k in x if not (x[k].dtype == y[k].dtype and x[k].shape == y[k].shape and x[k].equal(y[k]))]
+    assert not bad, bad[:5]
+
+
+def test_restart_on_fewer_then_more_ranks_reshards_the_persisted_snapshot(tmp_path):
+    out, ft_dir, disk, dump = (str(tmp_path / n) for n in ("out", "ft", "disk", "dump"))
+    os.makedirs(out)
+    env = {"FT_ENGINE": "fsdp2", "FT_OUT": out, "FT_DIR": ft_dir, "FT_PERSIST": disk, "FT_PERSIST_EVERY": "4",
+           "FT_DUMP": dump, "FT_SHUTDOWN": "0"}
+
+    def log(rank=0):
+        return open(os.path.join(out, f"rank{rank}.out")).read()[-3000:]
+
+    try:
+        assert launch_ft_workers(4, {**env, "FT_STEPS": "8"}) == [0] * 4, log()
+        assert sorted(os.listdir(os.path.join(disk, "snapshot-8", "dcp"))) == [
+            f"shard-0000{r}-model-00001-of-00001.safetensors" for r in range(1, 5)]  # each rank its own shards
+        for node in (2, 3):  # two nodes lost for good
+            kill_snapshot_process(ft_dir, node)
+
+        # another model: refused on every rank, naming the difference; nothing is trained
+        assert launch_ft_workers(2, {**env, "FT_STEPS": "12", "FT_HIDDEN": "32"}) == [3, 3], log()
+        for r in range(2):
+            error = open(os.path.join(out, f"rank{r}.error")).read()
+            assert "SnapshotMismatch" in error and "model_config" in error, error
+            os.unlink(os.path.join(out, f"rank{r}.error"))
+
+        assert launch_ft_workers(2, {**env, "FT_STEPS": "12"}) == [0, 0], log()
+        assert open(os.path.join(out, "rank1.restore")).read().split()[:2] == ["8", "resharded"]
+        _equal(os.path.join(dump, "w4-step8.safetensors"), os.path.join(dump, "w2-step8.safetensors"))
+
+        kill_snapshot_process(ft_dir, 1)
+        assert launch_ft_workers(3, {**env, "FT_STEPS": "14"}) == [0, 0, 0], log()
+        assert open(os.path.join(out, "rank2.restore")).read().split()[:2] == ["12", "resharded"]
+        _equal(os.path.join(dump, "w2-step12.safetensors"), os.path.join(dump, "w3-step12.safetensors"))
+        assert os.path.exists(os.path.join(dump, "w3-step14.safetensors"))  # and it trained on
+    finally:
+        stop_snapshot_processes(ft_dir)
