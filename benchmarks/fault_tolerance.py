@@ -223,6 +223,168 @@ def lost_node_runs() -> list[dict]:
     return rows
 
 
+SHARDED_WORLDS = [1, 2, 4]
+SHARDED_STEPS = 12
+
+
+def sharded_worker(preset: str, steps: int, tmp: str) -> None:
+    """One rank of an FSDP2 run (launched with ``WORLD_SIZE`` ranks, one emulated node each): ``steps`` timed steps
+    without saving, then with our snapshot every step (parity on across nodes), then with DCP ``async_save`` of the
+    same sharded state every step (one in flight, on a process group of its own, as DCP advises); then a final
+    synchronous DCP save for the restart comparison. Rank 0 writes ``tmp/train.json``."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from hf_dtrain.distributed import init_distributed
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.models import build_llama
+    from hf_dtrain.parallel import apply_fsdp
+    from hf_dtrain.testing import random_batch
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_llama(preset, seed=0)
+    vocab = model.config.vocab_size
+    apply_fsdp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    dcp_group = dist.new_group(backend="gloo")
+    engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft"), parity=1 if world > 1 else 0,
+                            timeout=120)
+    out: dict = {"world": world, "preset": preset}
+    step = 0
+    for method in ("none", "ours", "dcp_async"):
+        times, stalls, pending, future = [], [], 0.0, None
+        for i in range(steps + 1):
+            step += 1
+            b = random_batch(batch=BATCH, seq=SEQ, vocab=vocab, seed=1000 * rank + step)
+            dist.barrier()  # every rank's step starts together: the median is the job's step time
+            t0 = time.perf_counter()
+            model(**b).loss.backward()
+            if method == "ours":
+                w = time.perf_counter()
+                engine.wait()
+                pending += time.perf_counter() - w
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            s = time.perf_counter()
+            if method == "ours":
+                engine.snapshot(step)
+            elif method == "dcp_async":
+                if future is not None:
+                    future.result()  # DCP's rule: one save in flight
+                msd, osd = get_state_dict(model, opt)
+                future = dcp.async_save({"model": msd, "optim": osd}, process_group=dcp_group,
+                                        checkpoint_id=os.path.join(tmp, f"dcp-async-{step % 2}"))
+            stall = time.perf_counter() - s
+            if i:  # the first save allocates (our slot, DCP's staging); steady state after
+                times.append(time.perf_counter() - t0)
+                stalls.append(stall + pending)
+            pending = 0.0
+        if future is not None:
+            future.result()
+        out[method] = {"step_seconds": statistics.median(times)}
+        if method != "none":
+            out[method]["stall_seconds"] = statistics.median(stalls)
+    engine.wait()
+    out["snapshot_bytes_per_rank"] = engine.stats["bytes"]
+    engine.close()  # the snapshot processes keep the snapshots: the restart reads them
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp-final"))
+    if rank == 0:
+        Path(tmp, "train.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def sharded_restore_worker(preset: str, tmp: str) -> None:
+    """One rank of the restart after a lost node: our restore (from the snapshot processes, the lost node's shards
+    rebuilt from parity) against a DCP restart (``dcp.load`` of the same sharded state into a fresh model and
+    optimizer), each the slowest rank's time. Rank 0 writes ``tmp/restore.json``."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from hf_dtrain.distributed import init_distributed
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.models import build_llama
+    from hf_dtrain.parallel import apply_fsdp
+
+    init_distributed()
+    world = dist.get_world_size()
+
+    def fresh():
+        model = build_llama(preset, seed=0)
+        apply_fsdp(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    model, opt, sched = fresh()
+    engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft"), parity=1 if world > 1 else 0,
+                            timeout=120)
+    dist.barrier()
+    t0 = time.perf_counter()
+    restored = engine.restore()
+    ours = slowest(time.perf_counter() - t0)
+    engine.close(shutdown=True)
+    model, opt, sched = fresh()
+    dist.barrier()
+    t0 = time.perf_counter()
+    msd, osd = get_state_dict(model, opt)  # the template DCP loads into (initialises the optimizer's state)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "dcp-final"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    restart = slowest(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        Path(tmp, "restore.json").write_text(json.dumps({"ours": ours, "dcp_load": restart,
+                                                          "source": restored.source, "step": restored.step}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def sharded_rows(preset: str = "tiny") -> list[dict]:
+    """FSDP2 on 1, 2 and 4 gloo ranks (one emulated node each): the sharded snapshot against DCP ``async_save`` of
+    the same state, then node 1 lost and the job restarted: our restore against a DCP restart."""
+    from hf_dtrain.testing import elastic_launch, stop_snapshot_processes
+    from hf_dtrain.testing.fault import kill_snapshot_process
+
+    rows = []
+    for world in SHARDED_WORLDS:
+        tmp = tempfile.mkdtemp(prefix="hf_dtrain_sharded_ft_")
+        ft_dir = os.path.join(tmp, "ft")
+        argv = [sys.executable, __file__]
+        try:
+            codes = elastic_launch([*argv, "--sharded-worker", f"{preset}:{SHARDED_STEPS}:{tmp}"], world,
+                                   timeout=1800, log_dir=tmp)
+            if codes != [0] * world:
+                raise RuntimeError(f"sharded worker failed {codes}: {open(os.path.join(tmp, 'rank0.out')).read()[-3000:]}")
+            if world > 1:
+                kill_snapshot_process(ft_dir, 1)  # node 1 lost: its trainer is gone, and its snapshot process
+            codes = elastic_launch([*argv, "--sharded-restore", f"{preset}:{tmp}"], world, timeout=1800,
+                                   log_dir=tmp)
+            if codes != [0] * world:
+                raise RuntimeError(f"restore worker failed {codes}: {open(os.path.join(tmp, 'rank0.out')).read()[-3000:]}")
+        finally:
+            stop_snapshot_processes(ft_dir)
+        row = json.loads(Path(tmp, "train.json").read_text())
+        row["restore"] = json.loads(Path(tmp, "restore.json").read_text())
+        rows.append(row)
+        print(f"world {world}: {row}", flush=True)
+    return rows
+
+
 def _report_date() -> str:
     from _report import environment
 
@@ -243,9 +405,35 @@ def main():
     ap.add_argument("--from-json")
     ap.add_argument("--worker")
     ap.add_argument("--restore")
+    ap.add_argument("--sharded-worker")
+    ap.add_argument("--sharded-restore")
+    ap.add_argument("--sharded", action="store_true",
+                    help="measure only the FSDP2 rows (1, 2 and 4 ranks) and add them to the existing JSON")
     ap.add_argument("--update-restore", action="store_true",
                     help="re-measure only the restore rows (a fresh snapshot per preset) in the existing JSON")
     args = ap.parse_args()
+    if args.sharded_worker:
+        preset, steps, tmp = args.sharded_worker.split(":", 2)
+        sharded_worker(preset, int(steps), tmp)
+        return
+    if args.sharded_restore:
+        preset, tmp = args.sharded_restore.split(":", 1)
+        sharded_restore_worker(preset, tmp)
+        return
+    if args.sharded:
+        from _report import RESULTS, write
+
+        from _report import environment
+
+        payload = json.loads((RESULTS / "fault_tolerance.json").read_text())
+        env = payload.pop("environment")
+        payload.pop("benchmark", None)
+        payload["sharded"] = sharded_rows()
+        payload["sharded_measured"] = environment()["date"]
+        table, fig, notes = render(payload)
+        write("fault_tolerance", payload, table, fig, notes, env=env)
+        print(table)
+        return
     if args.update_restore:
         from _report import RESULTS, write
 
@@ -289,7 +477,7 @@ def main():
     for p, m, i in tqdm(jobs, desc="configurations"):
         rows.append(_run(["--worker", f"{p}:{m}:{i}"]))
         partial.write_text(json.dumps({"rows": rows}))  # measured rows survive a failure further on
-    payload = {"rows": rows, "recovery": lost_node_runs(), "batch": BATCH, "seq": SEQ}
+    payload = {"rows": rows, "recovery": lost_node_runs(), "sharded": sharded_rows(), "batch": BATCH, "seq": SEQ}
     partial.write_text(json.dumps(payload))
     from _report import write
 
@@ -337,13 +525,42 @@ def render(payload: dict):
             ("case", "failure", ""), ("source", "restored from", ""), ("failed_at_step", "failed after step", ""),
             ("restored_step", "restored step", ""), ("lost_steps", "steps lost", ""),
             ("restore_seconds", "restore time (s)", ".2f")])
+    if payload.get("sharded"):
+        sharded = []
+        for r in payload["sharded"]:
+            base = r["none"]["step_seconds"]
+            sharded.append({
+                "world": r["world"], "bytes": r["snapshot_bytes_per_rank"],
+                "bytes_ratio": r["snapshot_bytes_per_rank"] / payload["sharded"][0]["snapshot_bytes_per_rank"],
+                "ours_stall_ms": 1000 * r["ours"]["stall_seconds"], "dcp_stall_ms": 1000 * r["dcp_async"]["stall_seconds"],
+                "stall_ratio": r["ours"]["stall_seconds"] / r["dcp_async"]["stall_seconds"],
+                "ours_overhead": r["ours"]["step_seconds"] / base - 1,
+                "dcp_overhead": r["dcp_async"]["step_seconds"] / base - 1,
+                "restore_source": r["restore"]["source"], "ours_restore_s": r["restore"]["ours"],
+                "dcp_restore_s": r["restore"]["dcp_load"],
+                "restore_ratio": r["restore"]["ours"] / r["restore"]["dcp_load"]})
+        when = f" (measured {payload['sharded_measured']})" if payload.get("sharded_measured") else ""
+        table += (f"\n\n### FSDP2: sharded snapshots every step against DCP async_save of the same state{when}\n\n"
+                  + markdown_table(sharded, [
+                      ("world", "ranks", ""), ("bytes", "snapshot bytes per rank", ",d"),
+                      ("bytes_ratio", "bytes / 1 rank", ".3f"), ("ours_stall_ms", "stall, ours (ms)", ".1f"),
+                      ("dcp_stall_ms", "stall, DCP async_save (ms)", ".1f"), ("stall_ratio", "stall ratio", ".3f"),
+                      ("ours_overhead", "step overhead, ours", "+.1%"),
+                      ("dcp_overhead", "step overhead, DCP async", "+.1%"),
+                      ("restore_source", "restored from", ""), ("ours_restore_s", "restore, ours (s)", ".3f"),
+                      ("dcp_restore_s", "restart, dcp.load (s)", ".3f"), ("restore_ratio", "restore ratio", ".3f")]))
     notes = (f"Batch {payload['batch']} x {payload['seq']} tokens, AdamW, full training; each configuration in a fresh "
              "process on this 2-core CPU host; median over the timed steps after a warm-up step, the first save "
              "excluded from the stall (it allocates). Ours: a background thread copies into the snapshot process's "
              "memory and checksums (xxh3) while the next forward and backward run; the stall is what the loop "
              "waits for. torch.save and the Trainer write to local disk (page cache). DCP async_save stages to host "
              "memory and writes in a background thread; one save in flight. Erasure coding is off in the one-process "
-             "rows (one node); the 3-rank rows have parity on.")
+             "rows (one node); the 3-rank rows have parity on. FSDP2 rows: the tiny model sharded on 1, 2 and 4 gloo "
+             "ranks of this 2-core host (4 ranks oversubscribe it), one emulated node each, parity 1 above one rank; "
+             "every rank's step starts at a barrier, so the median is the job's step time; 12 timed steps per "
+             "method; the restart is node 1 lost (trainer and snapshot process) and every rank relaunched: ours "
+             "rebuilds its shards from parity, the DCP restart loads the same state from local disk (page cache); "
+             "each the slowest rank's time.")
     import matplotlib
 
     matplotlib.use("Agg")

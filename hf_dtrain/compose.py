@@ -161,7 +161,7 @@ class ComposeOptions:
                 clashes.append(f"hetero_speeds has {len(self.hetero_speeds)} values for {world_size} processes; "
                                "give one speed per process")
         if self.fsdp is not None:
-            clashes += self._fsdp_clashes()
+            clashes += self._fsdp_clashes(engine)
         stage = self.deepspeed_stage()
         if stage is not None:
             if engine != "trainer":
@@ -184,7 +184,7 @@ class ComposeOptions:
             raise ValueError("These switches cannot be combined: " + "; ".join(clashes) + ".")
 
 
-    def _fsdp_clashes(self) -> list[str]:
+    def _fsdp_clashes(self, engine: str = "trainer") -> list[str]:
         """What cannot run on an FSDP2-sharded model today, each with its reason."""
         out = []
         if self.deepspeed:
@@ -203,9 +203,10 @@ class ComposeOptions:
         if self.optimizer in EXCHANGING:
             out.append(f"optimizer={self.optimizer} exchanges whole gradients/parameters between replicas; under "
                        "FSDP2 each rank holds a shard, not a replica: use --optimizer adamw")
-        if self.fault_tolerance is not None:
-            out.append("fault_tolerance with fsdp: snapshots of sharded state come with the next issue (22); use "
-                       "DDP for in-memory snapshots, or FSDP2 with the Trainer's / DCP checkpoints")
+        if self.fault_tolerance is not None and engine == "trainer":
+            out.append("fault_tolerance with fsdp under the Trainer: the callback resumes through a Trainer "
+                       "checkpoint, which does not hold FSDP2 shards yet; use hf-dtrain pretrain --fsdp "
+                       "--fault-tolerance (or SnapshotEngine in your own Accelerate loop), or DDP with the Trainer")
         return out
 
 

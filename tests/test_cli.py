@@ -369,8 +369,11 @@ def test_every_committed_recipe_loads():
 
     pretrain = sorted(glob.glob(os.path.join(root, "recipes", "pretrain_*.yaml")))
     assert pretrain
+    pretrain.append(os.path.join(root, "recipes", "fault_tolerance_fsdp2.yaml"))
     for path in pretrain:
         cfg = job_config_from_args(build_parser().parse_args(["pretrain", "--recipe", path]), PretrainConfig)
         data = yaml.safe_load(open(path))
         assert cfg.comm_hook == (CommHookConfig(**data["comm_hook"]) if data.get("comm_hook") else None)
         cfg.check(2, "accelerate")  # the committed combination composes
+        assert (cfg.fsdp is not None) == ("fsdp" in data) and (cfg.fault_tolerance is not None) == (
+            "fault_tolerance" in data)

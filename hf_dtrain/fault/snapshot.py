@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import threading
@@ -159,12 +160,18 @@ class SnapshotEngine:
         if persist_every and not persist_dir:
             raise ValueError("SnapshotConfig.persist_every > 0 needs persist_dir (where every N-th snapshot is "
                              "written); set fault_tolerance.persist_dir.")
+        from .zero import ZeroPartitions, find_zero_optimizer
+
+        zero = find_zero_optimizer(model, optimizer)
+        self._zero = ZeroPartitions(zero, model) if zero is not None else None
         sharded = next(filter(None, map(sharded_engine_of, _unwrap(model).parameters())), None)
-        if sharded is not None and not sharded.startswith("FSDP2"):
-            raise ValueError(f"In-memory snapshots hold DDP replicas or FSDP2 shards, and this model's parameters are "
-                             f"held by {sharded}: its partitions (and the fp32 master copies DeepSpeed keeps apart "
-                             "from the model) are not described by the snapshot layout yet. Use DeepSpeed's "
-                             "save_checkpoint with it, or FSDP2 / DDP for in-memory snapshots.")
+        if sharded is not None and not sharded.startswith("FSDP2") and self._zero is None:
+            raise ValueError(f"This model's parameters are held by {sharded}, and no ZeRO optimizer was given: its "
+                             "partitions live in the DeepSpeed optimizer, with the fp32 master weights. Pass the "
+                             "DeepSpeed engine as the model (SnapshotEngine(engine, engine.optimizer, ...)).")
+        if self._zero is not None and trainable_only is False:
+            raise ValueError("SnapshotConfig.trainable_only=False with DeepSpeed ZeRO: the snapshot holds the ZeRO "
+                             "optimizer's partitions, which are the trainable parameters; leave trainable_only unset.")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.snapshot_hooks: list = list(type(self).default_snapshot_hooks)
         self.stateful = dict(stateful or {})
@@ -224,18 +231,16 @@ class SnapshotEngine:
         self.key = self._shared_key()
         self.client = self._start_smp()
         self._configure()
+        if self._zero is not None:
+            # DeepSpeed's step may run inside accelerator.backward (before the loop's wait()): the base optimizer
+            # waits for the copy in flight before it changes what the copy reads
+            self._zero.base.register_step_pre_hook(lambda *_: self.wait())
         # every persist_every-th snapshot is also a DCP checkpoint (restorable onto another world size), written
         # by the persist thread over a process group of its own
-        self._shards, self._persist_group = None, None
-        if self.persist_every:
+        self._shards, self._persist_group = None, None  # the ShardMap is read at the first snapshot (the Trainer
+        if self.persist_every:                             # hands the optimizer over after the engine is built)
             from datetime import timedelta
 
-            from hf_dtrain.distributed import unwrap_optimizer
-
-            from .reshard import ShardMap
-
-            self._shards = ShardMap(self._model_state(local=False), _unwrap(model),
-                                    None if optimizer is None else unwrap_optimizer(optimizer))
             if self.distributed:
                 ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
                 self._persist_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
@@ -244,6 +249,8 @@ class SnapshotEngine:
     def _model_state(self, local: bool = True) -> dict[str, torch.Tensor]:
         """The model's tensors to snapshot; FSDP2's DTensor parameters as this rank's local shards (views that write
         through), unless ``local`` is false."""
+        if self._zero is not None:  # every trainable parameter lives in the ZeRO partitions (state["zero"])
+            return {}
         m = _unwrap(self.model)
         if self.trainable_only:
             state = {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}
@@ -281,6 +288,10 @@ class SnapshotEngine:
         for name, t in self._model_state(local=False).items():  # global shapes: the same on every rank
             placements = getattr(t, "placements", None)
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{placements};".encode())
+        if self._zero is not None:
+            h.update(f"zero{self._zero.stage};".encode())
+            for name, shape, dtype in self._zero.describe():
+                h.update(f"{name}:{shape}:{dtype};".encode())
         return h.hexdigest()[:16]
 
     def _shared_key(self) -> bytes:
@@ -413,7 +424,9 @@ class SnapshotEngine:
     # ---------------------------------------------------------------- snapshot
     def _collect(self, step: int, extra: Any) -> tuple[dict, dict[str, torch.Tensor]]:
         state = {"model": self._model_state(), "rng": rng_state(), "extra": extra}
-        if self.optimizer is not None:
+        if self._zero is not None:
+            state["zero"] = self._zero.state()  # partitions, fp32 masters, optimizer state, DeepSpeed's counters
+        elif self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -457,6 +470,13 @@ class SnapshotEngine:
         snapshot is awaited first (one in flight at a time)."""
         t0 = time.perf_counter()
         self.wait()
+        if self.persist_every and self._shards is None and self._zero is None:
+            from hf_dtrain.distributed import unwrap_optimizer
+
+            from .reshard import ShardMap
+
+            self._shards = ShardMap(self._model_state(local=False), _unwrap(self.model),
+                                    None if self.optimizer is None else unwrap_optimizer(self.optimizer))
         metadata, tensors = self._collect(step, extra)
         if self.layout is None or not self.layout.matches(tensors):
             self.layout = Layout(tensors)
@@ -583,6 +603,12 @@ class SnapshotEngine:
         metadata, tensors = parse(data)
         state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
         sharded, replicated = self._shards.split(state)
+        if self.rank == 0:  # a copy of this step from a failed timeline (or another world size): gone first
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(d, reshard.REPLICATED))
+            shutil.rmtree(os.path.join(d, reshard.DCP_DIR), ignore_errors=True)
+        if self.distributed:
+            dist.barrier(group=self._persist_group)
         reshard.save(os.path.join(d, reshard.DCP_DIR), sharded, self._persist_group)  # returns once all have written
         if self.rank == 0:
             reshard.write_replicated(os.path.join(d, reshard.REPLICATED), replicated, {
@@ -688,6 +714,13 @@ class SnapshotEngine:
         return state
 
     def _apply(self, state: dict) -> None:
+        if self._zero is not None:
+            why = self._zero.check(state.get("zero", {}))
+            if self._any(why is not None):
+                raise SnapshotMismatch(f"The snapshot does not fit this run's DeepSpeed ZeRO partitions: "
+                                       f"{why or 'see the other ranks'}. Resume with the ZeRO settings and world size "
+                                       f"that took it, or train from step 0 with {FRESH_START}.")
+            self._zero.load(state["zero"])
         live = self._model_state()
         with torch.no_grad():
             for name, t in state["model"].items():

@@ -1,6 +1,6 @@
 """One rank of the fault-injection runs (``python -m hf_dtrain.testing.ft_worker``, launched by
 :func:`hf_dtrain.testing.fault.launch_ft_workers`): DDP over gloo (``FT_ENGINE=fsdp2``: FSDP2 shards instead),
-AdamW + a LambdaLR, batches drawn from every RNG (Python, NumPy, torch), a snapshot after every step, and an
+(``FT_ENGINE=zero1|zero2|zero3``: DeepSpeed ZeRO on its CPU accelerator), AdamW + a LambdaLR, batches drawn from every RNG (Python, NumPy, torch), a snapshot after every step, and an
 optional fault. Configured by environment variables (see the test); appends ``step loss.hex()`` per step to
 ``$FT_OUT/rank{r}.log`` and the restore source to ``$FT_OUT/rank{r}.restore``. ``FT_DUMP``: a directory where the
 whole (gathered) model and optimizer state is written as ``w{world}-step{s}.safetensors`` after a restore and
@@ -67,21 +67,35 @@ def main():
     from hf_dtrain.testing.models import random_batch, tiny_llama
 
     model = tiny_llama(seed=0, hidden_size=int(os.environ.get("FT_HIDDEN", "64")))
-    if os.environ.get("FT_ENGINE") == "fsdp2":  # sharded: each rank holds (and snapshots) its own shards
+    kind = os.environ.get("FT_ENGINE", "ddp")
+    opt = None
+    if kind == "fsdp2":  # sharded: each rank holds (and snapshots) its own shards
         from hf_dtrain.parallel import apply_fsdp
 
         ddp = apply_fsdp(model)
+    elif kind in ("zero1", "zero2", "zero3"):  # DeepSpeed ZeRO on its CPU accelerator: partitions + fp32 masters
+        import deepspeed
+
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        # threshold 100: the norm weights (64 values) stay whole ("persistent"), every matrix is partitioned
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+                  "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": int(kind[-1]), "stage3_param_persistence_threshold": 100}}
+        ddp, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.1 * k))
+    zero = kind.startswith("zero")
     engine = None
     start = 1
     if not os.environ.get("FT_NOFT"):
         from hf_dtrain.fault import SnapshotEngine, SnapshotError
 
         persist = os.environ.get("FT_PERSIST") or None
-        engine = SnapshotEngine(model, opt, sched, directory=os.environ["FT_DIR"],
+        engine = SnapshotEngine(ddp if zero else model, ddp.optimizer if zero else opt, sched,
+                                directory=os.environ["FT_DIR"],
                                 parity=int(os.environ.get("FT_PARITY", "1")), persist_dir=persist,
                                 persist_every=int(os.environ.get("FT_PERSIST_EVERY", "0")), timeout=30)
         if fault_here and where == "mid_snapshot":
@@ -121,14 +135,17 @@ def main():
         seed = int(torch.randint(0, 1 << 20, (1,))) + random.randrange(1 << 20) + int(np.random.randint(1 << 20))
         batch = random_batch(batch=2, seq=16, seed=seed + 1000 * rank)
         loss = ddp(**batch).loss
-        loss.backward()
+        ddp.backward(loss) if zero else loss.backward()
         if fault_here and step == int(fault_step) and where == "before_step":
             die()
         if engine is not None:
             engine.wait()
-        opt.step()
+        if zero:
+            ddp.step()  # DeepSpeed's: the base optimizer on the fp32 partitions, then the 16-bit copies
+        else:
+            opt.step()
+            opt.zero_grad()
         sched.step()
-        opt.zero_grad()
         log.write(f"{step} {loss.item().hex()}\n")
         log.flush()
         if engine is not None:

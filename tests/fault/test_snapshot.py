@@ -99,7 +99,8 @@ def test_another_world_size_or_model_is_refused(ft_dir):
     run_distributed(_snapshot_two_ranks, world_size=2, args=(ft_dir,), timeout=240)
     model, opt, sched = _setup()
     engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)  # world size 1, node 0's process
-    with pytest.raises(ValueError, match=r"taken with world size 2; this run has 1"):
+    with pytest.raises(ValueError, match=r"taken on 2 ranks and this run has 1; in-memory snapshots load only "
+                                         r"into the world size that took them.*persist_every"):
         engine.restore()
     engine.close()
     os.environ["HF_DTRAIN_NODE_RANK"] = "0"
