@@ -227,6 +227,15 @@ SHARDED_WORLDS = [1, 2, 4]
 SHARDED_STEPS = 12
 
 
+def _init_group(init_distributed) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not init_distributed():  # launched by elastic_launch (not under an agent's store): gloo from the environment
+        dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+
+
 def sharded_worker(preset: str, steps: int, tmp: str) -> None:
     """One rank of an FSDP2 run (launched with ``WORLD_SIZE`` ranks, one emulated node each): ``steps`` timed steps
     without saving, then with our snapshot every step (parity on across nodes), then with DCP ``async_save`` of the
@@ -245,7 +254,7 @@ def sharded_worker(preset: str, steps: int, tmp: str) -> None:
     from hf_dtrain.parallel import apply_fsdp
     from hf_dtrain.testing import random_batch
 
-    init_distributed()
+    _init_group(init_distributed)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = build_llama(preset, seed=0)
@@ -317,7 +326,7 @@ def sharded_restore_worker(preset: str, tmp: str) -> None:
     from hf_dtrain.models import build_llama
     from hf_dtrain.parallel import apply_fsdp
 
-    init_distributed()
+    _init_group(init_distributed)
     world = dist.get_world_size()
 
     def fresh():

@@ -202,6 +202,7 @@ class SnapshotEngine:
         self.identity = self._identity(identity or {})
         self.identity_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True, default=str).encode()
                                             ).hexdigest()[:16]
+        self._identity_json = json.dumps(self.identity, sort_keys=True)  # written into every snapshot's header
         self.layout: Optional[Layout] = None
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}
         self._registered: dict[int, int] = {}
@@ -422,22 +423,31 @@ class SnapshotEngine:
                        self.client.info().get("pid"))
 
     # ---------------------------------------------------------------- snapshot
-    def _collect(self, step: int, extra: Any) -> tuple[dict, dict[str, torch.Tensor]]:
+    def _capture(self, extra: Any) -> dict:
+        """What must be read at the step boundary, in the training thread: references to the model's tensors (FSDP2
+        swaps unsharded parameters onto the modules during forward and backward), the RNG states (the next step
+        draws from them), the ``stateful`` objects' copies, DeepSpeed's ZeRO state (read through its optimizer)."""
         state = {"model": self._model_state(), "rng": rng_state(), "extra": extra}
         if self._zero is not None:
             state["zero"] = self._zero.state()  # partitions, fp32 masters, optimizer state, DeepSpeed's counters
-        elif self.optimizer is not None:
+        if self.stateful:
+            state["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
+        return state
+
+    def _collect(self, step: int, state: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The rest of the snapshot, on the copy thread while the next forward and backward run (nothing it reads
+        changes before the next optimizer step, which waits for this thread): the optimizer's, scheduler's and
+        scaler's state dicts, then the whole state split into tensors and a JSON skeleton."""
+        if self._zero is None and self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-        if self.stateful:
-            state["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         tensors: dict[str, torch.Tensor] = {}
         skeleton = flatten_state(state, tensors)
         metadata = {"step": str(step), "rank": str(self.rank), "world_size": str(self.world),
-                    "fingerprint": self.fingerprint, "identity": json.dumps(self.identity, sort_keys=True),
+                    "fingerprint": self.fingerprint, "identity": self._identity_json,
                     "skeleton": json.dumps(skeleton, separators=(",", ":"))}
         return metadata, tensors
 
@@ -466,8 +476,8 @@ class SnapshotEngine:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def snapshot(self, step: int, extra: Any = None) -> None:
-        """Start a snapshot of the state after ``step``: collected now, copied in the background. The previous
-        snapshot is awaited first (one in flight at a time)."""
+        """Start a snapshot of the state after ``step``: what the next step changes is captured now, the rest
+        collected and copied in the background. The previous snapshot is awaited first (one in flight at a time)."""
         t0 = time.perf_counter()
         self.wait()
         if self.persist_every and self._shards is None and self._zero is None:
@@ -477,27 +487,34 @@ class SnapshotEngine:
 
             self._shards = ShardMap(self._model_state(local=False), _unwrap(self.model),
                                     None if self.optimizer is None else unwrap_optimizer(self.optimizer))
-        metadata, tensors = self._collect(step, extra)
-        if self.layout is None or not self.layout.matches(tensors):
-            self.layout = Layout(tensors)
-        header = self.layout.header(metadata)
-        total = self.layout.total_bytes
-        self._pending = (step, header, tensors, total, extra)
-        try:
-            slot, buf = self._slot(total)
-        except _SMP_LOST as e:
-            self._respawn(e)
-            slot, buf = self._slot(total)
+        state = self._capture(extra)
+        self._pending = None  # set by the copy thread once the snapshot's bytes are laid out
         stream = None
-        if any(t.is_cuda for t in tensors.values()):
+        if self._cuda:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())  # the copy reads what the optimizer step just wrote
-        self._thread = threading.Thread(target=self._copy, args=(step, slot, buf, header, tensors, total, stream,
-                                                                 extra), daemon=True)
+        self._thread = threading.Thread(target=self._background, args=(step, state, stream, extra), daemon=True)
         self._thread.start()
         self.stats["stall_seconds"].append(time.perf_counter() - t0)
         for hook in self.snapshot_hooks:
             hook(self, step)
+
+    def _background(self, step: int, state: dict, stream, extra: Any) -> None:
+        """The copy thread: the snapshot's layout and header, a slot from the snapshot process, the copy, the
+        commit. A lost snapshot process is left to ``wait()``, which starts a new one and writes the same snapshot
+        (``_pending``) into it."""
+        try:
+            metadata, tensors = self._collect(step, state)
+            if self.layout is None or not self.layout.matches(tensors):
+                self.layout = Layout(tensors)
+            header = self.layout.header(metadata)
+            total = self.layout.total_bytes
+            self._pending = (step, header, tensors, total, extra)
+            slot, buf = self._slot(total)
+        except BaseException as e:  # surfaced by wait()
+            self._error = e
+            return
+        self._copy(step, slot, buf, header, tensors, total, stream, extra)
 
     def _slot(self, total: int) -> tuple[int, mmap.mmap]:
         reply, fd = self.client.call({"op": "slot", "rank": self.rank, "nbytes": total}, want_fd=True)

@@ -45,6 +45,8 @@ def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "state
             items.append([k, flatten_state(v, tensors, f"{path}.{k}")])
         return {"__d": items}
     if isinstance(obj, (list, tuple)):
+        if all(type(v) is int for v in obj):  # Python's RNG state: 625 ints, stored as they are (one pass, no recursion)
+            return {"__tu": list(obj)} if isinstance(obj, tuple) else list(obj)
         out = [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
         return {"__tu": out} if isinstance(obj, tuple) else out
     if isinstance(obj, (np.integer, np.floating, np.bool_)):
