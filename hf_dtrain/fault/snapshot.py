@@ -14,6 +14,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import secrets
 import shutil
 import subprocess
@@ -207,7 +208,12 @@ class SnapshotEngine:
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}
         self._registered: dict[int, int] = {}
         self._cuda = any(p.is_cuda for p in _unwrap(model).parameters())
-        self._thread: Optional[threading.Thread] = None
+        # one long-lived copy thread fed by a queue: starting a thread per snapshot would stall the training thread
+        # for up to the interpreter's switch interval (5 ms) while the new thread runs Python code
+        self._worker: Optional[threading.Thread] = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._in_flight = False
         self._error: Optional[BaseException] = None
         self._persist: Optional[threading.Thread] = None
         self.stats = {"snapshots": 0, "stall_seconds": [], "copy_seconds": [], "wait_seconds": [],
@@ -493,11 +499,25 @@ class SnapshotEngine:
         if self._cuda:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())  # the copy reads what the optimizer step just wrote
-        self._thread = threading.Thread(target=self._background, args=(step, state, stream, extra), daemon=True)
-        self._thread.start()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._serve_jobs, daemon=True, name="hf_dtrain-snapshot")
+            self._worker.start()
+        self._done.clear()
+        self._in_flight = True
+        self._jobs.put((step, state, stream, extra))
         self.stats["stall_seconds"].append(time.perf_counter() - t0)
         for hook in self.snapshot_hooks:
             hook(self, step)
+
+    def _serve_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._background(*job)
+            finally:
+                self._done.set()
 
     def _background(self, step: int, state: dict, stream, extra: Any) -> None:
         """The copy thread: the snapshot's layout and header, a slot from the snapshot process, the copy, the
@@ -573,10 +593,10 @@ class SnapshotEngine:
         """Block until the snapshot in flight is committed (call before the next optimizer step). When the node's
         snapshot process died meanwhile, a new one is started and the same snapshot written into it (the state
         has not changed yet: this runs before the optimizer step)."""
-        if self._thread is not None:
+        if self._in_flight:
             t0 = time.perf_counter()
-            self._thread.join()
-            self._thread = None
+            self._done.wait()
+            self._in_flight = False
             self.stats["wait_seconds"].append(time.perf_counter() - t0)
         if self._error is not None:
             e, self._error = self._error, None
@@ -962,6 +982,10 @@ class SnapshotEngine:
     def close(self, shutdown: bool = False) -> None:
         """Finish the snapshot in flight; with ``shutdown`` (the run is over) stop the node's snapshot process."""
         self.wait()
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join()
+            self._worker = None
         if self._persist is not None:
             self._persist.join()
         for slot, (_, m) in self._maps.items():
