@@ -265,9 +265,12 @@ def sharded_worker(preset: str, steps: int, tmp: str) -> None:
     dcp_group = dist.new_group(backend="gloo")
     engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft"), parity=1 if world > 1 else 0,
                             timeout=120)
+    # the same without erasure coding: what the parity exchange between snapshot processes costs on shared cores
+    plain = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft_noparity"), parity=0, timeout=120)
     out: dict = {"world": world, "preset": preset}
     step = 0
-    for method in ("none", "ours", "dcp_async"):
+    for method in ("none", "ours", "ours_noparity", "dcp_async"):
+        snap = {"ours": engine, "ours_noparity": plain}.get(method)
         times, stalls, pending, future = [], [], 0.0, None
         for i in range(steps + 1):
             step += 1
@@ -275,16 +278,16 @@ def sharded_worker(preset: str, steps: int, tmp: str) -> None:
             dist.barrier()  # every rank's step starts together: the median is the job's step time
             t0 = time.perf_counter()
             model(**b).loss.backward()
-            if method == "ours":
+            if snap is not None:
                 w = time.perf_counter()
-                engine.wait()
+                snap.wait()
                 pending += time.perf_counter() - w
             opt.step()
             sched.step()
             opt.zero_grad()
             s = time.perf_counter()
-            if method == "ours":
-                engine.snapshot(step)
+            if snap is not None:
+                snap.snapshot(step)
             elif method == "dcp_async":
                 if future is not None:
                     future.result()  # DCP's rule: one save in flight
@@ -304,6 +307,7 @@ def sharded_worker(preset: str, steps: int, tmp: str) -> None:
     engine.wait()
     out["snapshot_bytes_per_rank"] = engine.stats["bytes"]
     engine.close()  # the snapshot processes keep the snapshots: the restart reads them
+    plain.close(shutdown=True)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp-final"))
     if rank == 0:
@@ -544,6 +548,7 @@ def render(payload: dict):
                 "ours_stall_ms": 1000 * r["ours"]["stall_seconds"], "dcp_stall_ms": 1000 * r["dcp_async"]["stall_seconds"],
                 "stall_ratio": r["ours"]["stall_seconds"] / r["dcp_async"]["stall_seconds"],
                 "ours_overhead": r["ours"]["step_seconds"] / base - 1,
+                "noparity_overhead": r["ours_noparity"]["step_seconds"] / base - 1 if "ours_noparity" in r else None,
                 "dcp_overhead": r["dcp_async"]["step_seconds"] / base - 1,
                 "restore_source": r["restore"]["source"], "ours_restore_s": r["restore"]["ours"],
                 "dcp_restore_s": r["restore"]["dcp_load"],
@@ -555,6 +560,7 @@ def render(payload: dict):
                       ("bytes_ratio", "bytes / 1 rank", ".3f"), ("ours_stall_ms", "stall, ours (ms)", ".1f"),
                       ("dcp_stall_ms", "stall, DCP async_save (ms)", ".1f"), ("stall_ratio", "stall ratio", ".3f"),
                       ("ours_overhead", "step overhead, ours", "+.1%"),
+                      ("noparity_overhead", "ours, parity off", "+.1%"),
                       ("dcp_overhead", "step overhead, DCP async", "+.1%"),
                       ("restore_source", "restored from", ""), ("ours_restore_s", "restore, ours (s)", ".3f"),
                       ("dcp_restore_s", "restart, dcp.load (s)", ".3f"), ("restore_ratio", "restore ratio", ".3f")]))
@@ -576,7 +582,9 @@ def render(payload: dict):
     import matplotlib.pyplot as plt
 
     presets = [p for p in PRESETS if any(r["preset"] == p for r in rows)]
-    fig, axes = plt.subplots(1, 2 * len(presets), figsize=(5.5 * 2 * len(presets), 4.4), squeeze=False)
+    extra = 2 if payload.get("sharded") else 0
+    fig, axes = plt.subplots(1, 2 * len(presets) + extra, figsize=(5.5 * (2 * len(presets) + extra), 4.4),
+                             squeeze=False)
     for i, preset in enumerate(presets):
         ax = axes[0][2 * i]
         for m in METHODS:
@@ -598,6 +606,26 @@ def render(payload: dict):
         ax.set_ylabel("stall per save (ms, log)")
         ax.set_title(f"{preset}: training stall per save")
         ax.tick_params(axis="x", labelsize=7)
+    if extra:
+        import numpy as np
+
+        sh = payload["sharded"]
+        worlds = [r["world"] for r in sh]
+        x = np.arange(len(worlds))
+        ax = axes[0][-2]
+        ax.bar(x - 0.2, [1000 * r["ours"]["stall_seconds"] for r in sh], 0.4, label="in-memory snapshot (ours)")
+        ax.bar(x + 0.2, [1000 * r["dcp_async"]["stall_seconds"] for r in sh], 0.4, label="DCP async_save")
+        ax.set_xticks(x, [f"{w} rank{'s' if w > 1 else ''}" for w in worlds])
+        ax.set_ylabel("stall per save (ms)")
+        ax.set_title("FSDP2 (tiny): stall per save, every step")
+        ax.legend(fontsize=7)
+        ax = axes[0][-1]
+        ax.bar(x - 0.2, [r["restore"]["ours"] for r in sh], 0.4, label="ours (memory / parity rebuild)")
+        ax.bar(x + 0.2, [r["restore"]["dcp_load"] for r in sh], 0.4, label="DCP restart (dcp.load)")
+        ax.set_xticks(x, [f"{w}: {r['snapshot_bytes_per_rank'] / 1e6:.1f} MB/rank" for w, r in zip(worlds, sh)])
+        ax.set_ylabel("restore (s, slowest rank)")
+        ax.set_title("FSDP2: restore after node 1 is lost")
+        ax.legend(fontsize=7)
     fig.suptitle("In-memory snapshots against checkpoints")
     fig.tight_layout()
     return table, fig, notes
