@@ -96,3 +96,52 @@ def kill_snapshot_process(directory: str, node: int) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# One failure of each kind, one generation each, in a 3-node run (parity 1, every 2nd snapshot persisted):
+# (kill: rank:step:phase, snapshot processes killed after it, the restore source expected, the restored step expected
+# at least). A trainer killed before its optimizer step; one killed mid-snapshot (written, not committed); a lost
+# node (trainer and snapshot process); two lost nodes with parity for one (the disk copy).
+FAILURE_CHAIN = [("1:3:before_step", (), "memory", 2), ("2:5:mid_snapshot", (), "memory", 4),
+                 ("1:7:after_snapshot", (1,), "parity", 6), ("1:9:after_snapshot", (1, 2), "disk", 8)]
+FAILURE_CHAIN_STEPS = 12
+
+
+def run_failure_chain(world: int, env: dict, ft_dir: str) -> list[list[str]]:
+    """Launch the fault-injection worker through :data:`FAILURE_CHAIN`, one generation per failure (each relaunched
+    as a user would after it), then once more to the end; returns rank 0's restore records (``[step, source]`` per
+    relaunch). ``env``: the worker's settings (``FT_OUT``, ``FT_ENGINE``...); the kill schedule, the disk copy under
+    ``ft_dir`` and the step count are added here. Under DDP the first step after each restart reduces with DDP's
+    initial buckets (the uninterrupted run rebuilt its own after step 1), which rounds differently on gloo: use it
+    with FSDP2 and ZeRO, whose resume is bit for bit at every step."""
+    import signal
+
+    out = env["FT_OUT"]
+    env = {**env, "FT_DIR": ft_dir, "FT_PERSIST": os.path.join(ft_dir, "disk"), "FT_PERSIST_EVERY": "2",
+           "FT_STEPS": str(FAILURE_CHAIN_STEPS), "FT_SHUTDOWN": "1",
+           "FT_KILLS": ",".join(f"{g}:{kill}" for g, (kill, *_) in enumerate(FAILURE_CHAIN))}
+    try:
+        for gen, (kill, lost, _, _) in enumerate(FAILURE_CHAIN):
+            codes = launch_ft_workers(world, {**env, "FT_GEN": str(gen)})
+            if not any(c == -signal.SIGKILL for c in codes):
+                raise AssertionError(f"generation {gen} ({kill}) did not fail as planned: {codes}; "
+                                     f"{open(os.path.join(out, 'rank0.out')).read()[-3000:]}")
+            for node in lost:
+                kill_snapshot_process(ft_dir, node)
+        codes = launch_ft_workers(world, {**env, "FT_GEN": str(len(FAILURE_CHAIN))})
+        if codes != [0] * world:
+            raise AssertionError(f"the last generation failed: {codes}; "
+                                 f"{open(os.path.join(out, 'rank1.out')).read()[-3000:]}")
+    finally:
+        stop_snapshot_processes(ft_dir)
+    return [line.split()[:2] for line in open(os.path.join(out, "rank0.restore"))]
+
+
+def check_failure_chain(restores: list[list[str]]) -> None:
+    """Each relaunch restored from the source its failure leaves, at the newest step it allows."""
+    assert [source for _, source in restores] == [source for _, _, source, _ in FAILURE_CHAIN], restores
+    for (step, _), (kill, _, source, least) in zip(restores, FAILURE_CHAIN):
+        killed_at = int(kill.split(":")[1])
+        assert least <= int(step) <= killed_at, (kill, restores)
+        if source != "parity":  # memory and disk: exactly the newest step every rank committed (or persisted)
+            assert int(step) == least, (kill, restores)

@@ -58,3 +58,46 @@ def test_restart_on_fewer_then_more_ranks_reshards_the_persisted_snapshot(tmp_pa
         assert os.path.exists(os.path.join(dump, "w3-step14.safetensors"))  # and it trained on
     finally:
         stop_snapshot_processes(ft_dir)
+
+
+def test_a_replicated_model_round_trips_and_a_mismatch_is_named(tmp_path):
+    """One process, a plain (replicated, as under DDP) model: a snapshot's state written as the DCP copy loads into a
+    fresh model and optimizer exactly; into a model of another shape, ``differences`` names every tensor that does
+    not map."""
+    import torch
+
+    from hf_dtrain.fault import reshard
+    from hf_dtrain.testing import random_batch, tiny_llama
+
+    def build(hidden=64):
+        model = tiny_llama(seed=1, hidden_size=hidden)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = build()
+    for s in range(2):
+        model(**random_batch(seed=s)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state = {"model": {n: p.detach() for n, p in model.named_parameters()}, "optimizer": opt.state_dict(),
+             "rng": {"torch": torch.get_rng_state()}, "extra": {"next_step": 3}}
+    sharded, replicated = reshard.ShardMap(state["model"], model, opt).split(state)
+    directory = str(tmp_path / "dcp")
+    reshard.save(directory, sharded)
+    assert oct(os.stat(directory).st_mode & 0o777) == "0o700"
+    assert all(os.stat(os.path.join(directory, f)).st_mode & 0o077 == 0 for f in os.listdir(directory))
+
+    fresh, fresh_opt = build()
+    keys = sorted(sharded["model"])
+    target, osd = reshard.template(fresh, fresh_opt, keys)
+    assert reshard.differences(target, directory, keys) == []
+    reshard.load(fresh, fresh_opt, directory, target, osd, replicated)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    mine, theirs = opt.state_dict(), fresh_opt.state_dict()
+    assert all(torch.equal(v, theirs["state"][i][k]) for i, st in mine["state"].items() for k, v in st.items())
+    assert mine["param_groups"] == theirs["param_groups"]
+
+    other, other_opt = build(hidden=32)
+    target, _ = reshard.template(other, other_opt, keys)
+    problems = reshard.differences(target, directory, keys)
+    assert any("model.model.embed_tokens.weight: shape (128, 64) in the snapshot, (128, 32) here" in p
+               for p in problems), problems
