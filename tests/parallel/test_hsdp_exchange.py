@@ -178,17 +178,20 @@ def test_finetune_with_hsdp_compresses_the_replica_exchange(tmp_path):
     import subprocess
     import sys
 
-    from hf_dtrain.testing import free_port
+    from hf_dtrain.testing import free_port, tiny_default_base
 
+    # the embedded default base at test size (building the full default here took ~4 minutes of the suite)
+    base = tiny_default_base(tmp_path / "cache", steps=200)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
-           "-m", "hf_dtrain.cli", "finetune", "--method", "lorafa", "--output-dir", str(tmp_path), "--task-digits",
+           "-m", "hf_dtrain.cli", "finetune", "--method", "lorafa", "--model", base, "--output-dir", str(tmp_path / "out"),
+           "--task-digits",
            "1", "--train-size", "500", "--eval-size", "10", "--max-steps", "8", "--learning-rate", "3e-3",
            "--progress", "false", "--logging-steps", "1", "--fsdp.replicate", "2", "--comm-hook", "acp_sgd",
            "--comm-hook.start-iter", "2", "--comm-hook.rank", "2"]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads((tmp_path / "results.json").read_text())
+    r = json.loads((tmp_path / "out" / "results.json").read_text())
     assert r["engine"] == "fsdp2" and r["world_size"] == 4 and r["config"]["fsdp"]["replicate"] == 2
     comm = r["comm"]
     assert comm["method"] == "acp_sgd" and comm["steps"] == 8
