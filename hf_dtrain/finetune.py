@@ -199,6 +199,11 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
                          "docs/sharded.md).")
     state = PartialState(cpu=use_cpu)
     world_size = state.num_processes
+    # clashes are refused before the base model is built or loaded (minutes for the embedded default); the
+    # launcher's WORLD_SIZE, since PartialState can report 1 under accelerate launch on CPU
+    cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
+    cfg.check(int(os.environ.get("WORLD_SIZE", world_size)), engine="trainer",
+              lorafa_optimizer=cfg.method == "lorafa" and cfg.lorafa_optimizer)
     output_dir = cfg.output_dir or os.path.join("outputs", f"finetune-{cfg.method}")
     lr = cfg.learning_rate if cfg.learning_rate is not None else DEFAULT_LR[cfg.method]
 
@@ -248,7 +253,6 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     )
     # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
     world_size = args.world_size
-    cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
     cfg.check(world_size, engine="trainer", lorafa_optimizer=cfg.method == "lorafa" and cfg.lorafa_optimizer)
     callbacks = []
     if cfg.method == "smt":
