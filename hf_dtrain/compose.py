@@ -186,7 +186,7 @@ class ComposeOptions:
             raise ValueError("These switches cannot be combined: " + "; ".join(clashes) + ".")
 
 
-    def _fsdp_clashes(self, engine: str = "trainer") -> list[str]:
+    def _fsdp_clashes(self, engine: str) -> list[str]:
         """What cannot run on an FSDP2-sharded model today, each with its reason."""
         out = []
         if self.deepspeed:

@@ -253,7 +253,6 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     )
     # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
     world_size = args.world_size
-    cfg.check(world_size, engine="trainer", lorafa_optimizer=cfg.method == "lorafa" and cfg.lorafa_optimizer)
     callbacks = []
     if cfg.method == "smt":
         if world_size > 1 or cfg.fsdp is not None or cfg.deepspeed:

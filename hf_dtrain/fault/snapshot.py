@@ -238,10 +238,11 @@ class SnapshotEngine:
         self.key = self._shared_key()
         self.client = self._start_smp()
         self._configure()
+        self._step_hook = None
         if self._zero is not None:
             # DeepSpeed's step may run inside accelerator.backward (before the loop's wait()): the base optimizer
-            # waits for the copy in flight before it changes what the copy reads
-            self._zero.base.register_step_pre_hook(lambda *_: self.wait())
+            # waits for the copy in flight before it changes what the copy reads (removed again by close())
+            self._step_hook = self._zero.base.register_step_pre_hook(lambda *_: self.wait())
         # every persist_every-th snapshot is also a DCP checkpoint (restorable onto another world size), written
         # by the persist thread over a process group of its own
         self._shards, self._persist_group = None, None  # the ShardMap is read at the first snapshot (the Trainer
@@ -982,6 +983,9 @@ class SnapshotEngine:
     def close(self, shutdown: bool = False) -> None:
         """Finish the snapshot in flight; with ``shutdown`` (the run is over) stop the node's snapshot process."""
         self.wait()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join()
