@@ -184,11 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             if "cannot be combined" in str(e):  # ComposeOptions.check: the clash, named, before any training
                 raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
             raise
-        finally:
-            if ns.command == "pretrain":
-                from hf_dtrain.distributed import release_process_group
+        finally:  # the DDP model (the Trainer's, the loop's) freed while its gloo group exists, then the group: freed
+            # at interpreter exit instead, a rank could abort ("terminate called without an active exception") after
+            # the run had saved everything
+            from hf_dtrain.distributed import release_process_group
 
-                release_process_group()  # DDP freed while its gloo group exists, then the group
+            release_process_group()
         return 0
     parser.error(f"unknown command {ns.command!r}")
     return 2

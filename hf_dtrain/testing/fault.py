@@ -73,6 +73,19 @@ def launch_ft_workers(world: int, env: dict, timeout: float = 180) -> list[int]:
     return elastic_launch(ft_worker_command(), world, env, timeout, log_dir=env["FT_OUT"])
 
 
+def failed_outputs(out: str, codes: list[int], chars: int = 3000) -> str:
+    """The output tails of the ranks whose exit code is not 0 (an assertion message): the rank that failed, not
+    rank 0, which the launcher may have killed after it. Deprecation warnings are left out."""
+    parts = []
+    for rank, code in enumerate(codes):
+        if code != 0:
+            path = os.path.join(out, f"rank{rank}.out")
+            lines = open(path).read().splitlines() if os.path.exists(path) else ["(no output file)"]
+            text = "\n".join(l for l in lines if "FutureWarning" not in l and "return func(" not in l)
+            parts.append(f"--- rank {rank} exited {code}:\n{text[-chars:]}")
+    return "\n".join(parts) or "every rank exited 0"
+
+
 def worker_losses(out: str, rank: int = 0) -> dict[int, str]:
     """Step -> loss (hex) from a fault-injection worker's log; a step run again after a restore overwrites the one
     before."""
@@ -130,8 +143,7 @@ def run_failure_chain(world: int, env: dict, ft_dir: str) -> list[list[str]]:
                 kill_snapshot_process(ft_dir, node)
         codes = launch_ft_workers(world, {**env, "FT_GEN": str(len(FAILURE_CHAIN))})
         if codes != [0] * world:
-            raise AssertionError(f"the last generation failed: {codes}; "
-                                 f"{open(os.path.join(out, 'rank1.out')).read()[-3000:]}")
+            raise AssertionError(f"the last generation failed: {codes}; {failed_outputs(out, codes)}")
     finally:
         stop_snapshot_processes(ft_dir)
     return [line.split()[:2] for line in open(os.path.join(out, "rank0.restore"))]

@@ -164,7 +164,12 @@ def main():
     if engine is not None:
         engine.close(shutdown=os.environ.get("FT_SHUTDOWN", "1") == "1")
     dist.barrier()
-    dist.destroy_process_group()
+    from hf_dtrain.distributed import release_process_group
+
+    # freed while their process groups exist, then the groups: a DeepSpeed engine freed at interpreter exit aborted
+    # about one run in two ("terminate called without an active exception", after the last step was logged)
+    ddp = model = opt = sched = engine = None  # noqa: F841
+    release_process_group()
 
 
 if __name__ == "__main__":
