@@ -1,8 +1,9 @@
 """Sharded and parallel engines on torch's and DeepSpeed's own: FSDP2 (``fsdp``), whole state dicts and
-``save_pretrained`` from FSDP2 or ZeRO-3 runs (``state``)."""
+``save_pretrained`` from FSDP2 or ZeRO-3 runs (``state``), tensor + sequence parallelism (``tensor``)."""
 
 from .fsdp import FSDPConfig, apply_fsdp, fsdp_mesh, fsdp_units
+from .tensor import TensorParallelConfig, apply_tensor_parallel, tensor_parallel_loss
 from .state import full_state_dict, is_fsdp2, is_zero3, local_param_bytes, save_pretrained
 
 __all__ = ["FSDPConfig", "apply_fsdp", "fsdp_mesh", "fsdp_units", "full_state_dict", "save_pretrained", "is_fsdp2",
-           "is_zero3", "local_param_bytes"]
+           "is_zero3", "local_param_bytes", "TensorParallelConfig", "apply_tensor_parallel", "tensor_parallel_loss"]
