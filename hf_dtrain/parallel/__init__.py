@@ -1,9 +1,12 @@
 """Sharded and parallel engines on torch's and DeepSpeed's own: FSDP2 (``fsdp``), whole state dicts and
-``save_pretrained`` from FSDP2 or ZeRO-3 runs (``state``), tensor + sequence parallelism (``tensor``)."""
+``save_pretrained`` from FSDP2 or ZeRO-3 runs (``state``), tensor + sequence parallelism (``tensor``),
+pipeline parallelism (``pipeline``)."""
 
 from .fsdp import FSDPConfig, apply_fsdp, fsdp_mesh, fsdp_units
+from .pipeline import Pipeline, PipelineConfig, apply_pipeline
 from .tensor import TensorParallelConfig, apply_tensor_parallel, tensor_parallel_loss
 from .state import full_state_dict, is_fsdp2, is_zero3, local_param_bytes, save_pretrained
 
 __all__ = ["FSDPConfig", "apply_fsdp", "fsdp_mesh", "fsdp_units", "full_state_dict", "save_pretrained", "is_fsdp2",
-           "is_zero3", "local_param_bytes", "TensorParallelConfig", "apply_tensor_parallel", "tensor_parallel_loss"]
+           "is_zero3", "local_param_bytes", "TensorParallelConfig", "apply_tensor_parallel", "tensor_parallel_loss", "Pipeline",
+           "PipelineConfig", "apply_pipeline"]

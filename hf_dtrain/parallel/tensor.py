@@ -198,18 +198,26 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
                              f"{name!r}; LoRA and LoRA-FA are supported.")
         tuners[name] = module
 
-    top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
-                                      use_local_output=not lp)}
-    if sp:
-        top["model.norm"] = SequenceParallel()
+    # a pipeline stage (hf_dtrain.parallel.pipeline.LlamaPipelineStage) holds some layers (a ModuleDict keyed by
+    # their index in the whole model) and the embedding / norm + lm_head only on the first / last stage
+    items = list(layers.items()) if isinstance(layers, nn.ModuleDict) else list(enumerate(layers))
+    has_embed, has_head = decoder.embed_tokens is not None, base.lm_head is not None
+    top = {}
+    if has_embed:
+        top["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if has_head:
+        top["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
+                                         use_local_output=not lp)
+        if sp:
+            top["model.norm"] = SequenceParallel()
     for key in ("model.embed_tokens", "lm_head"):
         if any(n == key for n in tuners):
             raise ValueError(f"tensor parallelism: the adapter on {key!r} is not supported; leave it out of "
                              "target_modules.")
     frozen = {n for n, p in base.named_parameters() if not p.requires_grad}
-    parallelize_module(base, mesh, top)
-    for i, layer in enumerate(layers):
+    if top:
+        parallelize_module(base, mesh, top)
+    for i, layer in items:
         plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                                 use_local_output=True),
@@ -230,8 +238,8 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
         if other:
             raise ValueError(f"tensor parallelism: no sharding rule for the adapter on {other[0]!r}; target the "
                              f"projections {list(COLWISE + ROWWISE)} only.")
-    if sp:
-        parallelize_module(layers[0], mesh, _split_sequence(mesh))
+    if sp and has_embed:  # the embedding's replicated output: the first layer takes its own sequence shard
+        parallelize_module(items[0][1], mesh, _split_sequence(mesh))
     for n, p in base.named_parameters():  # torch's SequenceParallel re-creates the norm weights trainable
         if n in frozen:
             p.requires_grad_(False)
@@ -249,6 +257,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
 
         base.register_forward_pre_hook(check_sequence, with_kwargs=True)
     model._hf_dtrain_tp = config
+    base.sequence_shards = tp if sp else 1  # a later pipeline stage receives 1/tp of the sequence
     return model
 
 

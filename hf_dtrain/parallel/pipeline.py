@@ -1,0 +1,344 @@
+"""Pipeline parallelism for Hugging Face LLaMA-family causal LMs on ``torch.distributed.pipelining``.
+
+``apply_pipeline(model, mesh, PipelineConfig(...), batch_size=B, seq_len=S)`` cuts the decoder layers into
+contiguous stages, keeps on this rank only the stages it runs (the embedding with the first, the final norm and
+``lm_head`` with the last) and builds torch's schedule over them. The cut is Merak's: the forward + backward time
+of a proxy of the model (the embedding, one decoder layer, the head with its loss; LLaMA's layers are all alike) is
+measured on this machine at the micro-batch's shape, and the layers are split so the slowest stage is as fast as it
+can be (:func:`balance_layers`). Rank 0's profile is broadcast, so every rank cuts alike.
+
+The stage modules keep Hugging Face's parameter names (``model.layers.5.mlp.up_proj.weight``, ``lm_head.weight``),
+so ``torch.distributed.checkpoint`` state dicts of a pipelined run line up with the unpipelined model's. Each stage
+computes the rotary embeddings and the causal mask for itself, from the sequence it receives.
+
+Schedules (torch's): ``GPipe``, ``1F1B`` (one stage per rank), ``Interleaved1F1B`` and ``InterleavedZeroBubble``
+(``stages_per_rank`` >= 2, stage ``s`` on rank ``s % pp``). The loss is Hugging Face's causal-LM loss per
+micro-batch, and gradients are scaled by 1 / micro-batches (torch's ``scale_grads``): the full batch's mean when
+every micro-batch holds as many label tokens (fixed-length, unpadded pretraining batches; padded batches are
+refused, since the stages do not carry an attention mask).
+
+The Trainer cannot drive a pipeline (its loop calls ``model(**batch)`` once per step on every rank); use
+``hf-dtrain pretrain --pp N`` or your own Accelerate loop with :meth:`Pipeline.step`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SINGLE_STAGE = ("GPipe", "1F1B")
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline settings (validated on construction). Every field is a ``--pp.<field>`` flag of ``hf-dtrain
+    pretrain`` and a key of the ``pp:`` YAML section; ``apply_pipeline(model, mesh, config)`` takes it unchanged.
+    The degree itself is ``ParallelConfig.pp`` (``--pp N``)."""
+
+    section_key: ClassVar[str] = "pp"
+
+    schedule: str = field(default="1F1B", metadata={
+        "help": "torch.distributed.pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B or "
+                "InterleavedZeroBubble (stages_per_rank >= 2)."})
+    microbatches: Optional[int] = field(default=None, metadata={
+        "help": "Micro-batches per step (the batch is split into this many along dim 0; it must divide the "
+                "batch). Default: 2 x the number of stages, at most the batch size."})
+    stages_per_rank: int = field(default=1, metadata={
+        "min": 1, "help": "Virtual stages per rank (interleaved schedules take >= 2: fewer bubbles, more "
+                          "point-to-point messages)."})
+    balance: str = field(default="profile", metadata={
+        "help": "How layers are cut into stages: profile (Merak: measured forward+backward time of the "
+                "embedding, a decoder layer and the head on this machine) or uniform (equal layer counts)."})
+
+    def __post_init__(self):
+        from hf_dtrain.settings import check_choice, check_fields
+
+        check_fields(self)
+        names = {n.lower(): n for n in SINGLE_STAGE + MULTI_STAGE}
+        if not isinstance(self.schedule, str) or self.schedule.lower() not in names:
+            raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not one of {list(names.values())}; set "
+                             "pp.schedule (--pp.schedule).")
+        self.schedule = names[self.schedule.lower()]
+        check_choice(self, "balance", ("profile", "uniform"), "pp.balance")
+        if self.schedule in SINGLE_STAGE and self.stages_per_rank != 1:
+            raise ValueError(f"pp.schedule={self.schedule} runs one stage per rank, but pp.stages_per_rank="
+                             f"{self.stages_per_rank}; use Interleaved1F1B for several, or stages_per_rank 1.")
+        if self.schedule in MULTI_STAGE and self.stages_per_rank < 2:
+            raise ValueError(f"pp.schedule={self.schedule} interleaves several stages per rank: set "
+                             "pp.stages_per_rank >= 2 (or use 1F1B).")
+        if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
+            raise ValueError(f"PipelineConfig.microbatches={self.microbatches!r}: a whole number >= 1, or unset.")
+
+    def n_microbatches(self, pp: int, batch_size: int) -> int:
+        """The micro-batch count for a ``batch_size`` batch on ``pp`` ranks, checked."""
+        n = self.microbatches or min(batch_size, 2 * pp * self.stages_per_rank)
+        if batch_size % n:
+            raise ValueError(f"pp.microbatches={n} does not divide the batch of {batch_size}: choose a divisor of "
+                             "the per-replica batch size (--pp.microbatches).")
+        if self.schedule in MULTI_STAGE and n % pp:
+            raise ValueError(f"pp.schedule={self.schedule} needs the micro-batch count ({n}) to be a multiple of "
+                             f"the pipeline degree {pp}: set --pp.microbatches.")
+        return n
+
+
+def check_pipeline(model_config, pp: int, stages_per_rank: int = 1) -> None:
+    """Refuse a pipeline degree the model cannot take, naming the flag (before any process group exists)."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp={pp!r}: the pipeline degree must be a whole number >= 1 (--pp).")
+    stages = pp * stages_per_rank
+    layers = model_config.num_hidden_layers
+    if stages > layers:
+        raise ValueError(f"--pp {pp} x pp.stages_per_rank {stages_per_rank} = {stages} stages, but the model has "
+                         f"{layers} decoder layers: every stage needs at least one; lower --pp or "
+                         "pp.stages_per_rank.")
+    if pp > 1 and getattr(model_config, "tie_word_embeddings", False):
+        raise ValueError("pipeline parallelism: the model ties lm_head to the embedding (tie_word_embeddings), "
+                         "which would sit on the first and the last stage; untie them (tie_word_embeddings=False) "
+                         "or train without --pp.")
+
+
+def balance_layers(layer_costs: list[float], stages: int, first_extra: float = 0.0,
+                   last_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges, one per stage, minimizing the slowest stage's cost (the
+    pipeline's step time is set by it); the first stage also pays ``first_extra`` (the embedding), the last
+    ``last_extra`` (norm, head and loss). Every stage gets at least one layer. Exact dynamic programming:
+    O(stages x layers^2)."""
+    n = len(layer_costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"{stages} stages for {n} layers: every stage needs at least one layer.")
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i, j, s):  # layers [i, j) as stage s
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0.0) + (last_extra if s == stages - 1 else 0.0)
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[s][j]: first j layers in s stages
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], cost(i, j, s - 1))
+                if value < best[s][j] - 1e-12:
+                    best[s][j], cut[s][j] = value, i
+    bounds, j = [], n
+    for s in range(stages, 0, -1):
+        i = cut[s][j]
+        bounds.append((i, j))
+        j = i
+    return bounds[::-1]
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, "model", None)
+    if getattr(decoder, "layers", None) is None or not hasattr(base, "lm_head") or \
+            not hasattr(decoder, "embed_tokens") or not hasattr(decoder, "rotary_emb"):
+        raise ValueError(f"apply_pipeline: {type(base).__name__} is not a LLaMA-family causal LM "
+                         "(model.embed_tokens, model.layers, model.rotary_emb, model.norm, lm_head).")
+    return base
+
+
+def _median_time(fn, repeats: int = 5) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def profile_costs(model: nn.Module, example: torch.Tensor) -> dict[str, float]:
+    """Forward + backward seconds of the model's pieces at ``example``'s (micro-batch) shape, measured here: the
+    embedding, one decoder layer (Merak's proxy: every LLaMA layer is alike) and the norm + head + loss."""
+    from transformers.masking_utils import create_causal_mask
+
+    base = _causal_lm(model)
+    decoder = base.model
+    layer = decoder.layers[0]
+    with torch.no_grad():
+        hidden = decoder.embed_tokens(example).detach()
+    positions = torch.arange(example.shape[1], device=example.device).unsqueeze(0)
+    mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                              position_ids=positions)
+    rope = decoder.rotary_emb(hidden, position_ids=positions)
+    labels = example
+
+    def embed():
+        decoder.embed_tokens(example).float().sum().backward()
+
+    def one_layer():
+        x = hidden.clone().requires_grad_(True)
+        layer(x, attention_mask=mask, position_embeddings=rope, position_ids=positions).float().sum().backward()
+
+    def head():
+        x = hidden.clone().requires_grad_(True)
+        logits = base.lm_head(decoder.norm(x))
+        base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size).backward()
+
+    costs = {"embed": _median_time(embed), "layer": _median_time(one_layer), "head": _median_time(head)}
+    base.zero_grad(set_to_none=True)
+    return costs
+
+
+class LlamaPipelineStage(nn.Module):
+    """One pipeline stage of a LLaMA-family causal LM: its decoder layers (and the embedding on the first stage,
+    the final norm and ``lm_head`` on the last), under the same attribute names as the whole model, so parameter
+    names match it. Takes token ids (first stage) or hidden states, returns hidden states or logits (last)."""
+
+    def __init__(self, causal_lm: nn.Module, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        decoder = causal_lm.model
+        self.config = causal_lm.config
+        self._no_split_modules = list(getattr(causal_lm, "_no_split_modules", None) or [])  # FSDP2's units
+        self.first, self.last = first, last
+        self.model = nn.Module()
+        self.model.embed_tokens = decoder.embed_tokens if first else None
+        self.model.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in range(start, end)})
+        self.model.norm = decoder.norm if last else None
+        self.model.rotary_emb = decoder.rotary_emb
+        self.lm_head = causal_lm.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        m = self.model
+        h = m.embed_tokens(x) if self.first else x
+        # under sequence parallelism a later stage receives this rank's 1/tp of the sequence (apply_tensor_parallel
+        # sets sequence_shards); the positions and the mask are the whole sequence's
+        length = h.shape[1] if self.first else h.shape[1] * getattr(self, "sequence_shards", 1)
+        whole = h[:, :1].expand(h.shape[0], length, h.shape[-1])
+        positions = torch.arange(length, device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=whole, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        rope = m.rotary_emb(whole, position_ids=positions)
+        for layer in m.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+        if self.last:
+            h = self.lm_head(m.norm(h))
+        return h
+
+
+class Pipeline:
+    """This rank's stages and torch's schedule over them. ``step(input_ids, labels)`` runs one training step's
+    forward and backward over the micro-batches (gradients land in :meth:`parameters`; call the optimizer after)
+    and returns the batch's mean loss on every rank of the pipeline."""
+
+    def __init__(self, modules, stages, schedule, group, last_rank: int, n_microbatches: int,
+                 bounds: list[tuple[int, int]], costs: Optional[dict] = None):
+        self.modules, self.stages, self.schedule = modules, stages, schedule
+        self.group, self.last_rank, self.n_microbatches = group, last_rank, n_microbatches
+        self.bounds, self.costs = bounds, costs
+        self.has_first = any(m.first for m in modules)
+        self.has_last = any(m.last for m in modules)
+
+    def parameters(self):
+        for m in self.modules:
+            yield from m.parameters()
+
+    def named_parameters(self):
+        seen = set()
+        for m in self.modules:
+            for n, p in m.named_parameters():
+                if n not in seen:
+                    seen.add(n)
+                    yield n, p
+
+    def train(self, mode: bool = True):
+        for m in self.modules:
+            m.train(mode)
+        return self
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
+             attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("pipeline parallelism takes unpadded batches (the stages carry no attention mask): "
+                             "pack the sequences to a fixed length, as hf-dtrain pretrain does.")
+        if input_ids.shape[0] % self.n_microbatches:
+            raise ValueError(f"a batch of {input_ids.shape[0]} sequences does not split into "
+                             f"{self.n_microbatches} micro-batches (pp.microbatches).")
+        from .tensor import tensor_parallel_loss
+
+        losses: list = []
+        args = (input_ids,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        with tensor_parallel_loss(self.modules[-1]):
+            self.schedule.step(*args, **kwargs)
+        device = input_ids.device
+        if self.has_last:
+            from .tensor import local_loss
+
+            loss = torch.stack([local_loss(v).detach().float() for v in losses]).mean().to(device)
+        else:
+            loss = torch.zeros((), device=device)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+
+def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = None, *, batch_size: int,
+                   seq_len: int, device: Optional[torch.device] = None, after_split=None) -> Pipeline:
+    """Cut ``model`` (a LLaMA-family causal LM, or a peft model around one) into ``pp x stages_per_rank`` stages
+    over the 1D ``mesh`` (the ``pp`` dimension), keep this rank's and build the schedule. ``batch_size``: sequences
+    per step on this pipeline (split into ``config.microbatches``), ``seq_len`` their length (the profile runs at
+    the micro-batch's shape). ``after_split(stage_module)``: applied to each stage module before the schedule is
+    built (tensor parallelism, FSDP2: ``apply_tensor_parallel``, ``apply_fsdp``). Build the optimizer from
+    :meth:`Pipeline.parameters` afterwards."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    config = config or PipelineConfig()
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_pipeline takes the 1D pp mesh (mesh['pp']), got a {mesh.ndim}D mesh.")
+    base = _causal_lm(model)
+    pp, rank = mesh.size(), mesh.get_local_rank()
+    check_pipeline(base.config, pp, config.stages_per_rank)
+    n_stages = pp * config.stages_per_rank
+    n_layers = len(base.model.layers)
+    n_micro = config.n_microbatches(pp, batch_size)
+    device = device or next(base.parameters()).device
+    example = torch.randint(0, base.config.vocab_size, (batch_size // n_micro, seq_len),
+                            generator=torch.Generator().manual_seed(0)).to(device)
+    costs = None
+    if config.balance == "profile":
+        costs = profile_costs(model, example)
+        shared = [costs]
+        dist.broadcast_object_list(shared, group_src=0, group=mesh.get_group())  # every rank cuts alike
+        costs = shared[0]
+        bounds = balance_layers([costs["layer"]] * n_layers, n_stages, costs["embed"], costs["head"])
+    else:
+        bounds = balance_layers([1.0] * n_layers, n_stages)
+    mine = [s for s in range(n_stages) if s % pp == rank]
+    modules, stages = [], []
+    for s in mine:
+        module = LlamaPipelineStage(base, *bounds[s], first=s == 0, last=s == n_stages - 1)
+        if after_split is not None:
+            module = after_split(module) or module
+        modules.append(module)
+        stages.append(PipelineStage(module, s, n_stages, device, group=mesh.get_group()))
+    # what this rank does not run is dropped: only its stages' modules keep references
+    for i in range(n_layers):
+        if not any(str(i) in m.model.layers for m in modules):
+            base.model.layers[i] = nn.Identity()
+    if not any(m.first for m in modules):
+        base.model.embed_tokens = None
+    if not any(m.last for m in modules):
+        base.model.norm, base.lm_head = None, None
+
+    def loss_fn(logits, labels):  # a replicated DTensor under loss parallelism
+        return base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size)
+
+    cls = get_schedule_class(config.schedule)
+    schedule = cls(stages[0] if config.schedule in SINGLE_STAGE else stages, n_microbatches=n_micro,
+                   loss_fn=loss_fn)
+    last_rank = dist.get_global_rank(mesh.get_group(), (n_stages - 1) % pp)
+    return Pipeline(modules, stages, schedule, mesh.get_group(), last_rank, n_micro, bounds, costs)
