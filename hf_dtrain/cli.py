@@ -96,6 +96,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
         if conv is _bool:
             kwargs["metavar"] = "{true,false}"
         groups[section].add_argument(flag_of(path), **kwargs)
+    if any(f.name == "parallel" for f in dataclasses.fields(cls)):  # the degrees' short forms, as torchtitan names them
+        for name in ("tp", "pp", "dp_shard", "dp_replicate"):
+            groups["parallel"].add_argument(flag_of(name), dest=f"parallel.{name}", type=int, default=argparse.SUPPRESS,
+                                            metavar="N", help=f"Short for {flag_of('parallel.' + name)}.")
     legacy = parser.add_argument_group("deprecated flat flags (removed in the next release)")
     for old, new in LEGACY_KEYS.items():
         sec, name = new.split(".")
@@ -175,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
         from hf_dtrain.distributed import RankFailure
         from hf_dtrain.fault.snapshot import SnapshotError, SnapshotMismatch
+        from hf_dtrain.settings import SettingsError
 
         try:
             run(cfg)
-        except (RankFailure, SnapshotError, SnapshotMismatch) as e:  # a dead rank named, or snapshots that cannot be resumed
+        except (RankFailure, SnapshotError, SnapshotMismatch, SettingsError) as e:  # a dead rank named, or snapshots that cannot be resumed
             raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
         except ValueError as e:
             if "cannot be combined" in str(e):  # ComposeOptions.check: the clash, named, before any training

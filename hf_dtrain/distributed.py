@@ -320,3 +320,34 @@ def _is_comm_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(s in text for s in (
         "Gloo", "gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "connectFullMesh",
         "Timed out", "timed out"))
+
+
+class SavedTensorCounter:
+    """Counts the bytes autograd saves for backward, as unique storages (``saved_tensors_hooks``).
+
+    ``exclude`` takes tensors (for example parameters) whose storages are not activations and should not count.
+    """
+
+    def __init__(self, exclude=()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self._exclude:
+            self._storages[ptr] = max(self._storages.get(ptr, 0), st.nbytes())
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._storages.values())
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self

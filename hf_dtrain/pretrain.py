@@ -23,6 +23,9 @@ from typing import Optional
 
 import torch
 
+from hf_dtrain.parallel.mesh import ParallelConfig
+from hf_dtrain.parallel.pipeline import PipelineConfig
+from hf_dtrain.parallel.tensor import TensorParallelConfig
 from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, fsdp_from_launcher,
                                keep_sharded, run_identity, shard_with_fsdp, snapshot_config_for, wire_bytes)
 
@@ -54,6 +57,14 @@ class PretrainConfig(ComposeOptions):
     eval_blocks: int = field(default=64, metadata={"min": 0, "help": "Held-out blocks for the final loss (default corpus)."})
     save_model: bool = field(default=True, metadata={"help": "Save the model and tokenizer at the end (rank 0)."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+    parallel: Optional[ParallelConfig] = field(default=None, metadata={
+        "help": "Tensor / pipeline / data parallelism degrees on one DeviceMesh (hf_dtrain.parallel.mesh: --tp, "
+                "--pp, --dp-replicate, --dp-shard; their product is the process count). None: DDP, or FSDP2 with "
+                "--fsdp. per_device_train_batch_size is then the batch of one data-parallel replica."})
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig, metadata={
+        "help": "Tensor parallelism's settings (used with --tp > 1)."})
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig, metadata={
+        "help": "Pipeline parallelism's settings (used with --pp > 1)."})
 
     def __post_init__(self):
         from hf_dtrain.settings import check_fields
@@ -68,6 +79,43 @@ class PretrainConfig(ComposeOptions):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}.")
         self.validate()
         check_local_path(self, "dataset")
+        tp = self.parallel.tp if self.parallel is not None else 1
+        pp = self.parallel.pp if self.parallel is not None else 1
+        for section, degree, flag in (("tensor_parallel", tp, "--tp"), ("pipeline", pp, "--pp")):
+            if getattr(self, section) != type(getattr(self, section))() and degree == 1:
+                raise ValueError(f"{section}.* settings are given but {flag} is 1; set {flag} N (N >= 2) or drop "
+                                 f"the {section} settings.")
+
+    def check(self, world_size: int, engine: str, lorafa_optimizer: bool = False) -> None:
+        """ComposeOptions' clashes, and what cannot run on a tensor / pipeline / mesh-parallel model today."""
+        clashes = self.parallel_clashes()
+        if clashes:
+            raise ValueError("These switches cannot be combined: " + "; ".join(clashes) + ".")
+        super().check(world_size, engine, lorafa_optimizer)
+
+    def parallel_clashes(self) -> list[str]:
+        """What cannot run on a tensor / pipeline / mesh-parallel model today, each with its reason."""
+        clashes = []
+        if self.parallel is not None:
+            what = "--tp/--pp/--dp-replicate/--dp-shard (parallel)"
+            if self.fsdp is not None and self.fsdp.replicate != 1:
+                clashes.append(f"fsdp.replicate and {what}: the mesh's data dims are --dp-replicate and --dp-shard; "
+                               "drop --fsdp.replicate (the fsdp.* settings still apply to the data dims)")
+            for name, value, why in (
+                    ("comm_hook", self.comm_hook, "DDP communication hooks have no DDP to hook into on the mesh"),
+                    ("delta", self.delta, "DELTA schedules whole-layer activations; it is not built for DTensor "
+                                          "shards or pipeline stages yet"),
+                    ("fault_tolerance", self.fault_tolerance, "snapshots cover DDP, FSDP2 and ZeRO; tensor and "
+                                                              "pipeline shards are not snapshotted yet: use "
+                                                              "--dp-shard alone (FSDP2) with --fault-tolerance"),
+                    ("hetero_speeds", self.hetero_speeds, "the sampler shards over processes, not data-parallel "
+                                                          "replicas")):
+                if value is not None:
+                    clashes.append(f"{name} with {what}: {why}")
+            if self.optimizer not in ("adamw",):
+                clashes.append(f"optimizer={self.optimizer} with {what}: only adamw runs on DTensor shards and "
+                               "pipeline stages here")
+        return clashes
 
 
 
@@ -168,6 +216,21 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     # a seedable sampler: epoch e's order depends on (seed, e) only, so a resumed run skips into the same order
     from hf_dtrain.distributed import RankMonitor, init_distributed
 
+    degrees = None
+    if cfg.parallel is not None:  # the degrees against the process count and the model, before any process group
+        from hf_dtrain.models import llama_config
+        from hf_dtrain.parallel.mesh import check_parallel
+
+        from hf_dtrain.settings import SettingsError
+
+        clashes = cfg.parallel_clashes()
+        if clashes:
+            raise SettingsError("These switches cannot be combined: " + "; ".join(clashes) + ".")
+        try:
+            degrees = check_parallel(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")),
+                                     llama_config(cfg.preset), cfg.pipeline, cfg.tensor_parallel)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
     init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
@@ -186,17 +249,41 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
 
         delta = apply_delta(model, cfg.delta)  # on the unwrapped model
     fsdp_exchange = None
-    if cfg.fsdp is not None:
+    pipe, mesh, trained = None, None, model
+    if degrees is not None:
+        from hf_dtrain.parallel.mesh import apply_parallelism, build_mesh
+
+        mesh = build_mesh(degrees)
+        pipe, trained = apply_parallelism(model, mesh, batch_size=cfg.per_device_train_batch_size,
+                                          seq_len=cfg.seq_len, tensor_parallel=cfg.tensor_parallel,
+                                          pipeline=cfg.pipeline, fsdp=cfg.fsdp, device=accelerator.device)
+        if pipe is not None and accelerator.is_main_process:
+            print(f"pipeline: {degrees['pp'] * cfg.pipeline.stages_per_rank} stages, layers {pipe.bounds}, "
+                  f"{cfg.pipeline.schedule} over {pipe.n_microbatches} micro-batches", flush=True)
+    elif cfg.fsdp is not None:
         # before the optimizer: it is built on the sharded parameters; a comm hook compresses the HSDP replica
         # exchange (the clash check allowed it only with fsdp.replicate >= 2)
         fsdp_exchange = shard_with_fsdp(model, cfg.fsdp, cfg.comm_hook)
         keep_sharded(model)
-    optimizer = build_optimizer(cfg, model, cfg.learning_rate, cfg.weight_decay)
+    optimizer = build_optimizer(cfg, trained, cfg.learning_rate, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
 
     batch = cfg.per_device_train_batch_size
     loss_scale = 1.0
-    if callable(train):  # streaming: this rank's blocks in order
+    if degrees is not None:  # a data-parallel replica's tp and pp ranks see the same blocks
+        from torch.utils.data import DistributedSampler
+
+        from hf_dtrain.parallel.mesh import data_parallel
+
+        dp_rank, dp_size = data_parallel(mesh)
+        if callable(train):
+            raise ValueError("streaming with --tp/--pp/--dp-*: the stream is sharded per process, not per "
+                             "data-parallel replica; load the dataset (streaming false).")
+        sampler = DistributedSampler(train, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=cfg.seed,
+                                     drop_last=True)
+        loader = DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True)
+        prepare_loader = False
+    elif callable(train):  # streaming: this rank's blocks in order
         from torch.utils.data import IterableDataset
 
         class _Stream(IterableDataset):
@@ -218,7 +305,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True,
                             generator=torch.Generator().manual_seed(cfg.seed))
         prepare_loader = True
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if degrees is None:  # the mesh path is laid out already: Accelerate would wrap it in DDP
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if prepare_loader:
         loader = accelerator.prepare(loader)
     comm_state = None
@@ -298,8 +386,20 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             if monitor is not None:
                 monitor.step = step
             blocks = blocks.to(accelerator.device)
-            loss = model(input_ids=blocks, labels=blocks).loss
-            accelerator.backward(loss * loss_scale)
+            if pipe is not None:  # forward and backward over the micro-batches; the loss on every rank
+                with accelerator.autocast():  # --mixed_precision bf16 (not prepared by Accelerate: laid out here)
+                    loss = pipe.step(blocks, blocks)
+            elif degrees is not None:
+                from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
+
+                with tensor_parallel_loss(model):
+                    with accelerator.autocast():
+                        loss = model(input_ids=blocks, labels=blocks).loss
+                    loss.backward()
+                loss = local_loss(loss)
+            else:
+                loss = model(input_ids=blocks, labels=blocks).loss
+                accelerator.backward(loss * loss_scale)
             if engine is not None:
                 engine.wait()  # the snapshot in flight reads what this step changes
             optimizer.step()
@@ -319,14 +419,23 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         engine.wait()
 
     held_loss = None
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model) if degrees is None else model
     if held_out is not None and len(held_out):
+        from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
+
         with torch.no_grad():
-            unwrapped.eval()
-            losses = [unwrapped(input_ids=b.to(accelerator.device), labels=b.to(accelerator.device)).loss.item()
-                      for b in held_out.split(16)]
-            unwrapped.train()
-        held_loss = sum(losses) / len(losses)
+            trained.eval()
+            if pipe is not None:  # whole pipeline batches (the micro-batch split must divide them)
+                chunks = [b for b in held_out.split(batch) if len(b) == batch] or [held_out[:0]]
+                losses = [pipe.evaluate(b.to(accelerator.device), b.to(accelerator.device)).item()
+                          for b in chunks if len(b)]
+            else:
+                with tensor_parallel_loss(unwrapped):
+                    losses = [local_loss(unwrapped(input_ids=b.to(accelerator.device),
+                                                   labels=b.to(accelerator.device)).loss).item()
+                              for b in held_out.split(16)]
+            trained.train()
+        held_loss = sum(losses) / len(losses) if losses else None
     results = dict(
         preset=cfg.preset, world_size=world, rank=rank, steps=cfg.max_steps, first_step=start, batch_size=batch,
         history=history, held_out_loss=held_loss,
@@ -339,15 +448,22 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         fault_tolerance=None if engine is None else {
             "snapshots": engine.stats["snapshots"], "snapshot_bytes": engine.stats["bytes"],
             "restored": None if restored is None else {"step": restored.step, "source": restored.source}},
-        engine="fsdp2" if cfg.fsdp is not None else "ddp" if world > 1 else "single process",
-        param_bytes_local=local_param_bytes(unwrapped),
+        engine=("mesh " + " x ".join(f"{k} {v}" for k, v in degrees.items())) if degrees is not None else
+        "fsdp2" if cfg.fsdp is not None else "ddp" if world > 1 else "single process",
+        pipeline=None if pipe is None else {"bounds": pipe.bounds, "profile": pipe.costs,
+                                            "microbatches": pipe.n_microbatches},
+        param_bytes_local=local_param_bytes(trained),
         config=dataclasses.asdict(cfg),
     )
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
     accelerator.wait_for_everyone()
-    if cfg.save_model and cfg.fsdp is not None:
+    if cfg.save_model and pipe is not None:  # one safetensors file per pipeline rank, and the index
+        writer = mesh["tp"].get_local_rank() == 0 and mesh["dp_replicate"].get_local_rank() == 0 and \
+            mesh["dp_shard"].get_local_rank() == 0
+        pipe.save_pretrained(cfg.output_dir, model.config, writer)
+    elif cfg.save_model and (cfg.fsdp is not None or degrees is not None):
         from hf_dtrain.parallel import save_pretrained
 
         save_pretrained(unwrapped, cfg.output_dir)  # every rank gathers its shards; rank 0 writes
@@ -355,7 +471,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         with open(os.path.join(cfg.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
         if cfg.save_model:
-            if cfg.fsdp is None:
+            if cfg.fsdp is None and degrees is None:
                 unwrapped.save_pretrained(cfg.output_dir)
             tokenizer.save_pretrained(cfg.output_dir)
         first, last = history[0]["loss"] if history else float("nan"), history[-1]["loss"] if history else float("nan")

@@ -147,6 +147,11 @@ def check_choice(config: Any, name: str, choices, key: Optional[str] = None) -> 
                          f"{', '.join(map(str, choices))}.")
 
 
+class SettingsError(ValueError):
+    """Bad settings found before any training step (a job's checks against the world and the model): the CLI
+    prints the message, which names the flag and the fix, without a traceback."""
+
+
 def help_of(f: dataclasses.Field) -> str:
     return f.metadata.get("help", "")
 

@@ -377,3 +377,10 @@ def test_every_committed_recipe_loads():
         cfg.check(2, "accelerate")  # the committed combination composes
         assert (cfg.fsdp is not None) == ("fsdp" in data) and (cfg.fault_tolerance is not None) == (
             "fault_tolerance" in data)
+        if cfg.parallel is not None:  # the recipe's degrees fit its model on the processes it names
+            from hf_dtrain.models import llama_config
+            from hf_dtrain.parallel.mesh import check_parallel
+
+            p = cfg.parallel
+            world = p.tp * p.pp * p.dp_replicate * (p.dp_shard or 1)
+            check_parallel(p, world, llama_config(cfg.preset), cfg.pipeline, cfg.tensor_parallel)

@@ -37,11 +37,11 @@ MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
 
 @dataclass
 class PipelineConfig:
-    """Pipeline settings (validated on construction). Every field is a ``--pp.<field>`` flag of ``hf-dtrain
-    pretrain`` and a key of the ``pp:`` YAML section; ``apply_pipeline(model, mesh, config)`` takes it unchanged.
-    The degree itself is ``ParallelConfig.pp`` (``--pp N``)."""
+    """Pipeline settings (validated on construction). Every field is a ``--pipeline.<field>`` flag of ``hf-dtrain
+    pretrain`` and a key of the ``pipeline:`` YAML section; ``apply_pipeline(model, mesh, config)`` takes it
+    unchanged. The degree itself is ``ParallelConfig.pp`` (``--pp N``)."""
 
-    section_key: ClassVar[str] = "pp"
+    section_key: ClassVar[str] = "pipeline"
 
     schedule: str = field(default="1F1B", metadata={
         "help": "torch.distributed.pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B or "
@@ -63,15 +63,15 @@ class PipelineConfig:
         names = {n.lower(): n for n in SINGLE_STAGE + MULTI_STAGE}
         if not isinstance(self.schedule, str) or self.schedule.lower() not in names:
             raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not one of {list(names.values())}; set "
-                             "pp.schedule (--pp.schedule).")
+                             "pipeline.schedule (--pipeline.schedule).")
         self.schedule = names[self.schedule.lower()]
-        check_choice(self, "balance", ("profile", "uniform"), "pp.balance")
+        check_choice(self, "balance", ("profile", "uniform"), "pipeline.balance")
         if self.schedule in SINGLE_STAGE and self.stages_per_rank != 1:
-            raise ValueError(f"pp.schedule={self.schedule} runs one stage per rank, but pp.stages_per_rank="
+            raise ValueError(f"pipeline.schedule={self.schedule} runs one stage per rank, but pipeline.stages_per_rank="
                              f"{self.stages_per_rank}; use Interleaved1F1B for several, or stages_per_rank 1.")
         if self.schedule in MULTI_STAGE and self.stages_per_rank < 2:
-            raise ValueError(f"pp.schedule={self.schedule} interleaves several stages per rank: set "
-                             "pp.stages_per_rank >= 2 (or use 1F1B).")
+            raise ValueError(f"pipeline.schedule={self.schedule} interleaves several stages per rank: set "
+                             "pipeline.stages_per_rank >= 2 (or use 1F1B).")
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
             raise ValueError(f"PipelineConfig.microbatches={self.microbatches!r}: a whole number >= 1, or unset.")
 
@@ -79,11 +79,11 @@ class PipelineConfig:
         """The micro-batch count for a ``batch_size`` batch on ``pp`` ranks, checked."""
         n = self.microbatches or min(batch_size, 2 * pp * self.stages_per_rank)
         if batch_size % n:
-            raise ValueError(f"pp.microbatches={n} does not divide the batch of {batch_size}: choose a divisor of "
-                             "the per-replica batch size (--pp.microbatches).")
+            raise ValueError(f"pipeline.microbatches={n} does not divide the batch of {batch_size}: choose a divisor of "
+                             "the per-replica batch size (--pipeline.microbatches).")
         if self.schedule in MULTI_STAGE and n % pp:
-            raise ValueError(f"pp.schedule={self.schedule} needs the micro-batch count ({n}) to be a multiple of "
-                             f"the pipeline degree {pp}: set --pp.microbatches.")
+            raise ValueError(f"pipeline.schedule={self.schedule} needs the micro-batch count ({n}) to be a multiple of "
+                             f"the pipeline degree {pp}: set --pipeline.microbatches.")
         return n
 
 
@@ -94,9 +94,9 @@ def check_pipeline(model_config, pp: int, stages_per_rank: int = 1) -> None:
     stages = pp * stages_per_rank
     layers = model_config.num_hidden_layers
     if stages > layers:
-        raise ValueError(f"--pp {pp} x pp.stages_per_rank {stages_per_rank} = {stages} stages, but the model has "
+        raise ValueError(f"--pp {pp} x pipeline.stages_per_rank {stages_per_rank} = {stages} stages, but the model has "
                          f"{layers} decoder layers: every stage needs at least one; lower --pp or "
-                         "pp.stages_per_rank.")
+                         "pipeline.stages_per_rank.")
     if pp > 1 and getattr(model_config, "tie_word_embeddings", False):
         raise ValueError("pipeline parallelism: the model ties lm_head to the embedding (tie_word_embeddings), "
                          "which would sit on the first and the last stage; untie them (tie_word_embeddings=False) "
@@ -258,6 +258,73 @@ class Pipeline:
             m.train(mode)
         return self
 
+    def _broadcast_loss(self, losses: list, device) -> torch.Tensor:
+        from .tensor import local_loss
+
+        if self.has_last:
+            loss = torch.stack([local_loss(v).detach().float() for v in losses]).mean().to(device)
+        else:
+            loss = torch.zeros((), device=device)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss through the pipeline, forward only (torch's ``schedule.eval``), on every rank."""
+        from .tensor import tensor_parallel_loss
+
+        losses: list = []
+        args = (input_ids,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        with tensor_parallel_loss(self.modules[-1]):
+            self.schedule.eval(*args, **kwargs)
+        return self._broadcast_loss(losses, input_ids.device)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' whole (gathered over tp / data shards) parameters and buffers, on the CPU, under
+        Hugging Face's names. Every rank of the stage's tp and data groups must call it (it gathers)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        for m in self.modules:
+            if any(isinstance(p, DTensor) for p in m.parameters()):
+                # not cpu_offload: with it only global rank 0 keeps the values, and a later stage's writer is not it
+                state = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+            else:
+                state = m.state_dict()
+            state = {k: v.detach().cpu() for k, v in state.items()}
+            out.update({k: v for k, v in state.items() if "rotary_emb" not in k})
+        return out
+
+    def save_pretrained(self, save_directory: str, config, writer: bool) -> None:
+        """A Hugging Face sharded checkpoint, one safetensors file per pipeline rank (its stages' weights) and the
+        index, loadable with ``from_pretrained``: every rank calls it; ``writer``: this rank writes its pipeline
+        rank's file (one rank per pipeline rank: the first of its tp and data groups)."""
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        state = self.state_dict()
+        pp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        name = f"model-{rank + 1:05d}-of-{pp:05d}.safetensors"
+        if writer:
+            os.makedirs(save_directory, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(save_directory, name),
+                      metadata={"format": "pt"})
+        keys: list = [None] * pp
+        dist.all_gather_object(keys, (name, sorted(state), sum(v.numel() * v.element_size()
+                                                                for v in state.values())), group=self.group)
+        if writer and rank == 0:
+            index = {"metadata": {"total_size": sum(size for _, _, size in keys)},
+                     "weight_map": {k: file for file, names, _ in keys for k in names}}
+            with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=1)
+            config.save_pretrained(save_directory)
+        dist.barrier()
+
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
              attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -265,7 +332,7 @@ class Pipeline:
                              "pack the sequences to a fixed length, as hf-dtrain pretrain does.")
         if input_ids.shape[0] % self.n_microbatches:
             raise ValueError(f"a batch of {input_ids.shape[0]} sequences does not split into "
-                             f"{self.n_microbatches} micro-batches (pp.microbatches).")
+                             f"{self.n_microbatches} micro-batches (pipeline.microbatches).")
         from .tensor import tensor_parallel_loss
 
         losses: list = []
@@ -273,16 +340,7 @@ class Pipeline:
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         with tensor_parallel_loss(self.modules[-1]):
             self.schedule.step(*args, **kwargs)
-        device = input_ids.device
-        if self.has_last:
-            from .tensor import local_loss
-
-            loss = torch.stack([local_loss(v).detach().float() for v in losses]).mean().to(device)
-        else:
-            loss = torch.zeros((), device=device)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.broadcast(loss, src=self.last_rank, group=self.group)
-        return loss
+        return self._broadcast_loss(losses, input_ids.device)
 
 
 def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = None, *, batch_size: int,

@@ -1,4 +1,4 @@
-"""Whole state dicts and ``save_pretrained`` from a sharded run: FSDP2 (DTensor parameters), DeepSpeed ZeRO-3
+"""Whole state dicts and ``save_pretrained`` from a sharded run: FSDP2 or tensor parallelism (DTensor parameters), DeepSpeed ZeRO-3
 (partitioned parameters) or an unsharded model, with one call on every rank.
 
 A peft model gathers only its adapter's parameters (the frozen base is never gathered, so saving the adapter of a
@@ -25,6 +25,12 @@ def is_fsdp2(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _has_dtensors(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def is_zero3(model: nn.Module) -> bool:
@@ -75,7 +81,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``GatheredParameters``; for a peft model under ZeRO-3 only the adapter (and buffers) are gathered."""
     model = _unwrap(model)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if is_fsdp2(model):
+    if is_fsdp2(model) or _has_dtensors(model):  # FSDP2 shards, tensor-parallel shards, or both
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -51,11 +51,11 @@ TP_REFUSED = {
 
 @dataclass
 class TensorParallelConfig:
-    """Tensor-parallel settings (validated on construction). Every field is a ``--tp.<field>`` flag of ``hf-dtrain
-    pretrain`` and a key of the ``tp:`` YAML section; ``apply_tensor_parallel(model, mesh, config)`` takes it
-    unchanged. The degree itself is ``ParallelConfig.tp`` (``--tp N``)."""
+    """Tensor-parallel settings (validated on construction). Every field is a ``--tensor-parallel.<field>`` flag of
+    ``hf-dtrain pretrain`` and a key of the ``tensor_parallel:`` YAML section; ``apply_tensor_parallel(model, mesh,
+    config)`` takes it unchanged. The degree itself is ``ParallelConfig.tp`` (``--tp N``)."""
 
-    section_key: ClassVar[str] = "tp"
+    section_key: ClassVar[str] = "tensor_parallel"
 
     sequence_parallel: bool = field(default=True, metadata={
         "help": "Shard the norms and the residual stream over the sequence between the blocks (reduce-scatter + "

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
+from hf_dtrain.distributed import SavedTensorCounter  # noqa: F401  (re-exported for the tests)
 from hf_dtrain.models import build_llama
 
 
@@ -18,37 +17,6 @@ def random_batch(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 0)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-class SavedTensorCounter:
-    """Counts the bytes autograd saves for backward, as unique storages (``saved_tensors_hooks``).
-
-    ``exclude`` takes tensors (for example parameters) whose storages are not activations and should not count.
-    """
-
-    def __init__(self, exclude=()):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._storages: dict[int, int] = {}
-
-    def _pack(self, t: torch.Tensor):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self._exclude:
-            self._storages[ptr] = max(self._storages.get(ptr, 0), st.nbytes())
-        return t
-
-    @staticmethod
-    def _unpack(t):
-        return t
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._storages.values())
-
-    @contextmanager
-    def __call__(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield self
 
 
 def tiny_default_base(cache_dir, steps: int = 200, seed: int = 0) -> str:

@@ -149,9 +149,9 @@ def test_balance_minimizes_the_slowest_stage():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(schedule="zigzag"), "PipelineConfig.schedule='zigzag' is not one of"),
-    (dict(schedule="Interleaved1F1B"), "set pp.stages_per_rank >= 2"),
+    (dict(schedule="Interleaved1F1B"), "set pipeline.stages_per_rank >= 2"),
     (dict(schedule="1F1B", stages_per_rank=2), "runs one stage per rank"),
-    (dict(balance="even"), "pp.balance"),
+    (dict(balance="even"), "pipeline.balance"),
     (dict(microbatches=0), "microbatches"),
 ])
 def test_bad_pipeline_config_is_refused(kwargs, match):
@@ -166,11 +166,11 @@ def test_pipeline_degree_and_micro_batches_are_checked_before_any_group():
     from hf_dtrain.parallel import PipelineConfig
     from hf_dtrain.parallel.pipeline import check_pipeline
 
-    with pytest.raises(ValueError, match=r"--pp 4 x pp.stages_per_rank 1 = 4 stages, but the model has 2 decoder"):
+    with pytest.raises(ValueError, match=r"--pp 4 x pipeline.stages_per_rank 1 = 4 stages, but the model has 2 decoder"):
         check_pipeline(llama_config("test"), 4)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         check_pipeline(llama_config("test", tie_word_embeddings=True), 2)
-    with pytest.raises(ValueError, match=r"pp.microbatches=3 does not divide the batch of 8"):
+    with pytest.raises(ValueError, match=r"pipeline.microbatches=3 does not divide the batch of 8"):
         PipelineConfig(microbatches=3).n_microbatches(2, 8)
     with pytest.raises(ValueError, match=r"multiple of the pipeline degree 4"):
         PipelineConfig(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2).n_microbatches(4, 8)

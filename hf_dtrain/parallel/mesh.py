@@ -1,0 +1,140 @@
+"""The process mesh of a composed run: pipeline x data (replicate, shard) x tensor parallelism, checked before any
+process group exists, built as one ``DeviceMesh`` (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``; the same names
+as Accelerate's ``ParallelismConfig`` and torchtitan), and the model laid out on it: tensor parallelism on ``tp``,
+then FSDP2 (HSDP when ``dp_replicate > 1``) on the data dimensions, per pipeline stage when ``pp > 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+from torch import nn
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism degrees (validated on construction; checked against the world size and the model by
+    :func:`check_parallel`). Every field is a ``--parallel.<field>`` flag of ``hf-dtrain pretrain`` (short forms
+    ``--tp``, ``--pp``, ``--dp-shard``, ``--dp-replicate``) and a key of the ``parallel:`` YAML section.
+    tp x pp x dp_replicate x dp_shard must equal the number of processes."""
+
+    section_key: ClassVar[str] = "parallel"
+
+    tp: int = field(default=1, metadata={"min": 1, "help": "Tensor-parallel degree (hf_dtrain.parallel."
+                                                            "apply_tensor_parallel); the innermost mesh dim."})
+    pp: int = field(default=1, metadata={"min": 1, "help": "Pipeline stages (hf_dtrain.parallel.apply_pipeline); "
+                                                            "the outermost mesh dim."})
+    dp_replicate: int = field(default=1, metadata={"min": 1, "help": "Data-parallel replica groups (HSDP's "
+                                                                      "replicate dim; gradients all-reduced)."})
+    dp_shard: Optional[int] = field(default=None, metadata={"min": 1, "help": "Data-parallel shards (FSDP2). "
+                                                                             "None: the processes left over."})
+
+    def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
+
+    def degrees(self, world: int) -> dict[str, int]:
+        """{pp, dp_replicate, dp_shard, tp} for ``world`` processes; a product that is not ``world`` is a
+        ``ValueError`` naming the flags."""
+        others = self.tp * self.pp * self.dp_replicate
+        if self.dp_shard is None:
+            if world % others:
+                raise ValueError(f"--tp {self.tp} x --pp {self.pp} x --dp-replicate {self.dp_replicate} = {others} "
+                                 f"does not divide the {world} processes: choose degrees whose product divides the "
+                                 "process count (dp_shard takes the rest).")
+            shard = world // others
+        else:
+            shard = self.dp_shard
+            if others * shard != world:
+                raise ValueError(f"--tp {self.tp} x --pp {self.pp} x --dp-replicate {self.dp_replicate} x --dp-shard "
+                                 f"{shard} = {others * shard}, but there are {world} processes: the degrees' product "
+                                 "must equal the process count (leave --dp-shard out to take the rest).")
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": shard, "tp": self.tp}
+
+
+def check_parallel(config: ParallelConfig, world: int, model_config, pipeline=None,
+                   tensor_parallel=None) -> dict[str, int]:
+    """Every check that needs no process group: the degrees' product, tp against the heads / MLP / vocabulary, the
+    stages against the layers. Returns the degrees."""
+    from .pipeline import PipelineConfig, check_pipeline
+    from .tensor import TensorParallelConfig, check_tensor_parallel
+
+    degrees = config.degrees(world)
+    tensor_parallel = tensor_parallel or TensorParallelConfig()
+    pipeline = pipeline or PipelineConfig()
+    check_tensor_parallel(model_config, degrees["tp"], tensor_parallel.sequence_parallel)
+    check_pipeline(model_config, degrees["pp"], pipeline.stages_per_rank)
+    return degrees
+
+
+def build_mesh(degrees: dict[str, int], device_type: Optional[str] = None):
+    """The 4D ``DeviceMesh`` (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``); dims of size 1 are kept, so every
+    name exists. Needs the default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(device_type, tuple(degrees[d] for d in DIMS), mesh_dim_names=DIMS)
+
+
+def data_parallel(mesh) -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel size): ranks with the same index see the same batches
+    (the tp and pp ranks of one replica)."""
+    r, s = mesh["dp_replicate"].get_local_rank(), mesh["dp_shard"].get_local_rank()
+    shards = mesh["dp_shard"].size()
+    return r * shards + s, mesh["dp_replicate"].size() * shards
+
+
+def data_mesh(mesh):
+    """The mesh FSDP2 shards on: (dp_replicate, dp_shard) for HSDP, dp_shard alone, or None (no data parallelism)."""
+    replicate, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
+    if replicate * shard == 1:
+        return None
+    if replicate == 1:
+        return mesh["dp_shard"]
+    return mesh["dp_replicate", "dp_shard"]
+
+
+def layout(module: nn.Module, mesh, tensor_parallel=None, fsdp=None) -> nn.Module:
+    """Tensor parallelism on ``mesh['tp']`` (when > 1), then FSDP2 on the data dimensions (when > 1): the model, or
+    one pipeline stage of it (``apply_pipeline(..., after_split=lambda s: layout(s, mesh, ...))``)."""
+    from .fsdp import FSDPConfig, apply_fsdp
+    from .tensor import apply_tensor_parallel
+
+    if mesh["tp"].size() > 1:
+        apply_tensor_parallel(module, mesh["tp"], tensor_parallel)
+    dp = data_mesh(mesh)
+    if dp is not None:
+        apply_fsdp(module, fsdp or FSDPConfig(), mesh=dp)
+    return module
+
+
+def apply_parallelism(model: nn.Module, mesh, *, batch_size: int, seq_len: int, tensor_parallel=None,
+                      pipeline=None, fsdp=None, device=None):
+    """Lay ``model`` out on ``mesh``: pipeline stages (when ``pp > 1``), each with tensor parallelism and FSDP2 on
+    its dims (:func:`layout`). Returns ``(pipeline or None, the module whose parameters train)``; build the
+    optimizer from the latter. ``fsdp.activation_checkpointing`` recomputes each decoder layer (set on the whole
+    model before the split). ``batch_size``: one data-parallel replica's sequences per step."""
+    import dataclasses
+
+    from .fsdp import FSDPConfig
+    from .pipeline import apply_pipeline
+
+    fsdp = fsdp or FSDPConfig()
+    if fsdp.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        fsdp = dataclasses.replace(fsdp, activation_checkpointing=False)  # done above, for every stage alike
+
+    def shard(module):
+        return layout(module, mesh, tensor_parallel, fsdp)
+
+    if mesh["pp"].size() > 1:
+        pipe = apply_pipeline(model, mesh["pp"], pipeline, batch_size=batch_size, seq_len=seq_len, device=device,
+                              after_split=shard)
+        return pipe, nn.ModuleList(pipe.modules)
+    shard(model)
+    return None, model

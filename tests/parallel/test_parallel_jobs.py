@@ -1,0 +1,69 @@
+"""``hf-dtrain pretrain`` on a mesh: tensor x pipeline parallelism on 4 processes (accelerate launch) against the
+same job on one process (torchrun, the same data order): every step's loss within 1e-5 relative, the held-out loss
+likewise, and the checkpoint (one safetensors file per pipeline rank and the index) loads with ``from_pretrained``
+and equals the one-process model. Bad degrees are refused before any process group, naming the flag."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_dtrain.testing import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB = ["pretrain", "--preset", "tiny", "--max-steps", "8", "--per-device-train-batch-size", "8", "--seq-len", "64",
+       "--progress", "false", "--logging-steps", "0", "--data-bytes", "300000", "--eval-blocks", "16"]
+
+
+def _run(cmd, env=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", **(env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_pretrain_on_a_tp_pp_mesh_equals_one_process(tmp_path):
+    ref, mesh = tmp_path / "one", tmp_path / "tp2pp2"
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+          "-m", "hf_dtrain.cli", *JOB, "--parallel", "--output-dir", str(ref)])
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
+          "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", *JOB, "--tp", "2", "--pp", "2",
+          "--output-dir", str(mesh)])
+    want, got = (json.loads((d / "results.json").read_text()) for d in (ref, mesh))
+    assert got["engine"] == "mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 2"
+    assert len(got["pipeline"]["bounds"]) == 2
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in got["history"]]),
+                               torch.tensor([h["loss"] for h in want["history"]]), rtol=1e-5, atol=0)
+    assert got["held_out_loss"] == pytest.approx(want["held_out_loss"], rel=1e-5)
+    index = json.loads((mesh / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    from transformers import LlamaForCausalLM
+
+    a, b = (LlamaForCausalLM.from_pretrained(str(d)).state_dict() for d in (ref, mesh))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("world, flags, match", [
+    (4, ["--tp", "3"], r"--tp 3 x --pp 1 x --dp-replicate 1 = 3 does not divide the 4 processes"),
+    (4, ["--tp", "2", "--dp-shard", "4"], r"= 8, but there are 4 processes"),
+    (8, ["--tp", "8"], r"--tp 8 does not divide the model's num_attention_heads \(4\)"),
+    (8, ["--pp", "8"], r"8 stages, but the model has 4 decoder layers"),
+    (4, ["--tp", "2", "--delta", "0.5"], r"delta with --tp/--pp"),
+    (4, ["--pipeline.schedule", "GPipe"], r"pipeline.\* settings are given but --pp is 1"),
+])
+def test_bad_degrees_are_refused_before_any_process_group(monkeypatch, world, flags, match):
+    from hf_dtrain.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit, match=match):
+        main(["pretrain", "--preset", "tiny", *flags])
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
