@@ -5,7 +5,7 @@ contiguous stages, keeps on this rank only the stages it runs (the embedding wit
 ``lm_head`` with the last) and builds torch's schedule over them. The cut is Merak's: the forward + backward time
 of a proxy of the model (the embedding, one decoder layer, the head with its loss; LLaMA's layers are all alike) is
 measured on this machine at the micro-batch's shape, and the layers are split so the slowest stage is as fast as it
-can be (:func:`balance_layers`). Rank 0's profile is broadcast, so every rank cuts alike.
+can be (:func:`balance_layers`). Global rank 0's profile is broadcast, so every rank cuts alike.
 
 The stage modules keep Hugging Face's parameter names (``model.layers.5.mlp.up_proj.weight``, ``lm_head.weight``),
 so ``torch.distributed.checkpoint`` state dicts of a pipelined run line up with the unpipelined model's. Each stage
@@ -369,8 +369,10 @@ def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = No
     costs = None
     if config.balance == "profile":
         costs = profile_costs(model, example)
+        # every rank of the job cuts alike: global rank 0's profile, broadcast to all (the tp / data-parallel peers
+        # of a stage sit in other pp groups, and a cut of their own from their own timings would deadlock them)
         shared = [costs]
-        dist.broadcast_object_list(shared, group_src=0, group=mesh.get_group())  # every rank cuts alike
+        dist.broadcast_object_list(shared, src=0)
         costs = shared[0]
         bounds = balance_layers([costs["layer"]] * n_layers, n_stages, costs["embed"], costs["head"])
     else:

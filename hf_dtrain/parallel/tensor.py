@@ -218,11 +218,13 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     if top:
         parallelize_module(base, mesh, top)
     for i, layer in items:
+        # the block's input stays a (replicated) DTensor: the projections' input gradients (partial sums) then add
+        # up as DTensors and are reduced once per block (a reduce-scatter under SP), not once per projection
         plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                                use_local_output=True),
+                                                use_local_output=False),
                 "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True)}
+                                          use_local_output=False)}
         if sp:
             plan.update({n: SequenceParallel() for n in NORMS})
         prefix = f"model.layers.{i}."

@@ -1,0 +1,363 @@
+"""Every legal parallelism plan of the tiny and small presets on 4 CPU ranks (gloo), measured, beside the planner's
+prediction from a machine profile measured in the same run; and the Optimus-style 2D tensor parallelism rows
+(activation bytes per rank and bytes on the wire per step against 1D TP and TP+SP at the same world size).
+
+    python benchmarks/parallel.py            # ~10 minutes on 2 cores
+    python benchmarks/parallel.py --from-json benchmarks/results/parallel.json   # re-render only
+
+For each plan (pp, dp_replicate, dp_shard, tp, micro-batches; schedule 1F1B or Interleaved1F1B): the median step
+time over the timed steps (the slowest rank's), and per rank the bytes of parameters + gradients + AdamW state it
+holds plus the peak of the activation bytes autograd keeps alive (saved tensors, counted by storage while they
+live). Reported: Spearman's rank correlation of predicted vs measured step time per preset, and how far the
+planner's first choice is from the measured best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import weakref
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+WORLD, SEQ, GLOBAL_BATCH = 4, 128, 8
+PRESETS = ("tiny", "small")
+WARMUP, TIMED = 2, 4
+
+
+class LiveSavedBytes:
+    """Peak bytes of the tensors autograd saves for backward while they are alive (unique storages)."""
+
+    def __init__(self, exclude=()):
+        from torch.distributed.tensor import DTensor
+
+        self.exclude = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in exclude}
+        self.count: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _release(self, ptr):
+        self.count[ptr] -= 1
+        if self.count[ptr] == 0:
+            self.live -= self.size.pop(ptr)
+            del self.count[ptr]
+
+    def pack(self, t):
+        from torch.distributed.tensor import DTensor
+
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        try:
+            st = local.untyped_storage()
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError):  # meta / fake tensors (the pipeline's shape inference)
+            return t
+        if ptr not in self.exclude and st.nbytes():
+            if ptr not in self.count:
+                self.count[ptr], self.size[ptr] = 0, st.nbytes()
+                self.live += st.nbytes()
+                self.peak = max(self.peak, self.live)
+            self.count[ptr] += 1
+            weakref.finalize(t, self._release, ptr)
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def _local_bytes(tensors):
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _plan_rank(rank, world, preset, plans, out):
+    import torch.distributed as dist
+
+    from hf_dtrain.models import build_llama
+    from hf_dtrain.parallel import PipelineConfig
+    from hf_dtrain.parallel.mesh import apply_parallelism, build_mesh, data_parallel
+    from hf_dtrain.parallel.planner import measure_profile
+    from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
+
+    results = {"plans": {}}
+    if preset == PRESETS[0]:
+        results["profile"] = json.loads(measure_profile(PRESETS, name="this machine, 4 gloo ranks").to_json())
+    vocab = build_llama(preset).config.vocab_size
+    for key, plan in plans.items():
+        degrees = {k: plan[k] for k in ("pp", "dp_replicate", "dp_shard", "tp")}
+        mesh = build_mesh(degrees, "cpu")
+        dp_rank, dp_size = data_parallel(mesh)
+        per_replica = GLOBAL_BATCH // dp_size
+        model = build_llama(preset, seed=0)
+        pipeline = PipelineConfig(schedule=plan["schedule"], stages_per_rank=plan["stages_per_rank"],
+                                  microbatches=plan["microbatches"]) if plan["pp"] > 1 else None
+        pipe, trained = apply_parallelism(model, mesh, batch_size=per_replica, seq_len=SEQ, pipeline=pipeline)
+        opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(dp_rank)
+        counter = LiveSavedBytes(exclude=list(trained.parameters()))
+        times = []
+        for step in range(WARMUP + TIMED):
+            ids = torch.randint(0, vocab, (per_replica, SEQ), generator=g)
+            dist.barrier()
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                if pipe is not None:
+                    loss = pipe.step(ids, ids)
+                else:
+                    with tensor_parallel_loss(trained):
+                        loss = trained(input_ids=ids, labels=ids).loss
+                        loss.backward()
+                    loss = local_loss(loss)
+            opt.step()
+            opt.zero_grad()
+            elapsed = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= WARMUP:
+                times.append(elapsed.item())
+        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        params = list(trained.parameters())
+        held = torch.tensor([_local_bytes(params) * 2 + _local_bytes(state), counter.peak], dtype=torch.float64)
+        per_rank = [torch.zeros_like(held) for _ in range(world)]
+        dist.all_gather(per_rank, held)
+        results["plans"][key] = {"step_time": sorted(times)[len(times) // 2], "loss": float(loss.detach()),
+                                 "state_bytes": [float(x[0]) for x in per_rank],
+                                 "activation_bytes": [float(x[1]) for x in per_rank]}
+        del model, trained, pipe, opt
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+class WireBytes:
+    """Bytes each rank sends in the functional collectives DTensor issues (ring algorithms: all-gather (n - 1) x
+    its shard, reduce-scatter and all-reduce (n - 1) / n and 2 (n - 1) / n x the tensor), by op."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.record(func, args)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.by_op: dict[str, float] = {}
+
+    def record(self, func, args):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        name = getattr(func, "__name__", str(func)).split(".")[0]
+        if name not in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
+            return
+        if "_c10d_functional" not in str(getattr(func, "namespace", "")) and "c10d_functional" not in str(func):
+            return
+        t = args[0]
+        n = _resolve_process_group(args[-1]).size()
+        nbytes = t.numel() * t.element_size()
+        sent = {"all_gather_into_tensor": (n - 1) * nbytes, "reduce_scatter_tensor": (n - 1) / n * nbytes,
+                "all_reduce": 2 * (n - 1) / n * nbytes}[name]
+        self.by_op[name] = self.by_op.get(name, 0.0) + sent
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_op.values())
+
+
+LAYOUTS = ("tp_1d", "tp_sp", "optimus_2d")
+
+
+def _optimus_rank(rank, world, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_dtrain.models import build_llama
+    from hf_dtrain.parallel import TensorParallelConfig, apply_tensor_parallel
+    from hf_dtrain.parallel.optimus import apply_2d_tensor_parallel, optimus_loss_scale
+    from hf_dtrain.parallel.tensor import tensor_parallel_loss
+
+    results = {}
+    preset = PRESETS[0]
+    for name in LAYOUTS:
+        model = build_llama(preset, seed=0)
+        vocab = model.config.vocab_size
+        if name == "optimus_2d":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("row", "col"))
+            apply_2d_tensor_parallel(model, mesh)
+            row = mesh["row"].get_local_rank()
+            part = slice(row * GLOBAL_BATCH // 2, (row + 1) * GLOBAL_BATCH // 2)
+            scale = optimus_loss_scale(model)
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+            apply_tensor_parallel(model, mesh, TensorParallelConfig(sequence_parallel=name == "tp_sp"))
+            part, scale = slice(None), 1.0
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        times = []
+        for step in range(WARMUP + TIMED):
+            ids = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)[part]
+            counter, wire = LiveSavedBytes(exclude=list(model.parameters())), WireBytes()
+            dist.barrier()
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), wire.mode:
+                with tensor_parallel_loss(model):
+                    loss = model(input_ids=ids, labels=ids).loss
+                    (loss * scale).backward()
+            opt.step()
+            opt.zero_grad()
+            elapsed = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= WARMUP:
+                times.append(elapsed.item())
+        row_values = torch.tensor([counter.peak, wire.total], dtype=torch.float64)
+        gathered = [torch.zeros_like(row_values) for _ in range(world)]
+        dist.all_gather(gathered, row_values)
+        results[name] = {"step_time": sorted(times)[len(times) // 2],
+                         "activation_bytes": [float(x[0]) for x in gathered],
+                         "wire_bytes": [float(x[1]) for x in gathered], "wire_by_op_rank0": wire.by_op}
+        del model, opt
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def measure_optimus(out_dir: str) -> dict:
+    from hf_dtrain.testing import run_distributed
+
+    out = os.path.join(out_dir, "optimus.json")
+    run_distributed(_optimus_rank, WORLD, args=(out,), timeout=1200, pg_timeout_s=600)
+    return json.load(open(out))
+
+
+def measure(preset: str, out_dir: str) -> dict:
+    from hf_dtrain.models import llama_config
+    from hf_dtrain.parallel.planner import legal_plans
+    from hf_dtrain.testing import run_distributed
+
+    plans = {p.key: {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
+                     "microbatches": p.microbatches, "schedule": p.schedule, "stages_per_rank": p.stages_per_rank}
+             for p in legal_plans(llama_config(preset), WORLD, GLOBAL_BATCH, activations=("none",))}
+    out = os.path.join(out_dir, f"{preset}.json")
+    t0 = time.perf_counter()
+    run_distributed(_plan_rank, WORLD, args=(preset, plans, out), timeout=3000, pg_timeout_s=600)
+    print(f"{preset}: {len(plans)} plans measured in {time.perf_counter() - t0:.0f} s", flush=True)
+    data = json.load(open(out))
+    data["plan_settings"] = plans
+    return data
+
+
+def analyse(measured: dict) -> dict:
+    from scipy.stats import spearmanr
+
+    from hf_dtrain.models import llama_config
+    from hf_dtrain.parallel.planner import MachineProfile, Plan, predict
+
+    profile = MachineProfile(**measured[PRESETS[0]]["profile"])
+    summary = {}
+    for preset in PRESETS:
+        rows = []
+        for key, settings in measured[preset]["plan_settings"].items():
+            plan = predict(Plan(**settings, activation="none"), llama_config(preset), profile, GLOBAL_BATCH, SEQ)
+            got = measured[preset]["plans"][key]
+            rows.append({"plan": key, "predicted_s": plan.step_time, "measured_s": got["step_time"],
+                         "predicted_mem_mib": sum(plan.memory.values()) / 2**20,
+                         "measured_mem_mib": max(a + b for a, b in zip(got["state_bytes"], got["activation_bytes"]))
+                         / 2**20, "bubble": plan.breakdown["bubble_fraction"]})
+        rho = spearmanr([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
+        choice = min(rows, key=lambda r: r["predicted_s"])
+        best = min(rows, key=lambda r: r["measured_s"])
+        summary[preset] = {"spearman": rho, "first_choice": choice["plan"], "measured_best": best["plan"],
+                           "first_choice_vs_best": choice["measured_s"] / best["measured_s"], "rows": rows}
+    return summary
+
+
+def render(payload: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from _report import markdown_table, write
+
+    summary = payload["summary"]
+    fig, axes = plt.subplots(1, len(PRESETS), figsize=(6 * len(PRESETS), 5))
+    tables, notes = [], []
+    for ax, preset in zip(axes, PRESETS):
+        s = summary[preset]
+        xs = [r["predicted_s"] for r in s["rows"]]
+        ys = [r["measured_s"] for r in s["rows"]]
+        ax.scatter(xs, ys)
+        for r in s["rows"]:
+            ax.annotate(r["plan"], (r["predicted_s"], r["measured_s"]), fontsize=6)
+        lim = [min(xs + ys) * 0.9, max(xs + ys) * 1.1]
+        ax.plot(lim, lim, "k--", lw=0.5)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("predicted step time (s)")
+        ax.set_ylabel("measured step time (s)")
+        ax.set_title(f"{preset}: Spearman {s['spearman']:.2f}; first choice {s['first_choice_vs_best']:.2f}x best")
+        rows = sorted(s["rows"], key=lambda r: r["measured_s"])
+        tables.append(f"### {preset}\n\n" + markdown_table(rows, [
+            ("plan", "plan", "{}"), ("measured_s", "measured step (s)", "{:.4f}"),
+            ("predicted_s", "predicted step (s)", "{:.4f}"), ("bubble", "bubble", "{:.0%}"),
+            ("measured_mem_mib", "measured state+activations / rank (MiB, max rank)", "{:.1f}"),
+            ("predicted_mem_mib", "predicted memory / rank (MiB)", "{:.1f}")]))
+        notes.append(f"- {preset}: Spearman rank correlation {s['spearman']:.3f} (goal >= 0.9); the planner's "
+                     f"first choice {s['first_choice']} measures {s['first_choice_vs_best']:.3f}x the measured "
+                     f"best {s['measured_best']} (goal <= 1.10).")
+    if "optimus" in payload:
+        o = payload["optimus"]
+        base = o["tp_1d"]
+        rows = [{"layout": {"tp_1d": "1D TP (tp 4, Megatron)", "tp_sp": "TP + SP (tp 4)",
+                            "optimus_2d": "Optimus-style 2D (2 x 2)"}[k],
+                 "act": max(v["activation_bytes"]) / 2**20, "act_ratio": max(v["activation_bytes"]) /
+                 max(base["activation_bytes"]), "wire": max(v["wire_bytes"]) / 2**20,
+                 "wire_ratio": max(v["wire_bytes"]) / max(base["wire_bytes"]), "step": v["step_time"],
+                 "step_ratio": v["step_time"] / base["step_time"]} for k, v in o.items()]
+        tables.append(f"### Optimus rows ({PRESETS[0]}, global batch {GLOBAL_BATCH} x {SEQ} tokens, 4 ranks)\n\n" +
+                      markdown_table(rows, [("layout", "layout", "{}"),
+                                            ("act", "peak activation bytes / rank (MiB)", "{:.2f}"),
+                                            ("act_ratio", "vs 1D TP", "{:.2f}x"),
+                                            ("wire", "bytes sent / rank / step (MiB)", "{:.2f}"),
+                                            ("wire_ratio", "vs 1D TP", "{:.2f}x"), ("step", "step (s)", "{:.3f}"),
+                                            ("step_ratio", "vs 1D TP", "{:.2f}x")]))
+    fig.tight_layout()
+    return write("parallel", payload, "\n\n".join(tables), fig,
+                 notes="\n".join(notes) + "\n\nMachine profile (measured in the same run, all 4 ranks at once):\n"
+                       f"```\n{json.dumps(payload['profile'], indent=1)}\n```")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--from-json", help="re-render from a results JSON")
+    args = ap.parse_args()
+    if args.from_json:
+        payload = json.load(open(args.from_json))
+    else:
+        import tempfile
+
+        tmp = tempfile.mkdtemp()
+        measured = {preset: measure(preset, tmp) for preset in PRESETS}
+        payload = {"world": WORLD, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "measured": measured,
+                   "profile": measured[PRESETS[0]]["profile"], "optimus": measure_optimus(tmp)}
+    payload["summary"] = analyse(payload["measured"])
+    for preset in PRESETS:
+        s = payload["summary"][preset]
+        print(f"{preset}: Spearman {s['spearman']:.3f}, first choice {s['first_choice']} = "
+              f"{s['first_choice_vs_best']:.3f}x the measured best {s['measured_best']}")
+    print(render(payload))
+
+
+if __name__ == "__main__":
+    main()
