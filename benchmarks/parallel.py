@@ -309,10 +309,10 @@ def render(payload: dict):
         ax.set_title(f"{preset}: Spearman {s['spearman']:.2f}; first choice {s['first_choice_vs_best']:.2f}x best")
         rows = sorted(s["rows"], key=lambda r: r["measured_s"])
         tables.append(f"### {preset}\n\n" + markdown_table(rows, [
-            ("plan", "plan", "{}"), ("measured_s", "measured step (s)", "{:.4f}"),
-            ("predicted_s", "predicted step (s)", "{:.4f}"), ("bubble", "bubble", "{:.0%}"),
-            ("measured_mem_mib", "measured state+activations / rank (MiB, max rank)", "{:.1f}"),
-            ("predicted_mem_mib", "predicted memory / rank (MiB)", "{:.1f}")]))
+            ("plan", "plan", ""), ("measured_s", "measured step (s)", ".4f"),
+            ("predicted_s", "predicted step (s)", ".4f"), ("bubble", "bubble", ".0%"),
+            ("measured_mem_mib", "measured state+activations / rank (MiB, max rank)", ".1f"),
+            ("predicted_mem_mib", "predicted memory / rank (MiB)", ".1f")]))
         notes.append(f"- {preset}: Spearman rank correlation {s['spearman']:.3f} (goal >= 0.9); the planner's "
                      f"first choice {s['first_choice']} measures {s['first_choice_vs_best']:.3f}x the measured "
                      f"best {s['measured_best']} (goal <= 1.10).")
@@ -326,22 +326,77 @@ def render(payload: dict):
                  "wire_ratio": max(v["wire_bytes"]) / max(base["wire_bytes"]), "step": v["step_time"],
                  "step_ratio": v["step_time"] / base["step_time"]} for k, v in o.items()]
         tables.append(f"### Optimus rows ({PRESETS[0]}, global batch {GLOBAL_BATCH} x {SEQ} tokens, 4 ranks)\n\n" +
-                      markdown_table(rows, [("layout", "layout", "{}"),
-                                            ("act", "peak activation bytes / rank (MiB)", "{:.2f}"),
-                                            ("act_ratio", "vs 1D TP", "{:.2f}x"),
-                                            ("wire", "bytes sent / rank / step (MiB)", "{:.2f}"),
-                                            ("wire_ratio", "vs 1D TP", "{:.2f}x"), ("step", "step (s)", "{:.3f}"),
-                                            ("step_ratio", "vs 1D TP", "{:.2f}x")]))
+                      markdown_table(rows, [("layout", "layout", ""),
+                                            ("act", "peak activation bytes / rank (MiB)", ".2f"),
+                                            ("act_ratio", "vs 1D TP", ".2f"),
+                                            ("wire", "bytes sent / rank / step (MiB)", ".2f"),
+                                            ("wire_ratio", "vs 1D TP", ".2f"), ("step", "step (s)", ".3f"),
+                                            ("step_ratio", "vs 1D TP", ".2f")]))
     fig.tight_layout()
     return write("parallel", payload, "\n\n".join(tables), fig,
                  notes="\n".join(notes) + "\n\nMachine profile (measured in the same run, all 4 ranks at once):\n"
                        f"```\n{json.dumps(payload['profile'], indent=1)}\n```")
 
 
+SCALE_WORLDS = (8, 64, 512, 4096)
+SCALE_MODELS = ("llama2-7b", "llama2-70b")
+
+
+def scaling():
+    """The planner's choice for the 7B and 70B shapes at 8-4096 H100s (datasheet profile, 8 GPUs per node,
+    4 sequences x 4096 tokens per GPU per step): pure arithmetic, written to results/parallel_scaling.*."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from _report import markdown_table, write
+    from hf_dtrain.models import llama_config
+    from hf_dtrain.parallel.planner import GiB, MachineProfile, rank_plans
+
+    profile = MachineProfile.preset("h100")
+    rows = []
+    for preset in SCALE_MODELS:
+        for world in SCALE_WORLDS:
+            plans = rank_plans(llama_config(preset), world, profile, 4 * world, 4096)
+            fitting = [p for p in plans if p.fits]
+            best = plans[0]
+            ddp = next((p for p in plans if (p.tp, p.pp, p.dp_shard, p.activation) == (1, 1, 1, "none")), None)
+            fsdp = next((p for p in plans if (p.tp, p.pp, p.dp_replicate, p.activation) == (1, 1, 1, "none")), None)
+            rows.append({"model": preset, "gpus": world, "legal": len(plans), "fit": len(fitting),
+                         "plan": best.key if best.fits else "none fits",
+                         "flags": best.flags() if best.fits else best.overflow,
+                         "step_s": best.step_time if best.fits else float("nan"),
+                         "mem_gib": sum(best.memory.values()) / GiB,
+                         "bubble": best.breakdown["bubble_fraction"],
+                         "fsdp_s": fsdp.step_time if fsdp is not None and fsdp.fits else float("nan"),
+                         "ddp_fits": bool(ddp is not None and ddp.fits)})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for preset in SCALE_MODELS:
+        r = [x for x in rows if x["model"] == preset]
+        ax.plot([x["gpus"] for x in r], [x["step_s"] for x in r], "o-", label=f"{preset}: planner's choice")
+        ax.plot([x["gpus"] for x in r], [x["fsdp_s"] for x in r], "x--", label=f"{preset}: plain FSDP2")
+    ax.set_xscale("log")
+    ax.set_xlabel("GPUs (H100, 8 per node)")
+    ax.set_ylabel("predicted step time (s), 16k tokens / GPU")
+    ax.legend(fontsize=7)
+    table = markdown_table(rows, [("model", "model", ""), ("gpus", "GPUs", ""), ("legal", "legal plans", ""),
+                                  ("fit", "fit in 80 GiB", ""), ("plan", "chosen", ""),
+                                  ("step_s", "predicted step (s)", ".2f"), ("fsdp_s", "plain FSDP2 (s)", ".2f"),
+                                  ("mem_gib", "GiB / GPU", ".1f"), ("bubble", "bubble", ".0%")])
+    return write("parallel_scaling", {"rows": rows, "profile": json.loads(profile.to_json())}, table, fig,
+                 notes="Datasheet profile (`MachineProfile.preset('h100')`), not measured here. Flags of each "
+                       "choice:\n\n" + "\n".join(f"- {r['model']} on {r['gpus']}: `{r['flags']}`" for r in rows))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from-json", help="re-render from a results JSON")
+    ap.add_argument("--scaling", action="store_true", help="only the planner's choices for 7B / 70B at 8-4096 GPUs")
     args = ap.parse_args()
+    if args.scaling:
+        print(scaling())
+        return
     if args.from_json:
         payload = json.load(open(args.from_json))
     else:
@@ -351,6 +406,10 @@ def main():
         measured = {preset: measure(preset, tmp) for preset in PRESETS}
         payload = {"world": WORLD, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "measured": measured,
                    "profile": measured[PRESETS[0]]["profile"], "optimus": measure_optimus(tmp)}
+        from _report import RESULTS
+
+        RESULTS.mkdir(parents=True, exist_ok=True)  # the measurements first: a rendering error loses nothing
+        (RESULTS / "parallel.json").write_text(json.dumps(payload, indent=1) + "\n")
     payload["summary"] = analyse(payload["measured"])
     for preset in PRESETS:
         s = payload["summary"][preset]

@@ -100,6 +100,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
         for name in ("tp", "pp", "dp_shard", "dp_replicate"):
             groups["parallel"].add_argument(flag_of(name), dest=f"parallel.{name}", type=int, default=argparse.SUPPRESS,
                                             metavar="N", help=f"Short for {flag_of('parallel.' + name)}.")
+        groups["parallel"].add_argument("--plan", dest="parallel.plan", default=argparse.SUPPRESS, choices=["auto"],
+                                        help="Short for --parallel.plan.")
     legacy = parser.add_argument_group("deprecated flat flags (removed in the next release)")
     for old, new in LEGACY_KEYS.items():
         sec, name = new.split(".")
@@ -150,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pt = sub.add_parser("pretrain", help="pretrain a LLaMA from a LlamaConfig preset with any compatible parts")
     add_job_arguments(pt, PretrainConfig)
+    sub.add_parser("plan", help="rank the parallelism plans of a model on a machine (hf-dtrain plan --help)",
+                   add_help=False)
     bb = sub.add_parser("build-base", help="build and cache the embedded default base model")
     bb.add_argument("--preset", default="tiny", help="LlamaConfig preset (hf_dtrain.models.PRESETS)")
     bb.add_argument("--steps", type=int, default=None, help="pretraining steps (default per preset)")
@@ -159,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["plan"]:  # its own parser (hf-dtrain plan --help)
+        from hf_dtrain.parallel.planner import plan_main
+
+        return plan_main(args[1:])
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "build-base":

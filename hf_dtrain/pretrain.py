@@ -107,7 +107,8 @@ class PretrainConfig(ComposeOptions):
                                           "shards or pipeline stages yet"),
                     ("fault_tolerance", self.fault_tolerance, "snapshots cover DDP, FSDP2 and ZeRO; tensor and "
                                                               "pipeline shards are not snapshotted yet: use "
-                                                              "--dp-shard alone (FSDP2) with --fault-tolerance"),
+                                                              "--fsdp (FSDP2 without the mesh) with "
+                                                              "--fault-tolerance"),
                     ("hetero_speeds", self.hetero_speeds, "the sampler shards over processes, not data-parallel "
                                                           "replicas")):
                 if value is not None:
@@ -200,6 +201,46 @@ def _schedule(cfg: PretrainConfig):
     return factor
 
 
+class _Deferred(Exception):
+    pass
+
+
+def _auto_plan(cfg: PretrainConfig, world: int, main: bool) -> dict:
+    """``--plan auto``: measure this machine on the launched ranks, rank the legal plans, take the best that fits;
+    ``cfg``'s parallel / pipeline settings and per-replica batch are set to it. Returns the degrees."""
+    from hf_dtrain.models import llama_config
+    from hf_dtrain.parallel.mesh import check_parallel
+    from hf_dtrain.parallel.planner import format_table, measure_profile, rank_plans
+    from hf_dtrain.settings import SettingsError
+
+    config = llama_config(cfg.preset)
+    global_batch = cfg.per_device_train_batch_size * world
+    profile = measure_profile(name=f"this machine, {world} ranks")
+    try:
+        plans = rank_plans(config, world, profile, global_batch, cfg.seq_len,
+                           activations=("checkpoint",) if (cfg.fsdp and cfg.fsdp.activation_checkpointing) else
+                           ("none",))
+    except ValueError as e:
+        raise SettingsError(f"--plan auto: {e}") from None
+    best = plans[0]
+    if not best.fits:
+        raise SettingsError(f"--plan auto: no plan fits in {profile.device_memory / 2**30:.1f} GiB per rank "
+                            f"({best.overflow}); lower the batch or the sequence length, or add devices.")
+    if main:
+        print(f"--plan auto chose {best.key} (predicted {best.step_time:.4g} s per step); the ranking:\n"
+              f"{format_table(plans, 8)}", flush=True)
+    cfg.parallel = dataclasses.replace(cfg.parallel, plan=None, tp=best.tp, pp=best.pp,
+                                       dp_replicate=best.dp_replicate, dp_shard=best.dp_shard)
+    if best.pp > 1:
+        cfg.pipeline = dataclasses.replace(cfg.pipeline, schedule=best.schedule, microbatches=best.microbatches,
+                                           stages_per_rank=best.stages_per_rank)
+    cfg.per_device_train_batch_size = global_batch // (best.dp_replicate * best.dp_shard)
+    try:
+        return check_parallel(cfg.parallel, world, config, cfg.pipeline, cfg.tensor_parallel)
+    except ValueError as e:
+        raise SettingsError(f"--plan auto chose {best.key}, which the runtime refuses: {e}") from None
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict:
     """Run one pretraining job; return the measured figures (also ``<output_dir>/results.json``)."""
     from accelerate import Accelerator
@@ -227,14 +268,20 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         if clashes:
             raise SettingsError("These switches cannot be combined: " + "; ".join(clashes) + ".")
         try:
+            if cfg.parallel.plan == "auto":  # the planner needs the launched ranks: chosen after the group exists
+                raise _Deferred
             degrees = check_parallel(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")),
                                      llama_config(cfg.preset), cfg.pipeline, cfg.tensor_parallel)
+        except _Deferred:
+            pass
         except ValueError as e:
             raise SettingsError(str(e)) from None
     init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     world, rank = accelerator.num_processes, accelerator.process_index
+    if cfg.parallel is not None and cfg.parallel.plan == "auto":
+        degrees = _auto_plan(cfg, world, accelerator.is_main_process)
     cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
     cfg.check(world, engine="accelerate")
     with accelerator.main_process_first():

@@ -32,11 +32,22 @@ class ParallelConfig:
                                                                       "replicate dim; gradients all-reduced)."})
     dp_shard: Optional[int] = field(default=None, metadata={"min": 1, "help": "Data-parallel shards (FSDP2). "
                                                                              "None: the processes left over."})
+    plan: Optional[str] = field(default=None, metadata={
+        "help": "auto: measure this machine (hf_dtrain.parallel.planner.measure_profile, a few seconds on the "
+                "launched ranks), rank every legal plan with the planner's cost model and run the best that fits "
+                "(the degrees above must then be left at their defaults; the global batch is "
+                "per_device_train_batch_size x processes)."})
 
     def __post_init__(self):
         from hf_dtrain.settings import check_fields
 
         check_fields(self)
+        if self.plan is not None:
+            if self.plan != "auto":
+                raise ValueError(f"parallel.plan={self.plan!r}: the one value is auto (--plan auto).")
+            if (self.tp, self.pp, self.dp_replicate, self.dp_shard) != (1, 1, 1, None):
+                raise ValueError("--plan auto chooses --tp, --pp, --dp-replicate and --dp-shard itself: leave them "
+                                 "out, or drop --plan auto to set them by hand.")
 
     def degrees(self, world: int) -> dict[str, int]:
         """{pp, dp_replicate, dp_shard, tp} for ``world`` processes; a product that is not ``world`` is a

@@ -47,6 +47,12 @@ class MachineProfile:
     overlap: float = 0.0               # fraction of FSDP / pipeline communication hidden behind compute
     device_memory: float = 16 * GiB
     ranks_per_node: int = 8
+    # compute units a node's ranks share (CPU cores when ranks outnumber them); None: one device per rank (GPUs).
+    # sec_per_flop and layer_overhead are then per rank with all of the node's ranks computing at once
+    compute_slots: Optional[float] = None
+    # seconds a tensor-parallel decoder layer adds per micro-batch beyond its FLOPs / tp and its modeled
+    # collectives: DTensor's dispatch and the small reductions (norm weights, loss parallel) it issues
+    tp_layer_overhead: float = 0.0
 
     @classmethod
     def preset(cls, name: str) -> "MachineProfile":
@@ -175,6 +181,7 @@ def predict(plan: Plan, config, profile: MachineProfile, global_batch: int, seq_
                         _coll(profile, tp, act_bytes, "reduce_scatter", tp_intra))
         else:
             t_tp = 4 * _coll(profile, tp, act_bytes, "all_reduce", tp_intra)
+        t_tp += profile.tp_layer_overhead
         if ckpt:
             t_tp *= 1.5
     else:
@@ -190,6 +197,18 @@ def predict(plan: Plan, config, profile: MachineProfile, global_batch: int, seq_
         stage_time.append(t)
     slowest = max(stage_time)
     compute = (m * v + pp - 1) * slowest if pp > 1 else m * slowest
+    slots = profile.compute_slots
+    if slots is not None and slots < rpn:
+        # the node's ranks share its cores: the profile's speed is with all of them computing. A rank that computes
+        # while others wait (pipeline bubbles) runs up to rpn / slots times faster, and the node does at most
+        # `slots` ranks' worth of work at a time: the step is the larger of the critical path at full speed and
+        # the node's total work over its cores
+        world = pp * tp * dp
+        alone = slots / rpn
+        work = m * sum(stage_time) * tp * dp  # rank-seconds per step at the profile's speed, all ranks
+        on_node = min(rpn, world)
+        compute = max(compute * alone, work * alone * on_node / world / slots)
+
     # FSDP2 / HSDP per step, for the largest stage's parameters (this rank holds 1/tp of them)
     stage_params = stage_layers * d["layer_params"] * v + max(d["embed_params"], d["head_params"]) * (
         1 if pp == 1 else 0.5)
@@ -307,15 +326,19 @@ def format_table(plans: list[Plan], top: Optional[int] = None) -> str:
 def _timed(fn, repeats: int = 5) -> float:
     import time
 
+    import torch
     import torch.distributed as dist
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     times = []
     for _ in range(repeats):
         if dist.is_initialized():
             dist.barrier()
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -341,20 +364,21 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
     from transformers.masking_utils import create_causal_mask
 
     from hf_dtrain.models import llama_config
-    from hf_dtrain.distributed import SavedTensorCounter
+    from hf_dtrain.distributed import SavedTensorCounter, all_gather_single, reduce_scatter_single
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     world = dist.get_world_size() if dist.is_initialized() else 1
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     rows, ys, act_rows, act_ys = [], [], [], []
     for preset in shapes:
         config = llama_config(preset)
         config._attn_implementation = "sdpa"  # what the models built from the presets run
         d = _dims(config)
-        layer = LlamaDecoderLayer(config, 0)
-        rope = LlamaRotaryEmbedding(config)
+        layer = LlamaDecoderLayer(config, 0).to(device)
+        rope = LlamaRotaryEmbedding(config).to(device)
         for batch, seq in ((1, 64), (4, 128)):
-            x = torch.randn(batch, seq, d["h"])
-            pos = torch.arange(seq).unsqueeze(0)
+            x = torch.randn(batch, seq, d["h"], device=device)
+            pos = torch.arange(seq, device=device).unsqueeze(0)
             mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None,
                                       position_ids=pos)
             pe = rope(x, pos)
@@ -382,31 +406,165 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
             groups.append((2, pairs[dist.get_rank() // 2] if dist.get_rank() < 2 * len(pairs) else None))
         for n, group in groups:
             for numel in (1 << 16, 1 << 20):
-                full = torch.randn(numel)
-                part = torch.empty(numel // n)
+                full = torch.randn(numel, device=device)
+                part = torch.empty(numel // n, device=device)
                 if group is None and n != world:
                     continue
                 for kind, fn, factor in (
-                        ("all_gather", lambda: dist.all_gather_into_tensor(full, part, group=group), (n - 1) / n),
-                        ("reduce_scatter", lambda: dist.reduce_scatter_tensor(part, full, group=group), (n - 1) / n),
+                        ("all_gather", lambda: all_gather_single(full, part, group=group), (n - 1) / n),
+                        ("reduce_scatter", lambda: reduce_scatter_single(part, full, group=group), (n - 1) / n),
                         ("all_reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n)):
                     c_rows.append([1.0, factor * numel * 4])
                     c_ys.append(_timed(fn, repeats=5))
     latency, sec_per_byte = _lstsq(c_rows, c_ys) if c_rows else (0.0, 0.0)
-    params = [torch.nn.Parameter(torch.randn(1 << 20))]
-    params[0].grad = torch.randn(1 << 20)
+    tp_overhead = 0.0
+    config = llama_config(shapes[0])
+    if world > 1 and config.num_attention_heads % world == 0 and config.intermediate_size % world == 0:
+        # a tensor-parallel model of 2 layers over all ranks against the same model whole, at the same tokens:
+        # what TP costs beyond FLOPs / tp and the modeled collectives, per layer
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from hf_dtrain.models import build_llama
+
+        from .tensor import apply_tensor_parallel, tensor_parallel_loss
+
+        d = _dims(config)
+        batch, seq = 2, 64 * world
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+        timings = []
+        for tp in (1, world):
+            model = build_llama(shapes[0], num_hidden_layers=2).to(device)
+            if tp > 1:
+                apply_tensor_parallel(model, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)))
+
+            def tp_step():
+                with tensor_parallel_loss(model):
+                    model(input_ids=ids, labels=ids).loss.backward()
+
+            timings.append(_timed(tp_step, repeats=3))
+        tokens = batch * seq
+        act = tokens * d["h"] * 4
+        colls = 4 * ((latency + (world - 1) / world * act * sec_per_byte) * 2) if c_rows else 0.0
+        tp_overhead = max(0.0, (timings[1] - timings[0] / world) / 2 - colls)
+    params = [torch.nn.Parameter(torch.randn(1 << 20, device=device))]
+    params[0].grad = torch.randn(1 << 20, device=device)
     opt = torch.optim.AdamW(params, lr=1e-3)
     t_opt = _timed(opt.step) / (1 << 20)
-    values = torch.tensor([sec_per_flop, overhead_3, latency, sec_per_byte, t_opt], dtype=torch.float64)
+    values = torch.tensor([sec_per_flop, overhead_3, latency, sec_per_byte, t_opt, tp_overhead],
+                          dtype=torch.float64, device=device)
     if dist.is_initialized():  # the slowest rank's figures: the step waits for it
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    sec_per_flop, overhead_3, latency, sec_per_byte, t_opt = values.tolist()
-    if device_memory is None:
+    sec_per_flop, overhead_3, latency, sec_per_byte, t_opt, tp_overhead = values.tolist()
+    if device_memory is None and device.type == "cuda":
+        device_memory = float(torch.cuda.get_device_properties(device).total_memory)
+    if device_memory is None:  # host memory shared by this node's ranks
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         device_memory = total / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     return MachineProfile(name=name, sec_per_flop=sec_per_flop, layer_overhead=overhead_3 / 3.0,
                           coll_latency=latency, intra_sec_per_byte=sec_per_byte, inter_sec_per_byte=sec_per_byte,
                           optim_sec_per_param=t_opt,
                           activation_bytes_per_token={"hidden": per_h / 1.0, "intermediate": per_f / 1.0},
-                          overlap=0.0, device_memory=device_memory,
-                          ranks_per_node=ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+                          overlap=0.0, device_memory=device_memory, tp_layer_overhead=tp_overhead,
+                          ranks_per_node=ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                          compute_slots=None if device.type == "cuda" else float(len(os.sched_getaffinity(0))))
+
+
+def parse_bytes(text) -> float:
+    """``80GB`` / ``80GiB`` / ``512MB`` / a number of bytes -> bytes."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    t = str(text).strip().upper().replace("IB", "B")
+    for unit, factor in (("TB", 1024 ** 4), ("GB", GiB), ("MB", 1024 ** 2), ("KB", 1024), ("B", 1)):
+        if t.endswith(unit):
+            try:
+                return float(t[: -len(unit)]) * factor
+            except ValueError:
+                break
+    try:
+        return float(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: give e.g. 80GB, 512MB or a number of bytes.") from None
+
+
+def _calibrate(rank, world, out):  # one rank of `hf-dtrain plan --calibrate`
+    profile = measure_profile(name=f"this machine, {world} ranks")
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(profile.to_json())
+
+
+def plan_main(argv=None) -> int:
+    """``hf-dtrain plan``: rank every legal plan of a model on a machine and print the best's flags."""
+    import argparse
+    import os
+    import tempfile
+
+    ap = argparse.ArgumentParser(prog="hf-dtrain plan", description=plan_main.__doc__)
+    ap.add_argument("--preset", default="tiny", help="LlamaConfig preset (hf_dtrain.models.PRESETS)")
+    ap.add_argument("--model-config", help="a Hugging Face config.json (or its directory) instead of a preset")
+    ap.add_argument("--world-size", type=int, required=True, help="devices (processes) of the run")
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 8 x world)")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--profile", default="h100", help="h100 (datasheet figures) or a JSON from --save-profile")
+    ap.add_argument("--calibrate", action="store_true", help="measure this machine's profile first (spawns "
+                    "--calibrate-ranks gloo / NCCL processes here) and plan with it")
+    ap.add_argument("--calibrate-ranks", type=int, default=2)
+    ap.add_argument("--save-profile", help="write the profile used to this JSON")
+    ap.add_argument("--device-memory", help="per-device memory, e.g. 80GB (overrides the profile's)")
+    ap.add_argument("--ranks-per-node", type=int, help="devices per node (overrides the profile's)")
+    ap.add_argument("--intra-bandwidth", type=float, help="GB/s per device inside a node (overrides the profile's)")
+    ap.add_argument("--inter-bandwidth", type=float, help="GB/s per device across nodes (overrides the profile's)")
+    ap.add_argument("--activation", default="none,checkpoint", help="activation policies to consider")
+    ap.add_argument("--top", type=int, default=15, help="rows of the table")
+    ns = ap.parse_args(argv)
+    from hf_dtrain.models import llama_config
+
+    try:
+        if ns.model_config:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(ns.model_config)
+        else:
+            config = llama_config(ns.preset)
+        if ns.calibrate:
+            from hf_dtrain.testing.launch import run_distributed
+
+            out = os.path.join(tempfile.mkdtemp(), "profile.json")
+            run_distributed(_calibrate, ns.calibrate_ranks, args=(out,), timeout=600)
+            profile = MachineProfile.from_json(open(out).read())
+        elif ns.profile.endswith(".json"):
+            profile = MachineProfile.from_json(open(ns.profile).read())
+        else:
+            profile = MachineProfile.preset(ns.profile)
+        if ns.device_memory:
+            profile.device_memory = parse_bytes(ns.device_memory)
+        if ns.ranks_per_node:
+            profile.ranks_per_node = ns.ranks_per_node
+        if ns.intra_bandwidth:
+            profile.intra_sec_per_byte = 1 / (ns.intra_bandwidth * 1e9)
+        if ns.inter_bandwidth:
+            profile.inter_sec_per_byte = 1 / (ns.inter_bandwidth * 1e9)
+        policies = tuple(p.strip() for p in ns.activation.split(",") if p.strip())
+        bad = [p for p in policies if p not in ACTIVATION_POLICIES]
+        if bad:
+            raise ValueError(f"--activation {bad}: choose from {ACTIVATION_POLICIES}.")
+        batch = ns.global_batch or 8 * ns.world_size
+        plans = rank_plans(config, ns.world_size, profile, batch, ns.seq_len, activations=policies)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"hf-dtrain plan: {e}") from None
+    if ns.save_profile:
+        with open(ns.save_profile, "w") as f:
+            f.write(profile.to_json())
+    print(f"{len(plans)} legal plans for {ns.model_config or ns.preset} on {ns.world_size} devices "
+          f"({profile.name}), global batch {batch} x {ns.seq_len} tokens:\n")
+    print(format_table(plans, ns.top))
+    best = plans[0]
+    if not best.fits:
+        raise SystemExit(f"\nno plan fits in {profile.device_memory / GiB:.1f} GiB per device: the smallest "
+                         f"needs {min(sum(p.memory.values()) for p in plans) / GiB:.1f} GiB ({best.overflow}). "
+                         "Add devices, shorten --seq-len or lower --global-batch.")
+    print(f"\nbest: {best.key}, predicted {best.step_time:.4g} s per step, "
+          f"{sum(best.memory.values()) / GiB:.2f} GiB per device")
+    print(f"  hf-dtrain pretrain {best.flags()}")
+    print("  accelerate config:\n    " + best.accelerate_config(ns.world_size).replace("\n", "\n    "))
+    return 0

@@ -1,0 +1,102 @@
+"""The planner: legal plans are exactly what the runtime accepts, the cost model's terms move the way the system
+does, plans that do not fit name the buffer, `hf-dtrain plan` prints the best plan's flags and refuses what cannot
+run, and `hf-dtrain pretrain --plan auto` measures the launched ranks and runs the plan it chose."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_dtrain.models import llama_config
+from hf_dtrain.parallel.planner import GiB, MachineProfile, Plan, legal_plans, predict, rank_plans
+
+
+def test_legal_plans_are_what_the_runtime_accepts():
+    from hf_dtrain.parallel import PipelineConfig
+    from hf_dtrain.parallel.mesh import ParallelConfig, check_parallel
+
+    config = llama_config("small")  # 8 heads, 8 layers
+    plans = legal_plans(config, 8, 16)
+    assert plans and len({p.key for p in plans}) == len(plans)
+    for p in plans:
+        assert p.pp * p.dp_replicate * p.dp_shard * p.tp == 8
+        pipeline = PipelineConfig(schedule=p.schedule, stages_per_rank=p.stages_per_rank,
+                                  microbatches=p.microbatches) if p.pp > 1 else PipelineConfig()
+        check_parallel(ParallelConfig(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard), 8,
+                       config, pipeline)
+        if p.pp > 1:
+            pipeline.n_microbatches(p.pp, 16 // (p.dp_replicate * p.dp_shard))
+    # tp 3 divides nothing here, tp 16 > heads: never offered; every divisor pattern of 8 is
+    assert {p.tp for p in plans} == {1, 2, 4, 8}
+    assert {(p.pp, p.stages_per_rank) for p in plans} >= {(1, 1), (2, 1), (2, 2), (4, 2), (8, 1)}
+
+
+def test_the_cost_model_moves_the_way_the_system_does():
+    config, profile = llama_config("llama2-7b"), MachineProfile.preset("h100")
+
+    def plan(**kw):
+        base = dict(pp=1, dp_replicate=1, dp_shard=8, tp=1, microbatches=1)
+        return predict(Plan(**{**base, **kw}), config, profile, 32, 4096)
+
+    # more micro-batches shrink the bubble; GPipe keeps every micro-batch's activations, 1F1B at most pp
+    few, many = plan(pp=2, dp_shard=4, microbatches=2), plan(pp=2, dp_shard=4, microbatches=8)
+    assert many.breakdown["bubble_fraction"] < few.breakdown["bubble_fraction"]
+    gpipe = plan(pp=2, dp_shard=4, microbatches=8, schedule="GPipe")
+    assert gpipe.memory["activations"] > many.memory["activations"]
+    # sharding over more ranks: less optimizer state per rank; recomputation: fewer activations, more time
+    assert plan(dp_shard=8).memory["optimizer_state"] < plan(dp_replicate=8, dp_shard=1).memory["optimizer_state"]
+    ckpt = plan(activation="checkpoint")
+    assert ckpt.memory["activations"] < plan().memory["activations"] and ckpt.step_time > plan().step_time
+    # tensor parallelism across nodes pays the slow link
+    import dataclasses
+
+    inter = dataclasses.replace(profile, ranks_per_node=2)
+    assert predict(Plan(pp=1, dp_replicate=1, dp_shard=2, tp=4, microbatches=1), config, inter, 32, 4096).step_time > \
+        predict(Plan(pp=1, dp_replicate=1, dp_shard=2, tp=4, microbatches=1), config, profile, 32, 4096).step_time
+
+
+def test_a_plan_that_does_not_fit_names_the_buffer():
+    plans = rank_plans(llama_config("llama2-70b"), 8, MachineProfile.preset("h100"), 8, 4096)
+    assert not any(p.fits for p in plans)  # 70B x 16 bytes of training state / 8 GPUs > 80 GiB
+    worst = plans[0]
+    assert "GiB > 80.0 GiB" in worst.overflow and "is the largest buffer" in worst.overflow
+    assert sum(worst.memory.values()) > 80 * GiB
+
+
+def test_the_planner_command(capsys):
+    from hf_dtrain.cli import main
+
+    assert main(["plan", "--preset", "llama2-7b", "--world-size", "64", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "legal plans for llama2-7b on 64 devices" in out and "hf-dtrain pretrain --tp" in out
+    assert "num_processes: 64" in out
+    with pytest.raises(SystemExit, match=r"no plan fits in 80.0 GiB per device"):
+        main(["plan", "--preset", "llama2-70b", "--world-size", "8"])
+    # 32 ranks with at most tp 4 x pp 4 (4 heads, 4 layers) leave >= 2 replicas, which 3 sequences do not split over
+    with pytest.raises(SystemExit, match=r"no legal plan for 32 ranks and a global batch of 3"):
+        main(["plan", "--preset", "tiny", "--world-size", "32", "--global-batch", "3"])
+    with pytest.raises(SystemExit, match=r"--activation \['swap'\]"):
+        main(["plan", "--preset", "tiny", "--world-size", "4", "--activation", "swap"])
+
+
+@pytest.mark.slow
+def test_pretrain_plan_auto_runs_the_plan_it_chose(tmp_path):
+    from hf_dtrain.testing import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "auto"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "hf_dtrain.cli", "pretrain", "--preset", "tiny", "--max-steps", "3",
+           "--per-device-train-batch-size", "4", "--seq-len", "64", "--progress", "false", "--data-bytes", "300000",
+           "--eval-blocks", "8", "--plan", "auto", "--output-dir", str(out), "--save-model", "false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=400,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "--plan auto chose" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    chosen = proc.stdout.split("--plan auto chose ")[1].split()[0]
+    pp, dpr, dps, tp = (int(chosen.split("-")[i][len(k):]) for i, k in enumerate(("pp", "dpr", "dps", "tp")))
+    assert results["engine"] == f"mesh pp {pp} x dp_replicate {dpr} x dp_shard {dps} x tp {tp}"
+    assert len(results["history"]) == 3
