@@ -165,9 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["plan"]:  # its own parser (hf-dtrain plan --help)
-        from hf_dtrain.parallel.planner import plan_main
+        from hf_dtrain.plan import plan_main
 
         return plan_main(args[1:])
+    if args[:1] == ["finetune"]:
+        mesh_flags = [a for a in args if a.split("=")[0] in ("--tp", "--pp", "--dp-shard", "--dp-replicate", "--plan")
+                      or a.startswith(("--parallel", "--pipeline.", "--tensor-parallel."))]
+        if mesh_flags:
+            raise SystemExit(f"hf-dtrain finetune: {mesh_flags[0]} is a pretrain flag: the Trainer cannot drive a "
+                             "pipeline (it calls model(**batch) once per step on every rank) and does not lay a "
+                             "model out on a tp / pp mesh. Use hf-dtrain pretrain --tp/--pp, or the Accelerate loop "
+                             "in docs/parallel.md; for sharded fine-tuning use --fsdp or --deepspeed zero3.")
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "build-base":

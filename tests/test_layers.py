@@ -16,7 +16,7 @@ LAYERS = [
     ("base", {"distributed", "quantization", "models", "tasks", "settings", "optimizer_wrapper"}),
     ("engines", {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault", "parallel"}),
     ("composition", {"compose", "callbacks", "model_card"}),
-    ("jobs", {"finetune", "pretrain"}),
+    ("jobs", {"finetune", "pretrain", "plan"}),
     ("cli", {"cli"}),
 ]
 LEVEL = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}

@@ -14,8 +14,8 @@ import torch
 from hf_dtrain.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = ["pretrain", "--preset", "tiny", "--max-steps", "8", "--per-device-train-batch-size", "8", "--seq-len", "64",
-       "--progress", "false", "--logging-steps", "0", "--data-bytes", "300000", "--eval-blocks", "16"]
+JOB = ["pretrain", "--preset", "tiny", "--max-steps", "5", "--per-device-train-batch-size", "8", "--seq-len", "64",
+       "--progress", "false", "--logging-steps", "0", "--data-bytes", "200000", "--eval-blocks", "8"]
 
 
 def _run(cmd, env=None):
@@ -67,3 +67,10 @@ def test_bad_degrees_are_refused_before_any_process_group(monkeypatch, world, fl
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_finetune_says_the_trainer_cannot_drive_a_pipeline():
+    from hf_dtrain.cli import main
+
+    with pytest.raises(SystemExit, match=r"--pp is a pretrain flag: the Trainer cannot drive a pipeline"):
+        main(["finetune", "--method", "lorafa", "--pp", "2"])

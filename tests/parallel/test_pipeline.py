@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hf_dtrain.testing import random_batch, run_distributed
+from hf_dtrain.testing import random_batch
 
 pytestmark = pytest.mark.slow
 
@@ -104,10 +104,10 @@ def _pp_rank(rank, world, cases, out):
 
 
 @pytest.fixture(scope="module")
-def pp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp")
-    run_distributed(_pp_rank, 4, args=(CASES, str(out)), timeout=500)
-    return out
+def pp_run(mesh_runs):  # the shared 4-rank run (conftest.py)
+    from pathlib import Path
+
+    return Path(mesh_runs) / "pp"
 
 
 @pytest.fixture(scope="module")

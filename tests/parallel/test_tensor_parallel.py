@@ -10,8 +10,6 @@ import warnings
 import pytest
 import torch
 
-from hf_dtrain.testing import run_distributed
-
 from .common import LR, STEPS, batch, build_model, trainable
 
 pytestmark = pytest.mark.slow
@@ -102,10 +100,10 @@ def _tp_rank(rank, world, cases, out):
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "results.json"
-    run_distributed(_tp_rank, 4, args=(CASES, str(out)), timeout=400)
-    return json.loads(out.read_text())
+def tp_run(mesh_runs):  # the shared 4-rank run (conftest.py)
+    import os
+
+    return json.loads(open(os.path.join(mesh_runs, "tp.json")).read())
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
