@@ -41,6 +41,9 @@ def dump_full_state(model, optimizer, path: str) -> None:
 
 
 def main():
+    import faulthandler
+
+    faulthandler.enable()  # a rank that dies on a signal (SIGSEGV, SIGABRT) leaves its Python stack in rank{r}.out
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = os.environ["FT_OUT"]
     steps = int(os.environ.get("FT_STEPS", "8"))
