@@ -80,6 +80,25 @@ def _local_bytes(tensors):
     return total
 
 
+def _slowest(t0: float) -> float:
+    """This step's wall time on the slowest rank (the step waits for it)."""
+    import torch.distributed as dist
+
+    elapsed = torch.tensor(time.perf_counter() - t0)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def _per_rank(values: list[float], world: int) -> list[list[float]]:
+    """``values`` of every rank (all-gathered), as rows."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(values, dtype=torch.float64)
+    rows = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    return [r.tolist() for r in rows]
+
+
 def _plan_rank(rank, world, preset, plans, out):
     import torch.distributed as dist
 
@@ -120,15 +139,12 @@ def _plan_rank(rank, world, preset, plans, out):
                     loss = local_loss(loss)
             opt.step()
             opt.zero_grad()
-            elapsed = torch.tensor(time.perf_counter() - t0)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            elapsed = _slowest(t0)
             if step >= WARMUP:
-                times.append(elapsed.item())
+                times.append(elapsed)
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         params = list(trained.parameters())
-        held = torch.tensor([_local_bytes(params) * 2 + _local_bytes(state), counter.peak], dtype=torch.float64)
-        per_rank = [torch.zeros_like(held) for _ in range(world)]
-        dist.all_gather(per_rank, held)
+        per_rank = _per_rank([_local_bytes(params) * 2 + _local_bytes(state), counter.peak], world)
         results["plans"][key] = {"step_time": sorted(times)[len(times) // 2], "loss": float(loss.detach()),
                                  "state_bytes": [float(x[0]) for x in per_rank],
                                  "activation_bytes": [float(x[1]) for x in per_rank]}
@@ -216,13 +232,10 @@ def _optimus_rank(rank, world, out):
                     (loss * scale).backward()
             opt.step()
             opt.zero_grad()
-            elapsed = torch.tensor(time.perf_counter() - t0)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            elapsed = _slowest(t0)
             if step >= WARMUP:
-                times.append(elapsed.item())
-        row_values = torch.tensor([counter.peak, wire.total], dtype=torch.float64)
-        gathered = [torch.zeros_like(row_values) for _ in range(world)]
-        dist.all_gather(gathered, row_values)
+                times.append(elapsed)
+        gathered = _per_rank([counter.peak, wire.total], world)
         results[name] = {"step_time": sorted(times)[len(times) // 2],
                          "activation_bytes": [float(x[0]) for x in gathered],
                          "wire_bytes": [float(x[1]) for x in gathered], "wire_by_op_rank0": wire.by_op}

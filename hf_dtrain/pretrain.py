@@ -201,10 +201,6 @@ def _schedule(cfg: PretrainConfig):
     return factor
 
 
-class _Deferred(Exception):
-    pass
-
-
 def _auto_plan(cfg: PretrainConfig, world: int, main: bool) -> dict:
     """``--plan auto``: measure this machine on the launched ranks, rank the legal plans, take the best that fits;
     ``cfg``'s parallel / pipeline settings and per-replica batch are set to it. Returns the degrees."""
@@ -236,7 +232,7 @@ def _auto_plan(cfg: PretrainConfig, world: int, main: bool) -> dict:
                                            stages_per_rank=best.stages_per_rank)
     cfg.per_device_train_batch_size = global_batch // (best.dp_replicate * best.dp_shard)
     try:
-        return check_parallel(cfg.parallel, world, config, cfg.pipeline, cfg.tensor_parallel)
+        return check_parallel(cfg.parallel, world, config, cfg.pipeline)
     except ValueError as e:
         raise SettingsError(f"--plan auto chose {best.key}, which the runtime refuses: {e}") from None
 
@@ -256,6 +252,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
 
     # a seedable sampler: epoch e's order depends on (seed, e) only, so a resumed run skips into the same order
     from hf_dtrain.distributed import RankMonitor, init_distributed
+    from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
 
     degrees = None
     if cfg.parallel is not None:  # the degrees against the process count and the model, before any process group
@@ -267,15 +264,12 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         clashes = cfg.parallel_clashes()
         if clashes:
             raise SettingsError("These switches cannot be combined: " + "; ".join(clashes) + ".")
-        try:
-            if cfg.parallel.plan == "auto":  # the planner needs the launched ranks: chosen after the group exists
-                raise _Deferred
-            degrees = check_parallel(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")),
-                                     llama_config(cfg.preset), cfg.pipeline, cfg.tensor_parallel)
-        except _Deferred:
-            pass
-        except ValueError as e:
-            raise SettingsError(str(e)) from None
+        if cfg.parallel.plan != "auto":  # --plan auto needs the launched ranks: chosen after the group exists
+            try:
+                degrees = check_parallel(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")),
+                                         llama_config(cfg.preset), cfg.pipeline)
+            except ValueError as e:
+                raise SettingsError(str(e)) from None
     init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
@@ -437,8 +431,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
                 with accelerator.autocast():  # --mixed_precision bf16 (not prepared by Accelerate: laid out here)
                     loss = pipe.step(blocks, blocks)
             elif degrees is not None:
-                from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
-
                 with tensor_parallel_loss(model):
                     with accelerator.autocast():
                         loss = model(input_ids=blocks, labels=blocks).loss
@@ -468,8 +460,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     held_loss = None
     unwrapped = accelerator.unwrap_model(model) if degrees is None else model
     if held_out is not None and len(held_out):
-        from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
-
         with torch.no_grad():
             trained.eval()
             if pipe is not None:  # whole pipeline batches (the micro-batch split must divide them)

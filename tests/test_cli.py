@@ -383,4 +383,4 @@ def test_every_committed_recipe_loads():
 
             p = cfg.parallel
             world = p.tp * p.pp * p.dp_replicate * (p.dp_shard or 1)
-            check_parallel(p, world, llama_config(cfg.preset), cfg.pipeline, cfg.tensor_parallel)
+            check_parallel(p, world, llama_config(cfg.preset), cfg.pipeline)

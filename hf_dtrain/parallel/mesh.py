@@ -68,17 +68,15 @@ class ParallelConfig:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": shard, "tp": self.tp}
 
 
-def check_parallel(config: ParallelConfig, world: int, model_config, pipeline=None,
-                   tensor_parallel=None) -> dict[str, int]:
+def check_parallel(config: ParallelConfig, world: int, model_config, pipeline=None) -> dict[str, int]:
     """Every check that needs no process group: the degrees' product, tp against the heads / MLP / vocabulary, the
     stages against the layers. Returns the degrees."""
     from .pipeline import PipelineConfig, check_pipeline
-    from .tensor import TensorParallelConfig, check_tensor_parallel
+    from .tensor import check_tensor_parallel
 
     degrees = config.degrees(world)
-    tensor_parallel = tensor_parallel or TensorParallelConfig()
     pipeline = pipeline or PipelineConfig()
-    check_tensor_parallel(model_config, degrees["tp"], tensor_parallel.sequence_parallel)
+    check_tensor_parallel(model_config, degrees["tp"])
     check_pipeline(model_config, degrees["pp"], pipeline.stages_per_rank)
     return degrees
 

@@ -147,12 +147,19 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return base
 
 
-def _median_time(fn, repeats: int = 5) -> float:
-    fn()  # warm-up
+def median_seconds(fn, repeats: int = 5, barrier: bool = False) -> float:
+    """The median wall time of ``fn()`` after one warm-up call (CUDA synchronized around it; ``barrier``: all ranks
+    start each call together, so the cores or links are shared as in training). The planner's profile uses it too."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
     times = []
     for _ in range(repeats):
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -185,7 +192,7 @@ def profile_costs(model: nn.Module, example: torch.Tensor) -> dict[str, float]:
         logits = base.lm_head(decoder.norm(x))
         base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size).backward()
 
-    costs = {"embed": _median_time(embed), "layer": _median_time(one_layer), "head": _median_time(head)}
+    costs = {"embed": median_seconds(embed), "layer": median_seconds(one_layer), "head": median_seconds(head)}
     base.zero_grad(set_to_none=True)
     return costs
 
@@ -269,17 +276,24 @@ class Pipeline:
             dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
-    @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The batch's mean loss through the pipeline, forward only (torch's ``schedule.eval``), on every rank."""
+    def _run(self, run, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``run`` (the schedule's ``step`` or ``eval``) over the micro-batches; the batch's mean loss on every rank."""
         from .tensor import tensor_parallel_loss
 
+        if input_ids.shape[0] % self.n_microbatches:
+            raise ValueError(f"a batch of {input_ids.shape[0]} sequences does not split into "
+                             f"{self.n_microbatches} micro-batches (pipeline.microbatches).")
         losses: list = []
         args = (input_ids,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         with tensor_parallel_loss(self.modules[-1]):
-            self.schedule.eval(*args, **kwargs)
+            run(*args, **kwargs)
         return self._broadcast_loss(losses, input_ids.device)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss through the pipeline, forward only (torch's ``schedule.eval``), on every rank."""
+        return self._run(self.schedule.eval, input_ids, labels)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' whole (gathered over tp / data shards) parameters and buffers, on the CPU, under
@@ -330,17 +344,7 @@ class Pipeline:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("pipeline parallelism takes unpadded batches (the stages carry no attention mask): "
                              "pack the sequences to a fixed length, as hf-dtrain pretrain does.")
-        if input_ids.shape[0] % self.n_microbatches:
-            raise ValueError(f"a batch of {input_ids.shape[0]} sequences does not split into "
-                             f"{self.n_microbatches} micro-batches (pipeline.microbatches).")
-        from .tensor import tensor_parallel_loss
-
-        losses: list = []
-        args = (input_ids,) if self.has_first else ()
-        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        with tensor_parallel_loss(self.modules[-1]):
-            self.schedule.step(*args, **kwargs)
-        return self._broadcast_loss(losses, input_ids.device)
+        return self._run(self.schedule.step, input_ids, labels)
 
 
 def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = None, *, batch_size: int,

@@ -323,26 +323,6 @@ def format_table(plans: list[Plan], top: Optional[int] = None) -> str:
 
 
 
-def _timed(fn, repeats: int = 5) -> float:
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    times = []
-    for _ in range(repeats):
-        if dist.is_initialized():
-            dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
     import torch
 
@@ -365,6 +345,8 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
 
     from hf_dtrain.models import llama_config
     from hf_dtrain.distributed import SavedTensorCounter, all_gather_single, reduce_scatter_single
+
+    from .pipeline import median_seconds
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -388,7 +370,7 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
                 layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos).sum().backward()
 
             rows.append([3 * layer_flops(d, batch * seq, seq), 3.0])
-            ys.append(_timed(step))
+            ys.append(median_seconds(step, barrier=True))
             with SavedTensorCounter(exclude=list(layer.parameters()))() as counter:
                 out = layer(x.clone().requires_grad_(True), attention_mask=mask, position_embeddings=pe,
                             position_ids=pos)
@@ -415,7 +397,7 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
                         ("reduce_scatter", lambda: reduce_scatter_single(part, full, group=group), (n - 1) / n),
                         ("all_reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n)):
                     c_rows.append([1.0, factor * numel * 4])
-                    c_ys.append(_timed(fn, repeats=5))
+                    c_ys.append(median_seconds(fn, barrier=True))
     latency, sec_per_byte = _lstsq(c_rows, c_ys) if c_rows else (0.0, 0.0)
     tp_overhead = 0.0
     config = llama_config(shapes[0])
@@ -441,7 +423,7 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
                 with tensor_parallel_loss(model):
                     model(input_ids=ids, labels=ids).loss.backward()
 
-            timings.append(_timed(tp_step, repeats=3))
+            timings.append(median_seconds(tp_step, repeats=3, barrier=True))
         tokens = batch * seq
         act = tokens * d["h"] * 4
         colls = 4 * ((latency + (world - 1) / world * act * sec_per_byte) * 2) if c_rows else 0.0
@@ -449,7 +431,7 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
     params = [torch.nn.Parameter(torch.randn(1 << 20, device=device))]
     params[0].grad = torch.randn(1 << 20, device=device)
     opt = torch.optim.AdamW(params, lr=1e-3)
-    t_opt = _timed(opt.step) / (1 << 20)
+    t_opt = median_seconds(opt.step, barrier=True) / (1 << 20)
     values = torch.tensor([sec_per_flop, overhead_3, latency, sec_per_byte, t_opt, tp_overhead],
                           dtype=torch.float64, device=device)
     if dist.is_initialized():  # the slowest rank's figures: the step waits for it

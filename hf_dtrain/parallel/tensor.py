@@ -82,7 +82,7 @@ def _tuner_kind(module: nn.Module):
     return first
 
 
-def check_tensor_parallel(model_config, tp: int, sequence_parallel: bool = True) -> None:
+def check_tensor_parallel(model_config, tp: int) -> None:
     """Refuse a ``tp`` degree the model's shapes do not allow, naming the dim and the fix (before any process group
     exists: the planner and the CLI call this first)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -152,7 +152,7 @@ class _TunerLinearParallel:
         distribute_module(module, mesh, partition, inputs, outputs)
 
 
-def _split_sequence(mesh):
+def _split_sequence():
     """Layer 0's input: the embedding's (replicated) output cut to this rank's sequence shard, no communication."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput
@@ -180,7 +180,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
                          "(model.embed_tokens, model.layers, model.norm, lm_head).")
     if getattr(model, "_hf_dtrain_tp", None) is not None:
         raise ValueError("apply_tensor_parallel: the model is already tensor-parallel; apply it once.")
-    check_tensor_parallel(base.config, tp, config.sequence_parallel)
+    check_tensor_parallel(base.config, tp)
     tied = base.config.tie_word_embeddings if hasattr(base.config, "tie_word_embeddings") else False
     sp, lp = config.sequence_parallel, config.loss_parallel
     seq = Shard(1) if sp else Replicate()
@@ -241,7 +241,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
             raise ValueError(f"tensor parallelism: no sharding rule for the adapter on {other[0]!r}; target the "
                              f"projections {list(COLWISE + ROWWISE)} only.")
     if sp and has_embed:  # the embedding's replicated output: the first layer takes its own sequence shard
-        parallelize_module(items[0][1], mesh, _split_sequence(mesh))
+        parallelize_module(items[0][1], mesh, _split_sequence())
     for n, p in base.named_parameters():  # torch's SequenceParallel re-creates the norm weights trainable
         if n in frozen:
             p.requires_grad_(False)

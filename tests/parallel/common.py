@@ -178,3 +178,32 @@ def hetero_reference():
         opt.zero_grad()
         losses.append(loss.item())
     return losses, [len(per_rank[r][0][0]["input_ids"]) for r in range(2)]
+
+
+def full_grads(named) -> dict:
+    """Every gradient of ``named`` (``model.named_parameters()``) as a whole tensor (DTensor shards gathered), under
+    the parameter's name without FSDP's wrapper prefix."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for n, p in named:
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            out[n.replace("_fsdp_wrapped_module.", "")] = g.detach().clone()
+    return out
+
+
+def one_process_run(model, loss_of, steps: int, lr: float):
+    """The single-process reference of the layout tests: ``steps`` AdamW steps on ``loss_of(model, step)``; every
+    step's loss and the first step's gradients."""
+    opt = torch.optim.AdamW(trainable(model), lr=lr)
+    losses, grads = [], None
+    for step in range(steps):
+        loss = loss_of(model, step)
+        loss.backward()
+        if step == 0:
+            grads = full_grads(model.named_parameters())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads

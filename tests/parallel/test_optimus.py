@@ -9,6 +9,8 @@ import torch
 
 from hf_dtrain.testing import random_batch
 
+from .common import one_process_run
+
 pytestmark = pytest.mark.slow
 STEPS, LR, BATCH = 8, 1e-2, 4
 
@@ -20,19 +22,8 @@ def _batch(step):
 def _reference():
     from hf_dtrain.testing import tiny_llama
 
-    model = tiny_llama(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], None
-    for step in range(STEPS):
-        b = _batch(step)
-        loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+    return one_process_run(tiny_llama(seed=0), lambda m, step: m(input_ids=_batch(step)["input_ids"],
+                                                                 labels=_batch(step)["labels"]).loss, STEPS, LR)
 
 
 def _rank(rank, world, out):

@@ -12,6 +12,8 @@ import torch
 
 from hf_dtrain.testing import random_batch
 
+from .common import full_grads, one_process_run
+
 pytestmark = pytest.mark.slow
 
 STEPS, LR, LAYERS, BATCH, SEQ = 6, 1e-2, 8, 8, 16
@@ -30,31 +32,9 @@ def _batch(step):
     return random_batch(batch=BATCH, seq=SEQ, seed=500 + step)
 
 
-def _grads(named):
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for n, p in named:
-        if p.grad is not None:
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            out[n] = g.detach().clone()
-    return out
-
-
 def _reference():
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], None
-    for step in range(STEPS):
-        b = _batch(step)
-        loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
-        loss.backward()
-        if step == 0:
-            grads = _grads(model.named_parameters())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+    return one_process_run(_model(), lambda m, step: m(input_ids=_batch(step)["input_ids"],
+                                                       labels=_batch(step)["labels"]).loss, STEPS, LR)
 
 
 def _pp_rank(rank, world, cases, out):
@@ -95,7 +75,7 @@ def _pp_rank(rank, world, cases, out):
                 torch.distributed.all_reduce(loss, group=mesh["dp_shard"].get_group())
                 loss /= dp
             if step == 0:
-                grads = {k: v.tolist() for k, v in _grads(pipe.named_parameters()).items()}
+                grads = {k: v.tolist() for k, v in full_grads(pipe.named_parameters()).items()}
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())

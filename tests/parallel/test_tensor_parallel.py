@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from .common import LR, STEPS, batch, build_model, trainable
+from .common import LR, STEPS, batch, build_model, full_grads, one_process_run, trainable
 
 pytestmark = pytest.mark.slow
 
@@ -38,30 +38,9 @@ def _model(method):
     return model
 
 
-def _full_grads(model):
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            out[n.replace("_fsdp_wrapped_module.", "")] = g.detach().clone()
-    return out
-
-
 def _reference(method, dp):
-    model = _model(method)
-    opt = torch.optim.AdamW(trainable(model), lr=LR)
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = sum(model(**batch(step, d)).loss for d in range(dp)) / dp
-        loss.backward()
-        if step == 0:
-            grads = _full_grads(model)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+    return one_process_run(_model(method), lambda m, step: sum(m(**batch(step, d)).loss for d in range(dp)) / dp,
+                           STEPS, LR)
 
 
 def _tp_rank(rank, world, cases, out):
@@ -88,7 +67,7 @@ def _tp_rank(rank, world, cases, out):
             value = local_loss(loss).detach().clone()
             dist.all_reduce(value, group=mesh["dp_shard"].get_group())
             if step == 0:
-                grads = {k: v.tolist() for k, v in _full_grads(model).items()}
+                grads = {k: v.tolist() for k, v in full_grads(model.named_parameters()).items()}
             opt.step()
             opt.zero_grad()
             losses.append(value.item() / dp)
