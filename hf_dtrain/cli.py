@@ -3,6 +3,8 @@
 Subcommands:
   finetune     fine-tune a base model with lora / dora / lorafa / smt / full (see :mod:`hf_dtrain.finetune`)
   pretrain     pretrain a LLaMA from a LlamaConfig preset (see :mod:`hf_dtrain.pretrain`)
+  sweep        a grid of finetune jobs trained fused, as one model (see :mod:`hf_dtrain.sweep`)
+  plan         rank the parallelism plans of a model on a machine (see :mod:`hf_dtrain.plan`)
   build-base   build (and cache) the embedded default base model
 
 Both jobs take the engine configs held by :class:`hf_dtrain.compose.ComposeOptions` as flag sections, generated
@@ -142,6 +144,60 @@ def job_config_from_args(ns: argparse.Namespace, cls=FinetuneConfig):
     return cls.from_dict(merge(recipe, args_to_data(ns, cls), cls), where=where)
 
 
+def _list_of(conv):
+    def parse(text):
+        items = [t for t in str(text).split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return [conv(t.strip()) for t in items]
+
+    parse.__name__ = f"list of {conv.__name__}"
+    return parse
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """``hf-dtrain finetune``'s flags (the settings every job shares), the grid's axes as comma-separated lists
+    (``--lr 1e-4,3e-4 --r 8,16 --seed 0,1``), ``--recipes`` (one job per YAML) and ``--fused.*`` (FusedConfig)."""
+    from hf_dtrain.fused import FusedConfig
+    from hf_dtrain.sweep import GRID_AXES
+
+    add_job_arguments(parser, FinetuneConfig)
+    hints = typing.get_type_hints(FinetuneConfig)
+    grid = parser.add_argument_group("the grid (comma-separated values; every combination is one job)")
+    for short, name in GRID_AXES.items():
+        base, _ = unwrap_optional(hints[name])
+        flags = [flag_of(name)] + ([flag_of(short)] if short != name else [])
+        f = next(f for f in dataclasses.fields(FinetuneConfig) if f.name == name)
+        grid.add_argument(*flags, dest=f"grid.{name}", type=_list_of({int: int, float: float}.get(base, float)),
+                          default=argparse.SUPPRESS, metavar="V[,V...]", help=help_of(f))
+    grid.add_argument("--recipes", dest="grid.recipes", type=_list_of(str), default=argparse.SUPPRESS,
+                      metavar="A.yaml[,B.yaml...]",
+                      help="One job per finetune recipe (the grid's axes then expand each); flags given here apply to all.")
+    fused = parser.add_argument_group(f"fused (FusedConfig, {FusedConfig.__module__})")
+    fh = typing.get_type_hints(FusedConfig)
+    for f in dataclasses.fields(FusedConfig):
+        conv, _ = _converter(fh[f.name])
+        fused.add_argument(flag_of(f"fused.{f.name}"), dest=f"fused.{f.name}", type=conv, default=argparse.SUPPRESS,
+                           help=help_of(f))
+
+
+def sweep_config_from_args(ns: argparse.Namespace):
+    """The ``SweepConfig`` of ``hf-dtrain sweep``'s arguments: every recipe (or the flags alone) expanded by the grid."""
+    from hf_dtrain.sweep import SweepConfig, expand_grid
+
+    given = vars(ns)
+    axes = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("grid.") and k != "grid.recipes"}
+    fused = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("fused.")}
+    shared = argparse.Namespace(**{k: v for k, v in given.items() if not k.startswith(("grid.", "fused."))})
+    recipes = given.get("grid.recipes") or [getattr(ns, "recipe", None)]
+    jobs = []
+    for recipe in recipes:
+        shared.recipe = recipe
+        jobs += expand_grid(job_config_from_args(shared, FinetuneConfig), **axes)
+    base = jobs[0]
+    return SweepConfig(jobs=jobs, fused=fused, output_dir=base.output_dir, progress=base.progress, report=base.report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dtrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pt = sub.add_parser("pretrain", help="pretrain a LLaMA from a LlamaConfig preset with any compatible parts")
     add_job_arguments(pt, PretrainConfig)
+    sw = sub.add_parser("sweep", conflict_handler="resolve",
+                        help="train a grid of finetune jobs fused, as one model (HFTA): --lr 1e-4,3e-4 --r 8,16 --seed 0,1")
+    add_sweep_arguments(sw)
     sub.add_parser("plan", help="rank the parallelism plans of a model on a machine (hf-dtrain plan --help)",
                    add_help=False)
     bb = sub.add_parser("build-base", help="build and cache the embedded default base model")
@@ -182,6 +241,24 @@ def main(argv: list[str] | None = None) -> int:
         from hf_dtrain.models import build_default_model
 
         print(build_default_model(ns.preset, cache_dir=ns.cache_dir, steps=ns.steps, seed=ns.seed))
+        return 0
+    if ns.command == "sweep":
+        from hf_dtrain.sweep import run_sweep
+
+        try:
+            cfg = sweep_config_from_args(ns)
+        except (ValueError, TypeError, OSError) as e:
+            raise SystemExit(f"hf-dtrain sweep: {e}") from None
+        try:
+            run_sweep(cfg)
+        except ValueError as e:
+            if "fit" in str(e):  # the memory guard: how many jobs fit, and what to change
+                raise SystemExit(f"hf-dtrain sweep: {e}") from None
+            raise
+        finally:
+            from hf_dtrain.distributed import release_process_group
+
+            release_process_group()
         return 0
     if ns.command in ("finetune", "pretrain"):
         if ns.command == "finetune":

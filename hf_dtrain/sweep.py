@@ -167,6 +167,10 @@ def _write_sweep(out_dir: str, rows: list[dict], histories: dict[str, list[float
              f"{r['eval_loss_after']:.4f} | {r['accuracy_after']:.3f} | {r['train_seconds']:.1f} |" for r in rows]
     with open(os.path.join(out_dir, "sweep.md"), "w") as f:
         f.write(head + "\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, "README.md"), "w") as f:  # in place of the card peft writes at the root
+        f.write(f"# Fused sweep of {len(rows)} {rows[0]['method']} jobs (hf-dtrain sweep)\n\nEach job's adapter, "
+                "model card and results are in its own directory.\n\n" + head + "\n".join(lines)
+                + "\n\n![loss curves](sweep.png)\n")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -36,7 +36,7 @@ class FusedConfig:
         "min": 0, "help": "Per-job gradient-norm clip (the Trainer's max_grad_norm); 0 turns it off."})
     memory_budget: Optional[str] = field(default=None, metadata={
         "help": "Memory the fused step may use, e.g. '20GiB'; None: the free GPU memory, or on CPU the available RAM, "
-                "less 10%."})
+                "less a tenth."})
     on_overflow: str = field(default="split", metadata={
         "help": "When K jobs would not fit the budget: 'split' into fused groups that fit (run one after another), "
                 "or 'error'."})

@@ -146,5 +146,6 @@ class JobSchedules:
         return [s.get_last_lr()[0] for s in self._scheds]
 
     def step(self) -> None:
-        for s in self._scheds:
+        for o, s in zip(self._opts, self._scheds):
+            o.step()  # a no-op (no gradient): the schedule's order check wants optimizer.step() first
             s.step()
