@@ -96,15 +96,22 @@ def stack_batches(batches: list[dict], pad_id: int) -> dict:
     return out
 
 
-def per_job_loss(logits: torch.Tensor, labels: torch.Tensor, num_jobs: int) -> torch.Tensor:
-    """``(K,)`` causal-LM losses: each job's summed next-token cross entropy over its supervised tokens, divided by
-    the count of its labels that are not ignored (what the Trainer passes as ``num_items_in_batch``)."""
+def per_job_loss(logits: torch.Tensor, labels: torch.Tensor, num_jobs: int, counts: torch.Tensor | None = None):
+    """``(K,)`` causal-LM losses: each job's summed next-token cross entropy over its supervised tokens divided by
+    ``counts`` (default: the job's own count of shifted labels that are not ignored, the Trainer's
+    ``num_items_in_batch``)."""
     vocab = logits.shape[-1]
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     ce = F.cross_entropy(logits.float().reshape(-1, vocab), shifted.reshape(-1), ignore_index=IGNORE_INDEX,
                          reduction="none")
-    counts = (labels != IGNORE_INDEX).reshape(num_jobs, -1).sum(1)
+    if counts is None:
+        counts = token_counts(labels, num_jobs)
     return ce.reshape(num_jobs, -1).sum(1) / counts.clamp(min=1)
+
+
+def token_counts(labels: torch.Tensor, num_jobs: int) -> torch.Tensor:
+    """Each job's count of supervised next-token targets (``labels[..., 1:]`` not ignored), as the Trainer counts."""
+    return (labels[..., 1:] != IGNORE_INDEX).reshape(num_jobs, -1).sum(1)
 
 
 def no_decay(name: str) -> bool:
@@ -153,8 +160,15 @@ class FusedTrainer:
     def _forward_losses(self, batch: dict) -> torch.Tensor:
         device = next(iter(self.fused.parameters())).device
         batch = {k: v.to(device) for k, v in batch.items()}
+        counts = token_counts(batch["labels"], self.num_jobs)
+        scale = 1.0
+        if self.module is not self.model:
+            # as the Trainer (average_tokens_across_devices): each job's loss is over its tokens on all ranks, times
+            # the world size, which DDP's gradient average divides out again
+            torch.distributed.all_reduce(counts)
+            scale = float(torch.distributed.get_world_size())
         out = self.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        return per_job_loss(out.logits, batch["labels"], self.num_jobs)
+        return per_job_loss(out.logits, batch["labels"], self.num_jobs, counts) * scale
 
     def step(self) -> list[float]:
         self.model.train()
@@ -164,7 +178,7 @@ class FusedTrainer:
         ok = torch.isfinite(losses.detach()) & alive
         torch.where(ok, losses, torch.zeros((), device=losses.device)).sum().backward()
         values = losses.detach().clone()
-        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):  # the jobs' mean loss over the ranks
+        if self.module is not self.model:  # each job's loss over all ranks' tokens
             torch.distributed.all_reduce(values)
             values /= torch.distributed.get_world_size()
         for p in self.fused.parameters():  # a stopped or failing job's gradient is dropped (NaN * 0 is NaN)

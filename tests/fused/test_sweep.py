@@ -201,3 +201,36 @@ def test_grid_flags_are_checked_before_any_work(base_path):
         main(["sweep", "--method", "qahira", "--model", base_path, "--lr", "1e-3,2e-3"])
     with pytest.raises(SystemExit):
         main(["sweep", "--method", "lora", "--r", "4,x"])
+
+
+def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(base_path, tmp_path):
+    """Two gloo ranks, each feeding its shard of every job's batches into one DDP-wrapped fused model: a job equals
+    the same job under hf-dtrain finetune on the same two ranks (the Trainer's DDP)."""
+    import subprocess
+    import sys
+
+    from hf_dtrain.testing import free_port
+
+    common = ["--model", base_path, "--task-digits", "1", "--train-size", "400", "--eval-size", "16",
+              "--max-steps", "12", "--warmup-steps", "2", "--per-device-train-batch-size", "4", "--progress", "false",
+              "--report", "false", "--logging-steps", "1", "--method", "lora"]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def launch(*args):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
+               "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", *args, *common]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    launch("sweep", "--lr", "3e-3,1e-2", "--r", "4,8", "--output-dir", str(tmp_path / "sweep"))
+    launch("finetune", "--learning-rate", "1e-2", "--lora-r", "8", "--output-dir", str(tmp_path / "alone"))
+    with open(tmp_path / "sweep" / "lr0p01-r8" / "results.json") as f:
+        fused = json.load(f)
+    with open(tmp_path / "alone" / "results.json") as f:
+        alone = json.load(f)
+    assert fused["world_size"] == alone["world_size"] == 2
+    a, b = _weights(tmp_path / "sweep" / "lr0p01-r8"), _weights(tmp_path / "alone")
+    assert max(_rel(a[k], b[k]) for k in b if b[k].norm() > 0) < TOL
+    for step, value in alone["losses"].items():
+        assert abs(fused["losses"][step] - value) <= TOL * abs(value)
