@@ -16,6 +16,7 @@ over the fused array, each rank feeding its own shard of every job's batches.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -155,6 +156,7 @@ class FusedTrainer:
         self.alive = [True] * self.num_jobs
         self.stopped: dict[int, dict] = {}
         self.history: list[list[float]] = []
+        self.step_seconds: list[float] = []  # wall time of every step (data loading included)
         self.global_step = 0
 
     def _forward_losses(self, batch: dict) -> torch.Tensor:
@@ -171,6 +173,7 @@ class FusedTrainer:
         return per_job_loss(out.logits, batch["labels"], self.num_jobs, counts) * scale
 
     def step(self) -> list[float]:
+        t0 = time.perf_counter()
         self.model.train()
         batch = stack_batches([next(j.batches) for j in self.jobs], self.pad_id)
         losses = self._forward_losses(batch)
@@ -181,8 +184,9 @@ class FusedTrainer:
         if self.module is not self.model:  # each job's loss over all ranks' tokens
             torch.distributed.all_reduce(values)
             values /= torch.distributed.get_world_size()
+        all_ok = bool(ok.all())
         for p in self.fused.parameters():  # a stopped or failing job's gradient is dropped (NaN * 0 is NaN)
-            if p.grad is not None:
+            if p.grad is not None and not all_ok:
                 keep = ok.view(-1, *([1] * (p.dim() - 1)))
                 p.grad = torch.where(keep, p.grad, torch.zeros((), dtype=p.grad.dtype, device=p.grad.device))
         norms = self.optimizer.clip_grad_norm_(self.config.max_grad_norm)
@@ -198,6 +202,7 @@ class FusedTrainer:
         self.global_step += 1
         row = [float(v) if a else float("nan") for v, a in zip(values.tolist(), self.alive)]
         self.history.append(row)
+        self.step_seconds.append(time.perf_counter() - t0)
         return row
 
     def train(self, progress: bool = True, desc: str = "fused jobs") -> list[list[float]]:

@@ -15,10 +15,15 @@ import math
 import torch
 
 
-def _per_job(values, like: torch.Tensor) -> torch.Tensor:
+def _per_job(values, like: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
     """``(K,)`` float64 values -> ``(K, 1, ..., 1)`` in ``like``'s dtype and device (cast once, as a Python float
-    scalar is cast by an in-place op)."""
-    t = torch.as_tensor(values, dtype=torch.float64).to(device=like.device, dtype=like.dtype)
+    scalar is cast by an in-place op). ``cache`` keeps one converted vector per (key, dtype, device) for a step."""
+    key = (id(values), like.dtype, like.device)
+    t = None if cache is None else cache.get(key)
+    if t is None:
+        t = torch.as_tensor(values, dtype=torch.float64).to(device=like.device, dtype=like.dtype)
+        if cache is not None:
+            cache[key] = t
     return t.view(-1, *([1] * (like.dim() - 1)))
 
 
@@ -44,6 +49,7 @@ class FusedAdamW:
         self.decay = list(decay) if decay is not None else [True] * len(self.params)
         self.pairs = pairs or {}
         self.state = [dict(m=torch.zeros_like(p), v=torch.zeros_like(p)) for p in self.params]
+        self._inverses: dict[int, torch.Tensor] = {}  # LoRA-FA: (A A^T + 1e-8 I)^+ per B (A is frozen)
         self.steps = [0] * num_jobs  # per job: a stopped job's count stops too
 
     def zero_grad(self) -> None:
@@ -76,6 +82,14 @@ class FusedAdamW:
         steps = [max(s, 1) for s in self.steps]
         lrs = [float(lr) if a else 0.0 for lr, a in zip(lrs, active)]
         mask = None if all(active) else torch.tensor(active)
+        # this step's per-job scalars, each converted once per dtype and device
+        c = self._coefficients = dict(
+            decay=[1 - lr * wd for lr, wd in zip(lrs, self.weight_decay)],
+            step_size=[lr / (1 - b1**s) for lr, s in zip(lrs, steps)],
+            bc2_sqrt=[math.sqrt(1 - b2**s) for s in steps],
+            lorafa_step=[lr * math.sqrt(1 - b2**s) / (1 - b1**s) for lr, s in zip(lrs, steps)],
+            lorafa_decay=[lr * wd for lr, wd in zip(lrs, self.weight_decay)])
+        cache: dict = {}
         for p, st, decay in zip(self.params, self.state, self.decay):
             if p.grad is None:
                 continue
@@ -84,10 +98,10 @@ class FusedAdamW:
                 keep = mask.to(p.device).view(-1, *([1] * (p.dim() - 1)))
                 g = torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
             if self.rule == "lorafa":
-                self._lorafa(p, g, st, lrs, steps, decay, mask)
+                self._lorafa(p, g, st, c, cache, mask)
                 continue
-            if decay:
-                p.mul_(_per_job([1 - lr * wd for lr, wd in zip(lrs, self.weight_decay)], p))
+            if decay and any(wd != 0 for wd in self.weight_decay):
+                p.mul_(_per_job(c["decay"], p, cache))
             m, v = st["m"], st["v"]
             m_new = m.lerp(g, 1 - b1)
             v_new = (v * b2).addcmul_(g, g, value=1 - b2)
@@ -96,20 +110,19 @@ class FusedAdamW:
                 v_new = torch.where(keep, v_new, v)
             m.copy_(m_new)
             v.copy_(v_new)
-            step_size = _per_job([lr / (1 - b1**s) for lr, s in zip(lrs, steps)], p)
-            bc2_sqrt = _per_job([math.sqrt(1 - b2**s) for s in steps], p)
-            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-            p.sub_(m / denom * step_size)
+            denom = (v.sqrt() / _per_job(c["bc2_sqrt"], p, cache)).add_(self.eps)
+            p.sub_(m / denom * _per_job(c["step_size"], p, cache))
 
-    def _lorafa(self, p, g, st, lrs, steps, decay, mask) -> None:
+    def _lorafa(self, p, g, st, c, cache, mask) -> None:
         """peft's ``LoraFAOptimizer`` step (peft 0.21), per job."""
         b1, b2 = self.betas
         pair = self.pairs.get(id(p))
         if pair is not None:
             a, scaling = pair
-            r = a.shape[1]
-            eye = torch.eye(r, dtype=a.dtype, device=a.device)
-            inv = torch.linalg.pinv(a @ a.transpose(1, 2) + 1e-8 * eye)
+            inv = self._inverses.get(id(p))
+            if inv is None:  # peft recomputes it every step; A never changes, so once is the same value
+                eye = torch.eye(a.shape[1], dtype=a.dtype, device=a.device)
+                inv = self._inverses[id(p)] = torch.linalg.pinv(a @ a.transpose(1, 2) + 1e-8 * eye)
             from peft.optimizers import lorafa as peft_lorafa
 
             # as peft computes it: in bf16 autocast wherever accelerate reports bf16 (CPUs included)
@@ -125,10 +138,9 @@ class FusedAdamW:
         m.copy_(m_new)
         v.copy_(v_new)
         denom = v.sqrt().add_(self.eps)
-        step_size = _per_job([lr * math.sqrt(1 - b2**s) / (1 - b1**s) for lr, s in zip(lrs, steps)], p)
-        p.sub_(m / denom * step_size)
+        p.sub_(m / denom * _per_job(c["lorafa_step"], p, cache))
         if any(wd > 0 for wd in self.weight_decay):
-            p.sub_(p * _per_job([lr * wd for lr, wd in zip(lrs, self.weight_decay)], p))
+            p.sub_(p * _per_job(c["lorafa_decay"], p, cache))
 
 
 class JobSchedules:
