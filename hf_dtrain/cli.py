@@ -182,20 +182,35 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sweep_config_from_args(ns: argparse.Namespace):
-    """The ``SweepConfig`` of ``hf-dtrain sweep``'s arguments: every recipe (or the flags alone) expanded by the grid."""
-    from hf_dtrain.sweep import SweepConfig, expand_grid
+    """The ``SweepConfig`` of ``hf-dtrain sweep``'s arguments. A recipe (``--recipe``, or each of ``--recipes``) holds
+    finetune fields, and optionally ``grid:`` (axis -> list of values) and ``fused:`` (FusedConfig) mappings; flags
+    given on the command line win, field by field (a grid axis flag replaces that axis)."""
+    from hf_dtrain.sweep import GRID_AXES, SweepConfig, expand_grid
 
     given = vars(ns)
-    axes = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("grid.") and k != "grid.recipes"}
-    fused = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("fused.")}
-    shared = argparse.Namespace(**{k: v for k, v in given.items() if not k.startswith(("grid.", "fused."))})
-    recipes = given.get("grid.recipes") or [getattr(ns, "recipe", None)]
-    jobs = []
-    for recipe in recipes:
-        shared.recipe = recipe
-        jobs += expand_grid(job_config_from_args(shared, FinetuneConfig), **axes)
+    flag_axes = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("grid.") and k != "grid.recipes"}
+    flag_fused = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("fused.")}
+    shared = argparse.Namespace(**{k: v for k, v in given.items()
+                                   if not k.startswith(("grid.", "fused.")) and k != "recipe"})
+    recipes = given.get("grid.recipes") or [given.get("recipe")]
+    jobs, fused = [], {}
+    for path in recipes:
+        data = load_recipe(path) if path else {}
+        grid = data.pop("grid", None) or {}
+        if not isinstance(grid, dict):
+            raise ValueError(f"recipe {path}: grid must be a mapping of axis -> list of values.")
+        unknown = [k for k in grid if k not in GRID_AXES and k not in GRID_AXES.values()]
+        if unknown:
+            raise ValueError(f"recipe {path}: grid axes {unknown} are unknown; use {sorted(GRID_AXES)}.")
+        axes = {GRID_AXES.get(k, k): (v if isinstance(v, list) else [v]) for k, v in grid.items()}
+        axes.update(flag_axes)
+        fused = {**(data.pop("fused", None) or {}), **fused}
+        where = f"recipe {path}" if path else "FinetuneConfig"
+        base = FinetuneConfig.from_dict(merge(data, args_to_data(shared, FinetuneConfig), FinetuneConfig), where=where)
+        jobs += expand_grid(base, **axes)
     base = jobs[0]
-    return SweepConfig(jobs=jobs, fused=fused, output_dir=base.output_dir, progress=base.progress, report=base.report)
+    return SweepConfig(jobs=jobs, fused={**fused, **flag_fused}, output_dir=base.output_dir, progress=base.progress,
+                       report=base.report)
 
 
 def build_parser() -> argparse.ArgumentParser:

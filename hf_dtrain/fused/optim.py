@@ -103,15 +103,15 @@ class FusedAdamW:
             if decay and any(wd != 0 for wd in self.weight_decay):
                 p.mul_(_per_job(c["decay"], p, cache))
             m, v = st["m"], st["v"]
-            m_new = m.lerp(g, 1 - b1)
-            v_new = (v * b2).addcmul_(g, g, value=1 - b2)
-            if mask is not None:  # a stopped job's moments stay as they were
-                m_new = torch.where(keep, m_new, m)
-                v_new = torch.where(keep, v_new, v)
-            m.copy_(m_new)
-            v.copy_(v_new)
-            denom = (v.sqrt() / _per_job(c["bc2_sqrt"], p, cache)).add_(self.eps)
-            p.sub_(m / denom * _per_job(c["step_size"], p, cache))
+            if mask is None:  # in place, as torch's AdamW
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            else:  # a stopped job's moments stay as they were
+                m.copy_(torch.where(keep, m.lerp(g, 1 - b1), m))
+                v.copy_(torch.where(keep, (v * b2).addcmul_(g, g, value=1 - b2), v))
+            denom = v.sqrt().div_(_per_job(c["bc2_sqrt"], p, cache)).add_(self.eps)
+            torch.div(m, denom, out=denom)  # m / denom, in the buffer it no longer needs
+            p.sub_(denom.mul_(_per_job(c["step_size"], p, cache)))
 
     def _lorafa(self, p, g, st, c, cache, mask) -> None:
         """peft's ``LoraFAOptimizer`` step (peft 0.21), per job."""
