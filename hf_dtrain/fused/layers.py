@@ -63,7 +63,7 @@ class FusedLowRank(nn.Module):
         d = torch.bmm(torch.bmm(h, a.transpose(1, 2)).to(b.dtype), b.transpose(1, 2)) * self.scaling
         if self.pool > 1:
             d = torch.repeat_interleave(d, self.pool, dim=-1)
-        return out + d.reshape(out.shape).to(out.dtype)
+        return (out + d.reshape(out.shape)).to(out.dtype)  # summed in the wider dtype, as peft's layers do
 
 
 class FusedBlockSparse(nn.Module):
@@ -107,7 +107,7 @@ class FusedBlockSparse(nn.Module):
         blocks = self.smt_weight.reshape(-1, bs, bs).index_select(0, self.pick)
         d = BlockSparseDelta.apply(x_cat, blocks, self.rows, self.cols, k * self.out_features, (self.ucols, self.pos))
         d = d.view(n, k, self.out_features).transpose(0, 1)
-        return out + d.reshape(out.shape).to(out.dtype)
+        return (out + d.reshape(out.shape)).to(out.dtype)
 
 
 class FusedLinear(nn.Module):

@@ -123,3 +123,35 @@ def test_jobs_of_a_method_that_cannot_fuse_are_refused():
         fuse_adapters(peft_model, ["a"])
     with pytest.raises(ValueError, match="architecture"):
         fuse_models([tiny_llama(), tiny_llama(num_hidden_layers=1)])
+
+
+def test_fused_lora_on_a_bf16_base_equals_peft_alone():
+    """bf16 base weights, fp32 adapters (peft's autocast_adapter_dtype): the fused step adds the adapter in fp32 and
+    casts back, as peft's layer does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import get_scheduler
+
+    base = tiny_llama(dtype=torch.bfloat16)
+    reference = copy.deepcopy(base)
+    lrs, ranks = [1e-2, 3e-3], [4, 8]
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), adapter_name="a")
+    torch.manual_seed(1)
+    peft_model.add_adapter("b", LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    fused = fuse_adapters(peft_model, ["a", "b"])
+    history = FusedTrainer(fused, [FusedJob("a", lrs[0], _batches(0)), FusedJob("b", lrs[1], _batches(1))], 10,
+                           FusedConfig(max_grad_norm=0)).train(progress=False)
+    for k in range(2):
+        torch.manual_seed(k)
+        alone = get_peft_model(copy.deepcopy(reference), LoraConfig(r=ranks[k], target_modules=["q_proj", "v_proj"]))
+        opt = torch.optim.AdamW([p for p in alone.parameters() if p.requires_grad], lr=lrs[k], weight_decay=0.0)
+        sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=10)
+        data, losses = _batches(k), []
+        for _ in range(10):
+            loss = alone(**next(data)).loss
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert max(abs(row[k] - ref) / ref for row, ref in zip(history, losses)) < 1e-5

@@ -58,9 +58,11 @@ def _assert_same(fused_dir, fused_losses, alone_dir, alone_losses):
     assert len(fused_losses) == len(alone_losses) == STEPS
 
 
-@pytest.mark.parametrize("method", ["lora", "lorafa", "lorafa-optimizer", "qbara", "full"])
+@pytest.mark.parametrize("method", ["lora", "lora-nf4", "lorafa", "lorafa-optimizer", "qbara", "full"])
 def test_each_fused_job_equals_the_job_run_alone(base_path, tmp_path, method, monkeypatch):
     kw = {}
+    if method == "lora-nf4":  # the frozen base a bitsandbytes 4-bit model, run once for both jobs
+        kw, method = dict(quantize="nf4", quant_group_size=16), "lora"
     if method.startswith("lorafa"):
         kw["lorafa_optimizer"] = method == "lorafa-optimizer"
         if kw["lorafa_optimizer"]:
