@@ -7,7 +7,8 @@ import os
 import tempfile
 from datetime import timedelta
 
-from hf_dtrain.parallel.planner import ACTIVATION_POLICIES, GiB, MachineProfile, format_table, parse_bytes, rank_plans
+from hf_dtrain.parallel.planner import ACTIVATION_POLICIES, GiB, MachineProfile, format_table, rank_plans
+from hf_dtrain.settings import parse_bytes
 
 
 def _calibrate(rank: int, world: int, port: int, out: str) -> None:

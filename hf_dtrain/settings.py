@@ -268,3 +268,21 @@ def check_number(config: Any, name: str, gt: Optional[float] = None, low: Option
         bound = f" > {gt}" if gt is not None else (f" >= {low}" if low is not None else "")
         raise ValueError(f"{type(config).__name__}.{name} must be a finite number{bound}, got {value!r}; set "
                          f"{key or name}.")
+
+
+def parse_bytes(text) -> float:
+    """``80GB`` / ``80GiB`` / ``512MB`` / a number of bytes -> bytes (binary units)."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    t = str(text).strip().upper().replace("IB", "B")
+    for unit, factor in (("TB", 1024 ** 4), ("GB", 1024 ** 3), ("MB", 1024 ** 2), ("KB", 1024), ("B", 1)):
+        if t.endswith(unit):
+            try:
+                return float(t[: -len(unit)]) * factor
+            except ValueError:
+                break
+    try:
+        return float(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: give e.g. 80GB, 512MB or a number of bytes.") from None
+

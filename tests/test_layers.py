@@ -15,8 +15,9 @@ PACKAGE = os.path.join(ROOT, "hf_dtrain")
 LAYERS = [
     ("base", {"distributed", "quantization", "models", "tasks", "settings", "optimizer_wrapper"}),
     ("engines", {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault", "parallel"}),
+    ("engines over the tuners", {"fused"}),  # it fuses the tuners' adapters, so it knows their layers
     ("composition", {"compose", "callbacks", "model_card"}),
-    ("jobs", {"finetune", "pretrain", "plan"}),
+    ("jobs", {"finetune", "pretrain", "plan", "sweep"}),
     ("cli", {"cli"}),
 ]
 LEVEL = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}

@@ -57,7 +57,7 @@ class FusedConfig:
 
     def budget_bytes(self) -> int:
         if self.memory_budget is not None:
-            from hf_dtrain.parallel.planner import parse_bytes
+            from hf_dtrain.settings import parse_bytes
 
             try:
                 return int(parse_bytes(self.memory_budget))

@@ -449,20 +449,3 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
                           overlap=0.0, device_memory=device_memory, tp_layer_overhead=tp_overhead,
                           ranks_per_node=ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                           compute_slots=None if device.type == "cuda" else float(len(os.sched_getaffinity(0))))
-
-
-def parse_bytes(text) -> float:
-    """``80GB`` / ``80GiB`` / ``512MB`` / a number of bytes -> bytes."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    t = str(text).strip().upper().replace("IB", "B")
-    for unit, factor in (("TB", 1024 ** 4), ("GB", GiB), ("MB", 1024 ** 2), ("KB", 1024), ("B", 1)):
-        if t.endswith(unit):
-            try:
-                return float(t[: -len(unit)]) * factor
-            except ValueError:
-                break
-    try:
-        return float(t)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size: give e.g. 80GB, 512MB or a number of bytes.") from None

@@ -236,3 +236,22 @@ def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(bas
     assert max(_rel(a[k], b[k]) for k in b if b[k].norm() > 0) < TOL
     for step, value in alone["losses"].items():
         assert abs(fused["losses"][step] - value) <= TOL * abs(value)
+
+
+def test_the_sweep_recipe_and_flags_reach_the_configs_unchanged():
+    import dataclasses
+
+    from hf_dtrain.cli import build_parser, sweep_config_from_args
+    from hf_dtrain.fused import FusedConfig
+
+    ns = build_parser().parse_args(["sweep", "--recipe", "recipes/sweep_lorafa.yaml", "--seed", "5",
+                                    "--fused.memory-budget", "2GiB", "--fused.max-grad-norm", "0.5",
+                                    "--max-steps", "7"])
+    cfg = sweep_config_from_args(ns)
+    assert len(cfg.jobs) == 4  # lr 2 x r 2; the --seed flag replaced the recipe's seed axis
+    assert {(j.learning_rate, j.lora_r, j.seed, j.max_steps, j.method) for j in cfg.jobs} == {
+        (lr, r, 5, 7, "lorafa") for lr in (1e-3, 4e-3) for r in (8, 16)}
+    assert cfg.fused == FusedConfig(memory_budget="2GiB", max_grad_norm=0.5, on_overflow="split")
+    assert cfg.output_dir == "outputs/sweep-lorafa"
+    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions}
+    assert {f"fused.{f.name}" for f in dataclasses.fields(FusedConfig)} <= flags  # every engine field is a flag
