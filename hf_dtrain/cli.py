@@ -264,12 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = sweep_config_from_args(ns)
         except (ValueError, TypeError, OSError) as e:
             raise SystemExit(f"hf-dtrain sweep: {e}") from None
+        from hf_dtrain.fused import FusedMemoryError
+
         try:
             run_sweep(cfg)
-        except ValueError as e:
-            if "fit" in str(e):  # the memory guard: how many jobs fit, and what to change
-                raise SystemExit(f"hf-dtrain sweep: {e}") from None
-            raise
+        except FusedMemoryError as e:  # the memory guard: how many jobs fit, and what to change
+            raise SystemExit(f"hf-dtrain sweep: {e}") from None
         finally:
             from hf_dtrain.distributed import release_process_group
 

@@ -29,6 +29,10 @@ IGNORE_INDEX = -100
 OVERFLOW = ("split", "error")
 
 
+class FusedMemoryError(ValueError):
+    """The fused jobs do not fit the memory budget (the message says how many fit and what to change)."""
+
+
 @dataclass
 class FusedConfig:
     """How K jobs are trained fused (``hf-dtrain sweep --fused.*``)."""
@@ -279,7 +283,7 @@ def plan_groups(num_jobs: int, per_job_bytes: int, shared_bytes: int, config: Fu
     fit = (budget - shared_bytes) // max(1, per_job_bytes)
     gib = 2**30
     if fit < 1:
-        raise ValueError(f"not even one job fits: the shared base takes {shared_bytes / gib:.2f} GiB and one job's "
+        raise FusedMemoryError(f"not even one job fits: the shared base takes {shared_bytes / gib:.2f} GiB and one job's "
                          f"step {per_job_bytes / gib:.2f} GiB, the budget is {budget / gib:.2f} GiB; lower "
                          "per_device_train_batch_size or the sequence length, or raise --fused.memory-budget.")
     if config.max_jobs_per_group is not None:
@@ -287,7 +291,7 @@ def plan_groups(num_jobs: int, per_job_bytes: int, shared_bytes: int, config: Fu
     if fit >= num_jobs:
         return [list(range(num_jobs))]
     if config.on_overflow == "error" and (config.max_jobs_per_group is None or fit < config.max_jobs_per_group):
-        raise ValueError(f"{num_jobs} fused jobs would need about {(shared_bytes + num_jobs * per_job_bytes) / gib:.2f} "
+        raise FusedMemoryError(f"{num_jobs} fused jobs would need about {(shared_bytes + num_jobs * per_job_bytes) / gib:.2f} "
                          f"GiB; the budget is {budget / gib:.2f} GiB, so {int(fit)} fit at once. Use "
                          "--fused.on-overflow split (groups run one after another), fewer jobs, or a larger "
                          "--fused.memory-budget.")

@@ -85,9 +85,9 @@ class FusedAdamW:
         # this step's per-job scalars, each converted once per dtype and device
         c = self._coefficients = dict(
             decay=[1 - lr * wd for lr, wd in zip(lrs, self.weight_decay)],
-            step_size=[lr / (1 - b1**s) for lr, s in zip(lrs, steps)],
+            neg_step_size=[-(lr / (1 - b1**s)) for lr, s in zip(lrs, steps)],
             bc2_sqrt=[math.sqrt(1 - b2**s) for s in steps],
-            lorafa_step=[lr * math.sqrt(1 - b2**s) / (1 - b1**s) for lr, s in zip(lrs, steps)],
+            lorafa_neg_step=[-(lr * math.sqrt(1 - b2**s) / (1 - b1**s)) for lr, s in zip(lrs, steps)],
             lorafa_decay=[lr * wd for lr, wd in zip(lrs, self.weight_decay)])
         cache: dict = {}
         for p, st, decay in zip(self.params, self.state, self.decay):
@@ -110,8 +110,8 @@ class FusedAdamW:
                 m.copy_(torch.where(keep, m.lerp(g, 1 - b1), m))
                 v.copy_(torch.where(keep, (v * b2).addcmul_(g, g, value=1 - b2), v))
             denom = v.sqrt().div_(_per_job(c["bc2_sqrt"], p, cache)).add_(self.eps)
-            torch.div(m, denom, out=denom)  # m / denom, in the buffer it no longer needs
-            p.sub_(denom.mul_(_per_job(c["step_size"], p, cache)))
+            # param.addcdiv_(m, denom, value=-step_size) computes (value * m) / denom: the same rounding, per job
+            p.add_(torch.mul(m, _per_job(c["neg_step_size"], p, cache)).div_(denom))
 
     def _lorafa(self, p, g, st, c, cache, mask) -> None:
         """peft's ``LoraFAOptimizer`` step (peft 0.21), per job."""
@@ -138,7 +138,7 @@ class FusedAdamW:
         m.copy_(m_new)
         v.copy_(v_new)
         denom = v.sqrt().add_(self.eps)
-        p.sub_(m / denom * _per_job(c["lorafa_step"], p, cache))
+        p.add_(torch.mul(m, _per_job(c["lorafa_neg_step"], p, cache)).div_(denom))  # as B.addcdiv_(m, denom, value=-step)
         if any(wd > 0 for wd in self.weight_decay):
             p.sub_(p * _per_job(c["lorafa_decay"], p, cache))
 

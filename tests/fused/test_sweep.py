@@ -203,6 +203,9 @@ def test_grid_flags_are_checked_before_any_work(base_path):
         main(["sweep", "--method", "qahira", "--model", base_path, "--lr", "1e-3,2e-3"])
     with pytest.raises(SystemExit):
         main(["sweep", "--method", "lora", "--r", "4,x"])
+    with pytest.raises(SystemExit, match="not even one job fits"):  # the memory guard, before any training step
+        main(["sweep", "--method", "lora", "--model", base_path, "--r", "4,8", "--task-digits", "1",
+              "--train-size", "64", "--fused.memory-budget", "64KB", "--progress", "false"])
 
 
 def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(base_path, tmp_path):
