@@ -28,7 +28,7 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert "CUDA" in status["peak_memory"]["detail"]["reason"]
     assert "[skipped] peak_memory" in proc.stdout and "needs a CUDA device" in proc.stdout
     for name in ("cuda_tests", "tuners_autocast", "bnb_4bit", "qahira_merge", "comm_hooks", "delta_memory",
-                 "snapshot_stall"):
+                 "snapshot_stall", "fused_sweep"):
         assert status[name]["status"] == "passed", status[name]
     assert status["cuda_tests"]["detail"]["counts"].get("skipped", 0) >= 1  # the CUDA tests exist and skip here
     assert set(status["tuners_autocast"]["detail"]) == {"lora", "smt", "lorafa", "qbara", "qahira"}
@@ -42,6 +42,7 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert delta["delta_0.25"]["tier"] == "FileTier" and delta["none"]["step_vs_none"] == 1.0
     stall = status["snapshot_stall"]["detail"]
     assert stall["hf_dtrain_snapshot"]["state_bytes"] > 0 and stall["stall_ours_vs_dcp"] > 0
+    assert status["fused_sweep"]["detail"]["max_rel_loss_diff_fused_vs_alone"] < 1e-4  # fused = alone, on the device
     assert report["environment"]["dry_run"] is True
 
 

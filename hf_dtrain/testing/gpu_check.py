@@ -19,6 +19,9 @@ Steps (each runs even when an earlier one failed; the exit status is 1 if any fa
   checkpointing with ``offload=True`` (peak allocated memory on CUDA, step time);
 * ``snapshot_stall``: the training loop's stall per snapshot, hf_dtrain's in-memory snapshot against DCP
   ``async_save`` with pinned staging;
+* ``fused_sweep``: K LoRA jobs trained fused (``hf_dtrain.fused``) against the same jobs one after another (peft
+  alone, AdamW, clip 1.0) on the device: K=2 fused equals each job alone (losses), then samples/s at K = 1, 4, 8 on
+  the "tiny" shape (HFTA's case: one small job leaves a GPU idle);
 * ``peak_memory``: ``torch.cuda.max_memory_allocated`` of one training step, LoRA-FA against LoRA and SMT against
   full fine-tuning, on a 1B-class LLaMA shape built from ``LlamaConfig`` (nothing is downloaded).
 
@@ -389,6 +392,92 @@ def _llama_1b():
     return LlamaForCausalLM(config)
 
 
+def _fused_batches(k: int, batch: int, seq: int, vocab: int, device):
+    gen = torch.Generator().manual_seed(1000 + k)
+    while True:
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+        yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def fused_sweep(ctx: Context) -> dict:
+    """K LoRA jobs fused on one frozen base vs one after another with peft, on the device."""
+    import copy
+    import statistics
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_dtrain.fused import FusedConfig, FusedJob, FusedTrainer, fuse_adapters
+    from hf_dtrain.models import build_llama
+
+    dev = ctx.device
+    cuda = dev.type == "cuda"
+    preset, batch, seq = ("test", 4, 32) if (ctx.dry_run or ctx.quick) else ("tiny", 16, 128)
+    ks = (1, 2) if ctx.dry_run else (1, 4, 8)
+    steps, warm = (4, 1) if ctx.dry_run else (20, 5)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    base = build_llama(preset).to(dev)
+    vocab = base.config.vocab_size
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def alone(k: int, n: int):
+        torch.manual_seed(k)
+        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, target_modules=targets))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        data, losses, times = _fused_batches(k, batch, seq, vocab, dev), [], []
+        for _ in range(n):
+            sync()
+            t0 = time.perf_counter()
+            loss = model(**next(data)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        return losses, statistics.median(times[warm:]) if n > warm else times[-1]
+
+    def fused(k: int, n: int):
+        peft_model = None
+        for j in range(k):
+            torch.manual_seed(j)
+            if peft_model is None:
+                peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, target_modules=targets),
+                                            adapter_name=f"j{j}")
+            else:
+                peft_model.add_adapter(f"j{j}", LoraConfig(r=8, target_modules=targets))
+        f = fuse_adapters(peft_model, [f"j{j}" for j in range(k)])
+        jobs = [FusedJob(f"j{j}", 1e-3, _fused_batches(j, batch, seq, vocab, dev)) for j in range(k)]
+        trainer = FusedTrainer(f, jobs, n, FusedConfig(lr_scheduler_type="constant"))
+        times = []
+        for _ in range(n):
+            sync()
+            t0 = time.perf_counter()
+            trainer.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return trainer.history, statistics.median(times[warm:]) if n > warm else times[-1]
+
+    history, _ = fused(2, 4)
+    worst = 0.0
+    for j in range(2):
+        ref, _ = alone(j, 4)
+        worst = max(worst, max(abs(h[j] - r) / abs(r) for h, r in zip(history, ref)))
+    if worst > 1e-4:
+        raise AssertionError(f"fused jobs differ from the jobs alone on {dev}: {worst:.2e} relative loss")
+    _, t_alone = alone(0, steps)
+    rows = {}
+    for k in ks:
+        _, t = fused(k, steps)
+        rows[f"K={k}"] = {"fused_step_s": t, "samples_per_s": k * batch / t, "vs_peft_one_after_another": k * t_alone / t}
+    return {"shape": f"{preset} LLaMA, LoRA r=8 on every projection, batch {batch} x {seq} per job",
+            "max_rel_loss_diff_fused_vs_alone": worst, "peft_alone_step_s": t_alone, **rows}
+
+
 def peak_memory(ctx: Context) -> dict:
     """Peak allocated memory of one training step (forward, backward, AdamW step) per method."""
     if ctx.device.type != "cuda":
@@ -604,6 +693,7 @@ STEPS = [
          fsdp2),
     Step("delta_memory", "DELTA against no saving, checkpointing and transformers' offload", delta_memory),
     Step("snapshot_stall", "stall per snapshot: hf_dtrain's in-memory snapshot vs DCP async_save", snapshot_stall),
+    Step("fused_sweep", "K LoRA jobs fused (HFTA) vs one after another: exactness, then samples/s", fused_sweep),
     Step("peak_memory", "peak memory of a training step: LoRA-FA vs LoRA, SMT vs full fine-tuning", peak_memory),
 ]
 
