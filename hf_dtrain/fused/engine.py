@@ -151,6 +151,8 @@ class FusedTrainer:
                                     eps=1e-6 if optimizer_rule == "lorafa" else 1e-8)
         self.schedules = JobSchedules([j.learning_rate for j in self.jobs], [j.warmup_steps for j in self.jobs],
                                       max_steps, self.config.lr_scheduler_type)
+        self.params = fused.parameters()  # the fused trainable tensors, listed once
+        self.device = self.params[0].device
         self.model = fused.model
         self.module = self.model
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -164,8 +166,7 @@ class FusedTrainer:
         self.global_step = 0
 
     def _forward_losses(self, batch: dict) -> torch.Tensor:
-        device = next(iter(self.fused.parameters())).device
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(self.device) for k, v in batch.items()}
         counts = token_counts(batch["labels"], self.num_jobs)
         scale = 1.0
         if self.module is not self.model:
@@ -189,8 +190,8 @@ class FusedTrainer:
             torch.distributed.all_reduce(values)
             values /= torch.distributed.get_world_size()
         all_ok = bool(ok.all())
-        for p in self.fused.parameters():  # a stopped or failing job's gradient is dropped (NaN * 0 is NaN)
-            if p.grad is not None and not all_ok:
+        for p in self.params if not all_ok else ():  # a stopped or failing job's gradient is dropped (NaN*0 is NaN)
+            if p.grad is not None:
                 keep = ok.view(-1, *([1] * (p.dim() - 1)))
                 p.grad = torch.where(keep, p.grad, torch.zeros((), dtype=p.grad.dtype, device=p.grad.device))
         norms = self.optimizer.clip_grad_norm_(self.config.max_grad_norm)
@@ -231,9 +232,9 @@ class FusedTrainer:
         sums, rows, correct = [0.0] * k, [0] * k, [0.0] * k
         for group in zip(*batches_per_job):
             batch = stack_batches(list(group), self.pad_id)
-            device = next(iter(self.fused.parameters())).device
-            out = self.model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
-            losses = per_job_loss(out.logits, batch["labels"].to(device), k)
+            out = self.model(input_ids=batch["input_ids"].to(self.device),
+                             attention_mask=batch["attention_mask"].to(self.device))
+            losses = per_job_loss(out.logits, batch["labels"].to(self.device), k)
             preds = out.logits.argmax(-1).cpu().reshape(k, -1, batch["labels"].shape[1])
             labels = batch["labels"].reshape(k, -1, batch["labels"].shape[1])
             for j in range(k):

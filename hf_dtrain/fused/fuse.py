@@ -134,6 +134,7 @@ class FusedAdapters:
         self.peft_model, self.names = peft_model, list(names)
         self.model = peft_model.get_base_model()
         self.layers: dict[str, tuple[nn.Module, nn.Module]] = {}  # module name -> (peft layer, fused layer)
+        self.unfused = False
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         targets = [(n, m) for n, m in self.model.named_modules() if isinstance(m, BaseTunerLayer)]
@@ -187,7 +188,10 @@ class FusedAdapters:
                 b.copy_(fused.lora_B[k, :, :r])
 
     def unfuse(self):
-        """Write every job back and restore peft's layers; returns the ``PeftModel``."""
+        """Write every job back and restore peft's layers; returns the ``PeftModel`` (a second call does nothing)."""
+        if self.unfused:
+            return self.peft_model
+        self.unfused = True
         self.write_back()
         for name, (layer, _) in self.layers.items():
             _set_child(self.model, name, layer)
@@ -198,7 +202,7 @@ def _adapters_of(layer) -> set[str]:
     out = set()
     for attr in layer.adapter_layer_names + tuple(getattr(layer, "other_param_names", ())):
         d = getattr(layer, attr, None)
-        if isinstance(d, (dict, nn.ModuleDict, nn.ParameterDict)) or hasattr(d, "keys"):
+        if hasattr(d, "keys"):  # the per-adapter dicts (ModuleDict, ParameterDict, BufferDict, dict)
             out |= set(d.keys())
     return out
 
