@@ -273,6 +273,11 @@ class DeltaExecutor:
     def pack(self, t: torch.Tensor):
         if t.untyped_storage().data_ptr() in self.params or _is_parameter(t):
             return t
+        tier_device = getattr(self.tier, "device", None)
+        if tier_device is not None and t.device.type != tier_device.type:
+            # a tensor saved on the host by a model on the GPU (an index or a mask built on the CPU) uses no device
+            # memory: there is nothing to offload, and the pinned tier's streams only apply to device tensors
+            return t
         if self.current is not None and self.actions.get(self.current) == "offload":
             self.stats.offloaded_bytes += t.numel() * t.element_size()
             handle = self.tier.store(t)

@@ -76,13 +76,16 @@ class Profile:
 
 def measure_tier_bandwidth(tier, nbytes: int = 8 << 20) -> float:
     """Bytes/s of a write plus read through ``tier`` (the mean of the two directions), on a scratch buffer."""
-    x = torch.randn(nbytes // 4)
+    device = torch.device(getattr(tier, "device", "cpu"))  # the pinned tier stores device tensors
+    x = torch.randn(nbytes // 4, device=device)
     best = float("inf")
     for _ in range(2):  # the first pass also grows the tier (file blocks, pinned pages): steady state is the second
         tier.reset()
         t0 = time.perf_counter()
         handle = tier.store(x)
         y = tier.load(handle)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the copies run on streams: time them, not their launches
         best = min(best, time.perf_counter() - t0)
         tier.reset()
         assert torch.equal(x, y)

@@ -607,6 +607,7 @@ def snapshot_stall(ctx: Context) -> dict:
     with its default stager (pinned host staging on CUDA, asynchronous staging and non-blocking copies): the call
     plus waiting for the previous staging before the next optimizer step and for the previous upload before the
     next save."""
+    import shutil
     import statistics
     import tempfile
 
@@ -618,7 +619,7 @@ def snapshot_stall(ctx: Context) -> dict:
     from hf_dtrain.testing import random_batch
 
     cuda = ctx.device.type == "cuda"
-    steps = 5 if ctx.quick or not cuda else 10
+    steps = 5 if ctx.quick or not cuda else 8
     out = {}
     for method in ("hf_dtrain_snapshot", "dcp_async_save"):
         torch.manual_seed(0)
@@ -632,11 +633,13 @@ def snapshot_stall(ctx: Context) -> dict:
         stalls, times = [], []
         with tempfile.TemporaryDirectory() as tmp:
             engine = stager = staging = upload = None
+            dcp_stager = "DefaultStager: pinned, asynchronous, non-blocking" if cuda else "DefaultStager"
             if method == "hf_dtrain_snapshot":
                 engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft"), parity=0)
             else:
-                stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                      use_async_staging=True, use_non_blocking_copy=cuda))
+                options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                         use_non_blocking_copy=cuda)
+                stager = DefaultStager(options)
             for step in range(steps + 1):
                 batch = {k: v.to(ctx.device) for k, v in random_batch(batch=4, seq=256, vocab=vocab, seed=step).items()}
                 t0 = time.perf_counter()
@@ -658,6 +661,14 @@ def snapshot_stall(ctx: Context) -> dict:
                 else:
                     if upload is not None:
                         upload.result()  # DCP's rule: one save in flight
+                        shutil.rmtree(os.path.join(tmp, f"dcp{step - 2}"), ignore_errors=True)  # keep two
+                    if stager is not None and not getattr(getattr(stager, "_state_dict_stager", None),
+                                                              "_deepcopy_dispatch", True):
+                        # torch 2.11's async_save closes the stager it is given after each save (the next save then
+                        # fails with KeyError: <class 'type'>, seen on an H200); 2.13 keeps it open. A new pinned
+                        # stager per save re-pins the whole state every time (minutes on the 1B shape), so from here
+                        # on DCP stages with the default it creates itself for this torch
+                        stager, dcp_stager = None, "DCP's own default (this torch closes a given stager per save)"
                     response = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
                                               checkpoint_id=os.path.join(tmp, f"dcp{step}"), async_stager=stager,
                                               no_dist=True)
@@ -673,10 +684,13 @@ def snapshot_stall(ctx: Context) -> dict:
                 engine.close(shutdown=True)
             else:
                 upload.result()
-                stager.close()
+                if stager is not None:
+                    stager.close()
                 nbytes = sum(f.stat().st_size for f in Path(tmp).glob(f"dcp{steps}/*"))
         out[method] = {"stall_median_s": statistics.median(stalls), "step_median_s": statistics.median(times),
                        "state_bytes": nbytes}
+        if method == "dcp_async_save":
+            out[method]["stager"] = dcp_stager
         del model, opt
     out["stall_ours_vs_dcp"] = out["hf_dtrain_snapshot"]["stall_median_s"] / out["dcp_async_save"]["stall_median_s"]
     out["shape"] = f"{shape}, batch 4 x 256, a snapshot after every step, {steps} steps"
@@ -704,7 +718,10 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
 
 
-def run(steps: list[Step], ctx: Context, progress: bool = True) -> list[dict]:
+def run(steps: list[Step], ctx: Context, progress: bool = True,
+        after_step: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run ``steps`` in order; ``after_step(results so far)`` after each one (the driver writes the report there, so
+    a run stopped by a time limit keeps what it measured)."""
     from tqdm.auto import tqdm
 
     results = []
@@ -724,6 +741,8 @@ def run(steps: list[Step], ctx: Context, progress: bool = True) -> list[dict]:
         elif status == "failed":
             line += f": {detail['error'][:300]}"
         print(line, flush=True)
+        if after_step is not None:
+            after_step(results)
     return results
 
 
@@ -812,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu_dry_run else torch.device("cpu")
     ctx = Context(device=device, dry_run=args.cpu_dry_run, quick=args.quick)
     print(f"gpu_check on {_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
-    results = run(steps, ctx)
+    results = run(steps, ctx, after_step=lambda done: write_report(done, ctx, Path(args.out)))
     folder = write_report(results, ctx, Path(args.out))
     failed = [r["step"] for r in results if r["status"] == "failed"]
     print(f"results in {folder}/gpu_check.{{json,md,png}}; " + (f"FAILED: {', '.join(failed)}" if failed else "no failures"))

@@ -246,8 +246,15 @@ def test_accelerate_recipe_two_processes(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the pinned-memory tier, its side stream and the prefetch need a CUDA device")
 def test_cuda_pinned_tier_with_prefetch_is_exact():
-    ref_losses, ref_grads, ref_params = _train(_deep().cuda())
-    model = _deep().cuda()
+    # eager attention: SDPA's memory-efficient backward on CUDA adds with atomics, so two plain runs already differ
+    # in the last bits and "exact" could not be asserted against any reference
+    def deep():
+        return tiny_llama(seed=0, num_hidden_layers=4, use_cache=True, attn_implementation="eager").cuda()
+
+    ref_losses, ref_grads, ref_params = _train(deep())
+    again, _, _ = _train(deep())
+    assert again == ref_losses, "the reference itself is not reproducible on this device"
+    model = deep()
     scheduler = apply_delta(model, 0.3)
     losses, grads, params = _train(model)
     assert type(scheduler.tier).__name__ == "PinnedTier"
