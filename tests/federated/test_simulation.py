@@ -154,3 +154,27 @@ def test_bad_federated_settings_are_refused():
         FederatedConfig(uplink="fp8")
     with pytest.raises(ValueError, match="at least one"):
         dirichlet_split([0, 1], 3, 0.5)
+
+
+def test_two_processes_simulate_the_same_federation_as_one(tmp_path):
+    """Parrot on 2 gloo ranks: the sampled clients dealt to the processes, one all-reduce per round; the global
+    adapter, the bytes and the losses equal the one-process simulation."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from hf_dtrain.testing import run_distributed
+    from tests.federated.fed_jobs import build, ranks_run
+
+    out = str(tmp_path / "global.safetensors")
+    run_distributed(ranks_run, world_size=2, args=(str(tmp_path / "shared"), out), timeout=240)
+    two = load_file(out)
+    with open(out + ".json") as f:
+        history2 = json.load(f)
+    one = build(str(tmp_path / "single"))
+    history1 = one.run(progress=False)
+    for n, v in one.global_state.items():
+        assert float((two[n] - v).norm() / v.norm()) < 1e-5, n
+    for a, b in zip(history1, history2):
+        assert a["clients"] == b["clients"] and a["uplink_bytes"] == b["uplink_bytes"]
+        assert abs(a["train_loss"] - b["train_loss"]) < 1e-5 * abs(a["train_loss"])
