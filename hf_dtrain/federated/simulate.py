@@ -1,7 +1,7 @@
 """The simulation loop: N clients on P processes (FedML Parrot's decomposition).
 
 Each round the server samples ``per_round`` clients (seeded), deals them to the processes in proportion to each
-process's measured speed (the heterogeneity-aware partitioner's quota rule, :func:`hf_dtrain.data.partition
+process's measured speed (the heterogeneity-aware partitioner's quota rule, :func:`hf_dtrain.distributed
 .speed_quotas`), and every process trains its clients one after another on one model: load the global adapter, run
 ``local_steps`` optimizer steps on the client's own data (continuing where its previous round stopped), take the
 delta, compress it for the uplink, add it to the process's local sum. One all-reduce per round sums the processes'
@@ -59,7 +59,7 @@ class FederatedSimulation:
 
     def assign(self, clients: list[int]) -> list[list[int]]:
         """The round's clients dealt to the processes in proportion to their measured speeds."""
-        from hf_dtrain.data.partition import speed_quotas
+        from hf_dtrain.distributed import speed_quotas
 
         quotas = speed_quotas(len(clients), self.speeds)
         out, start = [], 0
@@ -112,7 +112,7 @@ class FederatedSimulation:
         for _ in range(cfg.local_steps):
             batch = {k: v.to(device) for k, v in next(batches).items()}
             loss = self.model(**batch).loss
-            losses.append(float(loss))
+            losses.append(loss.item())
             if cfg.algorithm == "fedprox" and cfg.prox_mu > 0:
                 prox = sum(((p.float() - self.global_state[n].to(device)) ** 2).sum() for n, p in self.params.items())
                 loss = loss + 0.5 * cfg.prox_mu * prox

@@ -178,3 +178,28 @@ def test_two_processes_simulate_the_same_federation_as_one(tmp_path):
     for a, b in zip(history1, history2):
         assert a["clients"] == b["clients"] and a["uplink_bytes"] == b["uplink_bytes"]
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-5 * abs(a["train_loss"])
+
+
+def test_cli_fed_simulate_writes_the_adapter_and_the_round_table(tmp_path):
+    from peft import PeftModel
+
+    from hf_dtrain.cli import main
+    from hf_dtrain.models import load_model_and_tokenizer
+    from hf_dtrain.testing import tiny_default_base
+
+    base = tiny_default_base(tmp_path / "cache", steps=20)
+    out = tmp_path / "fed"
+    main(["fed", "simulate", "--method", "lora", "--model", base, "--clients", "6", "--per-round", "3", "--rounds",
+          "2", "--local-steps", "2", "--task-digits", "1", "--train-size", "120", "--eval-size", "16",
+          "--uplink", "int8", "--output-dir", str(out), "--progress", "false", "--report", "false"])
+    import json
+
+    result = json.loads((out / "fed.json").read_text())
+    assert [len(r["clients"]) for r in result["rounds"]] == [3, 3] and result["processes"] == 1
+    assert sum(result["client_sizes"]) == 120 and len(result["client_sizes"]) == 6
+    assert all(r["uplink_bytes"] > 0 and r["eval_loss"] > 0 for r in result["rounds"])
+    assert (out / "fed.md").exists() and (out / "fed.png").exists()
+    assert oct((out / "client_states").stat().st_mode & 0o777) == "0o700"
+    PeftModel.from_pretrained(load_model_and_tokenizer(base)[0], str(out))
+    with pytest.raises(SystemExit, match="per_round=7 is more than clients=6"):
+        main(["fed", "simulate", "--clients", "6", "--per-round", "7"])
