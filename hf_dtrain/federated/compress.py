@@ -1,6 +1,7 @@
 """Uplink compression of a client's adapter delta, with the bytes it puts on the wire.
 
-``int8``: per-tensor symmetric scale (``max|x| / 127``), 1 byte per value plus the scale. ``lowrank``: every matrix
+``int8`` / ``int4``: per-tensor symmetric scale (``max|x| / 127`` or ``/ 7``), 1 byte (or half a byte) per value
+plus the scale. ``lowrank``: every matrix
 ``M (m x n)`` sent as rank-``r`` factors from its SVD (``U_r S_r`` and ``V_r``, ``r (m + n)`` fp32 values; the best
 rank-r approximation); vectors go as fp32. With error feedback the client adds what compression dropped last time to
 its next delta (EF-SGD), so nothing is lost for good.
@@ -16,19 +17,21 @@ def compress(delta: torch.Tensor, method: str, rank: int = 4) -> tuple[torch.Ten
     x = delta.detach().float()
     if method == "none":
         return x.clone(), 4 * x.numel()
-    if method == "int8":
-        scale = x.abs().max() / 127.0
+    if method in ("int8", "int4"):
+        levels = 127.0 if method == "int8" else 7.0
+        nbytes = (x.numel() if method == "int8" else (x.numel() + 1) // 2) + 4  # values (two 4-bit per byte) + scale
+        scale = x.abs().max() / levels
         if scale == 0:
-            return torch.zeros_like(x), x.numel() + 4
-        q = torch.clamp(torch.round(x / scale), -127, 127)
-        return q * scale, x.numel() + 4
+            return torch.zeros_like(x), nbytes
+        q = torch.clamp(torch.round(x / scale), -levels, levels)
+        return q * scale, nbytes
     if method == "lowrank":
         if x.dim() != 2 or min(x.shape) <= rank:
             return x.clone(), 4 * x.numel()
         u, s, vh = torch.linalg.svd(x, full_matrices=False)
         approx = (u[:, :rank] * s[:rank]) @ vh[:rank]
         return approx, 4 * rank * (x.shape[0] + x.shape[1])
-    raise ValueError(f"uplink {method!r} is unknown; use none, int8 or lowrank.")
+    raise ValueError(f"uplink {method!r} is unknown; use none, int8, int4 or lowrank.")
 
 
 def compress_delta(delta: dict[str, torch.Tensor], method: str, rank: int, residual: dict | None):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 ALGORITHMS = ("fedavg", "fedprox", "scaffold")
-UPLINKS = ("none", "int8", "lowrank")
+UPLINKS = ("none", "int8", "int4", "lowrank")
 CLIENT_OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -35,7 +35,7 @@ class FederatedConfig:
         "gt": 0, "help": "Non-IID split: each label's (or source's) samples dealt to clients by Dirichlet(alpha) "
                          "proportions; smaller is more skewed. None: an IID split."})
     uplink: str = field(default="none", metadata={
-        "help": "Compression of a client's adapter delta: 'none' (fp32), 'int8' (per-tensor scale), 'lowrank' "
+        "help": "Compression of a client's adapter delta: 'none' (fp32), 'int8' / 'int4' (per-tensor scale), 'lowrank' "
                 "(rank uplink_rank factors of every matrix)."})
     uplink_rank: int = field(default=4, metadata={"min": 1, "help": "Rank of the 'lowrank' uplink."})
     error_feedback: bool = field(default=True, metadata={

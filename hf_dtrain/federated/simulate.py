@@ -205,6 +205,7 @@ class FederatedSimulation:
         for n in dc_sum:  # c <- c + (1/N) sum_i dc_i
             self.control[n] += dc_sum[n] / cfg.clients
         record = dict(round=round_index + 1, clients=sampled, trained=len(sampled) - len(failed_clients),
+                      seconds=time.perf_counter() - t0,
                       failed=failed_clients, uplink_bytes=int(stats[1]),
                       train_loss=float(stats[2] / stats[3]) if stats[3] > 0 else math.nan,
                       failures=[f"client {c}: {why}" for c, why in failed])

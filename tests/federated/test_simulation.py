@@ -120,7 +120,7 @@ def test_uplink_compression_counts_bytes_and_error_feedback_loses_nothing():
     residual = {n: torch.zeros(s) for n, s in shape.items()}
     sent_total = {n: torch.zeros(s) for n, s in shape.items()}
     true_total = {n: torch.zeros(s) for n, s in shape.items()}
-    for method, expected in (("int8", 32 * 16 + 4 + 16 + 4), ("lowrank", 4 * 2 * (32 + 16) + 4 * 16),
+    for method, expected in (("int8", 32 * 16 + 4 + 16 + 4), ("int4", 32 * 8 + 4 + 8 + 4), ("lowrank", 4 * 2 * (32 + 16) + 4 * 16),
                              ("none", 4 * (32 * 16 + 16))):
         d = {n: torch.randn(s, generator=g) for n, s in shape.items()}
         _, sent, _ = compress_delta(d, method, 2, None)
