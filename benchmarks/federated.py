@@ -28,32 +28,103 @@ from _report import markdown_table, write  # noqa: E402
 UPLINKS = [("none", None), ("int8", None), ("int4", None), ("lowrank", 2), ("lowrank", 1)]
 
 
-def fed_run(base_path, out, rounds, uplink="none", rank=4, clients=100, per_round=10, local_steps=5, extra=()):
-    from hf_dtrain.fed import FedSimulateConfig, run_fed_simulate
+def fed_run(base_path, out, rounds, uplink="none", rank=4):
+    from hf_dtrain.fed import run_fed_simulate
+
+    return run_fed_simulate(_config(base_path, out, rounds, uplink=uplink, rank=rank))
+
+
+def _config(base_path, out, rounds, clients=100, per_round=10, local_steps=5, uplink="none", rank=4):
+    from hf_dtrain.fed import FedSimulateConfig
     from hf_dtrain.federated import FederatedConfig
     from hf_dtrain.finetune import FinetuneConfig
 
     job = FinetuneConfig(method="lorafa", model=base_path, train_size=4000, eval_size=200, output_dir=out,
                          progress=False, report=False, lorafa_optimizer=False)
-    fed = FederatedConfig(clients=clients, per_round=per_round, rounds=rounds, local_steps=local_steps, batch_size=8,
-                          uplink=uplink, uplink_rank=rank)
-    return run_fed_simulate(FedSimulateConfig(job=job, fed=fed))
+    return FedSimulateConfig(job=job, fed=FederatedConfig(clients=clients, per_round=per_round, rounds=rounds,
+                                                          local_steps=local_steps, batch_size=8, uplink=uplink,
+                                                          uplink_rank=rank))
 
 
 def client_process(argv):
-    """One client's round in a fresh process (the one-process-per-client simulation): load the base and the global
-    adapter, train ``local_steps`` steps on the client's data, write the delta."""
-    base_path, adapter_dir, client, out = argv
+    """One client's round in a fresh process (the one-process-per-client simulation): build the federation, load
+    the global adapter, train the client, write its delta."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hf_dtrain.fed import build_federation, client_config
+    from hf_dtrain.federated import FederatedSimulation
+
+    base_path, global_path, client, out, state_dir = argv
+    torch.set_num_threads(1)
+    cfg = _config(base_path, None, 1)
+    model, _, clients, collator, _, _ = build_federation(cfg)
+    sim = FederatedSimulation(model, clients, collator, client_config(cfg), state_dir=state_dir)
+    sim.global_state = {n: v for n, v in load_file(global_path).items()}
+    delta, _, weight, sent, _ = sim.train_client(int(client))
+    save_file({**{f"d.{n}": v.contiguous() for n, v in delta.items()},
+               "weight": torch.tensor([weight]), "bytes": torch.tensor([float(sent)])}, out)
+
+
+def per_client_processes(base_path, rounds, tmp, concurrency=2) -> float:
+    """Wall seconds of ``rounds`` rounds simulated with one fresh process per client (``concurrency`` at a time)."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_dtrain.fed import build_federation, client_config
+    from hf_dtrain.federated import FederatedSimulation, global_average, local_aggregate
+
+    cfg = _config(base_path, None, rounds)
+    model, _, clients, collator, _, _ = build_federation(cfg)
+    sim = FederatedSimulation(model, clients, collator, client_config(cfg), state_dir=os.path.join(tmp, "states"))
     t0 = time.perf_counter()
-    from hf_dtrain.fed import FedSimulateConfig  # noqa: F401  (the same imports the job pays)
-    print(json.dumps({"client": int(client), "import_s": time.perf_counter() - t0}))
+    for r in range(rounds):
+        gpath = os.path.join(tmp, "global.safetensors")
+        save_file({n: v.contiguous() for n, v in sim.global_state.items()}, gpath)
+        sampled, outs, running = sim.sample(r), [], []
+        for c in sampled:
+            out = os.path.join(tmp, f"delta{c}.safetensors")
+            outs.append(out)
+            running.append(subprocess.Popen([sys.executable, __file__, "--client-process", base_path, gpath, str(c),
+                                             out, os.path.join(tmp, "states")], env=dict(os.environ, OMP_NUM_THREADS="1")))
+            if len(running) >= concurrency:
+                running.pop(0).wait()
+        for p in running:
+            p.wait()
+        deltas, weights = [], []
+        for out in outs:
+            t = load_file(out)
+            deltas.append({n[2:]: v for n, v in t.items() if n.startswith("d.")})
+            weights.append(float(t["weight"]))
+        avg = global_average([local_aggregate(deltas, weights)])
+        for n in sim.global_state:
+            sim.global_state[n] += avg[n]
+    return time.perf_counter() - t0
+
+
+def parrot_processes(base_path, rounds, tmp, nproc=2) -> tuple[float, float]:
+    """(wall seconds of the whole launch, seconds in the rounds) of the same federation under torchrun, Parrot."""
+    from hf_dtrain.testing import free_port
+
+    out = os.path.join(tmp, "parrot")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), "-m", "hf_dtrain.cli", "fed", "simulate", "--method", "lorafa", "--model", base_path,
+           "--train-size", "4000", "--eval-size", "200", "--clients", "100", "--per-round", "10", "--rounds",
+           str(rounds), "--local-steps", "5", "--fed.batch-size", "8", "--lorafa-optimizer", "false",
+           "--output-dir", out, "--progress", "false", "--report", "false"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+    wall = time.perf_counter() - t0
+    with open(os.path.join(out, "fed.json")) as f:
+        rounds_s = sum(r["seconds"] for r in json.load(f)["rounds"])
+    return wall, rounds_s
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--from-json", metavar="PATH")
-    ap.add_argument("--client-process", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--client-process", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--sim-rounds", type=int, default=3, help="rounds of the wall-time comparison")
     args = ap.parse_args()
     if args.client_process:
         return client_process(args.client_process)
@@ -76,6 +147,12 @@ def main():
     for row in rows:
         row["bytes_vs_fp32"] = row["bytes_per_round"] / full["bytes_per_round"]
         row["eval_loss_vs_fp32"] = row["eval_loss"] / full["eval_loss"]
+    with tempfile.TemporaryDirectory() as tmp:
+        naive = per_client_processes(base_path, args.sim_rounds, tmp)
+        parrot_wall, parrot_rounds = parrot_processes(base_path, args.sim_rounds, tmp)
+    sim = dict(rounds=args.sim_rounds, per_client_process_s=naive, parrot_wall_s=parrot_wall,
+               parrot_rounds_s=parrot_rounds, speedup_wall=naive / parrot_wall, speedup_rounds=naive / parrot_rounds)
+    print(sim, flush=True)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,7 +167,11 @@ def main():
     cols = [("uplink", "uplink", ""), ("bytes_per_round", "bytes / round", ",.0f"), ("bytes_vs_fp32", "vs fp32", ".3f"),
             ("eval_loss", "final eval loss", ".4f"), ("eval_loss_vs_fp32", "vs fp32", ".4f"), ("seconds", "wall s", ".1f")]
     table = markdown_table(rows, cols)
-    write("federated", dict(rows=rows, rounds=args.rounds), table, fig,
+    table += (f"\n\nSimulation wall time of {sim['rounds']} rounds (100 clients, 10 per round, 2 CPU cores): one "
+              f"process per client {sim['per_client_process_s']:.1f} s; Parrot on 2 processes {sim['parrot_wall_s']:.1f} s "
+              f"with start-up ({sim['speedup_wall']:.1f}x faster), {sim['parrot_rounds_s']:.1f} s in the rounds "
+              f"({sim['speedup_rounds']:.1f}x).")
+    write("federated", dict(rows=rows, rounds=args.rounds, simulation=sim), table, fig,
           notes="100 clients (Dirichlet 0.5 over the first operand's leading digit), 10 per round, 5 local AdamW "
                 "steps of batch 8, LoRA-FA r=8 (its optimizer off), error feedback on the compressed uplinks.")
     print(table)

@@ -60,22 +60,17 @@ def _labels(job: FinetuneConfig, dataset) -> list | None:
     return None
 
 
-def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
+def build_federation(cfg: FedSimulateConfig, rank: int = 0, dist: bool = False):
+    """``(peft model, tokenizer, client datasets, collator, eval function, base path)`` as the job builds them."""
     from peft import get_peft_model
     from transformers import set_seed
 
     from hf_dtrain import tasks
-    from hf_dtrain.distributed import init_distributed
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
 
     job, fed = cfg.job, cfg.fed
-    init_distributed()
-    dist = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    rank = torch.distributed.get_rank() if dist else 0
-    out_dir = job.output_dir or os.path.join("outputs", f"fed-{job.method}")
-    if rank == 0:
-        base_path = build_default_model(job.base_preset, steps=job.base_steps, progress=job.progress) \
-            if job.model is None else job.model
+    if rank == 0 and job.model is None:
+        build_default_model(job.base_preset, steps=job.base_steps, progress=job.progress)
     if dist:
         torch.distributed.barrier()
     base_path = job.model or build_default_model(job.base_preset, steps=job.base_steps, progress=False)
@@ -106,9 +101,28 @@ def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
             rows += len(b["input_ids"])
         return total / rows
 
-    if fed.client_lr == FederatedConfig().client_lr and job.learning_rate is not None:
-        fed = dataclasses.replace(fed, client_lr=job.learning_rate)
-    sim = FederatedSimulation(model, clients, lambda rows: collator(rows), fed,
+    return model, tokenizer, clients, collator, evaluate, base_path
+
+
+def client_config(cfg: FedSimulateConfig) -> FederatedConfig:
+    """The federation's settings with the job's learning rate as the clients' when only the job gives one."""
+    fed = cfg.fed
+    if fed.client_lr == FederatedConfig().client_lr and cfg.job.learning_rate is not None:
+        fed = dataclasses.replace(fed, client_lr=cfg.job.learning_rate)
+    return fed
+
+
+def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
+    from hf_dtrain.distributed import init_distributed
+
+    job = cfg.job
+    init_distributed()
+    dist = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    rank = torch.distributed.get_rank() if dist else 0
+    out_dir = job.output_dir or os.path.join("outputs", f"fed-{job.method}")
+    model, tokenizer, clients, collator, evaluate, base_path = build_federation(cfg, rank, dist)
+    fed = client_config(cfg)
+    sim = FederatedSimulation(model, clients, collator, fed,
                               state_dir=os.path.join(out_dir, "client_states"), eval_fn=evaluate)
     history = sim.run(progress=job.progress)
     result = dict(method=job.method, base_model=job.model or f"hf_dtrain default ({job.base_preset})",
