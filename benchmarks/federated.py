@@ -119,15 +119,128 @@ def parrot_processes(base_path, rounds, tmp, nproc=2) -> tuple[float, float]:
     return wall, rounds_s
 
 
+SPLIT_RANKS = [None, 64, 16, 4]
+SPLIT_STEPS = 150
+
+
+def split_worker(argv):
+    """One side of split fine-tuning on an emulated host: rank 0 the edge, rank 1 the cloud."""
+    import torch
+    import torch.distributed as dist
+    from peft import get_peft_model
+
+    from hf_dtrain import tasks
+    from hf_dtrain.finetune import FinetuneConfig
+    from hf_dtrain.models import load_model_and_tokenizer
+    from hf_dtrain.split import SplitCloud, SplitConfig, SplitEdge
+    from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
+
+    rank, base_path, spec, out = int(argv[0]), argv[1], argv[2], argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=120))
+    model, tok = load_model_and_tokenizer(base_path)
+    torch.manual_seed(0)
+    model = get_peft_model(model, FINETUNE_METHODS["lorafa"].build_config(FinetuneConfig(method="lorafa"), model))
+    cfg = SplitConfig(cut_layer=2, rank=None if spec == "full" else int(spec))
+    side = (SplitEdge if rank == 0 else SplitCloud)(model.get_base_model(), cfg)
+    opt = torch.optim.AdamW(side.parameters(), lr=4e-3)
+    collate = tasks.task_collator(tok)
+    train = tasks.make_task_dataset(tok, SPLIT_STEPS * 16, seed=0, split="train")
+    evalset = tasks.make_task_dataset(tok, 256, seed=0, split="eval")
+    dist.barrier()
+    t0 = time.perf_counter()
+    for s in range(SPLIT_STEPS):
+        b = collate([train[i] for i in range(16 * s, 16 * s + 16)])
+        side.step(b["input_ids"], b["labels"]) if rank == 0 else side.step()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    total, rows = 0.0, 0
+    for s in range(0, 256, 64):
+        b = collate([evalset[i] for i in range(s, s + 64)])
+        if rank == 0:
+            side.evaluate(b["input_ids"], b["labels"])
+        else:
+            loss, n = side.evaluate()
+            total, rows = total + loss * n, rows + n
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(dict(seconds=seconds, sent=side.bytes_sent, received=side.bytes_received,
+                       eval_loss=total / rows if rows else None), f)
+    dist.destroy_process_group()
+
+
+def unsplit_reference(base_path) -> float:
+    """The same fine-tuning in one process, unsplit: its eval loss (the centralized reference)."""
+    import torch
+    from peft import get_peft_model
+
+    from hf_dtrain import tasks
+    from hf_dtrain.finetune import FinetuneConfig
+    from hf_dtrain.models import load_model_and_tokenizer
+    from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
+
+    model, tok = load_model_and_tokenizer(base_path)
+    torch.manual_seed(0)
+    model = get_peft_model(model, FINETUNE_METHODS["lorafa"].build_config(FinetuneConfig(method="lorafa"), model))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=4e-3)
+    collate = tasks.task_collator(tok)
+    train = tasks.make_task_dataset(tok, SPLIT_STEPS * 16, seed=0, split="train")
+    evalset = tasks.make_task_dataset(tok, 256, seed=0, split="eval")
+    for s in range(SPLIT_STEPS):
+        b = collate([train[i] for i in range(16 * s, 16 * s + 16)])
+        model(input_ids=b["input_ids"], labels=b["labels"]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    total = 0.0
+    with torch.no_grad():
+        for s in range(0, 256, 64):
+            b = collate([evalset[i] for i in range(s, s + 64)])
+            total += float(model(input_ids=b["input_ids"], labels=b["labels"]).loss) * 64
+    return total / 256
+
+
+def split_part(base_path, rate="100mbit") -> list[dict]:
+    """Split fine-tuning on two emulated hosts joined by ``rate`` links, by the link's rank."""
+    from hf_dtrain.testing import free_port
+    from hf_dtrain.testing.netns import emulated_hosts, run_on_hosts
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, emulated_hosts(2, rate=rate) as hosts:
+        for spec in SPLIT_RANKS:
+            name = "full" if spec is None else str(spec)
+            out = os.path.join(tmp, name)
+            port = free_port()
+            run_on_hosts(hosts, lambda r, hs: [sys.executable, __file__, "--split-worker", str(r), base_path, name, out],
+                         timeout=900, env=dict(MASTER_ADDR=hosts[0].address, MASTER_PORT=str(port),
+                                               OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+            edge, cloud = (json.load(open(f"{out}.{r}.json")) for r in (0, 1))
+            rows.append(dict(rank=name, bytes_per_step=(edge["sent"] + cloud["sent"]) / SPLIT_STEPS,
+                             seconds_per_step=max(edge["seconds"], cloud["seconds"]) / SPLIT_STEPS,
+                             eval_loss=cloud["eval_loss"]))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--from-json", metavar="PATH")
     ap.add_argument("--client-process", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--sim-rounds", type=int, default=3, help="rounds of the wall-time comparison")
+    ap.add_argument("--split-worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--only-split", action="store_true", help="run only the split fine-tuning part")
     args = ap.parse_args()
     if args.client_process:
         return client_process(args.client_process)
+    if args.split_worker:
+        return split_worker(args.split_worker)
+    if args.only_split:
+        from hf_dtrain.models import build_default_model
+
+        base = build_default_model("tiny", progress=True)
+        print(split_part(base), unsplit_reference(base))
+        return
     import torch
 
     from hf_dtrain.models import build_default_model
@@ -150,6 +263,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         naive = per_client_processes(base_path, args.sim_rounds, tmp)
         parrot_wall, parrot_rounds = parrot_processes(base_path, args.sim_rounds, tmp)
+    split_rows = split_part(base_path)
+    central = unsplit_reference(base_path)
+    for row in split_rows:
+        row["bytes_vs_full"] = row["bytes_per_step"] / split_rows[0]["bytes_per_step"]
+        row["eval_loss_vs_unsplit"] = row["eval_loss"] / central
     sim = dict(rounds=args.sim_rounds, per_client_process_s=naive, parrot_wall_s=parrot_wall,
                parrot_rounds_s=parrot_rounds, speedup_wall=naive / parrot_wall, speedup_rounds=naive / parrot_rounds)
     print(sim, flush=True)
@@ -171,7 +289,13 @@ def main():
               f"process per client {sim['per_client_process_s']:.1f} s; Parrot on 2 processes {sim['parrot_wall_s']:.1f} s "
               f"with start-up ({sim['speedup_wall']:.1f}x faster), {sim['parrot_rounds_s']:.1f} s in the rounds "
               f"({sim['speedup_rounds']:.1f}x).")
-    write("federated", dict(rows=rows, rounds=args.rounds, simulation=sim), table, fig,
+    scols = [("rank", "link rank", ""), ("bytes_per_step", "bytes / step", ",.0f"), ("bytes_vs_full", "vs full", ".3f"),
+             ("seconds_per_step", "s / step (100 Mbit/s)", ".3f"), ("eval_loss", "eval loss", ".4f"),
+             ("eval_loss_vs_unsplit", "vs unsplit", ".4f")]
+    table += (f"\n\nSplit fine-tuning (cut after layer 2 of 4, LoRA-FA, {SPLIT_STEPS} steps of batch 16) on two emulated "
+              f"hosts joined by 100 Mbit/s links; unsplit eval loss {central:.4f}:\n\n" + markdown_table(split_rows, scols))
+    write("federated", dict(rows=rows, rounds=args.rounds, simulation=sim, split=split_rows, unsplit_eval_loss=central),
+          table, fig,
           notes="100 clients (Dirichlet 0.5 over the first operand's leading digit), 10 per round, 5 local AdamW "
                 "steps of batch 8, LoRA-FA r=8 (its optimizer off), error feedback on the compressed uplinks.")
     print(table)

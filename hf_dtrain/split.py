@@ -110,6 +110,15 @@ class SplitEdge:
         self.bytes_received += sum(p.numel() * 4 for p in grad_parts)
         h.backward(_join(grad_parts).reshape(b, t, d).to(h.dtype))
 
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Send one evaluation batch's activations (compressed as in training) and labels; nothing comes back."""
+        h = self.stage(input_ids)
+        b, t, d = h.shape
+        parts, _ = _lowrank(h.reshape(b * t, d), self.cfg.rank)
+        _send(parts, self.peer, self.group)
+        _send([labels.to(torch.float32)], self.peer, self.group)
+
 
 class SplitCloud:
     """The cloud side: layers ``[cut, L)``, the final norm and the head; :meth:`step` runs one step's cloud half and
@@ -146,3 +155,12 @@ class SplitCloud:
         _send(grad_parts, self.peer, self.group)
         self.bytes_sent += nbytes
         return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """One evaluation batch from the edge: ``(loss, rows)``."""
+        parts = _recv(self.peer, group=self.group)
+        labels = _recv(self.peer, group=self.group)[0].long()
+        b, t = labels.shape
+        logits = self.stage(_join(parts).reshape(b, t, -1))
+        return float(self.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])), b
