@@ -46,7 +46,6 @@ def test_split_at_full_rank_equals_unsplit_training(tmp_path):
 
 
 def test_a_low_rank_link_sends_less_and_still_trains(tmp_path):
-    _, full = _split(tmp_path, None)
     edge, cloud = _split(tmp_path, 2)
     assert edge["sent"] < 0.2 * STEPS * (2 * 12 * 64 * 4) + STEPS * 2 * 12 * 8
     assert cloud["sent"] == STEPS * 2 * (24 + 64) * 4
