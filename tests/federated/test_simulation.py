@@ -203,3 +203,27 @@ def test_cli_fed_simulate_writes_the_adapter_and_the_round_table(tmp_path):
     PeftModel.from_pretrained(load_model_and_tokenizer(base)[0], str(out))
     with pytest.raises(SystemExit, match="per_round=7 is more than clients=6"):
         main(["fed", "simulate", "--clients", "6", "--per-round", "7"])
+
+
+def test_clients_are_dealt_to_processes_by_measured_speed(tmp_path):
+    sim = FederatedSimulation(_peft_model(), [_dataset(4, s) for s in range(10)], _collate,
+                              FederatedConfig(clients=10, per_round=8, dirichlet_alpha=None), state_dir=str(tmp_path))
+    sim.speeds = [3.0, 1.0]  # process 0 trains clients three times as fast
+    sampled = sim.sample(0)
+    deal = sim.assign(sampled)
+    assert [len(d) for d in deal] == [6, 2] and sorted(deal[0] + deal[1]) == sampled
+    assert sim.sample(0) == sampled and sim.sample(1) != sampled  # seeded per round
+
+
+def test_the_fed_recipe_reaches_the_configs():
+    from hf_dtrain.cli import build_parser, fed_config_from_args
+
+    ns = build_parser().parse_args(["fed", "simulate", "--recipe", "recipes/fed_simulate.yaml", "--rounds", "3"])
+    cfg = fed_config_from_args(ns)
+    assert cfg.job.method == "lorafa" and cfg.fed.clients == 100 and cfg.fed.uplink == "int4"
+    assert cfg.fed.rounds == 3  # the flag wins over the recipe
+    with pytest.raises(ValueError, match="comm_hook is set"):
+        from hf_dtrain.fed import FedSimulateConfig
+        from hf_dtrain.finetune import FinetuneConfig
+
+        FedSimulateConfig(job=FinetuneConfig(comm_hook="acp_sgd"))
