@@ -5,7 +5,8 @@
    Goal: <= 0.25x the fp32 bytes at an eval loss within 1% of the uncompressed run.
 2. Simulation wall time of the same federation: Parrot (clients trained one after another in 2 long-lived processes,
    local then global aggregation) against one process per client per round (each client a fresh process that loads
-   the model, as a simulator without virtual clients runs them).
+   the model, as a simulator without virtual clients runs them) and against Flower's simulation engine (Ray; when
+   ``flwr[simulation]`` is installed), the same client code in each.
 
     python benchmarks/federated.py              # ~10 minutes on 2 CPU cores
     python benchmarks/federated.py --rounds 3   # quick look
@@ -119,6 +120,70 @@ def parrot_processes(base_path, rounds, tmp, nproc=2) -> tuple[float, float]:
     return wall, rounds_s
 
 
+_FLOWER_SIM = {}  # one federation per Ray worker process (built on its first client), as Flower users cache a model
+
+
+def _flower_sim(base_path, state_dir):
+    if "sim" not in _FLOWER_SIM:
+        import torch
+
+        from hf_dtrain.fed import build_federation, client_config
+        from hf_dtrain.federated import FederatedSimulation
+
+        torch.set_num_threads(1)
+        cfg = _config(base_path, None, 1)
+        model, _, clients, collator, _, _ = build_federation(cfg)
+        _FLOWER_SIM["sim"] = FederatedSimulation(model, clients, collator, client_config(cfg), state_dir=state_dir)
+    return _FLOWER_SIM["sim"]
+
+
+def flower_simulation(base_path, rounds, tmp, workers=2) -> float:
+    """Wall seconds of the same federation in Flower's simulation engine (``flwr.simulation.run_simulation``, Ray
+    backend, ``workers`` actors of one CPU each): a ``NumPyClient`` per virtual client that trains it with the same
+    client code (``FederatedSimulation.train_client``), Flower's ``FedAvg`` sampling 10 of 100 clients per round."""
+    import numpy as np
+    import torch
+    from flwr.client import ClientApp, NumPyClient
+    from flwr.common import Context, ndarrays_to_parameters
+    from flwr.server import ServerApp, ServerAppComponents, ServerConfig
+    from flwr.server.strategy import FedAvg
+    from flwr.simulation import run_simulation
+
+    from hf_dtrain.fed import build_federation, client_config
+    from hf_dtrain.federated import FederatedSimulation
+
+    state_dir = os.path.join(tmp, "flower-states")
+    cfg = _config(base_path, None, rounds)
+    model, _, clients, collator, _, _ = build_federation(cfg)
+    names = sorted(FederatedSimulation(model, clients, collator, client_config(cfg), state_dir=state_dir).global_state)
+    init = FederatedSimulation(model, clients, collator, client_config(cfg), state_dir=state_dir).global_state
+    initial = ndarrays_to_parameters([init[n].numpy() for n in names])
+
+    class Client(NumPyClient):
+        def __init__(self, cid):
+            self.cid = cid
+
+        def fit(self, parameters, config):
+            sim = _flower_sim(base_path, state_dir)
+            sim.global_state = {n: torch.from_numpy(np.array(a)) for n, a in zip(names, parameters)}
+            delta, _, weight, _, _ = sim.train_client(self.cid)
+            return [(sim.global_state[n] + delta[n]).numpy() for n in names], int(weight), {}
+
+    def client_fn(context: Context):
+        return Client(int(context.node_config["partition-id"])).to_client()
+
+    def server_fn(context: Context):
+        strategy = FedAvg(fraction_fit=0.1, fraction_evaluate=0.0, min_fit_clients=10, min_available_clients=100,
+                          initial_parameters=initial)
+        return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=rounds))
+
+    t0 = time.perf_counter()
+    run_simulation(server_app=ServerApp(server_fn=server_fn), client_app=ClientApp(client_fn=client_fn),
+                   num_supernodes=100, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                                       "init_args": {"num_cpus": workers}})
+    return time.perf_counter() - t0
+
+
 SPLIT_RANKS = [None, 64, 16, 4]
 SPLIT_STEPS = 150
 
@@ -230,6 +295,8 @@ def main():
     ap.add_argument("--sim-rounds", type=int, default=3, help="rounds of the wall-time comparison")
     ap.add_argument("--split-worker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--only-split", action="store_true", help="run only the split fine-tuning part")
+    ap.add_argument("--only-sim", action="store_true", help="rerun only the simulators' wall-time comparison (one "
+                    "process per client, Parrot, Flower) and rewrite the results with it")
     args = ap.parse_args()
     if args.client_process:
         return client_process(args.client_process)
@@ -247,6 +314,14 @@ def main():
 
     torch.set_num_threads(2)
     base_path = build_default_model("tiny", progress=True)
+    if args.only_sim:  # the wall-time comparison alone, all three simulators in this run; the rest kept
+        from _report import RESULTS
+
+        data = json.loads((RESULTS / "federated.json").read_text())
+        sim = simulation_part(base_path, args.sim_rounds)
+        return render(data["rows"], data["rounds"], sim, data["split"], data["unsplit_eval_loss"],
+                      env={**data["environment"], "command (simulation part)": "python benchmarks/federated.py "
+                           + " ".join(sys.argv[1:])})
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for uplink, rank in UPLINKS:
@@ -260,17 +335,35 @@ def main():
     for row in rows:
         row["bytes_vs_fp32"] = row["bytes_per_round"] / full["bytes_per_round"]
         row["eval_loss_vs_fp32"] = row["eval_loss"] / full["eval_loss"]
-    with tempfile.TemporaryDirectory() as tmp:
-        naive = per_client_processes(base_path, args.sim_rounds, tmp)
-        parrot_wall, parrot_rounds = parrot_processes(base_path, args.sim_rounds, tmp)
+    sim = simulation_part(base_path, args.sim_rounds)
     split_rows = split_part(base_path)
     central = unsplit_reference(base_path)
     for row in split_rows:
         row["bytes_vs_full"] = row["bytes_per_step"] / split_rows[0]["bytes_per_step"]
         row["eval_loss_vs_unsplit"] = row["eval_loss"] / central
-    sim = dict(rounds=args.sim_rounds, per_client_process_s=naive, parrot_wall_s=parrot_wall,
-               parrot_rounds_s=parrot_rounds, speedup_wall=naive / parrot_wall, speedup_rounds=naive / parrot_rounds)
+    render(rows, args.rounds, sim, split_rows, central)
+
+
+def simulation_part(base_path, rounds) -> dict:
+    """Wall seconds of the same federation in three simulators, in this run: one process per client, Parrot on 2
+    processes, Flower's simulation engine (Ray, 2 actors) where ``flwr[simulation]`` is installed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        naive = per_client_processes(base_path, rounds, tmp)
+        parrot_wall, parrot_rounds = parrot_processes(base_path, rounds, tmp)
+        try:
+            import flwr
+
+            flower, flower_version = flower_simulation(base_path, rounds, tmp), flwr.__version__
+        except ImportError as e:
+            flower, flower_version = None, f"not installed ({e}): pip install 'flwr[simulation]'"
+    sim = dict(rounds=rounds, per_client_process_s=naive, parrot_wall_s=parrot_wall, parrot_rounds_s=parrot_rounds,
+               speedup_wall=naive / parrot_wall, speedup_rounds=naive / parrot_rounds, flower_s=flower,
+               flower=flower_version, speedup_vs_flower=flower / parrot_wall if flower else None)
     print(sim, flush=True)
+    return sim
+
+
+def render(rows, rounds, sim, split_rows, central, env=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,13 +382,19 @@ def main():
               f"process per client {sim['per_client_process_s']:.1f} s; Parrot on 2 processes {sim['parrot_wall_s']:.1f} s "
               f"with start-up ({sim['speedup_wall']:.1f}x faster), {sim['parrot_rounds_s']:.1f} s in the rounds "
               f"({sim['speedup_rounds']:.1f}x).")
+    if sim.get("flower_s"):
+        table += (f" Flower {sim['flower']} (`flwr.simulation.run_simulation`, Ray backend, 2 actors of 1 CPU, the "
+                  f"same client code, its FedAvg): {sim['flower_s']:.1f} s, {sim['speedup_vs_flower']:.1f}x Parrot's "
+                  "wall time with start-up.")
+    elif sim.get("flower"):
+        table += f" Flower: {sim['flower']}."
     scols = [("rank", "link rank", ""), ("bytes_per_step", "bytes / step", ",.0f"), ("bytes_vs_full", "vs full", ".3f"),
              ("seconds_per_step", "s / step (100 Mbit/s)", ".3f"), ("eval_loss", "eval loss", ".4f"),
              ("eval_loss_vs_unsplit", "vs unsplit", ".4f")]
     table += (f"\n\nSplit fine-tuning (cut after layer 2 of 4, LoRA-FA, {SPLIT_STEPS} steps of batch 16) on two emulated "
               f"hosts joined by 100 Mbit/s links; unsplit eval loss {central:.4f}:\n\n" + markdown_table(split_rows, scols))
-    write("federated", dict(rows=rows, rounds=args.rounds, simulation=sim, split=split_rows, unsplit_eval_loss=central),
-          table, fig,
+    write("federated", dict(rows=rows, rounds=rounds, simulation=sim, split=split_rows, unsplit_eval_loss=central),
+          table, fig, env=env,
           notes="100 clients (Dirichlet 0.5 over the first operand's leading digit), 10 per round, 5 local AdamW "
                 "steps of batch 8, LoRA-FA r=8 (its optimizer off), error feedback on the compressed uplinks.")
     print(table)

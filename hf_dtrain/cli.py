@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     fed = sub.add_parser("fed", help="federated fine-tuning: hf-dtrain fed simulate --clients 100 --per-round 10")
     fed_sub = fed.add_subparsers(dest="action", required=True)
     add_fed_arguments(fed_sub.add_parser("simulate", help="simulate N clients on the launched processes (Parrot)"))
+    sub.add_parser("elastic", help="elastic data-parallel training: hosts join and leave while it trains "
+                                   "(hf-dtrain elastic --help)", add_help=False)
     sub.add_parser("plan", help="rank the parallelism plans of a model on a machine (hf-dtrain plan --help)",
                    add_help=False)
     bb = sub.add_parser("build-base", help="build and cache the embedded default base model")
@@ -278,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["elastic"]:  # its own parser (hf-dtrain elastic --help): runs torchrun for this host
+        from hf_dtrain.elastic import main as elastic_main
+
+        return elastic_main(args[1:])
     if args[:1] == ["plan"]:  # its own parser (hf-dtrain plan --help)
         from hf_dtrain.plan import plan_main
 

@@ -17,7 +17,7 @@ LAYERS = [
     ("engines", {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault", "parallel", "federated", "split"}),
     ("engines over the tuners", {"fused"}),  # it fuses the tuners' adapters, so it knows their layers
     ("composition", {"compose", "callbacks", "model_card"}),
-    ("jobs", {"finetune", "pretrain", "plan", "sweep", "fed"}),
+    ("jobs", {"finetune", "pretrain", "plan", "sweep", "fed", "elastic"}),
     ("cli", {"cli"}),
 ]
 LEVEL = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
