@@ -213,6 +213,43 @@ def sweep_config_from_args(ns: argparse.Namespace):
                        report=base.report)
 
 
+FED_SHORT = {"clients": "clients", "per-round": "per_round", "rounds": "rounds", "local-steps": "local_steps",
+             "algorithm": "algorithm", "uplink": "uplink"}
+
+
+def add_fed_arguments(parser: argparse.ArgumentParser) -> None:
+    """``hf-dtrain fed simulate``: finetune's model / method / data flags, ``--fed.*`` (FederatedConfig) and the
+    short forms ``--clients --per-round --rounds --local-steps --algorithm --uplink``."""
+    from hf_dtrain.federated import FederatedConfig
+
+    add_job_arguments(parser, FinetuneConfig)
+    group = parser.add_argument_group(f"fed (FederatedConfig, {FederatedConfig.__module__})")
+    hints = typing.get_type_hints(FederatedConfig)
+    for f in dataclasses.fields(FederatedConfig):
+        conv, _ = _converter(hints[f.name])
+        group.add_argument(flag_of(f"fed.{f.name}"), dest=f"fed.{f.name}", type=conv, default=argparse.SUPPRESS,
+                           help=help_of(f))
+    for short, name in FED_SHORT.items():
+        conv, _ = _converter(hints[name])
+        group.add_argument(f"--{short}", dest=f"fed.{name}", type=conv, default=argparse.SUPPRESS,
+                           help=f"Short for --fed.{short}.")
+
+
+def fed_config_from_args(ns: argparse.Namespace):
+    from hf_dtrain.fed import FedSimulateConfig
+    from hf_dtrain.federated import FederatedConfig
+    from hf_dtrain.settings import build
+
+    given = vars(ns)
+    fed = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("fed.")}
+    data = load_recipe(ns.recipe) if getattr(ns, "recipe", None) else {}
+    fed = {**(data.pop("fed", None) or {}), **fed}
+    shared = argparse.Namespace(**{k: v for k, v in given.items() if not k.startswith("fed.") and k not in ("recipe", "action")})
+    job = FinetuneConfig.from_dict(merge(data, args_to_data(shared, FinetuneConfig), FinetuneConfig),
+                                   where=f"recipe {ns.recipe}" if getattr(ns, "recipe", None) else "FinetuneConfig")
+    return FedSimulateConfig(job=job, fed=build(FederatedConfig, fed, where="fed"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dtrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw = sub.add_parser("sweep", conflict_handler="resolve",
                         help="train a grid of finetune jobs fused, as one model (HFTA): --lr 1e-4,3e-4 --r 8,16 --seed 0,1")
     add_sweep_arguments(sw)
+    fed = sub.add_parser("fed", help="federated fine-tuning: hf-dtrain fed simulate --clients 100 --per-round 10")
+    fed_sub = fed.add_subparsers(dest="action", required=True)
+    add_fed_arguments(fed_sub.add_parser("simulate", help="simulate N clients on the launched processes (Parrot)"))
+    sub.add_parser("elastic", help="elastic data-parallel training: hosts join and leave while it trains "
+                                   "(hf-dtrain elastic --help)", add_help=False)
     sub.add_parser("plan", help="rank the parallelism plans of a model on a machine (hf-dtrain plan --help)",
                    add_help=False)
     bb = sub.add_parser("build-base", help="build and cache the embedded default base model")
@@ -238,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["elastic"]:  # its own parser (hf-dtrain elastic --help): runs torchrun for this host
+        from hf_dtrain.elastic import main as elastic_main
+
+        return elastic_main(args[1:])
     if args[:1] == ["plan"]:  # its own parser (hf-dtrain plan --help)
         from hf_dtrain.plan import plan_main
 
@@ -256,6 +302,20 @@ def main(argv: list[str] | None = None) -> int:
         from hf_dtrain.models import build_default_model
 
         print(build_default_model(ns.preset, cache_dir=ns.cache_dir, steps=ns.steps, seed=ns.seed))
+        return 0
+    if ns.command == "fed":
+        from hf_dtrain.fed import run_fed_simulate
+
+        try:
+            cfg = fed_config_from_args(ns)
+        except (ValueError, TypeError, OSError) as e:
+            raise SystemExit(f"hf-dtrain fed {ns.action}: {e}") from None
+        try:
+            run_fed_simulate(cfg)
+        finally:
+            from hf_dtrain.distributed import release_process_group
+
+            release_process_group()
         return 0
     if ns.command == "sweep":
         from hf_dtrain.sweep import run_sweep

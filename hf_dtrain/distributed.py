@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -351,3 +352,15 @@ class SavedTensorCounter:
     def __call__(self):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
+
+
+def speed_quotas(n: int, speeds: Sequence[float]) -> list[int]:
+    """``n`` split proportionally to ``speeds`` (largest remainder; sums to ``n``): the heterogeneity-aware
+    partitioner's shard sizes and the federated simulation's clients per process."""
+    total = float(sum(speeds))
+    exact = [n * s / total for s in speeds]
+    quotas = [math.floor(x) for x in exact]
+    order = sorted(range(len(speeds)), key=lambda i: (-(exact[i] - quotas[i]), i))
+    for i in order[:n - sum(quotas)]:
+        quotas[i] += 1
+    return quotas

@@ -315,3 +315,42 @@ def load_model_and_tokenizer(model: str | None = None, *, preset: str = "tiny", 
         return None, tokenizer
     lm = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
     return lm, tokenizer
+
+
+class LlamaPipelineStage(torch.nn.Module):
+    """One stage of a LLaMA-family causal LM cut between decoder layers (a pipeline stage; the edge or the cloud part
+    of split fine-tuning): its decoder layers (and the embedding on the first stage,
+    the final norm and ``lm_head`` on the last), under the same attribute names as the whole model, so parameter
+    names match it. Takes token ids (first stage) or hidden states, returns hidden states or logits (last)."""
+
+    def __init__(self, causal_lm: torch.nn.Module, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        decoder = causal_lm.model
+        self.config = causal_lm.config
+        self._no_split_modules = list(getattr(causal_lm, "_no_split_modules", None) or [])  # FSDP2's units
+        self.first, self.last = first, last
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = decoder.embed_tokens if first else None
+        self.model.layers = torch.nn.ModuleDict({str(i): decoder.layers[i] for i in range(start, end)})
+        self.model.norm = decoder.norm if last else None
+        self.model.rotary_emb = decoder.rotary_emb
+        self.lm_head = causal_lm.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        m = self.model
+        h = m.embed_tokens(x) if self.first else x
+        # under sequence parallelism a later stage receives this rank's 1/tp of the sequence (apply_tensor_parallel
+        # sets sequence_shards); the positions and the mask are the whole sequence's
+        length = h.shape[1] if self.first else h.shape[1] * getattr(self, "sequence_shards", 1)
+        whole = h[:, :1].expand(h.shape[0], length, h.shape[-1])
+        positions = torch.arange(length, device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=whole, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        rope = m.rotary_emb(whole, position_ids=positions)
+        for layer in m.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+        if self.last:
+            h = self.lm_head(m.norm(h))
+        return h

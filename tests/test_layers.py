@@ -14,10 +14,10 @@ PACKAGE = os.path.join(ROOT, "hf_dtrain")
 # lowest first; a module may import its own unit and any unit of a lower layer
 LAYERS = [
     ("base", {"distributed", "quantization", "models", "tasks", "settings", "optimizer_wrapper"}),
-    ("engines", {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault", "parallel"}),
+    ("engines", {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault", "parallel", "federated", "split"}),
     ("engines over the tuners", {"fused"}),  # it fuses the tuners' adapters, so it knows their layers
     ("composition", {"compose", "callbacks", "model_card"}),
-    ("jobs", {"finetune", "pretrain", "plan", "sweep"}),
+    ("jobs", {"finetune", "pretrain", "plan", "sweep", "fed", "elastic"}),
     ("cli", {"cli"}),
 ]
 LEVEL = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}

@@ -27,20 +27,11 @@ from typing import Optional, Sequence
 import torch
 from torch.utils.data import Sampler
 
+from hf_dtrain.distributed import speed_quotas  # noqa: F401  (the quota rule; part of this module's API)
+
 
 EXACT_GREEDY_MAX = 512  # classes up to this size: exact greedy; above: stochastic greedy
 STOCHASTIC_CANDIDATES = 64
-
-
-def speed_quotas(n: int, speeds: Sequence[float]) -> list[int]:
-    """``n`` split proportionally to ``speeds`` (largest remainder; sums to ``n``)."""
-    total = float(sum(speeds))
-    exact = [n * s / total for s in speeds]
-    quotas = [math.floor(x) for x in exact]
-    order = sorted(range(len(speeds)), key=lambda i: (-(exact[i] - quotas[i]), i))
-    for i in order[:n - sum(quotas)]:
-        quotas[i] += 1
-    return quotas
 
 
 def _class_counts(class_sizes: list[int], speeds: Sequence[float], quotas: list[int]) -> list[list[int]]:

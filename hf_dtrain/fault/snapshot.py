@@ -853,6 +853,15 @@ class SnapshotEngine:
             if self._all(data is not None):
                 d = os.path.join(self.persist_dir, f"snapshot-{step}")
                 metadata, tensors = parse(data)
+                if self._any(int(metadata["world_size"]) != self.world):
+                    # taken on another world size and its DCP copy is incomplete (a host was lost while writing
+                    # it): an older step's copy may reshard
+                    why = (f"the copy of step {step} was taken on {metadata['world_size']} ranks and its resharding "
+                           "(DCP) copy is incomplete")
+                    reasons.append(why)
+                    skipped.append(step)
+                    logger.error("%s; trying an older one", why)
+                    continue
                 self._check_all(metadata, f"on disk at {d}")
                 state = self._load(metadata, tensors, apply)
                 self._discard_after(-1)

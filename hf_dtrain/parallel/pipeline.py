@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_dtrain.models import LlamaPipelineStage  # noqa: F401  (the stage class; its home is the base layer)
+
 SINGLE_STAGE = ("GPipe", "1F1B")
 MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
 
@@ -195,44 +197,6 @@ def profile_costs(model: nn.Module, example: torch.Tensor) -> dict[str, float]:
     costs = {"embed": median_seconds(embed), "layer": median_seconds(one_layer), "head": median_seconds(head)}
     base.zero_grad(set_to_none=True)
     return costs
-
-
-class LlamaPipelineStage(nn.Module):
-    """One pipeline stage of a LLaMA-family causal LM: its decoder layers (and the embedding on the first stage,
-    the final norm and ``lm_head`` on the last), under the same attribute names as the whole model, so parameter
-    names match it. Takes token ids (first stage) or hidden states, returns hidden states or logits (last)."""
-
-    def __init__(self, causal_lm: nn.Module, start: int, end: int, first: bool, last: bool):
-        super().__init__()
-        decoder = causal_lm.model
-        self.config = causal_lm.config
-        self._no_split_modules = list(getattr(causal_lm, "_no_split_modules", None) or [])  # FSDP2's units
-        self.first, self.last = first, last
-        self.model = nn.Module()
-        self.model.embed_tokens = decoder.embed_tokens if first else None
-        self.model.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in range(start, end)})
-        self.model.norm = decoder.norm if last else None
-        self.model.rotary_emb = decoder.rotary_emb
-        self.lm_head = causal_lm.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        m = self.model
-        h = m.embed_tokens(x) if self.first else x
-        # under sequence parallelism a later stage receives this rank's 1/tp of the sequence (apply_tensor_parallel
-        # sets sequence_shards); the positions and the mask are the whole sequence's
-        length = h.shape[1] if self.first else h.shape[1] * getattr(self, "sequence_shards", 1)
-        whole = h[:, :1].expand(h.shape[0], length, h.shape[-1])
-        positions = torch.arange(length, device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=whole, attention_mask=None, cache=None,
-                                  position_ids=positions)
-        rope = m.rotary_emb(whole, position_ids=positions)
-        for layer in m.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-        if self.last:
-            h = self.lm_head(m.norm(h))
-        return h
 
 
 class Pipeline:

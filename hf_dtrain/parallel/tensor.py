@@ -198,7 +198,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
                              f"{name!r}; LoRA and LoRA-FA are supported.")
         tuners[name] = module
 
-    # a pipeline stage (hf_dtrain.parallel.pipeline.LlamaPipelineStage) holds some layers (a ModuleDict keyed by
+    # a pipeline stage (hf_dtrain.models.LlamaPipelineStage) holds some layers (a ModuleDict keyed by
     # their index in the whole model) and the embedding / norm + lm_head only on the first / last stage
     items = list(layers.items()) if isinstance(layers, nn.ModuleDict) else list(enumerate(layers))
     has_embed, has_head = decoder.embed_tokens is not None, base.lm_head is not None

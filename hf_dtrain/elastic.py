@@ -1,0 +1,279 @@
+"""Elastic data-parallel training: hosts join and leave a run while it trains.
+
+Built on torchrun's elastic agent (a c10d rendezvous with ``--nnodes MIN:MAX``), the snapshot engine of
+``hf_dtrain.fault`` and the heterogeneity-aware partitioner of ``hf_dtrain.data``:
+
+* every host runs ``hf-dtrain elastic`` (which runs torchrun for it). When a host leaves (killed, lost) the others'
+  collectives fail, their agents meet again without it and restart their workers; when a host arrives, the running
+  agents see it waiting, stop at once, and meet again with it. Each new membership is a new *generation* of workers.
+* a generation starts from the newest snapshot. With the same world size the engine restores from memory (the
+  snapshot processes outlive the workers); on a new world size it reshards the persisted copy (a DCP checkpoint every
+  ``persist_every`` steps, on storage every host reads), which newcomers load like everybody else.
+* a generation measures each worker's speed (timed forward/backward steps, no gradient exchange) and deals every
+  global batch in proportion to it (``HeterogeneityAwareSampler``), weighting each rank's loss so that the gradient
+  is the mean over the global batch, as one process would compute it.
+* rank 0 appends every step (loss, world size, batch sizes, speeds, where the generation restored from) to
+  ``<output_dir>/elastic.jsonl``; steps past the restored one (a timeline that died with a host) are dropped first.
+
+torch 2.13's c10d rendezvous shares its TCP store with the workers by default, and a host that joins an existing
+run then waits forever for keys the store's owner writes only once (the first generation's master address): the
+launcher sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so each generation publishes its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+LOG = "elastic.jsonl"
+
+
+@dataclass
+class ElasticConfig:
+    """One elastic run. Every field is a flag of ``hf-dtrain elastic`` (``--steps``, ``--min-nodes`` ...); every
+    host passes the same values, except ``slowdown`` (this host's own)."""
+
+    output_dir: str = field(default="runs/elastic", metadata={
+        "help": "Where the log, the snapshots' persisted copies and the final model go: storage every host reads."})
+    steps: int = field(default=60, metadata={"min": 1, "help": "Optimizer steps of the whole run."})
+    global_batch_size: int = field(default=16, metadata={
+        "min": 1, "help": "Sequences per step over all workers, dealt by measured speed."})
+    seq_len: int = field(default=32, metadata={"min": 2, "help": "Tokens per sequence."})
+    samples: int = field(default=2048, metadata={"min": 1, "help": "Size of the synthetic training set."})
+    preset: str = field(default="test", metadata={"help": "LlamaConfig preset of the model (hf_dtrain.models)."})
+    lr: float = field(default=3e-3, metadata={"gt": 0, "help": "AdamW's learning rate."})
+    seed: int = field(default=0, metadata={"min": 0, "help": "Seed of the model and the data."})
+    min_nodes: int = field(default=1, metadata={"min": 1, "help": "Fewest hosts the run trains with."})
+    max_nodes: int = field(default=4, metadata={"min": 1, "help": "Most hosts that may join."})
+    persist_every: int = field(default=1, metadata={
+        "min": 1, "help": "Steps between persisted (resharding) snapshot copies: a membership change resumes from "
+                          "the newest one, so at most this many steps are recomputed."})
+    probe_steps: int = field(default=2, metadata={
+        "min": 1, "help": "Timed forward/backward steps per worker at the start of each generation (its speed)."})
+    collective_timeout: float = field(default=30.0, metadata={
+        "gt": 0, "help": "Seconds a collective waits for a rank before the generation fails."})
+    slowdown: float = field(default=1.0, metadata={
+        "min": 1, "help": "This host only: emulate a slower host (each step's compute takes this many times longer)."})
+
+    def __post_init__(self):
+        from hf_dtrain.models import PRESETS
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"ElasticConfig.min_nodes={self.min_nodes} is more than max_nodes={self.max_nodes}; "
+                             "set --min-nodes <= --max-nodes.")
+        if self.preset not in PRESETS:
+            raise ValueError(f"ElasticConfig.preset={self.preset!r} is not a preset; choose one of {sorted(PRESETS)}.")
+        if self.global_batch_size < self.max_nodes:
+            raise ValueError(f"ElasticConfig.global_batch_size={self.global_batch_size} cannot give each of up to "
+                             f"max_nodes={self.max_nodes} workers a sequence; raise --global-batch-size or lower "
+                             "--max-nodes.")
+
+
+def torchrun_command(config: ElasticConfig, endpoint: str, run_id: str, nproc_per_node: int = 1,
+                     local_addr: Optional[str] = None, store_host: bool = False) -> tuple[list, dict]:
+    """The torchrun command line (and environment additions) that runs this host's share of ``config``;
+    ``local_addr``: this host's address as the others reach it (default: what its hostname resolves to);
+    ``store_host``: this host serves the rendezvous store at ``endpoint`` (torchrun decides it by comparing the
+    endpoint with the hostname's addresses, which misses an address the hostname does not resolve to)."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{config.min_nodes}:{config.max_nodes}",
+            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", run_id, "--max-restarts", "100", "--monitor-interval", "0.5",
+            # a lost host is dropped after 3 missed 1 s heartbeats; a generation forms 2 s after its last arrival
+            "--rdzv-conf", "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
+                           "close_timeout=5" + (",is_host=true" if store_host else "")
+            ] + (["--local-addr", local_addr] if local_addr else []) + [
+            "-m", "hf_dtrain.elastic", "--worker"] + to_argv(config)
+    return args, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def to_argv(config: ElasticConfig) -> list[str]:
+    out = []
+    for f in dataclasses.fields(config):
+        out += [f"--{f.name.replace('_', '-')}", str(getattr(config, f.name))]
+    return out
+
+
+def synthetic_corpus(samples: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
+    """``samples`` sequences of arithmetic progressions modulo ``vocab`` (random start and stride): learnable, so the
+    loss curve shows whether training continued across a membership change."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (samples, 1), generator=g)
+    stride = torch.randint(1, 8, (samples, 1), generator=g)
+    return (start + stride * torch.arange(seq_len)) % vocab
+
+
+def _speed(model, batch: torch.Tensor, steps: int, slowdown: float) -> float:
+    """Sequences per second of this worker's forward/backward alone (no gradient exchange: DDP's ``no_sync``)."""
+    with model.no_sync():
+        model(input_ids=batch, labels=batch).loss.backward()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t = time.perf_counter()
+            model(input_ids=batch, labels=batch).loss.backward()
+            if slowdown > 1:
+                time.sleep((slowdown - 1) * (time.perf_counter() - t))
+        seconds = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return steps * batch.shape[0] / seconds
+
+
+def _append_log(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _truncate_log(path: str, after_step: int) -> None:
+    """Drop the steps after ``after_step``: they belong to a timeline that died with a host."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= after_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
+def read_log(output_dir: str) -> list[dict]:
+    path = os.path.join(output_dir, LOG)
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_worker(config: ElasticConfig) -> None:
+    """One worker of one generation (what torchrun runs on each host)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_dtrain.data.partition import HeterogeneityAwareSampler
+    from hf_dtrain.distributed import release_process_group
+    from hf_dtrain.fault import SnapshotConfig, SnapshotEngine
+    from hf_dtrain.models import build_llama
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.collective_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(config.seed)
+    model = build_llama(config.preset, seed=config.seed)
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    os.makedirs(config.output_dir, exist_ok=True)
+    snapshots = SnapshotConfig(directory=os.path.join(config.output_dir, "snapshots"), parity=0,
+                               persist_every=config.persist_every,
+                               persist_dir=os.path.join(config.output_dir, "persisted"),
+                               timeout=config.collective_timeout)
+    engine = SnapshotEngine(ddp, optimizer, scheduler, config=snapshots,
+                            identity={"job": "elastic", "preset": config.preset, "seed": config.seed})
+    restored = engine.restore()
+    start = restored.step + 1 if restored is not None else 0
+    source = restored.source if restored is not None else "fresh"
+    log = os.path.join(config.output_dir, LOG)
+    generation = 0  # this membership's number: one more than the last one in the log
+    if rank == 0:
+        _truncate_log(log, start - 1)
+        if os.path.exists(log) and start > 0:
+            prior = read_log(config.output_dir)
+            generation = prior[-1]["generation"] + 1 if prior else 0
+
+    data = synthetic_corpus(config.samples, config.seq_len, model.config.vocab_size, config.seed)
+    probe = data[:4]
+    speed = torch.tensor([_speed(ddp, probe, config.probe_steps, config.slowdown)], dtype=torch.float64)
+    speeds = [torch.zeros_like(speed) for _ in range(world)]
+    dist.all_gather(speeds, speed)
+    speeds = [float(s) for s in speeds]
+    sampler = HeterogeneityAwareSampler(None, speeds, rank=rank, num_samples=len(data), seed=config.seed,
+                                        global_batch_size=config.global_batch_size)
+    batch_size = sampler.batch_size_for(config.global_batch_size)
+    scale = sampler.loss_scale(config.global_batch_size)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([batch_size]))
+    sizes = [int(s) for s in sizes]
+    per_epoch = sampler.steps_per_epoch
+
+    for step in range(start, config.steps):
+        sampler.set_epoch(step // per_epoch)
+        order = list(iter(sampler))
+        at = (step % per_epoch) * batch_size
+        batch = data[order[at:at + batch_size]]
+        t0 = time.perf_counter()
+        loss = ddp(input_ids=batch, labels=batch).loss
+        (loss * scale).backward()
+        if config.slowdown > 1:
+            time.sleep((config.slowdown - 1) * (time.perf_counter() - t0))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.tensor([loss.item() * batch_size], dtype=torch.float64)
+        dist.all_reduce(total)
+        engine.snapshot(step, extra={"step": step})
+        if rank == 0:
+            record = {"step": step, "loss": float(total) / config.global_batch_size, "world_size": world,
+                      "generation": generation, "batch_sizes": sizes, "speeds": [round(s, 2) for s in speeds],
+                      "seconds": round(time.perf_counter() - t0, 4), "time": time.time()}
+            if step == start:
+                record["restored_from"] = source
+            _append_log(log, record)
+    engine.wait()
+    dist.barrier()
+    if rank == 0:
+        model.save_pretrained(os.path.join(config.output_dir, "model"), safe_serialization=True)
+    engine.close(shutdown=True)
+    del ddp
+    release_process_group()
+
+
+def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    import typing
+
+    parser = parser or argparse.ArgumentParser(prog="hf-dtrain elastic", description=__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--endpoint", default="127.0.0.1:29400",
+                        help="host:port of the rendezvous (the first host's address; every host passes the same).")
+    parser.add_argument("--run-id", default="hf-dtrain-elastic", help="The rendezvous id (the same on every host).")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="Workers on this host.")
+    parser.add_argument("--store-host", action="store_true", help="This host serves the rendezvous store at "
+                        "--endpoint (needed when the endpoint is an address its hostname does not resolve to). The "
+                        "run lives as long as this host does.")
+    parser.add_argument("--local-addr", default=None, help="This host's address as the other hosts reach it "
+                        "(default: what its hostname resolves to).")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    hints = typing.get_type_hints(ElasticConfig)
+    for f in dataclasses.fields(ElasticConfig):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=hints[f.name], default=f.default,
+                            help=f.metadata.get("help"))
+    return parser
+
+
+def config_from_args(ns: argparse.Namespace) -> ElasticConfig:
+    return ElasticConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ElasticConfig)})
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import subprocess
+
+    ns = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(ns)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"hf-dtrain elastic: {e}") from None
+    if ns.worker:
+        run_worker(config)
+        return 0
+    cmd, env = torchrun_command(config, ns.endpoint, ns.run_id, ns.nproc_per_node, ns.local_addr,
+                                ns.store_host)
+    return subprocess.call(cmd, env={**os.environ, **env})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

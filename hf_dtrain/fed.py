@@ -1,0 +1,167 @@
+"""``hf-dtrain fed simulate``: a federated fine-tuning run simulated on the launched processes (FedML Parrot-style).
+
+``run_fed_simulate(FedSimulateConfig(job=FinetuneConfig(method="lorafa"), fed=FederatedConfig(clients=100)))``: the
+base model and the task as ``hf-dtrain finetune`` builds them, the training set split over the clients (Dirichlet over
+the task's labels: for the default addition task, the first digit of the first operand; for a dataset, its ``label``
+or ``source`` column when it has one), the peft adapter as the payload, and one row per round: the clients sampled
+and trained, those that failed, uplink bytes, train loss and eval loss of the global adapter. Writes the final
+adapter (a standard peft directory), ``fed.json``, ``fed.md`` and ``fed.png`` (eval loss and uplink bytes per round).
+Under ``torchrun`` / ``accelerate launch`` the processes share the clients; the client states live under
+``<output_dir>/client_states`` (owner-only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_dtrain.federated import FederatedConfig, FederatedSimulation, dirichlet_split
+from hf_dtrain.finetune import FinetuneConfig
+from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
+
+FED_METHODS = ("lora", "lorafa", "qbara", "smt", "dora", "qahira")  # peft adapters: the payload
+
+
+@dataclass
+class FedSimulateConfig:
+    """A federated simulation: the model / method / data settings of a finetune job, and the federation."""
+
+    job: FinetuneConfig = field(default_factory=FinetuneConfig, metadata={
+        "help": "Base model, method, rank and data, as hf-dtrain finetune takes them (its engine sections are refused)."})
+    fed: FederatedConfig = field(default_factory=FederatedConfig, metadata={"help": "The federation."})
+
+    def __post_init__(self):
+        from hf_dtrain.compose import ComposeOptions
+
+        if self.job.method not in FED_METHODS:
+            raise ValueError(f"method={self.job.method!r}: the federated payload is a peft adapter; use one of "
+                             f"{', '.join(FED_METHODS)}.")
+        defaults = dataclasses.asdict(ComposeOptions())
+        for name, value in defaults.items():
+            if dataclasses.asdict(self.job).get(name) != value:
+                raise ValueError(f"{name} is set, but hf-dtrain fed simulate runs its own loop (clients trained one "
+                                 f"after another, Parrot's aggregation); leave {name} at its default.")
+
+
+def _labels(job: FinetuneConfig, dataset) -> list | None:
+    if job.dataset is None:
+        from hf_dtrain import tasks
+
+        pairs = tasks.addition_examples(job.train_size, seed=job.seed, split="train",
+                                        digits=job.task_digits or tasks.TASK_DIGITS)
+        return [p[0][0] for p in pairs]  # the first operand's leading digit: clients see different numbers
+    for column in ("label", "source"):
+        if column in getattr(dataset, "column_names", []):
+            return list(dataset[column])
+    return None
+
+
+def build_federation(cfg: FedSimulateConfig, rank: int = 0, dist: bool = False):
+    """``(peft model, tokenizer, client datasets, collator, eval function, base path)`` as the job builds them."""
+    from peft import get_peft_model
+    from transformers import set_seed
+
+    from hf_dtrain import tasks
+    from hf_dtrain.models import build_default_model, load_model_and_tokenizer
+
+    job, fed = cfg.job, cfg.fed
+    if rank == 0 and job.model is None:
+        build_default_model(job.base_preset, steps=job.base_steps, progress=job.progress)
+    if dist:
+        torch.distributed.barrier()
+    base_path = job.model or build_default_model(job.base_preset, steps=job.base_steps, progress=False)
+    model, tokenizer = load_model_and_tokenizer(base_path)
+    if job.dataset is None:
+        digits = job.task_digits or tasks.TASK_DIGITS
+        train = tasks.make_task_dataset(tokenizer, job.train_size, seed=job.seed, split="train", digits=digits)
+        evalset = tasks.make_task_dataset(tokenizer, job.eval_size, seed=job.seed, split="eval", digits=digits)
+    else:
+        train, evalset = tasks.load_task_dataset(job.dataset, tokenizer, train_size=job.train_size,
+                                                 eval_size=job.eval_size, seed=job.seed, max_length=job.max_length)
+    labels = _labels(job, train)
+    split = dirichlet_split(labels if labels is not None else [0] * len(train), fed.clients,
+                            fed.dirichlet_alpha if labels is not None else None, seed=fed.seed)
+    clients = [train.select(idx) for idx in split]
+    collator = tasks.task_collator(tokenizer)
+    set_seed(job.seed)
+    model = get_peft_model(model, FINETUNE_METHODS[job.method].build_config(job, model))
+    eval_batches = [collator([evalset[i] for i in range(s, min(s + 64, len(evalset)))])
+                    for s in range(0, len(evalset), 64)]
+
+    @torch.no_grad()
+    def evaluate(m) -> float:
+        m.eval()
+        total, rows = 0.0, 0
+        for b in eval_batches:
+            total += float(m(**b).loss) * len(b["input_ids"])
+            rows += len(b["input_ids"])
+        return total / rows
+
+    return model, tokenizer, clients, collator, evaluate, base_path
+
+
+def client_config(cfg: FedSimulateConfig) -> FederatedConfig:
+    """The federation's settings with the job's learning rate as the clients' when only the job gives one."""
+    fed = cfg.fed
+    if fed.client_lr == FederatedConfig().client_lr and cfg.job.learning_rate is not None:
+        fed = dataclasses.replace(fed, client_lr=cfg.job.learning_rate)
+    return fed
+
+
+def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
+    from hf_dtrain.distributed import init_distributed
+
+    job = cfg.job
+    init_distributed()
+    dist = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    rank = torch.distributed.get_rank() if dist else 0
+    out_dir = job.output_dir or os.path.join("outputs", f"fed-{job.method}")
+    model, tokenizer, clients, collator, evaluate, base_path = build_federation(cfg, rank, dist)
+    fed = client_config(cfg)
+    sim = FederatedSimulation(model, clients, collator, fed,
+                              state_dir=os.path.join(out_dir, "client_states"), eval_fn=evaluate)
+    history = sim.run(progress=job.progress)
+    result = dict(method=job.method, base_model=job.model or f"hf_dtrain default ({job.base_preset})",
+                  config=dict(job=dataclasses.asdict(job), fed=dataclasses.asdict(fed)), rounds=history,
+                  client_sizes=[len(c) for c in clients], uplink_bytes=sum(h["uplink_bytes"] for h in history),
+                  eval_loss_final=history[-1].get("eval_loss"), processes=sim.world)
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, "fed.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        _write_report(out_dir, history, job.report)
+    return result
+
+
+def _write_report(out_dir: str, history: list[dict], report: bool) -> None:
+    head = "| round | trained | failed | uplink MB | train loss | eval loss |\n|---|---|---|---|---|---|\n"
+    lines = [f"| {h['round']} | {h['trained']} | {','.join(map(str, h['failed'])) or '-'} | "
+             f"{h['uplink_bytes'] / 1e6:.3f} | {h['train_loss']:.4f} | {h.get('eval_loss', float('nan')):.4f} |"
+             for h in history]
+    table = head + "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "fed.md"), "w") as f:
+        f.write(table)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    rounds = [h["round"] for h in history]
+    a.plot(rounds, [h.get("eval_loss") for h in history], "o-")
+    a.set_xlabel("round")
+    a.set_ylabel("eval loss (global adapter)")
+    b.bar(rounds, [h["uplink_bytes"] / 1e6 for h in history])
+    b.set_xlabel("round")
+    b.set_ylabel("uplink MB")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "fed.png"), dpi=120)
+    plt.close(fig)
+    if report:
+        print(table, flush=True)
