@@ -40,7 +40,7 @@ def run(hosts, out, steps, scenario, rate_note):
         time.sleep(2)
         procs["B"] = launch_host(ElasticConfig(**base, slowdown=3.0), endpoint, run_id, logs["B"], wrap=hosts[1].command,
                                   env=dict(GLOO_SOCKET_IFNAME=hosts[1].interface),
-                                  local_addr=hosts[1].address)
+                                  local_addr=hosts[1].address, store_host=False)
         if scenario == "elastic":
             wait_for_log(out, lambda log: sum(r["world_size"] == 2 for r in log) >= steps // 6, 300, procs.values(),
                          "A and B training")
@@ -50,10 +50,10 @@ def run(hosts, out, steps, scenario, rate_note):
                          procs.values(), "A alone")
             procs["C"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["C"], wrap=hosts[2].command,
                                   env=dict(GLOO_SOCKET_IFNAME=hosts[2].interface),
-                                  local_addr=hosts[2].address)
+                                  local_addr=hosts[2].address, store_host=False)
             procs["D"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["D"], wrap=hosts[3].command,
                                   env=dict(GLOO_SOCKET_IFNAME=hosts[3].interface),
-                                  local_addr=hosts[3].address)
+                                  local_addr=hosts[3].address, store_host=False)
             events.append(("C, D started", time.time()))
         log = wait_for_log(out, lambda log: log[-1]["step"] == steps - 1, 600, procs.values(), "the last step")
         for p in procs.values():

@@ -81,17 +81,18 @@ class ElasticConfig:
 
 
 def torchrun_command(config: ElasticConfig, endpoint: str, run_id: str, nproc_per_node: int = 1,
-                     local_addr: Optional[str] = None, store_host: bool = False) -> tuple[list, dict]:
+                     local_addr: Optional[str] = None, store_host: Optional[bool] = None) -> tuple[list, dict]:
     """The torchrun command line (and environment additions) that runs this host's share of ``config``;
     ``local_addr``: this host's address as the others reach it (default: what its hostname resolves to);
-    ``store_host``: this host serves the rendezvous store at ``endpoint`` (torchrun decides it by comparing the
-    endpoint with the hostname's addresses, which misses an address the hostname does not resolve to)."""
+    ``store_host``: whether this host serves the rendezvous store at ``endpoint``; None lets torchrun decide (by
+    comparing the endpoint with the hostname's addresses: it misses an address the hostname does not resolve to, and
+    on one machine the first agent to bind the port wins). The run lives as long as the store's host: say which."""
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{config.min_nodes}:{config.max_nodes}",
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", run_id, "--max-restarts", "100", "--monitor-interval", "0.5",
             # a lost host is dropped after 3 missed 1 s heartbeats; a generation forms 2 s after its last arrival
             "--rdzv-conf", "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
-                           "close_timeout=5" + (",is_host=true" if store_host else "")
+                           "close_timeout=5" + ("" if store_host is None else f",is_host={str(store_host).lower()}")
             ] + (["--local-addr", local_addr] if local_addr else []) + [
             "-m", "hf_dtrain.elastic", "--worker"] + to_argv(config)
     return args, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -233,6 +234,12 @@ def run_worker(config: ElasticConfig) -> None:
     release_process_group()
 
 
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     import typing
 
@@ -242,9 +249,10 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                         help="host:port of the rendezvous (the first host's address; every host passes the same).")
     parser.add_argument("--run-id", default="hf-dtrain-elastic", help="The rendezvous id (the same on every host).")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="Workers on this host.")
-    parser.add_argument("--store-host", action="store_true", help="This host serves the rendezvous store at "
-                        "--endpoint (needed when the endpoint is an address its hostname does not resolve to). The "
-                        "run lives as long as this host does.")
+    parser.add_argument("--store-host", type=_bool, default=None, help="true: this host serves the rendezvous "
+                        "store at --endpoint; false: it connects to it. Default: torchrun decides by the hostname's "
+                        "addresses. The run lives as long as the store's host does: set true on the host that stays, "
+                        "false on the others.")
     parser.add_argument("--local-addr", default=None, help="This host's address as the other hosts reach it "
                         "(default: what its hostname resolves to).")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def launch_host(config, endpoint: str, run_id: str, log, wrap: Optional[Callable[[list], list]] = None,
-                env: Optional[dict] = None, local_addr: Optional[str] = None, store_host: bool = False
+                env: Optional[dict] = None, local_addr: Optional[str] = None, store_host: Optional[bool] = None
                 ) -> subprocess.Popen:
     """This host's torchrun agent for ``config`` (an ``ElasticConfig``), its output to the file ``log``; ``wrap``
     turns the command into one that runs elsewhere (``Host.command`` of a network namespace), ``env`` adds to its

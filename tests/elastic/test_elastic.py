@@ -22,13 +22,14 @@ def test_hosts_leave_and_join_and_training_continues(tmp_path):
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in "ABCD"}
     hosts = {}
     try:
-        hosts["A"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["A"])
-        hosts["B"] = launch_host(ElasticConfig(**base, slowdown=3.0), endpoint, run_id, logs["B"])
+        hosts["A"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["A"], store_host=True)
+        hosts["B"] = launch_host(ElasticConfig(**base, slowdown=3.0), endpoint, run_id, logs["B"],
+                                 store_host=False)
         wait_for_log(out, lambda log: sum(r["world_size"] == 2 for r in log) >= 5, 120, hosts.values(), "A and B training")
         lose_host(hosts["B"])
         wait_for_log(out, lambda log: log[-1]["world_size"] == 1, 120, hosts.values(), "A alone after B left")
-        hosts["C"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["C"])
-        hosts["D"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["D"])
+        hosts["C"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["C"], store_host=False)
+        hosts["D"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["D"], store_host=False)
         log = wait_for_log(out, lambda log: log[-1]["step"] == steps - 1, 240, hosts.values(), "the run's last step")
         for name in ("A", "C", "D"):
             assert hosts[name].wait(timeout=60) == 0, open(tmp_path / f"{name}.log").read()[-3000:]
@@ -44,7 +45,8 @@ def test_hosts_leave_and_join_and_training_continues(tmp_path):
     assert [r["step"] for r in log] == list(range(steps))
     worlds = [r["world_size"] for r in log]
     changes = [worlds[0]] + [w for prev, w in zip(worlds, worlds[1:]) if w != prev]
-    # A and B start together (should B arrive after the first generation formed, it begins with A alone)
+    # A (the rendezvous store's host, which stays) and B start together (should B arrive after the first generation
+    # formed, the run begins with A alone)
     assert changes[-3:] == [2, 1, 3] and changes[:-3] in ([], [1]), changes
     starts = [r["generation"] for r in log if "restored_from" in r]
     assert starts == list(range(len(changes))), [r for r in log if "restored_from" in r]
