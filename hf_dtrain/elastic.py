@@ -202,9 +202,12 @@ def run_worker(config: ElasticConfig) -> None:
     sizes = [int(s) for s in sizes]
     per_epoch = sampler.steps_per_epoch
 
+    order, epoch = [], None
     for step in range(start, config.steps):
-        sampler.set_epoch(step // per_epoch)
-        order = list(iter(sampler))
+        if step // per_epoch != epoch:  # this rank's order, drawn once per epoch
+            epoch = step // per_epoch
+            sampler.set_epoch(epoch)
+            order = list(iter(sampler))
         at = (step % per_epoch) * batch_size
         batch = data[order[at:at + batch_size]]
         t0 = time.perf_counter()

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hf_dtrain.distributed import WireStats
 from hf_dtrain.models import LlamaPipelineStage
 
 
@@ -47,24 +48,26 @@ class SplitConfig:
                              "cloud at least one).")
 
 
-def _lowrank(m: torch.Tensor, rank: Optional[int]) -> tuple[list[torch.Tensor], int]:
-    """What goes on the wire for matrix ``m`` at ``rank`` (None or >= min(shape): ``m`` itself), and its bytes."""
+def _lowrank(m: torch.Tensor, rank: Optional[int]) -> list[torch.Tensor]:
+    """What goes on the wire for matrix ``m`` at ``rank`` (None or >= min(shape): ``m`` itself)."""
     if rank is None or rank >= min(m.shape):
-        return [m.contiguous()], m.numel() * m.element_size()
+        return [m.contiguous()]
     u, s, vh = torch.linalg.svd(m.float(), full_matrices=False)
-    p, q = (u[:, :rank] * s[:rank]).contiguous(), vh[:rank].contiguous()
-    return [p, q], (p.numel() + q.numel()) * 4
+    return [(u[:, :rank] * s[:rank]).contiguous(), vh[:rank].contiguous()]
 
 
-def _send(tensors: list[torch.Tensor], peer: int, group=None) -> None:
+def _send(tensors: list[torch.Tensor], peer: int, group=None, stats: Optional[WireStats] = None) -> None:
+    """``tensors`` to ``peer``: a shape header, then each tensor; ``stats`` counts the tensors' payload bytes."""
     head = torch.tensor([len(tensors)] + [d for t in tensors for d in (t.dim(), *t.shape)], dtype=torch.long)
     dist.send(torch.tensor([head.numel()], dtype=torch.long), peer, group=group)
     dist.send(head, peer, group=group)
     for t in tensors:
         dist.send(t.detach().contiguous(), peer, group=group)
+        if stats is not None:
+            stats.add(t)
 
 
-def _recv(peer: int, dtype=torch.float32, group=None) -> list[torch.Tensor]:
+def _recv(peer: int, dtype=torch.float32, group=None, stats: Optional[WireStats] = None) -> list[torch.Tensor]:
     n = torch.empty(1, dtype=torch.long)
     dist.recv(n, peer, group=group)
     head = torch.empty(int(n), dtype=torch.long)
@@ -76,6 +79,8 @@ def _recv(peer: int, dtype=torch.float32, group=None) -> list[torch.Tensor]:
         pos += 1 + ndim
         t = torch.empty(shape, dtype=dtype)
         dist.recv(t, peer, group=group)
+        if stats is not None:
+            stats.add(t)
         out.append(t)
     return out
 
@@ -92,22 +97,28 @@ class SplitEdge:
         config.check(causal_lm)
         self.cfg, self.peer, self.group = config, peer, group
         self.stage = LlamaPipelineStage(causal_lm, 0, config.cut_layer, first=True, last=False)
-        self.bytes_sent = self.bytes_received = 0
+        self.sent, self.received = WireStats(), WireStats()
 
     def parameters(self):
         return [p for p in self.stage.parameters() if p.requires_grad]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes sent over the link in training steps (evaluation not counted)."""
+        return sum(self.sent.steps) + self.sent.current
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(self.received.steps) + self.received.current
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Forward to the cut, send the activations and labels, receive the activations' gradient, backward (the
         caller steps its optimizer on :meth:`parameters`)."""
         h = self.stage(input_ids)
         b, t, d = h.shape
-        parts, nbytes = _lowrank(h.detach().reshape(b * t, d), self.cfg.rank)
-        _send(parts, self.peer, self.group)
-        _send([labels.to(torch.float32)], self.peer, self.group)  # small ints, exact in fp32
-        self.bytes_sent += nbytes + labels.numel() * 8
-        grad_parts = _recv(self.peer, group=self.group)
-        self.bytes_received += sum(p.numel() * 4 for p in grad_parts)
+        _send(_lowrank(h.detach().reshape(b * t, d), self.cfg.rank), self.peer, self.group, self.sent)
+        _send([labels.to(torch.float32)], self.peer, self.group, self.sent)  # small ints, exact in fp32
+        grad_parts = _recv(self.peer, group=self.group, stats=self.received)
         h.backward(_join(grad_parts).reshape(b, t, d).to(h.dtype))
 
     @torch.no_grad()
@@ -115,8 +126,7 @@ class SplitEdge:
         """Send one evaluation batch's activations (compressed as in training) and labels; nothing comes back."""
         h = self.stage(input_ids)
         b, t, d = h.shape
-        parts, _ = _lowrank(h.reshape(b * t, d), self.cfg.rank)
-        _send(parts, self.peer, self.group)
+        _send(_lowrank(h.reshape(b * t, d), self.cfg.rank), self.peer, self.group)
         _send([labels.to(torch.float32)], self.peer, self.group)
 
 
@@ -131,15 +141,23 @@ class SplitCloud:
         layers = causal_lm.config.num_hidden_layers
         self.stage = LlamaPipelineStage(causal_lm, config.cut_layer, layers, first=False, last=True)
         self.residual = None
-        self.bytes_sent = self.bytes_received = 0
+        self.sent, self.received = WireStats(), WireStats()
 
     def parameters(self):
         return [p for p in self.stage.parameters() if p.requires_grad]
 
-    def step(self, batch_shape: tuple[int, int] | None = None) -> float:
-        parts = _recv(self.peer, group=self.group)
-        labels = _recv(self.peer, group=self.group)[0].long()
-        self.bytes_received += sum(p.numel() * 4 for p in parts) + labels.numel() * 8
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes sent over the link in training steps (evaluation not counted)."""
+        return sum(self.sent.steps) + self.sent.current
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(self.received.steps) + self.received.current
+
+    def step(self) -> float:
+        parts = _recv(self.peer, group=self.group, stats=self.received)
+        labels = _recv(self.peer, group=self.group, stats=self.received)[0].long()
         b, t = labels.shape
         h = _join(parts).reshape(b, t, -1).requires_grad_(True)
         logits = self.stage(h)
@@ -149,11 +167,10 @@ class SplitCloud:
         if self.cfg.rank is not None and self.cfg.error_feedback:
             if self.residual is not None and self.residual.shape == g.shape:
                 g = g + self.residual
-        grad_parts, nbytes = _lowrank(g, self.cfg.rank)
+        grad_parts = _lowrank(g, self.cfg.rank)
         if self.cfg.rank is not None and self.cfg.error_feedback:
             self.residual = g - _join(grad_parts)
-        _send(grad_parts, self.peer, self.group)
-        self.bytes_sent += nbytes
+        _send(grad_parts, self.peer, self.group, self.sent)
         return float(loss.detach())
 
     @torch.no_grad()

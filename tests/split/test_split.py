@@ -41,14 +41,14 @@ def test_split_at_full_rank_equals_unsplit_training(tmp_path):
     assert set(got) == set(state)  # every adapter lives on exactly one side
     for n, v in state.items():
         assert float((torch.tensor(got[n]) - v).norm() / v.norm()) < 1e-5, n
-    # the edge sent B x T x H fp32 activations and the labels each step
-    assert edge["sent"] == STEPS * (2 * 12 * 64 * 4 + 2 * 12 * 8)
+    # the edge sent B x T x H fp32 activations and the labels (as fp32) each step; the cloud received just that
+    assert edge["sent"] == cloud["received"] == STEPS * (2 * 12 * 64 * 4 + 2 * 12 * 4)
 
 
 def test_a_low_rank_link_sends_less_and_still_trains(tmp_path):
     edge, cloud = _split(tmp_path, 2)
-    assert edge["sent"] < 0.2 * STEPS * (2 * 12 * 64 * 4) + STEPS * 2 * 12 * 8
-    assert cloud["sent"] == STEPS * 2 * (24 + 64) * 4
+    assert edge["sent"] < 0.2 * STEPS * (2 * 12 * 64 * 4) + STEPS * 2 * 12 * 4
+    assert cloud["sent"] == edge["received"] == STEPS * 2 * (24 + 64) * 4
     assert cloud["losses"][-1] < cloud["losses"][0]
 
 
