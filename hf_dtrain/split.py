@@ -89,15 +89,12 @@ def _join(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else parts[0] @ parts[1]
 
 
-class SplitEdge:
-    """The edge side: embedding + layers ``[0, cut)`` of ``causal_lm`` (a transformers causal LM, possibly inside a
-    peft model: pass ``peft_model.get_base_model()``). :meth:`step` runs one training step's edge half."""
+class _Side:
+    """What both sides share: their trainable parameters and the link's byte counts (``sent``, ``received``)."""
 
-    def __init__(self, causal_lm, config: SplitConfig, peer: int = 1, group=None) -> None:
-        config.check(causal_lm)
-        self.cfg, self.peer, self.group = config, peer, group
-        self.stage = LlamaPipelineStage(causal_lm, 0, config.cut_layer, first=True, last=False)
-        self.sent, self.received = WireStats(), WireStats()
+    stage: torch.nn.Module
+    sent: WireStats
+    received: WireStats
 
     def parameters(self):
         return [p for p in self.stage.parameters() if p.requires_grad]
@@ -110,6 +107,18 @@ class SplitEdge:
     @property
     def bytes_received(self) -> int:
         return sum(self.received.steps) + self.received.current
+
+
+class SplitEdge(_Side):
+    """The edge side: embedding + layers ``[0, cut)`` of ``causal_lm`` (a transformers causal LM, possibly inside a
+    peft model: pass ``peft_model.get_base_model()``). :meth:`step` runs one training step's edge half."""
+
+    def __init__(self, causal_lm, config: SplitConfig, peer: int = 1, group=None) -> None:
+        config.check(causal_lm)
+        self.cfg, self.peer, self.group = config, peer, group
+        self.stage = LlamaPipelineStage(causal_lm, 0, config.cut_layer, first=True, last=False)
+        self.sent, self.received = WireStats(), WireStats()
+
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Forward to the cut, send the activations and labels, receive the activations' gradient, backward (the
@@ -130,7 +139,7 @@ class SplitEdge:
         _send([labels.to(torch.float32)], self.peer, self.group)
 
 
-class SplitCloud:
+class SplitCloud(_Side):
     """The cloud side: layers ``[cut, L)``, the final norm and the head; :meth:`step` runs one step's cloud half and
     returns the loss."""
 
@@ -143,17 +152,6 @@ class SplitCloud:
         self.residual = None
         self.sent, self.received = WireStats(), WireStats()
 
-    def parameters(self):
-        return [p for p in self.stage.parameters() if p.requires_grad]
-
-    @property
-    def bytes_sent(self) -> int:
-        """Payload bytes sent over the link in training steps (evaluation not counted)."""
-        return sum(self.sent.steps) + self.sent.current
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(self.received.steps) + self.received.current
 
     def step(self) -> float:
         parts = _recv(self.peer, group=self.group, stats=self.received)
