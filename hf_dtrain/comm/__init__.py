@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..distributed import WireStats, check_same_across_ranks, keep_gradients_local, unwrap_optimizer, world_size_of
 from .acp_sgd import ACPSGDState, acp_sgd_hook, acp_sgd_step_bytes
-from .dear import DeARState, dear_hook, dear_step_bytes
+from .dear import DeARState, dear_step_bytes
 from .config import METHODS, CommHookConfig
 from .embrace import EmbRaceState, embrace_dense_hook, embrace_step_bytes, exclude_embeddings
 from .fsdp import FSDP_METHODS, FSDPExchangeState, fsdp_exchange_step_bytes, register_fsdp
@@ -115,9 +115,8 @@ def _register_dear(ddp, config, group, optimizer):
     if optimizer is None:
         raise ValueError("DeAR defers the optimizer update to the next forward and needs the optimizer: "
                          "register(model, 'dear', optimizer=optimizer) with the prepared optimizer.")
-    state = DeARState(process_group=group)
-    state.attach(ddp, unwrap_optimizer(optimizer))
-    ddp.register_comm_hook(state, dear_hook)
+    state = DeARState(process_group=group, fusion_mb=config.fusion_mb)
+    state.attach(ddp, unwrap_optimizer(optimizer))  # per-layer hooks; DDP itself sends nothing
     return state
 
 
@@ -153,6 +152,6 @@ _REGISTER: dict[str, Callable] = {"allreduce": _register_allreduce, "bf16": _reg
 assert set(_REGISTER) == set(METHODS)
 
 __all__ = ["CommHookConfig", "register", "unwrap_optimizer", "DenseState", "dense_allreduce_hook", "ACPSGDState",
-           "acp_sgd_hook", "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "DeARState", "dear_hook",
+           "acp_sgd_hook", "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "DeARState",
            "dear_step_bytes", "EmbRaceState", "embrace_dense_hook", "embrace_step_bytes", "exclude_embeddings",
            "WireStats", "register_fsdp", "FSDPExchangeState", "fsdp_exchange_step_bytes", "FSDP_METHODS"]

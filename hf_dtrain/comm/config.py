@@ -39,6 +39,10 @@ class CommHookConfig:
         "help": "s2_reducer: count-sketch rows d (odd, so the median is one of the estimates)."})
     sketch_width_factor: float = field(default=4.0, metadata={"gt": 0, 
         "help": "s2_reducer: counters per row per nonzero position of the union of the ranks' nonzeros."})
+    fusion_mb: float = field(default=1.0, metadata={"min": 0,
+        "help": "dear: MB of gradients per fusion group (consecutive layers merged until a group holds this much; 0 = "
+                "one group per module). Each group's reduce-scatter starts in backward as soon as its gradients are "
+                "ready, its all-gather just before its layer's forward."})
     exchange: str = field(default="allgather", metadata={
         "help": "embrace: how embedding rows travel, allgather or alltoall."})
 

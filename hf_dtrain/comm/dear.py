@@ -1,21 +1,25 @@
-"""DeAR: decoupled all-reduce. Reduce-scatter in backward, all-gather overlapped with the next forward.
+"""DeAR: decoupled all-reduce, pipelined per layer. Reduce-scatter in backward, all-gather in the next forward.
 
 Zhang, Shi, Li (ICDCS 2023, arXiv 2302.12445; code lzhangbv/dear_pytorch on Horovod/MPI). A ring all-reduce is a
-reduce-scatter followed by an all-gather. DeAR splits the two halves across iterations:
+reduce-scatter followed by an all-gather. DeAR splits the two halves across iterations and pipelines both per layer:
 
-1. **backward**: when DDP hands over a bucket (DDP's buckets are DeAR's fusion groups: ``bucket_cap_mb`` is the fusion
-   threshold), start an asynchronous reduce-scatter of it; each rank ends with one shard of the summed bucket (on
-   gloo, whose reduce-scatter is one all-reduce per rank, an all-to-all of the shards and a local sum);
-2. **optimizer step**: wait for the reduce-scatters, start the all-gathers of the shards (in forward order), and do
-   not update yet;
-3. **next forward**: a forward pre-hook on the first module that uses a bucket's parameters waits for that bucket's
-   all-gather, writes the averaged gradients into ``.grad`` and runs the optimizer on those parameters only, just
-   before they are used. The all-gathers of later buckets proceed while earlier layers compute.
+1. **groups**: the modules that own trainable parameters, in forward (registration) order, merged with their
+   neighbours until a group holds ``fusion_mb`` of gradients (the paper's fusion threshold; ``0`` = one group per
+   module). A group's gradients live in one flat buffer padded to a multiple of the world size.
+2. **backward**: a post-accumulate-grad hook on every parameter counts the group's gradients in; the moment a group is
+   complete its **reduce-scatter starts, asynchronously, while backward goes on** with the earlier layers (on gloo,
+   whose reduce-scatter is one all-reduce per rank, it is an all-to-all of the shards and a local sum: the same bytes).
+   DDP itself sends nothing (torch's ``noop_hook``): DDP keeps its forward, buffers and ``no_sync``.
+3. **optimizer step**: records the hyperparameters, finishes the first group's reduce-scatter and starts its
+   all-gather. Nothing is updated yet.
+4. **next forward**: the forward pre-hook of a group's modules waits for that group's all-gather, writes the averaged
+   gradients into ``.grad``, runs the optimizer on that group's parameters only, and **starts the next group's
+   all-gather**, which travels while this layer computes.
 
-The bytes are exactly those of a dense all-reduce (one reduce-scatter plus one all-gather of the same buffer); only
-the schedule changes, and so does nothing in the result: the update of every parameter is the one the wrapped
-optimizer would make with the dense average (the same arithmetic, applied per bucket, with the hyperparameters
-recorded at the ``step()`` call, so an LR scheduler's next value does not leak into the deferred update).
+The bytes are exactly those of a dense all-reduce (one reduce-scatter plus one all-gather of every gradient); only the
+schedule changes, and so does nothing in the result: every parameter gets the update the wrapped optimizer makes with
+the dense average (the same arithmetic, per group, with the hyperparameters recorded at ``step()``, so an LR
+scheduler's next value does not leak into the deferred update).
 
 Use: ``state = hf_dtrain.comm.register(ddp_model, "dear", optimizer=optimizer)``. ``optimizer.step()`` then defers;
 call ``state.flush()`` before reading or saving the weights outside a forward (the Trainer callback does this before
@@ -25,21 +29,14 @@ local, not averaged, gradients and is refused by the Trainer callback.
 
 
 import math
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..distributed import WireStats, all_gather_single, reduce_scatter_single, world_size_of
-
-
-def _reduce_scatter(output, input, group):
-    return reduce_scatter_single(output, input, group=group, async_op=True)
-
-
-def _all_gather(output, input, group):
-    return all_gather_single(output, input, group=group, async_op=True)
+from ..distributed import WireStats, all_gather_single, keep_gradients_local, reduce_scatter_single, world_size_of
 
 
 def _native_reduce_scatter(group) -> bool:
@@ -50,119 +47,247 @@ def _native_reduce_scatter(group) -> bool:
 
 
 @dataclass
-class _Bucket:
+class _Group:
+    """One fusion group: consecutive modules whose gradients travel together."""
+
     index: int
     params: list[torch.nn.Parameter]
     numel: int
-    flat: torch.Tensor  # padded to a multiple of the world size; reduce-scatter input, then all-gather output
-    shard: torch.Tensor
-    work: object = None  # the reduce-scatter, then the all-gather
+    padded: int
+    ready: int = 0  # gradients accumulated in this backward
+    flat: Optional[torch.Tensor] = None  # reduce-scatter input, then all-gather output
+    shard: Optional[torch.Tensor] = None
     received: Optional[torch.Tensor] = None  # gloo: every rank's copy of this rank's shard, from the all-to-all
-    gathering: bool = False
+    rs_work: object = None
+    ag_work: object = None
+    probe: Optional[tuple] = None  # (param, flat index, value sent): what step() reads a GradScaler's unscale from
+    scale: float = 1.0  # what the gradients were multiplied by between backward and step() (a GradScaler's 1/scale)
+
+
+def make_groups(modules: list[torch.nn.Module], fusion_bytes: float, element_size: int = 4,
+                world: int = 1) -> list[_Group]:
+    """Fusion groups over ``modules`` (forward order): each module's own trainable parameters (a parameter shared by
+    two modules belongs to the first), merged with the next modules until the group reaches ``fusion_bytes``."""
+    seen: set[int] = set()
+    groups: list[_Group] = []
+    params: list[torch.nn.Parameter] = []
+    for module in modules:
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        params.extend(own)
+        if params and sum(p.numel() for p in params) * element_size >= fusion_bytes:
+            groups.append(params)
+            params = []
+    if params:
+        groups.append(params)
+    out = []
+    for i, ps in enumerate(groups):
+        n = sum(p.numel() for p in ps)
+        out.append(_Group(index=i, params=ps, numel=n, padded=math.ceil(n / world) * world))
+    return out
 
 
 @dataclass
 class DeARState:
-    """State of :func:`dear_hook` and of the deferred, per-bucket optimizer step.
+    """State of per-layer DeAR: the fusion groups, their in-flight collectives and the deferred updates.
 
     * ``optimizer``: the torch optimizer over the DDP model's parameters (the inner one of an Accelerate /
       Trainer optimizer); its ``step`` is replaced by the deferring step;
-    * ``stats``: bytes per step (reduce-scatter input, which with the all-gather moves what one all-reduce moves);
-    * ``applied``: buckets applied in forward pre-hooks so far (the overlap really happening).
+    * ``stats``: bytes per step (reduce-scatter inputs, which with the all-gathers move what one all-reduce moves);
+    * ``applied``: groups applied in forward pre-hooks so far (the overlap really happening);
+    * ``trace``: give a list to record the schedule as ``(event, group)`` tuples: ``"rs"`` (a reduce-scatter
+      started in backward), ``"ag"`` (an all-gather started), ``"apply"`` (a group's update, in a pre-hook).
     """
 
     process_group: Optional[dist.ProcessGroup] = None
+    fusion_mb: float = 1.0
     optimizer: Optional[torch.optim.Optimizer] = None
     iter: int = 0
     stats: WireStats = field(default_factory=WireStats)
     applied: int = 0
     flushed: int = 0
-    reduced: dict[int, _Bucket] = field(default_factory=dict)  # this backward's reduce-scatters
-    ready: dict[int, _Bucket] = field(default_factory=dict)  # after step(): all-gathers to apply before use
-    by_param: dict[int, int] = field(default_factory=dict)  # id(param) -> bucket index of `ready`
+    groups: list[_Group] = field(default_factory=list)
+    by_param: dict[int, int] = field(default_factory=dict)  # id(param) -> group index
+    _due: set = field(default_factory=set)  # groups whose update waits for a forward
+    launched: list[int] = field(default_factory=list)  # this backward's reduce-scatters, in launch order
     hyper: list[dict] = field(default_factory=list)  # param-group hyperparameters recorded at step()
+    trace: Optional[list] = None
+    _ddp: object = None
+    _sync: bool = True
     _inner_step: object = None
     _handles: list = field(default_factory=list)
+    _module_group: dict = field(default_factory=dict)  # id(module) -> the group its update waits for
 
     @property
     def pending(self) -> int:
-        """Buckets whose update is still deferred."""
-        return len(self.ready)
+        """Groups whose update is still deferred."""
+        return len(self._due)
 
+    # ---- backward: a group's reduce-scatter starts as soon as its last gradient is accumulated
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if not self._sync:  # inside no_sync(): the gradients accumulate locally
+            return
+        g = self.groups[self.by_param[id(param)]]
+        g.ready += 1
+        if g.ready == len(g.params):
+            self._reduce_scatter(g)
+
+    def _reduce_scatter(self, g: _Group) -> None:
+        group = self.process_group
+        world = world_size_of(group)
+        like = g.params[0]
+        flat = torch.zeros(g.padded, dtype=like.dtype, device=like.device)
+        offset = 0
+        g.probe = None
+        for p in g.params:
+            if p.grad is not None:
+                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                if g.probe is None:
+                    nz = torch.nonzero(p.grad.reshape(-1))
+                    if len(nz):
+                        i = int(nz[0])
+                        g.probe = (p, i, p.grad.reshape(-1)[i].item())
+            offset += p.numel()
+        g.flat = flat
+        g.shard = torch.empty(g.padded // world, dtype=flat.dtype, device=flat.device)
+        self.stats.add(flat)
+        if _native_reduce_scatter(group):
+            g.rs_work = reduce_scatter_single(g.shard, flat, group=group, async_op=True)
+        else:
+            g.received = torch.empty_like(flat)
+            g.rs_work = dist.all_to_all_single(g.received, flat, group=group, async_op=True)
+        self.launched.append(g.index)
+        if self.trace is not None:
+            self.trace.append(("rs", g.index))
+
+    def _all_gather(self, g: _Group) -> None:
+        group = self.process_group
+        g.rs_work.wait()
+        g.rs_work = None
+        if g.received is not None:  # the all-to-all reduce-scatter: sum the shards in rank order
+            torch.sum(g.received.view(world_size_of(group), -1), dim=0, out=g.shard)
+            g.received = None
+        g.ag_work = all_gather_single(g.flat, g.shard, group=group, async_op=True)
+        if self.trace is not None:
+            self.trace.append(("ag", g.index))
+
+    # ---- optimizer step: start the first group's all-gather, defer every update
     def step(self, closure=None):
-        """The optimizer's ``step``: wait for the reduce-scatters and start the all-gathers; the update itself runs
-        per bucket before the bucket's first use in the next forward (or at :meth:`flush`)."""
+        """The optimizer's ``step``: records the hyperparameters and starts the first group's all-gather; each group's
+        update runs just before its first use in the next forward (or at :meth:`flush`)."""
         if closure is not None:
             raise ValueError("DeAR defers the optimizer update to the next forward; step(closure) is not supported.")
-        if self.ready:  # a step() without a forward in between: apply what is still pending first
+        if self._due:  # a step() without a forward in between: apply what is still pending first
             self.flush()
-        if not self.reduced:  # no synchronised backward reached the hook (one process, or no grads): plain step
+        if not self.launched:  # no synchronised backward (one process, or gradients accumulated locally)
             return self._inner_step()
-        group = self.process_group
-        self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        # forward order is the reverse of DDP's bucket order (buckets fill from the last layer's gradients)
-        for idx in sorted(self.reduced, reverse=True):
-            b = self.reduced[idx]
-            b.work.wait()
-            if b.received is not None:  # the all-to-all reduce-scatter: sum the shards in rank order
-                torch.sum(b.received.view(world_size_of(group), -1), dim=0, out=b.shard)
-                b.received = None
-            b.work = _all_gather(b.flat, b.shard, group)
-            b.gathering = True
-            self.ready[idx] = b
-            for p in b.params:
-                self.by_param[id(p)] = idx
-        self.reduced = {}
+        for g in self.groups:  # a group with an unused parameter never completed: send it now (zeros)
+            if g.rs_work is None:
+                self._reduce_scatter(g)
+        self.hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        self._due = {g.index for g in self.groups}
+        for g in self.groups:
+            g.ready = 0
+            # a GradScaler unscales the local .grad in place before step() (on the sent copy it could not): the
+            # averaged gradient gets the same factor (a power of two, so the ratio is exact)
+            g.scale = 1.0
+            if g.probe is not None:
+                p, i, sent = g.probe
+                g.scale = p.grad.reshape(-1)[i].item() / sent if p.grad is not None else 1.0
+                g.probe = None
+        self.launched = []
+        self.iter += 1
+        self.stats.end_step()
+        self._all_gather(self.groups[0])
         return None
 
     def apply(self, idx: int) -> None:
-        """Finish bucket ``idx``: wait for its all-gather, set the averaged gradients, step the optimizer on its
-        parameters only, with the hyperparameters recorded at ``step()``."""
-        b = self.ready.pop(idx)
-        for p in b.params:
-            self.by_param.pop(id(p), None)
-        b.work.wait()
-        averaged = b.flat[:b.numel].div_(world_size_of(self.process_group))
-        in_bucket = {id(p) for p in b.params}
-        saved_grads, saved_hyper = {}, []
-        offset = 0
-        grads = {}
-        for p in b.params:
+        """Finish group ``idx``: wait for its all-gather, start the next group's, set the averaged gradients and step
+        the optimizer on this group's parameters only, with the hyperparameters recorded at ``step()``."""
+        self._due.discard(idx)
+        g = self.groups[idx]
+        if g.ag_work is None:  # applied out of forward order (flush, or a module reused): gather it now
+            self._all_gather(g)
+        nxt = idx + 1
+        if nxt < len(self.groups) and nxt in self._due and self.groups[nxt].ag_work is None:
+            self._all_gather(self.groups[nxt])  # travels while this group's layer computes
+        g.ag_work.wait()
+        g.ag_work = None
+        averaged = g.flat[:g.numel].mul_(g.scale / world_size_of(self.process_group))
+        g.flat = g.shard = None
+        grads, offset = {}, 0
+        for p in g.params:
             grads[id(p)] = averaged[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+        if self.trace is not None:
+            self.trace.append(("apply", idx))
+        saved_grads, saved_hyper = [], []
         with torch.no_grad():
-            for group, hyper in zip(self.optimizer.param_groups, self.hyper):
-                saved_hyper.append({k: group[k] for k in hyper})
-                group.update(hyper)
-                for p in group["params"]:
-                    saved_grads[id(p)] = (p, p.grad)
-                    p.grad = grads[id(p)].to(p.dtype) if id(p) in in_bucket else None
+            for pg, hyper in zip(self.optimizer.param_groups, self.hyper):
+                saved_hyper.append({k: pg[k] for k in hyper})
+                pg.update(hyper)
+                for p in pg["params"]:
+                    saved_grads.append((p, p.grad))
+                    p.grad = grads[id(p)].to(p.dtype) if id(p) in grads else None
             try:
                 self._inner_step()
             finally:
-                for group, hyper in zip(self.optimizer.param_groups, saved_hyper):
-                    group.update(hyper)
-                for p, g in saved_grads.values():
-                    p.grad = g
+                for pg, hyper in zip(self.optimizer.param_groups, saved_hyper):
+                    pg.update(hyper)
+                for p, grad in saved_grads:
+                    p.grad = grad
 
     def flush(self) -> None:
-        """Apply every deferred bucket now (before saving, evaluating outside a forward, or at the end)."""
-        for idx in sorted(self.ready, reverse=True):
+        """Apply every deferred group now (before saving, evaluating outside a forward, or at the end)."""
+        for idx in sorted(self._due):
             self.apply(idx)
             self.flushed += 1
 
     def _pre_forward(self, module, args):
-        for p in module.parameters(recurse=False):
-            idx = self.by_param.get(id(p))
-            if idx is not None:
-                self.apply(idx)
-                self.applied += 1
+        idx = self._module_group.get(id(module))
+        if idx is not None and idx in self._due:
+            self.apply(idx)
+            self.applied += 1
+
+    def _root_pre_forward(self, module, args):
+        self._sync = bool(getattr(self._ddp, "require_backward_grad_sync", True))
+        if self.launched and torch.is_grad_enabled():  # a backward whose step() never came (a GradScaler skipped it)
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop the reduce-scatters of a backward whose ``step()`` was skipped (a GradScaler found inf or nan)."""
+        for g in self.groups:
+            if g.rs_work is not None:
+                g.rs_work.wait()
+            g.rs_work = g.flat = g.shard = g.received = g.probe = None
+            g.ready = 0
+        self.launched = []
+        self.stats.current = 0
 
     def attach(self, ddp_model, optimizer: torch.optim.Optimizer) -> None:
-        import types
-
+        """Build the groups over ``ddp_model``'s modules, hook them, silence DDP's own all-reduce and take over
+        ``optimizer.step``."""
+        self._ddp = ddp_model
         self.optimizer = optimizer
         self._inner_step = optimizer.step
+        world = world_size_of(self.process_group)
+        modules = [m for m in ddp_model.module.modules()
+                   if any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.groups = make_groups(modules, self.fusion_mb * 2**20, world=world)
+        self.by_param = {id(p): g.index for g in self.groups for p in g.params}
+        self._module_group = {}
+        for m in modules:
+            for p in m.parameters(recurse=False):
+                if id(p) in self.by_param:
+                    # a module's update is due when its first-grouped parameter's group is
+                    self._module_group.setdefault(id(m), self.by_param[id(p)])
+            if id(m) in self._module_group:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+        self._handles.append(ddp_model.module.register_forward_pre_hook(self._root_pre_forward))
+        for g in self.groups:
+            for p in g.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        keep_gradients_local(ddp_model)
 
         def deferred_step(opt, closure=None):
             opt._opt_called = True  # what an LR scheduler's step() checks was called first
@@ -172,12 +297,9 @@ class DeARState:
         deferred_step._wrapped_by_lr_sched = True
         # a bound method of the optimizer (instance attribute): the Trainer and Accelerate call optimizer.step()
         optimizer.step = types.MethodType(deferred_step, optimizer)
-        for module in ddp_model.module.modules():
-            if any(p.requires_grad for p in module.parameters(recurse=False)):
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward))
 
     def detach(self) -> None:
-        """Apply what is pending and restore the optimizer's own ``step`` (the DDP hook stays registered: DDP
+        """Apply what is pending and restore the optimizer's own ``step`` (DDP's no-op hook stays registered: DDP
         cannot unregister one)."""
         self.flush()
         for h in self._handles:
@@ -187,34 +309,6 @@ class DeARState:
             self.optimizer.step = self._inner_step
 
 
-# (no `from __future__ import annotations` here: DDP checks these annotations against the real classes)
-def dear_hook(state: DeARState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: start the bucket's reduce-scatter and hand DDP back its buffer unchanged (the
-    averaged gradient reaches ``.grad`` only in the deferred update)."""
-    group = state.process_group
-    world = world_size_of(group)
-    buffer = bucket.buffer()
-    n = buffer.numel()
-    padded = math.ceil(n / world) * world
-    flat = torch.zeros(padded, dtype=buffer.dtype, device=buffer.device)
-    flat[:n].copy_(buffer)
-    shard = torch.empty(padded // world, dtype=buffer.dtype, device=buffer.device)
-    state.stats.add(flat)
-    b = _Bucket(index=bucket.index(), params=list(bucket.parameters()), numel=n, flat=flat, shard=shard)
-    if _native_reduce_scatter(group):
-        b.work = _reduce_scatter(shard, flat, group)
-    else:
-        b.received = torch.empty_like(flat)
-        b.work = dist.all_to_all_single(b.received, flat, group=group, async_op=True)
-    state.reduced[b.index] = b
-    if bucket.is_last():
-        state.iter += 1
-        state.stats.end_step()
-    fut = torch.futures.Future()
-    fut.set_result(buffer)
-    return fut
-
-
-def dear_step_bytes(bucket_numels: list[int], world: int, element_size: int = 4) -> int:
-    """Bytes per step: every bucket padded to a multiple of the world size (the formula the tests check)."""
-    return sum(math.ceil(n / world) * world * element_size for n in bucket_numels)
+def dear_step_bytes(group_numels: list[int], world: int, element_size: int = 4) -> int:
+    """Bytes per step: every group padded to a multiple of the world size (the formula the tests check)."""
+    return sum(math.ceil(n / world) * world * element_size for n in group_numels)

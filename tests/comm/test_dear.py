@@ -1,6 +1,8 @@
-"""DeAR on 2 and 3 gloo ranks: reduce-scatter in backward, all-gather and the per-bucket update in the next forward.
-The weights equal those of dense DDP with the same optimizer and LR schedule, the update really happens in forward
-pre-hooks, the replicas stay identical and the bytes equal the formula."""
+"""DeAR on 2 and 3 gloo ranks: per-layer reduce-scatter in backward, all-gather and the per-layer update in the next
+forward. The weights equal those of dense DDP with the same optimizer and LR schedule, the update really happens in
+forward pre-hooks, the replicas stay identical, the bytes equal the formula, and the schedule is the paper's: each
+layer's reduce-scatter starts while backward still has earlier layers to go, each all-gather one layer ahead of the
+forward."""
 
 import pytest
 import torch
@@ -41,10 +43,10 @@ def _dear_rank(rank, world):
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
     _train(ref, ref_opt, ref_sched, torch.Generator().manual_seed(100 + rank), steps)
 
-    model = DDP(_model(), bucket_cap_mb=0.01)
+    model = DDP(_model())  # DDP's own buckets do not matter: DeAR groups per layer
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    state = comm.register(model, "dear", optimizer=opt)
+    state = comm.register(model, {"method": "dear", "fusion_mb": 0}, optimizer=opt)  # one group per Linear
     gen = torch.Generator().manual_seed(100 + rank)
     _train(model, opt, sched, gen, 2)
     _train(model, opt, sched, gen, steps - 2, dear_state=state, check_deferred=True)
@@ -56,9 +58,9 @@ def _dear_rank(rank, world):
             assert torch.equal(p, q)  # a sum of two values does not depend on the order
         else:
             torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-    # bytes: each of DDP's buckets (as DDP reports them) padded to a multiple of the world size
-    sizes = [int(b) // 4 for b in model._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(",")]
-    assert len(sizes) >= 3 and sum(sizes) == sum(p.numel() for p in model.parameters())
+    # bytes: each layer's gradients (weight + bias) padded to a multiple of the world size
+    sizes = [m.weight.numel() + m.bias.numel() for m in model.module if isinstance(m, nn.Linear)]
+    assert [g.numel for g in state.groups] == sizes
     assert state.stats.steps[-1] == comm.dear_step_bytes(sizes, world)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -82,3 +84,42 @@ def _no_optimizer(rank, world):
 
 def test_dear_without_optimizer_is_a_clear_error():
     run_distributed(_no_optimizer, world_size=2, timeout=120)
+
+
+def _ordering_rank(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_dtrain.comm as comm
+
+    model = DDP(_model())
+    linears = [m for m in model.module if isinstance(m, nn.Linear)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    state = comm.register(model, {"method": "dear", "fusion_mb": 0}, optimizer=opt)  # one group per Linear
+    assert len(state.groups) == len(linears) == 4
+    trace = state.trace = []
+    for i, m in enumerate(linears):  # registered after DeAR's hooks, so they run after them
+        m.register_forward_pre_hook(lambda mod, args, i=i: trace.append(("fwd", i)))
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, i=i: trace.append(("grad", i)))
+    gen = torch.Generator().manual_seed(7 + rank)
+    for step in range(3):
+        trace.append(("step", step))
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state.flush()
+    last = len(trace) - 1 - trace[::-1].index(("step", 2))
+    first_fwd = trace.index(("fwd", 0), last)
+    steady = trace[last + 1:first_fwd + 9]  # the forward of step 2: updates of step 1, one layer at a time
+    assert steady == [("ag", 1), ("apply", 0), ("fwd", 0), ("ag", 2), ("apply", 1), ("fwd", 1), ("ag", 3),
+                      ("apply", 2), ("fwd", 2), ("apply", 3), ("fwd", 3)], steady
+    backward = trace[first_fwd + 9:]
+    for i in range(1, 4):  # layer i's reduce-scatter is on the wire before layer i-1 has its gradients
+        assert backward.index(("rs", i)) < backward.index(("grad", i - 1)), backward
+    last_grad = max(i for i, e in enumerate(backward) if e[0] == "grad")
+    assert backward.index(("ag", 0)) > last_grad  # step(): the first layer's all-gather, after backward
+
+
+def test_dear_pipelines_per_layer():
+    run_distributed(_ordering_rank, world_size=2, timeout=120)
