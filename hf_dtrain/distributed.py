@@ -108,6 +108,80 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return bits.reshape(-1)[:n]
 
 
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)  # sign(0) = +1, as DeepSpeed
+
+
+def _scale_blocks(chunk: int, scale_block: Optional[int]) -> tuple[int, int]:
+    """(block length, blocks per chunk) of the per-block scales of the 1-bit all-reduce."""
+    block = min(scale_block or chunk, chunk)
+    return block, -(-chunk // block)
+
+
+def onebit_compress(x: torch.Tensor, scale_block: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` (rows, chunk) -> (signs ±1, per-block scales (rows, blocks), the compression error): the scale of a
+    block is its RMS, so ``scale * sign`` keeps the block's L2 norm."""
+    rows, chunk = x.shape
+    block, nb = _scale_blocks(chunk, scale_block)
+    padded = torch.nn.functional.pad(x, (0, nb * block - chunk)).view(rows, nb, block)
+    counts = torch.full((nb,), float(block))
+    counts[-1] = chunk - (nb - 1) * block
+    scales = padded.norm(dim=2) / counts.sqrt()
+    sign = _sign(x)
+    approx = scales.repeat_interleave(block, dim=1)[:, :chunk] * sign
+    return sign, scales, x - approx
+
+
+def onebit_decompress(sign: torch.Tensor, scales: torch.Tensor, scale_block: Optional[int]) -> torch.Tensor:
+    block, _ = _scale_blocks(sign.shape[1], scale_block)
+    return scales.repeat_interleave(block, dim=1)[:, :sign.shape[1]] * sign
+
+
+def onebit_allreduce(x: torch.Tensor, errors: dict, group=None, scale_block: Optional[int] = 2048,
+                     stats: Optional[WireStats] = None) -> torch.Tensor:
+    """The average of ``x`` over the ranks, sent as signs (8 per byte) and per-block scales, with worker and server
+    error feedback (1-bit LAMB's exchange; Li et al., arXiv 2104.06069, after DeepSpeed's ``compressed_allreduce``).
+
+    ``x``: flat fp32, its length a multiple of ``8 * world``. ``errors``: ``{"worker_error": zeros(len(x)),
+    "server_error": zeros(len(x) // world)}``, updated in place (what compression left out, added back next call).
+
+    - worker: ``x += e_w``; chunk k of ``x`` belongs to rank k; each block of ``scale_block`` values gets its RMS as
+      scale, ``e_w = x - scale * sign(x)``; chunk k's signs and scales go to rank k (``all_to_all``);
+    - server (rank k, chunk k): ``y = mean_i(s_i sign_i) + e_s``, compressed the same way, ``e_s`` kept; every
+      rank's chunk (signs and scales) is ``all_gather``-ed back.
+    """
+    world = world_size_of(group)
+    chunk = x.numel() // world
+    _, nb = _scale_blocks(chunk, scale_block)
+    x = (x + errors["worker_error"]).view(world, chunk)
+    sign, s_w, err = onebit_compress(x, scale_block)
+    errors["worker_error"] = err.reshape(-1)
+    packed = pack_bits(sign.reshape(-1) > 0)  # the length is a multiple of 8 * world: whole bytes per chunk
+    received = torch.empty_like(packed)
+    scales = torch.empty(world * nb)
+    if stats is not None:
+        stats.add(packed)
+        stats.add(s_w)
+    # phase 1: chunk k of every rank's signs (and its block scales) to rank k
+    dist.all_to_all_single(received, packed, group=group)
+    dist.all_to_all_single(scales, s_w.reshape(-1).contiguous(), group=group)
+    signs = unpack_bits(received, chunk * world).view(world, chunk).float() * 2 - 1
+    y = onebit_decompress(signs, scales.view(world, nb), scale_block).mean(0, keepdim=True) + errors["server_error"]
+    server_sign, s_s, err = onebit_compress(y, scale_block)
+    errors["server_error"] = err.reshape(-1)
+    mine = pack_bits(server_sign.reshape(-1) > 0)
+    all_signs = torch.empty(mine.numel() * world, dtype=torch.uint8)
+    all_scales = torch.empty(world * nb)
+    if stats is not None:
+        stats.add(mine)
+        stats.add(s_s)
+    # phase 2: every rank's averaged chunk (signs and block scales) to every rank
+    all_gather_single(all_signs, mine, group=group)
+    all_gather_single(all_scales, s_s.reshape(-1).contiguous(), group=group)
+    out = unpack_bits(all_signs, chunk * world).view(world, chunk).float() * 2 - 1
+    return onebit_decompress(out, all_scales.view(world, nb), scale_block).reshape(-1)
+
+
 def keep_gradients_local(ddp_model) -> None:
     """Register torch's ``noop_hook`` on a DDP model: DDP sends nothing and each rank keeps its own gradients, for
     optimizers that exchange gradients or parameters themselves (1-bit LAMB, the decentralized optimizers)."""

@@ -1,9 +1,10 @@
 """Decentralized and straggler-tolerant training: topologies with doubly stochastic mixing, neighbour gossip on
-torch.distributed, and optimizers built on them (D-PSGD, DecentLaM, LSGD, AL-DSGD), and Non-blocking SGD with a straggler injector."""
+torch.distributed, and optimizers built on them (D-PSGD, DecentLaM, LSGD, AL-DSGD), the DiLoCo baseline with an optional 1-bit outer exchange, and Non-blocking SGD with a straggler injector."""
 
 from .aldsgd import ALDSGD
 from .config import GossipConfig
 from .decentlam import DecentLaM
+from .diloco import DiLoCo
 from .dpsgd import DPSGD
 from .gossip import consensus_distance, exchange, gossip
 from .lsgd import LSGD
@@ -11,4 +12,4 @@ from .nonblocking import NonBlockingSGD, Straggler
 from .topology import MatchaTopology, Topology, metropolis_weights
 
 __all__ = ["GossipConfig", "Topology", "MatchaTopology", "metropolis_weights", "gossip", "exchange", "consensus_distance", "DPSGD",
-           "DecentLaM", "LSGD", "ALDSGD", "NonBlockingSGD", "Straggler"]
+           "DecentLaM", "DiLoCo", "LSGD", "ALDSGD", "NonBlockingSGD", "Straggler"]

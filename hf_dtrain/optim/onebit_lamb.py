@@ -37,13 +37,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..distributed import (WholeReplicaGuard, WireStats, all_gather_single, check_same_across_ranks,
-                           keep_gradients_local, pack_bits, unpack_bits, world_size_of)
+from ..distributed import (WholeReplicaGuard, WireStats, check_same_across_ranks,
+                           keep_gradients_local, onebit_allreduce, world_size_of)
 from .config import OneBitLambConfig, config_kwargs
-
-
-def _sign(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)  # sign(0) = +1, as DeepSpeed
 
 
 class OneBitLamb(torch.optim.Optimizer):
@@ -109,58 +105,9 @@ class OneBitLamb(torch.optim.Optimizer):
         keep_gradients_local(ddp_model)
 
     # -- the 1-bit all-reduce ----------------------------------------------------------------------------------------
-    def _scale_blocks(self, chunk: int) -> tuple[int, int]:
-        """(block length, blocks per chunk) of the per-block scales."""
-        block = min(self.scale_block or chunk, chunk)
-        return block, -(-chunk // block)
-
-    def _compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` (rows, chunk) -> (signs ±1, per-block scales (rows, blocks), the compression error): the scale of a
-        block is its RMS, so ``scale * sign`` keeps the block's L2 norm."""
-        rows, chunk = x.shape
-        block, nb = self._scale_blocks(chunk)
-        padded = torch.nn.functional.pad(x, (0, nb * block - chunk)).view(rows, nb, block)
-        counts = torch.full((nb,), float(block))
-        counts[-1] = chunk - (nb - 1) * block
-        scales = padded.norm(dim=2) / counts.sqrt()
-        sign = _sign(x)
-        approx = scales.repeat_interleave(block, dim=1)[:, :chunk] * sign
-        return sign, scales, x - approx
-
-    def _decompress(self, sign: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        block, _ = self._scale_blocks(sign.shape[1])
-        return scales.repeat_interleave(block, dim=1)[:, :sign.shape[1]] * sign
-
     def compressed_allreduce(self, x: torch.Tensor) -> torch.Tensor:
         """Average ``x`` (padded, flat fp32) over ranks with 1-bit messages and worker/server error feedback."""
-        world, group, gs = self.world, self.process_group, self.global_state
-        chunk = x.numel() // world
-        _, nb = self._scale_blocks(chunk)
-        x = (x + gs["worker_error"]).view(world, chunk)
-        sign, s_w, err = self._compress(x)
-        gs["worker_error"] = err.reshape(-1)
-        packed = pack_bits(sign.reshape(-1) > 0)  # padded length is a multiple of 8 * world: whole bytes per chunk
-        received = torch.empty_like(packed)
-        scales = torch.empty(world * nb)
-        self.stats.add(packed)
-        self.stats.add(s_w)
-        # phase 1: chunk k of every rank's signs (and its block scales) to rank k
-        dist.all_to_all_single(received, packed, group=group)
-        dist.all_to_all_single(scales, s_w.reshape(-1).contiguous(), group=group)
-        signs = unpack_bits(received, chunk * world).view(world, chunk).float() * 2 - 1
-        y = self._decompress(signs, scales.view(world, nb)).mean(0, keepdim=True) + gs["server_error"]
-        server_sign, s_s, err = self._compress(y)
-        gs["server_error"] = err.reshape(-1)
-        mine = pack_bits(server_sign.reshape(-1) > 0)
-        all_signs = torch.empty(mine.numel() * world, dtype=torch.uint8)
-        all_scales = torch.empty(world * nb)
-        self.stats.add(mine)
-        self.stats.add(s_s)
-        # phase 2: every rank's averaged chunk (signs and block scales) to every rank
-        all_gather_single(all_signs, mine, group=group)
-        all_gather_single(all_scales, s_s.reshape(-1).contiguous(), group=group)
-        out = unpack_bits(all_signs, chunk * world).view(world, chunk).float() * 2 - 1
-        return self._decompress(out, all_scales.view(world, nb)).reshape(-1)
+        return onebit_allreduce(x, self.global_state, self.process_group, self.scale_block, self.stats)
 
     # -- the step ----------------------------------------------------------------------------------------------------
     @torch.no_grad()
