@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
 
-METHODS = ["allreduce", "fp16", "powersgd", "acp_sgd", "s2_reducer", "dear", "embrace"]
+METHODS = ["allreduce", "fp16", "powersgd", "acp_sgd", "dear", "diloco_h8", "diloco_h32", "diloco_h8_1bit"]
 OURS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace")
 RANK = 4  # --rank
 START = 10  # --start-iter
@@ -45,14 +45,20 @@ def torch_hook_bytes(method: str, model) -> int:
     return total
 
 
-def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int, batch: int, lr: float) -> dict:
+# DiLoCo variants: (inner steps per sync H, outer exchange)
+DILOCO = {"diloco_h8": (8, "none"), "diloco_h32": (32, "none"), "diloco_h8_1bit": (8, "1bit")}
+LOW_COMM = ("powersgd", "acp_sgd", *DILOCO)  # cheap per step: they run LONGER x the steps, to reach the target
+
+
+def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int, batch: int, lr: float,
+           seed: int = 0) -> dict:
     from hf_dtrain.testing import gloo_group
 
     with gloo_group(rank, world, addr, port, timeout_s=300):  # DDP lives in _train only: freed before the group
-        return _train(rank, world, method, steps, batch, lr)
+        return _train(rank, world, method, steps, batch, lr, seed)
 
 
-def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float) -> dict:
+def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float, seed: int = 0) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -69,7 +75,13 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
     state = None
-    if method in OURS:
+    if method in DILOCO:
+        from hf_dtrain.decentralized import DiLoCo
+
+        h, exchange = DILOCO[method]
+        DiLoCo.attach_ddp(ddp)
+        opt = state = DiLoCo(ddp.parameters(), sync_every=h, outer_exchange=exchange, lr=lr)
+    elif method in OURS:
         state = comm.register(ddp, {"method": method, "rank": RANK, "start_iter": START}, optimizer=opt)
     elif method == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -81,9 +93,10 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
         ddp.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=RANK, start_powerSGD_iter=START,
                                              min_compression_rate=2, use_error_feedback=True, warm_start=True),
                                powerSGD_hook)
-    data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank, split="train")
+    data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank + 1000 * seed, split="train")
     loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))
     times, losses = [], []
+    dist.barrier()
     for b in loader:
         t0 = time.perf_counter()
         loss = ddp(**b).loss
@@ -94,14 +107,19 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
         losses.append(loss.item())
     if method == "dear":
         state.flush()  # the last update is deferred to a next forward that does not come
+    dense = sum(p.numel() * 4 for p in model.parameters())
     if state is not None:
-        sent = state.stats.steps[-1]
-    else:
-        sent = torch_hook_bytes(method, model)
+        per_step = list(state.stats.steps)
+    else:  # torch's hooks: dense until their start iteration (PowerSGD), then their compression rule
+        per_step = [dense if method == "powersgd" and i < START else torch_hook_bytes(method, model)
+                    for i in range(len(times))]
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
-    return {"method": method, "bytes_per_step": sent, "dense_bytes": sum(p.numel() * 4 for p in model.parameters()),
+    mean_loss = torch.tensor(losses)
+    dist.all_reduce(mean_loss)  # the training loss averaged over the ranks, every step
+    return {"method": method, "seed": seed, "bytes_per_step": per_step[-1], "bytes_steps": per_step,
+            "dense_bytes": dense, "step_times": times, "losses": (mean_loss / world).tolist(),
             "step_time_median_s": statistics.median(times[len(times) // 2:]),
             "loss_last10": statistics.mean(losses[-10:]),
             "replicas_identical": all(torch.equal(gathered[0], g) for g in gathered)}
@@ -139,12 +157,16 @@ def main():
     ap = training_parser(__doc__, {})
     ap.add_argument("--links", default="100mbit,1gbit")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--name", default="comm_hooks", help="results file name under benchmarks/results/")
     ap.add_argument("--rank", type=int, default=RANK, help="rank of PowerSGD's and ACP-SGD's factors")
     ap.add_argument("--start-iter", type=int, default=START, help="dense warm-up steps of the compressing hooks")
     ap.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate (every method)")
-    ap.set_defaults(steps=60)
+    ap.add_argument("--longer", type=float, default=2.0,
+                    help="the low-communication methods run this many times --steps (to reach the target)")
+    ap.add_argument("--tolerance", type=float, default=0.01,
+                    help="target: all-reduce's final smoothed loss x (1 + this)")
+    ap.set_defaults(steps=40)
     args = ap.parse_args()
     RANK, START = args.rank, args.start_iter
     if "allreduce" not in args.methods.split(","):
@@ -155,23 +177,24 @@ def main():
     if args.worker:
         rank, world, addr, port, method = args.worker.split(":")
         emit_result((worker(int(rank), int(world), addr, port, method, args.steps, args.batch_size,
-                                            args.learning_rate)))
+                            args.learning_rate, args.seed)))
         return
     from tqdm import tqdm
 
     from hf_dtrain.models import build_default_model
 
     build_default_model("tiny", progress=True)
-    rows = []
-    for link, method in tqdm([(l, m) for l in args.links.split(",") for m in args.methods.split(",")],
-                             desc="link x method"):
-        extra = ["--rank", str(args.rank), "--start-iter", str(args.start_iter), "--learning-rate", str(args.learning_rate)]
-        result, where = run_config(link, method, args.steps, args.batch_size, args.world, extra)
-        rows.append(dict(result, link=link, network=where))
-    from _report import ratios_per_link
-
-    ratios_per_link(rows, "allreduce", "dense")
-    payload = {"rows": rows, "args": vars(args), "rank": args.rank, "start_iter": args.start_iter}
+    runs = []
+    methods = args.methods.split(",")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    for link, seed, method in tqdm([(l, s, m) for l in args.links.split(",") for s in seeds for m in methods],
+                                   desc="link x seed x method"):
+        steps = int(args.steps * args.longer) if method in LOW_COMM else args.steps
+        extra = ["--rank", str(args.rank), "--start-iter", str(args.start_iter), "--learning-rate",
+                 str(args.learning_rate), "--seed", str(seed)]
+        result, where = run_config(link, method, steps, args.batch_size, args.world, extra)
+        runs.append(dict(result, link=link, network=where))
+    payload = {"runs": runs, "args": vars(args), "rank": args.rank, "start_iter": args.start_iter}
     from _report import write
 
     table, fig, notes = render(payload)
@@ -180,46 +203,120 @@ def main():
     print("\n".join(str(p) for p in paths.values()))
 
 
-def render(payload: dict):
-    from _report import markdown_table
+def to_target(run: dict, target: float, window: int = 10):
+    """(step, seconds, bytes) at which ``run``'s smoothed rank-mean loss first reaches ``target``, else None."""
+    from _report import trailing_mean
 
-    rows, args = payload["rows"], payload["args"]
+    smoothed = trailing_mean(run["losses"], window)
+    for i, x in enumerate(smoothed):
+        if i + 1 >= window and x <= target:
+            return i + 1, sum(run["step_times"][:i + 1]), sum(run["bytes_steps"][:i + 1])
+    return None
+
+
+def summarize(payload: dict) -> list[dict]:
+    """One row per (link, method): per-seed time and bytes to all-reduce's final loss (same link, same seed), as
+    ratios to all-reduce's, with the seeds' range."""
+    import statistics
+
+    from _report import trailing_mean
+
+    runs, args = payload["runs"], payload["args"]
+    tol = args.get("tolerance", 0.01)
+    rows = []
+    for link in dict.fromkeys(r["link"] for r in runs):
+        for method in dict.fromkeys(r["method"] for r in runs):
+            per_seed = []
+            for run in (r for r in runs if r["link"] == link and r["method"] == method):
+                ref = next(r for r in runs if r["link"] == link and r["method"] == "allreduce"
+                           and r["seed"] == run["seed"])
+                target = trailing_mean(ref["losses"], 10)[-1] * (1 + tol)
+                got, base = to_target(run, target), to_target(ref, target)
+                per_seed.append({
+                    "seed": run["seed"], "target": target,
+                    "step_time_vs_dense": statistics.median(run["step_times"][len(run["step_times"]) // 2:])
+                    / statistics.median(ref["step_times"][len(ref["step_times"]) // 2:]),
+                    "bytes_vs_dense": (sum(run["bytes_steps"]) / len(run["bytes_steps"]))
+                    / (sum(ref["bytes_steps"]) / len(ref["bytes_steps"])),
+                    "time_vs_dense": got[1] / base[1] if got else None,
+                    "bytes_to_target_vs_dense": got[2] / base[2] if got else None,
+                    "seconds_to_target": got[1] if got else None, "steps_to_target": got[0] if got else None,
+                    "final": trailing_mean(run["losses"], 10)[-1], "identical": run["replicas_identical"]})
+            if not per_seed:
+                continue
+
+            def agg(key):
+                vals = [p[key] for p in per_seed if p[key] is not None]
+                if len(vals) < len(per_seed):
+                    return None, None, None
+                return statistics.median(vals), min(vals), max(vals)
+
+            row = {"link": link, "method": method, "seeds": len(per_seed), "per_seed": per_seed,
+                   "reached": sum(p["time_vs_dense"] is not None for p in per_seed),
+                   "replicas_identical": all(p["identical"] for p in per_seed)}
+            for key in ("step_time_vs_dense", "bytes_vs_dense", "time_vs_dense", "bytes_to_target_vs_dense",
+                        "seconds_to_target", "final"):
+                row[key], row[key + "_min"], row[key + "_max"] = agg(key)
+            rows.append(row)
+    return rows
+
+
+def _fmt(row, key, spec):
+    v = row.get(key)
+    if v is None:
+        return f"not reached ({row['reached']}/{row['seeds']} seeds)" if key.endswith("_vs_dense") or \
+            key == "seconds_to_target" else "n/a"
+    lo, hi = row.get(key + "_min"), row.get(key + "_max")
+    if lo is None or row["seeds"] == 1 or lo == hi:
+        return format(v, spec)
+    return f"{v:{spec}} ({lo:{spec}}-{hi:{spec}})"
+
+
+def render(payload: dict):
+    rows = summarize(payload)
+    args = payload["args"]
+    lines = ["| link | method | bytes per step / dense | median step / dense | seconds to target | time to target / "
+             "dense | bytes to target / dense | final loss | replicas identical |", "|" + "---|" * 9]
     for r in rows:
-        r["MiB_per_step"] = r["bytes_per_step"] / 2**20
-    table = markdown_table(rows, [
-        ("link", "link", ""), ("method", "method", ""), ("MiB_per_step", "MiB per step per rank", ".3f"),
-        ("bytes_vs_dense", "bytes / dense", ".3f"), ("step_time_median_s", "median step (s)", ".3f"),
-        ("step_time_vs_dense", "step time / dense", ".2f"), ("loss_last10", "train loss (last 10 steps)", ".3f"),
-        ("loss_vs_dense", "loss / dense", ".3f"), ("replicas_identical", "replicas identical", ""),
-    ])
-    where = sorted({r["network"] for r in rows})
-    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA, 3.1M parameters), {args['world']} ranks, "
-             f"{args['steps']} AdamW steps (lr {args.get('learning_rate', 5e-4)}) of batch {args['batch_size']} per rank on the addition task, gloo. "
-             f"Network: {'; '.join(where)}. Compressing hooks: rank {payload['rank']}, {payload['start_iter']} dense "
-             "warm-up steps. Bytes: what each rank hands to collectives in one compressed step (ours counted by "
-             "hf_dtrain.distributed.WireStats; torch's fp16 and PowerSGD by their compression rules). Step time: "
-             "median over the second half of the steps, as a ratio to the dense all-reduce on the same link. Full fine-tuning "
-             "gives dense gradients, so S2 Reducer falls back to the dense all-reduce on every bucket (plus its 1-bit "
-             "bitmap), and EmbRace saves only the embedding's share of the bytes. DeAR moves a dense all-reduce's bytes "
-             "(on gloo its reduce-scatter is an all-to-all plus a local sum) and wins only where the all-gather can hide "
-             "behind the next forward; on these links the communication is many times the compute.")
+        lines.append(f"| {r['link']} | {r['method']} | {_fmt(r, 'bytes_vs_dense', '.4f')} | "
+                     f"{_fmt(r, 'step_time_vs_dense', '.2f')} | {_fmt(r, 'seconds_to_target', '.1f')} | "
+                     f"{_fmt(r, 'time_vs_dense', '.2f')} | {_fmt(r, 'bytes_to_target_vs_dense', '.4f')} | "
+                     f"{_fmt(r, 'final', '.3f')} | {r['replicas_identical']} |")
+    table = "\n".join(lines)
+    where = sorted({r["network"] for r in payload["runs"]})
+    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA, 3.1M parameters), {args['world']} ranks (one "
+             f"per emulated host), AdamW (lr {args['learning_rate']}) with batch {args['batch_size']} per rank on the "
+             f"addition task, gloo; seeds {args['seeds']} (data order); median over seeds, (min-max) in brackets. "
+             f"Network: {'; '.join(where)}. Dense-bytes methods run {args['steps']} steps; the low-communication ones "
+             f"(PowerSGD, ACP-SGD, DiLoCo) {int(args['steps'] * args.get('longer', 2))}. Target: the all-reduce "
+             f"run's final loss (trailing mean of 10 steps of the rank-mean training loss) x {1 + args.get('tolerance', 0.01):.2f}, same link "
+             "and seed; time and bytes to target are cumulative up to the first step whose trailing mean reaches it, "
+             "as ratios to all-reduce's own. Bytes: what each rank hands to collectives (ours counted by "
+             "hf_dtrain.distributed.WireStats; torch's fp16 and PowerSGD by their compression rules), mean per step. "
+             f"PowerSGD / ACP-SGD: rank {payload['rank']}, {payload['start_iter']} dense warm-up steps. DeAR: per-layer "
+             "fusion groups of 1 MB. DiLoCo: H inner AdamW steps, outer SGD lr 0.7 Nesterov 0.9 (the paper's), fp32 "
+             "all-reduce of the pseudo-gradient (baseline) or hf_dtrain's 1-bit exchange with error feedback.")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from _report import bars_by_link
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    fig, axes = plt.subplots(1, len(links), figsize=(7 * len(links), 4.5), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        for run in (r for r in payload["runs"] if r["link"] == link and r["seed"] == payload["runs"][0]["seed"]):
+            import itertools
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    links, _ = bars_by_link([(axes[0], "MiB_per_step", "MiB per step per rank (log)"),
-                             (axes[1], "step_time_vs_dense", "step time / dense all-reduce"),
-                             (axes[2], "loss_last10", "train loss, last 10 steps")], rows)
-    axes[0].set_yscale("log")
-    axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
-    losses = [r["loss_last10"] for r in rows]
-    axes[2].set_ylim(0.9 * min(losses), 1.05 * max(losses))
-    axes[1].legend(title="link", loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(links))
-    fig.suptitle("Gradient communication on an emulated network (network namespaces + tc tbf)")
+            t = list(itertools.accumulate(run["step_times"]))
+            from _report import trailing_mean
+
+            ax.plot(t, trailing_mean(run["losses"], 10), label=run["method"])
+        ax.set_xscale("log")
+        ax.set_xlabel("wall time (s, log)")
+        ax.set_ylabel("training loss (trailing mean of 10, rank mean)")
+        ax.set_title(f"{link}, seed {payload['runs'][0]['seed']}")
+        ax.legend(fontsize=7)
+    fig.suptitle("Gradient communication on emulated hosts (network namespaces + tc tbf): loss against wall time")
     return table, fig, notes
 
 

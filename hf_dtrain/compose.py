@@ -283,14 +283,16 @@ def _dpsgd(opts, model, params, lr, weight_decay):
     from hf_dtrain.decentralized import DPSGD
 
     return DPSGD(params, topology=opts.gossip.topology, mode=opts.gossip.mode, base_optimizer="adamw", lr=lr,
-                 weight_decay=weight_decay)
+                 weight_decay=weight_decay, asynchronous=opts.gossip.asynchronous,
+                 max_staleness=opts.gossip.max_staleness)
 
 
 def _decentlam(opts, model, params, lr, weight_decay):
     from hf_dtrain.decentralized import DecentLaM
 
     return DecentLaM(params, lr=lr, momentum=opts.gossip.momentum, topology=opts.gossip.topology,
-                     weight_decay=weight_decay)
+                     weight_decay=weight_decay, asynchronous=opts.gossip.asynchronous,
+                     max_staleness=opts.gossip.max_staleness)
 
 
 # --optimizer name -> (options, unwrapped model, trainable parameters, lr, weight decay) -> torch optimizer

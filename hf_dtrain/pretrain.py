@@ -271,7 +271,13 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             except ValueError as e:
                 raise SettingsError(str(e)) from None
     init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+    handlers = []
+    if cfg.optimizer in ("dpsgd", "decentlam") and cfg.gossip.asynchronous:
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        # asynchronous gossip: a buffer broadcast in every forward would make every step a synchronisation point
+        handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=handlers,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     world, rank = accelerator.num_processes, accelerator.process_index
     if cfg.parallel is not None and cfg.parallel.plan == "auto":
@@ -456,6 +462,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     step_log.close()
     if engine is not None:
         engine.wait()
+    if hasattr(unwrap_optimizer(optimizer), "finish"):  # asynchronous gossip: the last messages, on every rank
+        unwrap_optimizer(optimizer).finish()
 
     held_loss = None
     unwrapped = accelerator.unwrap_model(model) if degrees is None else model

@@ -87,8 +87,11 @@ class CommHookCallback(TrainerCallback):
         if control.should_save and hasattr(inner, "consolidate_state_dict"):
             inner.consolidate_state_dict(to=0)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
         self._flush()
+        inner = unwrap_optimizer(optimizer) if optimizer is not None else None
+        if hasattr(inner, "finish"):  # asynchronous gossip: the last messages, on every rank
+            inner.finish()
 
     def summary(self) -> Optional[dict]:
         """Bytes per step of the finished steps (None before training)."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..distributed import WholeReplicaGuard, WireStats, keep_gradients_local
-from .gossip import check_world, consensus_distance, flatten, require_world, unflatten_into
+from .gossip import AsyncGossip, check_world, consensus_distance, flatten, gossip, require_world, unflatten_into
 from .topology import Topology
 
 
@@ -37,6 +37,28 @@ class GossipMixin:
         self._last_loss: Optional[float] = None
         if model is not None:
             model.register_forward_hook(self._record_loss)
+
+    def _init_async(self, asynchronous: bool, max_staleness: int) -> None:
+        """``asynchronous=True``: gossip with :class:`AsyncGossip` (no rank waits for a round; values at most
+        ``max_staleness`` of this rank's steps old). Call :meth:`finish` on every rank at the end of training."""
+        self.asynchronous = bool(asynchronous)
+        self._async = None
+        if self.asynchronous:
+            numel = sum(p.numel() for p in self._gossiped_params())
+            dtype = self._gossiped_params()[0].dtype
+            self._async = AsyncGossip(numel, self.topology, self.process_group, max_staleness, self.stats, dtype)
+
+    def _mix(self, flat: torch.Tensor, step: int) -> torch.Tensor:
+        """One gossip round: synchronous (every neighbour's value of this step) or asynchronous (the newest)."""
+        if self._async is not None:
+            return self._async.mix(flat)
+        return gossip(flat, self.topology, step, self.process_group, self.stats)
+
+    def finish(self) -> None:
+        """End of training (every rank): asynchronous gossip sends its last message and takes the neighbours'; a no-op
+        for synchronous gossip."""
+        if getattr(self, "_async", None) is not None:
+            self._async.close()
 
     # the loss of the current step, for methods that pick a leader by loss: from a forward hook on the model
     # (HF models return an output with .loss), or given with ``optimizer.set_loss(loss)`` before ``step()``

@@ -23,6 +23,13 @@ class GossipConfig:
     mode: str = field(default="atc", metadata={
         "help": "dpsgd: atc (adapt, then combine with the neighbours) or cta (combine, then adapt)."})
 
+    asynchronous: bool = field(default=False, metadata={
+        "help": "dpsgd / decentlam: asynchronous gossip (AD-PSGD style): each rank mixes the newest values its "
+                "neighbours have sent and waits only for one older than max_staleness of its own steps, so a "
+                "straggler slows only itself (static topologies)."})
+    max_staleness: int = field(default=4, metadata={"min": 1,
+        "help": "asynchronous gossip: the most steps of this rank a neighbour's value may be old before it waits."})
+
     def __post_init__(self):
         from hf_dtrain.settings import check_choice, check_fields
 

@@ -10,7 +10,8 @@ by a bias that grows with ``1 / (1 - β)``. DecentLaM puts the momentum on the c
     m_i <- β m_i + g̃_i
     x_i <- x_i - γ m_i
 
-One model-sized exchange per step (``z``), like D-PSGD. ``weight_decay`` is added to ``g`` (L2). Under DDP register
+One model-sized exchange per step (``z``), like D-PSGD. ``asynchronous=True`` mixes the newest ``z_j`` that have
+arrived (AD-PSGD-style, values at most ``max_staleness`` of this rank's steps old; ``optimizer.finish()`` at the end). ``weight_decay`` is added to ``g`` (L2). Under DDP register
 DDP's ``noop_hook`` (:meth:`DecentLaM.attach_ddp`).
 """
 
@@ -22,7 +23,6 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from ._base import GossipMixin
-from .gossip import gossip
 from .topology import Topology
 
 
@@ -30,7 +30,8 @@ class DecentLaM(GossipMixin, torch.optim.Optimizer):
     """``DecentLaM(params, lr, momentum=0.9, weight_decay=0.0, topology="ring")``."""
 
     def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-                 topology: Union[str, Topology] = "ring", process_group=None):
+                 topology: Union[str, Topology] = "ring", process_group=None, asynchronous: bool = False,
+                 max_staleness: int = 4):
         if not lr > 0:
             raise ValueError(f"DecentLaM lr must be > 0, got {lr!r}.")
         if not 0 <= momentum < 1:
@@ -39,6 +40,7 @@ class DecentLaM(GossipMixin, torch.optim.Optimizer):
             raise ValueError(f"DecentLaM weight_decay must be >= 0, got {weight_decay!r}.")
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
         self._init_gossip(topology, process_group)
+        self._init_async(asynchronous, max_staleness)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -55,8 +57,7 @@ class DecentLaM(GossipMixin, torch.optim.Optimizer):
                 params.append(p)
                 hyper.append((group["lr"], group["momentum"]))
                 z_parts.append(p - group["lr"] * g)
-        z_mixed = gossip(_flatten_dense_tensors(z_parts), self.topology, self.gossip_steps, self.process_group,
-                         self.stats)
+        z_mixed = self._mix(_flatten_dense_tensors(z_parts), self.gossip_steps)
         offset = 0
         for p, (lr, momentum) in zip(params, hyper):
             zm = z_mixed[offset:offset + p.numel()].view_as(p)

@@ -9,6 +9,10 @@ Two orders, as in the literature:
 * ``mode="cta"`` (combine then adapt, Lian et al.'s form): ``x_i <- sum_j W[i, j] x_j + Δ_i``, the gradient taken at
   the rank's own ``x_i`` before mixing.
 
+``asynchronous=True`` is AD-PSGD's asynchronous gossip (:class:`~hf_dtrain.decentralized.gossip.AsyncGossip`): each
+rank mixes the newest values its neighbours have sent, waiting only for one older than ``max_staleness`` of its own
+steps, so a straggler slows only itself; call ``optimizer.finish()`` on every rank at the end.
+
 Wraps any torch optimizer for the local update (``base_optimizer="sgd"``, ``momentum=0.9``, ...). Under DDP register
 DDP's ``noop_hook`` (:meth:`DPSGD.attach_ddp`) so the gradients stay local.
 """
@@ -21,7 +25,6 @@ import torch
 
 from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
-from .gossip import gossip
 from .topology import Topology
 
 
@@ -32,7 +35,8 @@ class DPSGD(GossipMixin, WrappedOptimizer):
     state_key = "dpsgd"
 
     def __init__(self, params, topology: Union[str, Topology] = "ring", base_optimizer: Union[str, Callable] = "sgd",
-                 mode: str = "atc", process_group=None, **base_kwargs):
+                 mode: str = "atc", process_group=None, asynchronous: bool = False, max_staleness: int = 4,
+                 **base_kwargs):
         if mode not in ("atc", "cta"):
             raise ValueError(f"DPSGD mode must be 'atc' (adapt then combine) or 'cta' (combine then adapt), got "
                              f"{mode!r}.")
@@ -40,6 +44,7 @@ class DPSGD(GossipMixin, WrappedOptimizer):
         self.base = build_base_optimizer(base_optimizer, params, "DPSGD", **base_kwargs)
         self.mode = mode
         self._init_gossip(topology, process_group)
+        self._init_async(asynchronous, max_staleness)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -47,12 +52,12 @@ class DPSGD(GossipMixin, WrappedOptimizer):
         step = self.gossip_steps
         if self.mode == "cta":
             before = self._flat()
-            mixed = gossip(before, self.topology, step, self.process_group, self.stats)
+            mixed = self._mix(before, step)
             self.base.step()
             self._set_flat(mixed + (self._flat() - before))
         else:
             self.base.step()
-            self._set_flat(gossip(self._flat(), self.topology, step, self.process_group, self.stats))
+            self._set_flat(self._mix(self._flat(), step))
         self.gossip_steps += 1
         self.stats.end_step()
         return loss
