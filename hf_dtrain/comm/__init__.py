@@ -129,7 +129,7 @@ def _register_embrace(ddp, config, group, optimizer):
 
 def _register_s2_reducer(ddp, config, group, optimizer):
     state = S2ReducerState(process_group=group, rows=config.sketch_rows, width_factor=config.sketch_width_factor,
-                           seed=config.seed)
+                           seed=config.seed, error_feedback=config.use_error_feedback)
     ddp.register_comm_hook(state, s2_reducer_hook)
     return state
 

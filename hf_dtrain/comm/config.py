@@ -32,7 +32,7 @@ class CommHookConfig:
     min_compression_rate: float = field(default=2.0, metadata={"min": 0, 
         "help": "acp_sgd: compress an n x m gradient only if n*m >= this * (n + m) * rank; smaller ones go dense."})
     use_error_feedback: bool = field(default=True, metadata={
-        "help": "acp_sgd: add the local compression error to the next step's gradient."})
+        "help": "acp_sgd, s2_reducer: add the local compression error to the next step's gradient."})
     seed: int = field(default=0, metadata={
         "help": "acp_sgd: seed of the initial Q factors; s2_reducer: seed of the sketch hashes (same on all ranks)."})
     sketch_rows: int = field(default=3, metadata={"min": 1, 

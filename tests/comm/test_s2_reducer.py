@@ -122,3 +122,44 @@ def test_bad_state():
         S2ReducerState(rows=2)
     with pytest.raises(ValueError, match="width_factor must be >= 1"):
         S2ReducerState(width_factor=0.5)
+
+
+def _ef_rank(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_dtrain.comm import S2ReducerState, s2_reducer_hook
+
+    steps = 60
+    ids = torch.randint(0, 2000, (64,), generator=torch.Generator().manual_seed(rank))
+    errors = {}
+    for feedback in (True, False):
+        model = DDP(_Embedding())
+        # one row, one counter per union position: many collisions, and a linear decode
+        state = S2ReducerState(rows=1, width_factor=2.0, error_feedback=feedback)
+        model.register_comm_hook(state, s2_reducer_hook)
+        grad = None
+        total = torch.zeros(2000 * 8)
+        for _ in range(steps):  # the same gradient every step (no update)
+            model.zero_grad()
+            model(ids).backward()
+            total += model.module.emb.weight.grad.reshape(-1)
+            if grad is None:
+                local = torch.zeros(2000, 8)
+                local.index_add_(0, ids, 2 * model.module.emb.weight.detach()[ids])
+                grad = local.reshape(-1)
+                exact = grad.clone()
+                dist.all_reduce(exact)
+                exact /= world
+        assert state.sketched == steps and state.dense == 0
+        errors[feedback] = float((total / steps - exact).norm() / exact.norm())
+        if feedback:  # conservation: what arrived (x world) plus every rank's residual = everything produced
+            residual = state.residuals[0].clone()
+            dist.all_reduce(residual)
+            torch.testing.assert_close(total * world + residual, steps * exact * world, atol=2e-3, rtol=1e-4)
+    # without feedback the collisions' error stays; with it, the running average tends to the exact one
+    assert errors[False] > 0.05 and errors[True] < errors[False] / 5, errors
+
+
+def test_s2_error_feedback_loses_nothing():
+    run_distributed(_ef_rank, world_size=2, timeout=120)
