@@ -184,7 +184,7 @@ def main():
     from hf_dtrain.models import build_default_model
 
     build_default_model("tiny", progress=True)
-    runs = []
+    runs, failures = [], []
     methods = args.methods.split(",")
     seeds = [int(x) for x in args.seeds.split(",")]
     for link, seed, method in tqdm([(l, s, m) for l in args.links.split(",") for s in seeds for m in methods],
@@ -192,9 +192,15 @@ def main():
         steps = int(args.steps * args.longer) if method in LOW_COMM else args.steps
         extra = ["--rank", str(args.rank), "--start-iter", str(args.start_iter), "--learning-rate",
                  str(args.learning_rate), "--seed", str(seed)]
-        result, where = run_config(link, method, steps, args.batch_size, args.world, extra)
+        try:
+            result, where = run_config(link, method, steps, args.batch_size, args.world, extra)
+        except (RuntimeError, TimeoutError) as e:  # recorded and reported; the other runs go on
+            print(f"{link} seed {seed} {method} failed: {e}", file=sys.stderr, flush=True)
+            failures.append({"link": link, "seed": seed, "method": method, "error": str(e)[-3000:]})
+            continue
         runs.append(dict(result, link=link, network=where))
-    payload = {"runs": runs, "args": vars(args), "rank": args.rank, "start_iter": args.start_iter}
+    payload = {"runs": runs, "failures": failures, "args": vars(args), "rank": args.rank,
+               "start_iter": args.start_iter}
     from _report import write
 
     table, fig, notes = render(payload)
@@ -228,8 +234,10 @@ def summarize(payload: dict) -> list[dict]:
         for method in dict.fromkeys(r["method"] for r in runs):
             per_seed = []
             for run in (r for r in runs if r["link"] == link and r["method"] == method):
-                ref = next(r for r in runs if r["link"] == link and r["method"] == "allreduce"
-                           and r["seed"] == run["seed"])
+                ref = next((r for r in runs if r["link"] == link and r["method"] == "allreduce"
+                            and r["seed"] == run["seed"]), None)
+                if ref is None:  # its all-reduce run failed: no reference for this seed
+                    continue
                 target = trailing_mean(ref["losses"], 10)[-1] * (1 + tol)
                 got, base = to_target(run, target), to_target(ref, target)
                 per_seed.append({
@@ -282,6 +290,9 @@ def render(payload: dict):
                      f"{_fmt(r, 'step_time_vs_dense', '.2f')} | {_fmt(r, 'seconds_to_target', '.1f')} | "
                      f"{_fmt(r, 'time_vs_dense', '.2f')} | {_fmt(r, 'bytes_to_target_vs_dense', '.4f')} | "
                      f"{_fmt(r, 'final', '.3f')} | {r['replicas_identical']} |")
+    for f in payload.get("failures", []):
+        lines.append(f"| {f['link']} | {f['method']} (seed {f['seed']}) | failed: "
+                     f"{f['error'].strip().splitlines()[-1][:160]} |" + " |" * 6)
     table = "\n".join(lines)
     where = sorted({r["network"] for r in payload["runs"]})
     notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA, 3.1M parameters), {args['world']} ranks (one "

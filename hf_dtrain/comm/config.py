@@ -44,7 +44,8 @@ class CommHookConfig:
                 "one group per module). Each group's reduce-scatter starts in backward as soon as its gradients are "
                 "ready, its all-gather just before its layer's forward."})
     exchange: str = field(default="allgather", metadata={
-        "help": "embrace: how embedding rows travel, allgather or alltoall."})
+        "help": "embrace: allgather or alltoall (replicated tables, the touched rows' gradients travel), or sharded "
+                "(the paper's column-sharded tables: lookups and gradients by all-to-all, no table-sized exchange)."})
 
     def __post_init__(self):
         from hf_dtrain.settings import check_choice, check_fields

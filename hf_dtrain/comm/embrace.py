@@ -21,8 +21,9 @@ parameters out of DDP and sends only the touched rows:
 * Where the rows are not sparse enough to win (a tied output projection makes the embedding gradient dense), that
   step falls back to a dense all-reduce of the table.
 
-The paper also model-parallelises the tables (column shards with all-to-all lookups) and reorders the schedule; here
-the tables stay replicated, which keeps every model and optimizer unchanged (see docs/comm.md).
+``exchange="sharded"`` is the paper's own layout (:mod:`hf_dtrain.comm.embrace_sharded`): column-sharded tables,
+lookups and gradients by all-to-all, no table-sized exchange at all; call ``shard_embeddings(model)`` instead of
+``exclude_embeddings`` before wrapping. The two replicated exchanges keep every model and optimizer unchanged.
 """
 
 
@@ -36,7 +37,7 @@ from torch import nn
 
 from ..distributed import WireStats, all_gather_single, world_size_of
 
-EXCHANGES = ("allgather", "alltoall")
+EXCHANGES = ("allgather", "alltoall", "sharded")
 
 
 def embedding_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -204,6 +205,18 @@ class EmbRaceState:
         self._pending.append(finish)
 
     def attach(self, ddp_model) -> None:
+        if self.exchange == "sharded":
+            from .embrace_sharded import sharded_embeddings
+
+            shards = sharded_embeddings(ddp_model.module)
+            if not shards:
+                raise ValueError("EmbRace exchange='sharded' found no sharded embedding. Call "
+                                 "hf_dtrain.comm.shard_embeddings(model) before DDP(model) / accelerator.prepare(model) "
+                                 "(CommHookCallback.attach does it for the Trainer).")
+            for m in shards.values():
+                m.stats = self.stats  # the lookups' and their gradients' bytes count in this step
+            self._ddp = weakref.ref(ddp_model)
+            return
         ignored = set(getattr(ddp_model.module, "_ddp_params_and_buffers_to_ignore", []))
         params = embedding_parameters(ddp_model.module)
         missing = sorted(set(params) - ignored)

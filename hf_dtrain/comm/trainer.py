@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from transformers import TrainerCallback
 
-from . import CommHookConfig, exclude_embeddings, register, unwrap_optimizer
+from . import CommHookConfig, exclude_embeddings, register, shard_embeddings, unshard_embeddings, unwrap_optimizer
 
 
 class CommHookCallback(TrainerCallback):
@@ -33,7 +33,14 @@ class CommHookCallback(TrainerCallback):
     def attach(cls, trainer, config: Union[CommHookConfig, dict, str, None] = None) -> "CommHookCallback":
         callback = cls(config)
         callback.trainer = trainer
-        if callback.config.method == "embrace":
+        if callback.config.method == "embrace" and callback.config.exchange == "sharded":
+            if trainer.args.save_strategy != "no":
+                raise ValueError("EmbRace exchange='sharded' holds a column slice of each embedding table per rank, "
+                                 "which a mid-training checkpoint would save as is; set save_strategy='no' (the "
+                                 "callback puts the full tables back at the end of training, before you save), or "
+                                 "use exchange='allgather'.")
+            shard_embeddings(trainer.model)
+        elif callback.config.method == "embrace":
             exclude_embeddings(trainer.model)
         trainer.add_callback(callback)
         return callback
@@ -89,6 +96,8 @@ class CommHookCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, optimizer=None, **kwargs):
         self._flush()
+        if self.config.method == "embrace" and self.config.exchange == "sharded" and self.trainer is not None:
+            unshard_embeddings(self.trainer.model)  # every rank: the full tables back, for saving
         inner = unwrap_optimizer(optimizer) if optimizer is not None else None
         if hasattr(inner, "finish"):  # asynchronous gossip: the last messages, on every rank
             inner.finish()

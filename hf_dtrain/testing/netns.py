@@ -158,5 +158,9 @@ def run_ranks(commands: list[list[str]], envs: list[dict], timeout: float = 300)
             err.close()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
-        raise RuntimeError(f"rank {failed[0]} failed on the emulated network:\n{errors[failed[0]][-4000:]}")
+        # the cause: a rank that did not merely lose its connection to the one that failed first
+        cause = next((r for r in failed if "by peer" not in errors[r]), failed[0])
+        codes = {r: procs[r].returncode for r in failed}
+        raise RuntimeError(f"rank {cause} failed on the emulated network (exit codes {codes}):\n"
+                           f"{errors[cause][-4000:]}")
     return outputs

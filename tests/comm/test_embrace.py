@@ -108,3 +108,51 @@ def test_embrace_bad_config():
         CommHookConfig(method="embrace", exchange="ring")
     with pytest.raises(ValueError, match=r"found no trainable nn.Embedding"):
         exclude_embeddings(nn.Linear(3, 3))
+
+
+def _sharded_rank(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_dtrain.comm as comm
+
+    vocab = 500
+    ref = DDP(_EmbModel(vocab))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    plain = _EmbModel(vocab)
+    assert comm.shard_embeddings(plain) == ["emb"]
+    shard = plain.emb
+    assert shard.weight.shape == (vocab, [3, 3, 2][rank])  # 8 columns over 3 ranks
+    model = DDP(plain)
+    state = comm.register(model, {"method": "embrace", "exchange": "sharded"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        ids = torch.randint(0, vocab, (2 + rank, 5), generator=gen)  # a different batch size on every rank
+        # the lookup equals the dense table's, before the update
+        with torch.no_grad():
+            torch.testing.assert_close(shard(ids), ref.module.emb(ids), atol=0, rtol=0)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(ids).backward()
+            o.step()
+            o.zero_grad()
+        tokens = [2 * 5, 3 * 5, 4 * 5]
+        # bytes: the padded ids, every rank's tokens in my columns (forward), my tokens' gradient (backward)
+        expected_sparse = 8 * max(tokens) + 4 * sum(tokens) * shard.weight.shape[1] + 4 * tokens[rank] * 8
+        dense = 4 * sum(p.numel() for p in ref.module.lin.parameters())
+        assert state.stats.steps[-1] == expected_sparse + dense, (state.stats.steps, expected_sparse + dense)
+    torch.testing.assert_close(shard.full_weight(), ref.module.emb.weight.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(model.module.lin.weight, ref.module.lin.weight, atol=1e-6, rtol=1e-5)
+    assert comm.unshard_embeddings(plain) == ["emb"] and isinstance(plain.emb, nn.Embedding)
+    torch.testing.assert_close(plain.emb.weight, ref.module.emb.weight.detach(), atol=1e-6, rtol=1e-5)
+    # a table tied to the output projection has a dense gradient: refused, naming the fix
+    tied = _EmbModel(vocab)
+    tied.out = nn.Linear(8, vocab, bias=False)
+    tied.out.weight = tied.emb.weight
+    with pytest.raises(ValueError, match="tied to another module.*Untie it, or use exchange='allgather'"):
+        comm.shard_embeddings(tied)
+    dist.barrier()
+
+
+def test_sharded_embrace_lookups_and_training_equal_the_dense_table():
+    run_distributed(_sharded_rank, world_size=3, timeout=180)
