@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
 
 METHODS = ["allreduce", "fp16", "powersgd", "acp_sgd", "dear", "diloco_h8", "diloco_h32", "diloco_h8_1bit"]
-OURS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace")
+OURS = ("allreduce", "acp_sgd", "s2_reducer", "dear", "embrace", "embrace_sharded")
 RANK = 4  # --rank
 START = 10  # --start-iter
 
@@ -50,12 +50,26 @@ DILOCO = {"diloco_h8": (8, "none"), "diloco_h32": (32, "none"), "diloco_h8_1bit"
 LOW_COMM = ("powersgd", "acp_sgd", *DILOCO)  # cheap per step: they run LONGER x the steps, to reach the target
 
 
+# the embedding-heavy model: the default tiny LLaMA's layers at hidden 128 with a 16,384-row vocabulary (untied): the
+# input table is 43% of the 4.9M parameters and the batches touch a few dozen of its rows
+HEAVY = dict(vocab_size=16384, hidden_size=128, intermediate_size=256)
+MODEL = "tiny"  # --model
+BUCKET_MB = 25.0  # --bucket-cap-mb
+
+
 def worker(rank: int, world: int, addr: str, port: str, method: str, steps: int, batch: int, lr: float,
            seed: int = 0) -> dict:
     from hf_dtrain.testing import gloo_group
 
     with gloo_group(rank, world, addr, port, timeout_s=300):  # DDP lives in _train only: freed before the group
         return _train(rank, world, method, steps, batch, lr, seed)
+
+
+def _hook_config(method: str) -> dict:
+    """``embrace_sharded`` is EmbRace with the paper's sharded tables; the rest by name."""
+    if method == "embrace_sharded":
+        return {"method": "embrace", "exchange": "sharded"}
+    return {"method": method, "rank": RANK, "start_iter": START}
 
 
 def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float, seed: int = 0) -> dict:
@@ -70,9 +84,15 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
 
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(None, progress=False)
+    if MODEL == "embedding_heavy":
+        from hf_dtrain.models import build_llama
+
+        model = build_llama("tiny", seed=0, **HEAVY)  # fresh weights; the default model's tokenizer
     if method == "embrace":
         comm.exclude_embeddings(model)  # before DDP wraps the model
-    ddp = DDP(model)
+    elif method == "embrace_sharded":
+        comm.shard_embeddings(model)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
     state = None
     if method in DILOCO:
@@ -82,7 +102,7 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
         DiLoCo.attach_ddp(ddp)
         opt = state = DiLoCo(ddp.parameters(), sync_every=h, outer_exchange=exchange, lr=lr)
     elif method in OURS:
-        state = comm.register(ddp, {"method": method, "rank": RANK, "start_iter": START}, optimizer=opt)
+        state = comm.register(ddp, _hook_config(method), optimizer=opt)
     elif method == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
@@ -107,7 +127,10 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
         losses.append(loss.item())
     if method == "dear":
         state.flush()  # the last update is deferred to a next forward that does not come
+    if method == "embrace_sharded":
+        comm.unshard_embeddings(model)  # the full tables, for the replicas check
     dense = sum(p.numel() * 4 for p in model.parameters())
+    emb_share = model.get_input_embeddings().weight.numel() * 4 / dense
     if state is not None:
         per_step = list(state.stats.steps)
     else:  # torch's hooks: dense until their start iteration (PowerSGD), then their compression rule
@@ -119,7 +142,7 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
     mean_loss = torch.tensor(losses)
     dist.all_reduce(mean_loss)  # the training loss averaged over the ranks, every step
     return {"method": method, "seed": seed, "bytes_per_step": per_step[-1], "bytes_steps": per_step,
-            "dense_bytes": dense, "step_times": times, "losses": (mean_loss / world).tolist(),
+            "dense_bytes": dense, "embedding_share": emb_share, "step_times": times, "losses": (mean_loss / world).tolist(),
             "step_time_median_s": statistics.median(times[len(times) // 2:]),
             "loss_last10": statistics.mean(losses[-10:]),
             "replicas_identical": all(torch.equal(gathered[0], g) for g in gathered)}
@@ -151,7 +174,7 @@ def run_config(link: str, method: str, steps: int, batch: int, world: int, extra
 
 
 def main():
-    global RANK, START
+    global RANK, START, MODEL, BUCKET_MB
     from _report import rerender, training_parser
 
     ap = training_parser(__doc__, {})
@@ -166,9 +189,12 @@ def main():
                     help="the low-communication methods run this many times --steps (to reach the target)")
     ap.add_argument("--tolerance", type=float, default=0.01,
                     help="target: all-reduce's final smoothed loss x (1 + this)")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "embedding_heavy"],
+                    help="tiny: the embedded default; embedding_heavy: a 16,384-row untied vocabulary at hidden 128")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size (every method)")
     ap.set_defaults(steps=40)
     args = ap.parse_args()
-    RANK, START = args.rank, args.start_iter
+    RANK, START, MODEL, BUCKET_MB = args.rank, args.start_iter, args.model, args.bucket_cap_mb
     if "allreduce" not in args.methods.split(","):
         ap.error("--methods must include allreduce: every ratio is taken against it")
     if args.from_json:
@@ -191,7 +217,8 @@ def main():
                                    desc="link x seed x method"):
         steps = int(args.steps * args.longer) if method in LOW_COMM else args.steps
         extra = ["--rank", str(args.rank), "--start-iter", str(args.start_iter), "--learning-rate",
-                 str(args.learning_rate), "--seed", str(seed)]
+                 str(args.learning_rate), "--seed", str(seed), "--model", args.model, "--bucket-cap-mb",
+                 str(args.bucket_cap_mb)]
         try:
             result, where = run_config(link, method, steps, args.batch_size, args.world, extra)
         except (RuntimeError, TimeoutError) as e:  # recorded and reported; the other runs go on
@@ -295,7 +322,11 @@ def render(payload: dict):
                      f"{f['error'].strip().splitlines()[-1][:160]} |" + " |" * 6)
     table = "\n".join(lines)
     where = sorted({r["network"] for r in payload["runs"]})
-    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA, 3.1M parameters), {args['world']} ranks (one "
+    model = ("the embedded default model (tiny LLaMA, 3.1M parameters; the input embedding is 8% of them)"
+             if args.get("model", "tiny") == "tiny" else
+             "an embedding-heavy LLaMA (the tiny one at hidden 128 with a 16,384-row untied vocabulary, fresh "
+             "weights: 4.9M parameters, the input embedding 43% of them; the batches touch a few dozen rows)")
+    notes = (f"Full fine-tuning of {model}, DDP buckets of {args.get('bucket_cap_mb', 25.0):g} MB, {args['world']} ranks (one "
              f"per emulated host), AdamW (lr {args['learning_rate']}) with batch {args['batch_size']} per rank on the "
              f"addition task, gloo; seeds {args['seeds']} (data order); median over seeds, (min-max) in brackets. "
              f"Network: {'; '.join(where)}. Dense-bytes methods run {args['steps']} steps; the low-communication ones "

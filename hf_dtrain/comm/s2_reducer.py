@@ -11,12 +11,15 @@ of ``n`` gradient values of which few are nonzero (embedding rows of the tokens 
 3. each position of ``U`` is decoded as the median over rows of ``s_j(i) S[j, h_j(i)]``, divided by the world size;
    positions outside ``U`` are zero on every rank and stay zero.
 
+DDP's buckets mix tensors (the embedding with its neighbours' dense gradients), so the choice is made **per tensor
+of the bucket**, on the union (the same on every rank): a tensor whose ``d * c * |U ∩ tensor|`` counters are fewer
+than its values is sketched, the others travel by one dense all-reduce of their concatenation, concurrently.
+
 Exactness: a row's estimate of position ``i`` is exact when no other position of ``U`` shares its counter in that row;
 the median is exact when more than half of the rows are exact for ``i``. With ``w = c |U|`` a given row collides for
 ``i`` with probability about ``1 - exp(-1/c)``. Otherwise the error of the estimate is bounded by the colliding values
-in the rows that make the median. When ``|U|`` is too large for the sketch to win (bitmap plus sketch bytes,
-``n / 8 + 4 d w`` in fp32, not below the ``4 n`` of a dense all-reduce), the bucket falls back to the dense all-reduce
-(counted, with the bitmap it already sent: at most 1/32 more than dense for fp32).
+in the rows that make the median. When no tensor of the bucket is sparse enough, the bucket falls
+back to the dense all-reduce (counted, with the bitmap it already sent: 1/32 more than dense for fp32).
 
 Error feedback (``error_feedback=True``, hf_dtrain's addition; the paper has none): each rank keeps, per bucket, what
 its own sketch loses, ``e = x - decode(S_local)`` on the union (``x`` = its gradient plus the previous ``e``), and adds
@@ -101,7 +104,20 @@ def s2_reducer_hook(state: S2ReducerState, bucket: dist.GradBucket) -> torch.fut
     bitmap = pack_bits(buffer != 0)
     state.stats.add(bitmap)
     dist.all_reduce(bitmap, op=dist.ReduceOp.BOR, group=group)  # small and synchronous: the sketch size depends on it
-    union = unpack_bits(bitmap, n).nonzero().flatten()
+    nonzero = unpack_bits(bitmap, n)
+    # per tensor of the bucket (DDP mixes an embedding with its neighbours' dense gradients): sketch a tensor only if
+    # its d * c counters per union position come to fewer values than the tensor; the rest of the bucket goes dense
+    sizes = [p.numel() for p in bucket.parameters()]
+    if sum(sizes) != n:
+        sizes = [n]
+    sparse = torch.zeros(n, dtype=torch.bool, device=buffer.device)
+    offset = 0
+    for size in sizes:
+        k = int(nonzero[offset:offset + size].sum())
+        if state.rows * math.ceil(state.width_factor * k) < size:
+            sparse[offset:offset + size] = True
+        offset += size
+    union = (nonzero & sparse).nonzero().flatten()
     width = max(1, math.ceil(state.width_factor * union.numel()))
 
     def finish(out):
@@ -110,14 +126,18 @@ def s2_reducer_hook(state: S2ReducerState, bucket: dist.GradBucket) -> torch.fut
             state.stats.end_step()
         return out
 
-    # bitmap + sketch against a plain dense all-reduce: if the sketch cannot win, reduce densely (the bitmap is paid)
-    if n * bitmap.element_size() + state.rows * width * buffer.element_size() >= n * buffer.element_size():
+    if not bool(sparse.any()):  # nothing worth sketching: the dense all-reduce (the bitmap is paid)
         state.dense += 1
         state.residuals.pop(bucket.index(), None)  # sent exactly, with the residual in it
         state.stats.add(buffer)
         fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         return fut.then(lambda f: finish(f.value()[0].div_(world)))
 
+    dense_part = buffer[~sparse].contiguous()
+    dense_work = None
+    if dense_part.numel():
+        state.stats.add(dense_part)
+        dense_work = dist.all_reduce(dense_part, group=group, async_op=True)
     state.sketched += 1
     h, s = _hashes(state, union.numel(), width, bucket.index(), buffer.device)
     values = buffer[union]
@@ -142,7 +162,10 @@ def s2_reducer_hook(state: S2ReducerState, bucket: dist.GradBucket) -> torch.fut
     def decode(f):
         summed = f.value()[0]
         estimates = s.to(summed.dtype) * summed.gather(1, h)
+        if dense_work is not None:
+            dense_work.wait()
         buffer.zero_()
+        buffer[~sparse] = dense_part / world
         buffer[union] = estimates.median(dim=0).values / world
         return finish(buffer)
 

@@ -163,3 +163,63 @@ def _ef_rank(rank, world):
 
 def test_s2_error_feedback_loses_nothing():
     run_distributed(_ef_rank, world_size=2, timeout=120)
+
+
+class _Mixed(nn.Module):
+    """An embedding and a dense layer in one DDP bucket, as DDP buckets a model's first layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(2000, 8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids)).pow(2).sum()
+
+
+def _mixed_rank(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_dtrain.comm import S2ReducerState, s2_reducer_hook
+
+    model = DDP(_Mixed())
+    state = S2ReducerState(rows=3, width_factor=4.0)
+    seen = []
+
+    def checking_hook(st, bucket):
+        local = bucket.buffer().clone()
+        reference = local.clone()
+        dist.all_reduce(reference)
+        reference /= world
+        sizes = [p.numel() for p in bucket.parameters()]
+        fut = s2_reducer_hook(st, bucket)
+
+        def check(f):
+            out = f.value()
+            union, exact = st.last_decode.pop(bucket.index())
+            emb_at = [i for i, p in enumerate(bucket.parameters()) if p.shape == (2000, 8)][0]
+            lo = sum(sizes[:emb_at])
+            dense = torch.ones(out.numel(), dtype=torch.bool)
+            dense[lo:lo + 2000 * 8] = False
+            torch.testing.assert_close(out[dense], reference[dense], atol=1e-6, rtol=1e-6)  # the dense layer: exact
+            assert bool(((union >= lo) & (union < lo + 16000)).all())  # only the embedding is sketched
+            torch.testing.assert_close(out[union[exact]], reference[union[exact]], atol=1e-6, rtol=1e-6)
+            width = math.ceil(st.width_factor * union.numel())
+            seen.append((out.numel() + 7) // 8 + int(dense.sum()) * 4 + st.rows * width * 4)
+            return out
+
+        return fut.then(check)
+
+    model.register_comm_hook(state, checking_hook)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        model(torch.randint(0, 2000, (12,), generator=gen)).backward()
+        model.zero_grad()
+    assert state.sketched == 3 and state.dense == 0 and state.stats.steps == seen
+    assert max(seen) < 2000 * 8 * 4 / 2  # the bucket costs under half of its dense all-reduce
+
+
+def test_s2_sketches_the_sparse_tensor_of_a_mixed_bucket_and_sends_the_rest_dense():
+    run_distributed(_mixed_rank, world_size=2, timeout=120)
