@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from hf_dtrain.comm.config import CommHookConfig
-from hf_dtrain.decentralized.config import GossipConfig
+from hf_dtrain.decentralized.config import DiLoCoConfig, GossipConfig
 from hf_dtrain.fault.config import SnapshotConfig
 from hf_dtrain.memory.config import DeltaConfig
 from hf_dtrain.optim.config import EvaConfig, OneBitLambConfig
@@ -50,14 +50,18 @@ class ComposeOptions:
     comm_hook: Optional[CommHookConfig] = field(default=None, metadata={
         "help": "Gradient communication under DDP (hf_dtrain.comm; >= 2 processes); None: DDP's own all-reduce."})
     optimizer: str = field(default="adamw", metadata={
-        "help": "adamw; eva (preconditions AdamW, settings in eva.*); onebit_lamb, dpsgd and decentlam exchange "
-                "gradients/parameters themselves (>= 2 processes; settings in onebit_lamb.* / gossip.*)."})
+        "help": "adamw; eva (preconditions AdamW, settings in eva.*); onebit_lamb, dpsgd, decentlam and diloco "
+                "exchange gradients/parameters themselves (>= 2 processes; settings in onebit_lamb.* / gossip.* / "
+                "diloco.*)."})
     eva: EvaConfig = field(default_factory=lambda: dataclasses.replace(JOB_EVA), metadata={
         "help": "Eva's settings (used with optimizer=eva)."})
     onebit_lamb: OneBitLambConfig = field(default_factory=lambda: dataclasses.replace(JOB_ONEBIT_LAMB), metadata={
         "help": "1-bit LAMB's settings (used with optimizer=onebit_lamb)."})
     gossip: GossipConfig = field(default_factory=GossipConfig, metadata={
         "help": "The decentralized optimizers' settings (used with optimizer=dpsgd / decentlam)."})
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig, metadata={
+        "help": "DiLoCo's settings (used with optimizer=diloco): H local AdamW steps, then an outer Nesterov step on "
+                "the averaged pseudo-gradient."})
     delta: Optional[DeltaConfig] = field(default=None, metadata={
         "help": "DELTA memory scheduling (hf_dtrain.memory); None: off."})
     fault_tolerance: Optional[SnapshotConfig] = field(default=None, metadata={
@@ -115,7 +119,8 @@ class ComposeOptions:
         self.deepspeed_stage()  # a missing or unreadable DeepSpeed config is an error now, not after start-up
         unused = [(section, chosen) for section, chosen, default in (
             ("eva", ("eva",), JOB_EVA), ("onebit_lamb", ("onebit_lamb",), JOB_ONEBIT_LAMB),
-            ("gossip", ("dpsgd", "decentlam"), GossipConfig())) if getattr(self, section) != default
+            ("gossip", ("dpsgd", "decentlam"), GossipConfig()), ("diloco", ("diloco",), DiLoCoConfig()))
+            if getattr(self, section) != default
             and self.optimizer not in chosen]
         if unused:
             section, chosen = unused[0]
@@ -295,12 +300,20 @@ def _decentlam(opts, model, params, lr, weight_decay):
                      max_staleness=opts.gossip.max_staleness)
 
 
+def _diloco(opts, model, params, lr, weight_decay):
+    from hf_dtrain.decentralized import DiLoCo
+
+    d = opts.diloco
+    return DiLoCo(params, base_optimizer="adamw", sync_every=d.sync_every, outer_lr=d.outer_lr,
+                  outer_momentum=d.outer_momentum, outer_exchange=d.outer_exchange, lr=lr, weight_decay=weight_decay)
+
+
 # --optimizer name -> (options, unwrapped model, trainable parameters, lr, weight decay) -> torch optimizer
 OPTIMIZER_BUILDERS: dict[str, Callable] = {"adamw": _adamw, "eva": _eva, "onebit_lamb": _onebit_lamb,
-                                           "dpsgd": _dpsgd, "decentlam": _decentlam}
+                                           "dpsgd": _dpsgd, "decentlam": _decentlam, "diloco": _diloco}
 OPTIMIZERS = tuple(OPTIMIZER_BUILDERS)
 # optimizers that exchange gradients or parameters themselves (DDP runs its noop hook under them)
-EXCHANGING = ("onebit_lamb", "dpsgd", "decentlam")
+EXCHANGING = ("onebit_lamb", "dpsgd", "decentlam", "diloco")
 
 
 def build_optimizer(opts: ComposeOptions, model, lr: float, weight_decay: float = 0.0):

@@ -2,7 +2,7 @@
 torch.distributed, and optimizers built on them (D-PSGD, DecentLaM, LSGD, AL-DSGD), the DiLoCo baseline with an optional 1-bit outer exchange, and Non-blocking SGD with a straggler injector."""
 
 from .aldsgd import ALDSGD
-from .config import GossipConfig
+from .config import DiLoCoConfig, GossipConfig
 from .decentlam import DecentLaM
 from .diloco import DiLoCo
 from .dpsgd import DPSGD
@@ -11,5 +11,5 @@ from .lsgd import LSGD
 from .nonblocking import NonBlockingSGD, Straggler
 from .topology import MatchaTopology, Topology, metropolis_weights
 
-__all__ = ["GossipConfig", "Topology", "MatchaTopology", "metropolis_weights", "gossip", "exchange", "consensus_distance", "DPSGD",
+__all__ = ["GossipConfig", "DiLoCoConfig", "Topology", "MatchaTopology", "metropolis_weights", "gossip", "exchange", "consensus_distance", "DPSGD",
            "DecentLaM", "DiLoCo", "LSGD", "ALDSGD", "NonBlockingSGD", "Straggler"]

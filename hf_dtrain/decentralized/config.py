@@ -36,3 +36,28 @@ class GossipConfig:
         check_fields(self)
         check_choice(self, "topology", TOPOLOGIES, "gossip.topology")
         check_choice(self, "mode", MODES, "gossip.mode")
+
+
+@dataclass
+class DiLoCoConfig:
+    """DiLoCo's settings (``--diloco.<field>``, YAML section ``diloco:``); the inner optimizer is the job's AdamW at
+    its learning rate."""
+
+    section_key: ClassVar[str] = "diloco"
+
+    sync_every: int = field(default=16, metadata={"min": 1,
+        "help": "H: inner steps between two outer steps (one model-sized exchange per H steps)."})
+    outer_lr: float = field(default=0.7, metadata={"gt": 0, "help": "The outer SGD's learning rate (the paper's 0.7)."})
+    outer_momentum: float = field(default=0.9, metadata={"min": 0, "lt": 1,
+        "help": "The outer SGD's Nesterov momentum (the paper's 0.9; 0: plain averaging step)."})
+    outer_exchange: str = field(default="none", metadata={
+        "help": "none (fp32 all-reduce of the pseudo-gradient: DiLoCo as published) or 1bit (hf_dtrain: 1-bit LAMB's "
+                "compressed all-reduce with error feedback)."})
+
+    def __post_init__(self):
+        from hf_dtrain.settings import check_choice, check_fields
+
+        from .diloco import OUTER_EXCHANGES
+
+        check_fields(self)
+        check_choice(self, "outer_exchange", OUTER_EXCHANGES, "diloco.outer_exchange")
