@@ -1,4 +1,4 @@
-"""Asynchronous gossip (AD-PSGD style) on 3 gloo ranks, rank 2 slowed down: the fast ranks run ahead instead of
+"""Asynchronous gossip (AD-PSGD style) on 2 gloo ranks, rank 1 slowed down: the fast ranks run ahead instead of
 waiting for every round, the staleness of every value they mix stays within the bound (and the bound is really
 exercised: they do wait when the straggler's value gets too old), close() drains every message so all ranks exit,
 and DPSGD / DecentLaM train with it."""
@@ -10,7 +10,7 @@ import torch
 
 from hf_dtrain.testing import run_distributed, tiny_llama, train_steps
 
-STEPS, SLOW_S, BOUND = 24, 0.06, 3
+STEPS, SLOW_S, BOUND, SLOW = 24, 0.06, 3, 1
 
 
 def _engine_rank(rank, world):
@@ -22,7 +22,7 @@ def _engine_rank(rank, world):
     seen = []
     t0 = time.perf_counter()
     for step in range(STEPS):
-        if rank == 2:
+        if rank == SLOW:
             time.sleep(SLOW_S)
         x = eng.mix(x)
         # every running neighbour's newest value arrived at most BOUND of this rank's steps ago (one that finished
@@ -36,20 +36,16 @@ def _engine_rank(rank, world):
     timing = torch.tensor([elapsed])
     gathered = [torch.zeros(1) for _ in range(world)]
     torch.distributed.all_gather(gathered, timing)
-    slow = float(gathered[2])
-    if rank != 2:
+    slow = float(gathered[SLOW])
+    if rank != SLOW:
         # a synchronous round would take the straggler's time; here a fast rank waits only every BOUND steps
         assert elapsed < 0.6 * slow, (elapsed, slow)
         assert eng.waits > 0, "the staleness bound never made a fast rank wait: the test checks nothing"
     # the averages moved toward each other (gossip happened) and stayed finite
-    assert torch.isfinite(x).all() and 0.0 < float(x[0]) < 2.0
+    assert torch.isfinite(x).all() and 0.0 < float(x[0]) < 1.0
 
 
-def test_async_gossip_bounded_staleness_and_fast_ranks_run_ahead():
-    run_distributed(_engine_rank, world_size=3, timeout=120)
-
-
-def _optimizer_rank(rank, world):
+def _optimizers_rank(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hf_dtrain.decentralized import DPSGD, DecentLaM
@@ -65,8 +61,13 @@ def _optimizer_rank(rank, world):
         assert opt.stats.steps and max(opt.stats.steps) > 0
 
 
-def test_dpsgd_and_decentlam_train_with_async_gossip():
-    run_distributed(_optimizer_rank, world_size=3, timeout=180)
+def _rank(rank, world):
+    _engine_rank(rank, world)
+    _optimizers_rank(rank, world)
+
+
+def test_async_gossip_bounded_staleness_fast_rank_runs_ahead_and_optimizers_train():
+    run_distributed(_rank, world_size=2, timeout=180)
 
 
 def test_async_gossip_refuses_time_varying_graphs_and_bad_bounds():
