@@ -46,7 +46,8 @@ def torch_hook_bytes(method: str, model) -> int:
 
 
 # DiLoCo variants: (inner steps per sync H, outer exchange)
-DILOCO = {"diloco_h8": (8, "none"), "diloco_h32": (32, "none"), "diloco_h8_1bit": (8, "1bit")}
+DILOCO = {"diloco_h8": (8, "none"), "diloco_h32": (32, "none"), "diloco_h8_1bit": (8, "1bit"),
+          "diloco_h32_int8": (32, "int8"), "diloco_h32_1bit": (32, "1bit"), "diloco_h16_int8": (16, "int8")}
 LOW_COMM = ("powersgd", "acp_sgd", *DILOCO)  # cheap per step: they run LONGER x the steps, to reach the target
 
 
@@ -54,6 +55,7 @@ LOW_COMM = ("powersgd", "acp_sgd", *DILOCO)  # cheap per step: they run LONGER x
 # input table is 43% of the 4.9M parameters and the batches touch a few dozen of its rows
 HEAVY = dict(vocab_size=16384, hidden_size=128, intermediate_size=256)
 MODEL = "tiny"  # --model
+EVAL_EVERY = 5  # steps between held-out evaluations (outside the timed steps)
 BUCKET_MB = 25.0  # --bucket-cap-mb
 
 
@@ -115,9 +117,27 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
                                powerSGD_hook)
     data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank + 1000 * seed, split="train")
     loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))
-    times, losses = [], []
+    held_out = tasks.task_collator(tok)([x for x in tasks.make_task_dataset(tok, 64, seed=7, split="eval")])
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        """Held-out loss of the model the ranks hold together (outside the timed steps, not counted): the average
+        of the ranks' weights where they differ (DiLoCo between syncs), else the model itself."""
+        from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+        if method not in DILOCO:
+            return model(**held_out).loss.item()
+        own = parameters_to_vector(model.parameters()).clone()
+        mean = own.clone()
+        dist.all_reduce(mean)
+        vector_to_parameters(mean / world, model.parameters())
+        value = model(**held_out).loss.item()
+        vector_to_parameters(own, model.parameters())
+        return value
+
+    times, losses, evals = [], [], []
     dist.barrier()
-    for b in loader:
+    for i, b in enumerate(loader):
         t0 = time.perf_counter()
         loss = ddp(**b).loss
         loss.backward()
@@ -125,6 +145,10 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        # DeAR's update of this step is applied in the next forward: an evaluation here would move it out of the
+        # timed steps; its weights equal the all-reduce run's (tested), so it is not evaluated
+        if method != "dear" and ((i + 1) % EVAL_EVERY == 0 or i + 1 == steps):
+            evals.append((i + 1, evaluate()))
     if method == "dear":
         state.flush()  # the last update is deferred to a next forward that does not come
     if method == "embrace_sharded":
@@ -142,7 +166,7 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
     mean_loss = torch.tensor(losses)
     dist.all_reduce(mean_loss)  # the training loss averaged over the ranks, every step
     return {"method": method, "seed": seed, "bytes_per_step": per_step[-1], "bytes_steps": per_step,
-            "dense_bytes": dense, "embedding_share": emb_share, "step_times": times, "losses": (mean_loss / world).tolist(),
+            "dense_bytes": dense, "embedding_share": emb_share, "step_times": times, "evals": evals, "losses": (mean_loss / world).tolist(),
             "step_time_median_s": statistics.median(times[len(times) // 2:]),
             "loss_last10": statistics.mean(losses[-10:]),
             "replicas_identical": all(torch.equal(gathered[0], g) for g in gathered)}
@@ -237,14 +261,27 @@ def main():
 
 
 def to_target(run: dict, target: float, window: int = 10):
-    """(step, seconds, bytes) at which ``run``'s smoothed rank-mean loss first reaches ``target``, else None."""
+    """(step, seconds, bytes) at which ``run`` first reaches ``target``: its held-out loss where it was evaluated,
+    else (DeAR, whose weights are the all-reduce run's) its smoothed rank-mean training loss; None if never."""
     from _report import trailing_mean
 
+    if run.get("evals"):
+        for step, value in run["evals"]:
+            if value <= target:
+                return step, sum(run["step_times"][:step]), sum(run["bytes_steps"][:step])
+        return None
     smoothed = trailing_mean(run["losses"], window)
     for i, x in enumerate(smoothed):
         if i + 1 >= window and x <= target:
             return i + 1, sum(run["step_times"][:i + 1]), sum(run["bytes_steps"][:i + 1])
     return None
+
+
+def final_loss(run: dict, window: int = 10) -> float:
+    """The run's last held-out loss (its smoothed training loss where it was not evaluated)."""
+    from _report import trailing_mean
+
+    return run["evals"][-1][1] if run.get("evals") else trailing_mean(run["losses"], window)[-1]
 
 
 def summarize(payload: dict) -> list[dict]:
@@ -265,8 +302,13 @@ def summarize(payload: dict) -> list[dict]:
                             and r["seed"] == run["seed"]), None)
                 if ref is None:  # its all-reduce run failed: no reference for this seed
                     continue
-                target = trailing_mean(ref["losses"], 10)[-1] * (1 + tol)
-                got, base = to_target(run, target), to_target(ref, target)
+                # the target: the all-reduce run's final loss, held-out where both were evaluated
+                target = (final_loss(ref) if run.get("evals") or not ref.get("evals") else
+                          trailing_mean(ref["losses"], 10)[-1]) * (1 + tol)
+                if run.get("evals") or not ref.get("evals"):
+                    got, base = to_target(run, target), to_target(ref, target)
+                else:  # DeAR (training loss) against all-reduce's training loss
+                    got, base = to_target(run, target), to_target(dict(ref, evals=None), target)
                 per_seed.append({
                     "seed": run["seed"], "target": target,
                     "step_time_vs_dense": statistics.median(run["step_times"][len(run["step_times"]) // 2:])
@@ -276,7 +318,7 @@ def summarize(payload: dict) -> list[dict]:
                     "time_vs_dense": got[1] / base[1] if got else None,
                     "bytes_to_target_vs_dense": got[2] / base[2] if got else None,
                     "seconds_to_target": got[1] if got else None, "steps_to_target": got[0] if got else None,
-                    "final": trailing_mean(run["losses"], 10)[-1], "identical": run["replicas_identical"]})
+                    "final": final_loss(run), "identical": run["replicas_identical"]})
             if not per_seed:
                 continue
 
@@ -330,10 +372,13 @@ def render(payload: dict):
              f"per emulated host), AdamW (lr {args['learning_rate']}) with batch {args['batch_size']} per rank on the "
              f"addition task, gloo; seeds {args['seeds']} (data order); median over seeds, (min-max) in brackets. "
              f"Network: {'; '.join(where)}. Dense-bytes methods run {args['steps']} steps; the low-communication ones "
-             f"(PowerSGD, ACP-SGD, DiLoCo) {int(args['steps'] * args.get('longer', 2))}. Target: the all-reduce "
-             f"run's final loss (trailing mean of 10 steps of the rank-mean training loss) x {1 + args.get('tolerance', 0.01):.2f}, same link "
-             "and seed; time and bytes to target are cumulative up to the first step whose trailing mean reaches it, "
-             "as ratios to all-reduce's own. Bytes: what each rank hands to collectives (ours counted by "
+             f"(PowerSGD, ACP-SGD, DiLoCo) {int(args['steps'] * args.get('longer', 2))}. Loss: held-out loss (64 "
+             f"eval examples) every {EVAL_EVERY} steps, outside the timed steps and the byte counts, of the model the "
+             "ranks hold together (DiLoCo between syncs: the average of the ranks' weights); DeAR is not evaluated (its "
+             "weights are the all-reduce run's, tested; the evaluation would move its deferred update out of the timed "
+             "steps) and is compared on the rank-mean training loss (trailing mean of 10). Target: the all-reduce "
+             f"run's final loss x {1 + args.get('tolerance', 0.01):.2f}, same link and seed; time and bytes to target are "
+             "cumulative up to the first evaluation (step) that reaches it, as ratios to all-reduce's own. Bytes: what each rank hands to collectives (ours counted by "
              "hf_dtrain.distributed.WireStats; torch's fp16 and PowerSGD by their compression rules), mean per step. "
              f"PowerSGD / ACP-SGD: rank {payload['rank']}, {payload['start_iter']} dense warm-up steps. DeAR: per-layer "
              "fusion groups of 1 MB. DiLoCo: H inner AdamW steps, outer SGD lr 0.7 Nesterov 0.9 (the paper's), fp32 "
@@ -352,10 +397,14 @@ def render(payload: dict):
             t = list(itertools.accumulate(run["step_times"]))
             from _report import trailing_mean
 
-            ax.plot(t, trailing_mean(run["losses"], 10), label=run["method"])
+            if run.get("evals"):
+                ax.plot([t[s - 1] for s, _ in run["evals"]], [v for _, v in run["evals"]], marker=".",
+                        label=run["method"])
+            else:
+                ax.plot(t, trailing_mean(run["losses"], 10), ls="--", label=run["method"] + " (training loss)")
         ax.set_xscale("log")
         ax.set_xlabel("wall time (s, log)")
-        ax.set_ylabel("training loss (trailing mean of 10, rank mean)")
+        ax.set_ylabel("held-out loss")
         ax.set_title(f"{link}, seed {payload['runs'][0]['seed']}")
         ax.legend(fontsize=7)
     fig.suptitle("Gradient communication on emulated hosts (network namespaces + tc tbf): loss against wall time")

@@ -51,8 +51,8 @@ class DiLoCoConfig:
     outer_momentum: float = field(default=0.9, metadata={"min": 0, "lt": 1,
         "help": "The outer SGD's Nesterov momentum (the paper's 0.9; 0: plain averaging step)."})
     outer_exchange: str = field(default="none", metadata={
-        "help": "none (fp32 all-reduce of the pseudo-gradient: DiLoCo as published) or 1bit (hf_dtrain: 1-bit LAMB's "
-                "compressed all-reduce with error feedback)."})
+        "help": "none (fp32 all-reduce of the pseudo-gradient: DiLoCo as published), int8 (int8 with a scale per "
+                "2048 values, error feedback) or 1bit (1-bit LAMB's compressed all-reduce, error feedback)."})
 
     def __post_init__(self):
         from hf_dtrain.settings import check_choice, check_fields

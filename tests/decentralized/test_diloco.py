@@ -99,7 +99,7 @@ def test_diloco_bad_settings_are_clear_errors():
 
     with pytest.raises(ValueError, match="sync_every must be an integer >= 1"):
         DiLoCo(tiny_llama(seed=0).parameters(), sync_every=0)
-    with pytest.raises(ValueError, match="outer_exchange must be one of none, 1bit"):
+    with pytest.raises(ValueError, match="outer_exchange must be one of none, int8, 1bit"):
         DiLoCo(tiny_llama(seed=0).parameters(), outer_exchange="int3")
 
 
@@ -110,7 +110,7 @@ def test_diloco_and_async_gossip_settings_from_yaml_and_flags():
     assert opts.diloco.sync_every == 8 and opts.diloco.outer_exchange == "1bit"
     with pytest.raises(ValueError, match="diloco.\\* settings are given but optimizer=adamw; set --optimizer diloco"):
         ComposeOptions.from_dict({"diloco": {"sync_every": 8}})
-    with pytest.raises(ValueError, match="set diloco.outer_exchange to one of none, 1bit"):
+    with pytest.raises(ValueError, match="set diloco.outer_exchange to one of none, int8, 1bit"):
         ComposeOptions.from_dict({"optimizer": "diloco", "diloco": {"outer_exchange": "2bit"}})
     opts = ComposeOptions.from_dict({"optimizer": "decentlam", "gossip": {"asynchronous": True, "max_staleness": 2}})
     assert opts.gossip.asynchronous and opts.gossip.max_staleness == 2
