@@ -34,7 +34,7 @@ def worker(rank: int, world: int, addr: str, port: str) -> None:
             "all_reduce (DDP, ring)": lambda: dist.all_reduce(x),
             "all_to_all (DeAR's reduce-scatter on gloo)": lambda: dist.all_to_all_single(torch.empty_like(x), x),
             "all_gather of the shards (DeAR's second half)": lambda: all_gather_single(torch.empty_like(x), shard),
-            "reduce_scatter (gloo's: one all-reduce per rank)": lambda: reduce_scatter_single(shard, x),
+            "reduce_scatter (gloo's own)": lambda: reduce_scatter_single(shard, x),
             "1-bit messages (signs, phase 1 all_to_all)": lambda: dist.all_to_all_single(
                 torch.empty(x.numel() // 8, dtype=torch.uint8), torch.zeros(x.numel() // 8, dtype=torch.uint8)),
         }

@@ -48,7 +48,8 @@ def torch_hook_bytes(method: str, model) -> int:
 # DiLoCo variants: (inner steps per sync H, outer exchange)
 DILOCO = {"diloco_h8": (8, "none"), "diloco_h32": (32, "none"), "diloco_h8_1bit": (8, "1bit"),
           "diloco_h32_int8": (32, "int8"), "diloco_h32_1bit": (32, "1bit"), "diloco_h16_int8": (16, "int8")}
-LOW_COMM = ("powersgd", "acp_sgd", *DILOCO)  # cheap per step: they run LONGER x the steps, to reach the target
+LOW_COMM = ("powersgd", "acp_sgd", "onebit_lamb", *DILOCO)
+ONEBIT_LR = 2e-3  # cheap per step: they run LONGER x the steps, to reach the target
 
 
 # the embedding-heavy model: the default tiny LLaMA's layers at hidden 128 with a 16,384-row vocabulary (untied): the
@@ -97,7 +98,12 @@ def _train(rank: int, world: int, method: str, steps: int, batch: int, lr: float
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
     state = None
-    if method in DILOCO:
+    if method == "onebit_lamb":  # its own learning rate (the optimizers benchmark's), LAMB warm-up 15% of the steps
+        from hf_dtrain.optim import OneBitLamb
+
+        OneBitLamb.attach_ddp(ddp)
+        opt = state = OneBitLamb(ddp.parameters(), lr=ONEBIT_LR, freeze_step=max(1, int(0.15 * steps)))
+    elif method in DILOCO:
         from hf_dtrain.decentralized import DiLoCo
 
         h, exchange = DILOCO[method]
