@@ -222,13 +222,17 @@ def main():
     ap.add_argument("--model", default="tiny", choices=["tiny", "embedding_heavy"],
                     help="tiny: the embedded default; embedding_heavy: a 16,384-row untied vocabulary at hidden 128")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size (every method)")
+    ap.add_argument("--loss-basis", choices=["held_out", "training"], default=None,
+                    help="what the target is measured on: held_out (default; evaluations every 5 steps where a run "
+                         "has them) or training (the rank-mean training loss of every run: for exact methods)")
     ap.set_defaults(steps=40)
     args = ap.parse_args()
     RANK, START, MODEL, BUCKET_MB = args.rank, args.start_iter, args.model, args.bucket_cap_mb
     if "allreduce" not in args.methods.split(","):
         ap.error("--methods must include allreduce: every ratio is taken against it")
     if args.from_json:
-        rerender(args.from_json, args.name, render)
+        rerender(args.from_json, args.name, lambda p: render(dict(p, loss_basis=args.loss_basis or
+                                                                   p.get("loss_basis", "held_out"))))
         return
     if args.worker:
         rank, world, addr, port, method = args.worker.split(":")
@@ -257,7 +261,7 @@ def main():
             continue
         runs.append(dict(result, link=link, network=where))
     payload = {"runs": runs, "failures": failures, "args": vars(args), "rank": args.rank,
-               "start_iter": args.start_iter}
+               "start_iter": args.start_iter, "loss_basis": args.loss_basis or "held_out"}
     from _report import write
 
     table, fig, notes = render(payload)
@@ -298,6 +302,8 @@ def summarize(payload: dict) -> list[dict]:
     from _report import trailing_mean
 
     runs, args = payload["runs"], payload["args"]
+    if payload.get("loss_basis") == "training":  # every run on its training loss (exact methods: the same curve)
+        runs = [dict(r, evals=None) for r in runs]
     tol = args.get("tolerance", 0.01)
     rows = []
     for link in dict.fromkeys(r["link"] for r in runs):
@@ -388,7 +394,10 @@ def render(payload: dict):
              "hf_dtrain.distributed.WireStats; torch's fp16 and PowerSGD by their compression rules), mean per step. "
              f"PowerSGD / ACP-SGD: rank {payload['rank']}, {payload['start_iter']} dense warm-up steps. DeAR: per-layer "
              "fusion groups of 1 MB. DiLoCo: H inner AdamW steps, outer SGD lr 0.7 Nesterov 0.9 (the paper's), fp32 "
-             "all-reduce of the pseudo-gradient (baseline) or hf_dtrain's 1-bit exchange with error feedback.")
+             "all-reduce of the pseudo-gradient (baseline), or hf_dtrain's int8 (a scale per 2048 values) or 1-bit "
+             "(1-bit LAMB's exchange) outer exchange, both with error feedback."
+             + (" This table: every run on its rank-mean training loss (trailing mean of 10), the target the "
+                "all-reduce run's final training loss." if payload.get("loss_basis") == "training" else ""))
     import matplotlib
 
     matplotlib.use("Agg")
