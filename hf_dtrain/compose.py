@@ -80,6 +80,11 @@ class ComposeOptions:
         self.validate()
 
     @property
+    def asynchronous_gossip(self) -> bool:
+        """A gossiping optimizer with ``gossip.asynchronous``: DDP must not broadcast buffers in every forward."""
+        return self.optimizer in ("dpsgd", "decentlam") and self.gossip.asynchronous
+
+    @property
     def comm_method(self) -> Optional[str]:
         return None if self.comm_hook is None else self.comm_hook.method
 

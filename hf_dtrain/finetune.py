@@ -251,7 +251,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         max_grad_norm=0.0 if cfg.comm_method == "dear" or cfg.optimizer in EXCHANGING else 1.0,
         deepspeed=deepspeed_config(cfg.deepspeed) if cfg.deepspeed else None,
         # asynchronous gossip: a buffer broadcast in every forward would make every step a synchronisation point
-        ddp_broadcast_buffers=False if cfg.optimizer in ("dpsgd", "decentlam") and cfg.gossip.asynchronous else None,
+        ddp_broadcast_buffers=False if cfg.asynchronous_gossip else None,
     )
     # The Trainer's view of the world (PartialState alone can report 1 under accelerate launch on CPU).
     world_size = args.world_size

@@ -272,7 +272,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
                 raise SettingsError(str(e)) from None
     init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
     handlers = []
-    if cfg.optimizer in ("dpsgd", "decentlam") and cfg.gossip.asynchronous:
+    if cfg.asynchronous_gossip:
         from accelerate.utils import DistributedDataParallelKwargs
 
         # asynchronous gossip: a buffer broadcast in every forward would make every step a synchronisation point

@@ -136,20 +136,21 @@ class DeARState:
         group = self.process_group
         world = world_size_of(group)
         like = g.params[0]
-        flat = torch.zeros(g.padded, dtype=like.dtype, device=like.device)
+        if g.flat is None:  # allocated once per group, reused every step
+            g.flat = torch.empty(g.padded, dtype=like.dtype, device=like.device)
+            g.shard = torch.empty(g.padded // world, dtype=like.dtype, device=like.device)
+        flat = g.flat
+        flat.zero_()
         offset = 0
         g.probe = None
         for p in g.params:
             if p.grad is not None:
-                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-                if g.probe is None:
-                    nz = torch.nonzero(p.grad.reshape(-1))
-                    if len(nz):
-                        i = int(nz[0])
-                        g.probe = (p, i, p.grad.reshape(-1)[i].item())
+                grad = p.grad.reshape(-1)
+                flat[offset:offset + p.numel()].copy_(grad)
+                if g.probe is None:  # the largest entry, read at step() (no host sync here)
+                    i = grad.abs().argmax()
+                    g.probe = (p, i, grad[i].clone())
             offset += p.numel()
-        g.flat = flat
-        g.shard = torch.empty(g.padded // world, dtype=flat.dtype, device=flat.device)
         self.stats.add(flat)
         if _native_reduce_scatter(group):
             g.rs_work = reduce_scatter_single(g.shard, flat, group=group, async_op=True)
@@ -186,15 +187,17 @@ class DeARState:
                 self._reduce_scatter(g)
         self.hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
         self._due = {g.index for g in self.groups}
+        # a GradScaler unscales the local .grad in place before step() (on the sent copy it could not): the averaged
+        # gradient gets the same factor (a power of two, so the ratio is exact); one host sync for all groups
+        probed = [g for g in self.groups if g.probe is not None and g.probe[0].grad is not None]
+        ratios = (torch.stack([g.probe[0].grad.reshape(-1)[g.probe[1]] / g.probe[2] for g in probed]).tolist()
+                  if probed else [])
+        scales = {g.index: r for g, r in zip(probed, ratios)}
         for g in self.groups:
             g.ready = 0
-            # a GradScaler unscales the local .grad in place before step() (on the sent copy it could not): the
-            # averaged gradient gets the same factor (a power of two, so the ratio is exact)
-            g.scale = 1.0
-            if g.probe is not None:
-                p, i, sent = g.probe
-                g.scale = p.grad.reshape(-1)[i].item() / sent if p.grad is not None else 1.0
-                g.probe = None
+            r = scales.get(g.index, 1.0)
+            g.scale = r if math.isfinite(r) else 1.0  # an all-zero gradient: nothing to scale
+            g.probe = None
         self.launched = []
         self.iter += 1
         self.stats.end_step()
@@ -214,7 +217,6 @@ class DeARState:
         g.ag_work.wait()
         g.ag_work = None
         averaged = g.flat[:g.numel].mul_(g.scale / world_size_of(self.process_group))
-        g.flat = g.shard = None
         grads, offset = {}, 0
         for p in g.params:
             grads[id(p)] = averaged[offset:offset + p.numel()].view_as(p)
@@ -259,7 +261,7 @@ class DeARState:
         for g in self.groups:
             if g.rs_work is not None:
                 g.rs_work.wait()
-            g.rs_work = g.flat = g.shard = g.received = g.probe = None
+            g.rs_work = g.received = g.probe = None
             g.ready = 0
         self.launched = []
         self.stats.current = 0

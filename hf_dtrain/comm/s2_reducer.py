@@ -111,9 +111,9 @@ def s2_reducer_hook(state: S2ReducerState, bucket: dist.GradBucket) -> torch.fut
     if sum(sizes) != n:
         sizes = [n]
     sparse = torch.zeros(n, dtype=torch.bool, device=buffer.device)
+    counts = torch.stack([seg.sum() for seg in nonzero.split(sizes)]).tolist()  # one host sync for all tensors
     offset = 0
-    for size in sizes:
-        k = int(nonzero[offset:offset + size].sum())
+    for size, k in zip(sizes, counts):
         if state.rows * math.ceil(state.width_factor * k) < size:
             sparse[offset:offset + size] = True
         offset += size
