@@ -1,6 +1,6 @@
 """Every config field that changes numerics changes them: a run with the field set away from its default differs
-from the default run (parameters after a few steps, or bytes on the wire), so a field the engine ignored would fail
-here. DELTA's fields are checked on its plans, Eva's on its update, the communication hooks' on 2 gloo ranks."""
+from the default run (parameters after a few steps, bytes on the wire, or, for DeAR's exact schedule, the number of
+fused groups it sends per step), so a field the engine ignored would fail here. DELTA's fields are checked on its plans, Eva's on its update, the communication hooks' on 2 gloo ranks."""
 
 import dataclasses
 import json
@@ -18,6 +18,7 @@ COMM_VARIANTS = {
     "acp_sgd": {"rank": 2, "start_iter": 3, "min_compression_rate": 60.0, "use_error_feedback": False, "seed": 1},
     "s2_reducer": {"sketch_rows": 5, "sketch_width_factor": 1.0, "seed": 1},
     "embrace": {"exchange": "alltoall"},
+    "dear": {"fusion_mb": 0.0},  # exact whatever the fusion: it changes how many collectives a step sends
 }
 
 
@@ -39,15 +40,16 @@ def _comm_rank(rank, world, out):
             if method == "embrace":
                 exclude_embeddings(model)
             ddp = DDP(model)
-            state = register(ddp, cfg)
             opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+            state = register(ddp, cfg, optimizer=opt)
             for step in range(6):
                 batch = random_batch(batch=2, seq=8, seed=100 * rank + step)
                 ddp(**batch).loss.backward()
                 opt.step()
                 opt.zero_grad()
             checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-            results[f"{method}:{field}"] = {"bytes": list(state.stats.steps), "checksum": checksum}
+            groups = len(state.groups) if method == "dear" else None
+            results[f"{method}:{field}"] = {"bytes": list(state.stats.steps), "checksum": checksum, "groups": groups}
     if rank == 0:
         json.dump(results, open(out, "w"))
 
@@ -61,7 +63,7 @@ def test_every_comm_hook_field_changes_bytes_or_parameters(tmp_path):
         default = results[f"{method}:None"]
         for field in variants:
             got = results[f"{method}:{field}"]
-            assert got != default, f"CommHookConfig.{field} did not change {method}'s bytes or parameters"
+            assert got != default, f"CommHookConfig.{field} did not change {method}'s bytes, parameters or groups"
     fields = {f.name for f in dataclasses.fields(CommHookConfig)} - {"method"}
     assert fields == {f for v in COMM_VARIANTS.values() for f in v}  # every field is varied somewhere
 
