@@ -322,19 +322,22 @@ def test_pretrain_under_the_accelerate_fsdp2_config_equals_the_ddp_launch(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("comm_hook", ["dear", "embrace"])
+@pytest.mark.parametrize("comm_hook", ["dear", "embrace", "embrace:sharded"])
 def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_hook):
     """Full fine-tuning under accelerate launch (2 gloo ranks) with --comm-hook: the Trainer callback registers the
     method (EmbRace takes the embeddings out of DDP before the Trainer wraps the model; DeAR's deferred update is
-    applied before the evaluation), every step goes through it, the replicas agree and the loss falls."""
+    applied before the evaluation), every step goes through it, the replicas agree and the loss falls. With EmbRace's
+    sharded tables, each rank trains a column slice and the full tables are put back at the end of training: the
+    replicas agree on them and the saved model holds plain, full-size embeddings."""
     from hf_dtrain.testing import free_port
 
+    comm_hook, _, exchange = comm_hook.partition(":")
     out = tmp_path / comm_hook
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
            "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", "full",
            "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "1000",
            "--eval-size", "10", "--max-steps", "40", "--learning-rate", "1e-3", "--progress", "false",
-           "--logging-steps", "1000", "--comm-hook", comm_hook]
+           "--logging-steps", "1000", "--comm-hook", comm_hook] + (["--comm-hook.exchange", exchange] if exchange else [])
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
@@ -343,6 +346,17 @@ def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_
     assert r["world_size"] == 2 and r["replicas_identical"]
     assert r["comm"]["method"] == comm_hook and r["comm"]["steps"] == 40  # the method ran on every step
     assert r["eval_loss_after"] < r["eval_loss_before"]
+    if exchange:
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        assert r["config"]["comm_hook"]["exchange"] == exchange
+        config = AutoConfig.from_pretrained(out)
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            table = f.get_tensor("model.embed_tokens.weight")
+        assert tuple(table.shape) == (config.vocab_size, config.hidden_size)
+        with safe_open(str(base_path) + "/model.safetensors", "pt") as f:  # the table trained: every column moved
+            assert not torch.isclose(table, f.get_tensor("model.embed_tokens.weight")).all(0).any()
 
 
 def test_every_committed_recipe_loads():

@@ -19,7 +19,9 @@ Bytes per step and rank: ``4 (N - 1) / N x tokens x hidden`` each way (plus the 
 hidden`` of the table's all-reduce. Memory: ``1 / N`` of the table and of its optimizer state.
 
 ``shard_embeddings(model)`` before wrapping in DDP (it replaces every trainable, untied ``nn.Embedding``);
-``unshard_embeddings(model)`` (every rank) puts the full tables back, for saving.
+``unshard_embeddings(model)`` (every rank) puts the full tables back, for saving. Clip gradients with this module's
+:func:`clip_sharded_grad_norm_` (the table's norm summed over the ranks), not ``torch.nn.utils.clip_grad_norm_``, whose norm
+would be each rank's own and would make the replicas drift apart; the Trainer callback installs it for the Trainer.
 """
 
 from __future__ import annotations
@@ -164,6 +166,34 @@ def shard_embeddings(model: nn.Module, group=None) -> list[str]:
 
 def sharded_embeddings(model: nn.Module) -> dict[str, ColumnShardedEmbedding]:
     return {n: m for n, m in model.named_modules() if isinstance(m, ColumnShardedEmbedding)}
+
+
+@torch.no_grad()
+def clip_sharded_grad_norm_(parameters, max_norm: float, model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model with sharded tables. A rank holds only its columns' gradient
+    of each table, so a local norm differs from rank to rank, and clipping by it would scale the replicated dense
+    gradients by a different factor on each rank: the replicas would drift apart. Here the tables' squared norms
+    are summed over the ranks (one all-reduce), the dense gradients (equal on every rank after DDP's average)
+    counted once, and every gradient is scaled by the same factor. Returns the total norm (the same on every rank).
+    Every rank calls it."""
+    if float(norm_type) != 2.0:
+        raise ValueError(f"clip_sharded_grad_norm_ with sharded embeddings supports norm_type=2 only, got {norm_type}; use the Euclidean norm (the default).")
+    params = [p for p in (parameters if not isinstance(parameters, torch.Tensor) else [parameters])
+              if p.grad is not None]
+    shards = sharded_embeddings(model)
+    shard_ids = {id(m.weight) for m in shards.values()}
+    dense = [p.grad for p in params if id(p) not in shard_ids]
+    local = [p.grad for p in params if id(p) in shard_ids]
+    device = params[0].grad.device if params else torch.device("cpu")
+    dense_sq = torch.nn.utils.get_total_norm(dense).to(device, torch.float32) ** 2 if dense else \
+        torch.zeros((), device=device)
+    shard_sq = torch.nn.utils.get_total_norm(local).to(device, torch.float32) ** 2 if local else \
+        torch.zeros((), device=device)
+    if shards:
+        dist.all_reduce(shard_sq, group=next(iter(shards.values())).group)
+    total = (dense_sq + shard_sq).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 @torch.no_grad()

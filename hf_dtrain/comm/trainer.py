@@ -15,6 +15,21 @@ from transformers import TrainerCallback
 from . import CommHookConfig, exclude_embeddings, register, shard_embeddings, unshard_embeddings, unwrap_optimizer
 
 
+def _clip_across_shards(trainer) -> None:
+    """The Trainer clips with ``accelerator.clip_grad_norm_``, whose norm is each rank's own: with sharded tables
+    the ranks would scale their dense gradients differently and drift apart. This accelerator clips with the norm
+    summed over the shards instead (the Trainer also logs that norm as ``grad_norm``)."""
+    from .embrace_sharded import clip_sharded_grad_norm_
+
+    accelerator, model = trainer.accelerator, trainer.model
+
+    def clip(parameters, max_norm, norm_type=2):
+        accelerator.unscale_gradients()  # a GradScaler's scale comes off first, as accelerate's own does
+        return clip_sharded_grad_norm_(parameters, max_norm, model, norm_type)
+
+    accelerator.clip_grad_norm_ = clip
+
+
 class CommHookCallback(TrainerCallback):
     """Register an hf_dtrain communication hook on the Trainer's DDP model.
 
@@ -40,6 +55,7 @@ class CommHookCallback(TrainerCallback):
                                  "callback puts the full tables back at the end of training, before you save), or "
                                  "use exchange='allgather'.")
             shard_embeddings(trainer.model)
+            _clip_across_shards(trainer)
         elif callback.config.method == "embrace":
             exclude_embeddings(trainer.model)
         trainer.add_callback(callback)

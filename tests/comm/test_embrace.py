@@ -129,11 +129,19 @@ def _sharded_rank(rank, world):
     gen = torch.Generator().manual_seed(rank)
     for step in range(3):
         ids = torch.randint(0, vocab, (2 + rank, 5), generator=gen)  # a different batch size on every rank
-        # the lookup equals the dense table's, before the update
+        # the lookup equals the dense table's (bitwise before any update; the clipping factors are computed in
+        # different orders, so after it to float rounding)
         with torch.no_grad():
-            torch.testing.assert_close(shard(ids), ref.module.emb(ids), atol=0, rtol=0)
-        for m, o in ((ref, ref_opt), (model, opt)):
-            m(ids).backward()
+            tol = dict(atol=0, rtol=0) if step == 0 else dict(atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(shard(ids), ref.module.emb(ids), **tol)
+        ref(ids).backward()
+        model(ids).backward()
+        # clipping (active: the norms are above 0.05) by the whole gradient's norm, the same on every rank
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        got = comm.clip_sharded_grad_norm_(model.parameters(), 0.05, plain)
+        assert want > 0.05
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        for o in (ref_opt, opt):
             o.step()
             o.zero_grad()
         tokens = [2 * 5, 3 * 5, 4 * 5]
@@ -145,6 +153,8 @@ def _sharded_rank(rank, world):
     torch.testing.assert_close(model.module.lin.weight, ref.module.lin.weight, atol=1e-6, rtol=1e-5)
     assert comm.unshard_embeddings(plain) == ["emb"] and isinstance(plain.emb, nn.Embedding)
     torch.testing.assert_close(plain.emb.weight, ref.module.emb.weight.detach(), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="norm_type=2 only"):
+        comm.clip_sharded_grad_norm_(model.parameters(), 1.0, plain, norm_type=1)
     # a table tied to the output projection has a dense gradient: refused, naming the fix
     tied = _EmbModel(vocab)
     tied.out = nn.Linear(8, vocab, bias=False)
