@@ -2,7 +2,8 @@
 forward. The weights equal those of dense DDP with the same optimizer and LR schedule, the update really happens in
 forward pre-hooks, the replicas stay identical, the bytes equal the formula, and the schedule is the paper's: each
 layer's reduce-scatter starts while backward still has earlier layers to go, each all-gather one layer ahead of the
-forward."""
+forward. Under a GradScaler with plain SGD (an update proportional to the gradient), an overflowing step is skipped
+and the unscale reaches the deferred updates: the weights equal DDP's."""
 
 import pytest
 import torch
@@ -66,6 +67,40 @@ def _dear_rank(rank, world):
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     assert all(torch.equal(gathered[0], g) for g in gathered)
+    state.detach()
+    _scaled_sgd(rank)
+
+
+def _scaled_sgd(rank):
+    """A GradScaler in front of plain SGD, whose update is proportional to the gradient (AdamW's is not, and would hide
+    a lost unscale): the first step overflows and is skipped, then DeAR's deferred updates equal DDP's."""
+    import hf_dtrain.comm as comm
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def run(dear):
+        model = DDP(_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        state = comm.register(model, {"method": "dear", "fusion_mb": 0}, optimizer=opt) if dear else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1000)
+        gen, scales = torch.Generator().manual_seed(7 + rank), []
+        for step in range(5):
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+            loss = (model(x) - y).pow(2).mean() * (float("inf") if step == 0 else 1.0)  # step 0 overflows
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+        if dear:
+            state.flush()
+            state.detach()
+        return [p.detach().clone() for p in model.parameters()], scales
+
+    (want, ref_scales), (got, scales) = run(False), run(True)
+    assert scales == ref_scales and scales[0] < 2.0**16, f"the first step did not overflow: {scales}"
+    assert max((a - b).abs().max().item() for a, b in zip(want, _model().parameters())) > 1e-3  # SGD moved
+    for p, q in zip(got, want):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 3])
