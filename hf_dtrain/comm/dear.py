@@ -58,6 +58,7 @@ class _Group:
     flat: Optional[torch.Tensor] = None  # reduce-scatter input, then all-gather output
     shard: Optional[torch.Tensor] = None
     received: Optional[torch.Tensor] = None  # gloo: every rank's copy of this rank's shard, from the all-to-all
+    receive_buffer: Optional[torch.Tensor] = None  # what ``received`` points into, allocated once
     rs_work: object = None
     ag_work: object = None
     probe: Optional[tuple] = None  # (param, flat index, value sent): what step() reads a GradScaler's unscale from
@@ -155,7 +156,9 @@ class DeARState:
         if _native_reduce_scatter(group):
             g.rs_work = reduce_scatter_single(g.shard, flat, group=group, async_op=True)
         else:
-            g.received = torch.empty_like(flat)
+            if g.receive_buffer is None:
+                g.receive_buffer = torch.empty_like(flat)
+            g.received = g.receive_buffer
             g.rs_work = dist.all_to_all_single(g.received, flat, group=group, async_op=True)
         self.launched.append(g.index)
         if self.trace is not None:
