@@ -82,7 +82,7 @@ class ComposeOptions:
     @property
     def asynchronous_gossip(self) -> bool:
         """A gossiping optimizer with ``gossip.asynchronous``: DDP must not broadcast buffers in every forward."""
-        return self.optimizer in ("dpsgd", "decentlam") and self.gossip.asynchronous
+        return self.optimizer in GOSSIP_OPTIMIZERS and self.gossip.asynchronous
 
     @property
     def comm_method(self) -> Optional[str]:
@@ -124,7 +124,7 @@ class ComposeOptions:
         self.deepspeed_stage()  # a missing or unreadable DeepSpeed config is an error now, not after start-up
         unused = [(section, chosen) for section, chosen, default in (
             ("eva", ("eva",), JOB_EVA), ("onebit_lamb", ("onebit_lamb",), JOB_ONEBIT_LAMB),
-            ("gossip", ("dpsgd", "decentlam"), GossipConfig()), ("diloco", ("diloco",), DiLoCoConfig()))
+            ("gossip", GOSSIP_OPTIMIZERS, GossipConfig()), ("diloco", ("diloco",), DiLoCoConfig()))
             if getattr(self, section) != default
             and self.optimizer not in chosen]
         if unused:
@@ -319,6 +319,8 @@ OPTIMIZER_BUILDERS: dict[str, Callable] = {"adamw": _adamw, "eva": _eva, "onebit
 OPTIMIZERS = tuple(OPTIMIZER_BUILDERS)
 # optimizers that exchange gradients or parameters themselves (DDP runs its noop hook under them)
 EXCHANGING = ("onebit_lamb", "dpsgd", "decentlam", "diloco")
+# optimizers that gossip with neighbours (the gossip.* section; gossip.asynchronous)
+GOSSIP_OPTIMIZERS = ("dpsgd", "decentlam")
 
 
 def build_optimizer(opts: ComposeOptions, model, lr: float, weight_decay: float = 0.0):

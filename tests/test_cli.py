@@ -337,7 +337,8 @@ def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_
            "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", "full",
            "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "1000",
            "--eval-size", "10", "--max-steps", "40", "--learning-rate", "1e-3", "--progress", "false",
-           "--logging-steps", "1000", "--comm-hook", comm_hook] + (["--comm-hook.exchange", exchange] if exchange else [])
+           "--logging-steps", "1000", "--comm-hook", comm_hook]
+    cmd += ["--comm-hook.exchange", exchange] if exchange else []
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)

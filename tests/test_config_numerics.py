@@ -1,6 +1,7 @@
 """Every config field that changes numerics changes them: a run with the field set away from its default differs
 from the default run (parameters after a few steps, bytes on the wire, or, for DeAR's exact schedule, the number of
-fused groups it sends per step), so a field the engine ignored would fail here. DELTA's fields are checked on its plans, Eva's on its update, the communication hooks' on 2 gloo ranks."""
+fused groups it sends per step), so a field the engine ignored would fail here. DELTA's fields are checked on its
+plans, Eva's on its update, the communication hooks' on 2 gloo ranks."""
 
 import dataclasses
 import json

@@ -155,4 +155,5 @@ assert set(_REGISTER) == set(METHODS)
 __all__ = ["CommHookConfig", "register", "unwrap_optimizer", "DenseState", "dense_allreduce_hook", "ACPSGDState",
            "acp_sgd_hook", "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "DeARState",
            "dear_step_bytes", "EmbRaceState", "embrace_dense_hook", "embrace_step_bytes", "exclude_embeddings",
-           "ColumnShardedEmbedding", "shard_embeddings", "unshard_embeddings", "clip_sharded_grad_norm_", "WireStats", "register_fsdp", "FSDPExchangeState", "fsdp_exchange_step_bytes", "FSDP_METHODS"]
+           "ColumnShardedEmbedding", "shard_embeddings", "unshard_embeddings", "clip_sharded_grad_norm_", "WireStats",
+           "register_fsdp", "FSDPExchangeState", "fsdp_exchange_step_bytes", "FSDP_METHODS"]

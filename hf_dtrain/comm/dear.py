@@ -141,16 +141,18 @@ class DeARState:
             g.flat = torch.empty(g.padded, dtype=like.dtype, device=like.device)
             g.shard = torch.empty(g.padded // world, dtype=like.dtype, device=like.device)
         flat = g.flat
-        flat.zero_()
+        flat[g.numel:].zero_()  # the padding (the all-gather wrote into it last step)
         offset = 0
         g.probe = None
-        for p in g.params:
+        for p in g.params:  # every slot is written: a copy of the gradient, or zeros where there is none
             if p.grad is not None:
                 grad = p.grad.reshape(-1)
                 flat[offset:offset + p.numel()].copy_(grad)
                 if g.probe is None:  # the largest entry, read at step() (no host sync here)
                     i = grad.abs().argmax()
                     g.probe = (p, i, grad[i].clone())
+            else:
+                flat[offset:offset + p.numel()].zero_()
             offset += p.numel()
         self.stats.add(flat)
         if _native_reduce_scatter(group):

@@ -19,9 +19,9 @@ Bytes per step and rank: ``4 (N - 1) / N x tokens x hidden`` each way (plus the 
 hidden`` of the table's all-reduce. Memory: ``1 / N`` of the table and of its optimizer state.
 
 ``shard_embeddings(model)`` before wrapping in DDP (it replaces every trainable, untied ``nn.Embedding``);
-``unshard_embeddings(model)`` (every rank) puts the full tables back, for saving. Clip gradients with this module's
-:func:`clip_sharded_grad_norm_` (the table's norm summed over the ranks), not ``torch.nn.utils.clip_grad_norm_``, whose norm
-would be each rank's own and would make the replicas drift apart; the Trainer callback installs it for the Trainer.
+``unshard_embeddings(model)`` (every rank) puts the full tables back, for saving. Clip gradients with
+:func:`clip_sharded_grad_norm_` (the tables' norms summed over the ranks), not ``torch.nn.utils.clip_grad_norm_``,
+whose norm would be each rank's own and would make the replicas drift apart; the Trainer callback installs it.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def clip_sharded_grad_norm_(parameters, max_norm: float, model: nn.Module, norm_
     counted once, and every gradient is scaled by the same factor. Returns the total norm (the same on every rank).
     Every rank calls it."""
     if float(norm_type) != 2.0:
-        raise ValueError(f"clip_sharded_grad_norm_ with sharded embeddings supports norm_type=2 only, got {norm_type}; use the Euclidean norm (the default).")
+        raise ValueError(f"clip_sharded_grad_norm_ with sharded embeddings supports norm_type=2 only, got "
+                         f"{norm_type}; use the Euclidean norm (the default).")
     params = [p for p in (parameters if not isinstance(parameters, torch.Tensor) else [parameters])
               if p.grad is not None]
     shards = sharded_embeddings(model)

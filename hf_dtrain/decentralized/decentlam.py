@@ -14,8 +14,8 @@ One model-sized exchange per step (``z``), like D-PSGD. ``asynchronous=True`` mi
 arrived (AD-PSGD-style, values at most ``max_staleness`` of this rank's steps old; ``optimizer.finish()`` at the end).
 **Warning, measured** (``benchmarks/async_gossip.py``): asynchronous DecentLaM diverged in every seed on 4 hosts with a
 3x straggler. ``g̃`` divides the gap between ``x_i`` and the neighbours' (stale) ``z_j`` by ``γ``; with stale values
-that gap holds several steps of progress, and the momentum accumulates it. Prefer asynchronous D-PSGD. ``weight_decay`` is added to ``g`` (L2). Under DDP register
-DDP's ``noop_hook`` (:meth:`DecentLaM.attach_ddp`).
+that gap holds several steps of progress, and the momentum accumulates it. Prefer asynchronous D-PSGD.
+``weight_decay`` is added to ``g`` (L2). Under DDP register DDP's ``noop_hook`` (:meth:`DecentLaM.attach_ddp`).
 """
 
 from __future__ import annotations

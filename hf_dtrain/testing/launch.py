@@ -84,9 +84,10 @@ def _distributed_entry(fn, rank: int, world_size: int, port: int, args: tuple, p
 
 
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180, pg_timeout_s: float = 60) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes (see ``_rank_context``) joined by a gloo process group on a
-    free localhost port. Every collective times out after ``pg_timeout_s``; the whole run is killed after ``timeout``
-    seconds. Raises if any rank fails or hangs. ``fn`` must be importable (a module-level function)."""
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes (see ``_rank_context``) joined by a gloo
+    process group on a free localhost port. Every collective times out after ``pg_timeout_s``; the whole run is
+    killed after ``timeout`` seconds. Raises if any rank fails or hangs. ``fn`` must be importable (a module-level
+    function)."""
     import time
 
     ctx = _rank_context()
