@@ -15,11 +15,11 @@ from the dataclasses: --comm-hook.* (CommHookConfig), --eva.* / --onebit-lamb.* 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
 import typing
 
-from hf_dtrain.compose import LEGACY_KEYS
 from hf_dtrain.finetune import METHODS, FinetuneConfig
 from hf_dtrain.settings import help_of, merge, section_type, unwrap_optional, walk_fields
 
@@ -61,8 +61,8 @@ def flag_of(path: str) -> str:
 def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> None:
     """One flag per setting of ``cls``, sections expanded (``--delta.budget``), generated from the dataclasses: a
     field added to an engine's config is a flag with no other edit. Optional sections also get their short form
-    (``--comm-hook acp_sgd``, ``--delta 0.5``, ``--fault-tolerance true``); the previous release's flat flags stay for
-    one release and warn."""
+    (``--comm-hook acp_sgd``, ``--delta 0.5``, ``--fault-tolerance true``). A job holding the Trainer's settings
+    (``FinetuneConfig.training``) gets every ``SFTConfig`` field as a flag too."""
     parser.add_argument("--recipe", metavar="FILE.yaml",
                         help="YAML file whose keys are the job's fields (sections as nested mappings); flags given "
                              "explicitly override it.")
@@ -84,6 +84,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
                                 **extra)
     groups: dict = {}
     for path, f, tp, owner in walk_fields(cls):
+        if f.metadata.get("flatten"):
+            continue
         conv, nargs = _converter(tp)
         kwargs = dict(dest=path, type=conv, default=argparse.SUPPRESS, help=help_of(f),
                       metavar=path.rsplit(".", 1)[-1].upper())
@@ -93,7 +95,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
                 f"{section} ({owner.__name__}, {owner.__module__.rsplit('.', 1)[0]})")
         if nargs:
             kwargs["nargs"] = nargs
-        if path == "method" and owner is cls:
+        if path == "method" and hasattr(cls, "training_args"):
             kwargs["choices"] = METHODS
         if conv is _bool:
             kwargs["metavar"] = "{true,false}"
@@ -104,13 +106,65 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
                                             metavar="N", help=f"Short for {flag_of('parallel.' + name)}.")
         groups["parallel"].add_argument("--plan", dest="parallel.plan", default=argparse.SUPPRESS, choices=["auto"],
                                         help="Short for --parallel.plan.")
-    legacy = parser.add_argument_group("deprecated flat flags (removed in the next release)")
-    for old, new in LEGACY_KEYS.items():
-        sec, name = new.split(".")
-        tp = typing.get_type_hints(section_type(cls, sec)[0])[name]
-        conv, nargs = _converter(tp)
-        legacy.add_argument(flag_of(old), dest=old, type=conv, default=argparse.SUPPRESS, metavar=name.upper(),
-                            help=f"Use {flag_of(new)}.")
+    if any(f.metadata.get("flatten") for f in dataclasses.fields(cls)):
+        add_trainer_arguments(parser, cls)
+
+
+# SFTConfig fields no flag can give: an object (set it from Python: FinetuneConfig(training={...}))
+NOT_FLAGS = ("parallelism_config",)
+
+
+def _json_mapping(text: str):
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r} ({e})")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _bool_or_str(text: str):
+    t = str(text).strip().lower()
+    return {"true": True, "false": False}.get(t, text)
+
+
+def add_trainer_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> None:
+    """Every field of TRL's ``SFTConfig`` (so every ``TrainingArguments`` field) as a top-level flag, made by
+    transformers' own ``HfArgumentParser`` field by field (``--learning-rate`` / ``--learning_rate``, ``--bf16``,
+    ``--no-remove-unused-columns``, choices and JSON dicts as ``trl sft`` takes them), except the names the job
+    owns (``--fsdp``, ``--deepspeed``: hf_dtrain's engines, which set the Trainer's). Only the flags given reach the
+    config (their defaults are the job's, ``FinetuneConfig.training_defaults``)."""
+    from transformers import HfArgumentParser
+    from transformers.hf_argparser import string_to_bool
+    from trl import SFTConfig
+
+    owned = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(SFTConfig)
+    group = parser.add_argument_group(
+        "the Trainer (every field of trl.SFTConfig and transformers.TrainingArguments; the job's defaults differ "
+        "where FinetuneConfig.training_defaults says)")
+    before = len(parser._actions)
+    for f in dataclasses.fields(SFTConfig):
+        if not f.init or f.name in owned or f.name in NOT_FLAGS:
+            continue
+        f = copy.copy(f)
+        f.type = hints[f.name]
+        HfArgumentParser._parse_dataclass_field(group, f)
+    for action in parser._actions[before:]:
+        action.default = argparse.SUPPRESS
+        action.required = False
+        kinds = set(typing.get_args(hints.get(action.dest)) or (hints.get(action.dest),))
+        if action.type is string_to_bool and action.nargs is None and action.option_strings:
+            action.nargs, action.const = "?", True  # --bf16 alone means true, as for the other booleans
+        if dict in kinds or any(typing.get_origin(k) is dict for k in kinds):
+            action.type = _json_mapping  # a JSON object on the command line, as TRL's CLI takes it
+        elif kinds >= {str, bool}:
+            action.type = _bool_or_str  # include_num_input_tokens_seen: true / false / "all" / "non_padding"
+        if action.help:
+            action.help = action.help.replace("%", "%%") if "%%" not in action.help else action.help
 
 
 def load_recipe(path: str) -> dict:
@@ -159,17 +213,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     """``hf-dtrain finetune``'s flags (the settings every job shares), the grid's axes as comma-separated lists
     (``--lr 1e-4,3e-4 --r 8,16 --seed 0,1``), ``--recipes`` (one job per YAML) and ``--fused.*`` (FusedConfig)."""
     from hf_dtrain.fused import FusedConfig
-    from hf_dtrain.sweep import GRID_AXES
+    from hf_dtrain.sweep import AXIS_TYPES, GRID_AXES
 
     add_job_arguments(parser, FinetuneConfig)
-    hints = typing.get_type_hints(FinetuneConfig)
     grid = parser.add_argument_group("the grid (comma-separated values; every combination is one job)")
     for short, name in GRID_AXES.items():
-        base, _ = unwrap_optional(hints[name])
         flags = [flag_of(name)] + ([flag_of(short)] if short != name else [])
-        f = next(f for f in dataclasses.fields(FinetuneConfig) if f.name == name)
-        grid.add_argument(*flags, dest=f"grid.{name}", type=_list_of({int: int, float: float}.get(base, float)),
-                          default=argparse.SUPPRESS, metavar="V[,V...]", help=help_of(f))
+        grid.add_argument(*flags, dest=f"grid.{name}", type=_list_of(AXIS_TYPES[name]), default=argparse.SUPPRESS,
+                          metavar="V[,V...]", help=f"Values of {name}, one job each.")
     grid.add_argument("--recipes", dest="grid.recipes", type=_list_of(str), default=argparse.SUPPRESS,
                       metavar="A.yaml[,B.yaml...]",
                       help="One job per finetune recipe (the grid's axes then expand each); flags given here apply to all.")

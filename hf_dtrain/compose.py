@@ -11,7 +11,6 @@ combinations that clash (naming the clash and the fix), and the optimizer table 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -21,7 +20,7 @@ from hf_dtrain.fault.config import SnapshotConfig
 from hf_dtrain.memory.config import DeltaConfig
 from hf_dtrain.optim.config import EvaConfig, OneBitLambConfig
 from hf_dtrain.parallel.fsdp import FSDPConfig
-from hf_dtrain.settings import build, coerce_section, merge, section_type, sections
+from hf_dtrain.settings import build, coerce_section, sections
 
 ENGINES = ("accelerate", "trainer")
 
@@ -29,18 +28,6 @@ ENGINES = ("accelerate", "trainer")
 # shorter 1-bit LAMB warm-up for short fine-tuning runs.
 JOB_EVA = EvaConfig(damping=1e-6)
 JOB_ONEBIT_LAMB = OneBitLambConfig(freeze_step=20)
-
-# Flat names of the previous release -> their place in the sections (accepted for one release, with a FutureWarning).
-LEGACY_KEYS = {
-    "comm_rank": "comm_hook.rank", "comm_start_iter": "comm_hook.start_iter",
-    "topology": "gossip.topology", "onebit_freeze_step": "onebit_lamb.freeze_step", "eva_damping": "eva.damping",
-    "delta_budget": "delta.budget", "delta_granularity": "delta.granularity",
-    "ft_every": "fault_tolerance.every_n_steps", "ft_parity": "fault_tolerance.parity",
-    "ft_persist_every": "fault_tolerance.persist_every", "ft_dir": "fault_tolerance.directory",
-}
-# a legacy key whose section is optional turns nothing on by itself, except the one that was the switch
-_LEGACY_SWITCHES = {"delta_budget"}
-
 
 @dataclass
 class ComposeOptions:
@@ -92,22 +79,9 @@ class ComposeOptions:
     @classmethod
     def from_dict(cls, data: Optional[dict], where: Optional[str] = None):
         """The config from plain data (a YAML recipe, JSON, the CLI's parsed flags): sections as mappings or their
-        short forms, unknown keys refused naming the valid ones, the previous release's flat keys mapped with a
-        ``FutureWarning``."""
+        short forms, unknown keys refused naming the valid ones."""
         data = {str(k).replace("-", "_"): v for k, v in (data or {}).items()}
-        legacy = {k: data.pop(k) for k in list(data) if k in LEGACY_KEYS}
-        nested: dict = {}
-        for key, value in legacy.items():
-            section, name = LEGACY_KEYS[key].split(".")
-            warnings.warn(f"{key!r} is deprecated and will be removed in the next release; use {section}.{name} "
-                          f"(--{section.replace('_', '-')}.{name.replace('_', '-')}).", FutureWarning, stacklevel=2)
-            optional = section_type(cls, section)[1]
-            switched = _switched_on(data.get(section)) or any(
-                LEGACY_KEYS[k].startswith(section + ".") for k in legacy if k in _LEGACY_SWITCHES)
-            if optional and not switched:
-                continue  # as before: a setting of a feature that is off does nothing
-            nested = merge(nested, {section: {name: value}}, cls)
-        return build(cls, merge(nested, data, cls), where or cls.__name__)
+        return build(cls, data, where or cls.__name__)
 
     def validate(self) -> None:
         """Checks that need no world: the sections are built and valid (each validates itself), names are known."""
@@ -341,14 +315,19 @@ def snapshot_config_for(config: SnapshotConfig, output_dir: str) -> SnapshotConf
     return config
 
 
-# job fields that do not change what is trained (left out of the run identity a snapshot records)
-NOT_IDENTITY = ("output_dir", "logging_steps", "progress", "report", "save_model", "fault_tolerance")
+# job fields (and Trainer settings, in a fine-tuning job's ``training``) that do not change what is trained: left out
+# of the run identity a snapshot records
+NOT_IDENTITY = ("output_dir", "logging_steps", "progress", "report", "save_model", "fault_tolerance", "report_to",
+                "disable_tqdm", "resume_from_checkpoint", "logging_dir", "logging_strategy", "run_name")
 
 
 def run_identity(cfg) -> dict:
     """What identifies a job for its snapshots: every field of its config except how it reports and where it
     writes (``NOT_IDENTITY``); a restore into a job whose identity differs is refused naming the difference."""
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IDENTITY}
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IDENTITY}
+    if isinstance(out.get("training"), dict):
+        out["training"] = {k: v for k, v in out["training"].items() if k not in NOT_IDENTITY}
+    return out
 
 
 def check_local_path(config, name: str, kinds: tuple = (".json", ".jsonl", ".txt", ".csv", ".parquet")) -> None:
@@ -366,10 +345,6 @@ def check_local_path(config, name: str, kinds: tuple = (".json", ".jsonl", ".txt
     if looks_local and not os.path.exists(os.path.expanduser(value)):
         raise ValueError(f"{type(config).__name__}.{name}: {value} does not exist; set --{name.replace('_', '-')} "
                          "to an existing local path or a hub id.")
-
-
-def _switched_on(value) -> bool:
-    return value is not None and value is not False
 
 
 def wire_bytes(comm_state=None, optimizer=None) -> Optional[dict]:

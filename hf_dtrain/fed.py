@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_dtrain.federated import FederatedConfig, FederatedSimulation, dirichlet_split
-from hf_dtrain.finetune import FinetuneConfig
+from hf_dtrain.finetune import DEFAULT_TASK_TRAIN_SIZE, FinetuneConfig, load_base_and_data
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
 FED_METHODS = ("lora", "lorafa", "qbara", "smt", "dora", "qahira")  # peft adapters: the payload
@@ -51,7 +51,7 @@ def _labels(job: FinetuneConfig, dataset) -> list | None:
     if job.dataset is None:
         from hf_dtrain import tasks
 
-        pairs = tasks.addition_examples(job.train_size, seed=job.seed, split="train",
+        pairs = tasks.addition_examples(job.train_size or DEFAULT_TASK_TRAIN_SIZE, seed=job.seed, split="train",
                                         digits=job.task_digits or tasks.TASK_DIGITS)
         return [p[0][0] for p in pairs]  # the first operand's leading digit: clients see different numbers
     for column in ("label", "source"):
@@ -66,27 +66,20 @@ def build_federation(cfg: FedSimulateConfig, rank: int = 0, dist: bool = False):
     from transformers import set_seed
 
     from hf_dtrain import tasks
-    from hf_dtrain.models import build_default_model, load_model_and_tokenizer
 
     job, fed = cfg.job, cfg.fed
-    if rank == 0 and job.model is None:
-        build_default_model(job.base_preset, steps=job.base_steps, progress=job.progress)
+    if rank == 0:  # builds the embedded default base first; the others read the cache
+        data = load_base_and_data(job, progress=job.progress)
     if dist:
         torch.distributed.barrier()
-    base_path = job.model or build_default_model(job.base_preset, steps=job.base_steps, progress=False)
-    model, tokenizer = load_model_and_tokenizer(base_path)
-    if job.dataset is None:
-        digits = job.task_digits or tasks.TASK_DIGITS
-        train = tasks.make_task_dataset(tokenizer, job.train_size, seed=job.seed, split="train", digits=digits)
-        evalset = tasks.make_task_dataset(tokenizer, job.eval_size, seed=job.seed, split="eval", digits=digits)
-    else:
-        train, evalset = tasks.load_task_dataset(job.dataset, tokenizer, train_size=job.train_size,
-                                                 eval_size=job.eval_size, seed=job.seed, max_length=job.max_length)
+    if rank != 0:
+        data = load_base_and_data(job, progress=False)
+    model, tokenizer, base_path, train, evalset = data.model, data.tokenizer, data.base_path, data.train, data.eval
     labels = _labels(job, train)
     split = dirichlet_split(labels if labels is not None else [0] * len(train), fed.clients,
                             fed.dirichlet_alpha if labels is not None else None, seed=fed.seed)
     clients = [train.select(idx) for idx in split]
-    collator = tasks.task_collator(tokenizer)
+    collator = tasks.sft_collator(tokenizer)
     set_seed(job.seed)
     model = get_peft_model(model, FINETUNE_METHODS[job.method].build_config(job, model))
     eval_batches = [collator([evalset[i] for i in range(s, min(s + 64, len(evalset)))])
@@ -107,8 +100,8 @@ def build_federation(cfg: FedSimulateConfig, rank: int = 0, dist: bool = False):
 def client_config(cfg: FedSimulateConfig) -> FederatedConfig:
     """The federation's settings with the job's learning rate as the clients' when only the job gives one."""
     fed = cfg.fed
-    if fed.client_lr == FederatedConfig().client_lr and cfg.job.learning_rate is not None:
-        fed = dataclasses.replace(fed, client_lr=cfg.job.learning_rate)
+    if fed.client_lr == FederatedConfig().client_lr and "learning_rate" in cfg.job.training:
+        fed = dataclasses.replace(fed, client_lr=cfg.job.training["learning_rate"])
     return fed
 
 
@@ -119,7 +112,7 @@ def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
     init_distributed()
     dist = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     rank = torch.distributed.get_rank() if dist else 0
-    out_dir = job.output_dir or os.path.join("outputs", f"fed-{job.method}")
+    out_dir = job.training.get("output_dir") or os.path.join("outputs", f"fed-{job.method}")
     model, tokenizer, clients, collator, evaluate, base_path = build_federation(cfg, rank, dist)
     fed = client_config(cfg)
     sim = FederatedSimulation(model, clients, collator, fed,

@@ -22,8 +22,8 @@ Trained with `hf-dtrain finetune --method {{ method }}{{ quant_flag }}` (hf_dtra
 | | before | after |
 |---|---|---|
 | eval loss | {{ "%.4f"|format(eval_loss_before) }} | {{ "%.4f"|format(eval_loss_after) }} |
-| exact-match accuracy | {{ "%.3f"|format(accuracy_before) }} | {{ "%.3f"|format(accuracy_after) }} |
-
+{% if accuracy_before is not none %}| exact-match accuracy | {{ "%.3f"|format(accuracy_before) }} | {{ "%.3f"|format(accuracy_after) }} |
+{% endif %}
 - trainable parameters: {{ trainable_params }} of {{ total_params }} ({{ "%.3f"|format(trainable_pct) }}%)
 - steps: {{ max_steps }}, learning rate {{ learning_rate }}, batch {{ batch }} x {{ world_size }} process(es)
 - train time: {{ "%.1f"|format(train_seconds) }} s

@@ -308,7 +308,8 @@ def load_model_and_tokenizer(model: str | None = None, *, preset: str = "tiny", 
 
     path = build_default_model(preset, steps=base_steps, progress=progress) if model is None else model
     check_weight_files(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        path, trust_remote_code=bool(from_pretrained_kwargs.get("trust_remote_code", False)))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not load_model:

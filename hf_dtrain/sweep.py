@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import itertools
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,19 +24,22 @@ from typing import Optional
 import torch
 
 from hf_dtrain.compose import ComposeOptions
-from hf_dtrain.finetune import DEFAULT_LR, FinetuneConfig
+from hf_dtrain.finetune import FinetuneConfig, load_base_and_data, load_base_model
 from hf_dtrain.fused import FusedConfig, FusedJob, FusedTrainer, measure_job_bytes, plan_groups, stack_batches
 from hf_dtrain.fused.fuse import NOT_FUSABLE, fuse_adapters, fuse_models
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
 # method name -> what it is fused as (the peft type; "full": fused copies of the whole model)
 FUSABLE_METHODS = {"lora": "LORA", "lorafa": "LORAFA", "qbara": "QBARA", "smt": "SMT", "full": "full"}
-# FinetuneConfig fields a job may set for itself; every other field must be the same for all jobs of a sweep
+# settings a job may set for itself (FinetuneConfig fields, the Trainer's settings in its `training`, `smt.` its
+# section); every other setting must be the same for all jobs of a sweep
 PER_JOB = ("learning_rate", "seed", "lora_r", "lora_alpha", "lora_dropout", "weight_decay", "warmup_steps",
-           "smt_num_blocks", "smt_warmup_steps", "output_dir", "logging_steps", "report", "progress")
-# the grid's axes on the command line (--lr 1e-4,3e-4 --r 8,16 --alpha 16 --seed 0,1 ...) -> FinetuneConfig fields
+           "smt.num_blocks", "smt.warmup_steps", "output_dir", "logging_steps", "report", "progress", "disable_tqdm")
+# the grid's axes on the command line (--lr 1e-4,3e-4 --r 8,16 --alpha 16 --seed 0,1 ...) -> settings, and their types
 GRID_AXES = {"lr": "learning_rate", "r": "lora_r", "alpha": "lora_alpha", "seed": "seed", "dropout": "lora_dropout",
-             "weight_decay": "weight_decay", "warmup_steps": "warmup_steps", "smt_num_blocks": "smt_num_blocks"}
+             "weight_decay": "weight_decay", "warmup_steps": "warmup_steps", "smt_num_blocks": "smt.num_blocks"}
+AXIS_TYPES = {"learning_rate": float, "lora_r": int, "lora_alpha": int, "seed": int, "lora_dropout": float,
+              "weight_decay": float, "warmup_steps": int, "smt.num_blocks": int}
 
 
 @dataclass
@@ -80,13 +84,36 @@ def expand_grid(base: FinetuneConfig, **axes) -> list[FinetuneConfig]:
             raise ValueError(f"expand_grid: {name}={values!r}: give a non-empty list of values.")
     jobs = []
     for combo in itertools.product(*axes.values()):
-        jobs.append(FinetuneConfig.from_dict({**_plain(base), **dict(zip(axes, combo))}, where="the sweep grid"))
+        data = _plain(base)
+        for name, value in zip(axes, combo):
+            section, _, key = name.rpartition(".")
+            if section:
+                data[section] = {**(data.get(section) or {}), key: value}
+            else:
+                data[name] = value
+        jobs.append(FinetuneConfig.from_dict(data, where="the sweep grid"))
     return jobs
+
+
+def setting(job: FinetuneConfig, name: str):
+    """A job's value of a grid setting: a field, a section's (``smt.num_blocks``) or the Trainer's (``seed``)."""
+    section, _, key = name.rpartition(".")
+    if section:
+        return getattr(getattr(job, section), key)
+    if name in {f.name for f in dataclasses.fields(job)}:
+        return getattr(job, name)
+    return getattr(job_args(job), name)
+
+
+def job_args(job: FinetuneConfig):
+    """The job's Trainer settings (``SFTConfig``), as ``hf-dtrain finetune`` would train it."""
+    return job.training_args()
 
 
 def _plain(cfg: FinetuneConfig) -> dict:
     data = dataclasses.asdict(cfg)
-    return {k: v for k, v in data.items() if v is not None or k in PER_JOB}
+    training = data.pop("training")
+    return {**{k: v for k, v in data.items() if v is not None or k in PER_JOB}, **training}
 
 
 def check_fusable(jobs: list[FinetuneConfig]) -> None:
@@ -104,33 +131,67 @@ def check_fusable(jobs: list[FinetuneConfig]) -> None:
                 raise ValueError(f"{who}: {f.name} is set, but a fused sweep runs its own loop (fused AdamW, one "
                                  f"process or DDP over the fused array); leave {f.name} at its default, or run the "
                                  "job alone with hf-dtrain finetune.")
-        if job.gradient_accumulation_steps != 1:
-            raise ValueError(f"{who}: gradient_accumulation_steps={job.gradient_accumulation_steps}; the fused loop "
-                             "takes one micro-batch per job per step: raise per_device_train_batch_size instead.")
-        for f in dataclasses.fields(FinetuneConfig):
-            if f.name in PER_JOB or f.name in compose_defaults:
+        unsupported = sorted(set(job.training) - FUSED_TRAINER_SETTINGS)
+        if unsupported:
+            raise ValueError(f"{who}: {', '.join('--' + k.replace('_', '-') for k in unsupported)} given, but the fused "
+                             "loop takes only these Trainer settings: "
+                             f"{', '.join(sorted(FUSED_TRAINER_SETTINGS))}; run the job alone with hf-dtrain finetune.")
+        if job_args(job).gradient_accumulation_steps != 1:
+            raise ValueError(f"{who}: gradient_accumulation_steps={job_args(job).gradient_accumulation_steps}; the "
+                             "fused loop takes one micro-batch per job per step: raise per_device_train_batch_size "
+                             "instead.")
+        mine, theirs = _settings(job), _settings(first)
+        for name in sorted(set(mine) | set(theirs)):
+            if name in PER_JOB or name in compose_defaults or mine.get(name) == theirs.get(name):
                 continue
-            if getattr(job, f.name) != getattr(first, f.name):
-                what = ("different base models" if f.name in ("model", "base_preset", "base_steps", "quantize",
-                                                               "quant_group_size")
-                        else "different methods" if f.name == "method" else f"a different {f.name}")
-                raise ValueError(f"{who}: {what} ({f.name}={getattr(job, f.name)!r}, job 0 has "
-                                 f"{getattr(first, f.name)!r}); fused jobs share one base model, method, data source, "
-                                 "batch size and step count. Split the grid into one sweep per value.")
+            what = ("different base models" if name in ("model", "base_preset", "base_steps", "quantize",
+                                                         "quant_group_size")
+                    else "different methods" if name == "method" else f"a different {name}")
+            raise ValueError(f"{who}: {what} ({name}={mine.get(name)!r}, job 0 has {theirs.get(name)!r}); fused jobs "
+                             "share one base model, method, data source, batch size and step count. Split the grid "
+                             "into one sweep per value.")
+
+
+# the Trainer settings the fused loop honours (each job's own where PER_JOB says so); others are refused
+FUSED_TRAINER_SETTINGS = {"learning_rate", "seed", "weight_decay", "warmup_steps", "max_steps", "num_train_epochs",
+                          "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                          "output_dir", "logging_steps", "disable_tqdm", "report_to", "max_length",
+                          "dataset_text_field", "completion_only_loss", "use_cpu"}
+
+
+def _settings(job: FinetuneConfig) -> dict:
+    """Every setting of a job by name: its fields, its sections' as ``section.field``, the Trainer's given ones."""
+    out = {}
+    for f in dataclasses.fields(job):
+        value = getattr(job, f.name)
+        if f.name == "training":
+            out.update(value)
+        elif dataclasses.is_dataclass(value):
+            out.update({f"{f.name}.{k}": v for k, v in dataclasses.asdict(value).items()})
+        else:
+            out[f.name] = value
+    return out
+
+
+def max_steps_of(job: FinetuneConfig, train_rows: int, world: int) -> int:
+    """The optimizer steps the Trainer would take: ``max_steps``, or the epochs over the sharded loader."""
+    args = job_args(job)
+    if args.max_steps > 0:
+        return args.max_steps
+    per_epoch = math.ceil(train_rows / (args.per_device_train_batch_size * world))
+    return max(1, math.ceil(args.num_train_epochs * per_epoch))
 
 
 def job_name(job: FinetuneConfig, jobs: list[FinetuneConfig], index: int) -> str:
     """A name from the settings that vary across the sweep (``lr0p0003-r8-seed1``: no dots, since peft adapter names
     are module names), unique within it."""
-    varying = [f for f in ("learning_rate", "lora_r", "lora_alpha", "seed", "lora_dropout", "weight_decay",
-                           "warmup_steps", "smt_num_blocks")
-               if len({getattr(j, f) for j in jobs}) > 1]
+    varying = [f for f in AXIS_TYPES if len({setting(j, f) for j in jobs}) > 1]
     short = {"learning_rate": "lr", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
-             "weight_decay": "wd", "warmup_steps": "warmup", "smt_num_blocks": "blocks"}
+             "weight_decay": "wd", "warmup_steps": "warmup", "smt.num_blocks": "blocks"}
 
     def label(j):
-        return "-".join(f"{short.get(f, f)}{getattr(j, f):g}".replace(".", "p") if isinstance(getattr(j, f), float)
-                        else f"{short.get(f, f)}{getattr(j, f)}" for f in varying) or "job"
+        return "-".join(f"{short.get(f, f)}{setting(j, f):g}".replace(".", "p") if isinstance(setting(j, f), float)
+                        else f"{short.get(f, f)}{setting(j, f)}" for f in varying) or "job"
 
     same = [i for i, j in enumerate(jobs) if label(j) == label(job)]
     return f"{label(job)}-{same.index(index)}" if len(same) > 1 else label(job)
@@ -142,7 +203,7 @@ def _job_loader(job: FinetuneConfig, dataset, collator, world: int, rank: int):
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader, RandomSampler
 
-    loader = DataLoader(dataset, batch_size=job.per_device_train_batch_size, sampler=RandomSampler(dataset),
+    loader = DataLoader(dataset, batch_size=job_args(job).per_device_train_batch_size, sampler=RandomSampler(dataset),
                         collate_fn=collator)
     loader = prepare_data_loader(loader, num_processes=world, process_index=rank, use_seedable_sampler=True,
                                  data_seed=job.seed)
@@ -195,7 +256,6 @@ def run_sweep(cfg: SweepConfig) -> dict:
 
     from hf_dtrain import tasks
     from hf_dtrain.distributed import init_distributed
-    from hf_dtrain.models import build_default_model, load_model_and_tokenizer
 
     jobs = cfg.jobs
     first = jobs[0]
@@ -209,38 +269,26 @@ def run_sweep(cfg: SweepConfig) -> dict:
     main = rank == 0
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
-    # the base model once (rank 0 builds the embedded default first; the others read the cache)
-    if first.model is None:
-        if main:
-            base_path = build_default_model(first.base_preset, steps=first.base_steps, progress=cfg.progress)
-        if dist:
-            torch.distributed.barrier()
-        base_path = build_default_model(first.base_preset, steps=first.base_steps, progress=False)
-    else:
-        base_path = first.model
-
-    def load_base():
-        if first.quantize is None:
-            return load_model_and_tokenizer(base_path)[0].to(device)
-        from hf_dtrain.quantization import load_quantized_model
-
-        return load_quantized_model(base_path, first.quantize, group_size=first.quant_group_size)
-
-    _, tokenizer = load_model_and_tokenizer(base_path, load_model=False)
-    collator = tasks.task_collator(tokenizer)
+    # the base model and each seed's data once, as hf-dtrain finetune loads them (rank 0 first: it builds the
+    # embedded default; the others read the cache)
     data: dict[int, tuple] = {}
     for job in jobs:  # each seed its own data, as hf-dtrain finetune draws it
         if job.seed in data:
             continue
-        if job.dataset is None:
-            digits = job.task_digits or tasks.TASK_DIGITS
-            data[job.seed] = (tasks.make_task_dataset(tokenizer, job.train_size, seed=job.seed, split="train", digits=digits),
-                              tasks.make_task_dataset(tokenizer, job.eval_size, seed=job.seed, split="eval", digits=digits))
-        else:
-            data[job.seed] = tasks.load_task_dataset(job.dataset, tokenizer, train_size=job.train_size,
-                                                     eval_size=job.eval_size, seed=job.seed, max_length=job.max_length)
+        if main:
+            loaded = load_base_and_data(job, progress=cfg.progress, load_model=False)
+        if dist:
+            torch.distributed.barrier()
+        if not main:
+            loaded = load_base_and_data(job, progress=False, load_model=False)
+        data[job.seed] = (loaded.train, loaded.eval)
+    base_path, tokenizer = loaded.base_path, loaded.tokenizer
+    collator = tasks.sft_collator(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    base = load_base()
+    base = load_base_model(first, base_path)
+    if first.quantize is None:
+        base = base.to(device)
+    steps = max_steps_of(first, len(data[first.seed][0]), world)
 
     def build_group(idx: list[int]):
         """The fused model of jobs ``idx`` (each job's adapter built as hf-dtrain finetune builds it)."""
@@ -267,15 +315,15 @@ def run_sweep(cfg: SweepConfig) -> dict:
                 peft_model.set_adapter(names[k])
                 train_ds = data[jobs[k].seed][0]
                 sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=jobs[k].seed)
-                loader = DataLoader(train_ds, batch_size=jobs[k].per_device_train_batch_size, sampler=sampler,
-                                    collate_fn=collator)
-                smt_warmup(peft_model, loader, num_steps=jobs[k].smt_warmup_steps, adapter_name=names[k],
+                loader = DataLoader(train_ds, batch_size=job_args(jobs[k]).per_device_train_batch_size,
+                                    sampler=sampler, collate_fn=collator)
+                smt_warmup(peft_model, loader, num_steps=jobs[k].smt.warmup_steps, adapter_name=names[k],
                            progress=False)
         return fuse_adapters(peft_model, [names[k] for k in idx]), peft_model
 
     def fused_jobs(idx):
-        return [FusedJob(name=names[k], learning_rate=_lr(jobs[k]), weight_decay=jobs[k].weight_decay,
-                         warmup_steps=jobs[k].warmup_steps,
+        return [FusedJob(name=names[k], learning_rate=_lr(jobs[k]), weight_decay=job_args(jobs[k]).weight_decay,
+                         warmup_steps=int(job_args(jobs[k]).warmup_steps),
                          batches=_job_loader(jobs[k], data[jobs[k].seed][0], collator, world, rank)) for k in idx]
 
     # memory guard: one job's fused step, measured, before any training
@@ -293,8 +341,8 @@ def run_sweep(cfg: SweepConfig) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     for gi, idx in enumerate(groups):
         fused, peft_model = build_group(idx)
-        trainer = FusedTrainer(fused, fused_jobs(idx), first.max_steps, cfg.fused, pad_id=pad_id,
-                               optimizer_rule="lorafa" if method == "lorafa" and first.lorafa_optimizer else "adamw")
+        trainer = FusedTrainer(fused, fused_jobs(idx), steps, cfg.fused, pad_id=pad_id,
+                               optimizer_rule="lorafa" if method == "lorafa" and first.lorafa.optimizer else "adamw")
         evals = [_eval_batches(data[jobs[k].seed][1], collator) for k in idx]
         before = trainer.evaluate(evals)
         t0 = time.perf_counter()
@@ -307,7 +355,7 @@ def run_sweep(cfg: SweepConfig) -> dict:
             losses = [row[pos] for row in trainer.history]
             histories[names[k]] = losses
             rows[k] = _result_row(jobs[k], names[k], base_path, memory, before[pos], after[pos], seconds, losses,
-                                  stopped, world, out_dir)
+                                  stopped, world, out_dir, steps)
         if peft_model is not None:
             fused.unfuse()  # every job's values into its peft adapter, peft's layers back in place
         if main:
@@ -322,7 +370,7 @@ def run_sweep(cfg: SweepConfig) -> dict:
 
 
 def _lr(job: FinetuneConfig) -> float:
-    return job.learning_rate if job.learning_rate is not None else DEFAULT_LR[job.method]
+    return job_args(job).learning_rate
 
 
 def _release(fused, peft_model, method, base):
@@ -333,12 +381,14 @@ def _release(fused, peft_model, method, base):
     return peft_model.unload()
 
 
-def _result_row(job, name, base_path, memory, before, after, seconds, losses, stopped, world, out_dir) -> dict:
+def _result_row(job, name, base_path, memory, before, after, seconds, losses, stopped, world, out_dir,
+                steps) -> dict:
     trainable = memory["trainable_bytes"] // 4
+    args = job_args(job)
     return dict(job=name, method=job.method, status="ok" if stopped is None else
                 f"stopped at step {stopped['step']}: {stopped['reason']}",
                 learning_rate=_lr(job), lora_r=job.lora_r, lora_alpha=job.lora_alpha, seed=job.seed,
-                weight_decay=job.weight_decay, warmup_steps=job.warmup_steps,
+                weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
                 base_model=job.model or f"hf_dtrain default ({job.base_preset})", base_path=base_path,
                 quantize=job.quantize, dataset=job.dataset or "default addition task (hf_dtrain.tasks)",
                 eval_loss_before=before["eval_loss"], eval_loss_after=after["eval_loss"],
@@ -347,7 +397,7 @@ def _result_row(job, name, base_path, memory, before, after, seconds, losses, st
                 losses={i + 1: v for i, v in enumerate(losses)}, train_seconds=seconds,
                 trainable_params=trainable, total_params=memory["shared_bytes"] // 4 + trainable,
                 trainable_pct=100.0 * trainable / max(1, memory["shared_bytes"] // 4 + trainable),
-                max_steps=job.max_steps, per_device_train_batch_size=job.per_device_train_batch_size,
+                max_steps=steps, per_device_train_batch_size=args.per_device_train_batch_size,
                 world_size=world, output_dir=os.path.join(out_dir, name), engine="fused (hf_dtrain.fused)",
                 config=dataclasses.asdict(job))
 

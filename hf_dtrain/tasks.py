@@ -1,4 +1,4 @@
-"""The default fine-tuning task (integer addition) and loading of user prompt/completion datasets.
+"""The default fine-tuning task (integer addition) and loading of user datasets in TRL's formats.
 
 An example is a prompt ``"12+345="`` and a completion ``"357"`` followed by eos; the loss is on the completion only
 (prompt labels are -100). Accuracy is exact match computed teacher-forced in one forward pass: the argmax at every
@@ -85,45 +85,108 @@ def make_task_dataset(tokenizer, n: int, seed: int = 0, split: str = "train", di
     return _to_dataset(tokenizer, addition_examples(n, seed=seed, split=split, digits=digits))
 
 
-def load_task_dataset(name_or_path: str, tokenizer, *, train_size: int | None = None, eval_size: int = 200,
-                      seed: int = 0, prompt_column: str = "prompt", completion_column: str = "completion",
-                      max_length: int = 512, **load_kwargs):
-    """``(train, eval)`` tokenized datasets from a local json/jsonl/csv file or a hub dataset name.
+def addition_dataset(n: int, seed: int = 0, split: str = "train", digits: int = TASK_DIGITS):
+    """The default task in TRL's prompt-completion format: a ``datasets.Dataset`` with ``prompt`` (``"12+345="``) and
+    ``completion`` (``"357"``) columns; ``hf-dtrain finetune`` with no ``--dataset`` trains on it through the same
+    path as a user's file (the eos and the completion-only labels are added by TRL's preparation)."""
+    from datasets import Dataset
 
-    Needs ``prompt`` and ``completion`` columns (names configurable). The eval split is the dataset's
-    ``validation``/``test`` split when it has one, else ``eval_size`` rows held out from train with ``seed``.
-    """
+    pairs = addition_examples(n, seed=seed, split=split, digits=digits)
+    return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
+
+
+# dataset formats TRL's SFTTrainer takes (https://huggingface.co/docs/trl/dataset_formats), by the columns they need
+FORMATS = {"conversational": ("messages",), "prompt-completion": ("prompt", "completion"),
+           "language modeling": ("text",)}
+DATA_FILE_TYPES = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "txt": "text"}
+
+
+def dataset_format(dataset, text_field: str = "text") -> str:
+    """Which of TRL's formats ``dataset`` is in: ``conversational`` (a ``messages`` column, or prompt / completion
+    holding lists of messages), ``prompt-completion`` or ``language modeling`` (``text_field``); a ``ValueError``
+    naming the columns and the formats otherwise."""
+    columns = list(dataset.column_names)
+    if "messages" in columns:
+        return "conversational"
+    if "prompt" in columns and "completion" in columns:
+        first = dataset[0]["prompt"] if len(dataset) else ""
+        return "conversational" if isinstance(first, list) else "prompt-completion"
+    if text_field in columns:
+        return "language modeling"
+    raise ValueError(f"the dataset has columns {columns}, none of TRL's formats: a 'messages' column (chat, rendered "
+                     "with the tokenizer's chat template), 'prompt' and 'completion' columns, or a text column (set "
+                     f"--dataset-text-field, now {text_field!r}).")
+
+
+def load_sft_dataset(name_or_path: str, *, config: str | None = None, train_size: int | None = None,
+                     eval_size: int = 200, seed: int = 0, text_field: str = "text"):
+    """``(train, eval)`` raw datasets in one of TRL's formats from a local json / jsonl / csv / parquet / txt file or
+    a hub dataset (``config``: its configuration name). The eval split is the dataset's ``validation`` / ``test``
+    split when it has one (its first ``eval_size`` rows), else ``eval_size`` rows (at most a fifth) held out from
+    train with ``seed``; ``train_size`` caps the training rows (None: all)."""
     from datasets import DatasetDict, load_dataset
 
     if os.path.exists(name_or_path):
         ext = os.path.splitext(name_or_path)[1].lower().lstrip(".")
-        fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(ext)
-        if fmt is None:
-            raise ValueError(f"--dataset {name_or_path!r}: unsupported file type {ext!r}; use json, jsonl, csv or parquet.")
-        ds = load_dataset(fmt, data_files=name_or_path, **load_kwargs)
+        kind = DATA_FILE_TYPES.get(ext)
+        if kind is None:
+            raise ValueError(f"--dataset {name_or_path!r}: unsupported file type {ext!r}; use "
+                             f"{', '.join(DATA_FILE_TYPES)}.")
+        ds = load_dataset(kind, data_files=name_or_path)
     else:
-        ds = load_dataset(name_or_path, **load_kwargs)
+        ds = load_dataset(name_or_path, config)
     if not isinstance(ds, DatasetDict):
         ds = DatasetDict({"train": ds})
+    if "train" not in ds:
+        raise ValueError(f"--dataset {name_or_path!r} has no train split (splits: {list(ds)}).")
     train = ds["train"]
-    for col in (prompt_column, completion_column):
-        if col not in train.column_names:
-            raise ValueError(f"--dataset {name_or_path!r} has no {col!r} column (columns: {train.column_names}); "
-                             "provide 'prompt' and 'completion' columns.")
+    dataset_format(train, text_field)  # a clear error before any split or tokenization
     held = next((ds[s] for s in ("validation", "test", "eval") if s in ds), None)
     if held is None:
+        if len(train) < 2:
+            raise ValueError(f"--dataset {name_or_path!r} has {len(train)} row(s): at least 2 are needed (one to "
+                             "hold out for evaluation), or give a validation split.")
         parts = train.train_test_split(test_size=min(eval_size, max(1, len(train) // 5)), seed=seed)
         train, held = parts["train"], parts["test"]
     elif eval_size:
         held = held.select(range(min(eval_size, len(held))))
     if train_size:
         train = train.shuffle(seed=seed).select(range(min(train_size, len(train))))
+    return train, held
 
-    def convert(split):
-        pairs = zip(split[prompt_column], split[completion_column])
-        return _to_dataset(tokenizer, [(str(p), str(c)) for p, c in pairs], max_length)
 
-    return convert(train), convert(held)
+def prepare_sft_dataset(dataset, tokenizer, args, packing: bool | None = None):
+    """``dataset`` tokenized exactly as TRL's ``SFTTrainer`` prepares it for ``args`` (an ``SFTConfig``): the chat
+    template, the eos, the completion-only / assistant-only labels, truncation and packing. For the loops that do
+    not run the ``SFTTrainer`` (the fused sweep, the federated simulation): they train on the same tokens as
+    ``hf-dtrain finetune``. Uses TRL's own ``SFTTrainer._prepare_dataset`` (trl is pinned to a tested range; a test
+    checks the result against the trainer's). ``packing``: None for ``args.packing``."""
+    from types import SimpleNamespace
+
+    from trl import SFTTrainer
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    sample = dataset[0]
+    completion_only = args.completion_only_loss
+    if completion_only is None:
+        completion_only = "prompt" in sample and "completion" in sample
+    template = None
+    if args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
+        template = get_training_chat_template(tokenizer)
+    view = SimpleNamespace(_tokenizer=tokenizer, chat_template=template, completion_only_loss=completion_only)
+    packing = args.packing if packing is None else packing
+    out = SFTTrainer._prepare_dataset(view, dataset, tokenizer, args, packing, None, "train")
+    # what the trainer's collator reads (its other columns are dropped as unused by the Trainer)
+    return out.select_columns([c for c in ("input_ids", "labels", "seq_lengths") if c in out.column_names])
+
+
+def sft_collator(tokenizer, padding_free: bool = False):
+    """TRL's collator for prepared datasets: pads input_ids with the pad token and labels with -100, and gives the
+    attention mask (position ids instead when ``padding_free``)."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return DataCollatorForLanguageModeling(pad_token_id=pad, padding_free=padding_free)
 
 
 def task_collator(tokenizer):

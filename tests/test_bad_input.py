@@ -57,8 +57,9 @@ PYTHON = [
     (PretrainConfig, dict(delta=-0.5), ValueError, r"budget"),
     (PretrainConfig, dict(delta=1.5), ValueError, r"budget"),
     (PretrainConfig, dict(comm_hook="powersgd"), ValueError, r"comm_hook\.method"),
-    (FinetuneConfig, dict(max_steps=-1), ValueError, r"max_steps"),
     (FinetuneConfig, dict(max_steps=0), ValueError, r"max_steps"),
+    (FinetuneConfig, dict(per_device_train_batch_size=0), ValueError, r"per_device_train_batch_size"),
+    (FinetuneConfig, dict(bf16="sometimes"), ValueError, r"SFTConfig|bf16"),
     (FinetuneConfig, dict(lora_alpha=-16), ValueError, r"lora_alpha"),
     (FinetuneConfig, dict(lora_alpha=0), ValueError, r"lora_alpha"),
     (FinetuneConfig, dict(lora_r=0), ValueError, r"lora_r"),
@@ -70,11 +71,13 @@ PYTHON = [
     (FinetuneConfig, dict(eval_size=0), ValueError, r"eval_size"),
     (FinetuneConfig, dict(max_length=0), ValueError, r"max_length"),
     (FinetuneConfig, dict(learning_rate=NAN), ValueError, r"learning_rate"),
-    (FinetuneConfig, dict(smt_block_size=0), ValueError, r"smt_block_size"),
-    (FinetuneConfig, dict(smt_num_blocks=0), ValueError, r"smt_num_blocks"),
-    (FinetuneConfig, dict(smt_warmup_steps=0), ValueError, r"smt_warmup_steps"),
+    (FinetuneConfig, dict(method="smt", smt={"block_size": 0}), ValueError, r"smt.block_size"),
+    (FinetuneConfig, dict(method="smt", smt={"num_blocks": 0}), ValueError, r"smt.num_blocks"),
+    (FinetuneConfig, dict(method="smt", smt={"warmup_steps": 0}), ValueError, r"smt.warmup_steps"),
     (FinetuneConfig, dict(quant_group_size=0), ValueError, r"quant_group_size"),
-    (FinetuneConfig, dict(qbara_pool=0), ValueError, r"qbara_pool"),
+    (FinetuneConfig, dict(method="qbara", qbara={"pool": 0}), ValueError, r"qbara.pool"),
+    (FinetuneConfig, dict(training={"no_such_setting": 1}), ValueError, r"no_such_setting"),
+    (FinetuneConfig, dict(peft_config="./no/adapter_config.json"), ValueError, r"peft_config"),
     (FinetuneConfig, dict(task_digits=0), ValueError, r"task_digits"),
     (FinetuneConfig, dict(method="qlora"), ValueError, r"method"),
     (FinetuneConfig, dict(quantize="int8"), ValueError, r"quantize"),
@@ -125,7 +128,8 @@ PYTHON = [
                          ids=[f"{c.__name__}-{'-'.join(f'{k}={v!r}' for k, v in kw.items())}" for c, kw, *_ in PYTHON])
 def test_python_configs(cls, kwargs, error, message):
     with pytest.raises(error, match=message):
-        cls(**kwargs)
+        # the fine-tuning job's Trainer settings are top-level keys of its plain data, as in YAML
+        cls.from_dict(kwargs) if cls is FinetuneConfig else cls(**kwargs)
 
 
 def test_callbacks_refuse_bad_settings():
@@ -162,14 +166,15 @@ RECIPES = [
     ("pretrain", "seq_len: [1, 2\n", r"recipe|while parsing|expected"),
     ("pretrain", "hetero_speeds: [1, 0]\n", r"hetero_speeds"),
     ("pretrain", "optimizer: eva\neva: {damping: -1}\n", r"damping"),
-    ("finetune", "max_steps: -1\n", r"max_steps"),
+    ("finetune", "max_steps: 0\n", r"max_steps"),
     ("finetune", "lora_alpha: -16\n", r"lora_alpha"),
     ("finetune", "method: qlora\n", r"method"),
     ("finetune", "train_size: 0\n", r"train_size"),
     ("finetune", "gradient_accumulation_steps: 0\n", r"gradient_accumulation_steps"),
     ("finetune", "target_modules: 5\n", r"target_modules"),
     ("finetune", "deepspeed: missing_ds.json\n", r"missing_ds.json"),
-    ("finetune", "lorafa_optimizer: 'no'\n", r"lorafa_optimizer"),
+    ("finetune", "lorafa: {optimizer: 'no'}\n", r"lorafa.optimizer"),
+    ("finetune", "learning_rate: .nan\n", r"learning_rate"),
 ]
 
 
@@ -209,7 +214,8 @@ FLAGS = [
     ("pretrain", ["--no-such-flag", "1"], r"unrecognized arguments"),
     ("pretrain", ["--dataset", "nowhere/at/all.txt"], r"nowhere/at/all.txt"),
     ("pretrain", ["--recipe", "no_such_recipe.yaml"], r"no_such_recipe.yaml"),
-    ("finetune", ["--max-steps", "-1"], r"max_steps"),
+    ("finetune", ["--max-steps", "0"], r"max_steps"),
+    ("finetune", ["--bf16", "maybe"], r"--bf16"),
     ("finetune", ["--lora-alpha", "-16"], r"lora_alpha"),
     ("finetune", ["--warmup-steps", "-5"], r"warmup_steps"),
     ("finetune", ["--gradient-accumulation-steps", "0"], r"gradient_accumulation_steps"),
@@ -273,7 +279,7 @@ def test_trainer_deepspeed_without_cuda_is_refused_not_silently_ddp(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 3}}')
     with pytest.raises(ValueError, match=r"does not enable DeepSpeed for the Trainer and would silently run DDP"):
-        run_finetune(FinetuneConfig(deepspeed=str(path), model=str(tmp_path), max_steps=1))  # not loaded
+        run_finetune(FinetuneConfig(deepspeed=str(path), model=str(tmp_path)))  # not loaded
 
 
 def test_truncated_weights_name_the_file(tmp_path):

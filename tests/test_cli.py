@@ -19,10 +19,16 @@ def test_defaults_and_flags():
     cfg = _cfg([])
     assert cfg == FinetuneConfig()
     assert cfg.method == "lorafa" and cfg.model is None
-    cfg = _cfg(["--method", "dora", "--max-steps", "7", "--learning-rate", "0.01", "--target-modules", "q_proj",
-                "v_proj", "--lorafa-optimizer", "false", "--smt-num-blocks", "none"])
-    assert (cfg.method, cfg.max_steps, cfg.learning_rate) == ("dora", 7, 0.01)
-    assert cfg.target_modules == ["q_proj", "v_proj"] and cfg.lorafa_optimizer is False and cfg.smt_num_blocks is None
+    cfg = _cfg(["--method", "lorafa", "--max-steps", "7", "--learning-rate", "0.01", "--target-modules", "q_proj",
+                "v_proj", "--lorafa.optimizer", "false", "--bf16", "--no-remove-unused-columns"])
+    assert cfg.method == "lorafa" and cfg.training == {"max_steps": 7, "learning_rate": 0.01, "bf16": True,
+                                                       "remove_unused_columns": False}
+    args = cfg.training_args()
+    assert (args.max_steps, args.learning_rate, args.bf16, args.remove_unused_columns) == (7, 0.01, True, False)
+    assert cfg.target_modules == ["q_proj", "v_proj"] and cfg.lorafa.optimizer is False
+    assert _cfg(["--method", "smt", "--smt.num-blocks", "none"]).smt.num_blocks is None
+    with pytest.raises(ValueError, match=r"smt.\* settings are given but method=lora; set --method smt"):
+        _cfg(["--method", "lora", "--smt.block-size", "16"])
 
 
 def test_bare_section_switches_turn_their_section_on():
@@ -39,11 +45,11 @@ def test_recipe_then_explicit_flags_win(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("method: dora\nmax_steps: 9\nlora_r: 4\nlearning-rate: 0.002\ntarget_modules: [q_proj]\n")
     cfg = _cfg(["--recipe", str(recipe), "--max-steps", "3"])
-    assert cfg.method == "dora" and cfg.lora_r == 4 and cfg.learning_rate == 0.002
-    assert cfg.max_steps == 3  # explicit flag beats the recipe
+    assert cfg.method == "dora" and cfg.lora_r == 4 and cfg.training_args().learning_rate == 0.002
+    assert cfg.training_args().max_steps == 3  # explicit flag beats the recipe
     assert cfg.target_modules == ["q_proj"]
     cfg = _cfg(["--recipe", str(recipe), "--method", "lora", "--lora-r", "8"])
-    assert cfg.method == "lora" and cfg.lora_r == 8 and cfg.max_steps == 9
+    assert cfg.method == "lora" and cfg.lora_r == 8 and cfg.training_args().max_steps == 9
 
 
 def test_bad_recipe_key_and_bad_method(tmp_path):
@@ -61,7 +67,7 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
     with pytest.raises(ValueError, match=r"method='topk' is unknown; set comm_hook.method \(--comm-hook\) to one of "
                                          r"allreduce, bf16, fp16, acp_sgd"):
         FinetuneConfig(comm_hook="topk")
-    with pytest.raises(ValueError, match="one of lora, dora, lorafa, smt, qbara, qahira, full"):
+    with pytest.raises(ValueError, match="one of lora, dora, full, lorafa, smt, qbara, qahira"):
         FinetuneConfig(method="adapter")
     with pytest.raises(ValueError, match=r"quantize='fp4' is unknown; set --quantize to one of nf4, hqq4, int4"):
         FinetuneConfig(method="qahira", quantize="fp4")
@@ -75,7 +81,8 @@ def test_module_entry_point_and_build_base(tmp_path):
     env = dict(os.environ, HF_DTRAIN_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "hf_dtrain.cli", "finetune", "--help"], capture_output=True,
                          text=True, env=env, timeout=120)
-    assert out.returncode == 0 and "--recipe" in out.stdout and "--smt-block-size" in out.stdout
+    assert out.returncode == 0 and "--recipe" in out.stdout and "--smt.block-size" in out.stdout
+    assert "--gradient_checkpointing" in out.stdout and "--bf16" in out.stdout and "--packing" in out.stdout
     out = subprocess.run([sys.executable, "-m", "hf_dtrain.cli", "build-base", "--preset", "test", "--steps", "2"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -89,9 +96,9 @@ def base_path(tmp_path_factory):
 
 
 def _finetune(base_path, out, method, **kw):
-    cfg = FinetuneConfig(method=method, model=base_path, output_dir=str(out), task_digits=1, train_size=2000,
-                         eval_size=10, max_steps=kw.pop("max_steps", 800), per_device_train_batch_size=16,
-                         logging_steps=1000, progress=False, **kw)
+    cfg = FinetuneConfig.from_dict(dict(method=method, model=base_path, output_dir=str(out), task_digits=1,
+                                        train_size=2000, eval_size=10, max_steps=kw.pop("max_steps", 800),
+                                        per_device_train_batch_size=16, logging_steps=1000, progress=False, **kw))
     return run_finetune(cfg)
 
 
@@ -134,7 +141,7 @@ def test_finetune_lorafa_end_to_end(base_path, tmp_path):
 @pytest.mark.slow
 def test_finetune_smt_end_to_end(base_path, tmp_path):
     out = tmp_path / "smt"
-    r = _finetune(base_path, out, "smt", learning_rate=3e-3, smt_block_size=16, smt_warmup_steps=5)
+    r = _finetune(base_path, out, "smt", learning_rate=3e-3, smt={"block_size": 16, "warmup_steps": 5})
     _check_outputs(r, out, "smt")
 
 
@@ -194,8 +201,10 @@ def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
            "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", method,
            "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "2000",
-           "--eval-size", "10", "--max-steps", "300", "--learning-rate", "3e-3", "--smt-block-size", "16",
-           "--smt-warmup-steps", "5", "--progress", "false", "--logging-steps", "1000"]
+           "--eval-size", "10", "--max-steps", "300", "--learning-rate", "3e-3", "--progress", "false",
+           "--logging-steps", "1000"]
+    if method == "smt":
+        cmd += ["--smt.block-size", "16", "--smt.warmup-steps", "5"]
     if quantize:
         cmd += ["--quantize", quantize, "--quant-group-size", "16"]
     if method == "lorafa":  # the Trainer's way in for communication hooks (hf_dtrain.callbacks.CommHookCallback)
@@ -239,8 +248,10 @@ def _launch_finetune(config_file, base_path, out, method, steps, extra=()):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
            "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", method,
            "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "1000",
-           "--eval-size", "10", "--max-steps", str(steps), "--learning-rate", "3e-3", "--smt-block-size", "16",
-           "--smt-warmup-steps", "5", "--progress", "false", "--logging-steps", "1", *extra]
+           "--eval-size", "10", "--max-steps", str(steps), "--learning-rate", "3e-3", "--progress", "false",
+           "--logging-steps", "1", *extra]
+    if method == "smt":
+        cmd += ["--smt.block-size", "16", "--smt.warmup-steps", "5"]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)

@@ -1,15 +1,17 @@
 """Every engine setting is reachable from ``hf-dtrain finetune`` / ``pretrain`` and from a YAML section, through one
-typed object that reaches the engine unchanged; the previous release's flat flags still work and warn."""
+typed object that reaches the engine unchanged; every Trainer setting is a flag and a YAML key of the fine-tuning
+job."""
 
 import dataclasses
 import typing
 import warnings
 
 import pytest
+import torch
 
 from hf_dtrain.cli import build_parser, job_config_from_args
 from hf_dtrain.comm import CommHookConfig
-from hf_dtrain.compose import LEGACY_KEYS, ComposeOptions
+from hf_dtrain.compose import ComposeOptions
 from hf_dtrain.decentralized import GossipConfig
 from hf_dtrain.fault import SnapshotConfig
 from hf_dtrain.finetune import FinetuneConfig
@@ -128,22 +130,120 @@ def test_the_config_reaches_the_engine_unchanged(tmp_path):
         stop_snapshot_processes(tmp_path)
 
 
-def test_flat_flags_of_the_previous_release_still_work_and_warn():
+# a valid value other than the job's default for the SFTConfig fields whose type does not say which (an enum, a
+# JSON object, a path, a name), with what else it needs to be valid
+TRAINER_SAMPLES = {
+    "lr_scheduler_type": "cosine", "optim": "sgd", "logging_strategy": "epoch", "eval_strategy": "steps",
+    "save_strategy": "epoch", "hub_strategy": "end", "include_num_input_tokens_seen": "all", "log_level": "info",
+    "log_level_replica": "error", "truncation_mode": "keep_end", "packing_strategy": "wrapped", "loss_type": "dft",
+    "train_sampling_strategy": "sequential", "dataloader_multiprocessing_context": "spawn",
+    "debug": ["underflow_overflow"], "lr_scheduler_kwargs": {"num_cycles": 1},
+    "activation_checkpointing_kwargs": {"use_reentrant": False}, "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "liger_kernel_config": {"rope": True}, "accelerator_config": {"split_batches": True},
+    "fsdp_config": {"min_num_params": 10}, "model_init_kwargs": {"revision": "main"},
+    "dataset_kwargs": {"add_special_tokens": False}, "report_to": "tensorboard", "include_for_metrics": ["inputs"],
+    "label_names": ["labels"], "optim_target_modules": "q_proj", "trackio_static_space_id": "org/space",
+    "pad_to_multiple_of": 8, "output_dir": "/tmp/elsewhere", "torch_compile_backend": "inductor",
+    "torch_compile_mode": "reduce-overhead", "eos_token": "</s>", "pad_token": "<pad>",
+    "chat_template_path": "template.jinja", "dataset_text_field": "body", "metric_for_best_model": "loss",
+    "resume_from_checkpoint": "/tmp/ckpt", "optim_args": "a=1", "hub_token": "x", "hub_model_id": "o/m",
+    "hub_revision": "dev", "run_name": "r", "project": "p", "trackio_space_id": "o/s", "trackio_bucket_id": "b",
+    "length_column_name": "len", "ddp_timeout": 60, "max_steps": 7, "local_rank": 0, "logging_steps": 7,
+    "dataloader_prefetch_factor": 3, "dataloader_pin_memory": False, "ddp_backend": "gloo",
+}
+TRAINER_NEEDS = {"dataloader_prefetch_factor": {"dataloader_num_workers": 1},
+                 "load_best_model_at_end": {"eval_strategy": "steps", "save_strategy": "steps", "save_steps": 400}}
+# refused by SFTConfig itself on this machine (the job passes the refusal on, naming SFTConfig): a GPU feature, and
+# a backend that needs the process group the job creates later
+REFUSED_HERE = {"tf32", "ddp_backend"} if not torch.cuda.is_available() else {"ddp_backend"}
+# set from Python only: an accelerate ParallelismConfig object (no flag or YAML scalar can carry it)
+OBJECT_FIELDS = {"parallelism_config"}
+# the names the job's own sections take: hf_dtrain's engines set the Trainer's (DeepSpeed's config, FSDP2)
+OWNED = {"fsdp", "deepspeed"}
+
+
+def _trainer_sample(name, tp, default):
+    if name in TRAINER_SAMPLES:
+        return TRAINER_SAMPLES[name]
+    kinds = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    if bool in kinds or isinstance(default, bool):
+        return not bool(default)
+    if int in kinds:
+        return (default or 1) + 2
+    if float in kinds:
+        return round((default or 0.5) * 0.5 + 0.25, 6)
+    raise AssertionError(f"no sample value for SFTConfig.{name} ({tp}): add one to TRAINER_SAMPLES")
+
+
+def _words(value):
+    import json
+
+    if isinstance(value, bool):
+        return ["true" if value else "false"]
+    if isinstance(value, dict):
+        return [json.dumps(value)]
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def test_every_sft_config_field_is_a_flag_and_a_yaml_key_that_reaches_the_trainer_unchanged():
+    """Each field of TRL's SFTConfig (so of TrainingArguments), given as a flag and as a top-level YAML key, reaches
+    the arguments the job hands the SFTTrainer as SFTConfig itself makes it from the same value (refusals
+    included)."""
+    from trl import SFTConfig
+
+    hints = typing.get_type_hints(SFTConfig)
     parser = build_parser()
-    ns = parser.parse_args(["finetune", "--comm-hook", "acp_sgd", "--comm-rank", "8", "--delta-budget", "0.5",
-                            "--delta-granularity", "submodule", "--fault-tolerance", "true", "--ft-parity", "2"])
-    with pytest.warns(FutureWarning, match=r"'comm_rank' is deprecated .* use comm_hook.rank \(--comm-hook.rank\)"):
-        cfg = job_config_from_args(ns, FinetuneConfig)
-    assert cfg.comm_hook == CommHookConfig(method="acp_sgd", rank=8)
-    assert cfg.delta == DeltaConfig(budget=0.5, granularity="submodule")
-    assert cfg.fault_tolerance == SnapshotConfig(parity=2)
-    # a flat setting of a feature that is off turns nothing on, as before
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        cfg = FinetuneConfig.from_dict({"comm_rank": 8, "ft_parity": 2, "delta_granularity": "submodule"})
-    assert cfg.comm_hook is None and cfg.fault_tolerance is None and cfg.delta is None
     sub = next(a for a in parser._actions if a.dest == "command").choices["finetune"]
-    assert set(LEGACY_KEYS) <= {a.dest for a in sub._actions}
+    flags = {s for a in sub._actions for s in a.option_strings}
+    default = FinetuneConfig().training_args()
+    checked, refused = 0, set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for f in dataclasses.fields(SFTConfig):
+            if not f.init or f.name in OWNED or f.name in OBJECT_FIELDS:
+                assert f"--{f.name}" not in flags or f.name in OWNED, f.name
+                continue
+            value = _trainer_sample(f.name, hints[f.name], getattr(default, f.name))
+            extra = TRAINER_NEEDS.get(f.name, {})
+            argv = ["finetune", f"--{f.name.replace('_', '-')}", *_words(value)]
+            for k, v in extra.items():
+                argv += [f"--{k}", *_words(v)]
+            data = {f.name: value, **extra}
+            try:
+                cfg = job_config_from_args(parser.parse_args(argv), FinetuneConfig)
+                expected = SFTConfig(**{**cfg.training_defaults(), **data})
+            except ValueError as e:
+                assert f.name in REFUSED_HERE, (f.name, e)
+                with pytest.raises(ValueError, match="refused by SFTConfig"):
+                    FinetuneConfig.from_dict(data)
+                refused.add(f.name)
+                continue
+            assert set(cfg.training) == set(data), f.name  # the flag gave that setting and nothing else
+            got = cfg.training_args()
+            assert getattr(got, f.name) == getattr(expected, f.name), (f.name, getattr(got, f.name))
+            assert FinetuneConfig.from_dict(data).training_args().to_dict() == got.to_dict(), f.name  # YAML
+            checked += 1
+    assert refused == REFUSED_HERE
+    assert checked == len([f for f in dataclasses.fields(SFTConfig) if f.init]) - len(OWNED | OBJECT_FIELDS | refused)
+
+
+def test_importing_a_tuner_job_module_first_works_and_registers_it():
+    """Each tuner pushes its fine-tuning entry when its job.py is imported; the registry imports no tuner, so a
+    fresh interpreter can import any job.py first."""
+    import subprocess
+    import sys
+
+    procs = {}
+    for name in ("smt", "lorafa", "qbara", "qahira"):
+        code = (f"import hf_dtrain.tuners.{name}.job as job; from hf_dtrain.tuners.finetune_method import "
+                f"FINETUNE_METHODS; assert FINETUNE_METHODS[{name!r}] is job.METHOD; print('ok')")
+        procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0 and out.strip().endswith("ok"), (name, err[-2000:])
 
 
 def test_short_forms_and_off():

@@ -106,17 +106,46 @@ def test_teacher_forced_accuracy_equals_greedy_decoding(base):
     assert tf == pytest.approx(tasks.greedy_exact_match(model, tok, mixed))
 
 
-def test_load_task_dataset_from_local_jsonl(base, tmp_path):
+def test_load_sft_dataset_from_local_jsonl_and_its_formats(base, tmp_path):
     _, tok = base
     path = tmp_path / "d.jsonl"
     with open(path, "w") as f:
         for i in range(40):
             f.write(json.dumps({"prompt": f"Q{i}:", "completion": f" A{i}"}) + "\n")
-    train, ev = tasks.load_task_dataset(str(path), tok, eval_size=5, seed=0)
-    assert len(train) == 35 and len(ev) == 5
-    row = train[0]
-    assert set(row) == {"input_ids", "attention_mask", "labels"} and row["labels"][0] == -100
+    train, ev = tasks.load_sft_dataset(str(path), eval_size=5, seed=0)
+    assert len(train) == 35 and len(ev) == 5 and not set(train["prompt"]) & set(ev["prompt"])
+    assert tasks.dataset_format(train) == "prompt-completion"
+    train, _ = tasks.load_sft_dataset(str(path), eval_size=5, seed=0, train_size=10)
+    assert len(train) == 10
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"question": "x", "completion": "y"}) + "\n")
-    with pytest.raises(ValueError, match="prompt"):
-        tasks.load_task_dataset(str(bad), tok)
+    bad.write_text(json.dumps({"question": "x", "completion": "y"}) + "\n" * 3)
+    with pytest.raises(ValueError, match=r"columns \['question', 'completion'\].*'messages'.*--dataset-text-field"):
+        tasks.load_sft_dataset(str(bad))
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"1 row\(s\): at least 2"):
+        tasks.load_sft_dataset(str(one))
+    from datasets import Dataset
+
+    assert tasks.dataset_format(Dataset.from_dict({"messages": [[{"role": "user", "content": "hi"}]]})) == \
+        "conversational"
+    assert tasks.dataset_format(Dataset.from_dict({"body": ["x"]}), text_field="body") == "language modeling"
+
+
+def test_prepare_sft_dataset_is_what_the_sft_trainer_prepares(base, tmp_path):
+    """The fused sweep and the federated loop train on TRL's own preparation: the rows equal the SFTTrainer's."""
+    from trl import SFTConfig, SFTTrainer
+
+    model, tok = base
+    raw = tasks.addition_dataset(12, seed=3)
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_length=64)
+    mine = tasks.prepare_sft_dataset(raw, tok, args)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=raw, processing_class=tok)
+    theirs = trainer.train_dataset
+    assert mine.column_names == ["input_ids", "labels"]
+    assert mine[:] == theirs.select_columns(mine.column_names)[:]
+    pairs = tasks.addition_examples(12, seed=3)
+    for row, (prompt, completion) in zip(mine, pairs):  # the prompt masked, the completion and eos trained
+        n = len(tok(prompt)["input_ids"])
+        assert row["labels"][:n] == [-100] * n and row["labels"][n:] == row["input_ids"][n:]
+        assert row["input_ids"][-1] == tok.eos_token_id

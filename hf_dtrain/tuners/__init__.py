@@ -16,4 +16,10 @@ register("lorafa", LoraFAConfig, LoraFAModel, prefix="lorafa_")
 register("qahira", QAHiRAConfig, QAHiRAModel, prefix="qahr_")
 register("qbara", QBaRAConfig, QBaRAModel, prefix="qbara_")
 
+# each tuner pushes its fine-tuning job entry (hf_dtrain.tuners.finetune_method) when its job.py is imported
+from .lorafa import job as _lorafa_job  # noqa: E402,F401
+from .smt import job as _smt_job  # noqa: E402,F401
+from .qbara import job as _qbara_job  # noqa: E402,F401
+from .qahira import job as _qahira_job  # noqa: E402,F401
+
 __all__ = ["SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel", "QBaRAConfig", "QBaRAModel"]

@@ -1,10 +1,17 @@
-"""What ``hf-dtrain finetune`` needs to know of one method, kept in the method's own folder (``<method>/job.py``):
-its name, its default learning rate, the 4-bit bases it trains on, the peft config it builds from the job's settings
-(with the trainable budget matched to LoRA's at the same rank), and an optional optimizer of its own. A new tuner
-adds its ``job.py`` and one line to :data:`FINETUNE_METHODS`; the job reads everything from there.
+"""What ``hf-dtrain finetune`` knows of each method, pushed here by the method itself.
 
-The builders receive the job's config (``FinetuneConfig``) and read its fields by name; this package does not import
-the job.
+A method registers a :class:`FinetuneMethod` with :func:`register_finetune_method` when its ``job.py`` is imported
+(peft's ``register_peft_method`` and torchtitan's train-spec registry have this shape): its name, its default
+learning rate, the 4-bit bases it trains on, the peft config it builds from the job's settings (with the trainable
+budget matched to LoRA's at the same rank), an optional optimizer of its own, and an optional settings dataclass
+that becomes its own section of the job (``--smt.block-size``, YAML ``smt: {block_size: 16}``).
+
+This module imports no tuner; ``hf_dtrain.tuners`` imports each tuner's ``job.py``, which registers it. A tuner
+outside hf_dtrain registers the same way before ``hf_dtrain.finetune`` is imported.
+
+The builders receive the job's config and read the shared adapter settings (``lora_r``, ``lora_alpha``,
+``lora_dropout``, ``target_modules``, ``quant_group_size``) and their own section by name; this package does not
+import the job.
 """
 
 from __future__ import annotations
@@ -22,6 +29,23 @@ class FinetuneMethod:
     build_config: Callable[[Any, Any], Any]  # (job config, base model) -> peft config, or None (full fine-tuning)
     quantized_bases: tuple[str, ...] = ()  # the --quantize values it trains on
     build_optimizer: Optional[Callable[[Any, Any, float, float], Any]] = None  # (cfg, model, lr, wd) -> optimizer
+    settings: Optional[type] = None  # its own section of the job config (a dataclass), named after the method
+
+
+# name -> method, in registration order
+FINETUNE_METHODS: dict[str, FinetuneMethod] = {}
+
+
+def register_finetune_method(method: FinetuneMethod) -> FinetuneMethod:
+    """Make ``method`` known to the fine-tuning jobs (idempotent: registering a name again replaces it, so a
+    reloaded tuner module points the job at its new classes)."""
+    if not isinstance(method, FinetuneMethod):
+        raise TypeError(f"register_finetune_method takes a FinetuneMethod, got {type(method).__name__}.")
+    if not method.name.isidentifier() or method.name != method.name.lower():
+        raise ValueError(f"FinetuneMethod.name must be a lower-case identifier (it is a flag section), got "
+                         f"{method.name!r}.")
+    FINETUNE_METHODS[method.name] = method
+    return method
 
 
 def linear_shapes(model, targets) -> list[tuple[int, int]]:
@@ -45,18 +69,8 @@ def _lora(cfg, model, dora=False):
                       target_modules=cfg.target_modules or LORA_TARGETS, use_dora=dora, task_type="CAUSAL_LM")
 
 
-LORA = FinetuneMethod("lora", 4e-3, _lora, quantized_bases=("nf4", "hqq4"))
-DORA = FinetuneMethod("dora", 4e-3, lambda cfg, model: _lora(cfg, model, dora=True), quantized_bases=("nf4",))
-FULL = FinetuneMethod("full", 5e-4, lambda cfg, model: None)
-
-
-def _registry() -> dict[str, FinetuneMethod]:
-    from .lorafa.job import METHOD as lorafa
-    from .qahira.job import METHOD as qahira
-    from .qbara.job import METHOD as qbara
-    from .smt.job import METHOD as smt
-
-    return {m.name: m for m in (LORA, DORA, lorafa, smt, qbara, qahira, FULL)}
-
-
-FINETUNE_METHODS: dict[str, FinetuneMethod] = _registry()
+# peft's own methods and full fine-tuning (hf_dtrain's tuners register from their job.py)
+register_finetune_method(FinetuneMethod("lora", 4e-3, _lora, quantized_bases=("nf4", "hqq4")))
+register_finetune_method(FinetuneMethod("dora", 4e-3, lambda cfg, model: _lora(cfg, model, dora=True),
+                                        quantized_bases=("nf4",)))
+register_finetune_method(FinetuneMethod("full", 5e-4, lambda cfg, model: None))

@@ -1,7 +1,24 @@
 """LoRA-FA in ``hf-dtrain finetune``: LoRA's rank and targets, and hf_dtrain's LoRA-FA optimizer unless the job turns
-it off (``--lorafa-optimizer false``)."""
+it off (``--lorafa.optimizer false``)."""
 
-from ..finetune_method import LORA_TARGETS, FinetuneMethod
+from dataclasses import dataclass, field
+
+from ..finetune_method import LORA_TARGETS, FinetuneMethod, register_finetune_method
+
+
+@dataclass
+class LoraFAJobSettings:
+    """LoRA-FA's settings in the fine-tuning job (``--lorafa.*``; YAML ``lorafa:``)."""
+
+    section_key = "lorafa"
+
+    optimizer: bool = field(default=True, metadata={
+        "help": "Use hf_dtrain's create_lorafa_optimizer instead of the Trainer's optimizer (--optim)."})
+
+    def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
 
 
 def _config(cfg, model):
@@ -12,11 +29,12 @@ def _config(cfg, model):
 
 
 def _optimizer(cfg, model, lr, weight_decay):
-    if not cfg.lorafa_optimizer:
+    if not cfg.lorafa.optimizer:
         return None
     from .optimizer import create_lorafa_optimizer
 
     return create_lorafa_optimizer(model, lr=lr, weight_decay=weight_decay)
 
 
-METHOD = FinetuneMethod("lorafa", 4e-3, _config, quantized_bases=("nf4",), build_optimizer=_optimizer)
+METHOD = register_finetune_method(FinetuneMethod("lorafa", 4e-3, _config, quantized_bases=("nf4",),
+                                                 build_optimizer=_optimizer, settings=LoraFAJobSettings))

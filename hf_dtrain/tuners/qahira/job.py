@@ -2,14 +2,34 @@
 needs much larger steps than LoRA (benchmarks/results/quantized_adapters_lr_sweep.md); the output repeat factor is
 chosen so the trainable count is closest to LoRA's at the job's rank."""
 
-from ..finetune_method import LORA_TARGETS, FinetuneMethod, linear_shapes, lora_budget
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..finetune_method import LORA_TARGETS, FinetuneMethod, linear_shapes, lora_budget, register_finetune_method
+
+
+@dataclass
+class QAHiRAJobSettings:
+    """QA-HiRA's settings in the fine-tuning job (``--qahira.*``; YAML ``qahira:``). Its input pooling factor is the
+    job's ``quant_group_size``."""
+
+    section_key = "qahira"
+
+    lambda_out: Optional[int] = field(default=None, metadata={
+        "min": 1, "help": "Output repeat factor; default the divisor of every target's out_features whose parameter "
+                          "count is closest to lora's at lora_r."})
+
+    def __post_init__(self):
+        from hf_dtrain.settings import check_fields
+
+        check_fields(self)
 
 
 def _config(cfg, model):
     from .config import QAHiRAConfig
 
     targets = cfg.target_modules or LORA_TARGETS
-    g, lam = cfg.quant_group_size, cfg.qahira_lambda_out
+    g, lam = cfg.quant_group_size, cfg.qahira.lambda_out
     shapes = linear_shapes(model, targets)
     if lam is None:  # the divisor of every out_features whose count (out/lam)(in/g) is closest to lora's
         budget = lora_budget(cfg.lora_r, shapes)
@@ -18,4 +38,5 @@ def _config(cfg, model):
     return QAHiRAConfig(group_size=g, lambda_out=lam, target_modules=targets)
 
 
-METHOD = FinetuneMethod("qahira", 8e-2, _config, quantized_bases=("nf4", "hqq4", "int4"))
+METHOD = register_finetune_method(FinetuneMethod("qahira", 8e-2, _config, quantized_bases=("nf4", "hqq4", "int4"),
+                                                 settings=QAHiRAJobSettings))
