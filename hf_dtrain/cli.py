@@ -260,7 +260,8 @@ def sweep_config_from_args(ns: argparse.Namespace):
         base = FinetuneConfig.from_dict(merge(data, args_to_data(shared, FinetuneConfig), FinetuneConfig), where=where)
         jobs += expand_grid(base, **axes)
     base = jobs[0]
-    return SweepConfig(jobs=jobs, fused={**fused, **flag_fused}, output_dir=base.output_dir, progress=base.progress,
+    return SweepConfig(jobs=jobs, fused={**fused, **flag_fused}, output_dir=base.training.get("output_dir"),
+                       progress=base.progress,
                        report=base.report)
 
 

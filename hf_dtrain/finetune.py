@@ -412,10 +412,17 @@ def _sft_trainer(cfg, run, data, model, args, callbacks, optimizers):
                                                                 else args.packing)
     # the data is prepared already (load_base_and_data, by TRL's own preparation): the trainer takes it as it is
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    # TRL casts the trainable parameters of a 4-bit model to bf16 (its QLoRA default); the job keeps the adapter dtype
+    # peft gave them (fp32 on a 4-bit base: peft's autocast_adapter_dtype), which the fused sweep, the federated loop
+    # and the exact 4-bit merge assume; --bf16 still computes in bf16 under autocast
+    kept = {name: p.data for name, p in model.named_parameters() if p.requires_grad}
     trainer = SFTTrainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
                          processing_class=data.tokenizer, callbacks=callbacks, optimizers=optimizers,
                          compute_metrics=tasks.compute_metrics if accuracy else None,
                          preprocess_logits_for_metrics=tasks.preprocess_logits_for_metrics if accuracy else None)
+    for name, p in model.named_parameters():
+        if name in kept and p.dtype != kept[name].dtype:
+            p.data = kept[name]
     if cfg.deepspeed and not trainer.is_deepspeed_enabled:  # never train something other than what was asked
         raise RuntimeError(f"deepspeed={cfg.deepspeed} was given but Accelerate did not enable DeepSpeed (distributed "
                            f"type {trainer.accelerator.distributed_type}); launch with accelerate launch / torchrun / "

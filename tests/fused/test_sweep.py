@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -26,9 +27,9 @@ def _job(base_path, method, **kw):
     settings = dict(method=method, model=base_path, task_digits=1, train_size=400, eval_size=32, max_steps=STEPS,
                     warmup_steps=3, per_device_train_batch_size=8, logging_steps=1, progress=False, report=False)
     if method == "smt":
-        settings.update(smt_block_size=16, smt_warmup_steps=3)
+        settings.update(smt={"block_size": 16, "warmup_steps": 3})
     settings.update(kw)
-    return FinetuneConfig(**settings)
+    return FinetuneConfig.from_dict(settings)
 
 
 def _two_jobs(base_path, method, **kw):
@@ -64,8 +65,8 @@ def test_each_fused_job_equals_the_job_run_alone(base_path, tmp_path, method, mo
     if method == "lora-nf4":  # the frozen base a bitsandbytes 4-bit model, run once for both jobs
         kw, method = dict(quantize="nf4", quant_group_size=16), "lora"
     if method.startswith("lorafa"):
-        kw["lorafa_optimizer"] = method == "lorafa-optimizer"
-        if kw["lorafa_optimizer"]:
+        kw["lorafa"] = {"optimizer": method == "lorafa-optimizer"}
+        if kw["lorafa"]["optimizer"]:
             # peft's LoraFAOptimizer corrects g_B under bf16 autocast wherever accelerate reports bf16 (this CPU
             # does): a 1-ulp fp32 difference can flip a bf16 rounding, so the comparison runs both in fp32
             import peft.optimizers.lorafa as peft_lorafa
@@ -77,7 +78,8 @@ def test_each_fused_job_equals_the_job_run_alone(base_path, tmp_path, method, mo
     for i, job in enumerate(jobs):
         row = res["jobs"][i]
         assert row["status"] == "ok"
-        alone = run_finetune(FinetuneConfig(**{**job.__dict__, "output_dir": str(tmp_path / f"alone{i}")}))
+        alone = run_finetune(dataclasses.replace(job, training={**job.training,
+                                                                "output_dir": str(tmp_path / f"alone{i}")}))
         _assert_same(row["output_dir"], {int(k): v for k, v in row["losses"].items()}, alone["output_dir"],
                      alone["losses"])
 
@@ -94,10 +96,11 @@ def _trainer_reference(base_path, job: FinetuneConfig, peft_config, out):
     train = tasks.make_task_dataset(tok, job.train_size, seed=job.seed, split="train", digits=job.task_digits)
     set_seed(job.seed)
     model = get_peft_model(model, peft_config)
-    args = TrainingArguments(output_dir=str(out), max_steps=job.max_steps, learning_rate=job.learning_rate,
-                             per_device_train_batch_size=job.per_device_train_batch_size,
-                             warmup_steps=job.warmup_steps, weight_decay=job.weight_decay, lr_scheduler_type="linear",
-                             seed=job.seed, data_seed=job.seed, use_cpu=True, report_to=[], save_strategy="no",
+    a = job.training_args()
+    args = TrainingArguments(output_dir=str(out), max_steps=a.max_steps, learning_rate=a.learning_rate,
+                             per_device_train_batch_size=a.per_device_train_batch_size,
+                             warmup_steps=a.warmup_steps, weight_decay=a.weight_decay, lr_scheduler_type="linear",
+                             seed=a.seed, data_seed=a.seed, use_cpu=True, report_to=[], save_strategy="no",
                              logging_steps=1, disable_tqdm=True, remove_unused_columns=False, max_grad_norm=1.0)
     trainer = Trainer(model=model, args=args, data_collator=tasks.task_collator(tok), train_dataset=train)
     trainer.train()
@@ -252,7 +255,8 @@ def test_the_sweep_recipe_and_flags_reach_the_configs_unchanged():
                                     "--max-steps", "7"])
     cfg = sweep_config_from_args(ns)
     assert len(cfg.jobs) == 4  # lr 2 x r 2; the --seed flag replaced the recipe's seed axis
-    assert {(j.learning_rate, j.lora_r, j.seed, j.max_steps, j.method) for j in cfg.jobs} == {
+    args = [j.training_args() for j in cfg.jobs]
+    assert {(a.learning_rate, j.lora_r, a.seed, a.max_steps, j.method) for a, j in zip(args, cfg.jobs)} == {
         (lr, r, 5, 7, "lorafa") for lr in (1e-3, 4e-3) for r in (8, 16)}
     assert cfg.fused == FusedConfig(memory_budget="2GiB", max_grad_norm=0.5, on_overflow="split")
     assert cfg.output_dir == "outputs/sweep-lorafa"
