@@ -411,7 +411,9 @@ def _sft_trainer(cfg, run, data, model, args, callbacks, optimizers):
     accuracy = data.data_format == "prompt-completion" and not (args.eval_packing if args.eval_packing is not None
                                                                 else args.packing)
     # the data is prepared already (load_base_and_data, by TRL's own preparation): the trainer takes it as it is
+    # (its assistant-only masks are in the labels already: the trainer's own check for them would look for messages)
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    args.assistant_only_loss = False
     # TRL casts the trainable parameters of a 4-bit model to bf16 (its QLoRA default); the job keeps the adapter dtype
     # peft gave them (fp32 on a 4-bit base: peft's autocast_adapter_dtype), which the fused sweep, the federated loop
     # and the exact 4-bit merge assume; --bf16 still computes in bf16 under autocast
@@ -536,7 +538,10 @@ def _results(cfg, run, trainer, data, args, before, after, train_out, train_seco
         accuracy_before=before.get("eval_accuracy"), accuracy_after=after.get("eval_accuracy"),
         losses={int(h["step"]): float(h["loss"]) for h in trainer.state.log_history if "loss" in h},
         max_steps=trainer.state.max_steps, learning_rate=args.learning_rate,
-        per_device_train_batch_size=args.per_device_train_batch_size, bf16=bool(args.bf16), fp16=bool(args.fp16),
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        mixed_precision=str(trainer.accelerator.mixed_precision),
+        gradient_checkpointing=bool(getattr(getattr(trainer.model, "base_model", trainer.model),
+                                            "is_gradient_checkpointing", False)),
         world_size=run.world_size, output_dir=args.output_dir, config=dataclasses.asdict(cfg),
         engine="fsdp2" if cfg.fsdp is not None else f"deepspeed-zero{cfg.deepspeed_stage()}" if cfg.deepspeed
         else "ddp" if run.world_size > 1 else "single process",

@@ -58,3 +58,29 @@ def train_on_loader(model, optimizer, loader, times: list | None = None) -> list
         if times is not None:
             times.append(time.perf_counter() - t0)
     return losses
+
+
+# A chat template in the common shape (role headers, the assistant's turn ending in eos), with TRL's generation
+# markers around what the assistant says so assistant-only loss can be asked for.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|assistant|>\n' }}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+
+def chat_llama_checkpoint(path, cache_dir, steps: int = 20) -> str:
+    """A locally saved LLaMA-architecture checkpoint whose tokenizer has a chat template (the test-size default base
+    with :data:`CHAT_TEMPLATE`): what a user's ``--model ./my-llama`` looks like, at test size."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    base = tiny_default_base(cache_dir, steps=steps)
+    shutil.copytree(base, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,170 @@
+"""``hf-dtrain finetune`` as a user with a local LLaMA checkpoint runs it: TRL's three data formats from JSONL files,
+the labels masked where the format says (positions computed here, independently of TRL), packing on and off, bf16
+autocast on CPU, gradient checkpointing, ``--resume-from-checkpoint``, and ``--peft-config`` with saved peft and
+hf_dtrain configs."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from hf_dtrain.cli import main
+from hf_dtrain.finetune import FinetuneConfig, load_base_and_data
+from hf_dtrain.testing import chat_llama_checkpoint
+
+ROWS = 48
+
+
+def _pairs():
+    return [(f"{a}+{b}=", str(a + b)) for a, b in ((i % 7 + 1, (i * 3) % 9 + 1) for i in range(ROWS))]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    model = chat_llama_checkpoint(root / "my-llama", root / "cache", steps=20)
+    files = {}
+    for kind, row in (("text", lambda p, c: {"text": f"{p}{c}"}),
+                      ("prompt-completion", lambda p, c: {"prompt": p, "completion": c}),
+                      ("conversational", lambda p, c: {"messages": [{"role": "user", "content": p[:-1]},
+                                                                    {"role": "assistant", "content": c}]})):
+        path = root / f"{kind}.jsonl"
+        path.write_text("".join(json.dumps(row(p, c)) + "\n" for p, c in _pairs()))
+        files[kind] = str(path)
+    return model, files, root
+
+
+def _config(model, dataset, **settings):
+    return FinetuneConfig.from_dict(dict(model=model, dataset=dataset, eval_size=8, progress=False, report=False,
+                                         **settings))
+
+
+def _expected(tok, kind, row, assistant_only):
+    """(input_ids, labels) the format says, from the tokenizer and the chat template alone."""
+    if kind == "text":
+        ids = tok(row["text"] + tok.eos_token)["input_ids"]
+        return ids, list(ids)
+    if kind == "prompt-completion":
+        prompt = tok(row["prompt"])["input_ids"]
+        ids = tok(row["prompt"] + row["completion"] + tok.eos_token)["input_ids"]
+        assert ids[:len(prompt)] == prompt
+        return ids, [-100] * len(prompt) + ids[len(prompt):]
+    ids = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"]
+    if not assistant_only:
+        return ids, list(ids)
+    head = tok.apply_chat_template(row["messages"][:-1], tokenize=True, add_generation_prompt=True,
+                                   return_dict=True)["input_ids"]
+    assert ids[:len(head)] == head  # the template renders the prompt alone the same way
+    return ids, [-100] * len(head) + ids[len(head):]  # the answer and its eos, nothing of the prompt
+
+
+@pytest.mark.parametrize("kind", ["text", "prompt-completion", "conversational"])
+@pytest.mark.parametrize("packing", [False, True])
+def test_labels_are_masked_where_the_format_says(setup, kind, packing):
+    model, files, _ = setup
+    assistant_only = kind == "conversational"
+    cfg = _config(model, files[kind], assistant_only_loss=assistant_only, packing=packing, max_length=64)
+    data = load_base_and_data(cfg, progress=False, load_model=False)
+    assert data.data_format == {"text": "language modeling"}.get(kind, kind)
+    raw = [json.loads(line) for line in open(files[kind])]
+    want = Counter()
+    for row in raw:
+        ids, labels = _expected(data.tokenizer, kind, row, assistant_only)
+        want[(tuple(ids), tuple(labels))] += 1
+    got = Counter()
+    for row in list(data.train) + list(data.eval):
+        if packing:  # a packed row is whole examples laid end to end: cut it where they start
+            assert sum(row["seq_lengths"]) == len(row["input_ids"]) <= 64
+            start = 0
+            for n in row["seq_lengths"]:
+                got[(tuple(row["input_ids"][start:start + n]), tuple(row["labels"][start:start + n]))] += 1
+                start += n
+        else:
+            got[(tuple(row["input_ids"]), tuple(row["labels"]))] += 1
+    assert got == want
+    if packing:
+        assert len(data.train) < len(raw) - 8  # several examples share a row
+
+
+def _run(out, *argv):
+    main(["finetune", *argv, "--output-dir", str(out), "--eval-size", "8", "--progress", "false", "--report",
+          "false", "--logging-steps", "1", "--per-device-train-batch-size", "4", "--learning-rate", "3e-3"])
+    with open(out / "results.json") as f:
+        return json.load(f)
+
+
+def test_chat_data_trains_with_bf16_autocast_gradient_checkpointing_and_packing(setup):
+    model, files, root = setup
+    r = _run(root / "chat", "--model", model, "--dataset", files["conversational"], "--method", "lora",
+             "--assistant-only-loss", "--packing", "--max-length", "64", "--bf16", "--gradient-checkpointing",
+             "--max-steps", "6")
+    assert r["data_format"] == "conversational" and r["mixed_precision"] == "bf16" and r["gradient_checkpointing"]
+    assert r["accuracy_after"] is None  # exact match is for prompt-completion data
+    assert len(r["losses"]) == 6 and r["eval_loss_after"] < r["eval_loss_before"]
+    assert os.path.isfile(root / "chat" / "adapter_model.safetensors")
+
+
+def test_bf16_autocast_changes_the_numbers_and_checkpointing_does_not(setup):
+    """bf16 really runs (the losses move by bf16 rounding, not more); gradient checkpointing recomputes the same
+    forward (equal losses in fp32)."""
+    model, files, root = setup
+    common = ("--model", model, "--dataset", files["prompt-completion"], "--method", "lora", "--max-steps", "3")
+    fp32 = _run(root / "fp32", *common)
+    bf16 = _run(root / "bf16", *common, "--bf16")
+    ckpt = _run(root / "ckpt", *common, "--gradient-checkpointing")
+    assert fp32["mixed_precision"] == "no" and bf16["mixed_precision"] == "bf16" and ckpt["gradient_checkpointing"]
+    a, b, c = (torch.tensor([r["losses"][str(s)] for s in (1, 2, 3)]) for r in (fp32, bf16, ckpt))
+    assert not torch.equal(a, b) and torch.allclose(a, b, rtol=0.05)
+    torch.testing.assert_close(c, a, rtol=1e-6, atol=0)
+    assert fp32["accuracy_before"] is not None  # prompt-completion: exact match reported
+
+
+def test_resume_from_checkpoint_repeats_the_remaining_losses_exactly(setup):
+    model, files, root = setup
+    common = ("--model", model, "--dataset", files["text"], "--method", "lorafa", "--max-steps", "6",
+              "--save-strategy", "steps", "--save-steps", "3")
+    whole = _run(root / "whole", *common)
+    resumed = _run(root / "resumed", *common, "--resume-from-checkpoint", str(root / "whole" / "checkpoint-3"))
+    assert whole["data_format"] == "language modeling"
+    with open(root / "whole" / "checkpoint-3" / "trainer_state.json") as f:  # what the resumed run started from
+        assert max(h["step"] for h in json.load(f)["log_history"]) == 3
+    assert resumed["losses"] == whole["losses"] and sorted(resumed["losses"], key=int) == ["1", "2", "3", "4", "5", "6"]
+
+
+@pytest.mark.parametrize("which", ["lora", "smt"])
+def test_peft_config_trains_a_saved_peft_or_hf_dtrain_config(setup, which):
+    from peft import LoraConfig, PeftConfig
+
+    from hf_dtrain import SMTConfig
+
+    model, files, root = setup
+    saved = root / f"{which}-config"
+    config = (LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+              if which == "lora" else SMTConfig(target_modules=["q_proj", "v_proj"], block_size=16, num_blocks=3,
+                                                warmup_steps=2))
+    config.save_pretrained(saved)
+    r = _run(root / f"{which}-run", "--model", model, "--dataset", files["prompt-completion"], "--peft-config",
+             str(saved / "adapter_config.json" if which == "lora" else saved), "--max-steps", "4")
+    assert r["method"] == which and len(r["losses"]) == 4
+    trained = PeftConfig.from_pretrained(str(root / f"{which}-run"))
+    assert type(trained) is type(config) and sorted(trained.target_modules) == ["q_proj", "v_proj"]
+    if which == "lora":
+        assert trained.r == 4 and r["trainable_params"] == 2 * 4 * (64 + 64) * 2  # 2 layers x q, v
+    else:
+        assert trained.block_size == 16 and len(trained.block_indices) and r["trainable_params"] == 3 * 16 * 16
+
+
+def test_a_conversational_dataset_without_a_chat_template_is_refused_naming_the_fix(setup, tmp_path):
+    from hf_dtrain.testing import tiny_default_base
+
+    _, files, root = setup
+    plain = tiny_default_base(root / "cache", steps=20)
+    with pytest.raises(ValueError, match=r"no chat template: set --chat-template-path"):
+        load_base_and_data(_config(plain, files["conversational"]), progress=False, load_model=False)
+    with pytest.raises(ValueError, match=r"--assistant-only-loss needs conversational data"):
+        load_base_and_data(_config(plain, files["prompt-completion"], assistant_only_loss=True), progress=False,
+                           load_model=False)
