@@ -21,6 +21,7 @@ import torch
 
 from hf_dtrain.federated import FederatedConfig, FederatedSimulation, dirichlet_split
 from hf_dtrain.finetune import DEFAULT_TASK_TRAIN_SIZE, FinetuneConfig, load_base_and_data
+from hf_dtrain.run import JobRun
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
 FED_METHODS = ("lora", "lorafa", "qbara", "smt", "dora", "qahira")  # peft adapters: the payload
@@ -106,12 +107,9 @@ def client_config(cfg: FedSimulateConfig) -> FederatedConfig:
 
 
 def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
-    from hf_dtrain.distributed import init_distributed
-
     job = cfg.job
-    init_distributed()
-    dist = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    rank = torch.distributed.get_rank() if dist else 0
+    run = JobRun(job, engine="trainer", check=False)  # the process group under a launcher; its own loop, no engine
+    dist, rank = run.world_size > 1, run.rank
     out_dir = job.training.get("output_dir") or os.path.join("outputs", f"fed-{job.method}")
     model, tokenizer, clients, collator, evaluate, base_path = build_federation(cfg, rank, dist)
     fed = client_config(cfg)

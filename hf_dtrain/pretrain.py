@@ -26,8 +26,8 @@ import torch
 from hf_dtrain.parallel.mesh import ParallelConfig
 from hf_dtrain.parallel.pipeline import PipelineConfig
 from hf_dtrain.parallel.tensor import TensorParallelConfig
-from hf_dtrain.compose import (EXCHANGING, ComposeOptions, build_optimizer, check_local_path, fsdp_from_launcher,
-                               keep_sharded, run_identity, shard_with_fsdp, snapshot_config_for, wire_bytes)
+from hf_dtrain.compose import EXCHANGING, ComposeOptions, check_local_path, run_identity, wire_bytes
+from hf_dtrain.run import JobRun
 
 logger = logging.getLogger(__name__)
 
@@ -237,87 +237,34 @@ def _auto_plan(cfg: PretrainConfig, world: int, main: bool) -> dict:
         raise SettingsError(f"--plan auto chose {best.key}, which the runtime refuses: {e}") from None
 
 
-def run_pretrain(cfg: PretrainConfig) -> dict:
-    """Run one pretraining job; return the measured figures (also ``<output_dir>/results.json``)."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+def _checked_layout(cfg: PretrainConfig) -> Optional[dict]:
+    """The mesh degrees against the process count and the model, before any process group (None: no mesh, or
+    ``--plan auto``, which needs the launched ranks)."""
+    if cfg.parallel is None:
+        return None
+    from hf_dtrain.models import llama_config
+    from hf_dtrain.parallel.mesh import check_parallel
+    from hf_dtrain.settings import SettingsError
+
+    clashes = cfg.parallel_clashes()
+    if clashes:
+        raise SettingsError("These switches cannot be combined: " + "; ".join(clashes) + ".")
+    if cfg.parallel.plan == "auto":
+        return None
+    try:
+        return check_parallel(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")), llama_config(cfg.preset),
+                              cfg.pipeline)
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
+
+
+def _loader(cfg: PretrainConfig, train, accelerator, mesh, world: int, rank: int):
+    """``(loader, per-rank batch, loss scale, whether Accelerate should prepare it)`` for the layout: a data-parallel
+    replica's blocks on the mesh, this rank's stream, the heterogeneity-aware sampler, or a shuffled loader."""
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
-
-    from accelerate.utils import DataLoaderConfiguration
-
-    from hf_dtrain.distributed import unwrap_optimizer
-    from hf_dtrain.models import PRESETS, build_llama
-    from hf_dtrain.parallel import local_param_bytes
-
-    # a seedable sampler: epoch e's order depends on (seed, e) only, so a resumed run skips into the same order
-    from hf_dtrain.distributed import RankMonitor, init_distributed
-    from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
-
-    degrees = None
-    if cfg.parallel is not None:  # the degrees against the process count and the model, before any process group
-        from hf_dtrain.models import llama_config
-        from hf_dtrain.parallel.mesh import check_parallel
-
-        from hf_dtrain.settings import SettingsError
-
-        clashes = cfg.parallel_clashes()
-        if clashes:
-            raise SettingsError("These switches cannot be combined: " + "; ".join(clashes) + ".")
-        if cfg.parallel.plan != "auto":  # --plan auto needs the launched ranks: chosen after the group exists
-            try:
-                degrees = check_parallel(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")),
-                                         llama_config(cfg.preset), cfg.pipeline)
-            except ValueError as e:
-                raise SettingsError(str(e)) from None
-    init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
-    handlers = []
-    if cfg.asynchronous_gossip:
-        from accelerate.utils import DistributedDataParallelKwargs
-
-        # asynchronous gossip: a buffer broadcast in every forward would make every step a synchronisation point
-        handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=handlers,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    world, rank = accelerator.num_processes, accelerator.process_index
-    if cfg.parallel is not None and cfg.parallel.plan == "auto":
-        degrees = _auto_plan(cfg, world, accelerator.is_main_process)
-    cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
-    cfg.check(world, engine="accelerate")
-    with accelerator.main_process_first():
-        tokenizer = default_tokenizer(cfg.preset)
-        train, held_out = load_blocks(cfg, tokenizer, rank, world)
-    set_seed(cfg.seed)
-    model = build_llama(cfg.preset, seed=cfg.seed, vocab_size=max(len(tokenizer), PRESETS[cfg.preset]["vocab_size"]))
-    model.train()
-    delta = None
-    if cfg.delta is not None:
-        from hf_dtrain.memory import apply_delta
-
-        delta = apply_delta(model, cfg.delta)  # on the unwrapped model
-    fsdp_exchange = None
-    pipe, mesh, trained = None, None, model
-    if degrees is not None:
-        from hf_dtrain.parallel.mesh import apply_parallelism, build_mesh
-
-        mesh = build_mesh(degrees)
-        pipe, trained = apply_parallelism(model, mesh, batch_size=cfg.per_device_train_batch_size,
-                                          seq_len=cfg.seq_len, tensor_parallel=cfg.tensor_parallel,
-                                          pipeline=cfg.pipeline, fsdp=cfg.fsdp, device=accelerator.device)
-        if pipe is not None and accelerator.is_main_process:
-            print(f"pipeline: {degrees['pp'] * cfg.pipeline.stages_per_rank} stages, layers {pipe.bounds}, "
-                  f"{cfg.pipeline.schedule} over {pipe.n_microbatches} micro-batches", flush=True)
-    elif cfg.fsdp is not None:
-        # before the optimizer: it is built on the sharded parameters; a comm hook compresses the HSDP replica
-        # exchange (the clash check allowed it only with fsdp.replicate >= 2)
-        fsdp_exchange = shard_with_fsdp(model, cfg.fsdp, cfg.comm_hook)
-        keep_sharded(model)
-    optimizer = build_optimizer(cfg, trained, cfg.learning_rate, cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
 
     batch = cfg.per_device_train_batch_size
-    loss_scale = 1.0
-    if degrees is not None:  # a data-parallel replica's tp and pp ranks see the same blocks
+    if mesh is not None:  # a data-parallel replica's tp and pp ranks see the same blocks
         from torch.utils.data import DistributedSampler
 
         from hf_dtrain.parallel.mesh import data_parallel
@@ -328,110 +275,189 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
                              "data-parallel replica; load the dataset (streaming false).")
         sampler = DistributedSampler(train, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=cfg.seed,
                                      drop_last=True)
-        loader = DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True)
-        prepare_loader = False
-    elif callable(train):  # streaming: this rank's blocks in order
+        return DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True), batch, 1.0, False
+    if callable(train):  # streaming: this rank's blocks in order
         from torch.utils.data import IterableDataset
 
         class _Stream(IterableDataset):
             def __iter__(self):
                 return iter(train())
 
-        loader = DataLoader(_Stream(), batch_size=batch)
-        prepare_loader = False
-    elif cfg.hetero_speeds is not None:
+        return DataLoader(_Stream(), batch_size=batch), batch, 1.0, False
+    if cfg.hetero_speeds is not None:
         from hf_dtrain.data import HeterogeneityAwareSampler
 
         sampler = HeterogeneityAwareSampler(None, cfg.hetero_speeds, rank=rank, num_samples=len(train), seed=cfg.seed,
                                             global_batch_size=batch * world)
+        scale = sampler.loss_scale(batch * world)
         batch = sampler.batch_size_for(batch * world)
-        loss_scale = sampler.loss_scale(cfg.per_device_train_batch_size * world)
-        loader = DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True)
-        prepare_loader = False
+        return DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True), batch, scale, False
+    loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    return loader, batch, 1.0, True
+
+
+def _batches(loader, start: int, streaming: bool):
+    """Blocks from the step ``start``: whole epochs skipped by count, then the rest of the epoch skipped; epoch e's
+    order depends on (seed, e) only, so a resumed run skips into the same order."""
+    done = start - 1
+    epoch, skip = (0, done) if streaming else divmod(done, len(loader))
+    if not streaming and len(loader) == 0:
+        raise ValueError("the training data gives no full batch: lower --per-device-train-batch-size or give more "
+                         "data.")
+    while True:
+        for owner in (loader, getattr(loader, "sampler", None)):
+            if hasattr(owner, "set_epoch"):
+                owner.set_epoch(epoch)
+        for i, b in enumerate(loader):
+            if i >= skip:
+                yield b
+        skip = 0
+        epoch += 1
+
+
+def _restore(cfg: PretrainConfig, model, optimizer, scheduler, comm_state, accelerator, rank: int):
+    """The snapshot engine and what it restored: ``(engine, restored, first step, previous results or None)``."""
+    from hf_dtrain.compose import snapshot_config_for
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.fault.snapshot import job_key_for
+
+    stateful = {"comm_hook": comm_state} if hasattr(comm_state, "state_dict") else None
+    engine = SnapshotEngine(model, optimizer, scheduler, config=snapshot_config_for(cfg.fault_tolerance, cfg.output_dir),
+                            stateful=stateful, identity=run_identity(cfg), job_key=job_key_for(cfg.output_dir))
+    restored = engine.restore()
+    if restored is not None and restored.source == "completed":
+        previous = os.path.join(cfg.output_dir, f"results_rank{rank}.json")
+        if accelerator.is_main_process:
+            print(f"this job already completed ({restored.detail}); nothing to do. To run it again, relaunch "
+                  "with --fault-tolerance.fresh-start true", flush=True)
+        engine.close()
+        done = None
+        if os.path.exists(previous):
+            with open(previous) as f:
+                done = json.load(f)
+        return engine, restored, cfg.max_steps + 1, done
+    if restored is not None and accelerator.is_main_process:
+        print(f"resumed after step {restored.step} from {restored.source} ({restored.detail})", flush=True)
+    return engine, restored, (restored.extra["next_step"] if restored is not None else 1), None
+
+
+def _held_out_loss(held_out, trained, unwrapped, pipe, batch: int, device) -> Optional[float]:
+    from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
+
+    if held_out is None or not len(held_out):
+        return None
+    with torch.no_grad():
+        trained.eval()
+        if pipe is not None:  # whole pipeline batches (the micro-batch split must divide them)
+            chunks = [b for b in held_out.split(batch) if len(b) == batch] or [held_out[:0]]
+            losses = [pipe.evaluate(b.to(device), b.to(device)).item() for b in chunks if len(b)]
+        else:
+            with tensor_parallel_loss(unwrapped):
+                losses = [local_loss(unwrapped(input_ids=b.to(device), labels=b.to(device)).loss).item()
+                          for b in held_out.split(16)]
+        trained.train()
+    return sum(losses) / len(losses) if losses else None
+
+
+def _save(cfg: PretrainConfig, run, unwrapped, tokenizer, pipe, mesh, degrees, results) -> None:
+    """results.json, and the model: one safetensors file per pipeline rank and the index, or gathered shards, or
+    rank 0's replica."""
+    if cfg.save_model and pipe is not None:
+        writer = all(mesh[d].get_local_rank() == 0 for d in ("tp", "dp_replicate", "dp_shard"))
+        pipe.save_pretrained(cfg.output_dir, unwrapped.config, writer)
+        run.finish(unwrapped, tokenizer, cfg.output_dir, results, save_model=False)
+        if run.is_main:
+            tokenizer.save_pretrained(cfg.output_dir)
+        return
+    if cfg.save_model and degrees is not None:
+        from hf_dtrain.parallel import save_pretrained
+
+        save_pretrained(unwrapped, cfg.output_dir)  # every rank gathers its shards; rank 0 writes
+        run.finish(unwrapped, tokenizer, cfg.output_dir, results, save_model=False)
+        if run.is_main:
+            tokenizer.save_pretrained(cfg.output_dir)
+        return
+    run.finish(unwrapped, tokenizer, cfg.output_dir, results, save_model=cfg.save_model)
+
+
+def run_pretrain(cfg: PretrainConfig) -> dict:
+    """Run one pretraining job; return the measured figures (also ``<output_dir>/results.json``)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+    from tqdm.auto import tqdm
+
+    from hf_dtrain.distributed import unwrap_optimizer
+    from hf_dtrain.models import PRESETS, build_llama
+    from hf_dtrain.parallel import local_param_bytes
+    from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
+
+    degrees = _checked_layout(cfg)
+    run = JobRun(cfg, engine="accelerate", check=False)
+    handlers = []
+    if cfg.asynchronous_gossip:  # a buffer broadcast in every forward would make every step a synchronisation point
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=handlers,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if cfg.parallel is not None and cfg.parallel.plan == "auto":
+        degrees = _auto_plan(cfg, world, accelerator.is_main_process)
+    cfg.check(world, engine="accelerate")
+    with run.main_first():
+        tokenizer = default_tokenizer(cfg.preset)
+        train, held_out = load_blocks(cfg, tokenizer, rank, world)
+    set_seed(cfg.seed)
+    model = build_llama(cfg.preset, seed=cfg.seed, vocab_size=max(len(tokenizer), PRESETS[cfg.preset]["vocab_size"]))
+    model.train()
+    delta = None
+    if cfg.delta is not None:
+        from hf_dtrain.memory import apply_delta
+
+        delta = apply_delta(model, cfg.delta)  # on the unwrapped model
+    exchange, pipe, mesh, trained = None, None, None, model
+    if degrees is not None:
+        from hf_dtrain.parallel.mesh import apply_parallelism, build_mesh
+
+        mesh = build_mesh(degrees)
+        pipe, trained = apply_parallelism(model, mesh, batch_size=cfg.per_device_train_batch_size,
+                                          seq_len=cfg.seq_len, tensor_parallel=cfg.tensor_parallel,
+                                          pipeline=cfg.pipeline, fsdp=cfg.fsdp, device=accelerator.device)
+        if pipe is not None and run.is_main:
+            print(f"pipeline: {degrees['pp'] * cfg.pipeline.stages_per_rank} stages, layers {pipe.bounds}, "
+                  f"{cfg.pipeline.schedule} over {pipe.n_microbatches} micro-batches", flush=True)
     else:
-        loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True,
-                            generator=torch.Generator().manual_seed(cfg.seed))
-        prepare_loader = True
+        exchange = run.shard(model)
+    optimizer = run.optimizer(trained, cfg.learning_rate, cfg.weight_decay, trainer_default=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
+    loader, batch, loss_scale, prepare_loader = _loader(cfg, train, accelerator, mesh, world, rank)
     if degrees is None:  # the mesh path is laid out already: Accelerate would wrap it in DDP
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if prepare_loader:
         loader = accelerator.prepare(loader)
-    comm_state = None
-    if fsdp_exchange is not None:
-        comm_state = fsdp_exchange
-    elif cfg.comm_hook is not None:
+    comm_state = exchange
+    if exchange is None and (cfg.comm_hook is not None or cfg.optimizer in EXCHANGING):
         from hf_dtrain.comm import register
 
-        comm_state = register(model, cfg.comm_hook, optimizer=optimizer)
-    elif cfg.optimizer in EXCHANGING:
-        from hf_dtrain.comm import register
-
-        register(model, "noop")  # the optimizer exchanges; DDP must not average as well
+        # an exchanging optimizer averages itself: DDP runs the noop hook
+        hooked = register(model, cfg.comm_hook or "noop", optimizer=optimizer if cfg.comm_hook else None)
+        comm_state = hooked if cfg.comm_hook is not None else None
     engine, restored, start = None, None, 1
     if cfg.fault_tolerance is not None:
-        from hf_dtrain.fault import SnapshotEngine
-
-        stateful = {"comm_hook": comm_state} if hasattr(comm_state, "state_dict") else None
-        from hf_dtrain.fault.snapshot import job_key_for
-
-        engine = SnapshotEngine(model, optimizer, scheduler, config=snapshot_config_for(cfg.fault_tolerance,
-                                                                                        cfg.output_dir),
-                                stateful=stateful, identity=run_identity(cfg), job_key=job_key_for(cfg.output_dir))
-        restored = engine.restore()
-        if restored is not None and restored.source == "completed":
-            previous = os.path.join(cfg.output_dir, f"results_rank{rank}.json")
-            if accelerator.is_main_process:
-                print(f"this job already completed ({restored.detail}); nothing to do. To run it again, relaunch "
-                      "with --fault-tolerance.fresh-start true", flush=True)
-            engine.close()
-            if os.path.exists(previous):
-                with open(previous) as f:
-                    return json.load(f)
-            start = cfg.max_steps + 1
-        elif restored is not None:
-            start = restored.extra["next_step"]
-            if accelerator.is_main_process:
-                print(f"resumed after step {restored.step} from {restored.source} ({restored.detail})", flush=True)
-
-    def batches():
-        """Blocks from the step ``start``: whole epochs skipped by count, then the rest of the epoch skipped."""
-        done = start - 1
-        epoch = 0
-        per_epoch = None if callable(train) else len(loader)
-        if per_epoch:
-            epoch, skip = divmod(done, per_epoch)
-        else:
-            skip = done
-        while True:
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            sampler = getattr(loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-            it = iter(loader)
-            for i, b in enumerate(it):
-                if i < skip:
-                    continue
-                yield b
-            skip = 0
-            epoch += 1
-
+        engine, restored, start, done = _restore(cfg, model, optimizer, scheduler, comm_state, accelerator, rank)
+        if done is not None:
+            return done
     history, t0 = [], time.perf_counter()
     os.makedirs(cfg.output_dir, exist_ok=True)
     # one line per step as it happens (kept across a crash and the relaunch: the full curve of a restarted run)
     step_log = open(os.path.join(cfg.output_dir, f"history_rank{rank}.jsonl"), "a")
-    bar = tqdm(total=cfg.max_steps, initial=start - 1, disable=not (cfg.progress and accelerator.is_main_process),
+    bar = tqdm(total=cfg.max_steps, initial=start - 1, disable=not (cfg.progress and run.is_main),
                desc=f"pretrain {cfg.preset}")
-    monitor = RankMonitor(resume_hint="relaunch the same command to resume" + (
-        " from the snapshot processes, which keep the state" if engine is not None else "")) if world > 1 else None
-    with monitor.guard() if monitor is not None else contextlib.nullcontext():
-        step = start - 1
-        for blocks in batches():
-            if step >= cfg.max_steps:
-                break
+    step = start - 1
+    with run.guard(step_of=lambda: step, snapshots=engine is not None):
+        for blocks in (_batches(loader, start, callable(train)) if start <= cfg.max_steps else ()):
             step += 1
-            if monitor is not None:
-                monitor.step = step
             blocks = blocks.to(accelerator.device)
             if pipe is not None:  # forward and backward over the micro-batches; the loss on every rank
                 with accelerator.autocast():  # --mixed_precision bf16 (not prepared by Accelerate: laid out here)
@@ -456,31 +482,18 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             if engine is not None and step % cfg.fault_tolerance.every_n_steps == 0:
                 engine.snapshot(step, extra={"next_step": step + 1})
             bar.update(1)
-            if accelerator.is_main_process and cfg.logging_steps and step % cfg.logging_steps == 0:
+            if run.is_main and cfg.logging_steps and step % cfg.logging_steps == 0:
                 bar.write(f"step {step}: loss {loss.item():.4f}")
+            if step >= cfg.max_steps:
+                break
     bar.close()
     step_log.close()
     if engine is not None:
         engine.wait()
     if hasattr(unwrap_optimizer(optimizer), "finish"):  # asynchronous gossip: the last messages, on every rank
         unwrap_optimizer(optimizer).finish()
-
-    held_loss = None
     unwrapped = accelerator.unwrap_model(model) if degrees is None else model
-    if held_out is not None and len(held_out):
-        with torch.no_grad():
-            trained.eval()
-            if pipe is not None:  # whole pipeline batches (the micro-batch split must divide them)
-                chunks = [b for b in held_out.split(batch) if len(b) == batch] or [held_out[:0]]
-                losses = [pipe.evaluate(b.to(accelerator.device), b.to(accelerator.device)).item()
-                          for b in chunks if len(b)]
-            else:
-                with tensor_parallel_loss(unwrapped):
-                    losses = [local_loss(unwrapped(input_ids=b.to(accelerator.device),
-                                                   labels=b.to(accelerator.device)).loss).item()
-                              for b in held_out.split(16)]
-            trained.train()
-        held_loss = sum(losses) / len(losses) if losses else None
+    held_loss = _held_out_loss(held_out, trained, unwrapped, pipe, batch, accelerator.device)
     results = dict(
         preset=cfg.preset, world_size=world, rank=rank, steps=cfg.max_steps, first_step=start, batch_size=batch,
         history=history, held_out_loss=held_loss,
@@ -497,35 +510,18 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         "fsdp2" if cfg.fsdp is not None else "ddp" if world > 1 else "single process",
         pipeline=None if pipe is None else {"bounds": pipe.bounds, "profile": pipe.costs,
                                             "microbatches": pipe.n_microbatches},
-        param_bytes_local=local_param_bytes(trained),
-        config=dataclasses.asdict(cfg),
+        param_bytes_local=local_param_bytes(trained), config=dataclasses.asdict(cfg),
     )
-    os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
     accelerator.wait_for_everyone()
-    if cfg.save_model and pipe is not None:  # one safetensors file per pipeline rank, and the index
-        writer = mesh["tp"].get_local_rank() == 0 and mesh["dp_replicate"].get_local_rank() == 0 and \
-            mesh["dp_shard"].get_local_rank() == 0
-        pipe.save_pretrained(cfg.output_dir, model.config, writer)
-    elif cfg.save_model and (cfg.fsdp is not None or degrees is not None):
-        from hf_dtrain.parallel import save_pretrained
-
-        save_pretrained(unwrapped, cfg.output_dir)  # every rank gathers its shards; rank 0 writes
-    if accelerator.is_main_process:
-        with open(os.path.join(cfg.output_dir, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        if cfg.save_model:
-            if cfg.fsdp is None and degrees is None:
-                unwrapped.save_pretrained(cfg.output_dir)
-            tokenizer.save_pretrained(cfg.output_dir)
-        first, last = history[0]["loss"] if history else float("nan"), history[-1]["loss"] if history else float("nan")
+    _save(cfg, run, unwrapped, tokenizer, pipe, mesh, degrees, results)
+    if run.is_main:
+        first, last = (history[0]["loss"], history[-1]["loss"]) if history else (float("nan"), float("nan"))
         print(f"pretrain {cfg.preset}: loss {first:.4f} -> {last:.4f}, held-out {held_loss}", flush=True)
     if engine is not None:
         engine.close(shutdown=True)
-    if monitor is not None:
-        monitor.close()
+    run.close_guard()
     if delta is not None:
         delta.remove()
     return results
-

@@ -34,16 +34,20 @@ class JobRun:
         from hf_dtrain.distributed import init_distributed
 
         init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
-        self.cfg = cfg
+        self.cfg, self.engine = cfg, engine
         self.state = PartialState(cpu=not torch.cuda.is_available())
         # the launcher's WORLD_SIZE: PartialState can report 1 under accelerate launch on CPU
         self.world_size = int(os.environ.get("WORLD_SIZE", self.state.num_processes))
         self.rank = int(os.environ.get("RANK", self.state.process_index))
         self.is_main = self.rank == 0
         cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
-        if check:
-            cfg.check(self.world_size, engine=engine, lorafa_optimizer=lorafa_optimizer)
         self.monitor = None
+        if check:
+            self.check(lorafa_optimizer)
+
+    def check(self, lorafa_optimizer: bool = False) -> None:
+        """Refuse switches that clash on this world (before the base model is built or loaded)."""
+        self.cfg.check(self.world_size, engine=self.engine, lorafa_optimizer=lorafa_optimizer)
 
     def main_first(self):
         """Rank 0 first (it builds the default base model or fills a cache), then the others."""

@@ -27,6 +27,7 @@ from hf_dtrain.compose import ComposeOptions
 from hf_dtrain.finetune import FinetuneConfig, load_base_and_data, load_base_model
 from hf_dtrain.fused import FusedConfig, FusedJob, FusedTrainer, measure_job_bytes, plan_groups, stack_batches
 from hf_dtrain.fused.fuse import NOT_FUSABLE, fuse_adapters, fuse_models
+from hf_dtrain.run import JobRun
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
 # method name -> what it is fused as (the peft type; "full": fused copies of the whole model)
@@ -255,18 +256,14 @@ def run_sweep(cfg: SweepConfig) -> dict:
     from transformers import set_seed
 
     from hf_dtrain import tasks
-    from hf_dtrain.distributed import init_distributed
 
     jobs = cfg.jobs
     first = jobs[0]
     method = first.method
     names = [job_name(j, jobs, i) for i, j in enumerate(jobs)]
     out_dir = cfg.output_dir or os.path.join("outputs", f"sweep-{method}")
-    init_distributed()
-    dist = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    world = torch.distributed.get_world_size() if dist else 1
-    rank = torch.distributed.get_rank() if dist else 0
-    main = rank == 0
+    run = JobRun(first, engine="trainer", check=False)  # the process group under a launcher; no engine to check
+    world, rank, main = run.world_size, run.rank, run.is_main
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
     # the base model and each seed's data once, as hf-dtrain finetune loads them (rank 0 first: it builds the
@@ -275,12 +272,8 @@ def run_sweep(cfg: SweepConfig) -> dict:
     for job in jobs:  # each seed its own data, as hf-dtrain finetune draws it
         if job.seed in data:
             continue
-        if main:
-            loaded = load_base_and_data(job, progress=cfg.progress, load_model=False)
-        if dist:
-            torch.distributed.barrier()
-        if not main:
-            loaded = load_base_and_data(job, progress=False, load_model=False)
+        with run.main_first():
+            loaded = load_base_and_data(job, progress=cfg.progress and main, load_model=False)
         data[job.seed] = (loaded.train, loaded.eval)
     base_path, tokenizer = loaded.base_path, loaded.tokenizer
     collator = tasks.sft_collator(tokenizer)

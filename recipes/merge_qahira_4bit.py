@@ -45,7 +45,8 @@ def main(argv=None):
     model = PeftModel.from_pretrained(base, args.adapter).eval()
 
     digits = cfg["task_digits"] or tasks.TASK_DIGITS
-    evalset = tasks.make_task_dataset(tokenizer, args.eval_size, seed=cfg["seed"], split="eval", digits=digits)
+    seed = cfg.get("training", {}).get("seed", 0)  # the Trainer settings the job was given (FinetuneConfig.training)
+    evalset = tasks.make_task_dataset(tokenizer, args.eval_size, seed=seed, split="eval", digits=digits)
     batches = list(DataLoader(evalset, batch_size=50, collate_fn=tasks.task_collator(tokenizer)))
     with torch.no_grad():
         before = [model(**b).logits for b in batches]
