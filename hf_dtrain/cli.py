@@ -1,15 +1,23 @@
 """``hf-dtrain`` console script (also ``python -m hf_dtrain.cli``).
 
 Subcommands:
-  finetune     fine-tune a base model with lora / dora / lorafa / smt / full (see :mod:`hf_dtrain.finetune`)
-  pretrain     pretrain a LLaMA from a LlamaConfig preset (see :mod:`hf_dtrain.pretrain`)
+  finetune     fine-tune any causal LM with lora / dora / lorafa / smt / qbara / qahira / full, or a saved peft
+               config, through TRL's SFTTrainer (see :mod:`hf_dtrain.finetune`)
+  pretrain     pretrain a LLaMA from a LlamaConfig preset; --tp / --pp / --dp-* lay it out on a mesh
+               (see :mod:`hf_dtrain.pretrain`)
   sweep        a grid of finetune jobs trained fused, as one model (see :mod:`hf_dtrain.sweep`)
-  plan         rank the parallelism plans of a model on a machine (see :mod:`hf_dtrain.plan`)
+  fed          federated fine-tuning, simulated on the launched processes: fed simulate (see :mod:`hf_dtrain.fed`)
+  elastic      elastic data-parallel training on hosts that join and leave (hf-dtrain elastic --help)
+  plan         rank the parallelism plans of a model on a machine (hf-dtrain plan --help)
   build-base   build (and cache) the embedded default base model
 
-Both jobs take the engine configs held by :class:`hf_dtrain.compose.ComposeOptions` as flag sections, generated
-from the dataclasses: --comm-hook.* (CommHookConfig), --eva.* / --onebit-lamb.* / --gossip.* (the optimizers),
---delta.* (DeltaConfig), --fault-tolerance.* (SnapshotConfig). A recipe YAML gives the same as nested mappings.
+Every setting is a flag and a recipe YAML key, generated from the typed configs: the engine sections of
+:class:`hf_dtrain.compose.ComposeOptions` (--comm-hook.*, --eva.* / --onebit-lamb.* / --gossip.* / --diloco.*,
+--delta.*, --fault-tolerance.*, --fsdp.*), pretrain's --parallel.* / --tensor-parallel.* / --pipeline.*, each
+fine-tuning method's own section (--smt.*, --lorafa.*, --qbara.*, --qahira.*), and for finetune every field of TRL's
+SFTConfig and transformers' TrainingArguments at the top level (--bf16, --gradient-checkpointing, --learning-rate,
+--lr-scheduler-type, --num-train-epochs, --eval-steps, --save-steps, --resume-from-checkpoint, --packing,
+--assistant-only-loss, --report-to ...). A recipe YAML gives the same, sections as nested mappings.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from hf_dtrain.parallel import local_param_bytes
 from hf_dtrain.parallel.zero import deepspeed_config
 from hf_dtrain.model_card import write_model_card
 from hf_dtrain.run import JobRun
-from hf_dtrain.settings import check_fields
+from hf_dtrain.settings import SettingsError, check_fields
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS
 from hf_dtrain.tuners.smt.job import SMT_TARGETS
 
@@ -390,6 +390,11 @@ def _engine_settings(cfg, run: JobRun) -> dict:
     out = {}
     if cfg.deepspeed:
         out["deepspeed"] = deepspeed_config(cfg.deepspeed)
+    if cfg.fsdp is not None and cfg.training_args().save_strategy != "no":
+        raise SettingsError(f"save_strategy={cfg.training_args().save_strategy.value} with fsdp: the Trainer's "
+                            "checkpoints cannot hold the FSDP2 shards hf_dtrain lays out (the final adapter is "
+                            "gathered and saved at the end); set --save-strategy no, or train on DDP (no --fsdp) for "
+                            "resumable Trainer checkpoints.")
     if cfg.comm_method == "dear" or cfg.optimizer in EXCHANGING:
         # DeAR averages the gradients after step() is called, and the exchanging optimizers never average them:
         # clipping local gradients would be wrong

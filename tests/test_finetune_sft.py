@@ -168,3 +168,58 @@ def test_a_conversational_dataset_without_a_chat_template_is_refused_naming_the_
     with pytest.raises(ValueError, match=r"--assistant-only-loss needs conversational data"):
         load_base_and_data(_config(plain, files["prompt-completion"], assistant_only_loss=True), progress=False,
                            load_model=False)
+
+
+@pytest.mark.slow
+def test_the_fsdp2_chat_recipe_runs_on_two_cpu_processes_with_a_stand_in(setup):
+    """recipes/finetune_llama8b_chat_fsdp2.yaml as written (SMT, bf16, FSDP2 with activation checkpointing,
+    assistant-only loss, packing), with the tiny chat checkpoint and file in place of the 8B model and its dataset,
+    on 2 gloo ranks: the model is sharded, the loss is finite and falls, one adapter is saved."""
+    import subprocess
+    import sys
+
+    from hf_dtrain.testing import free_port
+
+    model, files, root = setup
+    out = root / "recipe-fsdp2"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
+           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune",
+           "--recipe", "recipes/finetune_llama8b_chat_fsdp2.yaml", "--model", model,
+           "--dataset", files["conversational"], "--smt.block-size", "16", "--smt.warmup-steps", "2",
+           "--max-length", "64", "--max-steps", "4", "--gradient-accumulation-steps", "1",
+           "--per-device-train-batch-size", "2", "--learning-rate", "1e-2", "--logging-steps", "1",
+           "--eval-size", "8", "--output-dir", str(out), "--progress", "false", "--report", "false"]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.load(open(out / "results.json"))
+    assert r["engine"] == "fsdp2" and r["world_size"] == 2 and r["mixed_precision"] == "bf16"
+    assert r["data_format"] == "conversational" and r["config"]["fsdp"]["activation_checkpointing"]
+    assert r["param_bytes_local"] < 0.6 * r["total_params"] * 2  # bf16 weights, about half on each rank
+    losses = [r["losses"][k] for k in sorted(r["losses"], key=int)]
+    assert len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert r["eval_loss_after"] < r["eval_loss_before"]
+    assert os.path.isfile(out / "adapter_model.safetensors")
+
+
+def test_the_qlora_qahira_recipe_trains_on_int4_and_merges_exactly(setup):
+    """recipes/finetune_qlora_qahira.yaml with the stand-in checkpoint and chat file: QA-HiRA on the 4-bit base in
+    bf16, then recipes/merge_qahira_4bit.py merges into the 4-bit model with the logits unchanged."""
+    import subprocess
+    import sys
+
+    model, files, root = setup
+    out = root / "recipe-qahira"
+    r = _run(out, "--recipe", "recipes/finetune_qlora_qahira.yaml", "--model", model, "--dataset",
+             files["conversational"], "--quant-group-size", "16", "--max-length", "64", "--max-steps", "4",
+             "--gradient-accumulation-steps", "1")
+    assert r["method"] == "qahira" and r["quantize"] == "int4" and r["mixed_precision"] == "bf16"
+    assert r["eval_loss_after"] < r["eval_loss_before"]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, os.path.join(repo, "recipes", "merge_qahira_4bit.py"), str(out),
+                           "--eval-size", "20"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merge = json.load(open(f"{out}-merged/merge.json"))
+    assert merge["max_abs_logit_diff"] < 1e-4 and merge["reload_max_abs_logit_diff"] == 0
