@@ -110,7 +110,7 @@ def parrot_processes(base_path, rounds, tmp, nproc=2) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), "-m", "hf_dtrain.cli", "fed", "simulate", "--method", "lorafa", "--model", base_path,
            "--train-size", "4000", "--eval-size", "200", "--clients", "100", "--per-round", "10", "--rounds",
-           str(rounds), "--local-steps", "5", "--fed.batch-size", "8", "--lorafa-optimizer", "false",
+           str(rounds), "--local-steps", "5", "--fed.batch-size", "8", "--lorafa.optimizer", "false",
            "--output-dir", out, "--progress", "false", "--report", "false"]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)

@@ -131,7 +131,7 @@ class ComposeOptions:
                 clashes.append(f"optimizer={self.optimizer} needs >= 2 processes; this run has 1")
         if lorafa_optimizer and self.optimizer != "adamw":
             clashes.append(f"two optimizers: --method lorafa builds its own (create_lorafa_optimizer) and "
-                           f"--optimizer {self.optimizer} would replace it; set --lorafa-optimizer false to use "
+                           f"--optimizer {self.optimizer} would replace it; set --lorafa.optimizer false to use "
                            f"{self.optimizer}")
         if self.fault_tolerance is not None and self.comm_method == "dear":
             clashes.append("comm_hook=dear defers each update into the next forward, so a snapshot at the step "
