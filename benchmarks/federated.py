@@ -40,8 +40,8 @@ def _config(base_path, out, rounds, clients=100, per_round=10, local_steps=5, up
     from hf_dtrain.federated import FederatedConfig
     from hf_dtrain.finetune import FinetuneConfig
 
-    job = FinetuneConfig(method="lorafa", model=base_path, train_size=4000, eval_size=200, output_dir=out,
-                         progress=False, report=False, lorafa_optimizer=False)
+    job = FinetuneConfig.from_dict(dict(method="lorafa", model=base_path, train_size=4000, eval_size=200,
+                                        output_dir=out, progress=False, report=False, lorafa={"optimizer": False}))
     return FedSimulateConfig(job=job, fed=FederatedConfig(clients=clients, per_round=per_round, rounds=rounds,
                                                           local_steps=local_steps, batch_size=8, uplink=uplink,
                                                           uplink_rank=rank))

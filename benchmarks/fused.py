@@ -33,8 +33,9 @@ def jobs_for(method: str, k: int, batch: int, steps: int):
     from hf_dtrain.finetune import FinetuneConfig
     from hf_dtrain.sweep import expand_grid
 
-    base = FinetuneConfig(method=method, max_steps=steps, per_device_train_batch_size=batch, warmup_steps=2,
-                          train_size=4000, eval_size=16, progress=False, report=False, logging_steps=1000)
+    base = FinetuneConfig.from_dict(dict(method=method, max_steps=steps, per_device_train_batch_size=batch,
+                                         warmup_steps=2, train_size=4000, eval_size=16, progress=False, report=False,
+                                         logging_steps=1000))
     grid = expand_grid(base, learning_rate=LRS, lora_r=RANKS, seed=SEEDS)  # 16 jobs
     return grid[:k]
 
@@ -51,13 +52,14 @@ def time_trainer(job, base_path, warm: int) -> float:
     from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
     model, tok = load_model_and_tokenizer(base_path)
-    train = tasks.make_task_dataset(tok, job.train_size, seed=job.seed, split="train")
-    set_seed(job.seed)
+    a = job.training_args()
+    train = tasks.make_task_dataset(tok, job.train_size, seed=a.seed, split="train")
+    set_seed(a.seed)
     cfg = build_peft_config(job, model)
     if cfg is not None:
         model = get_peft_model(model, cfg)
     own = FINETUNE_METHODS[job.method].build_optimizer
-    opt = own(job, model, job.learning_rate, 0.0) if own is not None else None
+    opt = own(job, model, a.learning_rate, 0.0) if own is not None else None
     times = []
 
     class Clock(TrainerCallback):
@@ -67,10 +69,10 @@ def time_trainer(job, base_path, warm: int) -> float:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
 
-    args = TrainingArguments(output_dir="/tmp/hf_dtrain_bench_fused", max_steps=job.max_steps,
-                             learning_rate=job.learning_rate, per_device_train_batch_size=job.per_device_train_batch_size,
-                             warmup_steps=job.warmup_steps, lr_scheduler_type="linear", seed=job.seed,
-                             data_seed=job.seed, use_cpu=True, report_to=[], save_strategy="no",
+    args = TrainingArguments(output_dir="/tmp/hf_dtrain_bench_fused", max_steps=a.max_steps,
+                             learning_rate=a.learning_rate, per_device_train_batch_size=a.per_device_train_batch_size,
+                             warmup_steps=a.warmup_steps, lr_scheduler_type="linear", seed=a.seed,
+                             data_seed=a.seed, use_cpu=True, report_to=[], save_strategy="no",
                              logging_steps=1000, disable_tqdm=True, remove_unused_columns=False, max_grad_norm=1.0)
     trainer = Trainer(model=model, args=args, data_collator=tasks.task_collator(tok), train_dataset=train,
                       callbacks=[Clock()], optimizers=(opt, None))
@@ -108,14 +110,15 @@ def time_fused(jobs, base_path, warm: int, profile: bool = False):
                 peft_model.add_adapter(name, cfg)
         fused = fuse_adapters(peft_model, names)
     collator = tasks.task_collator(tok)
-    fjobs = [FusedJob(n, j.learning_rate, _job_loader(j, tasks.make_task_dataset(tok, j.train_size, seed=j.seed,
+    args = [j.training_args() for j in jobs]
+    fjobs = [FusedJob(n, a.learning_rate, _job_loader(j, tasks.make_task_dataset(tok, j.train_size, seed=a.seed,
                                                                                      split="train"), collator, 1, 0),
-                      warmup_steps=j.warmup_steps) for n, j in zip(names, jobs)]
-    rule = "lorafa" if jobs[0].method == "lorafa" and jobs[0].lorafa_optimizer else "adamw"
-    trainer = FusedTrainer(fused, fjobs, jobs[0].max_steps, FusedConfig(), pad_id=tok.pad_token_id or 0,
-                           optimizer_rule=rule)
+                      warmup_steps=int(a.warmup_steps)) for n, j, a in zip(names, jobs, args)]
+    rule = "lorafa" if jobs[0].method == "lorafa" and jobs[0].lorafa.optimizer else "adamw"
+    steps = args[0].max_steps
+    trainer = FusedTrainer(fused, fjobs, steps, FusedConfig(), pad_id=tok.pad_token_id or 0, optimizer_rule=rule)
     prof = None
-    for i in range(jobs[0].max_steps):
+    for i in range(steps):
         if profile and i == warm:
             import torch.profiler as tp
 
@@ -124,7 +127,7 @@ def time_fused(jobs, base_path, warm: int, profile: bool = False):
                     trainer.step()
             prof = _profile_rows(p)
             continue
-        if trainer.global_step >= jobs[0].max_steps:
+        if trainer.global_step >= steps:
             break
         trainer.step()
     return statistics.median(trainer.step_seconds[warm:]), prof

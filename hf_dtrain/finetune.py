@@ -390,6 +390,12 @@ def _engine_settings(cfg, run: JobRun) -> dict:
     out = {}
     if cfg.deepspeed:
         out["deepspeed"] = deepspeed_config(cfg.deepspeed)
+    if "optim" in cfg.training and (cfg.optimizer != "adamw" or (cfg.method == "lorafa" and cfg.lorafa.optimizer)):
+        other = (f"--optimizer {cfg.optimizer}" if cfg.optimizer != "adamw"
+                 else "LoRA-FA's own optimizer (--lorafa.optimizer true)")
+        raise SettingsError(f"--optim {cfg.training['optim']} is the Trainer's optimizer, and {other} would replace it "
+                            "silently: drop --optim, or use it with --optimizer adamw"
+                            + (" and --lorafa.optimizer false." if cfg.method == "lorafa" else "."))
     if cfg.fsdp is not None and cfg.training_args().save_strategy != "no":
         raise SettingsError(f"save_strategy={cfg.training_args().save_strategy.value} with fsdp: the Trainer's "
                             "checkpoints cannot hold the FSDP2 shards hf_dtrain lays out (the final adapter is "

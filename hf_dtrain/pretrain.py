@@ -455,9 +455,11 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     bar = tqdm(total=cfg.max_steps, initial=start - 1, disable=not (cfg.progress and run.is_main),
                desc=f"pretrain {cfg.preset}")
     step = start - 1
-    with run.guard(step_of=lambda: step, snapshots=engine is not None):
+    with run.guard(snapshots=engine is not None):
         for blocks in (_batches(loader, start, callable(train)) if start <= cfg.max_steps else ()):
             step += 1
+            if run.monitor is not None:
+                run.monitor.step = step  # published at once: a dead rank is named with the step it was on
             blocks = blocks.to(accelerator.device)
             if pipe is not None:  # forward and backward over the micro-batches; the loss on every rank
                 with accelerator.autocast():  # --mixed_precision bf16 (not prepared by Accelerate: laid out here)

@@ -23,7 +23,7 @@ def test_clashes_are_refused_naming_both_sides(kwargs, world, engine, expected):
 
 
 def test_two_optimizers_and_deepspeed_clashes(tmp_path):
-    with pytest.raises(ValueError, match=r"two optimizers: --method lorafa builds its own .* --lorafa-optimizer false"):
+    with pytest.raises(ValueError, match=r"two optimizers: --method lorafa builds its own .* --lorafa.optimizer false"):
         ComposeOptions(optimizer="eva").check(2, "trainer", lorafa_optimizer=True)
     zero3 = tmp_path / "ds.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))

@@ -223,3 +223,15 @@ def test_the_qlora_qahira_recipe_trains_on_int4_and_merges_exactly(setup):
     assert proc.returncode == 0, proc.stderr[-3000:]
     merge = json.load(open(f"{out}-merged/merge.json"))
     assert merge["max_abs_logit_diff"] < 1e-4 and merge["reload_max_abs_logit_diff"] == 0
+
+
+def test_settings_an_engine_would_override_are_refused_before_any_step(setup):
+    from hf_dtrain.finetune import run_finetune
+    from hf_dtrain.settings import SettingsError
+
+    model, files, _ = setup
+    for data, message in (({"method": "lorafa", "optim": "sgd"}, r"--optim sgd .*LoRA-FA's own optimizer"),
+                          ({"method": "lora", "optim": "sgd", "optimizer": "eva"}, r"--optim sgd .*--optimizer eva"),
+                          ({"method": "lora", "fsdp": True, "save_strategy": "steps"}, r"save_strategy=steps with fsdp")):
+        with pytest.raises(SettingsError, match=message):
+            run_finetune(_config(model, files["text"], **data))

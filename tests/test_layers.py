@@ -16,7 +16,7 @@ LAYERS = [
     ("base", {"distributed", "quantization", "models", "tasks", "settings", "optimizer_wrapper"}),
     ("engines", {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault", "parallel", "federated", "split"}),
     ("engines over the tuners", {"fused"}),  # it fuses the tuners' adapters, so it knows their layers
-    ("composition", {"compose", "callbacks", "model_card"}),
+    ("composition", {"compose", "run", "callbacks", "model_card"}),
     ("jobs", {"finetune", "pretrain", "plan", "sweep", "fed", "elastic"}),
     ("cli", {"cli"}),
 ]
