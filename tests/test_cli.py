@@ -146,8 +146,8 @@ def test_finetune_smt_end_to_end(base_path, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, quantize", [("qahira", "hqq4"), ("qbara", "nf4"), ("qahira", "int4")])
-def test_finetune_on_a_4bit_base_end_to_end(base_path, tmp_path, method, quantize):
+@pytest.mark.parametrize("method, quantize", [("qahira", "hqq4"), ("qbara", "nf4")])  # int4 + the merge: the QLoRA
+def test_finetune_on_a_4bit_base_end_to_end(base_path, tmp_path, method, quantize):       # recipe's test
     """Train on a 4-bit base (evaluated before training: bitsandbytes must keep its gradients), save, and reload the
     adapter onto the same 4-bit base in a fresh process with identical logits."""
     if quantize == "hqq4":
