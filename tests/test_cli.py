@@ -97,7 +97,7 @@ def base_path(tmp_path_factory):
 
 def _finetune(base_path, out, method, **kw):
     cfg = FinetuneConfig.from_dict(dict(method=method, model=base_path, output_dir=str(out), task_digits=1,
-                                        train_size=2000, eval_size=10, max_steps=kw.pop("max_steps", 800),
+                                        train_size=2000, eval_size=10, max_steps=kw.pop("max_steps", 500),
                                         per_device_train_batch_size=16, logging_steps=1000, progress=False, **kw))
     return run_finetune(cfg)
 
