@@ -12,6 +12,7 @@ Under ``torchrun`` / ``accelerate launch`` the processes share the clients; the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -46,6 +47,18 @@ class FedSimulateConfig:
             if dataclasses.asdict(self.job).get(name) != value:
                 raise ValueError(f"{name} is set, but hf-dtrain fed simulate runs its own loop (clients trained one "
                                  f"after another, Parrot's aggregation); leave {name} at its default.")
+        unsupported = sorted(set(self.job.training) - FED_TRAINER_SETTINGS)
+        if unsupported:
+            raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in unsupported)} given, but hf-dtrain fed "
+                             "simulate runs its own client loop (--fed.* sets it) and takes only these Trainer "
+                             f"settings: {', '.join(sorted(FED_TRAINER_SETTINGS))}.")
+
+
+# the Trainer settings the federation honours: the data's preparation, the seed, the clients' learning rate (when
+# --fed.client-lr is not given), where it writes; the others are refused rather than ignored
+FED_TRAINER_SETTINGS = {"learning_rate", "seed", "output_dir", "max_length", "truncation_mode", "dataset_text_field",
+                        "completion_only_loss", "assistant_only_loss", "chat_template_path", "report_to",
+                        "disable_tqdm", "logging_steps", "use_cpu"}
 
 
 def _labels(job: FinetuneConfig, dataset) -> list | None:
@@ -61,20 +74,17 @@ def _labels(job: FinetuneConfig, dataset) -> list | None:
     return None
 
 
-def build_federation(cfg: FedSimulateConfig, rank: int = 0, dist: bool = False):
-    """``(peft model, tokenizer, client datasets, collator, eval function, base path)`` as the job builds them."""
+def build_federation(cfg: FedSimulateConfig, run: JobRun | None = None):
+    """``(peft model, tokenizer, client datasets, collator, eval function, base path)`` as the job builds them (with
+    ``run``, rank 0 first: it builds the embedded default base; the others read the cache)."""
     from peft import get_peft_model
     from transformers import set_seed
 
     from hf_dtrain import tasks
 
     job, fed = cfg.job, cfg.fed
-    if rank == 0:  # builds the embedded default base first; the others read the cache
-        data = load_base_and_data(job, progress=job.progress)
-    if dist:
-        torch.distributed.barrier()
-    if rank != 0:
-        data = load_base_and_data(job, progress=False)
+    with run.main_first() if run is not None else contextlib.nullcontext():
+        data = load_base_and_data(job, progress=job.progress and (run is None or run.is_main))
     model, tokenizer, base_path, train, evalset = data.model, data.tokenizer, data.base_path, data.train, data.eval
     labels = _labels(job, train)
     split = dirichlet_split(labels if labels is not None else [0] * len(train), fed.clients,
@@ -109,9 +119,9 @@ def client_config(cfg: FedSimulateConfig) -> FederatedConfig:
 def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
     job = cfg.job
     run = JobRun(job, engine="trainer", check=False)  # the process group under a launcher; its own loop, no engine
-    dist, rank = run.world_size > 1, run.rank
+    rank = run.rank
     out_dir = job.training.get("output_dir") or os.path.join("outputs", f"fed-{job.method}")
-    model, tokenizer, clients, collator, evaluate, base_path = build_federation(cfg, rank, dist)
+    model, tokenizer, clients, collator, evaluate, base_path = build_federation(cfg, run)
     fed = client_config(cfg)
     sim = FederatedSimulation(model, clients, collator, fed,
                               state_dir=os.path.join(out_dir, "client_states"), eval_fn=evaluate)

@@ -215,12 +215,9 @@ class FinetuneJob(ComposeOptions):
             raise ValueError(f"the Trainer's settings were refused by SFTConfig: {e}") from None
 
     @property
-    def output_dir(self) -> str:
-        return self.training.get("output_dir") or self.training_defaults()["output_dir"]
-
-    @property
     def seed(self) -> int:
-        return int(self.training.get("seed", 0))
+        """The Trainer's seed (adapter init, data order, the default task's draw)."""
+        return int(self.training.get("seed", self.training_defaults()["seed"]))
 
 
 def _finetune_config_class():
@@ -309,7 +306,6 @@ class BaseAndData:
     train: object
     eval: object
     data_format: str
-    args: object  # the SFTConfig the data was prepared with
 
 
 def load_base_model(cfg, base_path: str):
@@ -365,7 +361,7 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
     eval_packing = args.packing if args.eval_packing is None else args.eval_packing
     train = tasks.prepare_sft_dataset(train, tokenizer, args)
     held = tasks.prepare_sft_dataset(held, tokenizer, args, packing=eval_packing)
-    return BaseAndData(model, tokenizer, base_path, train, held, kind, args)
+    return BaseAndData(model, tokenizer, base_path, train, held, kind)
 
 
 def engine_callbacks(cfg, output_dir: str):
@@ -396,8 +392,9 @@ def _engine_settings(cfg, run: JobRun) -> dict:
         raise SettingsError(f"--optim {cfg.training['optim']} is the Trainer's optimizer, and {other} would replace it "
                             "silently: drop --optim, or use it with --optimizer adamw"
                             + (" and --lorafa.optimizer false." if cfg.method == "lorafa" else "."))
-    if cfg.fsdp is not None and cfg.training_args().save_strategy != "no":
-        raise SettingsError(f"save_strategy={cfg.training_args().save_strategy.value} with fsdp: the Trainer's "
+    save_strategy = cfg.training_args().save_strategy
+    if cfg.fsdp is not None and save_strategy != "no":
+        raise SettingsError(f"save_strategy={save_strategy.value} with fsdp: the Trainer's "
                             "checkpoints cannot hold the FSDP2 shards hf_dtrain lays out (the final adapter is "
                             "gathered and saved at the end); set --save-strategy no, or train on DDP (no --fsdp) for "
                             "resumable Trainer checkpoints.")
@@ -405,7 +402,7 @@ def _engine_settings(cfg, run: JobRun) -> dict:
         # DeAR averages the gradients after step() is called, and the exchanging optimizers never average them:
         # clipping local gradients would be wrong
         if cfg.training.get("max_grad_norm", 0) not in (0, 0.0, None):
-            raise ValueError(f"max_grad_norm={cfg.training['max_grad_norm']}: with "
+            raise SettingsError(f"max_grad_norm={cfg.training['max_grad_norm']}: with "
                              f"{'--comm-hook dear' if cfg.comm_method == 'dear' else '--optimizer ' + cfg.optimizer} "
                              "the gradients are not averaged at clipping time; set --max-grad-norm 0.")
         out["max_grad_norm"] = 0.0
@@ -456,8 +453,8 @@ def _select_smt_blocks(cfg, run, model, data, args, callbacks) -> None:
     from hf_dtrain import tasks
 
     sampler = DistributedSampler(data.train, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(data.train.with_format(None), batch_size=args.per_device_train_batch_size, sampler=sampler,
-                        collate_fn=tasks.sft_collator(data.tokenizer))
+    loader = DataLoader(data.train, batch_size=args.per_device_train_batch_size, sampler=sampler,
+                        collate_fn=tasks.sft_collator(data.tokenizer, args))
     warmup = model.peft_config[model.active_adapter].warmup_steps
     smt_warmup(model, loader, num_steps=warmup)
 

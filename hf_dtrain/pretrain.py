@@ -11,7 +11,6 @@ loss, bytes per step, DELTA's saved bytes, snapshots and the restore source) and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -258,7 +257,7 @@ def _checked_layout(cfg: PretrainConfig) -> Optional[dict]:
         raise SettingsError(str(e)) from None
 
 
-def _loader(cfg: PretrainConfig, train, accelerator, mesh, world: int, rank: int):
+def _loader(cfg: PretrainConfig, train, mesh, world: int, rank: int):
     """``(loader, per-rank batch, loss scale, whether Accelerate should prepare it)`` for the layout: a data-parallel
     replica's blocks on the mesh, this rank's stream, the heterogeneity-aware sampler, or a shuffled loader."""
     from torch.utils.data import DataLoader
@@ -300,11 +299,11 @@ def _loader(cfg: PretrainConfig, train, accelerator, mesh, world: int, rank: int
 def _batches(loader, start: int, streaming: bool):
     """Blocks from the step ``start``: whole epochs skipped by count, then the rest of the epoch skipped; epoch e's
     order depends on (seed, e) only, so a resumed run skips into the same order."""
-    done = start - 1
-    epoch, skip = (0, done) if streaming else divmod(done, len(loader))
     if not streaming and len(loader) == 0:
         raise ValueError("the training data gives no full batch: lower --per-device-train-batch-size or give more "
                          "data.")
+    done = start - 1
+    epoch, skip = (0, done) if streaming else divmod(done, len(loader))
     while True:
         for owner in (loader, getattr(loader, "sampler", None)):
             if hasattr(owner, "set_epoch"):
@@ -370,15 +369,9 @@ def _save(cfg: PretrainConfig, run, unwrapped, tokenizer, pipe, mesh, degrees, r
         if run.is_main:
             tokenizer.save_pretrained(cfg.output_dir)
         return
-    if cfg.save_model and degrees is not None:
-        from hf_dtrain.parallel import save_pretrained
-
-        save_pretrained(unwrapped, cfg.output_dir)  # every rank gathers its shards; rank 0 writes
-        run.finish(unwrapped, tokenizer, cfg.output_dir, results, save_model=False)
-        if run.is_main:
-            tokenizer.save_pretrained(cfg.output_dir)
-        return
-    run.finish(unwrapped, tokenizer, cfg.output_dir, results, save_model=cfg.save_model)
+    # a mesh holds DTensor shards even without FSDP: every rank gathers, rank 0 writes
+    run.finish(unwrapped, tokenizer, cfg.output_dir, results, save_model=cfg.save_model,
+               gather=True if degrees is not None else None)
 
 
 def run_pretrain(cfg: PretrainConfig) -> dict:
@@ -431,7 +424,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         exchange = run.shard(model)
     optimizer = run.optimizer(trained, cfg.learning_rate, cfg.weight_decay, trainer_default=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
-    loader, batch, loss_scale, prepare_loader = _loader(cfg, train, accelerator, mesh, world, rank)
+    loader, batch, loss_scale, prepare_loader = _loader(cfg, train, mesh, world, rank)
     if degrees is None:  # the mesh path is laid out already: Accelerate would wrap it in DDP
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if prepare_loader:

@@ -21,8 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hf_dtrain.compose import (build_optimizer, fsdp_from_launcher, keep_sharded, shard_with_fsdp,
-                               snapshot_config_for)
+from hf_dtrain.compose import build_optimizer, fsdp_from_launcher, keep_sharded, shard_with_fsdp
 
 
 class JobRun:
@@ -74,9 +73,6 @@ class JobRun:
             return None
         return build_optimizer(self.cfg, model, lr, weight_decay)
 
-    def snapshot_config(self, output_dir: str):
-        return None if self.cfg.fault_tolerance is None else snapshot_config_for(self.cfg.fault_tolerance, output_dir)
-
     def guard(self, step_of: Optional[Callable[[], int]] = None, snapshots: bool = False):
         """With 2+ ranks, a :class:`~hf_dtrain.distributed.RankMonitor`: a rank that dies makes the others exit
         naming it, with the hint to relaunch."""
@@ -95,17 +91,19 @@ class JobRun:
             self.monitor = None
 
     def finish(self, model, tokenizer, output_dir: str, results: dict, save_model: bool = True,
-               write: Optional[Callable[[], None]] = None) -> None:
-        """Save ``model`` (every rank gathers FSDP2 / ZeRO-3 shards, rank 0 writes; rank 0 alone otherwise) with
-        its tokenizer, write ``results.json`` and call ``write`` on rank 0, then wait for every rank."""
-        if save_model and self.sharded or (save_model and self.cfg.deepspeed):
+               write: Optional[Callable[[], None]] = None, gather: Optional[bool] = None) -> None:
+        """Save ``model`` (every rank gathers FSDP2 / ZeRO / DTensor shards and rank 0 writes when ``gather``, by
+        default for FSDP2 and DeepSpeed; rank 0 alone otherwise) with its tokenizer, write ``results.json`` and call
+        ``write`` on rank 0, then wait for every rank."""
+        gather = (self.sharded or bool(self.cfg.deepspeed)) if gather is None else gather
+        if save_model and gather:
             from hf_dtrain.parallel import save_pretrained
 
             save_pretrained(model, output_dir)
         if self.is_main:
             os.makedirs(output_dir, exist_ok=True)
             if save_model:
-                if not (self.sharded or self.cfg.deepspeed):
+                if not gather:
                     model.save_pretrained(output_dir)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(output_dir)

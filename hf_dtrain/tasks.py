@@ -95,9 +95,6 @@ def addition_dataset(n: int, seed: int = 0, split: str = "train", digits: int = 
     return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
 
 
-# dataset formats TRL's SFTTrainer takes (https://huggingface.co/docs/trl/dataset_formats), by the columns they need
-FORMATS = {"conversational": ("messages",), "prompt-completion": ("prompt", "completion"),
-           "language modeling": ("text",)}
 DATA_FILE_TYPES = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "txt": "text"}
 
 
@@ -180,11 +177,14 @@ def prepare_sft_dataset(dataset, tokenizer, args, packing: bool | None = None):
     return out.select_columns([c for c in ("input_ids", "labels", "seq_lengths") if c in out.column_names])
 
 
-def sft_collator(tokenizer, padding_free: bool = False):
-    """TRL's collator for prepared datasets: pads input_ids with the pad token and labels with -100, and gives the
-    attention mask (position ids instead when ``padding_free``)."""
+def sft_collator(tokenizer, args=None):
+    """TRL's collator for prepared datasets, as the ``SFTTrainer`` builds it for ``args`` (an ``SFTConfig``): pads
+    input_ids with the pad token and labels with -100 and gives the attention mask, or, padding-free (``padding_free``,
+    or best-fit packing), position ids that keep attention within each packed example."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+    padding_free = args is not None and (args.padding_free or (args.packing and args.packing_strategy in
+                                                               ("bfd", "bfd_split")))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return DataCollatorForLanguageModeling(pad_token_id=pad, padding_free=padding_free)
 

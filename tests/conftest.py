@@ -17,3 +17,26 @@ def tiny_base_dir(tmp_path):
     path = tmp_path / "base"
     tiny_llama().save_pretrained(path)
     return str(path), AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.fixture
+def merge_qahira_exactly():
+    """Runs ``recipes/merge_qahira_4bit.py`` on a trained QA-HiRA adapter directory and checks the merged 4-bit
+    model's logits equal the adapter model's, before and after a save and reload."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+
+    def check(adapter_dir, eval_size: int = 50) -> dict:
+        proc = subprocess.run([sys.executable, os.path.join(repo, "recipes", "merge_qahira_4bit.py"),
+                               str(adapter_dir), "--eval-size", str(eval_size)], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        merge = json.load(open(f"{adapter_dir}-merged/merge.json"))
+        assert merge["max_abs_logit_diff"] < 1e-4 and merge["reload_max_abs_logit_diff"] == 0
+        return merge
+
+    return check

@@ -147,7 +147,7 @@ def test_finetune_smt_end_to_end(base_path, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, quantize", [("qahira", "hqq4"), ("qbara", "nf4")])  # int4 + the merge: the QLoRA
-def test_finetune_on_a_4bit_base_end_to_end(base_path, tmp_path, method, quantize):       # recipe's test
+def test_finetune_on_a_4bit_base_end_to_end(base_path, tmp_path, method, quantize, merge_qahira_exactly):       # recipe's test
     """Train on a 4-bit base (evaluated before training: bitsandbytes must keep its gradients), save, and reload the
     adapter onto the same 4-bit base in a fresh process with identical logits."""
     if quantize == "hqq4":
@@ -178,13 +178,7 @@ sys.stdout.write(json.dumps({{"plain": plain, "adapted": adapted}}))
     assert first["adapted"] == second["adapted"]  # the saved adapter reloads deterministically onto the 4-bit base
     assert first["plain"] != first["adapted"]  # and it is the trained adapter that was loaded
     if method == "qahira":  # the recipe merges into the 4-bit model exactly, saves it, and reads it back
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        proc = subprocess.run([sys.executable, os.path.join(root, "recipes", "merge_qahira_4bit.py"), str(out),
-                               "--eval-size", "50"], capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        merge = json.load(open(f"{out}-merged/merge.json"))
-        assert merge["max_abs_logit_diff"] < 1e-4 and merge["reload_max_abs_logit_diff"] == 0
+        merge_qahira_exactly(out)
 
 
 @pytest.mark.slow

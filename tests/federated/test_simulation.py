@@ -227,3 +227,7 @@ def test_the_fed_recipe_reaches_the_configs():
         from hf_dtrain.finetune import FinetuneConfig
 
         FedSimulateConfig(job=FinetuneConfig(comm_hook="acp_sgd"))
+    # a Trainer setting the client loop would ignore is refused, not dropped (the flags are finetune's)
+    with pytest.raises(ValueError, match=r"--bf16, --packing given, but hf-dtrain fed simulate runs its own"):
+        FedSimulateConfig(job=FinetuneConfig.from_dict({"bf16": True, "packing": True}))
+    assert FedSimulateConfig(job=FinetuneConfig.from_dict({"learning_rate": 1e-3})).job.training["learning_rate"] == 1e-3
