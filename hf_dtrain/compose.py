@@ -189,10 +189,6 @@ class ComposeOptions:
         if self.optimizer in EXCHANGING:
             out.append(f"optimizer={self.optimizer} exchanges whole gradients/parameters between replicas; under "
                        "FSDP2 each rank holds a shard, not a replica: use --optimizer adamw")
-        if self.fault_tolerance is not None and engine == "trainer":
-            out.append("fault_tolerance with fsdp under the Trainer: the callback resumes through a Trainer "
-                       "checkpoint, which does not hold FSDP2 shards yet; use hf-dtrain pretrain --fsdp "
-                       "--fault-tolerance (or SnapshotEngine in your own Accelerate loop), or DDP with the Trainer")
         return out
 
 

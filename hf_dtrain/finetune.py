@@ -208,6 +208,11 @@ class FinetuneJob(ComposeOptions):
         passed to ``SFTConfig`` as they are; ``engine``: what the job's engines set (DeepSpeed's config...)."""
         from trl import SFTConfig
 
+        from hf_dtrain.distributed import init_distributed
+
+        # TrainingArguments sets up the process group as it is built: under torchrun's / accelerate's restarts it
+        # must use this generation's own store keys (a restarted generation would read the dead one's addresses)
+        init_distributed()
         kwargs = {**self.training_defaults(), **self.training, **engine}
         try:
             return SFTConfig(**kwargs)

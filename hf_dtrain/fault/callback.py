@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from .config import SnapshotConfig
-from .snapshot import Restored, SnapshotEngine, SnapshotError, _unwrap, job_key_for
+from .snapshot import Restored, SnapshotEngine, SnapshotError, job_key_for
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,9 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))   # None on a fresh start
 
     ``resume_checkpoint`` restores the newest snapshot every rank has (memory, else parity, else disk; logged and in
-    ``self.restored``) and writes it as a Trainer checkpoint in a private directory, which ``train`` then resumes
-    from. Every setting is a field of :class:`~hf_dtrain.fault.SnapshotConfig` (also accepted as keywords:
+    ``self.restored``) and returns a private directory with the Trainer's progress and RNG states, which ``train``
+    resumes from (data position, log history); ``train`` gets the model's and optimizer's state in place, each rank
+    its own tensors, so DDP replicas, PEFT adapters and FSDP2 shards (hf_dtrain's or Accelerate's) resume alike. Every setting is a field of :class:`~hf_dtrain.fault.SnapshotConfig` (also accepted as keywords:
     ``InMemoryFaultToleranceCallback(every_n_steps=1, parity=1)``)."""
 
     # TrainingArguments that change what is trained: part of the run identity every snapshot records
@@ -47,6 +48,8 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         self.engine: Optional[SnapshotEngine] = None
         self.restored: Optional[Restored] = None
         self.snapshots = 0  # taken in this process's run (after train: the count)
+        self._deferred: Optional[int] = None  # a step whose snapshot waits for the Trainer's log of it (on_log)
+        self._trainer = None  # whose checkpoint loaders resume_checkpoint replaced until train() begins
 
     def add_stateful(self, name: str, obj) -> None:
         """Keep ``obj`` (``state_dict()`` / ``load_state_dict()``) in every snapshot, for example a communication
@@ -82,45 +85,114 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         for name, obj in engine.stateful.items():  # e.g. the comm hook's state (CommHookCallback applies it later)
             if name in state.get("stateful", {}):
                 obj.load_state_dict(state["stateful"][name])
+        # the Trainer's resume reads its progress (data position, log history) and each rank's RNG streams from a
+        # checkpoint directory: those two files, written privately; the model and optimizer are loaded in place
         out = os.path.join(engine.dir, f"resume-rank{engine.rank}", f"checkpoint-{restored.step}")
         shutil.rmtree(os.path.dirname(out), ignore_errors=True)
         os.makedirs(out, mode=0o700)
-        model = _unwrap(trainer.model)
-        with torch.no_grad():
-            live = engine._model_state()
-            for name, t in state["model"].items():
-                live[name].copy_(t)
-        model.save_pretrained(out, safe_serialization=True)
-        # the files Trainer._save_checkpoint writes; Trainer loads them with torch.load(weights_only=True)
-        torch.save(state["optimizer"], os.path.join(out, "optimizer.pt"))
-        if "scheduler" in state:
-            torch.save(state["scheduler"], os.path.join(out, "scheduler.pt"))
         rng = state["rng"]
         rng_file = "rng_state.pth" if engine.world == 1 else f"rng_state_{engine.rank}.pth"
+        # the Trainer loads it with torch.load(weights_only=True)
         torch.save({"python": rng["python"], "numpy": rng["numpy"], "cpu": rng["torch"],
                     **({"cuda": rng["cuda"]} if "cuda" in rng else {})}, os.path.join(out, rng_file))
         with open(os.path.join(out, "trainer_state.json"), "w") as f:
             f.write(restored.extra["trainer_state"])
+        self._hand_over(trainer, engine, state)
         logger.warning("resuming from step %d restored from %s (%s)", restored.step, restored.source,
                        restored.detail)
         return out
 
+    # the Trainer methods that load a checkpoint's model and optimizer (transformers 5.x)
+    TRAINER_LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler")
+
+    def _hand_over(self, trainer, engine: SnapshotEngine, state: dict) -> None:
+        """Load the restored state where the Trainer loads a checkpoint's, in place: the model when ``train`` loads
+        it (before Accelerate's ``prepare``, or after it when Accelerate shards the model with FSDP2), the optimizer
+        and scheduler once ``train`` has built them. Each rank loads its own tensors (FSDP2's local shards, the
+        optimizer's state as DTensor shards), so nothing is gathered or written to disk; a Trainer checkpoint could
+        not hold FSDP2 shards laid out by hf_dtrain. This trainer's two loaders are replaced for this resume only
+        (``on_train_begin`` puts the Trainer's back)."""
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            raise ValueError("InMemoryFaultToleranceCallback with DeepSpeed under the Trainer: the Trainer resumes "
+                             "DeepSpeed from DeepSpeed's own checkpoint, which the in-memory snapshot does not write; "
+                             "use SnapshotEngine(engine, engine.optimizer) in your own DeepSpeed loop (ZeRO-1/2/3), "
+                             "or FSDP2 / DDP with the Trainer.")
+        missing = [name for name in self.TRAINER_LOADERS if not callable(getattr(type(trainer), name, None))]
+        if missing:
+            raise RuntimeError(f"this transformers release's Trainer has no {', '.join(missing)}, where the callback "
+                               "loads the restored state; use the transformers release hf_dtrain supports "
+                               "(pyproject.toml)")
+
+        def load_model(checkpoint, model=None):
+            engine.apply_model(state)
+
+        def load_optimizer_and_scheduler(checkpoint):
+            engine.optimizer, engine.scheduler = trainer.optimizer, trainer.lr_scheduler
+            engine.apply_optimizer(state)
+            if trainer.lr_scheduler is not None and "scheduler" in state:
+                trainer.lr_scheduler.load_state_dict(state["scheduler"])
+
+        trainer._load_from_checkpoint = load_model
+        trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
+        self._trainer = trainer
+        progress = json.loads(self.restored.extra["trainer_state"])
+        if progress["global_step"] >= progress.get("max_steps") > 0 and callable(getattr(type(trainer), "_run_epoch",
+                                                                                        None)):
+            # restored after the last step: train() would still run one more (its loop tests for the end after a
+            # step); it runs no epoch instead, and ends as the uninterrupted run did
+            trainer._run_epoch = lambda *args, **kwargs: None
+
+    def _give_back_loaders(self) -> None:
+        trainer = self._trainer
+        if trainer is not None:
+            for name in self.TRAINER_LOADERS:
+                trainer.__dict__.pop(name, None)
+
     # ---------------------------------------------------------------- Trainer events
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        self._give_back_loaders()  # train() has loaded the restored state by now
         engine = self._engine(model, args)
         engine.optimizer, engine.scheduler = optimizer, lr_scheduler
+        if self._trainer is not None:  # restored: DDP (Accelerate wrapped the model in prepare) rebuilds its buckets
+            from .ddp import rebuild_ddp_buckets
+
+            rebuild_ddp_buckets(self._trainer.model_wrapped)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.engine is not None:
+            if self._deferred is not None:  # the Trainer did not log that step: its state is gone by now (RNGs)
+                logger.warning("no snapshot of step %d: the Trainer did not log it after on_step_end", self._deferred)
+                self._deferred = None
             self.engine.wait()  # the copy in flight reads what this step is about to change
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.engine is not None and state.global_step % self.every_n_steps == 0:
-            trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
-            self.engine.snapshot(state.global_step, extra={"trainer_state": trainer_state})
+        if self.engine is None or state.global_step % self.every_n_steps:
+            return
+        if control.should_log:
+            # the Trainer logs this step's loss right after on_step_end: the snapshot is taken in on_log, so the
+            # restored log history holds this step's line (nothing the snapshot holds changes in between)
+            self._deferred = state.global_step
+            return
+        self._snapshot(state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._take_deferred(state)
+
+    def _take_deferred(self, state) -> None:
+        if self._deferred is not None and self._deferred == state.global_step:
+            self._snapshot(state)
+        self._deferred = None
+
+    def _snapshot(self, state) -> None:
+        trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+        self.engine.snapshot(state.global_step, extra={"trainer_state": trainer_state})
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._trainer is not None:
+            self._trainer.__dict__.pop("_run_epoch", None)
+            self._trainer = None
         if self.engine is not None:
+            self._take_deferred(state)
             self.engine.wait()
             self.snapshots = self.engine.stats["snapshots"]
             self.engine.close(shutdown=True)  # the run is over: its snapshots are no longer needed

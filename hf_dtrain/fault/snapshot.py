@@ -83,7 +83,9 @@ def _as_shards(optimizer, state: dict) -> dict:
     out = dict(state)
     out["state"] = {}
     for idx, st in state.get("state", {}).items():
-        p = params[int(idx)] if int(idx) < len(params) else None
+        # torch's optimizers key the state by index; some (hf_dtrain's own) by parameter name: no DTensor there
+        i = int(idx) if isinstance(idx, int) or (isinstance(idx, str) and idx.isdigit()) else None
+        p = params[i] if i is not None and i < len(params) else None
         if isinstance(p, DTensor):
             local = p.to_local().shape
             st = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
@@ -207,6 +209,7 @@ class SnapshotEngine:
         self.layout: Optional[Layout] = None
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}
         self._registered: dict[int, int] = {}
+        # read again at each snapshot: Accelerate's FSDP2 route moves the model to the GPU after the engine is built
         self._cuda = any(p.is_cuda for p in _unwrap(model).parameters())
         # one long-lived copy thread fed by a queue: starting a thread per snapshot would stall the training thread
         # for up to the interpreter's switch interval (5 ms) while the new thread runs Python code
@@ -494,6 +497,7 @@ class SnapshotEngine:
 
             self._shards = ShardMap(self._model_state(local=False), _unwrap(self.model),
                                     None if self.optimizer is None else unwrap_optimizer(self.optimizer))
+        self._cuda = self._cuda or any(p.is_cuda for p in _unwrap(self.model).parameters())
         state = self._capture(extra)
         self._pending = None  # set by the copy thread once the snapshot's bytes are laid out
         stream = None
@@ -752,6 +756,21 @@ class SnapshotEngine:
         return state
 
     def _apply(self, state: dict) -> None:
+        self.apply_model(state)
+        self.apply_optimizer(state)
+        self.apply_rest(state)
+        self.rebuild_ddp_buckets()
+
+    def rebuild_ddp_buckets(self) -> None:
+        """A DDP model (passed wrapped): its buckets rebuilt before the first step after the restore, so that step
+        reduces as the uninterrupted run's did (``hf_dtrain.fault.ddp``)."""
+        from .ddp import rebuild_ddp_buckets
+
+        rebuild_ddp_buckets(self.model)
+
+    def apply_model(self, state: dict) -> None:
+        """The restored model tensors (and DeepSpeed's ZeRO partitions), copied in place into this rank's live
+        tensors: FSDP2's local shards, DDP's replicas, the trainable parameters of a PEFT model."""
         if self._zero is not None:
             why = self._zero.check(state.get("zero", {}))
             if self._any(why is not None):
@@ -760,11 +779,23 @@ class SnapshotEngine:
                                        f"that took it, or train from step 0 with {FRESH_START}.")
             self._zero.load(state["zero"])
         live = self._model_state()
+        missing = sorted(set(state["model"]) - set(live))
+        if self._any(bool(missing)):
+            raise SnapshotMismatch(f"The snapshot holds tensors this model does not have ({', '.join(missing[:4])}"
+                                   f"{' ...' if len(missing) > 4 else ''}); resume it with the model that took it, "
+                                   f"or train from step 0 with {FRESH_START}.")
         with torch.no_grad():
             for name, t in state["model"].items():
                 live[name].copy_(t)
+
+    def apply_optimizer(self, state: dict) -> None:
+        """The restored optimizer state, loaded into ``self.optimizer`` (an FSDP2 parameter's state as DTensor
+        shards again)."""
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(_as_shards(self.optimizer, state["optimizer"]))
+
+    def apply_rest(self, state: dict) -> None:
+        """The scheduler, scaler, RNGs and ``stateful`` objects."""
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "scaler" in state:
@@ -928,6 +959,7 @@ class SnapshotEngine:
             if self.scaler is not None and "scaler" in state:
                 self.scaler.load_state_dict(state["scaler"])
             set_rng_state(state["rng"])  # rank 0's: the old ranks' streams do not map onto the new ranks
+            self.rebuild_ddp_buckets()
             if self.stateful:
                 logger.warning("restored on another world size: %s start afresh (their per-rank state, such as "
                                "error feedback, does not map onto the new ranks)", ", ".join(self.stateful))

@@ -41,21 +41,91 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+KILL_PHASES = ("startup", "mid_step", "mid_snapshot", "after_snapshot")
+
+
+class KillSchedule:
+    """Seeded kills of a job under a restarting launcher, one entry per generation: ``gen:rank:when:phase`` entries,
+    comma-separated. ``gen``: the launch (torchrun's ``TORCHELASTIC_RESTART_COUNT``, else
+    ``HF_DTRAIN_FAULT_GENERATION``, else 0); ``when``: ``n`` (this process's n-th snapshot) or ``@S`` (the snapshot
+    of step S); ``phase``:
+
+    * ``startup``: as the process starts, before the job runs (``when`` is ignored);
+    * ``mid_snapshot``: as soon as the snapshot is started, its copy in flight (not committed);
+    * ``after_snapshot``: once the snapshot is committed (``@<last step>``: after the last step);
+    * ``mid_step``: in the next step, after its forward and backward, before its optimizer step (the engine's
+      ``wait``).
+
+    Each kill is recorded as a ``gen:rank:step:phase`` line in ``log`` before the process SIGKILLs itself."""
+
+    def __init__(self, spec: str, log: str, generation: int | None = None, rank: int | None = None):
+        self.generation = generation if generation is not None else int(os.environ.get(
+            "TORCHELASTIC_RESTART_COUNT", os.environ.get("HF_DTRAIN_FAULT_GENERATION", "0")))
+        self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+        self.log, self.count, self.entry = log, 0, None
+        for item in filter(None, spec.split(",")):
+            parts = item.split(":")
+            if len(parts) != 4 or parts[3] not in KILL_PHASES:
+                raise ValueError(f"kill schedule entry {item!r}: expected gen:rank:when:phase with phase one of "
+                                 f"{', '.join(KILL_PHASES)}")
+            gen, rank, when, phase = parts
+            if int(gen) == self.generation and int(rank) == self.rank:
+                self.entry = (when, phase)
+
+    def die(self, step, phase: str) -> None:
+        import signal
+
+        with open(self.log, "a") as f:
+            f.write(f"{self.generation}:{self.rank}:{step}:{phase}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def at_start(self) -> None:
+        if self.entry is not None and self.entry[1] == "startup":
+            self.die(0, "startup")
+
+    def __call__(self, engine, step: int) -> None:
+        self.count += 1
+        if self.entry is None:
+            return
+        when, phase = self.entry
+        if phase == "startup" or not (self.count == int(when) if when[0] != "@" else step == int(when[1:])):
+            return
+        if phase == "mid_snapshot":
+            self.die(step, phase)
+        engine.wait()
+        if phase == "after_snapshot":
+            self.die(step, phase)
+        engine.wait = lambda: self.die(step + 1, phase)  # the next step's wait, before its optimizer step
+
+
 def main(argv=None) -> None:
-    """``python -m hf_dtrain.testing.fault RANK:STEP[:SECONDS] MODULE [ARGS...]``: run ``python -m MODULE ARGS`` with a
-    :class:`FaultInjector` on every snapshot engine the run creates (how tests kill a rank of ``hf-dtrain pretrain``
-    after a given snapshot)."""
+    """Run ``python -m MODULE ARGS`` with a fault injector on every snapshot engine the run creates:
+
+    * ``python -m hf_dtrain.testing.fault RANK:STEP[:SECONDS] MODULE [ARGS...]``: a :class:`FaultInjector`;
+    * ``python -m hf_dtrain.testing.fault --kills SPEC --kill-log FILE MODULE [ARGS...]``: a :class:`KillSchedule`
+      (under ``torchrun --max-restarts``, a kill per generation)."""
     import runpy
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2:
-        raise SystemExit("usage: python -m hf_dtrain.testing.fault RANK:STEP[:SECONDS] MODULE [ARGS...]")
+    usage = ("usage: python -m hf_dtrain.testing.fault (RANK:STEP[:SECONDS] | --kills SPEC --kill-log FILE) MODULE "
+             "[ARGS...]")
     from hf_dtrain.fault import SnapshotEngine
 
-    SnapshotEngine.default_snapshot_hooks.append(FaultInjector(argv[0]))
-    sys.argv = [argv[1], *argv[2:]]
-    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    if argv[:1] == ["--kills"]:
+        if len(argv) < 5 or argv[2] != "--kill-log":
+            raise SystemExit(usage)
+        hook = KillSchedule(argv[1], argv[3])
+        hook.at_start()
+        argv = argv[4:]
+    elif len(argv) >= 2:
+        hook = FaultInjector(argv[0])
+        argv = argv[1:]
+    else:
+        raise SystemExit(usage)
+    SnapshotEngine.default_snapshot_hooks.append(hook)
+    sys.argv = [argv[0], *argv[1:]]
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
 
 def ft_worker_command() -> list[str]:
@@ -124,9 +194,7 @@ def run_failure_chain(world: int, env: dict, ft_dir: str) -> list[list[str]]:
     """Launch the fault-injection worker through :data:`FAILURE_CHAIN`, one generation per failure (each relaunched
     as a user would after it), then once more to the end; returns rank 0's restore records (``[step, source]`` per
     relaunch). ``env``: the worker's settings (``FT_OUT``, ``FT_ENGINE``...); the kill schedule, the disk copy under
-    ``ft_dir`` and the step count are added here. Under DDP the first step after each restart reduces with DDP's
-    initial buckets (the uninterrupted run rebuilt its own after step 1), which rounds differently on gloo: use it
-    with FSDP2 and ZeRO, whose resume is bit for bit at every step."""
+    ``ft_dir`` and the step count are added here."""
     import signal
 
     out = env["FT_OUT"]

@@ -97,7 +97,8 @@ def main():
         from hf_dtrain.fault import SnapshotEngine, SnapshotError
 
         persist = os.environ.get("FT_PERSIST") or None
-        engine = SnapshotEngine(ddp if zero else model, ddp.optimizer if zero else opt, sched,
+        # the DeepSpeed engine (its partitions), DDP (its buckets are rebuilt after a restore), FSDP2's model
+        engine = SnapshotEngine(ddp if kind != "fsdp2" else model, ddp.optimizer if zero else opt, sched,
                                 directory=os.environ["FT_DIR"],
                                 parity=int(os.environ.get("FT_PARITY", "1")), persist_dir=persist,
                                 persist_every=int(os.environ.get("FT_PERSIST_EVERY", "0")), timeout=30)

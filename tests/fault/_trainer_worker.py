@@ -32,8 +32,7 @@ class Log(TrainerCallback):
         if logs and "loss" in logs:
             with open(os.path.join(out, "losses.jsonl"), "a") as f:
                 f.write(json.dumps([state.global_step, logs["loss"]]) + "\n")
-
-    def on_step_end(self, args, state, control, **kw):
+        # after the step's log line and its snapshot (the callback takes it in on_log, before this callback)
         if state.global_step == kill_at:
             ft.engine.wait()  # the snapshot of this step is in (a kill mid-copy is the engine tests' case)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -62,3 +61,4 @@ first = (ft.restored.step + 1) if ft is not None and ft.restored is not None els
 if ft is not None and ft.restored is not None:
     json.dump({"step": ft.restored.step, "source": ft.restored.source}, open(os.path.join(out, "restored.json"), "w"))
 trainer.train(resume_from_checkpoint=resume)
+json.dump(trainer.state.log_history, open(os.path.join(out, "history.json"), "w"))

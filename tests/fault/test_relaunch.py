@@ -120,7 +120,7 @@ def test_accelerate_launch_max_restarts_after_10_kills(tmp_path, reference):
 def test_trainer_resume_from_checkpoint_after_10_kills(tmp_path):
     """The Trainer path (``trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))``), relaunched by
     the same command after each of 10 kills (start-up, before an optimizer step, after a step's snapshot): the
-    logged losses equal the uninterrupted run's at every step."""
+    logged losses equal the uninterrupted run's at every step, none missing."""
     from tests.fault.test_callback import _losses, _run
 
     ref = tmp_path / "ref"
@@ -138,10 +138,9 @@ def test_trainer_resume_from_checkpoint_after_10_kills(tmp_path):
             assert done.returncode == expect, (gen, done.stderr[-3000:])
         happened = open(out / "kills").read().split()
         assert len(happened) == KILLS
-        got, want = _losses(out), _losses(ref)
-        assert got == {k: want[k] for k in got}  # every logged step equals the uninterrupted run
-        # a step killed after its snapshot and before its log line is restored, not run again: it is never logged
-        assert len(set(want) - set(got)) == sum(k.endswith("step_end") for k in happened)
+        # every step logged (a step's snapshot is taken once the Trainer has logged it), equal to the uninterrupted
+        # run's
+        assert _losses(out) == _losses(ref)
         assert not _smp_pids(str(ft_dir)) or not any(_alive(p) for p in _smp_pids(str(ft_dir)))
     finally:
         stop_snapshot_processes(ft_dir)
