@@ -288,11 +288,13 @@ def build_peft_config(cfg, model):
 
 def format_table(r: dict) -> str:
     method = r["method"] + (f" on {r['quantize']}" if r.get("quantize") else "")
-    acc = ("n/a" if r.get("accuracy_before") is None
-           else f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}")
+    def change(before, after):
+        return f"{after:.3f}" if before is None else f"{before:.3f} -> {after:.3f}"
+
+    acc = "n/a" if r.get("accuracy_after") is None else change(r.get("accuracy_before"), r["accuracy_after"])
     cols = [("method", method), ("trainable", f"{r['trainable_params']:,} ({r['trainable_pct']:.2f}%)"),
             ("train s", f"{r['train_seconds']:.1f}"),
-            ("eval loss", f"{r['eval_loss_before']:.3f} -> {r['eval_loss_after']:.3f}"), ("accuracy", acc)]
+            ("eval loss", change(r["eval_loss_before"], r["eval_loss_after"])), ("accuracy", acc)]
     widths = [max(len(h), len(v)) for h, v in cols]
     line = "| " + " | ".join(h.ljust(w) for (h, _), w in zip(cols, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -505,7 +507,10 @@ def run_finetune(cfg) -> dict:
         if ft is not None:
             ft.add_stateful("comm_hook", comm)  # the hook's error feedback goes into the snapshots
     resume = ft.resume_checkpoint(trainer) if ft is not None else args.resume_from_checkpoint
-    before = trainer.evaluate()  # adapters start as the identity: this is the base model
+    # adapters start as the identity: this is the base model. Not under Accelerate's own FSDP2 (a GPU): there
+    # evaluate() would prepare the model alone, which Accelerate refuses once an optimizer exists (FSDP2 rewrites the
+    # optimizer's parameters as it shards); that run reports no "before" figures
+    before = None if trainer.is_fsdp_enabled else trainer.evaluate()
     if cfg.fsdp is None:
         _allow_ddp_after_evaluate(trainer)
     t0 = time.perf_counter()
@@ -547,8 +552,10 @@ def _results(cfg, run, trainer, data, args, before, after, train_out, train_seco
         trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(1, total),
         param_bytes_local=local_param_bytes(trainer.model),
         train_seconds=train_seconds, train_loss=float(train_out.training_loss),
-        eval_loss_before=float(before["eval_loss"]), eval_loss_after=float(after["eval_loss"]),
-        accuracy_before=before.get("eval_accuracy"), accuracy_after=after.get("eval_accuracy"),
+        eval_loss_before=None if before is None else float(before["eval_loss"]),
+        eval_loss_after=float(after["eval_loss"]),
+        accuracy_before=None if before is None else before.get("eval_accuracy"),
+        accuracy_after=after.get("eval_accuracy"),
         losses={int(h["step"]): float(h["loss"]) for h in trainer.state.log_history if "loss" in h},
         max_steps=trainer.state.max_steps, learning_rate=args.learning_rate,
         per_device_train_batch_size=args.per_device_train_batch_size,

@@ -21,8 +21,8 @@ Trained with `hf-dtrain finetune --method {{ method }}{{ quant_flag }}` (hf_dtra
 
 | | before | after |
 |---|---|---|
-| eval loss | {{ "%.4f"|format(eval_loss_before) }} | {{ "%.4f"|format(eval_loss_after) }} |
-{% if accuracy_before is not none %}| exact-match accuracy | {{ "%.3f"|format(accuracy_before) }} | {{ "%.3f"|format(accuracy_after) }} |
+| eval loss | {% if eval_loss_before is not none %}{{ "%.4f"|format(eval_loss_before) }}{% else %}not measured{% endif %} | {{ "%.4f"|format(eval_loss_after) }} |
+{% if accuracy_after is not none %}| exact-match accuracy | {% if accuracy_before is not none %}{{ "%.3f"|format(accuracy_before) }}{% else %}not measured{% endif %} | {{ "%.3f"|format(accuracy_after) }} |
 {% endif %}
 - trainable parameters: {{ trainable_params }} of {{ total_params }} ({{ "%.3f"|format(trainable_pct) }}%)
 - steps: {{ max_steps }}, learning rate {{ learning_rate }}, batch {{ batch }} x {{ world_size }} process(es)

@@ -1,4 +1,5 @@
-"""DDP after a restore: the buckets its gradients are reduced in.
+"""DDP replicas in a snapshot: the wrapped module (:func:`unwrap`), and after a restore the buckets DDP reduces the
+gradients in (:func:`rebuild_ddp_buckets`).
 
 DDP starts with buckets in the reverse order of the parameters and rebuilds them once, after its first backward, in
 the order the gradients became ready. The reduction of a bucket (gloo's ring, NCCL's) adds each element in an order
@@ -19,6 +20,13 @@ import torch
 from .state import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP's (or DeepSpeed's engine's) ``.module`` wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
 
 
 def rebuild_ddp_buckets(ddp) -> bool:

@@ -231,3 +231,22 @@ def test_cuda_state_snapshots_through_pinned_slots_and_restores_exactly(ft_dir):
     for i, s in opt2.state_dict()["state"].items():
         assert torch.equal(s["exp_avg"].cpu(), want_opt[i]["exp_avg"].cpu())
     engine2.close(shutdown=True)
+
+
+def test_the_engine_talks_over_gloo_when_the_job_group_is_nccl_only(monkeypatch):
+    """Accelerate sets up NCCL alone on GPUs; the engine's collectives are small CPU tensors, which NCCL refuses (a
+    GPU run failed there: "No backend type associated with device type cpu"). The engine takes a gloo group of the
+    same ranks then, and the job's group as it is when it carries CPU tensors."""
+    import torch.distributed as dist
+
+    from hf_dtrain.testing import free_port, gloo_group
+
+    with gloo_group(0, 1, port=free_port()):
+        assert SnapshotEngine._control_group(None, 5.0) is None  # gloo already: the default group
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        group = SnapshotEngine._control_group(None, 5.0)
+        monkeypatch.undo()
+        assert group is not None and dist.get_backend(group) == "gloo"
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        assert t.item() == 1.0

@@ -1,0 +1,432 @@
+"""Which snapshot a relaunched job resumes from, and loading it: the restore policy of
+:class:`~hf_dtrain.fault.SnapshotEngine` (a mixin it inherits; the engine holds the state these methods use).
+
+Newest step first that every rank can load: from the snapshot processes, else rebuilt from peers' parity (the
+snapshot process does the rebuild when a rank opens a step it lacks), else this rank's persisted copy on disk, else
+the persisted DCP copy resharded onto another world size. A job that took snapshots and can restore none stops with
+what was lost; another job's snapshots, or another world size's without a DCP copy, are refused naming what differs.
+Every decision is agreed by all ranks (one small gloo collective each), so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .ddp import unwrap as _unwrap
+from .fsdp import as_shards as _as_shards
+from .state import parse, set_rng_state, unflatten_state
+from .wire import checksum
+
+logger = logging.getLogger("hf_dtrain.fault.snapshot")
+
+
+class SnapshotError(RuntimeError):
+    """A run whose snapshots exist but cannot be restored (and no disk copy to fall back to)."""
+
+
+class SnapshotMismatch(ValueError):
+    """A snapshot of another job or world size: not resumed (the message names what differs and the way out)."""
+
+
+FRESH_START = "--fault-tolerance.fresh-start true (YAML fault_tolerance: {fresh_start: true})"
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    source: str  # "memory", "parity", "disk" or "resharded" (the DCP copy, taken on another world size)
+    extra: Any  # what was passed to snapshot(extra=...): the data position, trainer state
+    detail: str = ""
+    state: Optional[dict] = dataclasses.field(default=None, repr=False)  # everything, with restore(apply=False)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+def identity_diff(theirs: dict, ours: dict, limit: int = 6) -> str:
+    """The settings that differ between two run identities, as ``key: theirs -> ours``."""
+    a, b = _flatten(theirs), _flatten(ours)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    parts = [f"{k}: {a.get(k, '(absent)')!r} there, {b.get(k, '(absent)')!r} here" for k in keys[:limit]]
+    return "; ".join(parts) + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+class RestorePolicy:
+    """The restore half of :class:`~hf_dtrain.fault.SnapshotEngine` (see the module's docstring)."""
+
+    def _disk_steps(self) -> list[int]:
+        """Steps with a disk snapshot of this rank (``snapshot-<step>/rank<r>.json``) or a complete DCP copy
+        (``snapshot-<step>/replicated.safetensors``); other names are ignored."""
+        if not self.persist_dir or not os.path.isdir(self.persist_dir):
+            return []
+        steps = []
+        for name in os.listdir(self.persist_dir):
+            number = name[len("snapshot-"):]
+            if name.startswith("snapshot-") and number.isdigit() and any(os.path.exists(
+                    os.path.join(self.persist_dir, name, f)) for f in (f"rank{self.rank}.json", "replicated.safetensors")):
+                steps.append(int(number))
+        return sorted(steps)
+
+    def _read_disk(self, step: int) -> tuple[Optional[Any], str]:
+        """This rank's disk snapshot of ``step`` as bytes, checked against its manifest, or ``(None, why)``."""
+        d = os.path.join(self.persist_dir, f"snapshot-{step}")
+        path = os.path.join(d, f"rank{self.rank}.json")
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+            nbytes, digest = int(manifest["nbytes"]), str(manifest["checksum"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return None, f"{path} is damaged ({type(e).__name__}: {e})"
+        data_path = os.path.join(d, f"rank{self.rank}.safetensors")
+        try:
+            if os.path.getsize(data_path) < nbytes:
+                return None, f"{data_path} is truncated ({os.path.getsize(data_path)} of {nbytes} bytes)"
+            data = torch.from_file(data_path, size=nbytes, dtype=torch.uint8).numpy()  # a private mapping
+        except (RuntimeError, OSError) as e:
+            return None, f"{data_path} cannot be read ({e})"
+        if checksum(data) != digest:
+            return None, f"{data_path} fails its checksum (a corrupted byte)"
+        return data, ""
+
+    def _agree(self, steps: list[int]) -> list[int]:
+        """The steps every rank has, newest first."""
+        if not self.distributed:
+            return sorted(steps, reverse=True)
+        buf = torch.full((64,), -1, dtype=torch.int64)
+        mine = sorted(steps)[-64:]
+        buf[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        out = [torch.zeros_like(buf) for _ in range(self.world)]
+        dist.all_gather(out, buf, group=self.group)
+        common = set(int(s) for s in out[0].tolist() if s >= 0)
+        for t in out[1:]:
+            common &= set(int(s) for s in t.tolist() if s >= 0)
+        return sorted(common, reverse=True)
+
+    def _vote(self, flag: bool, every: bool) -> bool:
+        """``flag`` on every rank (``every``) or on any rank: one all-reduce of 0/1 (MIN or MAX)."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if every else dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def _all(self, flag: bool) -> bool:
+        return self._vote(flag, every=True)
+
+    def _any(self, flag: bool) -> bool:
+        return self._vote(flag, every=False)
+
+    def _check_all(self, metadata: dict, where: str) -> None:
+        """``_check`` on every rank at once: a mismatch anywhere is a ``ValueError`` everywhere (no rank is left
+        waiting in a collective)."""
+        problem = None
+        try:
+            self._check(metadata, where)
+        except ValueError as e:
+            problem = e
+        if self._any(problem is not None):
+            raise problem or SnapshotMismatch(f"another rank's snapshot {where} does not match this run (see its "
+                                              "error)")
+
+    def _check(self, metadata: dict, where: str) -> None:
+        if int(metadata["world_size"]) != self.world:
+            raise SnapshotMismatch(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run "
+                                   f"has {self.world}. Restart with the same number of processes, or set "
+                                   "fault_tolerance.persist_every so that a restart on another world size reshards "
+                                   "the newest persisted DCP snapshot.")
+        theirs = json.loads(metadata.get("identity") or "{}")
+        if theirs != self.identity:
+            raise SnapshotMismatch(f"The snapshot {where} belongs to another job: "
+                                   f"{identity_diff(theirs, self.identity)}. This run does not resume it. To train "
+                                   f"this job from step 0 and discard those snapshots, relaunch with "
+                                   f"{FRESH_START}; to keep them, give this job its own fault_tolerance.directory "
+                                   "(or output directory).")
+
+    def _load(self, metadata: dict, tensors: dict[str, torch.Tensor], apply: bool = True) -> dict:
+        """The snapshot's state (its tensors are views into a private copy of the slot); with ``apply``, loaded into
+        the model, optimizer, scheduler, scaler and RNGs."""
+        state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
+        if apply:
+            self._apply(state)
+        return state
+
+    def _apply(self, state: dict) -> None:
+        self.apply_model(state)
+        self.apply_optimizer(state)
+        self.apply_rest(state)
+        self.rebuild_ddp_buckets()
+
+    def rebuild_ddp_buckets(self) -> None:
+        """A DDP model (passed wrapped): its buckets rebuilt before the first step after the restore, so that step
+        reduces as the uninterrupted run's did (``hf_dtrain.fault.ddp``)."""
+        from .ddp import rebuild_ddp_buckets
+
+        rebuild_ddp_buckets(self.model)
+
+    def apply_model(self, state: dict) -> None:
+        """The restored model tensors (and DeepSpeed's ZeRO partitions), copied in place into this rank's live
+        tensors: FSDP2's local shards, DDP's replicas, the trainable parameters of a PEFT model."""
+        if self._zero is not None:
+            why = self._zero.check(state.get("zero", {}))
+            if self._any(why is not None):
+                raise SnapshotMismatch(f"The snapshot does not fit this run's DeepSpeed ZeRO partitions: "
+                                       f"{why or 'see the other ranks'}. Resume with the ZeRO settings and world size "
+                                       f"that took it, or train from step 0 with {FRESH_START}.")
+            self._zero.load(state["zero"])
+        live = self._model_state()
+        missing = sorted(set(state["model"]) - set(live))
+        if self._any(bool(missing)):
+            raise SnapshotMismatch(f"The snapshot holds tensors this model does not have ({', '.join(missing[:4])}"
+                                   f"{' ...' if len(missing) > 4 else ''}); resume it with the model that took it, "
+                                   f"or train from step 0 with {FRESH_START}.")
+        with torch.no_grad():
+            for name, t in state["model"].items():
+                live[name].copy_(t)
+
+    def apply_optimizer(self, state: dict) -> None:
+        """The restored optimizer state, loaded into ``self.optimizer`` (an FSDP2 parameter's state as DTensor
+        shards again)."""
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(_as_shards(self.optimizer, state["optimizer"]))
+
+    def apply_rest(self, state: dict) -> None:
+        """The scheduler, scaler, RNGs and ``stateful`` objects."""
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        for name, obj in self.stateful.items():
+            if name in state.get("stateful", {}):
+                obj.load_state_dict(state["stateful"][name])
+
+    def _try_memory(self, step: int) -> tuple[Optional[tuple[dict, dict, bool]], str]:
+        reply, fd = self.client.call({"op": "open", "rank": self.rank, "step": step}, want_fd=True)
+        if "error" in reply:
+            return None, reply["error"]
+        manifest = reply["manifest"]
+        # one kernel copy into private memory (mapping the slot here would fault in every page: ~8x slower)
+        buf = torch.empty(manifest["nbytes"], dtype=torch.uint8)
+        try:
+            got = os.preadv(fd, [memoryview(buf.numpy())], 0)
+        finally:
+            os.close(fd)
+        if got != manifest["nbytes"] or checksum(buf.numpy()) != manifest["checksum"]:
+            return None, (f"rank {self.rank}'s snapshot of step {step} fails its checksum (a corrupted byte); "
+                          "it is not used")
+        metadata, tensors = parse(buf.numpy())  # views into the private copy
+        return (metadata, tensors, reply.get("rebuilt", False)), ""
+
+    def available(self) -> tuple[list[int], str, str]:
+        reply, _ = self.client.call({"op": "available", "rank": self.rank})
+        return reply["steps"], reply["source"], reply.get("reason", "")
+
+    def restore(self, apply: bool = True) -> Optional[Restored]:
+        """Load the newest step every rank has: from memory, else rebuilt from parity, else from disk (with
+        ``apply=False`` the state is returned in ``Restored.state`` and nothing is loaded). Returns ``None`` on a
+        fresh start: nothing anywhere and no record of earlier snapshots, or ``fresh_start`` set. Raises
+        ``SnapshotError`` when this job had snapshots but none can be restored (saying which copies were lost and
+        what remains), ``ValueError`` for a snapshot of another world size or another job (naming what differs).
+        A job that already completed returns ``Restored(source="completed")`` with the extra of its last step."""
+        if self.config.fresh_start:
+            self._start_fresh()
+            return None
+        marker = self._read_marker()
+        steps, source, reason = self.available()
+        reasons = [reason] if reason else []
+        disk_steps = self._disk_steps()
+        # lost: this rank committed snapshots (its record says so) and its snapshot process holds none now. Ranks
+        # that all hold snapshots but share no step never finished a first one together: a fresh start is right.
+        lost_here = marker is not None and not marker.get("completed") and not steps
+        had_any = self._any(lost_here or bool(reason) or bool(disk_steps))
+        other_world = None  # the world size of in-memory snapshots taken on another number of ranks
+        for step in self._agree(steps):
+            got, why = self._try_memory(step)
+            if self._all(got is not None):
+                theirs = int(got[0]["world_size"])
+                if self._any(theirs != self.world):
+                    other_world = theirs
+                    logger.warning("the in-memory snapshots were taken on %d ranks and this run has %d: they cannot "
+                                   "be loaded here; trying the persisted DCP snapshots, which reshard", theirs,
+                                   self.world)
+                    break
+                self._check_all(got[0], f"in memory at step {step}")
+                metadata, tensors, rebuilt = got
+                state = self._load(metadata, tensors, apply)
+                used = "parity" if self._any(rebuilt) else "memory"
+                self._discard_after(step)
+                self._marked = False  # written again at the next commit
+                self._last = (step, state["extra"])
+                detail = "rebuilt from peers' parity" if used == "parity" else "held by the snapshot processes"
+                logger.warning("restored step %d from %s (%s)", step, used, detail)
+                return Restored(step, used, state["extra"], detail, state)
+            if why:
+                reasons.append(why)
+                logger.error("cannot use step %d from memory: %s", step, why)
+        completed = self._completed(marker)
+        if completed is not None:
+            return completed
+        if reasons:
+            logger.error("in-memory restore failed: %s; falling back to the disk snapshots", "; ".join(reasons))
+        skipped = []
+        for step in self._agree(disk_steps):
+            resharded = self._try_resharded(step, apply, reasons)
+            if resharded is not None:
+                return resharded
+            data, why = self._read_disk(step)
+            if why:
+                reasons.append(why)
+            if self._all(data is not None):
+                d = os.path.join(self.persist_dir, f"snapshot-{step}")
+                metadata, tensors = parse(data)
+                if self._any(int(metadata["world_size"]) != self.world):
+                    # taken on another world size and its DCP copy is incomplete (a host was lost while writing
+                    # it): an older step's copy may reshard
+                    why = (f"the copy of step {step} was taken on {metadata['world_size']} ranks and its resharding "
+                           "(DCP) copy is incomplete")
+                    reasons.append(why)
+                    skipped.append(step)
+                    logger.error("%s; trying an older one", why)
+                    continue
+                self._check_all(metadata, f"on disk at {d}")
+                state = self._load(metadata, tensors, apply)
+                self._discard_after(-1)
+                self._marked = False
+                self._last = (step, state["extra"])
+                detail = f"{d}" + (f" (newer copies unusable: {'; '.join(reasons)})" if reasons else "")
+                logger.warning("restored step %d from disk (%s)", step, detail)
+                return Restored(step, "disk", state["extra"], detail, state)
+            skipped.append(step)
+            logger.error("disk snapshot of step %d is unusable on some rank (%s); trying an older one", step,
+                         why or "another rank's copy")
+        if other_world is not None:
+            raise SnapshotMismatch(
+                f"This job's snapshots were taken on {other_world} ranks and this run has {self.world}; in-memory "
+                "snapshots load only into the world size that took them, and no persisted DCP snapshot "
+                f"{'exists in ' + self.persist_dir if self.persist_dir else 'is configured'} to reshard from. "
+                f"Relaunch on {other_world} ranks to resume from memory; set fault_tolerance.persist_every (and "
+                "persist_dir, on storage every node reads) so a later restart on another world size can reshard; "
+                f"or train from step 0 with {FRESH_START}.")
+        if had_any or self._any(bool(reasons)):
+            raise SnapshotError(self._lost_message(marker, reasons, skipped))
+        return None
+
+    def _try_resharded(self, step: int, apply: bool, reasons: list[str]) -> Optional[Restored]:
+        """Restore ``step`` from its DCP copy when it was taken on another world size (every rank agrees), loading
+        the model's and optimizer's shards into this run's sharding; None when the step was taken on this world size
+        (the exact per-rank copy is used) or has no complete DCP copy. A copy of another job, or one whose tensors
+        do not map onto this model and optimizer, is refused on every rank naming what differs."""
+        from . import reshard
+
+        d = os.path.join(self.persist_dir, f"snapshot-{step}")
+        path = os.path.join(d, reshard.REPLICATED)
+        metadata, state, why = None, None, ""
+        if os.path.exists(path):
+            try:
+                metadata, state = reshard.read_replicated(path)
+            except Exception as e:  # a damaged file: the step is not used
+                why = f"{path} cannot be read ({type(e).__name__}: {e})"
+        other = metadata is not None and int(metadata["world_size"]) != self.world
+        if not self._any(other):
+            return None
+        if not self._all(metadata is not None):
+            reasons.append(why or f"{path} is missing on some rank")
+            return None
+        self._check_all({**metadata, "world_size": str(self.world)}, f"on disk at {d}")
+        model_keys = json.loads(metadata["model_keys"])
+        opt = None
+        if self.optimizer is not None:
+            from hf_dtrain.distributed import unwrap_optimizer
+
+            opt = unwrap_optimizer(self.optimizer)
+        if apply:
+            target, osd = reshard.template(_unwrap(self.model), opt, model_keys)
+            problems = reshard.differences(target, os.path.join(d, reshard.DCP_DIR), model_keys)
+            if self._any(bool(problems)):
+                raise SnapshotMismatch(
+                    f"The snapshot on disk at {d} (taken on {metadata['world_size']} ranks) does not map onto this "
+                    f"model and optimizer: {'; '.join(problems[:6]) or 'see the other ranks'}"
+                    f"{f' (and {len(problems) - 6} more)' if len(problems) > 6 else ''}. Resume it with the model "
+                    f"and optimizer that took it, or train from step 0 with {FRESH_START}.")
+            reshard.load(_unwrap(self.model), opt, os.path.join(d, reshard.DCP_DIR), target, osd, state)
+            if self.scheduler is not None and "scheduler" in state:
+                self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler is not None and "scaler" in state:
+                self.scaler.load_state_dict(state["scaler"])
+            set_rng_state(state["rng"])  # rank 0's: the old ranks' streams do not map onto the new ranks
+            self.rebuild_ddp_buckets()
+            if self.stateful:
+                logger.warning("restored on another world size: %s start afresh (their per-rank state, such as "
+                               "error feedback, does not map onto the new ranks)", ", ".join(self.stateful))
+        self._discard_after(-1)
+        self._marked = False
+        self._last = (step, state["extra"])
+        detail = (f"{d}, taken on {metadata['world_size']} ranks and resharded onto {self.world} by "
+                  "torch.distributed.checkpoint")
+        logger.warning("restored step %d from disk (%s)", step, detail)
+        return Restored(step, "resharded", state["extra"], detail, state)
+
+    def _completed(self, marker: Optional[dict]) -> Optional[Restored]:
+        """A relaunch after the job finished (its snapshot processes shut down): the completed record, agreed by
+        every rank, or None."""
+        done = bool(marker) and marker.get("completed") is True and marker.get("identity_hash") == self.identity_hash
+        if not self._all(done):
+            return None
+        logger.warning("this job already completed at step %s; nothing to resume", marker.get("last_step"))
+        return Restored(int(marker.get("last_step") or 0), "completed", marker.get("extra"),
+                        f"the job completed at step {marker.get('last_step')} ({self.marker})")
+
+    def _lost_message(self, marker: Optional[dict], reasons: list[str], skipped: list[int]) -> str:
+        parts = [f"This job took snapshots (rank {self.rank}, node {self.node}: {self.dir}) but none can be "
+                 "restored, so it will not silently start over."]
+        if marker and marker.get("identity_hash") not in (None, self.identity_hash):
+            parts.append(f"They belonged to another job ({identity_diff(marker.get('identity', {}), self.identity)}).")
+        exited = os.path.join(self.dir, "exited.json")
+        if os.path.exists(exited):
+            with contextlib.suppress(OSError, ValueError):
+                parts.append(f"Node {self.node}'s snapshot process exited: {json.load(open(exited))['reason']}.")
+        elif self.started_smp is not None and marker is not None:
+            parts.append(f"Node {self.node}'s snapshot process was lost (a new one was started by this launch), "
+                         "and its snapshots with it.")
+        if reasons:
+            parts.append("Lost or unusable: " + "; ".join(reasons) + ".")
+        if skipped:
+            parts.append(f"Disk snapshots of steps {skipped} are not usable on every rank.")
+        elif not self.persist_dir:
+            parts.append("No disk copy to fall back to (set fault_tolerance.persist_dir and persist_every).")
+        else:
+            parts.append(f"No disk snapshot in {self.persist_dir}.")
+        parts.append(f"To train from step 0, relaunch with {FRESH_START}.")
+        return " ".join(parts)
+
+    def _start_fresh(self) -> None:
+        """``fresh_start``: drop this job's snapshots (memory, the record of them) and move its disk snapshots
+        aside to ``<persist_dir>.discarded-<time>`` (kept, never read again), on every rank, then train from 0."""
+        self._discard_after(-1)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.marker)
+        if self.persist_dir and os.path.isdir(self.persist_dir) and self.rank == 0:
+            aside = f"{self.persist_dir}.discarded-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(self.persist_dir, aside)
+            logger.warning("fresh start: the disk snapshots moved to %s", aside)
+        if self.distributed:
+            dist.barrier(group=self.group)
+        logger.warning("fresh start (fault_tolerance.fresh_start): this job's earlier snapshots are discarded")
+
+    def _discard_after(self, step: int) -> None:
+        self.client.call({"op": "discard", "rank": self.rank, "after": step})
