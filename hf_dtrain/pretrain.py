@@ -104,10 +104,6 @@ class PretrainConfig(ComposeOptions):
                     ("comm_hook", self.comm_hook, "DDP communication hooks have no DDP to hook into on the mesh"),
                     ("delta", self.delta, "DELTA schedules whole-layer activations; it is not built for DTensor "
                                           "shards or pipeline stages yet"),
-                    ("fault_tolerance", self.fault_tolerance, "snapshots cover DDP, FSDP2 and ZeRO; tensor and "
-                                                              "pipeline shards are not snapshotted yet: use "
-                                                              "--fsdp (FSDP2 without the mesh) with "
-                                                              "--fault-tolerance"),
                     ("hetero_speeds", self.hetero_speeds, "the sampler shards over processes, not data-parallel "
                                                           "replicas")):
                 if value is not None:
@@ -438,7 +434,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         comm_state = hooked if cfg.comm_hook is not None else None
     engine, restored, start = None, None, 1
     if cfg.fault_tolerance is not None:
-        engine, restored, start, done = _restore(cfg, model, optimizer, scheduler, comm_state, accelerator, rank)
+        # on the mesh each rank snapshots what it trains: its tensor-parallel shards, its pipeline stages
+        engine, restored, start, done = _restore(cfg, model if degrees is None else trained, optimizer, scheduler,
+                                                 comm_state, accelerator, rank)
         if done is not None:
             return done
     history, t0 = [], time.perf_counter()

@@ -25,14 +25,48 @@ def _run(cmd, env=None):
     return proc
 
 
-@pytest.mark.slow
-def test_pretrain_on_a_tp_pp_mesh_equals_one_process(tmp_path):
-    ref, mesh = tmp_path / "one", tmp_path / "tp2pp2"
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-          "-m", "hf_dtrain.cli", *JOB, "--parallel", "--output-dir", str(ref)])
+@pytest.fixture(scope="module")
+def mesh_run(tmp_path_factory):
+    """The job on a tensor 2 x pipeline 2 mesh, uninterrupted."""
+    mesh = tmp_path_factory.mktemp("tp2pp2")
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", *JOB, "--tp", "2", "--pp", "2",
           "--output-dir", str(mesh)])
+    return mesh
+
+
+def _step_losses(directory, rank):
+    return {h["step"]: float(h["loss"]).hex() for h in map(json.loads, open(directory / f"history_rank{rank}.jsonl"))}
+
+
+@pytest.mark.slow
+def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
+    """``--tp 2 --pp 2 --fault-tolerance`` under ``torchrun --max-restarts``: a rank killed after its snapshot of
+    step 2, then another in step 5 (after its forward and backward); each rank snapshots its own tensor-parallel
+    shards of its pipeline stages, and every step's loss on every rank equals the uninterrupted mesh run's."""
+    from hf_dtrain.testing import stop_snapshot_processes
+
+    out, ft = tmp_path / "run", tmp_path / "ft"
+    try:
+        _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "2",
+              "--monitor-interval", "0.2", "--master-port", str(free_port()), "-m", "hf_dtrain.testing.fault",
+              "--kills", "0:1:2:after_snapshot,1:3:2:mid_step", "--kill-log", str(tmp_path / "kills"),
+              "hf_dtrain.cli", *JOB, "--tp", "2", "--pp", "2", "--fault-tolerance.directory", str(ft),
+              "--output-dir", str(out)])
+    finally:
+        stop_snapshot_processes(ft)
+    assert len(open(tmp_path / "kills").read().split()) == 2
+    got = json.loads((out / "results.json").read_text())
+    assert got["fault_tolerance"]["restored"] == {"step": 4, "source": "memory"}
+    for rank in range(4):  # the step log is appended to across the relaunches: the last line of a step counts
+        assert _step_losses(out, rank) == _step_losses(mesh_run, rank)
+
+
+@pytest.mark.slow
+def test_pretrain_on_a_tp_pp_mesh_equals_one_process(tmp_path, mesh_run):
+    ref, mesh = tmp_path / "one", mesh_run
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+          "-m", "hf_dtrain.cli", *JOB, "--parallel", "--output-dir", str(ref)])
     want, got = (json.loads((d / "results.json").read_text()) for d in (ref, mesh))
     assert got["engine"] == "mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 2"
     assert len(got["pipeline"]["bounds"]) == 2
