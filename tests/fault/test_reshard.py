@@ -101,3 +101,23 @@ def test_a_replicated_model_round_trips_and_a_mismatch_is_named(tmp_path):
     problems = reshard.differences(target, directory, keys)
     assert any("model.model.embed_tokens.weight: shape (128, 64) in the snapshot, (128, 32) here" in p
                for p in problems), problems
+
+
+def test_a_ddp_run_restarted_on_more_ranks_reshards_the_persisted_snapshot(tmp_path):
+    """DDP replicas, 2 ranks, every 4th snapshot persisted; restarted on 3 ranks, the in-memory snapshots (taken on 2)
+    cannot load, so the newest persisted DCP copy is loaded into the new replicas: the gathered model and optimizer
+    state at that step equal the 2-rank run's bit for bit, and training goes on."""
+    out, ft_dir, disk, dump = (str(tmp_path / n) for n in ("out", "ft", "disk", "dump"))
+    os.makedirs(out)
+    env = {"FT_ENGINE": "ddp", "FT_OUT": out, "FT_DIR": ft_dir, "FT_PERSIST": disk, "FT_PERSIST_EVERY": "4",
+           "FT_DUMP": dump, "FT_SHUTDOWN": "0"}
+    try:
+        assert launch_ft_workers(2, {**env, "FT_STEPS": "8"}) == [0, 0]  # its state at step 8 dumped at the end
+        codes = launch_ft_workers(3, {**env, "FT_STEPS": "10"})
+        assert codes == [0, 0, 0], open(os.path.join(out, "rank0.out")).read()[-3000:]
+        for r in range(3):
+            assert open(os.path.join(out, f"rank{r}.restore")).read().split()[:2] == ["8", "resharded"]
+        _equal(os.path.join(dump, "w2-step8.safetensors"), os.path.join(dump, "w3-step8.safetensors"))
+        assert os.path.exists(os.path.join(dump, "w3-step10.safetensors"))  # and it trained on
+    finally:
+        stop_snapshot_processes(ft_dir)
