@@ -162,8 +162,9 @@ class ComposeOptions:
                 clashes.append(f"optimizer=eva keeps per-layer vectors for full parameters; DeepSpeed ZeRO-{stage} "
                                "partitions the optimizer (not supported)")
             if self.fault_tolerance is not None and stage >= 1:
-                clashes.append(f"fault_tolerance with DeepSpeed ZeRO-{stage} under the Trainer: the callback resumes "
-                               "through a Trainer checkpoint, which does not hold ZeRO partitions; use DDP (no "
+                clashes.append(f"fault_tolerance with DeepSpeed ZeRO-{stage} under the Trainer: the Trainer resumes "
+                               "DeepSpeed through DeepSpeed's own checkpoint loader, which the in-memory snapshots "
+                               "do not feed; use DDP or --fsdp (no "
                                "--deepspeed) or ZeRO stage 0 with the Trainer, or SnapshotEngine(engine, "
                                "engine.optimizer) in your own DeepSpeed loop, which snapshots ZeRO-1/2/3 partitions")
         if clashes:
