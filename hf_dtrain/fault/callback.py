@@ -30,7 +30,8 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
     ``resume_checkpoint`` restores the newest snapshot every rank has (memory, else parity, else disk; logged and in
     ``self.restored``) and returns a private directory with the Trainer's progress and RNG states, which ``train``
     resumes from (data position, log history); ``train`` gets the model's and optimizer's state in place, each rank
-    its own tensors, so DDP replicas, PEFT adapters and FSDP2 shards (hf_dtrain's or Accelerate's) resume alike. Every setting is a field of :class:`~hf_dtrain.fault.SnapshotConfig` (also accepted as keywords:
+    its own tensors, so DDP replicas, PEFT adapters and FSDP2 shards (hf_dtrain's or Accelerate's) resume alike.
+    Every setting is a field of :class:`~hf_dtrain.fault.SnapshotConfig` (also accepted as keywords:
     ``InMemoryFaultToleranceCallback(every_n_steps=1, parity=1)``)."""
 
     # TrainingArguments that change what is trained: part of the run identity every snapshot records
@@ -71,6 +72,11 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
 
     def resume_checkpoint(self, trainer) -> Optional[str]:
         """Restore before ``trainer.train``; returns the checkpoint directory to resume from, or ``None``."""
+        if getattr(trainer, "is_deepspeed_enabled", False):  # before any snapshot process or collective
+            raise ValueError("InMemoryFaultToleranceCallback with DeepSpeed under the Trainer: the Trainer resumes "
+                             "DeepSpeed from DeepSpeed's own checkpoint, which the in-memory snapshot does not write; "
+                             "use SnapshotEngine(engine, engine.optimizer) in your own DeepSpeed loop (ZeRO-1/2/3), "
+                             "or FSDP2 / DDP with the Trainer.")
         trainer.args.device  # noqa: B018  (sets up the process group, as Trainer does)
         engine = self._engine(trainer.model, trainer.args, trainer.train_dataset)
         restored = engine.restore(apply=False)
@@ -112,11 +118,6 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         optimizer's state as DTensor shards), so nothing is gathered or written to disk; a Trainer checkpoint could
         not hold FSDP2 shards laid out by hf_dtrain. This trainer's two loaders are replaced for this resume only
         (``on_train_begin`` puts the Trainer's back)."""
-        if getattr(trainer, "is_deepspeed_enabled", False):
-            raise ValueError("InMemoryFaultToleranceCallback with DeepSpeed under the Trainer: the Trainer resumes "
-                             "DeepSpeed from DeepSpeed's own checkpoint, which the in-memory snapshot does not write; "
-                             "use SnapshotEngine(engine, engine.optimizer) in your own DeepSpeed loop (ZeRO-1/2/3), "
-                             "or FSDP2 / DDP with the Trainer.")
         missing = [name for name in self.TRAINER_LOADERS if not callable(getattr(type(trainer), name, None))]
         if missing:
             raise RuntimeError(f"this transformers release's Trainer has no {', '.join(missing)}, where the callback "
@@ -136,8 +137,8 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
         self._trainer = trainer
         progress = json.loads(self.restored.extra["trainer_state"])
-        if progress["global_step"] >= progress.get("max_steps") > 0 and callable(getattr(type(trainer), "_run_epoch",
-                                                                                        None)):
+        last = progress.get("max_steps") or 0
+        if 0 < last <= progress["global_step"] and callable(getattr(type(trainer), "_run_epoch", None)):
             # restored after the last step: train() would still run one more (its loop tests for the end after a
             # step); it runs no epoch instead, and ends as the uninterrupted run did
             trainer._run_epoch = lambda *args, **kwargs: None

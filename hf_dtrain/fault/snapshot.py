@@ -32,8 +32,8 @@ from ..distributed import sharded_engine_of
 from .ddp import unwrap as _unwrap
 from .erasure import node_groups
 from .fsdp import local_shard as _local
-from .restore import (FRESH_START, Restored, RestorePolicy, SnapshotError, SnapshotMismatch,  # noqa: F401
-                      identity_diff)
+# Restored and the errors are also imported from here (their names before the restore policy moved out)
+from .restore import Restored, RestorePolicy, SnapshotError, SnapshotMismatch  # noqa: F401
 from .wire import SMPClient, checksum, connect, private_dir, runtime_root
 from .state import Layout, flatten_state, parse, rng_state, unflatten_state
 
@@ -143,8 +143,8 @@ class SnapshotEngine(RestorePolicy):
         self.layout: Optional[Layout] = None
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}
         self._registered: dict[int, int] = {}
-        # read again at each snapshot: Accelerate's FSDP2 route moves the model to the GPU after the engine is built
-        self._cuda = any(p.is_cuda for p in _unwrap(model).parameters())
+        # read at the first snapshot: Accelerate's FSDP2 route moves the model to the GPU after the engine is built
+        self._cuda: Optional[bool] = None
         # one long-lived copy thread fed by a queue: starting a thread per snapshot would stall the training thread
         # for up to the interpreter's switch interval (5 ms) while the new thread runs Python code
         self._worker: Optional[threading.Thread] = None
@@ -183,24 +183,25 @@ class SnapshotEngine(RestorePolicy):
         # every persist_every-th snapshot is also a DCP checkpoint (restorable onto another world size), written
         # by the persist thread over a process group of its own
         self._shards, self._persist_group = None, None  # the ShardMap is read at the first snapshot (the Trainer
-        if self.persist_every:                             # hands the optimizer over after the engine is built)
-            from datetime import timedelta
-
-            if self.distributed:
-                ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-                self._persist_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+        if self.persist_every and self.distributed:        # hands the optimizer over after the engine is built)
+            self._persist_group = self._gloo_group(process_group, timeout)
 
     # ---------------------------------------------------------------- set-up
     @staticmethod
-    def _control_group(process_group, timeout: float):
-        """``process_group`` when it carries CPU tensors (gloo, or a ``cpu:gloo`` part), else a new gloo group of
-        the same ranks (every rank builds the engine, so every rank joins it)."""
+    def _gloo_group(process_group, timeout: float):
+        """A new gloo group of ``process_group``'s ranks (every rank builds the engine, so every rank joins it)."""
         from datetime import timedelta
 
-        if "gloo" in str(dist.get_backend(process_group)):
-            return process_group
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+
+    @classmethod
+    def _control_group(cls, process_group, timeout: float):
+        """``process_group`` when it carries CPU tensors (gloo, or a ``cpu:gloo`` part), else a gloo group of the
+        same ranks."""
+        if "gloo" in str(dist.get_backend(process_group)):
+            return process_group
+        return cls._gloo_group(process_group, timeout)
 
     def _model_state(self, local: bool = True) -> dict[str, torch.Tensor]:
         """The model's tensors to snapshot; FSDP2's DTensor parameters as this rank's local shards (views that write
@@ -442,7 +443,8 @@ class SnapshotEngine(RestorePolicy):
 
             self._shards = ShardMap(self._model_state(local=False), _unwrap(self.model),
                                     None if self.optimizer is None else unwrap_optimizer(self.optimizer))
-        self._cuda = self._cuda or any(p.is_cuda for p in _unwrap(self.model).parameters())
+        if self._cuda is None:
+            self._cuda = any(p.is_cuda for p in _unwrap(self.model).parameters())
         state = self._capture(extra)
         self._pending = None  # set by the copy thread once the snapshot's bytes are laid out
         stream = None
