@@ -367,14 +367,14 @@ def sharded_restore_worker(preset: str, tmp: str) -> None:
     dist.destroy_process_group()
 
 
-def sharded_rows(preset: str = "tiny") -> list[dict]:
+def sharded_rows(preset: str = "tiny", worlds=SHARDED_WORLDS) -> list[dict]:
     """FSDP2 on 1, 2 and 4 gloo ranks (one emulated node each): the sharded snapshot against DCP ``async_save`` of
     the same state, then node 1 lost and the job restarted: our restore against a DCP restart."""
     from hf_dtrain.testing import elastic_launch, stop_snapshot_processes
     from hf_dtrain.testing.fault import kill_snapshot_process
 
     rows = []
-    for world in SHARDED_WORLDS:
+    for world in worlds:
         tmp = tempfile.mkdtemp(prefix="hf_dtrain_sharded_ft_")
         ft_dir = os.path.join(tmp, "ft")
         argv = [sys.executable, __file__]

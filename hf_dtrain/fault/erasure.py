@@ -81,44 +81,66 @@ class ErasureCode:
         out[:len(data)] = data
         return out.tobytes()
 
-    def encode(self, pieces: Sequence) -> list[bytes]:
-        """The ``parity`` blocks of one codeword from its k data pieces (in ``data_nodes`` order)."""
+    def encode(self, pieces: Sequence) -> list:
+        """The ``parity`` blocks of one codeword from its k data pieces (in ``data_nodes`` order), each as long as
+        the longest piece: a shorter piece counts as zero-padded to it (no padded copy is made). With k = 1 and
+        parity 1 the block is the piece itself (no copy)."""
         if len(pieces) != self.k:
             raise ValueError(f"encode needs the codeword's k = {self.k} data pieces, got {len(pieces)}.")
-        sizes = {len(p) for p in pieces}
-        if len(sizes) != 1:
-            raise ValueError(f"All pieces of a codeword must have the same length, got {sorted(sizes)}.")
+        block = max(len(p) for p in pieces)
         if self.parity == 1:
-            acc = _as_array(pieces[0]).copy()
-            for p in pieces[1:]:
-                np.bitwise_xor(acc, _as_array(p), out=acc)
-            return [acc.tobytes()]
+            if self.k == 1:
+                return [pieces[0]]
+            acc = np.zeros(block, dtype=np.uint8)
+            for p in pieces:
+                a = _as_array(p)
+                np.bitwise_xor(acc[:len(a)], a, out=acc[:len(a)])
+            return [acc]
         import zfec
 
-        blocks = zfec.Encoder(self.k, self.group_size).encode(tuple(bytes(p) for p in pieces),
-                                                              tuple(range(self.k, self.group_size)))
+        padded = tuple(bytes(p) + bytes(block - len(p)) for p in pieces)
+        blocks = zfec.Encoder(self.k, self.group_size).encode(padded, tuple(range(self.k, self.group_size)))
         return [bytes(b) for b in blocks]
 
-    def decode(self, symbols: Mapping[int, bytes]) -> list[bytes]:
-        """The k data pieces of one codeword from any k of its symbols: ``{i: block}`` with ``i < k`` the i-th data
-        piece and ``k + l`` the l-th parity block. Raises ``UnrecoverableError`` with fewer than k."""
+    def decode_into(self, out: np.ndarray, index: int, symbols: Mapping[int, object]) -> None:
+        """Data piece ``index`` of one codeword written into ``out`` (its true length) from the other symbols:
+        ``{i: buffer}``, ``i < k`` the i-th data piece and ``k + l`` the l-th parity block, each possibly shorter
+        than the block (the rest is zeros). Parity 1 XORs straight into ``out``; Reed-Solomon pads and decodes.
+        Raises ``UnrecoverableError`` with fewer than k symbols."""
         if len(symbols) < self.k:
             raise UnrecoverableError(f"a codeword needs {self.k} of its {self.group_size} symbols, only "
                                      f"{len(symbols)} survive")
-        if all(i in symbols for i in range(self.k)):
-            return [symbols[i] for i in range(self.k)]
+        if index in symbols:
+            a = _as_array(symbols[index])[:len(out)]
+            out[:len(a)] = a
+            out[len(a):] = 0
+            return
         if self.parity == 1:
-            missing = next(i for i in range(self.k) if i not in symbols)
-            acc = _as_array(symbols[self.k]).copy()
-            for i in range(self.k):
-                if i != missing:
-                    np.bitwise_xor(acc, _as_array(symbols[i]), out=acc)
-            return [acc.tobytes() if i == missing else symbols[i] for i in range(self.k)]
+            first, *rest = symbols.values()  # the first copied in, the others XORed into it
+            a = _as_array(first)[:len(out)]
+            out[:len(a)] = a
+            out[len(a):] = 0
+            for s in rest:
+                a = _as_array(s)[:len(out)]
+                np.bitwise_xor(out[:len(a)], a, out=out[:len(a)])
+            return
         import zfec
 
+        block = max(len(s) for s in symbols.values())
         nums = tuple(sorted(symbols)[:self.k])
-        out = zfec.Decoder(self.k, self.group_size).decode(tuple(bytes(symbols[i]) for i in nums), nums)
-        return [bytes(b) for b in out]
+        pieces = zfec.Decoder(self.k, self.group_size).decode(
+            tuple(bytes(symbols[i]) + bytes(block - len(symbols[i])) for i in nums), nums)
+        out[:] = _as_array(pieces[index])[:len(out)]
+
+    def decode(self, symbols: Mapping[int, bytes]) -> list[bytes]:
+        """The k data pieces of one codeword (each as long as the longest symbol) from any k of its symbols."""
+        block = max((len(s) for s in symbols.values()), default=0)
+        out = []
+        for i in range(self.k):
+            buf = np.zeros(block, dtype=np.uint8)
+            self.decode_into(buf, i, symbols)
+            out.append(buf.tobytes())
+        return out
 
     def rebuild(self, lost: Sequence[int], shards: Mapping[int, bytes], parity_blocks: Mapping[tuple[int, int], bytes],
                 shard_bytes: Mapping[int, int]) -> dict[int, bytes]:
@@ -130,23 +152,33 @@ class ErasureCode:
         if len(lost) > self.parity:
             raise UnrecoverableError(f"{len(lost)} nodes of a group of {self.group_size} were lost ({lost}); its "
                                      f"parity covers {self.parity}")
-        rebuilt = {n: bytearray(self.k * self.piece_size(shard_bytes[n])) for n in lost}
-        for p in range(self.group_size):
-            data = self.data_nodes(p)
-            if not any(n in rebuilt for n in data):
-                continue
-            block = self.block_size(p, shard_bytes)
-            symbols = {i: self.piece(n, shards[n], p, block) for i, n in enumerate(data) if n in shards}
-            for l, holder in enumerate(self.parity_holders(p)):
-                if (p, l) in parity_blocks and holder not in lost:
-                    symbols[self.k + l] = parity_blocks[(p, l)]
-            pieces = self.decode(symbols)
-            for i, n in enumerate(data):
-                if n in rebuilt:
-                    size = self.piece_size(shard_bytes[n])
-                    index = self.codewords_of(n).index(p)
-                    rebuilt[n][index * size:(index + 1) * size] = pieces[i][:size]
-        return {n: bytes(buf[:shard_bytes[n]]) for n, buf in rebuilt.items()}
+        out = {}
+        for n in lost:
+            shard = np.zeros(self.k * self.piece_size(shard_bytes[n]), dtype=np.uint8)
+            self.rebuild_into(shard, n, lambda p: self.symbols(p, shards, parity_blocks, lost))
+            out[n] = shard[:shard_bytes[n]].tobytes()
+        return out
+
+    def symbols(self, codeword: int, shards: Mapping[int, object], parity_blocks: Mapping[tuple[int, int], object],
+                lost: Sequence[int] = ()) -> dict[int, object]:
+        """A codeword's surviving symbols (unpadded): the survivors' pieces and the parity blocks survivors hold."""
+        out = {}
+        for i, n in enumerate(self.data_nodes(codeword)):
+            if n in shards and n not in lost:
+                size = self.piece_size(len(shards[n]))
+                index = self.codewords_of(n).index(codeword)
+                out[i] = _as_array(shards[n])[index * size:(index + 1) * size]
+        for l, holder in enumerate(self.parity_holders(codeword)):
+            if (codeword, l) in parity_blocks and holder not in lost:
+                out[self.k + l] = parity_blocks[(codeword, l)]
+        return out
+
+    def rebuild_into(self, shard: np.ndarray, node: int, symbols_of) -> None:
+        """Node ``node``'s shard decoded in place into ``shard`` (``k`` pieces of its piece size; the true length
+        may be shorter): ``symbols_of(codeword)`` gives each of its codewords' surviving symbols."""
+        size = len(shard) // self.k
+        for j, p in enumerate(self.codewords_of(node)):
+            self.decode_into(shard[j * size:(j + 1) * size], self.data_nodes(p).index(node), symbols_of(p))
 
 
 def node_groups(num_nodes: int, group_size: int) -> list[list[int]]:

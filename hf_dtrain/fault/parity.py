@@ -11,15 +11,18 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Optional
 
+import numpy as np
+
 if __package__:
     from .erasure import ErasureCode, UnrecoverableError
-    from .wire import checksum, connect, recv, send
+    from .wire import checksum, connect, recv, recv_array, send, send_ranges
 else:  # imported by the snapshot process started by path
     from erasure import ErasureCode, UnrecoverableError
-    from wire import checksum, connect, recv, send
+    from wire import checksum, connect, recv, recv_array, send, send_ranges
 
 logger = logging.getLogger("hf_dtrain.fault.smp")
 
@@ -37,20 +40,31 @@ class ParityExchange:
     def position(self) -> int:
         return self.group.index(self.node)
 
-    def shard(self, step: int) -> tuple[bytes, dict]:
-        """This node's shard at ``step`` (its ranks' snapshots, concatenated) and its node manifest."""
+    def _shard_slots(self, step: int) -> tuple[list, dict]:
+        """This node's slots at ``step`` (one per local rank, in rank order) and its node manifest."""
         with self.lock:
             slots = [self._slot_with(r, step) for r in self.local_ranks]
             if not self.local_ranks or any(s is None for s in slots):
                 raise KeyError(f"node {self.node} has no complete snapshot of every local rank at step {step}")
             manifest = {"node": self.node, "step": step, "ranks": [s.manifest for s in slots]}
-            data = b"".join(s.read(s.manifest["nbytes"]) for s in slots)
-        manifest["shard_bytes"] = len(data)
-        return data, manifest
+            fds = [(os.dup(s.fd), s.manifest["nbytes"]) for s in slots]
+        manifest["shard_bytes"] = sum(n for _, n in fds)
+        return fds, manifest
+
+    @staticmethod
+    def _ranges(fds: list, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Bytes ``start:end`` of the shard laid over ``fds``, as ``[(fd, offset, count)]``."""
+        out, offset = [], 0
+        for fd, n in fds:
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                out.append((fd, lo - offset, hi - lo))
+            offset += n
+        return out
 
     def _sender(self) -> None:
         """Sends this node's pieces of each newly complete step to the codewords' parity holders (the newest step
-        first; older queued steps are dropped)."""
+        first; older queued steps are dropped). A holder that cannot be reached does not stop the others."""
         while not self._stop.is_set():
             with self._send_cv:
                 while not self._send_queue and not self._stop.is_set():
@@ -59,23 +73,61 @@ class ParityExchange:
                     return
                 step = max(self._send_queue)
                 self._send_queue.clear()
+                self._sending = step
+            failed = []
             try:
-                data, manifest = self.shard(step)
+                fds, manifest = self._shard_slots(step)
+            except KeyError as e:  # the step's slots went away: nothing sent
+                fds, manifest = [], None
+                failed.append(str(e))
+            try:
                 code, me = self.code, self.position
-                for p in code.codewords_of(me):
-                    piece = code.piece(me, data, p)
+                total = manifest["shard_bytes"] if manifest else 0
+                size = code.piece_size(total)
+                for j, p in enumerate(code.codewords_of(me) if manifest else []):
+                    ranges = self._ranges(fds, j * size, min((j + 1) * size, total))
                     for holder in code.parity_holders(p):
                         node = self.group[holder]
                         header = {"op": "piece", "step": step, "codeword": p, "from": me, "manifest": manifest}
-                        if node == self.node:
-                            self.receive_piece(header, piece)
-                        else:
-                            self._peer_call(node, header, piece)
-            except Exception as e:  # a peer down: its parity for this step stays incomplete, training goes on
-                self.events.append(f"step {step}: parity exchange failed: {type(e).__name__}: {e}")
-                logger.warning("SMP node %d: parity exchange for step %d failed: %s", self.node, step, e)
+                        try:
+                            self._send_piece(node, header, ranges)
+                        except Exception as e:  # that holder's parity for this step stays incomplete
+                            failed.append(f"node {node}: {type(e).__name__}: {e}")
+            finally:
+                for fd, _ in fds:
+                    os.close(fd)
+            if manifest and not self._unchanged(step, manifest):
+                failed.append("a slot was handed out for a newer step while it was sent (its parity is torn)")
+            if failed:
+                self.events.append(f"step {step}: parity exchange failed: {'; '.join(failed)}")
+                logger.warning("SMP node %d: parity exchange for step %d failed: %s", self.node, step,
+                               "; ".join(failed))
+            with self._send_cv:
+                self._sending = None
+                self._send_cv.notify_all()
 
-    def receive_piece(self, header: dict, piece: bytes) -> None:
+    def _unchanged(self, step: int, manifest: dict) -> bool:
+        """Every local rank's slot still holds what ``manifest`` describes (no newer snapshot was written into it)."""
+        with self.lock:
+            slots = [self._slot_with(r, step) for r in self.local_ranks]
+            return all(s is not None and s.manifest["checksum"] == m["checksum"]
+                       for s, m in zip(slots, manifest["ranks"]))
+
+    def _send_piece(self, node: int, header: dict, ranges: list, timeout: float = 30.0) -> None:
+        host, port = self.peers[node]
+        conn = connect((host, port), self.key, timeout)
+        try:
+            send(conn, header)
+            send_ranges(conn, ranges)
+            if not conn.poll(timeout):
+                raise TimeoutError(f"SMP of node {node} did not acknowledge a piece in {timeout:.0f} s")
+            reply = recv(conn)
+            if "error" in reply:
+                raise RuntimeError(reply["error"])
+        finally:
+            conn.close()
+
+    def receive_piece(self, header: dict, piece) -> None:
         step, p, frm = header["step"], header["codeword"], header["from"]
         with self.lock:
             self.manifests.setdefault(step, {})[self.group[frm]] = header["manifest"]
@@ -86,9 +138,7 @@ class ParityExchange:
             if not all(n in got for n in data):
                 return
             self.pieces.pop((step, p))
-        block = max(len(got[n]) for n in data)
-        padded = [got[n] + bytes(block - len(got[n])) for n in data]
-        blocks = code.encode(padded)
+        blocks = code.encode([got[n] for n in data])
         with self.lock:
             store = self.parity_blocks.setdefault(step, {})
             for l, holder in enumerate(code.parity_holders(p)):
@@ -107,7 +157,7 @@ class ParityExchange:
         return sorted(s for s, blocks in self.parity_blocks.items() if mine <= set(blocks))
 
     def _op_piece(self, conn: Connection, msg: dict) -> None:
-        piece = conn.recv_bytes()
+        piece = recv_array(conn)
         self.receive_piece(msg, piece)
         send(conn, {"ok": True})
 
@@ -120,21 +170,40 @@ class ParityExchange:
                         "manifests": {str(s): {str(n): m for n, m in ms.items()}
                                       for s, ms in self.manifests.items()}})
 
-    def _op_fetch_shard(self, conn: Connection, msg: dict) -> None:
-        try:
-            data, manifest = self.shard(msg["step"])
-        except KeyError as e:
-            send(conn, {"error": str(e)})
-            return
-        send(conn, {"manifest": manifest}, data)
-
-    def _op_fetch_parity(self, conn: Connection, msg: dict) -> None:
+    def _op_fetch_symbols(self, conn: Connection, msg: dict) -> None:
+        """What a rebuilding peer needs from this node at ``msg["step"]``: its pieces of ``msg["pieces"]`` (codewords)
+        and the parity blocks ``msg["parity"]`` (``[codeword, l]``) it holds, unpadded, in that order."""
+        step = msg["step"]
         with self.lock:
-            blocks = dict(self.parity_blocks.get(msg["step"], {}))
-        keys = sorted(blocks)
-        send(conn, {"keys": keys})
-        for k in keys:
-            conn.send_bytes(blocks[k])
+            blocks = dict(self.parity_blocks.get(step, {}))
+        for p, l in msg.get("parity", []):
+            if (p, l) not in blocks:
+                send(conn, {"error": f"node {self.node} holds no parity block ({p}, {l}) of step {step}"})
+                return
+        fds = []
+        try:
+            pieces = []
+            if msg.get("pieces"):
+                try:
+                    fds, manifest = self._shard_slots(step)
+                except KeyError as e:
+                    send(conn, {"error": str(e)})
+                    return
+                code, me = self.code, self.position
+                total = manifest["shard_bytes"]
+                size = code.piece_size(total)
+                for p in msg["pieces"]:
+                    j = code.codewords_of(me).index(p)
+                    pieces.append(self._ranges(fds, j * size, min((j + 1) * size, total)))
+            blocks = [blocks[(p, l)] for p, l in msg.get("parity", [])]
+            send(conn, {"sizes": [sum(c for _, _, c in r) for r in pieces] + [len(b) for b in blocks]})
+            for r in pieces:
+                send_ranges(conn, r)
+            for b in blocks:
+                conn.send_bytes(b)
+        finally:
+            for fd, _ in fds:
+                os.close(fd)
 
     def _op_ping(self, conn: Connection, msg: dict) -> None:
         send(conn, {"node": self.node, "pid": os.getpid()})
@@ -151,22 +220,30 @@ class ParityExchange:
             conn.close()
             raise
 
+    def _survey(self) -> tuple[dict[int, dict], list[int]]:
+        """Every group peer's holdings, asked in parallel: ``({position: holdings}, [nodes that did not answer])``."""
+        def ask(node):
+            try:
+                conn, info = self._peer_call(node, {"op": "holdings"}, timeout=10.0)
+                conn.close()
+                return info
+            except (OSError, EOFError, TimeoutError, KeyError):
+                return None
+
+        others = [(pos, node) for pos, node in enumerate(self.group) if node != self.node]
+        with ThreadPoolExecutor(max(1, len(others))) as pool:
+            answers = list(pool.map(ask, [node for _, node in others]))
+        survivors = {pos: info for (pos, _), info in zip(others, answers) if info is not None}
+        down = [node for (_, node), info in zip(others, answers) if info is None]
+        return survivors, down
+
     def recoverable_steps(self) -> tuple[list[int], str]:
         """Steps at which this (empty) node's shard can be rebuilt: every survivor holds the step and the parity of
         every codeword this node is part of survives."""
         if not self.parity:
             return [], ""  # no parity: another rank holding steps this one lacks tells the restore
         code, me = self.code, self.position
-        survivors, down = {}, []
-        for pos, node in enumerate(self.group):
-            if node == self.node:
-                continue
-            try:
-                conn, info = self._peer_call(node, {"op": "holdings"}, timeout=10.0)
-                conn.close()
-                survivors[pos] = info
-            except (OSError, EOFError, TimeoutError, KeyError):
-                down.append(node)
+        survivors, down = self._survey()
         if not any(info["local_steps"] or info["manifests"] for info in survivors.values()):
             return [], ""  # nobody has snapshots: a fresh start, nothing to recover
         for pos in [pos for pos, info in survivors.items() if not info["local_steps"]]:
@@ -193,50 +270,74 @@ class ParityExchange:
                 good.append(step)
         return good, "" if good else "no step has both the survivors' snapshots and complete parity"
 
+    def _fetch_symbols(self, pos: int, step: int, pieces: list[int], parity: list[list[int]]) -> list[np.ndarray]:
+        """``_op_fetch_symbols`` of the peer at group position ``pos``: each payload received into its own buffer."""
+        conn, head = self._peer_call(self.group[pos], {"op": "fetch_symbols", "step": step, "pieces": pieces,
+                                                       "parity": parity})
+        try:
+            if "error" in head:
+                raise KeyError(head["error"])
+            out = []
+            for n in head["sizes"]:
+                buf = recv_array(conn)
+                if len(buf) != n:
+                    raise EOFError(f"a peer sent a symbol of {len(buf)} bytes, announced {n}")
+                out.append(buf)
+            return out
+        finally:
+            conn.close()
+
     def rebuild(self, step: int) -> None:
-        """Rebuild this node's shard at ``step`` from the survivors, verify each rank's checksum, and install it."""
+        """Rebuild this node's shard at ``step`` from the survivors and install it: only the symbols of this node's
+        codewords are fetched, from every survivor at once; parity 1 XORs them straight into the shard; each
+        rank's checksum is verified before its slot is written."""
         code, me = self.code, self.position
-        shards, blocks, manifests, down = {}, {}, {}, []
         t0 = time.perf_counter()
-        for pos, node in enumerate(self.group):
-            if node == self.node:
-                continue
-            try:
-                conn, head = self._peer_call(node, {"op": "fetch_shard", "step": step})
-                try:
-                    if "error" in head:
-                        raise KeyError(head["error"])
-                    shards[pos] = conn.recv_bytes()
-                    manifests[pos] = head["manifest"]
-                finally:
-                    conn.close()
-                conn, head = self._peer_call(node, {"op": "fetch_parity", "step": step})
-                try:
-                    for p, l in head["keys"]:
-                        blocks[(p, l)] = conn.recv_bytes()
-                finally:
-                    conn.close()
-                conn, info = self._peer_call(node, {"op": "holdings"})
-                conn.close()
-                mine = info["manifests"].get(str(step), {}).get(str(self.node))
-                if mine is not None:
-                    manifests[me] = mine
-            except (OSError, EOFError, TimeoutError, KeyError):
-                down.append(node)
-        if me not in manifests:
+        survivors, down = self._survey()
+        t_survey = time.perf_counter()
+        mine = next((info["manifests"][str(step)][str(self.node)] for info in survivors.values()
+                     if str(self.node) in info["manifests"].get(str(step), {})), None)
+        if mine is None:
             raise UnrecoverableError(f"no surviving peer holds node {self.node}'s manifest for step {step}")
         lost = [me] + [self.group.index(n) for n in down]
-        lengths = {pos: m["shard_bytes"] for pos, m in manifests.items()}
-        for pos in lost:
-            if pos not in lengths:
-                raise UnrecoverableError(f"{len(lost)} nodes of erasure group {self.group} are lost; parity "
-                                         f"{code.parity} covers {code.parity}")
+        if len(lost) > code.parity:
+            raise UnrecoverableError(f"{len(lost)} nodes of erasure group {self.group} are lost; parity "
+                                     f"{code.parity} covers {code.parity}")
+        asks = {pos: ([], []) for pos in survivors}  # position -> (codewords of its pieces, [codeword, l] blocks)
+        for p in code.codewords_of(me):
+            for n in code.data_nodes(p):
+                if n in asks:
+                    asks[n][0].append(p)
+            for l, h in enumerate(code.parity_holders(p)):
+                if h in asks:
+                    asks[h][1].append([p, l])
+        asks = {pos: a for pos, a in asks.items() if a[0] or a[1]}
+
+        def fetch(pos):
+            try:
+                return pos, self._fetch_symbols(pos, step, *asks[pos])
+            except (OSError, EOFError, TimeoutError, KeyError) as e:
+                logger.warning("SMP node %d: node %d could not send its symbols of step %d: %s", self.node,
+                               self.group[pos], step, e)
+                return pos, None
+
+        with ThreadPoolExecutor(max(1, len(asks))) as pool:
+            got = dict(pool.map(fetch, list(asks)))
+        symbols: dict[int, dict[int, np.ndarray]] = {p: {} for p in code.codewords_of(me)}
+        for pos, bufs in got.items():
+            if bufs is None:
+                continue
+            pieces, blocks = asks[pos]
+            for p, buf in zip(pieces, bufs[:len(pieces)]):
+                symbols[p][code.data_nodes(p).index(pos)] = buf
+            for (p, l), buf in zip(blocks, bufs[len(pieces):]):
+                symbols[p][code.k + l] = buf
         t1 = time.perf_counter()
-        shard = code.rebuild(lost, shards, blocks, lengths)[me]
+        shard = np.empty(code.k * code.piece_size(mine["shard_bytes"]), dtype=np.uint8)
+        code.rebuild_into(shard, me, lambda p: symbols[p])
         t2 = time.perf_counter()
-        offset = 0
-        installed = []
-        for rank_manifest in manifests[me]["ranks"]:
+        offset, installed = 0, []
+        for rank_manifest in mine["ranks"]:
             n = rank_manifest["nbytes"]
             data = shard[offset:offset + n]
             offset += n
@@ -247,9 +348,12 @@ class ParityExchange:
         with self.lock:
             for rank_manifest, data in installed:
                 slot = self._rank_slots(rank_manifest["rank"])[0]
-                slot.write(data)
+                slot.manifest = None
+                slot.resize(len(data))
+                if os.pwrite(slot.fd, memoryview(data), 0) != len(data):
+                    raise OSError("short write into a snapshot slot")
                 slot.manifest = dict(rank_manifest, rebuilt=True)
             self.events.append(f"rebuilt step {step} from parity (lost: {sorted(self.group[p] for p in lost)})")
         logger.warning("SMP node %d: rebuilt step %d from peers' parity in %.3f s (fetched in %.3f s, decoded in "
-                       "%.3f s, checked and installed in %.3f s)", self.node, step, time.perf_counter() - t0, t1 - t0,
-                       t2 - t1, time.perf_counter() - t2)
+                       "%.3f s, checked and installed in %.3f s; survey %.3f s)", self.node, step, time.perf_counter() - t0, t1 - t0,
+                       t2 - t1, time.perf_counter() - t2, t_survey - t0)

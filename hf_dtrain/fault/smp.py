@@ -35,11 +35,11 @@ from typing import Optional
 if __package__:
     from .erasure import UnrecoverableError
     from .parity import KEEP_STEPS, ParityExchange
-    from .wire import authenticate, private_dir, send
+    from .wire import authenticate, no_delay, private_dir, send
 else:  # started by path (what the engine does): the snapshot process never imports torch or transformers
     from erasure import UnrecoverableError
     from parity import KEEP_STEPS, ParityExchange
-    from wire import authenticate, private_dir, send
+    from wire import authenticate, no_delay, private_dir, send
 
 logger = logging.getLogger("hf_dtrain.fault.smp")
 
@@ -93,6 +93,7 @@ class SnapshotManager(ParityExchange):
         self.events: list[str] = []
         self._stop = threading.Event()
         self._send_queue: list[int] = []
+        self._sending: Optional[int] = None  # the step the sender is exchanging now
         self._send_cv = threading.Condition(self.lock)
 
     # ---------------------------------------------------------------- local (trainer) requests
@@ -110,8 +111,8 @@ class SnapshotManager(ParityExchange):
     # every request the snapshot process answers: the trainer's (local socket) and the peers' (TCP); anything
     # else is refused with the list
     HANDLERS = {name: f"_op_{name}" for name in ("config", "slot", "commit", "available", "open", "discard",
-                                                 "status", "shutdown", "piece", "holdings", "fetch_shard",
-                                                 "fetch_parity", "ping")}
+                                                 "status", "shutdown", "piece", "holdings",
+                                                 "fetch_symbols", "ping")}
 
     def handle(self, conn: Connection, msg: dict) -> None:
         op = msg.get("op")
@@ -275,6 +276,8 @@ class SnapshotManager(ParityExchange):
 
     def _serve_conn(self, conn: Connection, is_local: bool = True) -> None:
         try:
+            if not is_local:
+                no_delay(conn)
             authenticate(conn, self.key, self.HANDSHAKE_SECONDS)
         except Exception:  # wrong key, silence past the deadline, or a closed socket: drop it
             conn.close()

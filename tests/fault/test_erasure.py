@@ -58,7 +58,9 @@ def test_a_corrupted_parity_block_gives_a_different_shard():
     lengths = {n: len(s) for n, s in shards.items()}
     bad = dict(blocks)
     key = next(k for k in bad if code.parity_holders(k[0])[0] != 0 and 0 in code.data_nodes(k[0]))
-    bad[key] = bytes([bad[key][0] ^ 1]) + bad[key][1:]
+    flipped = bytearray(bad[key])
+    flipped[0] ^= 1
+    bad[key] = bytes(flipped)
     rebuilt = code.rebuild([0], {1: shards[1], 2: shards[2]}, bad, lengths)
     assert rebuilt[0] != shards[0]
 
@@ -72,3 +74,64 @@ def test_bad_configurations_are_refused():
         node_groups(5, 2)
     assert node_groups(4, 2) == [[0, 1], [2, 3]]
 
+
+
+@pytest.mark.parametrize("group_size,parity", [(3, 1), (4, 2)])
+def test_unpadded_pieces_encode_and_decode_as_their_zero_padded_form(group_size, parity):
+    """The exchange sends each piece at its true length (no padded copy); the parity and the decoded piece equal
+    the padded code's."""
+    code = ErasureCode(group_size, parity)
+    rng = np.random.default_rng(3)
+    pieces = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in (700, 1000, 420)[:code.k]]
+    block = max(len(p) for p in pieces)
+    padded = [p + bytes(block - len(p)) for p in pieces]
+    blocks = code.encode(pieces)
+    assert [bytes(b) for b in blocks] == [bytes(b) for b in code.encode(padded)]
+    for lost in range(code.k):
+        symbols = {i: p for i, p in enumerate(pieces) if i != lost}
+        symbols.update({code.k + l: b for l, b in enumerate(blocks)})
+        out = np.full(len(pieces[lost]), 7, dtype=np.uint8)
+        code.decode_into(out, lost, symbols)
+        assert out.tobytes() == pieces[lost]
+
+
+def test_peer_connections_send_small_messages_without_delay():
+    """A request after the handshake is not held back for a delayed ACK (40 ms per peer call without it)."""
+    import socket
+    import threading
+    from multiprocessing.connection import Listener
+
+    from hf_dtrain.fault.wire import authenticate, connect, no_delay, recv_array, send_ranges
+
+    key = b"k" * 16
+    listener = Listener(("127.0.0.1", 0))
+    served = {}
+
+    def serve():
+        conn = listener.accept()
+        no_delay(conn)
+        authenticate(conn, key, 5.0)
+        served["array"] = recv_array(conn)
+        conn.send_bytes(b"ok")
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)  # a failed assertion below leaves it, not the run, waiting
+    t.start()
+    conn = connect(listener.address, key, 5.0)
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        sock.detach()
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        f.write(bytes(range(256)) * 8)
+        f.flush()
+        send_ranges(conn, [(f.fileno(), 10, 100), (f.fileno(), 1000, 50)])
+    assert conn.recv_bytes() == b"ok"
+    t.join(10)
+    conn.close()
+    listener.close()
+    data = (bytes(range(256)) * 8)
+    assert served["array"].tobytes() == data[10:110] + data[1000:1050]

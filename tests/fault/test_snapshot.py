@@ -171,7 +171,7 @@ def test_private_directory_key_socket_and_no_shared_memory_name(ft_dir):
     # an authenticated request the snapshot process does not know is refused, naming what it answers
     reply, fd = engine.client.call({"op": "delete_everything", "rank": 0})
     assert fd is None and reply["error"].startswith("unknown op 'delete_everything'; the snapshot process answers ")
-    assert "commit" in reply["error"] and "fetch_parity" in reply["error"]
+    assert "commit" in reply["error"] and "fetch_symbols" in reply["error"]
     assert engine.client.call({"op": "available", "rank": 0})[0]["steps"] == [1]  # and it keeps serving
     engine.close(shutdown=True)
 
