@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -27,6 +28,8 @@ else:  # imported by the snapshot process started by path
 logger = logging.getLogger("hf_dtrain.fault.smp")
 
 KEEP_STEPS = 2  # complete steps kept per rank (the latest and the one before), and parity steps kept
+# fault injection: seconds the exchange of every step is held back, as a loaded host or a slow link would (tests)
+EXCHANGE_DELAY = float(os.environ.get("HF_DTRAIN_FT_EXCHANGE_DELAY", "0") or 0)
 
 
 class ParityExchange:
@@ -74,6 +77,8 @@ class ParityExchange:
                 step = max(self._send_queue)
                 self._send_queue.clear()
                 self._sending = step
+            if EXCHANGE_DELAY:
+                time.sleep(EXCHANGE_DELAY)
             failed = []
             try:
                 fds, manifest = self._shard_slots(step)
@@ -115,7 +120,7 @@ class ParityExchange:
 
     def _send_piece(self, node: int, header: dict, ranges: list, timeout: float = 30.0) -> None:
         host, port = self.peers[node]
-        conn = connect((host, port), self.key, timeout)
+        conn = connect((host, port), self.key, 3.0)  # refused for 3 s: that node's snapshot process is gone
         try:
             send(conn, header)
             send_ranges(conn, ranges)
@@ -149,6 +154,61 @@ class ParityExchange:
                 self.manifests.pop(old, None)
             for key in [k for k in self.pieces if k[0] < step - KEEP_STEPS]:
                 self.pieces.pop(key)
+            if step in self._complete_parity_steps() and self.position not in self.complete_at.get(step, ()):
+                self._mark_complete(step, self.position)
+                threading.Thread(target=self._announce, args=(step,), daemon=True).start()
+
+    def _mark_complete(self, step: int, position: int) -> None:
+        """(Under the lock.) ``position``'s parity blocks of ``step`` are complete; slot requests waiting on it
+        are woken."""
+        self.complete_at.setdefault(step, set()).add(position)
+        for old in sorted(self.complete_at)[:-2 * KEEP_STEPS]:
+            self.complete_at.pop(old)
+        self._send_cv.notify_all()
+
+    def _announce(self, step: int) -> None:
+        """Tells every group peer that this node's parity blocks of ``step`` are complete."""
+        for node in self.group:
+            if node != self.node:
+                try:
+                    conn, _ = self._peer_call(node, {"op": "complete", "step": step, "from": self.position},
+                                              timeout=5.0, connect_timeout=2.0)
+                    conn.close()
+                except (OSError, EOFError, TimeoutError):
+                    pass  # a peer down: it is being replaced, and asks again when it rebuilds
+
+    def _op_complete(self, conn: Connection, msg: dict) -> None:
+        with self.lock:
+            self._mark_complete(int(msg["step"]), int(msg["from"]))
+        send(conn, {"ok": True})
+
+    def globally_complete(self, step: int) -> bool:
+        """Every node of the group holds its complete parity blocks of ``step`` (every node is a holder)."""
+        return len(self.complete_at.get(step, ())) >= len(self.group)
+
+    def await_parity(self, rank: int, wait: float) -> None:
+        """Before ``rank``'s older slot is reused: wait (at most ``wait`` seconds) until its newest snapshot's
+        parity is complete at every holder. Every node then holds a step that a lost node can be rebuilt at,
+        whenever it is lost: the newest step every node committed, or the one before, whose exchange every node
+        finished before writing past it."""
+        if not wait or not self.parity or len(self.group) < 2:
+            return
+        deadline = time.monotonic() + wait
+        with self._send_cv:
+            steps = self.complete_steps(rank)
+            if not steps:
+                return
+            newest = steps[-1]
+            while not self.globally_complete(newest) and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.events.append(f"step {newest}: parity not complete at every holder after {wait:.0f} s; "
+                                       "its older slot is reused anyway")
+                    logger.warning("SMP node %d: step %d's parity is not complete at every holder after %.0f s "
+                                   "(a peer down?); reusing rank %d's older slot anyway", self.node, newest, wait,
+                                   rank)
+                    return
+                self._send_cv.wait(min(left, 0.5))
 
     def _complete_parity_steps(self) -> list[int]:
         """Steps for which this node holds every parity block it is responsible for."""
@@ -162,11 +222,20 @@ class ParityExchange:
         send(conn, {"ok": True})
 
     def _op_holdings(self, conn: Connection, msg: dict) -> None:
-        # what this node can contribute to a rebuild
+        # what this node can contribute to a rebuild. Asked by a fresh snapshot process in a lost node's place: its
+        # predecessor's parity blocks are gone (its notices no longer hold), and this node's exchange in flight is
+        # finished first (bounded), so the answer does not miss a step that is about to be complete.
+        deadline = time.monotonic() + 5.0
+        with self._send_cv:
+            if "from" in msg:
+                for holders in self.complete_at.values():
+                    holders.discard(int(msg["from"]))
+            while (self._send_queue or self._sending is not None) and time.monotonic() < deadline:
+                self._send_cv.wait(0.2)
         with self.lock:
             ranks_steps = [set(self.complete_steps(r)) for r in self.local_ranks]
             local = sorted(set.intersection(*ranks_steps)) if ranks_steps else []
-            send(conn, {"local_steps": local, "parity_steps": self._complete_parity_steps(),
+            send(conn, {"local_steps": local, "parity_steps": self._complete_parity_steps() if self.parity else [],
                         "manifests": {str(s): {str(n): m for n, m in ms.items()}
                                       for s, ms in self.manifests.items()}})
 
@@ -208,9 +277,10 @@ class ParityExchange:
     def _op_ping(self, conn: Connection, msg: dict) -> None:
         send(conn, {"node": self.node, "pid": os.getpid()})
 
-    def _peer_call(self, node: int, header: dict, payload: Optional[bytes] = None, timeout: float = 30.0):
+    def _peer_call(self, node: int, header: dict, payload: Optional[bytes] = None, timeout: float = 30.0,
+                   connect_timeout: Optional[float] = None):
         host, port = self.peers[node]
-        conn = connect((host, port), self.key, timeout)
+        conn = connect((host, port), self.key, timeout if connect_timeout is None else connect_timeout)
         try:
             send(conn, header, payload)
             if not conn.poll(timeout):
@@ -224,9 +294,9 @@ class ParityExchange:
         """Every group peer's holdings, asked in parallel: ``({position: holdings}, [nodes that did not answer])``."""
         def ask(node):
             try:
-                conn, info = self._peer_call(node, {"op": "holdings"}, timeout=10.0)
+                conn, info = self._peer_call(node, {"op": "holdings", "from": self.position}, timeout=10.0)
                 conn.close()
-                return info
+                return None if "error" in info else info  # e.g. a peer not configured yet: it holds nothing
             except (OSError, EOFError, TimeoutError, KeyError):
                 return None
 
@@ -235,6 +305,10 @@ class ParityExchange:
             answers = list(pool.map(ask, [node for _, node in others]))
         survivors = {pos: info for (pos, _), info in zip(others, answers) if info is not None}
         down = [node for (_, node), info in zip(others, answers) if info is None]
+        with self.lock:  # a fresh process learns which peers' parity is complete (they announced it to its predecessor)
+            for pos, info in survivors.items():
+                for step in info.get("parity_steps", []):
+                    self._mark_complete(int(step), pos)
         return survivors, down
 
     def recoverable_steps(self) -> tuple[list[int], str]:

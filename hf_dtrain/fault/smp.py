@@ -94,6 +94,7 @@ class SnapshotManager(ParityExchange):
         self._stop = threading.Event()
         self._send_queue: list[int] = []
         self._sending: Optional[int] = None  # the step the sender is exchanging now
+        self.complete_at: dict[int, set[int]] = {}  # step -> group positions whose parity blocks are complete
         self._send_cv = threading.Condition(self.lock)
 
     # ---------------------------------------------------------------- local (trainer) requests
@@ -112,7 +113,7 @@ class SnapshotManager(ParityExchange):
     # else is refused with the list
     HANDLERS = {name: f"_op_{name}" for name in ("config", "slot", "commit", "available", "open", "discard",
                                                  "status", "shutdown", "piece", "holdings",
-                                                 "fetch_symbols", "ping")}
+                                                 "fetch_symbols", "complete", "ping")}
 
     def handle(self, conn: Connection, msg: dict) -> None:
         op = msg.get("op")
@@ -133,7 +134,9 @@ class SnapshotManager(ParityExchange):
         send(conn, {"ok": True})
 
     def _op_slot(self, conn: Connection, msg: dict) -> None:
-        # the slot to write the next snapshot into: never the latest complete one
+        # the slot to write the next snapshot into: never the latest complete one, and the older one only once the
+        # latest one's parity is complete at every holder (so a node lost at any moment leaves a step to rebuild)
+        self.await_parity(msg["rank"], float(msg.get("wait", 0)))
         with self.lock:
             slots = self._rank_slots(msg["rank"])
             # an unfinished slot first, else the oldest complete one
@@ -190,6 +193,12 @@ class SnapshotManager(ParityExchange):
             for slot in self._rank_slots(msg["rank"]):
                 if slot.manifest and slot.manifest["step"] > msg["after"]:
                     slot.manifest = None
+            for step in [s for s in self.complete_at if s > msg["after"]]:
+                self.complete_at.pop(step)
+            if self.parity and msg["after"] >= 0 and all(self._slot_with(r, msg["after"]) for r in self.local_ranks):
+                # exchanged again: a node rebuilt in this restore lost the parity blocks it held for this step
+                self._send_queue.append(msg["after"])
+                self._send_cv.notify_all()
         send(conn, {"ok": True})
 
     def _op_status(self, conn: Connection, msg: dict) -> None:

@@ -489,7 +489,10 @@ class SnapshotEngine(RestorePolicy):
         self._copy(step, slot, buf, header, tensors, total, stream, extra)
 
     def _slot(self, total: int) -> tuple[int, mmap.mmap]:
-        reply, fd = self.client.call({"op": "slot", "rank": self.rank, "nbytes": total}, want_fd=True)
+        # the snapshot process may hold the slot back until the previous step's parity is everywhere; it answers
+        # before this client gives up on it
+        reply, fd = self.client.call({"op": "slot", "rank": self.rank, "nbytes": total,
+                                      "wait": max(1.0, self.timeout - 5.0)}, want_fd=True)
         if "error" in reply:
             raise SnapshotError(f"the snapshot process refused a slot: {reply['error']}")
         return reply["slot"], self._map(reply["slot"], fd, reply["size"])

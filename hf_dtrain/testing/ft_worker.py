@@ -10,7 +10,8 @@ after the last step (the resharding test compares them).
 generation is ``TORCHELASTIC_RESTART_COUNT`` under torchrun / accelerate launch, else ``FT_GEN``. Phases:
 ``startup`` (after the snapshot engine starts, before the restore), ``before_step`` (after backward, before the
 optimizer step), ``mid_snapshot`` (slot written, commit not sent), ``after_snapshot`` and ``after_last`` (after the
-last step, before the run closes)."""
+last step, before the run closes); ``node_lost`` (the snapshot committed, then the rank and its node's snapshot
+process killed at once, wherever its parity exchange is)."""
 
 import os
 import random
@@ -158,6 +159,12 @@ def main():
             if fault_here and step == int(fault_step) and where == "after_snapshot":
                 engine.wait()
                 time.sleep(1.5)  # the parity exchange of this step completes
+                die()
+            if fault_here and step == int(fault_step) and where == "node_lost":
+                engine.wait()  # committed; the whole node goes at once, its exchange of this step wherever it is
+                import json
+
+                os.kill(json.load(open(os.path.join(engine.dir, "smp.json")))["pid"], signal.SIGKILL)
                 die()
     if fault_here and where == "after_last":
         if engine is not None:
