@@ -407,8 +407,13 @@ class ParityExchange:
             for (p, l), buf in zip(blocks, bufs[len(pieces):]):
                 symbols[p][code.k + l] = buf
         t1 = time.perf_counter()
-        shard = np.empty(code.k * code.piece_size(mine["shard_bytes"]), dtype=np.uint8)
-        code.rebuild_into(shard, me, lambda p: symbols[p])
+        size = code.piece_size(mine["shard_bytes"])
+        (only,) = symbols.values() if code.k == 1 else ({},)
+        if code.k == 1 and len(only) == 1 and len(next(iter(only.values()))) >= size:
+            shard = next(iter(only.values()))  # one codeword, one symbol: the received block is the shard
+        else:
+            shard = np.empty(code.k * size, dtype=np.uint8)
+            code.rebuild_into(shard, me, lambda p: symbols[p])
         t2 = time.perf_counter()
         offset, installed = 0, []
         for rank_manifest in mine["ranks"]:
