@@ -62,18 +62,10 @@ def test_killed_trainer_resumes_exactly_from_the_snapshot_processes(tmp_path, re
     assert _losses(out) == reference  # every step, bit for bit (float.hex)
 
 
-def test_lost_node_is_rebuilt_from_parity(tmp_path, reference):
-    out, codes = _run(tmp_path, "1:4:after_snapshot", kill_smps=[1])
-    assert codes == [0] * WORLD, failed_outputs(out, codes)
-    step, source = open(os.path.join(out, "rank1.restore")).read().split()[:2]
-    assert source == "parity" and int(step) >= 3
-    assert "rebuilt" in open(os.path.join(tmp_path / "ft", "node1", "smp.log")).read()
-    assert _losses(out) == reference
-
-
-def test_a_node_lost_right_after_its_snapshot_while_the_exchange_lags_leaves_a_recoverable_step(tmp_path,
-                                                                                               reference):
-    """Every parity exchange held back 0.6 s (a loaded host; the test model's steps take a fraction of that), node 1
+def test_lost_node_is_rebuilt_from_parity_even_right_after_its_snapshot_while_the_exchange_lags(tmp_path,
+                                                                                                reference):
+    """A lost node (its trainer and snapshot process killed at once) is rebuilt from the peers' parity, checksums
+    verified, at the worst moment: every parity exchange held back 0.6 s (a loaded host; the test model's steps take a fraction of that), node 1
     lost right after its step-7 snapshot: a step whose snapshots and parity every survivor holds still exists (a
     snapshot slot is reused only once the previous step's parity is complete at every holder), so node 1 is rebuilt
     from parity and every loss equals the uninterrupted run's."""
@@ -81,6 +73,7 @@ def test_a_node_lost_right_after_its_snapshot_while_the_exchange_lags_leaves_a_r
     assert codes == [0] * WORLD, failed_outputs(out, codes)
     step, source = open(os.path.join(out, "rank1.restore")).read().split()[:2]
     assert source == "parity" and 5 <= int(step) <= 7
+    assert "rebuilt" in open(tmp_path / "ft" / "node1" / "smp.log").read()
     assert _losses(out) == reference
     for node in range(WORLD):  # after the restore every step's parity completed everywhere: no slot reused early
         assert "not complete at every holder" not in open(tmp_path / "ft" / f"node{node}" / "smp.log").read()
