@@ -14,7 +14,7 @@ different lengths: each codeword's pieces are zero-padded to its longest; the tr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -65,21 +65,12 @@ class ErasureCode:
         """Bytes per piece of a node's shard of ``shard_bytes`` (its k pieces cover it)."""
         return max(1, -(-shard_bytes // self.k))
 
-    def block_size(self, codeword: int, shard_bytes: Mapping[int, int]) -> int:
-        """A codeword's symbol length: its data pieces are zero-padded to the longest (shards may differ)."""
-        return max(self.piece_size(shard_bytes[n]) for n in self.data_nodes(codeword))
-
-    def piece(self, node: int, shard, codeword: int, pad_to: Optional[int] = None) -> bytes:
-        """Node ``node``'s piece of ``codeword``, zero-padded to ``pad_to`` (the codeword's block size)."""
-        size = self.piece_size(len(shard))
-        index = self.codewords_of(node).index(codeword)
-        data = _as_array(shard)[index * size:(index + 1) * size]
-        pad_to = size if pad_to is None else pad_to
-        if len(data) == pad_to:
-            return data.tobytes()
-        out = np.zeros(pad_to, dtype=np.uint8)
-        out[:len(data)] = data
-        return out.tobytes()
+    def piece_range(self, node: int, codeword: int, shard_bytes: int) -> tuple[int, int]:
+        """Where node ``node``'s piece of ``codeword`` lies in its shard of ``shard_bytes``: ``(start, end)``; the
+        last piece may be shorter than the others (a shorter piece counts as zero-padded to its codeword's block)."""
+        size = self.piece_size(shard_bytes)
+        j = self.codewords_of(node).index(codeword)
+        return min(j * size, shard_bytes), min((j + 1) * size, shard_bytes)
 
     def encode(self, pieces: Sequence) -> list:
         """The ``parity`` blocks of one codeword from its k data pieces (in ``data_nodes`` order), each as long as
@@ -130,17 +121,9 @@ class ErasureCode:
         nums = tuple(sorted(symbols)[:self.k])
         pieces = zfec.Decoder(self.k, self.group_size).decode(
             tuple(bytes(symbols[i]) + bytes(block - len(symbols[i])) for i in nums), nums)
-        out[:] = _as_array(pieces[index])[:len(out)]
-
-    def decode(self, symbols: Mapping[int, bytes]) -> list[bytes]:
-        """The k data pieces of one codeword (each as long as the longest symbol) from any k of its symbols."""
-        block = max((len(s) for s in symbols.values()), default=0)
-        out = []
-        for i in range(self.k):
-            buf = np.zeros(block, dtype=np.uint8)
-            self.decode_into(buf, i, symbols)
-            out.append(buf.tobytes())
-        return out
+        a = _as_array(pieces[index])[:len(out)]  # a block shorter than the slot: the piece's tail is padding
+        out[:len(a)] = a
+        out[len(a):] = 0
 
     def rebuild(self, lost: Sequence[int], shards: Mapping[int, bytes], parity_blocks: Mapping[tuple[int, int], bytes],
                 shard_bytes: Mapping[int, int]) -> dict[int, bytes]:
@@ -152,12 +135,8 @@ class ErasureCode:
         if len(lost) > self.parity:
             raise UnrecoverableError(f"{len(lost)} nodes of a group of {self.group_size} were lost ({lost}); its "
                                      f"parity covers {self.parity}")
-        out = {}
-        for n in lost:
-            shard = np.zeros(self.k * self.piece_size(shard_bytes[n]), dtype=np.uint8)
-            self.rebuild_into(shard, n, lambda p: self.symbols(p, shards, parity_blocks, lost))
-            out[n] = shard[:shard_bytes[n]].tobytes()
-        return out
+        return {n: self.rebuild_shard(n, shard_bytes[n], lambda p: self.symbols(p, shards, parity_blocks, lost))
+                [:shard_bytes[n]].tobytes() for n in lost}
 
     def symbols(self, codeword: int, shards: Mapping[int, object], parity_blocks: Mapping[tuple[int, int], object],
                 lost: Sequence[int] = ()) -> dict[int, object]:
@@ -165,20 +144,30 @@ class ErasureCode:
         out = {}
         for i, n in enumerate(self.data_nodes(codeword)):
             if n in shards and n not in lost:
-                size = self.piece_size(len(shards[n]))
-                index = self.codewords_of(n).index(codeword)
-                out[i] = _as_array(shards[n])[index * size:(index + 1) * size]
+                start, end = self.piece_range(n, codeword, len(shards[n]))
+                out[i] = _as_array(shards[n])[start:end]
         for l, holder in enumerate(self.parity_holders(codeword)):
             if (codeword, l) in parity_blocks and holder not in lost:
                 out[self.k + l] = parity_blocks[(codeword, l)]
         return out
 
-    def rebuild_into(self, shard: np.ndarray, node: int, symbols_of) -> None:
-        """Node ``node``'s shard decoded in place into ``shard`` (``k`` pieces of its piece size; the true length
-        may be shorter): ``symbols_of(codeword)`` gives each of its codewords' surviving symbols."""
-        size = len(shard) // self.k
+    def rebuild_shard(self, node: int, shard_bytes: int, symbols_of) -> np.ndarray:
+        """Node ``node``'s shard (at least ``shard_bytes`` long; a view of a received symbol or a new array), each of
+        its pieces decoded in place from ``symbols_of(codeword)``, the codeword's surviving symbols. With one data
+        node per codeword and XOR parity the one surviving symbol is the shard: it is returned, not copied."""
+        size = self.piece_size(shard_bytes)
+        if self.k == 1 and self.parity == 1:
+            (codeword,) = self.codewords_of(node)
+            symbols = symbols_of(codeword)
+            if not symbols:
+                raise UnrecoverableError(f"a codeword needs {self.k} of its {self.group_size} symbols, none survive")
+            symbol = _as_array(next(iter(symbols.values())))
+            if len(symbol) >= shard_bytes:
+                return symbol
+        shard = np.empty(self.k * size, dtype=np.uint8)
         for j, p in enumerate(self.codewords_of(node)):
             self.decode_into(shard[j * size:(j + 1) * size], self.data_nodes(p).index(node), symbols_of(p))
+        return shard
 
 
 def node_groups(num_nodes: int, group_size: int) -> list[list[int]]:

@@ -87,15 +87,16 @@ class ParityExchange:
                 failed.append(str(e))
             try:
                 code, me = self.code, self.position
-                total = manifest["shard_bytes"] if manifest else 0
-                size = code.piece_size(total)
-                for j, p in enumerate(code.codewords_of(me) if manifest else []):
-                    ranges = self._ranges(fds, j * size, min((j + 1) * size, total))
+                for p in code.codewords_of(me) if manifest else []:
+                    ranges = self._ranges(fds, *code.piece_range(me, p, manifest["shard_bytes"]))
                     for holder in code.parity_holders(p):
                         node = self.group[holder]
                         header = {"op": "piece", "step": step, "codeword": p, "from": me, "manifest": manifest}
-                        try:
-                            self._send_piece(node, header, ranges)
+                        try:  # refused for 3 s: that node's snapshot process is gone
+                            conn, reply = self._peer_call(node, header, ranges, connect_timeout=3.0)
+                            conn.close()
+                            if "error" in reply:
+                                raise RuntimeError(reply["error"])
                         except Exception as e:  # that holder's parity for this step stays incomplete
                             failed.append(f"node {node}: {type(e).__name__}: {e}")
             finally:
@@ -117,20 +118,6 @@ class ParityExchange:
             slots = [self._slot_with(r, step) for r in self.local_ranks]
             return all(s is not None and s.manifest["checksum"] == m["checksum"]
                        for s, m in zip(slots, manifest["ranks"]))
-
-    def _send_piece(self, node: int, header: dict, ranges: list, timeout: float = 30.0) -> None:
-        host, port = self.peers[node]
-        conn = connect((host, port), self.key, 3.0)  # refused for 3 s: that node's snapshot process is gone
-        try:
-            send(conn, header)
-            send_ranges(conn, ranges)
-            if not conn.poll(timeout):
-                raise TimeoutError(f"SMP of node {node} did not acknowledge a piece in {timeout:.0f} s")
-            reply = recv(conn)
-            if "error" in reply:
-                raise RuntimeError(reply["error"])
-        finally:
-            conn.close()
 
     def receive_piece(self, header: dict, piece) -> None:
         step, p, frm = header["step"], header["codeword"], header["from"]
@@ -259,11 +246,8 @@ class ParityExchange:
                     send(conn, {"error": str(e)})
                     return
                 code, me = self.code, self.position
-                total = manifest["shard_bytes"]
-                size = code.piece_size(total)
                 for p in msg["pieces"]:
-                    j = code.codewords_of(me).index(p)
-                    pieces.append(self._ranges(fds, j * size, min((j + 1) * size, total)))
+                    pieces.append(self._ranges(fds, *code.piece_range(me, p, manifest["shard_bytes"])))
             blocks = [blocks[(p, l)] for p, l in msg.get("parity", [])]
             send(conn, {"sizes": [sum(c for _, _, c in r) for r in pieces] + [len(b) for b in blocks]})
             for r in pieces:
@@ -277,12 +261,16 @@ class ParityExchange:
     def _op_ping(self, conn: Connection, msg: dict) -> None:
         send(conn, {"node": self.node, "pid": os.getpid()})
 
-    def _peer_call(self, node: int, header: dict, payload: Optional[bytes] = None, timeout: float = 30.0,
+    def _peer_call(self, node: int, header: dict, ranges: Optional[list] = None, timeout: float = 30.0,
                    connect_timeout: Optional[float] = None):
+        """One request to a peer's snapshot process (``ranges``: file byte ranges sent after the header, see
+        ``send_ranges``); returns the open connection and the answer."""
         host, port = self.peers[node]
         conn = connect((host, port), self.key, timeout if connect_timeout is None else connect_timeout)
         try:
-            send(conn, header, payload)
+            send(conn, header)
+            if ranges is not None:
+                send_ranges(conn, ranges)
             if not conn.poll(timeout):
                 raise TimeoutError(f"SMP of node {node} did not answer {header['op']} in {timeout:.0f} s")
             return conn, recv(conn)
@@ -407,13 +395,7 @@ class ParityExchange:
             for (p, l), buf in zip(blocks, bufs[len(pieces):]):
                 symbols[p][code.k + l] = buf
         t1 = time.perf_counter()
-        size = code.piece_size(mine["shard_bytes"])
-        (only,) = symbols.values() if code.k == 1 else ({},)
-        if code.k == 1 and len(only) == 1 and len(next(iter(only.values()))) >= size:
-            shard = next(iter(only.values()))  # one codeword, one symbol: the received block is the shard
-        else:
-            shard = np.empty(code.k * size, dtype=np.uint8)
-            code.rebuild_into(shard, me, lambda p: symbols[p])
+        shard = code.rebuild_shard(me, mine["shard_bytes"], lambda p: symbols[p])
         t2 = time.perf_counter()
         offset, installed = 0, []
         for rank_manifest in mine["ranks"]:
@@ -428,11 +410,9 @@ class ParityExchange:
             for rank_manifest, data in installed:
                 slot = self._rank_slots(rank_manifest["rank"])[0]
                 slot.manifest = None
-                slot.resize(len(data))
-                if os.pwrite(slot.fd, memoryview(data), 0) != len(data):
-                    raise OSError("short write into a snapshot slot")
+                slot.write(data)
                 slot.manifest = dict(rank_manifest, rebuilt=True)
             self.events.append(f"rebuilt step {step} from parity (lost: {sorted(self.group[p] for p in lost)})")
-        logger.warning("SMP node %d: rebuilt step %d from peers' parity in %.3f s (fetched in %.3f s, decoded in "
-                       "%.3f s, checked and installed in %.3f s; survey %.3f s)", self.node, step, time.perf_counter() - t0, t1 - t0,
-                       t2 - t1, time.perf_counter() - t2, t_survey - t0)
+        logger.warning("SMP node %d: rebuilt step %d from peers' parity in %.3f s (survey %.3f s, fetched in %.3f s, "
+                       "decoded in %.3f s, checked and installed in %.3f s)", self.node, step,
+                       time.perf_counter() - t0, t_survey - t0, t1 - t_survey, t2 - t1, time.perf_counter() - t2)

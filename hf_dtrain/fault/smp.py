@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import mmap
 import os
 import sys
 import threading
@@ -57,14 +56,11 @@ class Slot:
             os.ftruncate(self.fd, size)
             self.size = size
 
-    def read(self, nbytes: int) -> bytes:
-        with mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) as m:
-            return m[:nbytes]
-
-    def write(self, data: bytes) -> None:
+    def write(self, data) -> None:
+        """``data`` (any buffer) at the slot's start: one kernel copy."""
         self.resize(len(data))
-        with mmap.mmap(self.fd, self.size) as m:
-            m[:len(data)] = data
+        if os.pwrite(self.fd, memoryview(data), 0) != len(data):
+            raise OSError(f"short write into rank {self.rank}'s snapshot slot")
 
 
 class SnapshotManager(ParityExchange):

@@ -3,7 +3,8 @@ ways), bytes only (``send_bytes`` / ``recv_bytes``: a JSON header, then raw payl
 passed over the Unix socket (``send_handle``). A request is ``{"op": ..., "pid": ...}``; an answer carrying
 ``"error"`` is a refusal with its reason. ``SMPClient`` is a trainer's connection to its node's snapshot process.
 
-Imports only the standard library and xxhash (the snapshot process imports it by path, without torch)."""
+Imports only the standard library, xxhash and (for ``recv_array``) numpy: the snapshot process imports it by path,
+without torch."""
 
 from __future__ import annotations
 
