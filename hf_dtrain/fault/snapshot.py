@@ -492,7 +492,7 @@ class SnapshotEngine(RestorePolicy):
         # the snapshot process may hold the slot back until the previous step's parity is everywhere; it answers
         # before this client gives up on it
         reply, fd = self.client.call({"op": "slot", "rank": self.rank, "nbytes": total,
-                                      "wait": max(1.0, self.timeout - 5.0)}, want_fd=True)
+                                      "wait": max(0.5 * self.timeout, self.timeout - 5.0)}, want_fd=True)
         if "error" in reply:
             raise SnapshotError(f"the snapshot process refused a slot: {reply['error']}")
         return reply["slot"], self._map(reply["slot"], fd, reply["size"])
