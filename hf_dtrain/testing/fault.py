@@ -137,10 +137,14 @@ def ft_worker_command() -> list[str]:
 
 def launch_ft_workers(world: int, env: dict, timeout: float = 180) -> list[int]:
     """All ranks of the fault-injection worker at once; when one dies the others are killed (torchrun's elastic
-    agent); returns the exit codes. ``env``: the worker's ``FT_*`` settings (``FT_OUT`` is also the log directory)."""
+    agent); returns the exit codes. ``env``: the worker's ``FT_*`` settings (``FT_OUT`` is also the log directory).
+    A rank that outlives its peers' error exits has its stacks written to its log before it is killed."""
+    import signal
+
     from .launch import elastic_launch
 
-    return elastic_launch(ft_worker_command(), world, env, timeout, log_dir=env["FT_OUT"])
+    return elastic_launch(ft_worker_command(), world, env, timeout, log_dir=env["FT_OUT"],
+                          dump_signal=signal.SIGUSR1)
 
 
 def failed_outputs(out: str, codes: list[int], chars: int = 3000) -> str:

@@ -8,8 +8,8 @@ after the last step (the resharding test compares them).
 
 ``FT_KILLS``: a kill schedule for relaunch trials, ``gen:rank:step:phase`` entries separated by commas; the
 generation is ``TORCHELASTIC_RESTART_COUNT`` under torchrun / accelerate launch, else ``FT_GEN``. Phases:
-``startup`` (after the snapshot engine starts, before the restore), ``before_step`` (after backward, before the
-optimizer step), ``mid_snapshot`` (slot written, commit not sent), ``after_snapshot`` and ``after_last`` (after the
+``startup`` (after the snapshot engine starts, before the restore), ``before_step`` (after backward and the wait for the
+previous step's snapshot, before the optimizer step), ``mid_snapshot`` (slot written, commit not sent), ``after_snapshot`` and ``after_last`` (after the
 last step, before the run closes); ``node_lost`` (the snapshot committed, then the rank and its node's snapshot
 process killed at once, wherever its parity exchange is)."""
 
@@ -45,6 +45,7 @@ def main():
     import faulthandler
 
     faulthandler.enable()  # a rank that dies on a signal (SIGSEGV, SIGABRT) leaves its Python stack in rank{r}.out
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks a hung rank where it is
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = os.environ["FT_OUT"]
     steps = int(os.environ.get("FT_STEPS", "8"))
@@ -117,14 +118,20 @@ def main():
         if fault_here and where == "startup":
             die()
         t0 = time.perf_counter()
+        error = None
         try:
             restored = engine.restore()
         except (SnapshotError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"  # (the traceback would keep the engine, and so DDP, alive)
+        if error is not None:
             with open(os.path.join(out, f"rank{rank}.error"), "w") as f:
-                f.write(f"{type(e).__name__}: {e}")
+                f.write(error)
             from hf_dtrain.distributed import release_process_group
 
-            del ddp  # DDP freed while its gloo group exists, then the group (a rank could hang at exit otherwise)
+            engine.close()
+            # DDP (held by the engine too) freed while its gloo group exists, then the group: freed at interpreter
+            # exit after the group, a rank can hang (pytorch/pytorch#56297) until the launcher kills it
+            ddp = model = opt = sched = engine = None  # noqa: F841
             release_process_group()
             sys.exit(3)
         if restored is not None:
@@ -141,10 +148,10 @@ def main():
         batch = random_batch(batch=2, seq=16, seed=seed + 1000 * rank)
         loss = ddp(**batch).loss
         ddp.backward(loss) if zero else loss.backward()
-        if fault_here and step == int(fault_step) and where == "before_step":
-            die()
         if engine is not None:
             engine.wait()
+        if fault_here and step == int(fault_step) and where == "before_step":
+            die()  # after the wait: the previous step is committed, whatever the host's load
         if zero:
             ddp.step()  # DeepSpeed's: the base optimizer on the fp32 partitions, then the 16-bit copies
         else:

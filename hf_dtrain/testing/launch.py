@@ -116,7 +116,8 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
 
 def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, timeout: float = 300,
                    log_dir: str | None = None, per_rank_env=None, per_rank_argv=None,
-                   master_addr: str = "127.0.0.1", grace_after_signal: float = 0.5) -> list[int]:
+                   master_addr: str = "127.0.0.1", grace_after_signal: float = 0.5,
+                   dump_signal: int | None = None) -> list[int]:
     """Start ``argv`` once per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``,
     ``LOCAL_WORLD_SIZE=1`` and ``HF_DTRAIN_NODE_RANK=rank``: every rank its own emulated node) and behave as an
     elastic agent: when one rank dies the others are killed (at once after a signal; after up to 15 s for ranks
@@ -124,7 +125,8 @@ def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, ti
     to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers).
     ``per_rank_argv(rank, argv)``: the command of that rank (``Host.command`` to run it in an emulated host).
     ``grace_after_signal``: how long the others may run after a rank died of a signal (a test of what survivors
-    do)."""
+    do). ``dump_signal``: sent to a rank still running when that grace is over, a second before it is killed (the
+    command registers ``faulthandler`` on it: its stacks land in its log, the reason it did not exit)."""
     import time
 
     port = free_port()
@@ -151,6 +153,11 @@ def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, ti
                 end = time.monotonic() + grace
                 while time.monotonic() < end and any(p.poll() is None for p in procs):
                     time.sleep(0.1)
+                if dump_signal is not None and any(p.poll() is None for p in procs):
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(dump_signal)
+                    time.sleep(1.0)
                 for p in procs:
                     if p.poll() is None:
                         p.kill()

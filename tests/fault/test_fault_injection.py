@@ -94,7 +94,7 @@ def test_more_lost_nodes_than_parity_is_a_clear_error_then_the_disk_copy(tmp_pat
         env.pop("FT_FAULT")
         no_disk = {k: v for k, v in env.items() if not k.startswith("FT_PERSIST")}
         codes = _launch(WORLD, no_disk)
-        assert all(c == 3 for c in codes), codes  # every rank refuses
+        assert all(c == 3 for c in codes), failed_outputs(out, codes)  # every rank refuses
         error = open(os.path.join(out, "rank0.error")).read()
         assert "SnapshotError" in error and "none can be restored" in error and "persist_dir" in error
         assert "2 nodes of erasure group [0, 1, 2] are lost" in open(os.path.join(out, "rank1.error")).read()
