@@ -144,7 +144,7 @@ def launch_ft_workers(world: int, env: dict, timeout: float = 180) -> list[int]:
     from .launch import elastic_launch
 
     return elastic_launch(ft_worker_command(), world, env, timeout, log_dir=env["FT_OUT"],
-                          dump_signal=signal.SIGUSR1)
+                          dump_signal=signal.SIGUSR1, preloaded=True)
 
 
 def failed_outputs(out: str, codes: list[int], chars: int = 3000) -> str:
