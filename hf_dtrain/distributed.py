@@ -297,6 +297,11 @@ class RankFailure(RuntimeError):
     """Another rank stopped (killed, crashed, its host lost) while this one was in a collective with it."""
 
 
+class CommFailure(RuntimeError):
+    """A collective or transfer failed, said with what this rank was doing (a layer's own wording, such as the
+    pipeline stage that waited): :meth:`RankMonitor.guard` keeps that wording after the dead rank's name."""
+
+
 class RankMonitor:
     """Names the rank that died when a collective fails, instead of a raw gloo/NCCL traceback.
 
@@ -404,9 +409,11 @@ class RankMonitor:
         try:
             yield self
         except Exception as e:
-            message = self.diagnose() if _is_comm_error(e) and not isinstance(e, RankFailure) else None
+            message = self.diagnose() if is_comm_error(e) and not isinstance(e, RankFailure) else None
             if message is None:
                 raise
+            if isinstance(e, CommFailure):
+                message = f"{message} ({e})"
             raise RankFailure(message) from e
 
     def close(self) -> None:
@@ -414,7 +421,8 @@ class RankMonitor:
         self._wake.set()
 
 
-def _is_comm_error(e: BaseException) -> bool:
+def is_comm_error(e: BaseException) -> bool:
+    """``e`` is a failed collective or transfer (torch's ``DistError``, or a backend's runtime error)."""
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     text = str(e)

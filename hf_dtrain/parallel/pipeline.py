@@ -31,7 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_dtrain.distributed import CommFailure, is_comm_error
 from hf_dtrain.models import LlamaPipelineStage  # noqa: F401  (the stage class; its home is the base layer)
+
+class PipelineStageError(CommFailure):
+    """A pipeline step failed in a transfer between stages (a peer that died, one that runs something else, or one
+    silent past the group's timeout): names this rank's stages, their layers and their neighbours."""
+
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
@@ -240,6 +246,22 @@ class Pipeline:
             dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
+    def where(self) -> str:
+        """This rank's stages, their layers and the ranks of the stages next to them, in words."""
+        n_stages = len(self.bounds)
+        pp = dist.get_world_size(self.group) if self.group is not None else 1
+
+        def rank_of(stage):
+            return dist.get_global_rank(self.group, stage % pp) if self.group is not None else 0
+
+        parts = []
+        for st in self.stages:
+            s = st.stage_index
+            start, end = self.bounds[s]
+            near = [f"stage {n} on rank {rank_of(n)}" for n in (s - 1, s + 1) if 0 <= n < n_stages]
+            parts.append(f"stage {s} of {n_stages} (layers {start}-{end - 1}; next to {' and '.join(near)})")
+        return "; ".join(parts)
+
     def _run(self, run, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``run`` (the schedule's ``step`` or ``eval``) over the micro-batches; the batch's mean loss on every rank."""
         from .tensor import tensor_parallel_loss
@@ -250,9 +272,18 @@ class Pipeline:
         losses: list = []
         args = (input_ids,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        with tensor_parallel_loss(self.modules[-1]):
-            run(*args, **kwargs)
-        return self._broadcast_loss(losses, input_ids.device)
+        try:
+            with tensor_parallel_loss(self.modules[-1]):
+                run(*args, **kwargs)
+            return self._broadcast_loss(losses, input_ids.device)
+        except Exception as e:
+            if not is_comm_error(e):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PipelineStageError(
+                f"pipeline {self.where()} on rank {dist.get_rank()}: a transfer failed ({first}). A neighbour died, "
+                "runs another configuration, or was silent for the process group's timeout; every rank must run "
+                "the same command.") from e
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -311,6 +342,20 @@ class Pipeline:
         return self._run(self.schedule.step, input_ids, labels)
 
 
+def _check_agreement(group, pp_rank: int, plan: dict) -> None:
+    """Every rank of the pipeline builds the same pipeline, or every rank raises naming what differs where (one
+    small all-gather over ``group``, bounded by its timeout): ranks that disagree would otherwise wait on each other's
+    transfers until the timeout."""
+    plans: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(plans, plan, group=group)
+    differ = [(r, k) for r, theirs in enumerate(plans) for k in plan if theirs[k] != plans[0][k]]
+    if differ:
+        said = "; ".join(f"pipeline rank {r} has {k} {plans[r][k]!r}, pipeline rank 0 has "
+                         f"{plans[0][k]!r}" for r, k in differ[:6])
+        raise ValueError(f"the pipeline's ranks build different pipelines: {said}. Every rank must run the same "
+                         "command (pipeline.*, the batch size and the sequence length) on the same model.")
+
+
 def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = None, *, batch_size: int,
                    seq_len: int, device: Optional[torch.device] = None, after_split=None) -> Pipeline:
     """Cut ``model`` (a LLaMA-family causal LM, or a peft model around one) into ``pp x stages_per_rank`` stages
@@ -365,6 +410,9 @@ def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = No
     def loss_fn(logits, labels):  # a replicated DTensor under loss parallelism
         return base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size)
 
+    _check_agreement(mesh.get_group(), rank, {
+        "stages": n_stages, "schedule": config.schedule, "microbatches": n_micro, "batch_size": batch_size,
+        "seq_len": seq_len, "layer cut": bounds})
     cls = get_schedule_class(config.schedule)
     schedule = cls(stages[0] if config.schedule in SINGLE_STAGE else stages, n_microbatches=n_micro,
                    loss_fn=loss_fn)

@@ -163,3 +163,61 @@ def test_pipeline_degree_and_micro_batches_are_checked_before_any_group():
         PipelineConfig(microbatches=3).n_microbatches(2, 8)
     with pytest.raises(ValueError, match=r"multiple of the pipeline degree 4"):
         PipelineConfig(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2).n_microbatches(4, 8)
+
+
+def _disagreeing_and_silent_rank(rank, world, out, phase):
+    """Phase ``disagree``: the ranks ask for different micro-batch counts. Phase ``silent``: rank 1 never steps
+    (stuck elsewhere) and waits for rank 0's verdict; ``dead``: rank 1 exits at once."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_dtrain.parallel import PipelineConfig, apply_pipeline
+    from hf_dtrain.parallel.pipeline import PipelineStageError
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    record = {}
+    if phase == "disagree":
+        try:
+            apply_pipeline(_model(), mesh["pp"], PipelineConfig(balance="uniform", microbatches=2 if rank else 4),
+                           batch_size=BATCH, seq_len=SEQ)
+        except ValueError as e:
+            record["error"] = str(e)
+    else:
+        pipe = apply_pipeline(_model(), mesh["pp"], PipelineConfig(balance="uniform", microbatches=2),
+                              batch_size=BATCH, seq_len=SEQ)
+        flag = os.path.join(out, "rank0-failed")
+        if rank == 0:
+            b = _batch(0)
+            try:
+                pipe.step(b["input_ids"], b["labels"])
+            except PipelineStageError as e:
+                record["error"] = str(e)
+            open(flag, "w").close()
+        elif phase == "dead":
+            os._exit(0)
+        else:  # silent: still alive when rank 0 gives up (it did not wait for this rank to exit)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            record["saw_rank0_fail_while_alive"] = os.path.exists(flag)
+    with open(os.path.join(out, f"{phase}-rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def test_a_pipeline_whose_ranks_disagree_or_whose_neighbour_is_silent_or_dead_fails_naming_the_stage(tmp_path):
+    """No hang: ranks that would build different pipelines are refused before any step, on every rank, naming what
+    differs; a neighbour silent past the group's timeout (alive, stuck elsewhere) or dead makes the step fail with a
+    PipelineStageError naming this rank's stage, its layers and its neighbours."""
+    from hf_dtrain.testing import run_distributed
+
+    for phase in ("disagree", "silent", "dead"):
+        run_distributed(_disagreeing_and_silent_rank, world_size=2, args=(str(tmp_path), phase), timeout=180,
+                        pg_timeout_s=6)
+    for rank in range(2):
+        error = json.loads((tmp_path / f"disagree-rank{rank}.json").read_text())["error"]
+        assert "pipeline rank 1 has microbatches 2, pipeline rank 0 has 4" in error, error
+    assert json.loads((tmp_path / "silent-rank1.json").read_text()) == {"saw_rank0_fail_while_alive": True}
+    for phase in ("silent", "dead"):
+        error = json.loads((tmp_path / f"{phase}-rank0.json").read_text())["error"]
+        assert "pipeline stage 0 of 2 (layers 0-3; next to stage 1 on rank 1) on rank 0" in error, error
