@@ -311,15 +311,34 @@ def _batches(loader, start: int, streaming: bool):
         epoch += 1
 
 
-def _restore(cfg: PretrainConfig, model, optimizer, scheduler, comm_state, accelerator, rank: int):
+# the settings that say how the model is laid over the ranks, not what is trained: snapshots taken in another layout
+# are the same job's, and reshard from the persisted DCP copy (as on another world size)
+PLACEMENT = ("parallel", "tensor_parallel", "pipeline", "fsdp")
+
+
+def _identity_and_placement(cfg: PretrainConfig, degrees: Optional[dict], pipe) -> tuple[dict, dict]:
+    """The job's identity for its snapshots, and its placement: the layout settings, the degrees in force (the
+    planner's too) and the pipeline's layer cut (a profile may cut another way on another launch)."""
+    identity = run_identity(cfg)
+    placement = {k: identity.pop(k, None) for k in PLACEMENT}
+    placement["degrees"] = degrees
+    if pipe is not None:
+        placement["layer_cut"] = [list(b) for b in pipe.bounds]
+    return identity, placement
+
+
+def _restore(cfg: PretrainConfig, model, optimizer, scheduler, comm_state, accelerator, rank: int,
+             degrees: Optional[dict] = None, pipe=None):
     """The snapshot engine and what it restored: ``(engine, restored, first step, previous results or None)``."""
     from hf_dtrain.compose import snapshot_config_for
     from hf_dtrain.fault import SnapshotEngine
     from hf_dtrain.fault.snapshot import job_key_for
 
     stateful = {"comm_hook": comm_state} if hasattr(comm_state, "state_dict") else None
+    identity, placement = _identity_and_placement(cfg, degrees, pipe)
     engine = SnapshotEngine(model, optimizer, scheduler, config=snapshot_config_for(cfg.fault_tolerance, cfg.output_dir),
-                            stateful=stateful, identity=run_identity(cfg), job_key=job_key_for(cfg.output_dir))
+                            stateful=stateful, identity=identity, placement=placement,
+                            job_key=job_key_for(cfg.output_dir))
     restored = engine.restore()
     if restored is not None and restored.source == "completed":
         previous = os.path.join(cfg.output_dir, f"results_rank{rank}.json")
@@ -436,7 +455,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     if cfg.fault_tolerance is not None:
         # on the mesh each rank snapshots what it trains: its tensor-parallel shards, its pipeline stages
         engine, restored, start, done = _restore(cfg, model if degrees is None else trained, optimizer, scheduler,
-                                                 comm_state, accelerator, rank)
+                                                 comm_state, accelerator, rank, degrees, pipe)
         if done is not None:
             return done
     history, t0 = [], time.perf_counter()

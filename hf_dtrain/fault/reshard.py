@@ -157,6 +157,15 @@ def template(model: nn.Module, optimizer, model_keys: list[str]) -> tuple[dict, 
     return target, osd
 
 
+def stored_model_keys(directory: str) -> list[str]:
+    """The model's names in the DCP checkpoint in ``directory``, every rank's (the stages of a pipeline each wrote
+    their own)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    stored = HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata
+    return sorted(k[len("model."):] for k in stored if k.startswith("model."))
+
+
 def differences(target: dict, directory: str, model_keys: list[str]) -> list[str]:
     """What keeps the checkpoint in ``directory`` from loading into ``target``: names it lacks or holds beyond this
     run's, and global shapes that differ (a sharding DCP cannot map)."""
@@ -189,7 +198,13 @@ def load(model: nn.Module, optimizer, directory: str, target: dict, osd: dict, r
         state = target["optim"]["state"]
         for fqn, values in replicated.get("optimizer", {}).get("other", {}).items():
             state.setdefault(fqn, {}).update(values)
-        groups = replicated.get("optimizer", {}).get("param_groups") or osd["param_groups"]
+        # the hyper-parameters of each group as stored, its parameters as this run names them: rank 0 wrote the
+        # groups, and a pipeline's rank 0 holds only its own stages' parameters
+        stored = replicated.get("optimizer", {}).get("param_groups") or []
+        if stored and len(stored) != len(osd["param_groups"]):
+            raise ValueError(f"the snapshot's optimizer has {len(stored)} parameter groups and this run's has "
+                             f"{len(osd['param_groups'])}: build the optimizer as the run that took it did")
+        groups = [{**(stored[i] if stored else {}), "params": g["params"]} for i, g in enumerate(osd["param_groups"])]
         optim_sd = {"state": state, "param_groups": groups}
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=target["model"],
                    optim_state_dict=optim_sd or {}, options=StateDictOptions(strict=False))

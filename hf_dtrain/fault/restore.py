@@ -131,28 +131,47 @@ class RestorePolicy:
     def _any(self, flag: bool) -> bool:
         return self._vote(flag, every=False)
 
-    def _check_all(self, metadata: dict, where: str) -> None:
+    def _placement_of(self, metadata: dict) -> dict:
+        """The placement a snapshot was taken with (``{}`` for one written before placements were recorded)."""
+        return json.loads(metadata.get("placement") or "{}")
+
+    def _moved(self, metadata: dict) -> bool:
+        """The snapshot was taken on another world size or placement: it does not load rank by rank."""
+        return int(metadata["world_size"]) != self.world or self._placement_of(metadata) != self.placement
+
+    def _check_all(self, metadata: dict, where: str, resharded: bool = False) -> None:
         """``_check`` on every rank at once: a mismatch anywhere is a ``ValueError`` everywhere (no rank is left
         waiting in a collective)."""
         problem = None
         try:
-            self._check(metadata, where)
+            self._check(metadata, where, resharded)
         except ValueError as e:
             problem = e
         if self._any(problem is not None):
             raise problem or SnapshotMismatch(f"another rank's snapshot {where} does not match this run (see its "
                                               "error)")
 
-    def _check(self, metadata: dict, where: str) -> None:
-        if int(metadata["world_size"]) != self.world:
+    def _check(self, metadata: dict, where: str, resharded: bool = False) -> None:
+        """``metadata`` is this job's, taken on this world size and placement; with ``resharded`` (a DCP copy read
+        into this run's sharding) the world size and placement may differ, and the parameter fingerprint is left
+        to the copy's own check of every name and shape (``reshard.differences``)."""
+        if not resharded and int(metadata["world_size"]) != self.world:
             raise SnapshotMismatch(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run "
                                    f"has {self.world}. Restart with the same number of processes, or set "
                                    "fault_tolerance.persist_every so that a restart on another world size reshards "
                                    "the newest persisted DCP snapshot.")
+        if not resharded and self._placement_of(metadata) != self.placement:
+            raise SnapshotMismatch(f"The snapshot {where} was taken with another layout "
+                                   f"({identity_diff(self._placement_of(metadata), self.placement)}). Restart with "
+                                   "the same layout, or set fault_tolerance.persist_every so that a restart on "
+                                   "another layout reshards the newest persisted DCP snapshot.")
         theirs = json.loads(metadata.get("identity") or "{}")
-        if theirs != self.identity:
+        ours = self.identity
+        if resharded:
+            theirs, ours = ({k: v for k, v in i.items() if k != "parameters"} for i in (theirs, ours))
+        if theirs != ours:
             raise SnapshotMismatch(f"The snapshot {where} belongs to another job: "
-                                   f"{identity_diff(theirs, self.identity)}. This run does not resume it. To train "
+                                   f"{identity_diff(theirs, ours)}. This run does not resume it. To train "
                                    f"this job from step 0 and discard those snapshots, relaunch with "
                                    f"{FRESH_START}; to keep them, give this job its own fault_tolerance.directory "
                                    "(or output directory).")
@@ -254,15 +273,16 @@ class RestorePolicy:
         # that all hold snapshots but share no step never finished a first one together: a fresh start is right.
         lost_here = marker is not None and not marker.get("completed") and not steps
         had_any = self._any(lost_here or bool(reason) or bool(disk_steps))
-        other_world = None  # the world size of in-memory snapshots taken on another number of ranks
+        other_world = None  # in words, the world size or layout of in-memory snapshots that cannot load here
         for step in self._agree(steps):
             got, why = self._try_memory(step)
             if self._all(got is not None):
-                theirs = int(got[0]["world_size"])
-                if self._any(theirs != self.world):
-                    other_world = theirs
-                    logger.warning("the in-memory snapshots were taken on %d ranks and this run has %d: they cannot "
-                                   "be loaded here; trying the persisted DCP snapshots, which reshard", theirs,
+                if self._any(self._moved(got[0])):
+                    theirs = int(got[0]["world_size"])
+                    other_world = f"{theirs} ranks" + ("" if theirs != self.world else " in another layout ("
+                                                       f"{identity_diff(self._placement_of(got[0]), self.placement)})")
+                    logger.warning("the in-memory snapshots were taken on %s and this run has %d: they cannot be "
+                                   "loaded here; trying the persisted DCP snapshots, which reshard", other_world,
                                    self.world)
                     break
                 self._check_all(got[0], f"in memory at step {step}")
@@ -294,11 +314,12 @@ class RestorePolicy:
             if self._all(data is not None):
                 d = os.path.join(self.persist_dir, f"snapshot-{step}")
                 metadata, tensors = parse(data)
-                if self._any(int(metadata["world_size"]) != self.world):
-                    # taken on another world size and its DCP copy is incomplete (a host was lost while writing
-                    # it): an older step's copy may reshard
-                    why = (f"the copy of step {step} was taken on {metadata['world_size']} ranks and its resharding "
-                           "(DCP) copy is incomplete")
+                if self._any(self._moved(metadata)):
+                    # taken on another world size or layout and its DCP copy is incomplete (a host was lost while
+                    # writing it): an older step's copy may reshard
+                    why = (f"the copy of step {step} was taken on {metadata['world_size']} ranks"
+                           f"{'' if int(metadata['world_size']) != self.world else ' in another layout'} and its "
+                           "resharding (DCP) copy is incomplete")
                     reasons.append(why)
                     skipped.append(step)
                     logger.error("%s; trying an older one", why)
@@ -316,11 +337,12 @@ class RestorePolicy:
                          why or "another rank's copy")
         if other_world is not None:
             raise SnapshotMismatch(
-                f"This job's snapshots were taken on {other_world} ranks and this run has {self.world}; in-memory "
-                "snapshots load only into the world size that took them, and no persisted DCP snapshot "
+                f"This job's snapshots were taken on {other_world} and this run has {self.world}; in-memory "
+                "snapshots load only into the world size and layout that took them, and no persisted DCP snapshot "
                 f"{'exists in ' + self.persist_dir if self.persist_dir else 'is configured'} to reshard from. "
-                f"Relaunch on {other_world} ranks to resume from memory; set fault_tolerance.persist_every (and "
-                "persist_dir, on storage every node reads) so a later restart on another world size can reshard; "
+                f"Relaunch as they were taken to resume from memory; set fault_tolerance.persist_every (and "
+                "persist_dir, on storage every node reads) so a later restart on another world size or layout "
+                "can reshard; "
                 f"or train from step 0 with {FRESH_START}.")
         if had_any or self._any(bool(reasons)):
             raise SnapshotError(self._lost_message(marker, reasons, skipped))
@@ -341,14 +363,14 @@ class RestorePolicy:
                 metadata, state = reshard.read_replicated(path)
             except Exception as e:  # a damaged file: the step is not used
                 why = f"{path} cannot be read ({type(e).__name__}: {e})"
-        other = metadata is not None and int(metadata["world_size"]) != self.world
+        other = metadata is not None and self._moved(metadata)
         if not self._any(other):
             return None
         if not self._all(metadata is not None):
             reasons.append(why or f"{path} is missing on some rank")
             return None
-        self._check_all({**metadata, "world_size": str(self.world)}, f"on disk at {d}")
-        model_keys = json.loads(metadata["model_keys"])
+        self._check_all(metadata, f"on disk at {d}", resharded=True)
+        model_keys = reshard.stored_model_keys(os.path.join(d, reshard.DCP_DIR))  # every rank's (pipeline stages)
         opt = None
         if self.optimizer is not None:
             from hf_dtrain.distributed import unwrap_optimizer
@@ -376,7 +398,9 @@ class RestorePolicy:
         self._discard_after(-1)
         self._marked = False
         self._last = (step, state["extra"])
-        detail = (f"{d}, taken on {metadata['world_size']} ranks and resharded onto {self.world} by "
+        detail = (f"{d}, taken on {metadata['world_size']} ranks"
+                  f"{' in another layout' if int(metadata['world_size']) == self.world else ''} and resharded onto "
+                  f"{self.world} by "
                   "torch.distributed.checkpoint")
         logger.warning("restored step %d from disk (%s)", step, detail)
         return Restored(step, "resharded", state["extra"], detail, state)

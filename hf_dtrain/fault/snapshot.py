@@ -85,7 +85,7 @@ class SnapshotEngine(RestorePolicy):
 
     def __init__(self, model: nn.Module, optimizer=None, scheduler=None, scaler=None, config=None, *,
                  stateful: Optional[dict] = None, process_group=None, identity: Optional[dict] = None,
-                 job_key: Optional[str] = None, **settings):
+                 job_key: Optional[str] = None, placement: Optional[dict] = None, **settings):
         from .config import SnapshotConfig
 
         self.config = config = SnapshotConfig.from_any(config, **settings)
@@ -140,6 +140,10 @@ class SnapshotEngine(RestorePolicy):
         self.identity_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True, default=str).encode()
                                             ).hexdigest()[:16]
         self._identity_json = json.dumps(self.identity, sort_keys=True)  # written into every snapshot's header
+        # how the job lays the model over its ranks (its parallel degrees and layout settings): a snapshot of another
+        # placement does not load rank by rank; like one of another world size, it reshards from the DCP copy
+        self.placement = json.loads(json.dumps(placement or {}, sort_keys=True, default=str))
+        self._placement_json = json.dumps(self.placement, sort_keys=True)
         self.layout: Optional[Layout] = None
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}
         self._registered: dict[int, int] = {}
@@ -403,6 +407,7 @@ class SnapshotEngine(RestorePolicy):
         tensors: dict[str, torch.Tensor] = {}
         skeleton = flatten_state(state, tensors)
         metadata = {"step": str(step), "rank": str(self.rank), "world_size": str(self.world),
+                    "placement": self._placement_json,
                     "fingerprint": self.fingerprint, "identity": self._identity_json,
                     "skeleton": json.dumps(skeleton, separators=(",", ":"))}
         return metadata, tensors
@@ -604,9 +609,9 @@ class SnapshotEngine(RestorePolicy):
         reshard.save(os.path.join(d, reshard.DCP_DIR), sharded, self._persist_group)  # returns once all have written
         if self.rank == 0:
             reshard.write_replicated(os.path.join(d, reshard.REPLICATED), replicated, {
-                "step": str(step), "world_size": str(self.world), "fingerprint": self.fingerprint,
-                "identity": json.dumps(self.identity, sort_keys=True),
-                "model_keys": json.dumps(sorted(sharded["model"]))}, self._write_private)
+                "step": str(step), "world_size": str(self.world), "placement": self._placement_json,
+                "fingerprint": self.fingerprint, "identity": json.dumps(self.identity, sort_keys=True)},
+                self._write_private)
 
     def close(self, shutdown: bool = False) -> None:
         """Finish the snapshot in flight; with ``shutdown`` (the run is over) stop the node's snapshot process."""

@@ -126,8 +126,10 @@ def apply_parallelism(model: nn.Module, mesh, *, batch_size: int, seq_len: int, 
                       pipeline=None, fsdp=None, device=None):
     """Lay ``model`` out on ``mesh``: pipeline stages (when ``pp > 1``), each with tensor parallelism and FSDP2 on
     its dims (:func:`layout`). Returns ``(pipeline or None, the module whose parameters train)``; build the
-    optimizer from the latter. ``fsdp.activation_checkpointing`` recomputes each decoder layer (set on the whole
-    model before the split). ``batch_size``: one data-parallel replica's sequences per step."""
+    optimizer from the latter. With a pipeline that module is ``model`` itself, holding only this rank's stages (the
+    layers it does not run are dropped), so its parameters keep the whole model's names: a snapshot or checkpoint
+    of it lines up with any other layout's. ``fsdp.activation_checkpointing`` recomputes each decoder layer (set on
+    the whole model before the split). ``batch_size``: one data-parallel replica's sequences per step."""
     import dataclasses
 
     from .fsdp import FSDPConfig
@@ -144,6 +146,6 @@ def apply_parallelism(model: nn.Module, mesh, *, batch_size: int, seq_len: int, 
     if mesh["pp"].size() > 1:
         pipe = apply_pipeline(model, mesh["pp"], pipeline, batch_size=batch_size, seq_len=seq_len, device=device,
                               after_split=shard)
-        return pipe, nn.ModuleList(pipe.modules)
+        return pipe, model
     shard(model)
     return None, model

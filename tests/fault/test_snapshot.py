@@ -100,7 +100,7 @@ def test_another_world_size_or_model_is_refused(ft_dir):
     model, opt, sched = _setup()
     engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)  # world size 1, node 0's process
     with pytest.raises(ValueError, match=r"taken on 2 ranks and this run has 1; in-memory snapshots load only "
-                                         r"into the world size that took them.*persist_every"):
+                                         r"into the world size and layout that took them.*persist_every"):
         engine.restore()
     engine.close()
     os.environ["HF_DTRAIN_NODE_RANK"] = "0"
@@ -113,6 +113,26 @@ def test_another_world_size_or_model_is_refused(ft_dir):
         other.close(shutdown=True)
     finally:
         del os.environ["HF_DTRAIN_NODE_RANK"]
+
+
+def test_another_layout_is_the_same_job_resharded_or_refused_naming_the_layout(ft_dir):
+    """Snapshots taken with another placement (a job's layout settings) are not another job's: without a persisted
+    copy to reshard from, the restore is refused naming the layout that differs and ``persist_every``; with the
+    same placement they restore from memory."""
+    torch.manual_seed(0)
+    model, opt, sched = _setup()
+    engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0, placement={"degrees": {"tp": 2}})
+    _steps(model, opt, sched, engine, 1, 2)
+    engine.close()
+    other = SnapshotEngine(*_setup(), directory=ft_dir, parity=0, placement={"degrees": {"tp": 1}})
+    with pytest.raises(ValueError, match=r"taken on 1 ranks in another layout \(degrees\.tp: 2 there, 1 here\) and this run has "
+                                         r"1; .*world size and layout that took them.*persist_every"):
+        other.restore()
+    other.close()
+    same = SnapshotEngine(*_setup(), directory=ft_dir, parity=0, placement={"degrees": {"tp": 2}})
+    restored = same.restore()
+    assert (restored.step, restored.source) == (2, "memory")
+    same.close(shutdown=True)
 
 
 def test_peft_stores_only_the_adapter(ft_dir):

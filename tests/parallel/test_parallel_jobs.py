@@ -27,11 +27,18 @@ def _run(cmd, env=None):
 
 @pytest.fixture(scope="module")
 def mesh_run(tmp_path_factory):
-    """The job on a tensor 2 x pipeline 2 mesh, uninterrupted."""
+    """The job on a tensor 2 x pipeline 2 mesh, uninterrupted, snapshotting every step and persisting the last one's
+    DCP copy (``mesh/disk``)."""
+    from hf_dtrain.testing import stop_snapshot_processes
+
     mesh = tmp_path_factory.mktemp("tp2pp2")
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
-          "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", *JOB, "--tp", "2", "--pp", "2",
-          "--output-dir", str(mesh)])
+    try:
+        _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
+              "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", *JOB, "--tp", "2", "--pp", "2",
+              "--output-dir", str(mesh), "--fault-tolerance.directory", str(mesh / "ft"),
+              "--fault-tolerance.persist-dir", str(mesh / "disk"), "--fault-tolerance.persist-every", "5"])
+    finally:
+        stop_snapshot_processes(str(mesh / "ft"))
     return mesh
 
 
@@ -60,6 +67,36 @@ def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
     assert got["fault_tolerance"]["restored"] == {"step": 4, "source": "memory"}
     for rank in range(4):  # the step log is appended to across the relaunches: the last line of a step counts
         assert _step_losses(out, rank) == _step_losses(mesh_run, rank)
+
+
+@pytest.mark.slow
+def test_a_tp_pp_run_restarts_as_dp_shard_4_from_its_dcp_copy_with_the_state_equal(tmp_path, mesh_run):
+    """The ``--tp 2 --pp 2`` run restarted as ``--dp-shard 4`` (FSDP2) on new nodes (its in-memory snapshots gone,
+    its persisted DCP copy of step 5 kept): the same job in another layout, so each rank reads its FSDP2 shards of
+    the copy the pipeline stages' tensor-parallel shards wrote; the gathered model it saves equals the tp x pp run's
+    bit for bit."""
+    from safetensors.torch import load_file
+
+    from hf_dtrain.testing import stop_snapshot_processes
+
+    out, ft = tmp_path / "dp4", tmp_path / "ft"
+    try:
+        _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+              str(free_port()), "-m", "hf_dtrain.cli", *JOB, "--dp-shard", "4", "--output-dir", str(out),
+              "--fault-tolerance.directory", str(ft), "--fault-tolerance.persist-dir", str(mesh_run / "disk"),
+              "--fault-tolerance.persist-every", "5"])
+    finally:
+        stop_snapshot_processes(str(ft))
+    got = json.loads((out / "results.json").read_text())
+    assert got["fault_tolerance"]["restored"] == {"step": 5, "source": "resharded"}
+    assert got["engine"].startswith("mesh pp 1 x dp_replicate 1 x dp_shard 4 x tp 1")
+    want = {}
+    for f in sorted(mesh_run.glob("model-*.safetensors")):  # one file per pipeline rank
+        want.update(load_file(str(f)))
+    have = load_file(str(out / "model.safetensors"))
+    assert have.keys() == want.keys()
+    for k in want:
+        assert torch.equal(have[k], want[k]), k
 
 
 @pytest.mark.slow
