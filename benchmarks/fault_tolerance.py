@@ -398,6 +398,83 @@ def sharded_rows(preset: str = "tiny", worlds=SHARDED_WORLDS) -> list[dict]:
     return rows
 
 
+RESHARD_STEPS, RESHARD_EVERY = 10, 4  # trained steps; every 4th snapshot persisted (the last persisted is step 8)
+
+
+def reshard_worker(preset: str, mode: str, tmp: str, directory: str) -> None:
+    """One rank of the world-size change: ``train`` (2 ranks, FSDP2, a snapshot every step and every
+    ``RESHARD_EVERY``-th persisted as a DCP copy, the snapshot processes kept), or ``restore`` (3 ranks, a fresh
+    model and engine on snapshot directory ``directory``: the training run's, whose snapshot processes hold every
+    old rank's newest snapshot, or a new one, so that only the persisted copy is there). Rank 0 writes
+    ``tmp/<mode>-<directory>.json`` with the restore's source, step and the slowest rank's time."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_dtrain.distributed import init_distributed
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.models import build_llama
+    from hf_dtrain.parallel import apply_fsdp
+    from hf_dtrain.testing import random_batch
+
+    _init_group(init_distributed)
+    model = build_llama(preset, seed=0)
+    apply_fsdp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, directory), timeout=120,
+                            persist_dir=os.path.join(tmp, "disk"), persist_every=RESHARD_EVERY)
+    out: dict = {}
+    if mode == "train":
+        for step in range(1, RESHARD_STEPS + 1):
+            b = random_batch(batch=BATCH, seq=SEQ, vocab=model.config.vocab_size, seed=1000 * dist.get_rank() + step)
+            model(**b).loss.backward()
+            engine.wait()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            engine.snapshot(step, extra={"next_step": step + 1})
+        engine.close()  # the snapshot processes keep the snapshots
+    else:
+        dist.barrier()
+        t0 = time.perf_counter()
+        restored = engine.restore()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out = {"source": restored.source, "step": restored.step, "seconds": float(t)}
+        engine.close(shutdown=directory != "ft")
+    if dist.get_rank() == 0:
+        Path(tmp, f"{mode}-{directory}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def reshard_rows(preset: str = "tiny") -> list[dict]:
+    """FSDP2 trained on 2 ranks (10 steps, every 4th snapshot persisted), restarted on 3: from the persisted DCP copy
+    alone (new snapshot directory) against from the snapshot processes' copies (every old rank's snapshot of the
+    newest step is held), each the slowest rank's restore time and the steps lost."""
+    from hf_dtrain.testing import elastic_launch, stop_snapshot_processes
+
+    tmp = tempfile.mkdtemp(prefix="hf_dtrain_reshard_")
+    argv = [sys.executable, __file__, "--reshard-worker"]
+    rows = []
+    try:
+        for world, mode, directory in ((2, "train", "ft"), (3, "restore", "ft_new"), (3, "restore", "ft")):
+            codes = elastic_launch([*argv, f"{preset}:{mode}:{tmp}:{directory}"], world, timeout=1800, log_dir=tmp)
+            if codes != [0] * world:
+                raise RuntimeError(f"{mode} failed {codes}: {open(os.path.join(tmp, 'rank0.out')).read()[-3000:]}")
+            if mode == "restore":
+                r = json.loads(Path(tmp, f"restore-{directory}.json").read_text())
+                rows.append({"restart": "2 -> 3 ranks", "from": {"ft": "the snapshot processes' copies (ours)",
+                                                                   "ft_new": "the persisted DCP copy"}[directory],
+                             "source": r["source"], "trained_to": RESHARD_STEPS, "restored_step": r["step"],
+                             "lost_steps": RESHARD_STEPS - r["step"], "restore_seconds": r["seconds"]})
+                print(rows[-1], flush=True)
+    finally:
+        for d in ("ft", "ft_new"):
+            stop_snapshot_processes(os.path.join(tmp, d))
+    return rows
+
+
 def _report_date() -> str:
     from _report import environment
 
@@ -420,6 +497,9 @@ def main():
     ap.add_argument("--restore")
     ap.add_argument("--sharded-worker")
     ap.add_argument("--sharded-restore")
+    ap.add_argument("--reshard-worker")
+    ap.add_argument("--reshard", action="store_true",
+                    help="measure only the world-size change rows (FSDP2, 2 -> 3 ranks) and add them to the JSON")
     ap.add_argument("--sharded", action="store_true",
                     help="measure only the FSDP2 rows (1, 2 and 4 ranks) and add them to the existing JSON")
     ap.add_argument("--update-restore", action="store_true",
@@ -433,16 +513,20 @@ def main():
         preset, tmp = args.sharded_restore.split(":", 1)
         sharded_restore_worker(preset, tmp)
         return
-    if args.sharded:
-        from _report import RESULTS, write
-
-        from _report import environment
+    if args.reshard_worker:
+        preset, mode, rest = args.reshard_worker.split(":", 2)
+        tmp, directory = rest.rsplit(":", 1)
+        reshard_worker(preset, mode, tmp, directory)
+        return
+    if args.reshard or args.sharded:  # one section re-measured, dated, into the existing JSON
+        from _report import RESULTS, environment, write
 
         payload = json.loads((RESULTS / "fault_tolerance.json").read_text())
         env = payload.pop("environment")
         payload.pop("benchmark", None)
-        payload["sharded"] = sharded_rows()
-        payload["sharded_measured"] = environment()["date"]
+        key = "reshard" if args.reshard else "sharded"
+        payload[key] = reshard_rows() if args.reshard else sharded_rows()
+        payload[f"{key}_measured"] = environment()["date"]
         table, fig, notes = render(payload)
         write("fault_tolerance", payload, table, fig, notes, env=env)
         print(table)
@@ -490,7 +574,8 @@ def main():
     for p, m, i in tqdm(jobs, desc="configurations"):
         rows.append(_run(["--worker", f"{p}:{m}:{i}"]))
         partial.write_text(json.dumps({"rows": rows}))  # measured rows survive a failure further on
-    payload = {"rows": rows, "recovery": lost_node_runs(), "sharded": sharded_rows(), "batch": BATCH, "seq": SEQ}
+    payload = {"rows": rows, "recovery": lost_node_runs(), "sharded": sharded_rows(), "reshard": reshard_rows(),
+               "batch": BATCH, "seq": SEQ}
     partial.write_text(json.dumps(payload))
     from _report import write
 
@@ -564,6 +649,13 @@ def render(payload: dict):
                       ("dcp_overhead", "step overhead, DCP async", "+.1%"),
                       ("restore_source", "restored from", ""), ("ours_restore_s", "restore, ours (s)", ".3f"),
                       ("dcp_restore_s", "restart, dcp.load (s)", ".3f"), ("restore_ratio", "restore ratio", ".3f")]))
+    if payload.get("reshard"):
+        when = f" (measured {payload['reshard_measured']})" if payload.get("reshard_measured") else ""
+        table += (f"\n\n### FSDP2 restarted on another world size: the survivors' in-memory snapshots against the "
+                  f"persisted DCP copy{when}\n\n" + markdown_table(payload["reshard"], [
+                      ("restart", "restart", ""), ("from", "restored from", ""), ("source", "source", ""),
+                      ("trained_to", "trained to step", ""), ("restored_step", "restored step", ""),
+                      ("lost_steps", "steps lost", ""), ("restore_seconds", "restore time, slowest rank (s)", ".3f")]))
     notes = (f"Batch {payload['batch']} x {payload['seq']} tokens, AdamW, full training; each configuration in a fresh "
              "process on this 2-core CPU host; median over the timed steps after a warm-up step, the first save "
              "excluded from the stall (it allocates). Ours: a background thread copies into the snapshot process's "
@@ -575,7 +667,11 @@ def render(payload: dict):
              "every rank's step starts at a barrier, so the median is the job's step time; 12 timed steps per "
              "method; the restart is node 1 lost (trainer and snapshot process) and every rank relaunched: ours "
              "rebuilds its shards from parity, the DCP restart loads the same state from local disk (page cache); "
-             "each the slowest rank's time.")
+             "each the slowest rank's time. World-size change rows: the tiny model on FSDP2, 2 ranks trained 10 "
+             "steps with every 4th snapshot persisted, then restarted on 3 ranks (one emulated node each): once with "
+             "a new snapshot directory (only the persisted copy of step 8 is there), once with the training run's "
+             "(its snapshot processes hold both old ranks' snapshots of step 10, written once as a DCP checkpoint "
+             "under the persist directory and loaded like the persisted copy).")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -59,6 +59,17 @@ def _as_global(local: torch.Tensor, meta: Optional[tuple]) -> torch.Tensor:
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
+def _global_offset(t: torch.Tensor) -> Optional[list[int]]:
+    """Where this rank's shard of a DTensor starts in the global tensor; None for a tensor every rank holds whole."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(t, DTensor):
+        return None
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return [int(o) for o in offset]
+
+
 class ShardMap:
     """How a snapshot's tensors map to DCP's FQNs and global tensors, read once from the live model and optimizer:
     the model state's keys, each optimizer parameter index's FQN, and the DTensor layout (mesh, placements, global
@@ -67,6 +78,10 @@ class ShardMap:
     def __init__(self, model_state: dict[str, torch.Tensor], model: nn.Module, optimizer=None):
         self.model_keys = {k: canonical_fqn(k) for k in model_state}
         self.model_meta = {k: _meta(t) for k, t in model_state.items()}
+        # where this rank's shard of each sharded tensor starts, by FQN (recorded in every snapshot: another world
+        # size can then read the snapshots of the ranks that took them as a DCP checkpoint, see ``write_chunks``)
+        self.offsets = {self.model_keys[k]: o for k, t in model_state.items()
+                        if (o := _global_offset(t)) is not None}
         names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         self.param_fqns: list[str] = []
         self.param_meta: list[Optional[tuple]] = []
@@ -85,9 +100,9 @@ class ShardMap:
         made DTensors again, and everything else (JSON-able or small tensors) for ``replicated.safetensors``."""
         sharded: dict[str, Any] = {"model": {self.model_keys[k]: _as_global(t, self.model_meta[k])
                                              for k, t in state["model"].items()}}
-        replicated: dict[str, Any] = {k: state[k] for k in ("rng", "extra", "scheduler", "scaler") if k in state}
+        replicated = self.replicated(state)
         if "optimizer" in state:
-            opt_state, other = {}, {}
+            opt_state = {}
             for idx, st in state["optimizer"].get("state", {}).items():
                 fqn, meta = self.param_fqns[int(idx)], self.param_meta[int(idx)]
                 local_shape = meta[4] if meta is not None else None
@@ -96,10 +111,20 @@ class ShardMap:
                     if torch.is_tensor(v):
                         # state shaped like the parameter's shard is sharded like it; scalars (AdamW's step) replicate
                         tensors[key] = _as_global(v, meta if v.dim() and tuple(v.shape) == local_shape else None)
-                    else:
-                        other.setdefault(fqn, {})[key] = v
                 opt_state[fqn] = tensors
             sharded["optim"] = {"state": opt_state}
+        return sharded, replicated
+
+    def replicated(self, state: dict) -> dict:
+        """What of a snapshot ``state`` is not sharded: scheduler, scaler, RNGs, ``extra``, and the optimizer's
+        param groups (by FQN) and non-tensor state (``replicated.safetensors``)."""
+        replicated: dict[str, Any] = {k: state[k] for k in ("rng", "extra", "scheduler", "scaler") if k in state}
+        if "optimizer" in state:
+            other: dict = {}
+            for idx, st in state["optimizer"].get("state", {}).items():
+                for key, v in st.items():
+                    if not torch.is_tensor(v):
+                        other.setdefault(self.param_fqns[int(idx)], {})[key] = v
             groups = []
             start = 0
             for g in state["optimizer"].get("param_groups", []):
@@ -108,7 +133,43 @@ class ShardMap:
                                "params": self.param_fqns[start:start + n]})
                 start += n
             replicated["optimizer"] = {"param_groups": groups, "other": other}
-        return sharded, replicated
+        return replicated
+
+
+    def chunks(self, state: dict, offsets: dict[str, list[int]], whole: bool) -> dict[str, tuple]:
+        """Another rank's snapshot ``state`` (unflattened) as DCP's flat keys -> ``(tensor, global offset)``, with the
+        offsets that rank recorded: its shards of sharded tensors, and with ``whole`` the tensors every rank holds
+        (written once, by one rank). Parameter names come from this run's model and optimizer (the same job: the
+        same parameters in the same order)."""
+        out: dict[str, tuple] = {}
+        local_shapes = {}
+        for key, t in state["model"].items():
+            fqn = self.model_keys[key]
+            local_shapes[fqn] = tuple(t.shape)
+            if fqn in offsets or whole:
+                out[f"model.{fqn}"] = (t, offsets.get(fqn, [0] * t.dim()))
+        for idx, st in state.get("optimizer", {}).get("state", {}).items():
+            fqn = self.param_fqns[int(idx)]
+            for k, v in st.items():
+                if not torch.is_tensor(v):
+                    continue
+                sharded = fqn in offsets and v.dim() and tuple(v.shape) == local_shapes.get(fqn)
+                if sharded or whole:
+                    out[f"optim.state.{fqn}.{k}"] = (v, offsets[fqn] if sharded else [0] * v.dim())
+        return out
+
+
+def write_chunks(path: str, chunks: dict[str, tuple], write) -> None:
+    """``chunks`` (from :meth:`ShardMap.chunks`) as one file of a DCP checkpoint in DCP's Hugging Face safetensors
+    layout (what ``HuggingFaceStorageWriter(save_distributed=True)`` writes: each tensor's global offsets in the
+    header), written by ``write(path, bytes)``. Empty shards are left out."""
+    from safetensors.torch import save
+    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
+
+    kept = {k: (t, o) for k, (t, o) in chunks.items() if t.numel()}
+    tensors = {k: t.detach().cpu().contiguous() for k, (t, _) in kept.items()}
+    info = {k: {SAVED_OFFSETS_KEY: list(o)} for k, (_, o) in kept.items()}
+    write(path, save(tensors, metadata={CUSTOM_METADATA_KEY: json.dumps(info), "DCP_VERSION": "1.0"}))
 
 
 def save(directory: str, sharded: dict, process_group=None) -> None:

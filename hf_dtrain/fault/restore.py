@@ -43,7 +43,9 @@ FRESH_START = "--fault-tolerance.fresh-start true (YAML fault_tolerance: {fresh_
 @dataclasses.dataclass
 class Restored:
     step: int
-    source: str  # "memory", "parity", "disk" or "resharded" (the DCP copy, taken on another world size)
+    # "memory", "parity", "disk", "memory-resharded" (the snapshot processes' snapshots of another world size or
+    # layout, through a DCP checkpoint), "resharded" (the persisted DCP copy, ditto) or "completed"
+    source: str
     extra: Any  # what was passed to snapshot(extra=...): the data position, trainer state
     detail: str = ""
     state: Optional[dict] = dataclasses.field(default=None, repr=False)  # everything, with restore(apply=False)
@@ -235,21 +237,7 @@ class RestorePolicy:
                 obj.load_state_dict(state["stateful"][name])
 
     def _try_memory(self, step: int) -> tuple[Optional[tuple[dict, dict, bool]], str]:
-        reply, fd = self.client.call({"op": "open", "rank": self.rank, "step": step}, want_fd=True)
-        if "error" in reply:
-            return None, reply["error"]
-        manifest = reply["manifest"]
-        # one kernel copy into private memory (mapping the slot here would fault in every page: ~8x slower)
-        buf = torch.empty(manifest["nbytes"], dtype=torch.uint8)
-        try:
-            got = os.preadv(fd, [memoryview(buf.numpy())], 0)
-        finally:
-            os.close(fd)
-        if got != manifest["nbytes"] or checksum(buf.numpy()) != manifest["checksum"]:
-            return None, (f"rank {self.rank}'s snapshot of step {step} fails its checksum (a corrupted byte); "
-                          "it is not used")
-        metadata, tensors = parse(buf.numpy())  # views into the private copy
-        return (metadata, tensors, reply.get("rebuilt", False)), ""
+        return self._read_snapshot(self.rank, step)
 
     def available(self) -> tuple[list[int], str, str]:
         reply, _ = self.client.call({"op": "available", "rank": self.rank})
@@ -298,6 +286,9 @@ class RestorePolicy:
             if why:
                 reasons.append(why)
                 logger.error("cannot use step %d from memory: %s", step, why)
+        resharded = self._try_memory_resharded(apply, reasons)
+        if resharded is not None:
+            return resharded
         completed = self._completed(marker)
         if completed is not None:
             return completed
@@ -348,14 +339,15 @@ class RestorePolicy:
             raise SnapshotError(self._lost_message(marker, reasons, skipped))
         return None
 
-    def _try_resharded(self, step: int, apply: bool, reasons: list[str]) -> Optional[Restored]:
+    def _try_resharded(self, step: int, apply: bool, reasons: list[str], d: Optional[str] = None,
+                       source: str = "resharded") -> Optional[Restored]:
         """Restore ``step`` from its DCP copy when it was taken on another world size (every rank agrees), loading
         the model's and optimizer's shards into this run's sharding; None when the step was taken on this world size
         (the exact per-rank copy is used) or has no complete DCP copy. A copy of another job, or one whose tensors
         do not map onto this model and optimizer, is refused on every rank naming what differs."""
         from . import reshard
 
-        d = os.path.join(self.persist_dir, f"snapshot-{step}")
+        d = d or os.path.join(self.persist_dir, f"snapshot-{step}")
         path = os.path.join(d, reshard.REPLICATED)
         metadata, state, why = None, None, ""
         if os.path.exists(path):
@@ -398,12 +390,125 @@ class RestorePolicy:
         self._discard_after(-1)
         self._marked = False
         self._last = (step, state["extra"])
-        detail = (f"{d}, taken on {metadata['world_size']} ranks"
+        detail = (f"{'the snapshot processes copy, through ' if source != 'resharded' else ''}{d}, taken on "
+                  f"{metadata['world_size']} ranks"
                   f"{' in another layout' if int(metadata['world_size']) == self.world else ''} and resharded onto "
                   f"{self.world} by "
                   "torch.distributed.checkpoint")
-        logger.warning("restored step %d from disk (%s)", step, detail)
-        return Restored(step, "resharded", state["extra"], detail, state)
+        logger.warning("restored step %d from %s (%s)", step, "memory" if source != "resharded" else "disk", detail)
+        return Restored(step, source, state["extra"], detail, state)
+
+    def _snapshot_header(self, rank: int, step: int) -> Optional[dict]:
+        """The metadata of the snapshot of ``rank`` (any rank whose slots this node holds) at ``step``: the slot's
+        safetensors header, read alone."""
+        import struct
+
+        reply, fd = self.client.call({"op": "open", "rank": rank, "step": step}, want_fd=True)
+        if "error" in reply:
+            return None
+        try:
+            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            return json.loads(os.pread(fd, n, 8)).get("__metadata__", {})
+        finally:
+            os.close(fd)
+
+    def _read_snapshot(self, rank: int, step: int) -> tuple[Optional[tuple[dict, dict, bool]], str]:
+        """``rank``'s snapshot at ``step`` held by this node (rebuilt from parity if it must be): its metadata,
+        its tensors (views into a private copy) and whether it was rebuilt; checksum checked."""
+        reply, fd = self.client.call({"op": "open", "rank": rank, "step": step}, want_fd=True)
+        if "error" in reply:
+            return None, reply["error"]
+        manifest = reply["manifest"]
+        # one kernel copy into private memory (mapping the slot here would fault in every page: ~8x slower)
+        buf = torch.empty(manifest["nbytes"], dtype=torch.uint8)
+        try:
+            got = os.preadv(fd, [memoryview(buf.numpy())], 0)
+        finally:
+            os.close(fd)
+        if got != manifest["nbytes"] or checksum(buf.numpy()) != manifest["checksum"]:
+            return None, (f"rank {rank}'s snapshot of step {step} fails its checksum (a corrupted byte); "
+                          "it is not used")
+        metadata, tensors = parse(buf.numpy())
+        return (metadata, tensors, reply.get("rebuilt", False)), ""
+
+    def _try_memory_resharded(self, apply: bool, reasons: list[str]) -> Optional[Restored]:
+        """A restart on another world size or layout, from the snapshot processes: when the nodes of this run hold,
+        between them, every old rank's snapshot of one step (the newest such), each old rank's snapshot is written
+        once, by a rank of a node that holds it, as its file of a DCP checkpoint (its shards at the global offsets it
+        recorded) under ``persist_dir`` (storage every node reads), and loaded like a persisted copy: no step since
+        the last persist is lost. None when they do not (the persisted copies are tried next) or nothing is
+        persisted (no shared storage)."""
+        import shutil
+
+        from hf_dtrain.distributed import unwrap_optimizer
+
+        from . import reshard
+
+        if not (self.distributed and self.persist_dir and self._zero is None):
+            return None
+        try:
+            shards = reshard.ShardMap(self._model_state(local=False), _unwrap(self.model),
+                                      None if self.optimizer is None else unwrap_optimizer(self.optimizer))
+        except ValueError:
+            shards = None
+        mine = []  # (old rank, step, world size) of the moved snapshots of this job this node holds
+        if shards is not None:
+            status, _ = self.client.call({"op": "status"})
+            ours = {k: v for k, v in self.identity.items() if k != "parameters"}
+            for rank, steps in (status.get("ranks") or {}).items():
+                for step in steps:
+                    meta = self._snapshot_header(int(rank), int(step))
+                    if not meta or "offsets" not in meta or not self._moved(meta):
+                        continue
+                    theirs = {k: v for k, v in json.loads(meta.get("identity") or "{}").items() if k != "parameters"}
+                    if theirs == ours:
+                        mine.append((int(rank), int(step), int(meta["world_size"])))
+        held: list = [None] * self.world
+        dist.all_gather_object(held, mine, group=self.group)
+        holders: dict[tuple[int, int], dict[int, int]] = {}  # (step, old world) -> {old rank: the new rank to write it}
+        for new_rank, items in enumerate(held):
+            for rank, step, world in items:
+                holders.setdefault((step, world), {}).setdefault(rank, new_rank)
+        found = [(step, world) for (step, world), got in holders.items() if set(range(world)) <= set(got)]
+        if not found:
+            return None
+        step, world = max(found)
+        assigned = holders[(step, world)]
+        d = os.path.join(self.persist_dir, f"memory-{step}")
+        failed = ""
+        try:
+            if self.rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+                os.makedirs(os.path.join(d, reshard.DCP_DIR), mode=0o700)
+            dist.barrier(group=self.group)
+            for rank, writer in sorted(assigned.items()):
+                if writer != self.rank or failed:
+                    continue
+                got, why = self._read_snapshot(rank, step)
+                if got is None:
+                    failed = why
+                    continue
+                metadata, tensors, _ = got
+                state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
+                chunks = shards.chunks(state, json.loads(metadata["offsets"]), whole=rank == 0)
+                reshard.write_chunks(os.path.join(d, reshard.DCP_DIR, f"shard-{rank:05d}.safetensors"), chunks,
+                                     self._write_private)
+                if rank == 0:  # after every shard file (the barrier below): its presence marks the copy complete
+                    replicated, keep = shards.replicated(state), {k: metadata[k] for k in (
+                        "step", "world_size", "placement", "fingerprint", "identity")}
+            if self._any(bool(failed)):
+                reasons.append(failed or "another rank could not read an old rank's snapshot")
+                return None
+            if assigned[0] == self.rank:
+                reshard.write_replicated(os.path.join(d, reshard.REPLICATED), replicated, keep, self._write_private)
+            dist.barrier(group=self.group)
+            logger.warning("the snapshot processes hold every one of the %d old ranks' snapshots of step %d: "
+                           "resharding them onto %d ranks", world, step, self.world)
+            return self._try_resharded(step, apply, reasons, d=d, source="memory-resharded")
+        finally:
+            dist.barrier(group=self.group)
+            if self.rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
 
     def _completed(self, marker: Optional[dict]) -> Optional[Restored]:
         """A relaunch after the job finished (its snapshot processes shut down): the completed record, agreed by

@@ -410,6 +410,8 @@ class SnapshotEngine(RestorePolicy):
                     "placement": self._placement_json,
                     "fingerprint": self.fingerprint, "identity": self._identity_json,
                     "skeleton": json.dumps(skeleton, separators=(",", ":"))}
+        if self._shards is not None:  # where this rank's shards sit in the global tensors (a restart on another
+            metadata["offsets"] = json.dumps(self._shards.offsets)  # world size reads them: restore.py)
         return metadata, tensors
 
     def _map(self, slot: int, fd: int, size: int) -> mmap.mmap:

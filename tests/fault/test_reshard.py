@@ -56,6 +56,12 @@ def test_restart_on_fewer_then_more_ranks_reshards_the_persisted_snapshot(tmp_pa
         assert open(os.path.join(out, "rank2.restore")).read().split()[:2] == ["12", "resharded"]
         _equal(os.path.join(dump, "w2-step12.safetensors"), os.path.join(dump, "w3-step12.safetensors"))
         assert os.path.exists(os.path.join(dump, "w3-step14.safetensors"))  # and it trained on
+
+        # on 4 ranks, the 3 nodes' snapshot processes all alive: step 14 (persisted last at 12) from their copies
+        assert launch_ft_workers(4, {**env, "FT_STEPS": "15"}) == [0] * 4, log()
+        assert open(os.path.join(out, "rank3.restore")).read().split()[:2] == ["14", "memory-resharded"]
+        _equal(os.path.join(dump, "w3-step14.safetensors"), os.path.join(dump, "w4-step14.safetensors"))
+        assert not any(n.startswith("memory-") for n in os.listdir(disk))  # the exchange copy is gone
     finally:
         stop_snapshot_processes(ft_dir)
 
@@ -103,21 +109,22 @@ def test_a_replicated_model_round_trips_and_a_mismatch_is_named(tmp_path):
                for p in problems), problems
 
 
-def test_a_ddp_run_restarted_on_more_ranks_reshards_the_persisted_snapshot(tmp_path):
-    """DDP replicas, 2 ranks, every 4th snapshot persisted; restarted on 3 ranks, the in-memory snapshots (taken on 2)
-    cannot load, so the newest persisted DCP copy is loaded into the new replicas: the gathered model and optimizer
-    state at that step equal the 2-rank run's bit for bit, and training goes on."""
+def test_a_ddp_run_restarted_on_more_ranks_reshards_the_snapshot_processes_copies_losing_no_step(tmp_path):
+    """DDP replicas, 2 ranks, every 4th snapshot persisted, 10 steps; restarted on 3 ranks, the in-memory snapshots
+    (taken on 2) cannot load rank by rank, but the snapshot processes hold both old ranks' snapshots of step 10: they
+    are written once as a DCP checkpoint and resharded, so the run resumes at step 10, not at the persisted step 8.
+    The gathered model and optimizer state equal the 2-rank run's at step 10 bit for bit, and training goes on."""
     out, ft_dir, disk, dump = (str(tmp_path / n) for n in ("out", "ft", "disk", "dump"))
     os.makedirs(out)
     env = {"FT_ENGINE": "ddp", "FT_OUT": out, "FT_DIR": ft_dir, "FT_PERSIST": disk, "FT_PERSIST_EVERY": "4",
            "FT_DUMP": dump, "FT_SHUTDOWN": "0"}
     try:
-        assert launch_ft_workers(2, {**env, "FT_STEPS": "8"}) == [0, 0]  # its state at step 8 dumped at the end
-        codes = launch_ft_workers(3, {**env, "FT_STEPS": "10"})
+        assert launch_ft_workers(2, {**env, "FT_STEPS": "10"}) == [0, 0]  # its state at step 10 dumped at the end
+        codes = launch_ft_workers(3, {**env, "FT_STEPS": "12"})
         assert codes == [0, 0, 0], open(os.path.join(out, "rank0.out")).read()[-3000:]
         for r in range(3):
-            assert open(os.path.join(out, f"rank{r}.restore")).read().split()[:2] == ["8", "resharded"]
-        _equal(os.path.join(dump, "w2-step8.safetensors"), os.path.join(dump, "w3-step8.safetensors"))
-        assert os.path.exists(os.path.join(dump, "w3-step10.safetensors"))  # and it trained on
+            assert open(os.path.join(out, f"rank{r}.restore")).read().split()[:2] == ["10", "memory-resharded"]
+        _equal(os.path.join(dump, "w2-step10.safetensors"), os.path.join(dump, "w3-step10.safetensors"))
+        assert os.path.exists(os.path.join(dump, "w3-step12.safetensors"))  # and it trained on
     finally:
         stop_snapshot_processes(ft_dir)

@@ -3,8 +3,9 @@ FSDP2, each rank snapshots its own shards every step and every 2nd snapshot is p
 
 * rank 1 SIGKILLed after step 6, the job relaunched on 2 ranks: it resumes from the snapshot processes and the
   steps after the restore equal the uninterrupted run's bit for bit;
-* killed again after step 7 and relaunched on 3 ranks: the in-memory snapshots (2 ranks) cannot load there, so the
-  job reshards the newest persisted snapshot (step 6) onto 3 ranks and trains to the end.
+* killed again after step 7 and relaunched on 3 ranks: the in-memory snapshots (2 ranks) cannot load rank by rank
+  there, but the two nodes' snapshot processes hold both old ranks' snapshots of step 7 (newer than the persisted
+  step 6): they are resharded onto 3 ranks, no step is lost, and the job trains to the end.
 """
 
 import json
@@ -60,8 +61,8 @@ def test_fsdp_pretraining_resumes_exactly_then_reshards_onto_more_ranks(tmp_path
         assert launch(out, 3) == [0, 0, 0], open(out / "rank0.out").read()[-3000:]
         resumed = results(out, 3)
         for r in range(3):
-            assert resumed[r]["fault_tolerance"]["restored"] == {"step": 6, "source": "resharded"}
-            assert [h["step"] for h in resumed[r]["history"]] == [7, 8]
+            assert resumed[r]["fault_tolerance"]["restored"] == {"step": 7, "source": "memory-resharded"}
+            assert [h["step"] for h in resumed[r]["history"]] == [8]
         assert resumed[0]["world_size"] == 3 and resumed[0]["engine"] == "fsdp2"
         assert abs(resumed[0]["history"][-1]["loss"] - reference[0]["history"][-1]["loss"]) < 0.5
     finally:
