@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from .config import SnapshotConfig
-from .snapshot import Restored, SnapshotEngine, SnapshotError, job_key_for
+from .snapshot import Restored, SnapshotEngine, SnapshotError, SnapshotMismatch, job_key_for
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,13 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
             raise SnapshotError(f"This job already completed ({restored.detail}); its snapshots are gone. To train "
                                 "it again, relaunch with --fault-tolerance.fresh-start true "
                                 "(InMemoryFaultToleranceCallback(fresh_start=True)).")
+        if restored.source in ("resharded", "memory-resharded"):
+            raise SnapshotMismatch(
+                f"This job's snapshots were taken on another world size ({restored.detail}). Under the Trainer, "
+                "InMemoryFaultToleranceCallback resumes on the number of processes that took them: relaunch with "
+                "that many, or train from step 0 with --fault-tolerance.fresh-start true "
+                "(InMemoryFaultToleranceCallback(fresh_start=True)). hf-dtrain pretrain and SnapshotEngine in your "
+                "own loop reshard onto another world size.")
         state = restored.state
         for name, obj in engine.stateful.items():  # e.g. the comm hook's state (CommHookCallback applies it later)
             if name in state.get("stateful", {}):

@@ -444,8 +444,8 @@ class RestorePolicy:
 
         from . import reshard
 
-        if not (self.distributed and self.persist_dir and self._zero is None):
-            return None
+        if not (self.distributed and self.persist_dir and self._zero is None and self.optimizer is not None):
+            return None  # (without the optimizer its state in the snapshots has no names)
         try:
             shards = reshard.ShardMap(self._model_state(local=False), _unwrap(self.model),
                                       None if self.optimizer is None else unwrap_optimizer(self.optimizer))

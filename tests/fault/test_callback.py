@@ -90,3 +90,27 @@ def test_accelerate_recipe_killed_then_resumed(tmp_path):
             assert [s for s, _ in r["losses"]] == list(range(7, 15))
     finally:
         stop_snapshot_processes(snaps)
+
+
+def test_a_trainer_restart_on_another_world_size_is_refused_naming_it(tmp_path, monkeypatch):
+    """Under the Trainer the callback resumes rank by rank: a restore that resharded (snapshots of another world
+    size) is refused with the way out, before anything is handed to the Trainer."""
+    from types import SimpleNamespace
+
+    from hf_dtrain.fault import InMemoryFaultToleranceCallback, SnapshotEngine
+    from hf_dtrain.fault.snapshot import Restored
+    from hf_dtrain.testing import tiny_llama
+
+    def resharded(self, apply=True):
+        return Restored(8, "memory-resharded", {"next_step": 9}, "taken on 2 ranks and resharded onto 3", {})
+
+    monkeypatch.setattr(SnapshotEngine, "restore", resharded)
+    callback = InMemoryFaultToleranceCallback(directory=str(tmp_path / "ft"), parity=0)
+    trainer = SimpleNamespace(model=tiny_llama(seed=0), train_dataset=None, is_deepspeed_enabled=False,
+                              args=SimpleNamespace(device="cpu", output_dir=str(tmp_path / "out")))
+    try:
+        with pytest.raises(ValueError, match=r"taken on another world size \(taken on 2 ranks.*relaunch with that "
+                                             r"many.*fresh-start true"):
+            callback.resume_checkpoint(trainer)
+    finally:
+        callback.engine.close(shutdown=True)
