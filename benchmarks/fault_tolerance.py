@@ -500,6 +500,8 @@ def main():
     ap.add_argument("--reshard-worker")
     ap.add_argument("--reshard", action="store_true",
                     help="measure only the world-size change rows (FSDP2, 2 -> 3 ranks) and add them to the JSON")
+    ap.add_argument("--recovery", action="store_true",
+                    help="measure only the 3-rank failure rows (a killed trainer, a lost node) into the JSON")
     ap.add_argument("--sharded", action="store_true",
                     help="measure only the FSDP2 rows (1, 2 and 4 ranks) and add them to the existing JSON")
     ap.add_argument("--update-restore", action="store_true",
@@ -518,14 +520,14 @@ def main():
         tmp, directory = rest.rsplit(":", 1)
         reshard_worker(preset, mode, tmp, directory)
         return
-    if args.reshard or args.sharded:  # one section re-measured, dated, into the existing JSON
+    if args.reshard or args.sharded or args.recovery:  # one section re-measured, dated, into the existing JSON
         from _report import RESULTS, environment, write
 
         payload = json.loads((RESULTS / "fault_tolerance.json").read_text())
         env = payload.pop("environment")
         payload.pop("benchmark", None)
-        key = "reshard" if args.reshard else "sharded"
-        payload[key] = reshard_rows() if args.reshard else sharded_rows()
+        key = "reshard" if args.reshard else "sharded" if args.sharded else "recovery"
+        payload[key] = {"reshard": reshard_rows, "sharded": sharded_rows, "recovery": lost_node_runs}[key]()
         payload[f"{key}_measured"] = environment()["date"]
         table, fig, notes = render(payload)
         write("fault_tolerance", payload, table, fig, notes, env=env)
@@ -618,7 +620,8 @@ def render(payload: dict):
         ("preset", "model", ""), ("snapshot_bytes", "snapshot bytes", ",d"),
         ("restore_ms", "from the snapshot process (ms)", ".0f"), ("load_ms", "torch.load of the checkpoint (ms)", ".0f"),
     ])
-    table += "\n\n### Failures in a 3-rank run (test model, snapshot every step, one node per rank)\n\n" + \
+    when = f" (measured {payload['recovery_measured']})" if payload.get("recovery_measured") else ""
+    table += f"\n\n### Failures in a 3-rank run (test model, snapshot every step, one node per rank){when}\n\n" + \
         markdown_table(payload["recovery"], [
             ("case", "failure", ""), ("source", "restored from", ""), ("failed_at_step", "failed after step", ""),
             ("restored_step", "restored step", ""), ("lost_steps", "steps lost", ""),
