@@ -21,8 +21,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .ddp import unwrap as _unwrap
-from .fsdp import as_shards as _as_shards
 from .state import parse, set_rng_state, unflatten_state
 from .wire import checksum
 
@@ -193,37 +191,27 @@ class RestorePolicy:
         self.rebuild_ddp_buckets()
 
     def rebuild_ddp_buckets(self) -> None:
-        """A DDP model (passed wrapped): its buckets rebuilt before the first step after the restore, so that step
-        reduces as the uninterrupted run's did (``hf_dtrain.fault.ddp``)."""
-        from .ddp import rebuild_ddp_buckets
-
-        rebuild_ddp_buckets(self.model)
+        """What the layout does once everything is loaded (``SnapshotSource.after_restore``): a DDP model (passed
+        wrapped) rebuilds its buckets before the first step after the restore, so that step reduces as the
+        uninterrupted run's did (``hf_dtrain.fault.ddp``)."""
+        self.source.after_restore()
 
     def apply_model(self, state: dict) -> None:
-        """The restored model tensors (and DeepSpeed's ZeRO partitions), copied in place into this rank's live
-        tensors: FSDP2's local shards, DDP's replicas, the trainable parameters of a PEFT model."""
-        if self._zero is not None:
-            why = self._zero.check(state.get("zero", {}))
-            if self._any(why is not None):
-                raise SnapshotMismatch(f"The snapshot does not fit this run's DeepSpeed ZeRO partitions: "
-                                       f"{why or 'see the other ranks'}. Resume with the ZeRO settings and world size "
-                                       f"that took it, or train from step 0 with {FRESH_START}.")
-            self._zero.load(state["zero"])
-        live = self._model_state()
-        missing = sorted(set(state["model"]) - set(live))
-        if self._any(bool(missing)):
-            raise SnapshotMismatch(f"The snapshot holds tensors this model does not have ({', '.join(missing[:4])}"
-                                   f"{' ...' if len(missing) > 4 else ''}); resume it with the model that took it, "
-                                   f"or train from step 0 with {FRESH_START}.")
-        with torch.no_grad():
-            for name, t in state["model"].items():
-                live[name].copy_(t)
+        """The restored model state, loaded in place by the layout's source (``source.py``): FSDP2's local shards,
+        DDP's replicas, a pipeline rank's stages, the trainable parameters of a PEFT model, DeepSpeed's ZeRO
+        partitions. Every rank calls it (ZeRO-3's load is collective; a snapshot that does not fit is refused on
+        every rank)."""
+        why = self.source.check(state)
+        if self._any(why is not None):
+            raise SnapshotMismatch(f"The snapshot does not fit this run's {self.source.kind} state: "
+                                   f"{why or 'see the other ranks'}. Resume it with the model, settings and world "
+                                   f"size that took it, or train from step 0 with {FRESH_START}.")
+        self.source.load(state)
 
     def apply_optimizer(self, state: dict) -> None:
         """The restored optimizer state, loaded into ``self.optimizer`` (an FSDP2 parameter's state as DTensor
-        shards again)."""
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(_as_shards(self.optimizer, state["optimizer"]))
+        shards again; ZeRO's came with the partitions)."""
+        self.source.load_optimizer(state, self.optimizer)
 
     def apply_rest(self, state: dict) -> None:
         """The scheduler, scaler, RNGs and ``stateful`` objects."""
@@ -362,22 +350,15 @@ class RestorePolicy:
             reasons.append(why or f"{path} is missing on some rank")
             return None
         self._check_all(metadata, f"on disk at {d}", resharded=True)
-        model_keys = reshard.stored_model_keys(os.path.join(d, reshard.DCP_DIR))  # every rank's (pipeline stages)
-        opt = None
-        if self.optimizer is not None:
-            from hf_dtrain.distributed import unwrap_optimizer
-
-            opt = unwrap_optimizer(self.optimizer)
         if apply:
-            target, osd = reshard.template(_unwrap(self.model), opt, model_keys)
-            problems = reshard.differences(target, os.path.join(d, reshard.DCP_DIR), model_keys)
+            plan, problems = self.source.reshard_plan(os.path.join(d, reshard.DCP_DIR), self.optimizer)
             if self._any(bool(problems)):
                 raise SnapshotMismatch(
                     f"The snapshot on disk at {d} (taken on {metadata['world_size']} ranks) does not map onto this "
                     f"model and optimizer: {'; '.join(problems[:6]) or 'see the other ranks'}"
                     f"{f' (and {len(problems) - 6} more)' if len(problems) > 6 else ''}. Resume it with the model "
                     f"and optimizer that took it, or train from step 0 with {FRESH_START}.")
-            reshard.load(_unwrap(self.model), opt, os.path.join(d, reshard.DCP_DIR), target, osd, state)
+            self.source.load_resharded(plan, os.path.join(d, reshard.DCP_DIR), state, self.optimizer)
             if self.scheduler is not None and "scheduler" in state:
                 self.scheduler.load_state_dict(state["scheduler"])
             if self.scaler is not None and "scaler" in state:
@@ -440,15 +421,12 @@ class RestorePolicy:
         persisted (no shared storage)."""
         import shutil
 
-        from hf_dtrain.distributed import unwrap_optimizer
-
         from . import reshard
 
-        if not (self.distributed and self.persist_dir and self._zero is None and self.optimizer is not None):
+        if not (self.distributed and self.persist_dir and self.optimizer is not None):
             return None  # (without the optimizer its state in the snapshots has no names)
         try:
-            shards = reshard.ShardMap(self._model_state(local=False), _unwrap(self.model),
-                                      None if self.optimizer is None else unwrap_optimizer(self.optimizer))
+            shards = self.source.shard_map(self.optimizer)
         except ValueError:
             shards = None
         mine = []  # (old rank, step, world size) of the moved snapshots of this job this node holds

@@ -3,8 +3,9 @@ snapshot process (``smp.py``), copied by a background thread that overlaps the n
 awaited before the next optimizer step; then committed with a checksum. ``restore()`` (the restore policy,
 ``restore.py``) brings the newest step every rank can load back: from the snapshot processes, else rebuilt from
 peers' parity, else from the last snapshot persisted to disk, and says which it used. What each layout stores and
-how it loads in place: ``ddp.py`` (replicas, DDP's buckets), ``fsdp.py`` (FSDP2 shards), ``zero.py`` (DeepSpeed ZeRO
-partitions); the DCP copy that reshards onto another world size: ``reshard.py``.
+how it loads in place is the layout's :class:`~hf_dtrain.fault.source.SnapshotSource` (``source.py``: the model's
+tensors for DDP replicas, FSDP2 shards, DTensor layouts and pipeline stages; ``zero.py``: DeepSpeed ZeRO partitions);
+the DCP copy that reshards onto another world size or layout: ``reshard.py``.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import sharded_engine_of
 from .ddp import unwrap as _unwrap
 from .erasure import node_groups
-from .fsdp import local_shard as _local
 # Restored and the errors are also imported from here (their names before the restore policy moved out)
 from .restore import Restored, RestorePolicy, SnapshotError, SnapshotMismatch  # noqa: F401
+from .source import source_for
 from .wire import SMPClient, checksum, connect, private_dir, runtime_root
 from .state import Layout, flatten_state, parse, rng_state, unflatten_state
 
@@ -95,18 +95,8 @@ class SnapshotEngine(RestorePolicy):
         if persist_every and not persist_dir:
             raise ValueError("SnapshotConfig.persist_every > 0 needs persist_dir (where every N-th snapshot is "
                              "written); set fault_tolerance.persist_dir.")
-        from .zero import ZeroPartitions, find_zero_optimizer
-
-        zero = find_zero_optimizer(model, optimizer)
-        self._zero = ZeroPartitions(zero, model) if zero is not None else None
-        sharded = next(filter(None, map(sharded_engine_of, _unwrap(model).parameters())), None)
-        if sharded is not None and not sharded.startswith("FSDP2") and self._zero is None:
-            raise ValueError(f"This model's parameters are held by {sharded}, and no ZeRO optimizer was given: its "
-                             "partitions live in the DeepSpeed optimizer, with the fp32 master weights. Pass the "
-                             "DeepSpeed engine as the model (SnapshotEngine(engine, engine.optimizer, ...)).")
-        if self._zero is not None and trainable_only is False:
-            raise ValueError("SnapshotConfig.trainable_only=False with DeepSpeed ZeRO: the snapshot holds the ZeRO "
-                             "optimizer's partitions, which are the trainable parameters; leave trainable_only unset.")
+        # what the snapshot holds of this layout and how it loads in place (source.py)
+        self.source = source_for(model, optimizer, trainable_only)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.snapshot_hooks: list = list(type(self).default_snapshot_hooks)
         self.stateful = dict(stateful or {})
@@ -132,9 +122,7 @@ class SnapshotEngine(RestorePolicy):
         self.node_group = next(g for g in self.groups if self.node in g)
         self.persist_dir, self.persist_every = persist_dir, persist_every
         self.timeout, self.idle_exit = timeout, idle_exit
-        if trainable_only is None:
-            trainable_only = any(not p.requires_grad for p in _unwrap(model).parameters())
-        self.trainable_only = trainable_only
+        self.trainable_only = self.source.trainable_only
         self.fingerprint = self._fingerprint()
         self.identity = self._identity(identity or {})
         self.identity_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True, default=str).encode()
@@ -179,11 +167,7 @@ class SnapshotEngine(RestorePolicy):
         self.key = self._shared_key()
         self.client = self._start_smp()
         self._configure()
-        self._step_hook = None
-        if self._zero is not None:
-            # DeepSpeed's step may run inside accelerator.backward (before the loop's wait()): the base optimizer
-            # waits for the copy in flight before it changes what the copy reads (removed again by close())
-            self._step_hook = self._zero.base.register_step_pre_hook(lambda *_: self.wait())
+        self._step_hook = self.source.guard_step(self.wait)  # removed again by close()
         # every persist_every-th snapshot is also a DCP checkpoint (restorable onto another world size), written
         # by the persist thread over a process group of its own
         self._shards, self._persist_group = None, None  # the ShardMap is read at the first snapshot (the Trainer
@@ -206,18 +190,6 @@ class SnapshotEngine(RestorePolicy):
         if "gloo" in str(dist.get_backend(process_group)):
             return process_group
         return cls._gloo_group(process_group, timeout)
-
-    def _model_state(self, local: bool = True) -> dict[str, torch.Tensor]:
-        """The model's tensors to snapshot; FSDP2's DTensor parameters as this rank's local shards (views that write
-        through), unless ``local`` is false."""
-        if self._zero is not None:  # every trainable parameter lives in the ZeRO partitions (state["zero"])
-            return {}
-        m = _unwrap(self.model)
-        if self.trainable_only:
-            state = {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}
-        else:
-            state = {k: v.detach() for k, v in m.state_dict(keep_vars=True).items()}
-        return {k: _local(v) for k, v in state.items()} if local else state
 
     def _identity(self, job: dict) -> dict:
         """What makes this job this job: the caller's settings (``identity=``: the job's config, seed, data source)
@@ -246,13 +218,8 @@ class SnapshotEngine(RestorePolicy):
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
-        for name, t in self._model_state(local=False).items():  # global shapes: the same on every rank
-            placements = getattr(t, "placements", None)
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{placements};".encode())
-        if self._zero is not None:
-            h.update(f"zero{self._zero.stage};".encode())
-            for name, shape, dtype in self._zero.describe():
-                h.update(f"{name}:{shape}:{dtype};".encode())
+        for entry in self.source.describe():
+            h.update(f"{entry};".encode())
         return h.hexdigest()[:16]
 
     def _shared_key(self) -> bytes:
@@ -384,12 +351,10 @@ class SnapshotEngine(RestorePolicy):
 
     # ---------------------------------------------------------------- snapshot
     def _capture(self, extra: Any) -> dict:
-        """What must be read at the step boundary, in the training thread: references to the model's tensors (FSDP2
-        swaps unsharded parameters onto the modules during forward and backward), the RNG states (the next step
-        draws from them), the ``stateful`` objects' copies, DeepSpeed's ZeRO state (read through its optimizer)."""
-        state = {"model": self._model_state(), "rng": rng_state(), "extra": extra}
-        if self._zero is not None:
-            state["zero"] = self._zero.state()  # partitions, fp32 masters, optimizer state, DeepSpeed's counters
+        """What must be read at the step boundary, in the training thread: the source's references (the model's
+        tensors: FSDP2 swaps unsharded parameters onto the modules during forward and backward; DeepSpeed's ZeRO
+        state), the RNG states (the next step draws from them), the ``stateful`` objects' copies."""
+        state = {**self.source.capture(), "rng": rng_state(), "extra": extra}
         if self.stateful:
             state["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         return state
@@ -398,8 +363,7 @@ class SnapshotEngine(RestorePolicy):
         """The rest of the snapshot, on the copy thread while the next forward and backward run (nothing it reads
         changes before the next optimizer step, which waits for this thread): the optimizer's, scheduler's and
         scaler's state dicts, then the whole state split into tensors and a JSON skeleton."""
-        if self._zero is None and self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+        self.source.collect(state, self.optimizer)
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
@@ -443,13 +407,8 @@ class SnapshotEngine(RestorePolicy):
         collected and copied in the background. The previous snapshot is awaited first (one in flight at a time)."""
         t0 = time.perf_counter()
         self.wait()
-        if self.persist_every and self._shards is None and self._zero is None:
-            from hf_dtrain.distributed import unwrap_optimizer
-
-            from .reshard import ShardMap
-
-            self._shards = ShardMap(self._model_state(local=False), _unwrap(self.model),
-                                    None if self.optimizer is None else unwrap_optimizer(self.optimizer))
+        if self.persist_every and self._shards is None:
+            self._shards = self.source.shard_map(self.optimizer)  # None: this layout does not reshard (ZeRO)
         if self._cuda is None:
             self._cuda = any(p.is_cuda for p in _unwrap(self.model).parameters())
         state = self._capture(extra)

@@ -34,29 +34,61 @@ def _scalars(obj) -> dict:
     return {k: v for k, v in vars(obj).items() if isinstance(v, (bool, int, float)) and not k.startswith("__")}
 
 
-class ZeroPartitions:
-    """Reads and restores one rank's ZeRO state (``stage`` 1, 2 or 3) in place, for the same world size."""
+class ZeroSource:
+    """The :class:`~hf_dtrain.fault.source.SnapshotSource` of DeepSpeed ZeRO (``stage`` 1, 2 or 3): reads and
+    restores one rank's partitions in place, for the same world size and ZeRO settings (not reshardable: a restart
+    on another world size resumes from DeepSpeed's own checkpoint). The snapshot's ``"model"`` is empty: every
+    trainable parameter lives in the partitions (``"zero"``)."""
+
+    trainable_only = True  # the partitions are the trainable parameters
 
     def __init__(self, zero_optimizer, model=None):
         self.opt = zero_optimizer
         self.stage = 3 if hasattr(zero_optimizer, "fp32_partitioned_groups_flat") else \
             int(getattr(zero_optimizer, "partition_gradients", False)) + 1
+        self.kind = f"zero-{self.stage}"
         self.engine = model if all(hasattr(model, c) for c in ENGINE_COUNTERS) else None
 
     @property
     def base(self) -> torch.optim.Optimizer:
         return self.opt.optimizer
 
-    def describe(self) -> list[tuple[str, tuple, str]]:
-        """(name, global shape, dtype) of every parameter the partitions hold, in the optimizer's order (the run's
-        fingerprint): ZeRO-3's real shapes, not its empty placeholders."""
+    def describe(self) -> list[str]:
+        """The stage, then name, global shape and dtype of every parameter the partitions hold, in the optimizer's
+        order (the run's fingerprint): ZeRO-3's real shapes, not its empty placeholders."""
         groups = self.opt.fp16_groups if self.stage == 3 else self.opt.bit16_groups
-        out = []
+        out = [f"zero{self.stage}"]
         for i, group in enumerate(groups):
             for j, p in enumerate(group):
-                shape = tuple(getattr(p, "ds_shape", p.shape))
-                out.append((f"group{i}.{j}", shape, str(p.dtype)))
+                out.append(f"group{i}.{j}:{tuple(getattr(p, 'ds_shape', p.shape))}:{p.dtype}")
         return out
+
+    def capture(self) -> dict:
+        return {"model": {}, "zero": self.state()}
+
+    def collect(self, state: dict, optimizer) -> None:
+        pass  # the base optimizer's state is read with the partitions, at the step boundary
+
+    def shard_map(self, optimizer) -> None:
+        return None
+
+    def reshard_plan(self, directory: str, optimizer):
+        return None, ["DeepSpeed ZeRO partitions are not resharded from a snapshot (resume on the world size and "
+                      "ZeRO settings that took it, or from DeepSpeed's own checkpoint)"]
+
+    def load_resharded(self, plan, directory: str, replicated: dict, optimizer) -> None:
+        raise NotImplementedError("DeepSpeed ZeRO partitions are not resharded from a snapshot")
+
+    def load_optimizer(self, state: dict, optimizer) -> None:
+        pass  # loaded with the partitions (load)
+
+    def after_restore(self) -> None:
+        pass
+
+    def guard_step(self, wait):
+        # DeepSpeed's step may run inside accelerator.backward (before the loop's wait()): the base optimizer
+        # waits for the copy in flight before it changes what the copy reads
+        return self.base.register_step_pre_hook(lambda *_: wait())
 
     def state(self) -> dict:
         """References to this rank's partitions and optimizer state (copied by the engine in the background)."""
@@ -77,7 +109,8 @@ class ZeroPartitions:
         return out
 
     def check(self, state: dict) -> Optional[str]:
-        """Why ``state`` cannot be loaded here (another stage, other partition sizes), or None."""
+        """Why the snapshot ``state`` cannot be loaded here (another stage, other partition sizes), or None."""
+        state = state.get("zero", {})
         if state.get("stage") != self.stage:
             return f"the snapshot holds ZeRO-{state.get('stage')} partitions and this run uses ZeRO-{self.stage}"
         live = self.opt.fp32_partitioned_groups_flat if self.stage == 3 else self.opt.single_partition_of_fp32_groups
@@ -88,8 +121,9 @@ class ZeroPartitions:
         return None
 
     def load(self, state: dict) -> None:
-        """Put ``state`` back in place; collective under ZeRO-3 (the persistent parameters are re-gathered), so
-        every rank calls it."""
+        """Put the snapshot ``state``'s partitions back in place; collective under ZeRO-3 (the persistent parameters
+        are re-gathered), so every rank calls it."""
+        state = state["zero"]
         scaler = getattr(self.opt, "loss_scaler", None)
         if scaler is not None:
             for k, v in state.get("loss_scaler", {}).items():

@@ -149,6 +149,33 @@ def test_peft_stores_only_the_adapter(ft_dir):
     engine.close(shutdown=True)
 
 
+def test_a_model_layout_is_a_module_source_loading_in_place_with_the_fingerprint_of_older_copies():
+    """What a snapshot holds of a model (``source.py``): its tensors, or with a frozen base only the trainable ones;
+    loaded back in place; a tensor the model lacks named; and the fingerprint entries in the format copies persisted
+    before the layout sources were written in (name, global shape, dtype, placement), so those still load."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_dtrain.fault.source import ModuleSource, source_for
+
+    model = tiny_llama(seed=0)
+    source = source_for(model, torch.optim.AdamW(model.parameters()))
+    assert isinstance(source, ModuleSource) and not source.trainable_only
+    assert source.describe() == [f"{n}:{tuple(t.shape)}:{t.dtype}:None" for n, t in model.state_dict().items()]
+    state = {"model": {k: v.clone() for k, v in source.capture()["model"].items()}}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert source.check(state) is None
+    source.load(state)
+    assert all(torch.equal(v, state["model"][k]) for k, v in model.state_dict().items())
+    why = source.check({"model": {**state["model"], "lm_head.extra": torch.zeros(1)}})
+    assert why is not None and "lm_head.extra" in why
+    peft = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
+    adapter = source_for(peft)
+    assert adapter.trainable_only and set(adapter.capture()["model"]) == {
+        n for n, p in peft.named_parameters() if p.requires_grad}
+
+
 def test_state_round_trip_and_the_slot_is_a_safetensors_file(tmp_path):
     from safetensors.torch import load_file
 
