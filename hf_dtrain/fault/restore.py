@@ -224,9 +224,6 @@ class RestorePolicy:
             if name in state.get("stateful", {}):
                 obj.load_state_dict(state["stateful"][name])
 
-    def _try_memory(self, step: int) -> tuple[Optional[tuple[dict, dict, bool]], str]:
-        return self._read_snapshot(self.rank, step)
-
     def available(self) -> tuple[list[int], str, str]:
         reply, _ = self.client.call({"op": "available", "rank": self.rank})
         return reply["steps"], reply["source"], reply.get("reason", "")
@@ -251,7 +248,7 @@ class RestorePolicy:
         had_any = self._any(lost_here or bool(reason) or bool(disk_steps))
         other_world = None  # in words, the world size or layout of in-memory snapshots that cannot load here
         for step in self._agree(steps):
-            got, why = self._try_memory(step)
+            got, why = self._read_snapshot(self.rank, step)
             if self._all(got is not None):
                 if self._any(self._moved(got[0])):
                     theirs = int(got[0]["world_size"])
@@ -462,18 +459,24 @@ class RestorePolicy:
             for rank, writer in sorted(assigned.items()):
                 if writer != self.rank or failed:
                     continue
-                got, why = self._read_snapshot(rank, step)
-                if got is None:
-                    failed = why
-                    continue
-                metadata, tensors, _ = got
-                state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
-                chunks = shards.chunks(state, json.loads(metadata["offsets"]), whole=rank == 0)
-                reshard.write_chunks(os.path.join(d, reshard.DCP_DIR, f"shard-{rank:05d}.safetensors"), chunks,
-                                     self._write_private)
-                if rank == 0:  # after every shard file (the barrier below): its presence marks the copy complete
-                    replicated, keep = shards.replicated(state), {k: metadata[k] for k in (
-                        "step", "world_size", "placement", "fingerprint", "identity")}
+                # any error here is this rank's vote below, never an exception that would leave the others in the
+                # collective
+                try:
+                    got, why = self._read_snapshot(rank, step)
+                    if got is None:
+                        failed = why
+                        continue
+                    metadata, tensors, _ = got
+                    state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
+                    chunks = shards.chunks(state, json.loads(metadata["offsets"]), whole=rank == 0)
+                    reshard.write_chunks(os.path.join(d, reshard.DCP_DIR, f"shard-{rank:05d}.safetensors"), chunks,
+                                         self._write_private)
+                    if rank == 0:  # after every shard file (the barrier below): its presence marks the copy complete
+                        replicated, keep = shards.replicated(state), {k: metadata[k] for k in (
+                            "step", "world_size", "placement", "fingerprint", "identity")}
+                except Exception as e:
+                    failed = (f"old rank {rank}'s snapshot of step {step} could not be written as a DCP file "
+                              f"({type(e).__name__}: {e})")
             if self._any(bool(failed)):
                 reasons.append(failed or "another rank could not read an old rank's snapshot")
                 return None

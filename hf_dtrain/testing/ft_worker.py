@@ -95,6 +95,13 @@ def main():
     zero = kind.startswith("zero")
     engine = None
     start = 1
+    if os.environ.get("FT_BREAK_CHUNKS") == str(rank):  # this rank cannot write the survivors' DCP files
+        from hf_dtrain.fault import reshard
+
+        def broken(*args, **kwargs):
+            raise OSError(28, "No space left on device (injected)")
+
+        reshard.write_chunks = broken
     if not os.environ.get("FT_NOFT"):
         from hf_dtrain.fault import SnapshotEngine, SnapshotError
 

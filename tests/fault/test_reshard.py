@@ -128,3 +128,23 @@ def test_a_ddp_run_restarted_on_more_ranks_reshards_the_snapshot_processes_copie
         assert os.path.exists(os.path.join(dump, "w3-step12.safetensors"))  # and it trained on
     finally:
         stop_snapshot_processes(ft_dir)
+
+
+def test_a_rank_that_cannot_write_the_survivors_copy_makes_every_rank_fall_back_to_the_persisted_one(tmp_path):
+    """The survivors' snapshots are written as a DCP checkpoint by several ranks between two barriers: when one rank's
+    write fails (here: a full disk on rank 1), that is its vote, not an exception that leaves the others waiting in
+    the collective; every rank restores the persisted DCP copy of step 8 instead and names why."""
+    out, ft_dir, disk = (str(tmp_path / n) for n in ("out", "ft", "disk"))
+    os.makedirs(out)
+    env = {"FT_ENGINE": "ddp", "FT_OUT": out, "FT_DIR": ft_dir, "FT_PERSIST": disk, "FT_PERSIST_EVERY": "4",
+           "FT_SHUTDOWN": "0"}
+    try:
+        assert launch_ft_workers(2, {**env, "FT_STEPS": "10"}) == [0, 0]
+        codes = launch_ft_workers(3, {**env, "FT_STEPS": "10", "FT_BREAK_CHUNKS": "1"})
+        assert codes == [0, 0, 0], open(os.path.join(out, "rank0.out")).read()[-3000:]
+        for r in range(3):
+            assert open(os.path.join(out, f"rank{r}.restore")).read().split()[:2] == ["8", "resharded"]
+        assert "could not be written as a DCP file (OSError: [Errno 28] No space left on device (injected))" in \
+            open(os.path.join(out, "rank1.out")).read()
+    finally:
+        stop_snapshot_processes(ft_dir)
