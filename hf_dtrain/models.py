@@ -34,6 +34,16 @@ PRESETS: dict[str, dict] = {
         hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
         vocab_size=4096, max_position_embeddings=512,
     ),
+    # about 100M parameters (97.4M): the largest shape benchmarks/throughput.py trains on a 2-core CPU host
+    "100m": dict(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+        vocab_size=8192, max_position_embeddings=1024,
+    ),
+    # Llama 3.2 1B's shape (1.24B parameters, its input and output embeddings tied as in the release)
+    "llama3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True,
+    ),
     "llama2-7b": dict(
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,

@@ -28,7 +28,7 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert "CUDA" in status["peak_memory"]["detail"]["reason"]
     assert "[skipped] peak_memory" in proc.stdout and "needs a CUDA device" in proc.stdout
     for name in ("cuda_tests", "tuners_autocast", "bnb_4bit", "qahira_merge", "comm_hooks", "delta_memory",
-                 "snapshot_stall", "fused_sweep"):
+                 "snapshot_stall", "fused_sweep", "throughput", "multi_gpu"):
         assert status[name]["status"] == "passed", status[name]
     assert status["cuda_tests"]["detail"]["counts"].get("skipped", 0) >= 1  # the CUDA tests exist and skip here
     assert set(status["tuners_autocast"]["detail"]) == {"lora", "smt", "lorafa", "qbara", "qahira"}
@@ -43,6 +43,14 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     stall = status["snapshot_stall"]["detail"]
     assert stall["hf_dtrain_snapshot"]["state_bytes"] > 0 and stall["stall_ours_vs_dcp"] > 0
     assert status["fused_sweep"]["detail"]["max_rel_loss_diff_fused_vs_alone"] < 1e-4  # fused = alone, on the device
+    rows = status["throughput"]["detail"]["rows"]  # the benchmark's mechanics on the test shape
+    assert set(rows) == {"lora eager", "lorafa eager"} and rows["lora eager"]["vs_lora"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_bytes"] > 0 for r in rows.values())
+    multi = status["multi_gpu"]["detail"]  # the 2-rank NCCL steps, run over gloo here
+    assert multi["backend"] == "gloo" and multi["comm_hooks"] == gpu_check.HOOKS
+    assert multi["fsdp2"]["max_loss_rel_diff"] < 1e-4 and multi["snapshot"]["step"] == 2
+    assert multi["onebit_lamb"]["losses"][-1] < multi["onebit_lamb"]["losses"][0]
+    assert "NCCL needs 2 GPUs" in multi["note"]
     assert report["environment"]["dry_run"] is True
 
 

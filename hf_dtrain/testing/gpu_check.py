@@ -23,7 +23,12 @@ Steps (each runs even when an earlier one failed; the exit status is 1 if any fa
   alone, AdamW, clip 1.0) on the device: K=2 fused equals each job alone (losses), then samples/s at K = 1, 4, 8 on
   the "tiny" shape (HFTA's case: one small job leaves a GPU idle);
 * ``peak_memory``: ``torch.cuda.max_memory_allocated`` of one training step, LoRA-FA against LoRA and SMT against
-  full fine-tuning, on a 1B-class LLaMA shape built from ``LlamaConfig`` (nothing is downloaded).
+  full fine-tuning, on a 1B-class LLaMA shape built from ``LlamaConfig`` (nothing is downloaded);
+* ``throughput``: ``benchmarks/throughput.py`` on the Llama 3.2 1B shape within a time budget: tokens/s, MFU and
+  peak memory of each method against peft LoRA, eager and ``torch.compile``d (its table beside this report);
+* ``multi_gpu``: with 2 or more GPUs, 2 ranks on NCCL (one per GPU): every comm hook, 1-bit LAMB, FSDP2 against
+  the unsharded model and a sharded snapshot restored in place; skipped on one GPU, saying why; the dry run runs
+  the same 2 ranks over gloo.
 
 Writes ``gpu_check.json``, ``gpu_check.md`` and ``gpu_check.png`` under ``--out/<device>/`` (default
 ``benchmarks/results/gpu``).
@@ -256,7 +261,7 @@ def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
         model = _tiny(device)
         if method == "embrace":
             exclude_embeddings(model)
-        ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None)
+        ddp = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         register(ddp, {"method": method, "start_iter": 2} if method == "acp_sgd" else method, optimizer=opt)
         for step in range(4):
@@ -387,6 +392,213 @@ def fsdp2(ctx: Context) -> dict:
         if proc.returncode != 0 or not os.path.exists(out):
             raise AssertionError(f"FSDP2 on {backend}/{device_type} failed:\n{proc.stderr[-3000:]}")
         return json.loads(Path(out).read_text())
+
+
+def _multi_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
+    """One of 2 ranks, one per GPU (``cuda:<rank>``, NCCL), or on gloo/CPU in the dry run: every communication hook,
+    1-bit LAMB, FSDP2 against the unsharded model, and a sharded snapshot restored in place."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hf_dtrain.distributed import release_process_group
+
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120), **kwargs)
+    try:
+        result = {"backend": backend, "devices": [str(torch.device(device_type, r)) if device_type == "cuda"
+                                                  else "cpu" for r in range(world)]}
+        _hooks_run(rank, world, backend, device, os.devnull)
+        result["comm_hooks"] = HOOKS
+        result["onebit_lamb"] = _multi_onebit_lamb(rank, world, device)
+        result["fsdp2"] = _multi_fsdp2(rank, world, device)
+        result["snapshot"] = _multi_snapshot(rank, world, device, os.path.dirname(out))
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        release_process_group()
+
+
+def _replicas_equal(model, world: int) -> bool:
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return bool(torch.isfinite(flat).all()) and all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def _multi_onebit_lamb(rank: int, world: int, device) -> dict:
+    """1-bit LAMB on 2 ranks (its compressed exchange after a 2-step warm-up): losses finite and falling on the
+    same batch, the replicas identical."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_dtrain.optim.onebit_lamb import OneBitLamb
+    from hf_dtrain.testing import random_batch
+
+    torch.manual_seed(0)
+    model = _tiny(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    OneBitLamb.attach_ddp(ddp)  # the optimizer exchanges (compressed) itself
+    opt = OneBitLamb(ddp.parameters(), lr=1e-2, freeze_step=2)
+    batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=16, seed=rank).items()}
+    losses = []
+    for _ in range(6):
+        loss = ddp(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if not (all(map(lambda v: v == v, losses)) and losses[-1] < losses[0]):
+        raise AssertionError(f"1-bit LAMB on {device}: losses {losses}")
+    if not _replicas_equal(model, world):
+        raise AssertionError(f"1-bit LAMB on {device}: the replicas differ")
+    del ddp
+    return {"losses": losses, "compressed_steps": 4}
+
+
+def _multi_fsdp2(rank: int, world: int, device) -> dict:
+    """FSDP2 on 2 ranks (fp32), 3 AdamW steps on the same batch on every rank: the losses equal the unsharded
+    model's within fp32 reduction-order rounding."""
+    from hf_dtrain.parallel import apply_fsdp
+    from hf_dtrain.testing import random_batch
+
+    losses = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = _tiny(device)
+        if sharded:
+            apply_fsdp(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = []
+        for step in range(3):
+            batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=16, seed=step).items()}
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses["fsdp2" if sharded else "unsharded"] = run
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses["fsdp2"], losses["unsharded"]))
+    if not rel < 1e-4:
+        raise AssertionError(f"FSDP2 on {world} ranks ({device}) disagrees with the unsharded model: {losses}")
+    return {"max_loss_rel_diff": rel, **losses}
+
+
+def _multi_snapshot(rank: int, world: int, device, tmp: str) -> dict:
+    """A sharded (FSDP2) snapshot of step 2 on the device (pinned slots, the copy on a side stream), one more step,
+    then ``restore()``: every rank's shards and optimizer state are back, bit for bit."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.parallel import apply_fsdp
+    from hf_dtrain.testing import random_batch
+
+    torch.manual_seed(0)
+    model = _tiny(device)
+    apply_fsdp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = SnapshotEngine(model, opt, directory=os.path.join(tmp, "snapshots"), parity=0, timeout=60)
+
+    def step(k):
+        batch = {k_: v.to(device) for k_, v in random_batch(batch=2, seq=16, seed=k).items()}
+        model(**batch).loss.backward()
+        engine.wait()
+        opt.step()
+        opt.zero_grad()
+
+    def local():
+        out = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+        for i, st in enumerate(opt.state.values()):
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    out[f"opt{i}.{k}"] = (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+        return out
+
+    try:
+        for k in (1, 2):
+            step(k)
+        engine.snapshot(2)
+        engine.wait()
+        want = local()
+        step(3)
+        restored = engine.restore()
+        got = local()
+        if restored is None or restored.step != 2 or not all(torch.equal(got[n], want[n]) for n in want):
+            raise AssertionError(f"the sharded snapshot on {device} did not restore step 2 exactly ({restored})")
+        return {"restored": restored.source, "step": restored.step, "bytes_per_rank": engine.stats["bytes"]}
+    finally:
+        engine.close(shutdown=True)
+
+
+def _multi_main(port: str, backend: str, device_type: str, out: str) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_multi_worker, args=(2, int(port), backend, device_type, out), nprocs=2, join=True)
+
+
+def multi_gpu(ctx: Context) -> dict:
+    """NCCL with one rank per GPU, on 2 GPUs: every comm hook, 1-bit LAMB, FSDP2, a sharded snapshot + restore. On
+    one GPU it is skipped with the reason; in the CPU dry run the same 2-rank worker runs over gloo."""
+    import tempfile
+
+    from hf_dtrain.testing.launch import free_port
+
+    if ctx.device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count < 2:
+            raise Skip(f"NCCL needs one GPU per rank and this machine has {count}; run it on 2 or more GPUs")
+        backend, device_type = "nccl", "cuda"
+    else:
+        backend, device_type = "gloo", "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "multi.json")
+        code = "import sys, hf_dtrain.testing.gpu_check as g; g._multi_main(*sys.argv[1:])"
+        proc = subprocess.run([sys.executable, "-c", code, str(free_port()), backend, device_type, out],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise AssertionError(f"the 2-rank run on {backend}/{device_type} failed:\n{proc.stderr[-3000:]}")
+        info = json.loads(Path(out).read_text())
+    if backend == "gloo":
+        info["note"] = "no CUDA device: the 2-rank steps ran over gloo on CPU; NCCL needs 2 GPUs"
+    return info
+
+
+def throughput(ctx: Context) -> dict:
+    """``benchmarks/throughput.py`` on the device within a time budget: peft LoRA, LoRA-FA, SMT and full fine-tuning
+    (then the others while time is left), eager and compiled, on the 1B shape; the whole table with
+    ``python benchmarks/throughput.py``. Its JSON / markdown / PNG go beside this report."""
+    script = ROOT / "benchmarks" / "throughput.py"
+    if not script.exists():
+        raise Skip(f"{script} is not here: run gpu_check from a checkout of hf_dtrain")
+    if ctx.device.type == "cuda":
+        argv = ["--preset", "llama3.2-1b", "--batch", "4", "--seq", "1024", "--steps", "3", "--warmup", "1",
+                "--methods", "lora,lorafa,smt,full,dora,qlora,qbara,qahira", "--time-budget", "200"]
+    else:  # the dry run: the mechanics on the test shape
+        argv = ["--preset", "test", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1",
+                "--methods", "lora,lorafa", "--modes", "eager"]
+    name = f"gpu/{re.sub(r'[^A-Za-z0-9]+', '_', _device_name(ctx.device)).strip('_')}/throughput"
+    if ctx.dry_run:
+        name = "throughput_dry_run"
+    proc = subprocess.run([sys.executable, str(script), *argv, "--name", name], capture_output=True, text=True,
+                          timeout=540, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"benchmarks/throughput.py failed:\n{proc.stderr[-3000:]}")
+    payload = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    if ctx.dry_run:
+        for ext in ("json", "md", "png"):
+            (ROOT / "benchmarks" / "results" / f"{name}.{ext}").unlink(missing_ok=True)
+    rows = {f"{r['method']} {r['mode']}": {k: r.get(k) for k in ("tokens_per_s", "vs_lora", "mfu", "peak_bytes",
+                                                                 "error")}
+            for r in payload["rows"]}
+    failed = [k for k, r in rows.items() if r.get("error")]
+    if failed:
+        raise AssertionError(f"throughput rows failed: {[(k, rows[k]['error']) for k in failed]}")
+    return {"preset": payload["preset"], "rows": rows, "not_measured": payload.get("not_measured", [])}
 
 
 def _llama_1b():
@@ -714,6 +926,8 @@ STEPS = [
     Step("snapshot_stall", "stall per snapshot: hf_dtrain's in-memory snapshot vs DCP async_save", snapshot_stall),
     Step("fused_sweep", "K LoRA jobs fused (HFTA) vs one after another: exactness, then samples/s", fused_sweep),
     Step("peak_memory", "peak memory of a training step: LoRA-FA vs LoRA, SMT vs full fine-tuning", peak_memory),
+    Step("throughput", "tokens/s, MFU and peak memory of each method vs peft LoRA, eager and compiled", throughput),
+    Step("multi_gpu", "NCCL on 2 GPUs: comm hooks, 1-bit LAMB, FSDP2, a sharded snapshot + restore", multi_gpu),
 ]
 
 

@@ -1,0 +1,351 @@
+"""Training throughput of every fine-tuning method against peft's LoRA, eager and ``torch.compile``d, on the largest
+LLaMA shape the machine trains: tokens per second, peak memory and model FLOP utilisation (MFU).
+
+Methods, at the trainable-parameter budget of LoRA r=8 on every linear layer of the decoder (q, k, v, o, gate, up,
+down), each configured to the nearest budget its shape allows (the table lists each method's trainable parameters):
+
+* ``full``: full fine-tuning (every parameter, AdamW);
+* ``lora``, ``dora``: peft LoRA / DoRA, r=8 (the baseline: ``vs_lora`` is tokens/s over LoRA's in the same mode);
+* ``qlora``: peft LoRA r=8 on a bitsandbytes NF4 base (``BitsAndBytesConfig(load_in_4bit=True)``);
+* ``lorafa``: LoRA-FA (only B trains, so r = budget / sum of output widths);
+* ``smt``: SMT, 64 x 64 blocks, budget / 4096 blocks spread over the targets (a seeded selection: throughput does not
+  depend on which blocks);
+* ``qbara``: Q-BaRA r=8, pool 2 on the NF4 base (r (in + out) per layer, as LoRA);
+* ``qahira``: QA-HiRA, one matrix per layer (group 64 = NF4's block size, lambda_out 1) on the NF4 base.
+
+Each (method, mode) runs in a fresh process: build the model from ``LlamaConfig`` (random weights, saved once and
+loaded by every worker, so all start from the same weights), count one step's FLOPs with
+``torch.utils.flop_counter.FlopCounterMode`` (eager; the compiled graph does the same arithmetic), compile (mode
+``compiled``: ``torch.compile(model)``, inductor, as ``TrainingArguments(torch_compile=True)`` does), warm up, then
+time ``--steps`` AdamW steps (forward, backward, optimizer step; autocast bf16 on CPU, bf16 weights on a GPU).
+Peak memory: on CPU the process's peak resident set over the timed steps (``/proc/self/clear_refs`` resets it after
+the warm-up, so compilation's transient memory is not counted) above its resident set before the model was built (the
+libraries imported); on a GPU ``torch.cuda.max_memory_allocated``. MFU: counted
+FLOPs per second over the device's peak: on CPU the bf16 matmul peak measured in this run (a 4096 x 4096 matmul in a
+fresh process), on a GPU its datasheet dense bf16 peak.
+
+    python benchmarks/throughput.py                      # CPU: the 100M preset, about 30 minutes on 2 cores
+    python benchmarks/throughput.py --preset test --steps 2 --seq 32   # a quick look at the mechanics
+    python benchmarks/throughput.py --presets llama3.2-1b,llama3-8b    # a GPU (gpu_check runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit_result, environment, markdown_table, run_worker, write  # noqa: E402
+
+METHODS = ["full", "lora", "dora", "qlora", "lorafa", "smt", "qbara", "qahira"]
+QUANTIZED = {"qlora", "qbara", "qahira"}
+MODES = ["eager", "compiled"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK = 8
+SMT_BLOCK = 64
+NF4_BLOCK = 64
+# dense bf16 peak of the GPUs this project is lent (datasheet, SXM, without sparsity)
+GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def _targets(model):
+    import torch
+
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS]
+
+
+def adapter_config(method: str, model):
+    """The peft config of ``method`` at LoRA r=8's budget on ``model``'s target layers (None: full fine-tuning)."""
+    import random
+
+    from peft import LoraConfig
+
+    from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig
+
+    targets = _targets(model)
+    budget = sum(RANK * (m.in_features + m.out_features) for _, m in targets)
+    if method == "full":
+        return None
+    if method in ("lora", "dora", "qlora"):
+        return LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=TARGETS,
+                          use_dora=method == "dora")
+    if method == "lorafa":
+        r = round(budget / sum(m.out_features for _, m in targets))
+        return LoraFAConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, init_seed=0)
+    if method == "smt":
+        rng = random.Random(0)
+        cells = [(name, i, j) for name, m in targets
+                 for i in range(m.out_features // SMT_BLOCK) for j in range(m.in_features // SMT_BLOCK)]
+        picked: dict[str, list] = {}
+        for name, i, j in rng.sample(cells, round(budget / SMT_BLOCK ** 2)):
+            picked.setdefault(name, []).append([i, j])
+        return SMTConfig(block_size=SMT_BLOCK, target_modules=TARGETS, block_indices=picked)
+    if method == "qbara":
+        return QBaRAConfig(r=RANK, lora_alpha=2 * RANK, pool=2, target_modules=TARGETS)
+    if method == "qahira":
+        return QAHiRAConfig(group_size=NF4_BLOCK, lambda_out=1, target_modules=TARGETS)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def _peak_rss_reset() -> bool:
+    """Reset the process's peak resident set (VmHWM) to the current one; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _peak_rss() -> int:
+    return _status("VmHWM")
+
+
+def _rss() -> int:
+    return _status("VmRSS")
+
+
+def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    import peft  # noqa: F401  (everything imported before the baseline resident set is read)
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    import hf_dtrain  # noqa: F401
+
+    cuda = torch.cuda.is_available()
+    base_rss = 0 if cuda else _rss()
+    device = "cuda" if cuda else "cpu"
+    if method in QUANTIZED:
+        from transformers import BitsAndBytesConfig
+
+        from hf_dtrain.quantization import prepare_bnb_4bit_for_training
+
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=device, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))
+        if not cuda:
+            prepare_bnb_4bit_for_training(model)  # bitsandbytes' CPU kernel path for training
+    else:
+        # a GPU trains bf16 weights (what users load); the CPU keeps fp32 weights under bf16 autocast
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32).to(device)
+    config = adapter_config(method, model)
+    if config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, config)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = sum(p.numel() for p in params)
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def batch_of():
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+        return {"input_ids": ids, "labels": ids}
+
+    def step(fn):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = fn(**batch_of()).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step(model)  # eager, the same arithmetic the compiled graph runs
+    flops = counter.get_total_flops()
+    fn = torch.compile(model) if mode == "compiled" else model
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step(fn)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    warm_seconds = time.perf_counter() - t0
+    reset = cuda or _peak_rss_reset()
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step(fn)
+        losses.append(float(loss))  # a host sync at every step, as a training loop that logs has
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss() - base_rss
+    return {"method": method, "mode": mode, "trainable": trainable, "step_seconds": times, "losses": losses,
+            "flops_per_step": flops, "peak_bytes": peak, "peak_kind": "cuda max_memory_allocated" if cuda else (
+                "peak RSS over the timed steps above the RSS before the model was built" if reset
+                else "peak RSS of the process above the RSS before the model was built"),
+            "warmup_seconds": warm_seconds, "tokens_per_step": batch * seq}
+
+
+def matmul_peak() -> dict:
+    """The device's bf16 matmul peak: datasheet on a known GPU, else the best of timed 4096 x 4096 bf16 matmuls."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        for key, peak in GPU_PEAK.items():
+            if key in name:
+                return {"peak_flops": peak, "peak_source": f"{name} datasheet dense bf16"}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 4096
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return {"peak_flops": 2 * n ** 3 / best, "peak_source": f"measured: best of 6 bf16 {n}x{n} matmuls on {device}"}
+
+
+def summarize(rows: list[dict], peak: float) -> None:
+    for r in rows:
+        if "error" in r:
+            continue
+        r["step_s"] = statistics.median(r["step_seconds"])
+        r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
+        r["mfu"] = r["flops_per_step"] / r["step_s"] / peak
+    for mode in MODES:
+        base = next((r for r in rows if r["method"] == "lora" and r["mode"] == mode and "error" not in r), None)
+        for r in rows:
+            if r["mode"] == mode and base is not None and "error" not in r:
+                r["vs_lora"] = r["tokens_per_s"] / base["tokens_per_s"]
+                r["peak_vs_lora"] = r["peak_bytes"] / base["peak_bytes"]
+                r["budget_vs_lora"] = r["trainable"] / base["trainable"]
+
+
+def render(payload: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if "error" not in r]
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.4
+    for i, mode in enumerate(MODES):
+        vals = [next((r.get("vs_lora", 0) for r in rows if r["method"] == m and r["mode"] == mode), 0) for m in methods]
+        axes[0].bar([x + (i - 0.5) * width for x in range(len(methods))], vals, width, label=mode)
+        mem = [next((r["peak_bytes"] / 2**30 for r in rows if r["method"] == m and r["mode"] == mode), 0)
+               for m in methods]
+        axes[1].bar([x + (i - 0.5) * width for x in range(len(methods))], mem, width, label=mode)
+    axes[0].axhline(1.0, color="k", lw=0.8, ls="--")
+    axes[0].set_ylabel("tokens/s over peft LoRA's (same mode)")
+    axes[1].set_ylabel(f"peak memory (GiB, {rows[0]['peak_kind'] if rows else ''})")
+    for ax in axes:
+        ax.set_xticks(range(len(methods)))
+        ax.set_xticklabels(methods, rotation=30)
+        ax.legend()
+    fig.suptitle(f"{payload['preset']}: batch {payload['batch']} x {payload['seq']} tokens")
+    fig.tight_layout()
+    return fig
+
+
+def table(payload: dict) -> str:
+    rows = sorted((r for r in payload["rows"] if "error" not in r),
+                  key=lambda r: (MODES.index(r["mode"]), METHODS.index(r["method"])))
+    md = markdown_table(rows, [("method", "method", ""), ("mode", "mode", ""), ("trainable", "trainable", ",d"),
+                               ("budget_vs_lora", "budget / LoRA's", ".2f"), ("step_s", "step (s)", ".3f"),
+                               ("tokens_per_s", "tokens/s", ",.0f"), ("vs_lora", "vs LoRA", ".2f"),
+                               ("mfu", "MFU", ".3f"), ("peak_bytes", "peak bytes", ",d"),
+                               ("peak_vs_lora", "peak / LoRA's", ".2f")])
+    failed = [r for r in payload["rows"] if "error" in r]
+    if failed:
+        md += "\n\nFailed: " + "; ".join(f"{r['method']} {r['mode']}: {r['error']}" for r in failed)
+    return md
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default=None, help="one LlamaConfig preset (default: 100m on CPU, llama3.2-1b on a GPU)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 4 on CPU, 8 on a GPU)")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256 on CPU, 1024 on a GPU)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method and mode")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    ap.add_argument("--name", default="throughput", help="results/<name>.{json,md,png}")
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds: start no further (method, mode) once this much has passed (0: no limit); the "
+                         "rest are listed as not measured")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--peak-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peak_worker:
+        emit_result(matmul_peak())
+        return
+    if args.worker:
+        method, mode, path, batch, seq, steps, warmup = args.worker.split(":")
+        try:
+            emit_result(worker(method, mode, path, int(batch), int(seq), int(steps), int(warmup)))
+        except Exception as e:  # reported in the table, not a crashed run
+            emit_result({"method": method, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        return
+
+    import torch
+
+    from hf_dtrain.models import build_llama
+
+    cuda = torch.cuda.is_available()
+    preset = args.preset or ("llama3.2-1b" if cuda else "100m")
+    batch = args.batch or (8 if cuda else 4)
+    seq = args.seq if args.seq != 256 or not cuda else 1024
+    script = os.path.abspath(__file__)
+    rows, not_measured = [], []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model")
+        build_llama(preset, seed=0).save_pretrained(path)
+        peak = run_worker(script, ["--peak-worker"], what="matmul peak")
+        print(f"peak {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_source']})", flush=True)
+        for method in args.methods.split(","):
+            for mode in args.modes.split(","):
+                t0 = time.perf_counter()
+                if args.time_budget and t0 - start > args.time_budget:
+                    not_measured.append(f"{method} {mode}")
+                    continue
+                row = run_worker(script, ["--worker", f"{method}:{mode}:{path}:{batch}:{seq}:{args.steps}:"
+                                          f"{args.warmup}"], what=f"{method} {mode}", timeout=3600)
+                rows.append(row)
+                done = f"{statistics.median(row['step_seconds']):.3f} s/step" if "error" not in row else row["error"]
+                print(f"{method:8s} {mode:8s} {done} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    summarize(rows, peak["peak_flops"])
+    payload = {"preset": preset, "batch": batch, "seq": seq, "steps": args.steps, "warmup": args.warmup,
+               "device": torch.cuda.get_device_name(0) if cuda else "cpu", **peak, "rows": rows,
+               "not_measured": not_measured}
+    notes = (f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "
+             f"{'bf16 weights' if cuda else 'fp32 weights under bf16 autocast'}; median of {args.steps} timed steps "
+             f"after {args.warmup} warm-up steps, each (method, mode) in a fresh process. MFU: FLOPs counted by "
+             f"torch.utils.flop_counter for one step over the step time and {peak['peak_source']} "
+             f"({peak['peak_flops'] / 1e12:.3f} TFLOP/s). vs LoRA: tokens/s over peft LoRA's in the same mode.")
+    if not_measured:
+        notes += f" Not measured (time budget {args.time_budget:.0f} s spent): {', '.join(not_measured)}."
+    (Path(__file__).resolve().parent / "results" / args.name).parent.mkdir(parents=True, exist_ok=True)
+    paths = write(args.name, payload, table(payload), render(payload), notes)
+    print(table(payload))
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+
+
+if __name__ == "__main__":
+    main()
