@@ -18,9 +18,11 @@ loaded by every worker, so all start from the same weights), count one step's FL
 ``torch.utils.flop_counter.FlopCounterMode`` (eager; the compiled graph does the same arithmetic), compile (mode
 ``compiled``: ``torch.compile(model)``, inductor, as ``TrainingArguments(torch_compile=True)`` does), warm up, then
 time ``--steps`` AdamW steps (forward, backward, optimizer step; autocast bf16 on CPU, bf16 weights on a GPU).
-Peak memory: on CPU the process's peak resident set over the timed steps (``/proc/self/clear_refs`` resets it after
-the warm-up, so compilation's transient memory is not counted) above its resident set before the model was built (the
-libraries imported); on a GPU ``torch.cuda.max_memory_allocated``. MFU: counted
+Peak memory: on CPU the process's peak resident set over 2 more steps after the timed ones
+(``/proc/self/clear_refs`` resets it first, so compilation's transient memory is not counted), with glibc's mmap
+threshold fixed so that the resident set follows the live tensors (the timed steps run with the default allocator
+settings), above its resident set before the model was built (the libraries imported); on a GPU
+``torch.cuda.max_memory_allocated``. MFU: counted
 FLOPs per second over the device's peak: on CPU the bf16 matmul peak measured in this run (a 4096 x 4096 matmul in a
 fresh process), on a GPU its datasheet dense bf16 peak.
 
@@ -100,6 +102,22 @@ def _peak_rss_reset() -> bool:
             f.write("5")
         return True
     except OSError:
+        return False
+
+
+def _exact_rss() -> bool:
+    """Make the resident set follow the live tensors: glibc's malloc serves large blocks from its heap once its
+    dynamic mmap threshold has grown, and keeps freed heap pages resident, so a peak RSS then depends on the
+    allocation history. A fixed threshold (128 KiB) maps and unmaps every large block, and ``malloc_trim`` returns
+    what is free now. False where glibc is not the allocator."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(-3, 128 * 1024) == 1  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
+        return ok
+    except (OSError, AttributeError):
         return False
 
 
@@ -187,10 +205,18 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss() - base_rss
+    if cuda:
+        peak, exact = torch.cuda.max_memory_allocated(), True
+    else:  # a memory pass after the timed ones (its allocator setting would slow the timed steps)
+        exact = _exact_rss()
+        reset = _peak_rss_reset() and reset
+        for _ in range(2):
+            step(fn)
+        peak = _peak_rss() - base_rss
     return {"method": method, "mode": mode, "trainable": trainable, "step_seconds": times, "losses": losses,
             "flops_per_step": flops, "peak_bytes": peak, "peak_kind": "cuda max_memory_allocated" if cuda else (
-                "peak RSS over the timed steps above the RSS before the model was built" if reset
+                ("peak RSS over 2 steps after the timed ones, with every large block mapped and unmapped (a fixed "
+                "mmap threshold), above the RSS before the model was built") if reset and exact
                 else "peak RSS of the process above the RSS before the model was built"),
             "warmup_seconds": warm_seconds, "tokens_per_step": batch * seq}
 

@@ -58,11 +58,10 @@ class FusedLowRank(nn.Module):
         if self.has_dropout and self.training:
             keep = self.keep.to(h.dtype)
             h = h * (torch.rand_like(h) < keep) / keep
-        if self.pool > 1:
-            h = h.unflatten(-1, (h.shape[-1] // self.pool, self.pool)).mean(-1)
+        if self.pool > 1:  # Q-BaRA's pooling and repeat folded into the factors, as its own layer does
+            a = a.repeat_interleave(self.pool, dim=2) / self.pool
+            b = b.repeat_interleave(self.pool, dim=1)
         d = torch.bmm(torch.bmm(h, a.transpose(1, 2)).to(b.dtype), b.transpose(1, 2)) * self.scaling
-        if self.pool > 1:
-            d = torch.repeat_interleave(d, self.pool, dim=-1)
         return (out + d.reshape(out.shape)).to(out.dtype)  # summed in the wider dtype, as peft's layers do
 
 
