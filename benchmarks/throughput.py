@@ -244,6 +244,19 @@ def matmul_peak() -> dict:
     return {"peak_flops": 2 * n ** 3 / best, "peak_source": f"measured: best of 6 bf16 {n}x{n} matmuls on {device}"}
 
 
+def _pooled(runs: list[dict]) -> dict:
+    """One row from the rounds of a (method, mode): every round's timed steps, the median round's peak memory."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    row = dict(runs[0])
+    row["step_seconds"] = [t for r in runs for t in r["step_seconds"]]
+    row["round_medians"] = [statistics.median(r["step_seconds"]) for r in runs]
+    row["peak_bytes"] = int(statistics.median(r["peak_bytes"] for r in runs))
+    row["rounds"] = len(runs)
+    return row
+
+
 def summarize(rows: list[dict], peak: float) -> None:
     for r in rows:
         if "error" in r:
@@ -311,6 +324,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256 on CPU, 1024 on a GPU)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method and mode")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="rounds over every (method, mode), in reversed order every other round; each row pools "
+                         "the timed steps of all its rounds (this host's step times drift by 10-15%% between runs)")
     ap.add_argument("--name", default="throughput", help="results/<name>.{json,md,png}")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds: start no further (method, mode) once this much has passed (0: no limit); the "
@@ -345,24 +361,33 @@ def main() -> None:
         build_llama(preset, seed=0).save_pretrained(path)
         peak = run_worker(script, ["--peak-worker"], what="matmul peak")
         print(f"peak {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_source']})", flush=True)
-        for method in args.methods.split(","):
-            for mode in args.modes.split(","):
+        runs = [(m, mode) for m in args.methods.split(",") for mode in args.modes.split(",")]
+        rounds: dict[tuple, list] = {}
+        for round_ in range(args.repeats):
+            for method, mode in (runs if round_ % 2 == 0 else runs[::-1]):
                 t0 = time.perf_counter()
                 if args.time_budget and t0 - start > args.time_budget:
-                    not_measured.append(f"{method} {mode}")
+                    if round_ == 0:
+                        not_measured.append(f"{method} {mode}")
                     continue
                 row = run_worker(script, ["--worker", f"{method}:{mode}:{path}:{batch}:{seq}:{args.steps}:"
                                           f"{args.warmup}"], what=f"{method} {mode}", timeout=3600)
-                rows.append(row)
+                rounds.setdefault((method, mode), []).append(row)
                 done = f"{statistics.median(row['step_seconds']):.3f} s/step" if "error" not in row else row["error"]
-                print(f"{method:8s} {mode:8s} {done} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(f"round {round_ + 1}: {method:8s} {mode:8s} {done} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+        for key in runs:
+            if key in rounds:
+                rows.append(_pooled(rounds[key]))
     summarize(rows, peak["peak_flops"])
     payload = {"preset": preset, "batch": batch, "seq": seq, "steps": args.steps, "warmup": args.warmup,
+               "repeats": args.repeats,
                "device": torch.cuda.get_device_name(0) if cuda else "cpu", **peak, "rows": rows,
                "not_measured": not_measured}
     notes = (f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "
              f"{'bf16 weights' if cuda else 'fp32 weights under bf16 autocast'}; median of {args.steps} timed steps "
-             f"after {args.warmup} warm-up steps, each (method, mode) in a fresh process. MFU: FLOPs counted by "
+             f"after {args.warmup} warm-up steps in each of {args.repeats} rounds (every other one in reversed "
+             f"order), each (method, mode) in a fresh process. MFU: FLOPs counted by "
              f"torch.utils.flop_counter for one step over the step time and {peak['peak_source']} "
              f"({peak['peak_flops'] / 1e12:.3f} TFLOP/s). vs LoRA: tokens/s over peft LoRA's in the same mode.")
     if not_measured:

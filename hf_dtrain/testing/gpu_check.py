@@ -577,9 +577,9 @@ def throughput(ctx: Context) -> dict:
         raise Skip(f"{script} is not here: run gpu_check from a checkout of hf_dtrain")
     if ctx.device.type == "cuda":
         argv = ["--preset", "llama3.2-1b", "--batch", "4", "--seq", "1024", "--steps", "3", "--warmup", "1",
-                "--methods", "lora,lorafa,smt,full,dora,qlora,qbara,qahira", "--time-budget", "200"]
+                "--methods", "lora,lorafa,smt,full,dora,qlora,qbara,qahira", "--time-budget", "200", "--repeats", "1"]
     else:  # the dry run: the mechanics on the test shape
-        argv = ["--preset", "test", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1",
+        argv = ["--preset", "test", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1", "--repeats", "1",
                 "--methods", "lora,lorafa", "--modes", "eager"]
     name = f"gpu/{re.sub(r'[^A-Za-z0-9]+', '_', _device_name(ctx.device)).strip('_')}/throughput"
     if ctx.dry_run:
