@@ -291,7 +291,7 @@ def render(payload: dict):
         axes[1].bar([x + (i - 0.5) * width for x in range(len(methods))], mem, width, label=mode)
     axes[0].axhline(1.0, color="k", lw=0.8, ls="--")
     axes[0].set_ylabel("tokens/s over peft LoRA's (same mode)")
-    axes[1].set_ylabel(f"peak memory (GiB, {rows[0]['peak_kind'] if rows else ''})")
+    axes[1].set_ylabel("peak memory (GiB; how: the JSON's peak_kind)")
     for ax in axes:
         ax.set_xticks(range(len(methods)))
         ax.set_xticklabels(methods, rotation=30)
