@@ -251,7 +251,6 @@ def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: s
 
 
 def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hf_dtrain.comm import exclude_embeddings, register
@@ -272,10 +271,7 @@ def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
             opt.step()
             opt.zero_grad()
         ddp(**{k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=99).items()}).loss  # DeAR's last
-        flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-        gathered = [torch.zeros_like(flat) for _ in range(world)]
-        dist.all_gather(gathered, flat)
-        if not torch.isfinite(flat).all() or not torch.equal(gathered[0], gathered[1]):
+        if not _replicas_equal(model, world):
             raise AssertionError(f"{method}: non-finite or replicas differ on {backend}/{device}")
         del ddp
     if rank == 0:
@@ -289,14 +285,16 @@ def _hooks_main(port: str, backend: str, device_type: str, out: str) -> None:
     mp.spawn(_hooks_worker, args=(2, int(port), backend, device_type, out), nprocs=2, join=True)
 
 
-def _spawn_hooks(backend: str, device_type: str) -> tuple[bool, str, dict]:
+def _spawn_two(main: str, backend: str, device_type: str) -> tuple[bool, str, dict]:
+    """Run ``main`` of this module (which spawns 2 ranks) in a process of its own, so an NCCL refusal cannot take the
+    checker down: (ok, its stderr's end, the JSON rank 0 wrote)."""
     import tempfile
 
     from hf_dtrain.testing.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "hooks.json")
-        code = "import sys, hf_dtrain.testing.gpu_check as g; g._hooks_main(*sys.argv[1:])"
+        out = os.path.join(tmp, "result.json")
+        code = f"import sys, hf_dtrain.testing.gpu_check as g; g.{main}(*sys.argv[1:])"
         proc = subprocess.run([sys.executable, "-c", code, str(free_port()), backend, device_type, out],
                               capture_output=True, text=True, timeout=600, cwd=ROOT)
         if proc.returncode == 0 and os.path.exists(out):
@@ -306,11 +304,11 @@ def _spawn_hooks(backend: str, device_type: str) -> tuple[bool, str, dict]:
 
 def comm_hooks(ctx: Context) -> dict:
     if ctx.device.type != "cuda":
-        ok, err, info = _spawn_hooks("gloo", "cpu")
+        ok, err, info = _spawn_two("_hooks_main", "gloo", "cpu")
         if not ok:
             raise AssertionError(f"comm hooks on gloo/CPU failed:\n{err}")
         return {**info, "note": "no CUDA device: the hooks ran over gloo on CPU (bf16 autocast); NCCL not tried"}
-    ok, err, info = _spawn_hooks("nccl", "cuda")
+    ok, err, info = _spawn_two("_hooks_main", "nccl", "cuda")
     if ok:
         return {**info, "nccl": "ran"}
     if torch.cuda.device_count() < 2 and ("Duplicate GPU" in err or "duplicate" in err.lower()):
@@ -319,10 +317,28 @@ def comm_hooks(ctx: Context) -> dict:
         why = f"NCCL with two ranks on one GPU failed ({err.strip().splitlines()[-1] if err.strip() else 'no output'})"
     else:
         raise AssertionError(f"comm hooks on NCCL failed:\n{err}")
-    ok, err2, info = _spawn_hooks("gloo", "cuda")
+    ok, err2, info = _spawn_two("_hooks_main", "gloo", "cuda")
     if not ok:
         raise AssertionError(f"{why}; and over gloo with CUDA tensors they failed too:\n{err2}")
     return {**info, "nccl": why}
+
+
+def _train_losses(model, device, steps: int = 3, autocast: bool = False) -> list[float]:
+    """``steps`` AdamW steps of ``model``'s trainable parameters on seeded batches (the same on every rank), under
+    bf16 autocast when asked: the losses."""
+    from hf_dtrain.testing import random_batch
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for step in range(steps):
+        batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=16, seed=step).items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
@@ -335,7 +351,6 @@ def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
     from peft import get_peft_model
 
     from hf_dtrain.parallel import FSDPConfig, apply_fsdp
-    from hf_dtrain.testing import random_batch
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     kwargs = {"device_id": device} if backend == "nccl" else {}
@@ -353,17 +368,7 @@ def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
                     model = _tiny(device) if make is None else get_peft_model(_tiny(device), make())
                 if sharded:
                     apply_fsdp(model, FSDPConfig(param_dtype="bf16", activation_checkpointing=True))
-                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-                run = []
-                for step in range(3):
-                    batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=16, seed=step).items()}
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not sharded):
-                        loss = model(**batch).loss
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    run.append(loss.item())
-                losses["fsdp2" if sharded else "autocast"] = run
+                losses["fsdp2" if sharded else "autocast"] = _train_losses(model, device, autocast=not sharded)
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses["fsdp2"], losses["autocast"]))
             if not rel < 3e-2:
                 raise AssertionError(f"{name}: FSDP2 (bf16 parameters) on {device} disagrees with bf16 autocast: "
@@ -465,7 +470,6 @@ def _multi_fsdp2(rank: int, world: int, device) -> dict:
     """FSDP2 on 2 ranks (fp32), 3 AdamW steps on the same batch on every rank: the losses equal the unsharded
     model's within fp32 reduction-order rounding."""
     from hf_dtrain.parallel import apply_fsdp
-    from hf_dtrain.testing import random_batch
 
     losses = {}
     for sharded in (False, True):
@@ -473,16 +477,7 @@ def _multi_fsdp2(rank: int, world: int, device) -> dict:
         model = _tiny(device)
         if sharded:
             apply_fsdp(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        run = []
-        for step in range(3):
-            batch = {k: v.to(device) for k, v in random_batch(batch=2, seq=16, seed=step).items()}
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            run.append(loss.item())
-        losses["fsdp2" if sharded else "unsharded"] = run
+        losses["fsdp2" if sharded else "unsharded"] = _train_losses(model, device)
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses["fsdp2"], losses["unsharded"]))
     if not rel < 1e-4:
         raise AssertionError(f"FSDP2 on {world} ranks ({device}) disagrees with the unsharded model: {losses}")
@@ -544,10 +539,6 @@ def _multi_main(port: str, backend: str, device_type: str, out: str) -> None:
 def multi_gpu(ctx: Context) -> dict:
     """NCCL with one rank per GPU, on 2 GPUs: every comm hook, 1-bit LAMB, FSDP2, a sharded snapshot + restore. On
     one GPU it is skipped with the reason; in the CPU dry run the same 2-rank worker runs over gloo."""
-    import tempfile
-
-    from hf_dtrain.testing.launch import free_port
-
     if ctx.device.type == "cuda":
         count = torch.cuda.device_count()
         if count < 2:
@@ -555,14 +546,9 @@ def multi_gpu(ctx: Context) -> dict:
         backend, device_type = "nccl", "cuda"
     else:
         backend, device_type = "gloo", "cpu"
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "multi.json")
-        code = "import sys, hf_dtrain.testing.gpu_check as g; g._multi_main(*sys.argv[1:])"
-        proc = subprocess.run([sys.executable, "-c", code, str(free_port()), backend, device_type, out],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise AssertionError(f"the 2-rank run on {backend}/{device_type} failed:\n{proc.stderr[-3000:]}")
-        info = json.loads(Path(out).read_text())
+    ok, err, info = _spawn_two("_multi_main", backend, device_type)
+    if not ok:
+        raise AssertionError(f"the 2-rank run on {backend}/{device_type} failed:\n{err}")
     if backend == "gloo":
         info["note"] = "no CUDA device: the 2-rank steps ran over gloo on CPU; NCCL needs 2 GPUs"
     return info

@@ -130,6 +130,7 @@ def test_trainer_torch_compile(name):
 
     def losses(compile_):
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         torch.manual_seed(0)
         # one decoder layer: the compiled graph (and its compile time) is half the two-layer model's
         model = _peft(TUNERS[name](), base=tiny_llama(seed=0, hidden_size=HIDDEN, num_hidden_layers=1))
@@ -139,6 +140,8 @@ def test_trainer_torch_compile(name):
                                      save_strategy="no", disable_tqdm=True, seed=0)
             trainer = Trainer(model=model, args=args, train_dataset=data)
             trainer.train()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert (graphs > 0) == compile_, f"torch_compile={compile_}: dynamo compiled {graphs} graphs"
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
     eager, compiled = losses(False), losses(True)
