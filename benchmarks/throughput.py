@@ -331,6 +331,9 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds: start no further (method, mode) once this much has passed (0: no limit); the "
                          "rest are listed as not measured")
+    ap.add_argument("--order", choices=("method", "mode"), default="method",
+                    help="method: each method's modes one after another; mode: every method eager, then every "
+                         "method compiled (with a short --time-budget, every eager row comes first)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--peak-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -361,7 +364,9 @@ def main() -> None:
         build_llama(preset, seed=0).save_pretrained(path)
         peak = run_worker(script, ["--peak-worker"], what="matmul peak")
         print(f"peak {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_source']})", flush=True)
-        runs = [(m, mode) for m in args.methods.split(",") for mode in args.modes.split(",")]
+        methods, modes = args.methods.split(","), args.modes.split(",")
+        runs = ([(m, mode) for m in methods for mode in modes] if args.order == "method"
+                else [(m, mode) for mode in modes for m in methods])
         rounds: dict[tuple, list] = {}
         for round_ in range(args.repeats):
             for method, mode in (runs if round_ % 2 == 0 else runs[::-1]):
@@ -381,7 +386,7 @@ def main() -> None:
                 rows.append(_pooled(rounds[key]))
     summarize(rows, peak["peak_flops"])
     payload = {"preset": preset, "batch": batch, "seq": seq, "steps": args.steps, "warmup": args.warmup,
-               "repeats": args.repeats,
+               "repeats": args.repeats, "order": args.order,
                "device": torch.cuda.get_device_name(0) if cuda else "cpu", **peak, "rows": rows,
                "not_measured": not_measured}
     notes = (f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "

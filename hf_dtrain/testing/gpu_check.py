@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -71,6 +72,8 @@ class Context:
     device: torch.device
     dry_run: bool
     quick: bool
+    out: Path | None = None  # the report folder; the throughput table is written beside the report there
+    throughput_budget: float = 200.0  # seconds the throughput step may start new (method, mode) rows
 
 
 # ------------------------------------------------------------------------------------------------------------ steps
@@ -562,8 +565,11 @@ def throughput(ctx: Context) -> dict:
     if not script.exists():
         raise Skip(f"{script} is not here: run gpu_check from a checkout of hf_dtrain")
     if ctx.device.type == "cuda":
+        # every method eager first, then compiled (compiling the 1B shape takes a minute per row), so a short budget
+        # still gives each method's eager row and the main methods' compiled rows
         argv = ["--preset", "llama3.2-1b", "--batch", "4", "--seq", "1024", "--steps", "3", "--warmup", "1",
-                "--methods", "lora,lorafa,smt,full,dora,qlora,qbara,qahira", "--time-budget", "200", "--repeats", "1"]
+                "--methods", "lora,lorafa,smt,full,qbara,qahira,qlora,dora", "--order", "mode",
+                "--time-budget", f"{ctx.throughput_budget:g}", "--repeats", "1"]
     else:  # the dry run: the mechanics on the test shape
         argv = ["--preset", "test", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1", "--repeats", "1",
                 "--methods", "lora,lorafa", "--modes", "eager"]
@@ -574,10 +580,17 @@ def throughput(ctx: Context) -> dict:
                           timeout=540, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"benchmarks/throughput.py failed:\n{proc.stderr[-3000:]}")
-    payload = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    written = [ROOT / "benchmarks" / "results" / f"{name}.{ext}" for ext in ("json", "md", "png")]
+    payload = json.loads(written[0].read_text())
     if ctx.dry_run:
-        for ext in ("json", "md", "png"):
-            (ROOT / "benchmarks" / "results" / f"{name}.{ext}").unlink(missing_ok=True)
+        for path in written:
+            path.unlink(missing_ok=True)
+    elif ctx.out is not None:  # beside the report, where it was asked for (the benchmark writes under results/)
+        folder = _report_folder(ctx)
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in written:
+            if path.exists() and path.parent.resolve() != folder.resolve():
+                shutil.copy2(path, folder / path.name)
     rows = {f"{r['method']} {r['mode']}": {k: r.get(k) for k in ("tokens_per_s", "vs_lora", "mfu", "peak_bytes",
                                                                  "error")}
             for r in payload["rows"]}
@@ -927,6 +940,11 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
 
 
+def _report_folder(ctx: Context, out_dir: Path | None = None) -> Path:
+    """``<out>/<device name>``: one folder of results per device."""
+    return Path(out_dir or ctx.out) / re.sub(r"[^A-Za-z0-9._-]+", "_", _device_name(ctx.device)).strip("_")
+
+
 def run(steps: list[Step], ctx: Context, progress: bool = True,
         after_step: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Run ``steps`` in order; ``after_step(results so far)`` after each one (the driver writes the report there, so
@@ -962,7 +980,7 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     device = _device_name(ctx.device)
-    folder = out_dir / re.sub(r"[^A-Za-z0-9._-]+", "_", device).strip("_")
+    folder = _report_folder(ctx, out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     env = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device,
            "cuda": torch.version.cuda, "torch": torch.__version__, "python": platform.python_version(),
@@ -1023,7 +1041,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help="run every step on CPU where it can, skipping the "
                     "CUDA-only measurements with a line each")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu"), help="results folder")
-    ap.add_argument("--only", default="", help=f"comma-separated steps to run (of {', '.join(s.name for s in STEPS)})")
+    ap.add_argument("--only", default="", help="comma-separated steps to run, in the order given (of "
+                    f"{', '.join(s.name for s in STEPS)}); a device lease too short for every step runs the ones "
+                    "that matter first")
+    ap.add_argument("--throughput-budget", type=float, default=200.0,
+                    help="seconds within which the throughput step starts new (method, mode) rows (default 200)")
     ap.add_argument("--quick", action="store_true", help="smaller batches for the measurements")
     args = ap.parse_args(argv)
     if not args.cpu_dry_run and not torch.cuda.is_available():
@@ -1036,9 +1058,13 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(names) - {s.name for s in STEPS})
         if unknown:
             ap.error(f"--only: unknown steps {unknown}; choose from {[s.name for s in STEPS]}")
-        steps = [s for s in STEPS if s.name in names]
+        by_name = {s.name: s for s in STEPS}
+        steps = [by_name[n] for n in dict.fromkeys(names)]
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu_dry_run else torch.device("cpu")
-    ctx = Context(device=device, dry_run=args.cpu_dry_run, quick=args.quick)
+    if args.throughput_budget <= 0:
+        ap.error(f"--throughput-budget must be positive seconds, got {args.throughput_budget}")
+    ctx = Context(device=device, dry_run=args.cpu_dry_run, quick=args.quick, out=Path(args.out),
+                  throughput_budget=args.throughput_budget)
     print(f"gpu_check on {_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
     results = run(steps, ctx, after_step=lambda done: write_report(done, ctx, Path(args.out)))
     folder = write_report(results, ctx, Path(args.out))
