@@ -140,7 +140,6 @@ def _rss() -> int:
 def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
     import peft  # noqa: F401  (everything imported before the baseline resident set is read)
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
     import hf_dtrain  # noqa: F401
@@ -184,10 +183,7 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    counter = FlopCounterMode(display=False)
-    with counter:
-        step(model)  # eager, the same arithmetic the compiled graph runs
-    flops = counter.get_total_flops()
+    flops = count_flops(model, step)
     fn = torch.compile(model) if mode == "compiled" else model
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -219,6 +215,24 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
                 "mmap threshold), above the RSS before the model was built") if reset and exact
                 else "peak RSS of the process above the RSS before the model was built"),
             "warmup_seconds": warm_seconds, "tokens_per_step": batch * seq}
+
+
+def count_flops(model, step) -> int:
+    """FLOPs of one training step, counted by ``torch.utils.flop_counter`` with the attention run as explicit matmuls
+    (transformers' eager attention): the counter's SDPA formulas refuse grouped key/value heads on torch 2.11 (Llama
+    3.2's 8 KV heads for 32 query heads) and count nothing for SDPA's CPU math path with them on 2.13. The matmuls are
+    the same arithmetic SDPA and the compiled graph run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    attention = base.config._attn_implementation
+    base.set_attn_implementation("eager")
+    try:
+        with FlopCounterMode(display=False) as counter:
+            step(model)
+    finally:
+        base.set_attn_implementation(attention)
+    return counter.get_total_flops()
 
 
 def matmul_peak() -> dict:
