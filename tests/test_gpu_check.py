@@ -74,3 +74,32 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
     assert "kernel launch failed" in results[0]["detail"]["error"]
     folder = gpu_check.write_report(results, ctx, tmp_path)
     assert "| a | breaks | failed |" in (folder / "gpu_check.md").read_text()
+
+
+def test_throughput_counts_attention_flops_with_grouped_kv_heads():
+    """The throughput table's FLOPs on a Llama with fewer key/value heads than query heads (Llama 3.2's shape): every
+    linear layer's 6 x tokens x weights plus attention's two matmuls per head, forward and backward. torch 2.11's
+    counter refuses SDPA with grouped heads and 2.13's CPU path counts nothing for it; the count must see them."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location(
+        "throughput_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(0)
+    heads, kv, width, layers, b, s = 8, 2, 128, 2, 2, 64
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=width, intermediate_size=256, num_hidden_layers=layers,
+                                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=512))
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 512, (b, s))
+
+    def step(fn):
+        fn(input_ids=ids, labels=ids).loss.backward()
+
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = layers * 3 * 2 * (2 * b * heads * s * s * (width // heads))  # QK^T and AV; backward twice forward
+    assert bench.count_flops(model, step) == 6 * b * s * linear + attention
+    assert model.config._attn_implementation == "sdpa"  # restored
