@@ -52,6 +52,56 @@ def test_block_gradients_equal_dense_gradient_blocks():
             torch.testing.assert_close(layer.smt_weight["default"].grad[k], g[r, :, c, :], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtypes", ["fp32", "bf16_autocast_fp32_weights", "bf16"])
+def test_the_fused_base_and_delta_product_equals_the_separate_path_bit_for_bit(dtypes):
+    """A plain frozen Linear runs its SMT blocks inside the base product (BlockSparseLinear); the output, the input
+    gradient and the block gradients must equal the separate path's (base layer, then the delta added) exactly, with
+    several blocks sharing output rows and input columns, and a bias."""
+    from hf_dtrain.tuners._base import MergeableLinearMixin
+    from hf_dtrain.tuners.smt import Linear
+    from hf_dtrain.tuners.smt.layer import BlockSparseLinear
+
+    torch.manual_seed(0)
+    weight_dtype = torch.bfloat16 if dtypes == "bf16" else torch.float32
+    base = torch.nn.Linear(96, 64, bias=True).to(weight_dtype).requires_grad_(False)
+    config = SMTConfig(block_size=16, target_modules=["x"], block_indices={"q": [[0, 1], [0, 4], [2, 1], [3, 0]]})
+    layer = Linear(base, "default", config, layer_key="q")
+    layer.smt_weight["default"].data.normal_()
+    x = torch.randn(3, 5, 96, dtype=weight_dtype, requires_grad=True)
+    grad = torch.randn(3, 5, 64, dtype=torch.bfloat16 if dtypes != "fp32" else torch.float32)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtypes == "bf16_autocast_fp32_weights")
+
+    def run(forward):
+        x.grad = layer.smt_weight["default"].grad = None
+        with autocast:
+            y = forward(x)
+        y.backward(grad.to(y.dtype))
+        return y.detach(), x.grad.clone(), layer.smt_weight["default"].grad.clone()
+
+    calls = []
+    original = BlockSparseLinear.forward
+    BlockSparseLinear.forward = staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a))
+    try:
+        fused = run(layer)
+    finally:
+        BlockSparseLinear.forward = staticmethod(original)
+    assert calls, "the fused product did not run on a plain frozen Linear"
+    separate = run(lambda t: MergeableLinearMixin.forward(layer, t))  # base layer, then the delta added
+    for a, b in zip(fused, separate):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b), (a - b).abs().max()
+    # a hooked base (ZeRO-3 gathers its parameters in a hook) keeps the separate path
+    handle = base.register_forward_pre_hook(lambda m, a: None)
+    calls.clear()
+    BlockSparseLinear.forward = staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a))
+    try:
+        run(layer)
+    finally:
+        BlockSparseLinear.forward = staticmethod(original)
+        handle.remove()
+    assert not calls
+
+
 def test_block_sparse_delta_saves_only_needed_input_columns_as_copies():
     torch.manual_seed(0)
     n, d_in, d_out, bs = 512, 256, 128, 32

@@ -64,6 +64,58 @@ class BlockSparseDelta(torch.autograd.Function):
         return grad_x, grad_blocks, None, None, None, None
 
 
+class BlockSparseLinear(torch.autograd.Function):
+    """``y = x @ W.T + bias + x @ D.T`` for a frozen ``W`` (a plain ``nn.Linear``'s) and the block-sparse ``D`` of
+    :class:`BlockSparseDelta`, in one function: the delta's blocks are added into the base product's output, and in
+    backward the blocks' input gradient is added into the base's, in place. The separate path allocates a full-size
+    zero output and a full-size zero input gradient per layer and adds each to the base's, four passes over whole
+    activations that cost memory bandwidth, kernel launches and, under ``torch.compile``, peak memory.
+
+    The results equal the separate path's bit for bit: the output rows get the same per-row sums of block products
+    added to the base output in the compute dtype, and the input gradient gets the blocks' part in the input's dtype,
+    as autograd's accumulation of the two paths would. ``row_map`` / ``col_map``: ``torch.unique(rows | cols,
+    return_inverse=True)``, precomputed by the layer (``unique`` synchronises a CUDA device).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, blocks, rows, row_map, col_map, out_features):
+        bs = blocks.shape[-1]
+        lead = x.shape[:-1]
+        device = x.device.type
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else blocks.dtype
+        y = torch.nn.functional.linear(x, weight, bias)  # the base layer's own product, under the caller's autocast
+        x2 = x.reshape(-1, x.shape[-1]).to(compute)
+        n = x2.shape[0]
+        (urows, rpos), (ucols, cpos) = row_map, col_map
+        xs = x2.view(n, -1, bs).index_select(1, ucols)
+        w = weight.to(compute)
+        with torch.autocast(device, enabled=False):
+            y_blocks = torch.einsum("nkb,kob->nko", xs[:, cpos], blocks.to(compute))
+            y_rows = y_blocks.new_zeros(n, urows.numel(), bs).index_add_(1, rpos, y_blocks)
+            y.view(n, -1, bs).index_add_(1, urows, y_rows.to(y.dtype))
+        ctx.save_for_backward(xs, w, blocks, rows, cpos, ucols)
+        ctx.x_dtype, ctx.compute = x.dtype, compute
+        return y.view(*lead, out_features)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xs, w, blocks, rows, cpos, ucols = ctx.saved_tensors
+        bs = blocks.shape[-1]
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.compute)
+        n = g.shape[0]
+        g_k = g.view(n, -1, bs).index_select(1, rows)
+        grad_x = grad_blocks = None
+        if ctx.needs_input_grad[3]:
+            grad_blocks = torch.einsum("nko,nkb->kob", g_k, xs[:, cpos]).to(blocks.dtype)
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ w).to(ctx.x_dtype)  # the base's input gradient, as a Linear's backward gives it
+            gx_k = torch.einsum("nko,kob->nkb", g_k, blocks.to(ctx.compute))
+            gx_u = g.new_zeros(n, ucols.numel(), bs).index_add_(1, cpos, gx_k).to(ctx.x_dtype)
+            grad_x.view(n, -1, bs).index_add_(1, ucols, gx_u)
+            grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
+        return grad_x, None, None, grad_blocks, None, None, None, None
+
+
 class _GradientProbe(torch.autograd.Function):
     """Warm-up scoring: returns zeros shaped like the layer output, and in backward adds the dense weight gradient
     ``grad_y^T x`` into ``accumulator`` (fp32) without touching the weight. ``anchor`` is a scalar that requires grad,
@@ -102,7 +154,8 @@ class SMTLayer(BaseTunerLayer):
     parameter at all (empty parameters break FSDP2's reduce-scatter and ZeRO-3's gathering)."""
 
     adapter_layer_names = ("smt_weight",)
-    other_param_names = ("smt_indices", "smt_col_ids", "smt_col_pos", "block_size", "smt_layer_key")
+    other_param_names = ("smt_indices", "smt_col_ids", "smt_col_pos", "smt_row_ids", "smt_row_pos", "block_size",
+                         "smt_layer_key")
 
     def __init__(self, base_layer: nn.Module, **kwargs) -> None:
         self.base_layer = base_layer
@@ -117,6 +170,8 @@ class SMTLayer(BaseTunerLayer):
         # unique input-column blocks of the selection and each block's position among them (derived, not saved)
         self.smt_col_ids = BufferDict({}, persistent=False)
         self.smt_col_pos = BufferDict({}, persistent=False)
+        self.smt_row_ids = BufferDict({}, persistent=False)  # likewise for the output-row blocks
+        self.smt_row_pos = BufferDict({}, persistent=False)
         self._smt_grad_sum: dict[str, torch.Tensor] = {}  # warm-up accumulators, never saved
         self._disable_adapters = False
         self.merged_adapters = []
@@ -175,6 +230,9 @@ class SMTLayer(BaseTunerLayer):
         col_ids, col_pos = torch.unique(indices[:, 1], return_inverse=True)
         self.smt_col_ids[adapter_name] = col_ids.to(weight.device)
         self.smt_col_pos[adapter_name] = col_pos.to(weight.device)
+        row_ids, row_pos = torch.unique(indices[:, 0], return_inverse=True)
+        self.smt_row_ids[adapter_name] = row_ids.to(weight.device)
+        self.smt_row_pos[adapter_name] = row_pos.to(weight.device)
         return param
 
     def set_adapter(self, adapter_names, inference_mode: bool = False) -> None:
@@ -249,6 +307,40 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
         for (r, c), blk in zip(self.smt_indices[name].tolist(), blocks):
             view[r, :, c, :] += sign * blk
         return w
+
+    def _fusable(self, x: torch.Tensor, args, kwargs) -> Optional[str]:
+        """The adapter whose blocks can run inside the base product (:class:`BlockSparseLinear`), or None where the
+        separate path must run: a base that is not a plain frozen ``nn.Linear`` of plain tensors (a quantized,
+        tensor-parallel or hooked layer, e.g. ZeRO-3's parameter gathering), several adapters, warm-up scoring, or
+        dtypes the fused product would round differently."""
+        if args or kwargs or self.disable_adapters or self.merged or len(self.active_adapters) != 1:
+            return None
+        name = self.active_adapters[0]
+        base = self.base_layer
+        if name not in self.smt_weight or name in self._smt_grad_sum or type(base) is not nn.Linear:
+            return None
+        if base._forward_hooks or base._forward_pre_hooks or nn.modules.module._global_forward_hooks or \
+                nn.modules.module._global_forward_pre_hooks:
+            return None
+        weight, bias = base.weight, base.bias
+        if weight.requires_grad or (bias is not None and bias.requires_grad):
+            return None
+        if type(weight.data) is not torch.Tensor or (bias is not None and type(bias.data) is not torch.Tensor):
+            return None  # DTensor (tensor parallel) and other subclasses keep the base layer's own call
+        blocks = self.smt_weight[name]
+        if not torch.is_autocast_enabled(x.device.type) and not x.dtype == weight.dtype == blocks.dtype:
+            return None
+        return name
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        name = self._fusable(x, args, kwargs)
+        if name is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.base_layer
+        idx = self.smt_indices[name]
+        return BlockSparseLinear.apply(x, base.weight, base.bias, self.smt_weight[name], idx[:, 0],
+                                       (self.smt_row_ids[name], self.smt_row_pos[name]),
+                                       (self.smt_col_ids[name], self.smt_col_pos[name]), self.out_features)
 
     def _adapter_output(self, x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
         out = None
