@@ -83,13 +83,14 @@ class BlockSparseLinear(torch.autograd.Function):
         lead = x.shape[:-1]
         device = x.device.type
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else blocks.dtype
-        y = torch.nn.functional.linear(x, weight, bias)  # the base layer's own product, under the caller's autocast
-        x2 = x.reshape(-1, x.shape[-1]).to(compute)
-        n = x2.shape[0]
         (urows, rpos), (ucols, cpos) = row_map, col_map
-        xs = x2.view(n, -1, bs).index_select(1, ucols)
-        w = weight.to(compute)
+        # the casts autocast would make for the base layer's product, made once and shared with the blocks
+        xc, w = x.to(compute), weight.to(compute)
         with torch.autocast(device, enabled=False):
+            y = torch.nn.functional.linear(xc, w, None if bias is None else bias.to(compute))
+            x2 = xc.reshape(-1, x.shape[-1])
+            n = x2.shape[0]
+            xs = x2.view(n, -1, bs).index_select(1, ucols)
             y_blocks = torch.einsum("nkb,kob->nko", xs[:, cpos], blocks.to(compute))
             y_rows = y_blocks.new_zeros(n, urows.numel(), bs).index_add_(1, rpos, y_blocks)
             y.view(n, -1, bs).index_add_(1, urows, y_rows.to(y.dtype))
