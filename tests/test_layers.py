@@ -1,4 +1,4 @@
-"""Imports run one way (../shared/DESIGN.md section 2): the base never imports an engine, an engine never imports
+"""Imports run one way (docs/architecture.md, "Layers"): the base never imports an engine, an engine never imports
 another engine or anything above it, the package never imports ``hf_dtrain.testing``, and benchmarks import
 ``hf_dtrain`` (its testing helpers included) but never the tests. Checked on the source with ``ast``, imports inside
 functions included."""
@@ -65,7 +65,7 @@ def violations() -> list[str]:
         unit = _unit(module)
         if unit in ("", "testing"):  # the public API module re-exports; testing may use anything
             continue
-        assert unit in LEVEL, f"{module}: the unit {unit!r} has no layer; add it to LAYERS (and DESIGN.md)"
+        assert unit in LEVEL, f"{module}: the unit {unit!r} has no layer; add it to LAYERS (and docs/architecture.md)"
         for line, target in _imports(path, module):
             if not target.startswith("hf_dtrain"):
                 continue
