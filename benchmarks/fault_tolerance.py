@@ -529,6 +529,7 @@ def main():
         key = "reshard" if args.reshard else "sharded" if args.sharded else "recovery"
         payload[key] = {"reshard": reshard_rows, "sharded": sharded_rows, "recovery": lost_node_runs}[key]()
         payload[f"{key}_measured"] = environment()["date"]
+        payload[f"{key}_environment"] = environment()
         table, fig, notes = render(payload)
         write("fault_tolerance", payload, table, fig, notes, env=env)
         print(table)
@@ -545,6 +546,9 @@ def main():
                 if r["preset"] == preset and r["method"] == "ours":
                     r["restore_seconds"] = row["restore_seconds"]
         payload["restore_remeasured"] = _report_date()
+        from _report import environment
+
+        payload["restore_environment"] = environment()
         table, fig, notes = render(payload)
         write("fault_tolerance", payload, table, fig, notes, env=env)
         print(table)
@@ -587,6 +591,19 @@ def main():
     print("\n".join(str(p) for p in paths.values()))
 
 
+def _section_environment(payload: dict, key: str) -> str:
+    """The line under a section measured apart from the full run: its own environment, or, for a section measured
+    before sections recorded theirs, what is known of it."""
+    env = payload.get(f"{key}_environment")
+    if env:
+        return "\n\nEnvironment of this section: " + "; ".join(f"{k} {v}" for k, v in env.items()) + "."
+    when = payload.get(f"{key}_measured") or payload.get(f"{key}_remeasured")
+    if not when:
+        return ""
+    return (f"\n\nEnvironment of this section: not recorded with it (measured {when}, apart from the full run "
+            "whose environment closes this file; same machine and torch). Sections measured later record theirs.")
+
+
 def render(payload: dict):
     from _report import markdown_table
 
@@ -619,13 +636,13 @@ def render(payload: dict):
     table += f"\n\n### Restore in a fresh process (killed trainer, node alive){when}\n\n" + markdown_table(ours, [
         ("preset", "model", ""), ("snapshot_bytes", "snapshot bytes", ",d"),
         ("restore_ms", "from the snapshot process (ms)", ".0f"), ("load_ms", "torch.load of the checkpoint (ms)", ".0f"),
-    ])
+    ]) + _section_environment(payload, "restore")
     when = f" (measured {payload['recovery_measured']})" if payload.get("recovery_measured") else ""
     table += f"\n\n### Failures in a 3-rank run (test model, snapshot every step, one node per rank){when}\n\n" + \
         markdown_table(payload["recovery"], [
             ("case", "failure", ""), ("source", "restored from", ""), ("failed_at_step", "failed after step", ""),
             ("restored_step", "restored step", ""), ("lost_steps", "steps lost", ""),
-            ("restore_seconds", "restore time (s)", ".2f")])
+            ("restore_seconds", "restore time (s)", ".2f")]) + _section_environment(payload, "recovery")
     if payload.get("sharded"):
         sharded = []
         for r in payload["sharded"]:
@@ -651,14 +668,16 @@ def render(payload: dict):
                       ("noparity_overhead", "ours, parity off", "+.1%"),
                       ("dcp_overhead", "step overhead, DCP async", "+.1%"),
                       ("restore_source", "restored from", ""), ("ours_restore_s", "restore, ours (s)", ".3f"),
-                      ("dcp_restore_s", "restart, dcp.load (s)", ".3f"), ("restore_ratio", "restore ratio", ".3f")]))
+                      ("dcp_restore_s", "restart, dcp.load (s)", ".3f"), ("restore_ratio", "restore ratio", ".3f")])
+                  + _section_environment(payload, "sharded"))
     if payload.get("reshard"):
         when = f" (measured {payload['reshard_measured']})" if payload.get("reshard_measured") else ""
         table += (f"\n\n### FSDP2 restarted on another world size: the survivors' in-memory snapshots against the "
                   f"persisted DCP copy{when}\n\n" + markdown_table(payload["reshard"], [
                       ("restart", "restart", ""), ("from", "restored from", ""), ("source", "source", ""),
                       ("trained_to", "trained to step", ""), ("restored_step", "restored step", ""),
-                      ("lost_steps", "steps lost", ""), ("restore_seconds", "restore time, slowest rank (s)", ".3f")]))
+                      ("lost_steps", "steps lost", ""), ("restore_seconds", "restore time, slowest rank (s)", ".3f")])
+                  + _section_environment(payload, "reshard"))
     notes = (f"Batch {payload['batch']} x {payload['seq']} tokens, AdamW, full training; each configuration in a fresh "
              "process on this 2-core CPU host; median over the timed steps after a warm-up step, the first save "
              "excluded from the stall (it allocates). Ours: a background thread copies into the snapshot process's "
