@@ -20,7 +20,6 @@ def _engine_rank(rank, world):
     eng = AsyncGossip(1000, Topology.ring(world), max_staleness=BOUND)
     x = torch.full((1000,), float(rank))
     seen = []
-    t0 = time.perf_counter()
     for step in range(STEPS):
         if rank == SLOW:
             time.sleep(SLOW_S)
@@ -30,17 +29,13 @@ def _engine_rank(rank, world):
         with eng._cond:
             seen.append(max([eng.step - eng.fresh_at[j] for j in eng.ins if not eng.done[j]], default=0))
         assert all(eng.latest[j] is not None for j in eng.ins)
-    elapsed = time.perf_counter() - t0
     eng.close()
     assert max(seen) <= BOUND and eng.max_seen_staleness <= BOUND, seen
-    timing = torch.tensor([elapsed])
-    gathered = [torch.zeros(1) for _ in range(world)]
-    torch.distributed.all_gather(gathered, timing)
-    slow = float(gathered[SLOW])
     if rank != SLOW:
-        # a synchronous round would take the straggler's time; here a fast rank waits only every BOUND steps
-        assert elapsed < 0.6 * slow, (elapsed, slow)
-        assert eng.waits > 0, "the staleness bound never made a fast rank wait: the test checks nothing"
+        # the mechanism, not the clock: a fast rank ran ahead on stale values (a synchronous round never does) and the
+        # staleness bound made it wait now and then, not at every step
+        assert max(seen) >= 1, seen
+        assert 0 < eng.waits < STEPS, (eng.waits, "the staleness bound never made a fast rank wait, or at every step")
     # the averages moved toward each other (gossip happened) and stayed finite
     assert torch.isfinite(x).all() and 0.0 < float(x[0]) < 1.0
 

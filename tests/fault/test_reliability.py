@@ -15,6 +15,7 @@ import time
 import pytest
 
 from hf_dtrain.fault import SnapshotEngine
+from hf_dtrain.fault.smp import SnapshotManager
 from hf_dtrain.fault.snapshot import SnapshotError, SnapshotMismatch, default_directory
 from hf_dtrain.fault.wire import SMPClient, connect, private_dir
 from hf_dtrain.testing import stop_snapshot_processes
@@ -110,7 +111,9 @@ def test_an_idle_unauthenticated_connection_does_not_delay_others(ft_dir):
         peer = connect(tuple(info["address"]), engine.key, 10)
         peer.send_bytes(json.dumps({"op": "ping"}).encode())
         elapsed = time.perf_counter() - t0
-        assert reply["node"] == 0 and elapsed < 1.0, elapsed
+        # a server that served connections one at a time would hold these behind the idle ones until their
+        # handshake deadline dropped them; the bound is half that deadline, not a speed
+        assert reply["node"] == 0 and elapsed < SnapshotManager.HANDSHAKE_SECONDS / 2, elapsed
         # malformed authenticated requests are refused; the connection keeps serving
         client.conn.send_bytes(b"\xff not json")
         assert "error" in json.loads(client.conn.recv_bytes())
@@ -123,7 +126,7 @@ def test_an_idle_unauthenticated_connection_does_not_delay_others(ft_dir):
         t0 = time.perf_counter()
         while idle_tcp.recv(1024):
             pass
-        assert time.perf_counter() - t0 < 10
+        assert time.perf_counter() - t0 < 2 * SnapshotManager.HANDSHAKE_SECONDS
         for s in (idle_unix, idle_tcp, peer):
             s.close()
         client.close()
