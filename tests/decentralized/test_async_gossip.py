@@ -32,10 +32,9 @@ def _engine_rank(rank, world):
     eng.close()
     assert max(seen) <= BOUND and eng.max_seen_staleness <= BOUND, seen
     if rank != SLOW:
-        # the mechanism, not the clock: a fast rank ran ahead on stale values (a synchronous round never does) and the
-        # staleness bound made it wait now and then, not at every step
-        assert max(seen) >= 1, seen
-        assert 0 < eng.waits < STEPS, (eng.waits, "the staleness bound never made a fast rank wait, or at every step")
+        # the mechanism, not the clock: a fast rank ran ahead of the straggler on stale values (a synchronous round
+        # never does) as far as the bound allows, and no further (checked above)
+        assert max(seen) == BOUND, seen
     # the averages moved toward each other (gossip happened) and stayed finite
     assert torch.isfinite(x).all() and 0.0 < float(x[0]) < 1.0
 
