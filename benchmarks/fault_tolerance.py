@@ -475,12 +475,6 @@ def reshard_rows(preset: str = "tiny") -> list[dict]:
     return rows
 
 
-def _report_date() -> str:
-    from _report import environment
-
-    return environment()["date"]
-
-
 def _run(argv: list[str]):
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                                                         os.environ.get("PYTHONPATH")])))
@@ -528,8 +522,8 @@ def main():
         payload.pop("benchmark", None)
         key = "reshard" if args.reshard else "sharded" if args.sharded else "recovery"
         payload[key] = {"reshard": reshard_rows, "sharded": sharded_rows, "recovery": lost_node_runs}[key]()
-        payload[f"{key}_measured"] = environment()["date"]
         payload[f"{key}_environment"] = environment()
+        payload[f"{key}_measured"] = payload[f"{key}_environment"]["date"]
         table, fig, notes = render(payload)
         write("fault_tolerance", payload, table, fig, notes, env=env)
         print(table)
@@ -545,10 +539,10 @@ def main():
             for r in payload["rows"]:
                 if r["preset"] == preset and r["method"] == "ours":
                     r["restore_seconds"] = row["restore_seconds"]
-        payload["restore_remeasured"] = _report_date()
         from _report import environment
 
         payload["restore_environment"] = environment()
+        payload["restore_remeasured"] = payload["restore_environment"]["date"]
         table, fig, notes = render(payload)
         write("fault_tolerance", payload, table, fig, notes, env=env)
         print(table)

@@ -1044,8 +1044,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated steps to run, in the order given (of "
                     f"{', '.join(s.name for s in STEPS)}); a device lease too short for every step runs the ones "
                     "that matter first")
-    ap.add_argument("--throughput-budget", type=float, default=200.0,
-                    help="seconds within which the throughput step starts new (method, mode) rows (default 200)")
+    ap.add_argument("--throughput-budget", type=float, default=Context.throughput_budget,
+                    help="seconds within which the throughput step starts new (method, mode) rows (default "
+                    f"{Context.throughput_budget:g})")
     ap.add_argument("--quick", action="store_true", help="smaller batches for the measurements")
     args = ap.parse_args(argv)
     if not args.cpu_dry_run and not torch.cuda.is_available():

@@ -12,6 +12,36 @@ from torch import nn
 from .._base import MergeableLinearMixin, random_start
 
 
+def _compute_dtype(x: torch.Tensor, blocks: torch.Tensor) -> torch.dtype:
+    """The dtype the products run in: autocast's where it is on (as a ``Linear`` would), else the blocks'."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else blocks.dtype
+
+
+def _block_products(x2: torch.Tensor, blocks: torch.Tensor, ucols: torch.Tensor, pos: torch.Tensor):
+    """``(xs, y_blocks)`` for the 2-D input ``x2`` (already in the compute dtype): ``xs`` the input column blocks the
+    selection reads, ``(n, u, b)``, one contiguous copy (what backward keeps), and ``y_blocks[:, k] = x[:, cols_k] @
+    blocks[k].T``, ``(n, k, b)``."""
+    n, bs = x2.shape[0], blocks.shape[-1]
+    xs = x2.view(n, -1, bs).index_select(1, ucols)
+    return xs, torch.einsum("nkb,kob->nko", xs[:, pos], blocks.to(x2.dtype))
+
+
+def _block_gradients(g: torch.Tensor, xs: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                     need_blocks: bool, need_input: bool):
+    """``(grad_blocks, gx_u)`` for the 2-D output gradient ``g`` (in the compute dtype): the blocks' gradients in
+    their own dtype, and the input gradient of the column blocks ``xs`` holds, ``(n, u, b)``, in ``g``'s dtype."""
+    n, bs = g.shape[0], blocks.shape[-1]
+    g_k = g.view(n, -1, bs).index_select(1, rows)  # (n, k, b)
+    grad_blocks = gx_u = None
+    if need_blocks:
+        grad_blocks = torch.einsum("nko,nkb->kob", g_k, xs[:, pos]).to(blocks.dtype)
+    if need_input:
+        gx_k = torch.einsum("nko,kob->nkb", g_k, blocks.to(g.dtype))
+        gx_u = g.new_zeros(n, xs.shape[1], bs).index_add_(1, pos, gx_k)
+    return grad_blocks, gx_u
+
+
 class BlockSparseDelta(torch.autograd.Function):
     """``y = x @ D.T`` for a block-sparse ``D`` whose nonzero blocks are ``blocks[k]`` at block position
     ``(rows[k], cols[k])``; ``y`` has ``out_features`` columns.
@@ -30,36 +60,27 @@ class BlockSparseDelta(torch.autograd.Function):
         """``col_map``: optional precomputed ``torch.unique(cols, return_inverse=True)`` (layers cache it, since
         ``unique`` synchronises a CUDA device)."""
         bs = blocks.shape[-1]
-        lead = x.shape[:-1]
-        device = x.device.type
-        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else blocks.dtype
+        compute = _compute_dtype(x, blocks)
         x2 = x.reshape(-1, x.shape[-1]).to(compute)
-        n = x2.shape[0]
         ucols, pos = col_map if col_map is not None else torch.unique(cols, return_inverse=True)
-        xs = x2.view(n, -1, bs).index_select(1, ucols)  # (n, u, bs): a copy of just the needed columns
-        with torch.autocast(device, enabled=False):  # the dtypes are chosen here, once
-            y_blocks = torch.einsum("nkb,kob->nko", xs[:, pos], blocks.to(compute))
-        out = y_blocks.new_zeros(n, out_features // bs, bs)
-        out.index_add_(1, rows, y_blocks)
+        with torch.autocast(x.device.type, enabled=False):  # the dtypes are chosen here, once
+            xs, y_blocks = _block_products(x2, blocks, ucols, pos)
+        out = y_blocks.new_zeros(x2.shape[0], out_features // bs, bs).index_add_(1, rows, y_blocks)
         ctx.save_for_backward(xs, blocks, rows, pos, ucols)
         ctx.in_features = x.shape[-1]
         ctx.x_dtype, ctx.compute = x.dtype, compute
-        return out.view(*lead, out_features)
+        return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
         xs, blocks, rows, pos, ucols = ctx.saved_tensors
         bs = blocks.shape[-1]
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.compute)
-        n = g.shape[0]
-        g_k = g.view(n, -1, bs).index_select(1, rows)  # (n, k, bs)
-        grad_blocks = grad_x = None
-        if ctx.needs_input_grad[1]:
-            grad_blocks = torch.einsum("nko,nkb->kob", g_k, xs[:, pos]).to(blocks.dtype)
-        if ctx.needs_input_grad[0]:
-            gx_k = torch.einsum("nko,kob->nkb", g_k, blocks.to(ctx.compute))
-            gx_u = g.new_zeros(n, ucols.numel(), bs).index_add_(1, pos, gx_k)
-            grad_x = g.new_zeros(n, ctx.in_features // bs, bs).index_add_(1, ucols, gx_u)
+        grad_blocks, gx_u = _block_gradients(g, xs, blocks, rows, pos, ctx.needs_input_grad[1],
+                                             ctx.needs_input_grad[0])
+        grad_x = None
+        if gx_u is not None:
+            grad_x = g.new_zeros(g.shape[0], ctx.in_features // bs, bs).index_add_(1, ucols, gx_u)
             grad_x = grad_x.view(*grad_out.shape[:-1], ctx.in_features).to(ctx.x_dtype)
         return grad_x, grad_blocks, None, None, None, None
 
@@ -68,8 +89,8 @@ class BlockSparseLinear(torch.autograd.Function):
     """``y = x @ W.T + bias + x @ D.T`` for a frozen ``W`` (a plain ``nn.Linear``'s) and the block-sparse ``D`` of
     :class:`BlockSparseDelta`, in one function: the delta's blocks are added into the base product's output, and in
     backward the blocks' input gradient is added into the base's, in place. The separate path allocates a full-size
-    zero output and a full-size zero input gradient per layer and adds each to the base's, four passes over whole
-    activations that cost memory bandwidth, kernel launches and, under ``torch.compile``, peak memory.
+    zero output and a full-size zero input gradient per layer and adds each to the base's: four passes over whole
+    activations that cost memory bandwidth and kernel launches.
 
     The results equal the separate path's bit for bit: the output rows get the same per-row sums of block products
     added to the base output in the compute dtype, and the input gradient gets the blocks' part in the input's dtype,
@@ -80,39 +101,31 @@ class BlockSparseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, blocks, rows, row_map, col_map, out_features):
         bs = blocks.shape[-1]
-        lead = x.shape[:-1]
-        device = x.device.type
-        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else blocks.dtype
+        compute = _compute_dtype(x, blocks)
         (urows, rpos), (ucols, cpos) = row_map, col_map
         # the casts autocast would make for the base layer's product, made once and shared with the blocks
         xc, w = x.to(compute), weight.to(compute)
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             y = torch.nn.functional.linear(xc, w, None if bias is None else bias.to(compute))
-            x2 = xc.reshape(-1, x.shape[-1])
-            n = x2.shape[0]
-            xs = x2.view(n, -1, bs).index_select(1, ucols)
-            y_blocks = torch.einsum("nkb,kob->nko", xs[:, cpos], blocks.to(compute))
+            xs, y_blocks = _block_products(xc.reshape(-1, x.shape[-1]), blocks, ucols, cpos)
+            n = xs.shape[0]
             y_rows = y_blocks.new_zeros(n, urows.numel(), bs).index_add_(1, rpos, y_blocks)
             y.view(n, -1, bs).index_add_(1, urows, y_rows.to(y.dtype))
         ctx.save_for_backward(xs, w, blocks, rows, cpos, ucols)
         ctx.x_dtype, ctx.compute = x.dtype, compute
-        return y.view(*lead, out_features)
+        return y.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
         xs, w, blocks, rows, cpos, ucols = ctx.saved_tensors
         bs = blocks.shape[-1]
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.compute)
-        n = g.shape[0]
-        g_k = g.view(n, -1, bs).index_select(1, rows)
-        grad_x = grad_blocks = None
-        if ctx.needs_input_grad[3]:
-            grad_blocks = torch.einsum("nko,nkb->kob", g_k, xs[:, cpos]).to(blocks.dtype)
-        if ctx.needs_input_grad[0]:
+        grad_blocks, gx_u = _block_gradients(g, xs, blocks, rows, cpos, ctx.needs_input_grad[3],
+                                             ctx.needs_input_grad[0])
+        grad_x = None
+        if gx_u is not None:
             grad_x = (g @ w).to(ctx.x_dtype)  # the base's input gradient, as a Linear's backward gives it
-            gx_k = torch.einsum("nko,kob->nkb", g_k, blocks.to(ctx.compute))
-            gx_u = g.new_zeros(n, ucols.numel(), bs).index_add_(1, cpos, gx_k).to(ctx.x_dtype)
-            grad_x.view(n, -1, bs).index_add_(1, ucols, gx_u)
+            grad_x.view(g.shape[0], -1, bs).index_add_(1, ucols, gx_u.to(ctx.x_dtype))
             grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
         return grad_x, None, None, grad_blocks, None, None, None, None
 
