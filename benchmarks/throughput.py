@@ -11,7 +11,8 @@ down), each configured to the nearest budget its shape allows (the table lists e
 * ``smt``: SMT, 64 x 64 blocks, budget / 4096 blocks spread over the targets (a seeded selection: throughput does not
   depend on which blocks);
 * ``qbara``: Q-BaRA r=8, pool 2 on the NF4 base (r (in + out) per layer, as LoRA);
-* ``qahira``: QA-HiRA, one matrix per layer (group 64 = NF4's block size, lambda_out 1) on the NF4 base.
+* ``qahira``: QA-HiRA, one matrix per layer (group 64 = NF4's block size; lambda_out the power of two whose count
+  is nearest LoRA's budget: 1 on the 100m preset, 2 on the 1B shape) on the NF4 base.
 
 Each (method, mode) runs in a fresh process: build the model from ``LlamaConfig`` (random weights, saved once and
 loaded by every worker, so all start from the same weights), count one step's FLOPs with
@@ -34,6 +35,7 @@ fresh process), on a GPU its datasheet dense bf16 peak.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -91,7 +93,13 @@ def adapter_config(method: str, model):
     if method == "qbara":
         return QBaRAConfig(r=RANK, lora_alpha=2 * RANK, pool=2, target_modules=TARGETS)
     if method == "qahira":
-        return QAHiRAConfig(group_size=NF4_BLOCK, lambda_out=1, target_modules=TARGETS)
+        # one matrix of (out / lambda_out) x (in / group) per layer: its count is set by the shape, so lambda_out (a
+        # power of two dividing every out_features) is the one whose count is nearest LoRA's budget (by ratio)
+        lambdas = [2 ** k for k in range(8) if all(m.out_features % 2 ** k == 0 for _, m in targets)]
+        count = {lam: sum((m.out_features // lam) * (m.in_features // NF4_BLOCK) for _, m in targets)
+                 for lam in lambdas}
+        lam = min(lambdas, key=lambda lam: abs(math.log(count[lam] / budget)))
+        return QAHiRAConfig(group_size=NF4_BLOCK, lambda_out=lam, target_modules=TARGETS)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
