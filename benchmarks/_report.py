@@ -26,7 +26,7 @@ def parse_result(stdout: str):
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_TAG)]
     if not lines:
         raise RuntimeError(f"the worker printed no {RESULT_TAG.strip()} line; its output ended with:\n{stdout[-2000:]}")
-    return json.loads(lines[-1][len(RESULT_TAG):])
+    return json.loads(lines[-1][len(RESULT_TAG) :])
 
 
 def run_worker(script: str, argv: list[str], env: dict | None = None, timeout: float = 1800, what: str = ""):
@@ -119,8 +119,13 @@ def training_parser(doc: str, lr: dict):
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--seeds", default="0,1,2", help="seeds (data order, adapter init) to average over")
-    ap.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
-                    help=f"override a method's learning rate (repeatable); defaults {lr}")
+    ap.add_argument(
+        "--lr",
+        action="append",
+        default=[],
+        metavar="METHOD=LR",
+        help=f"override a method's learning rate (repeatable); defaults {lr}",
+    )
     ap.add_argument("--from-json", metavar="PATH", help="only rebuild the table and plot from a results JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     return ap

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result
 
 METHODS = ["allreduce", "dpsgd", "decentlam", "async_dpsgd", "async_decentlam"]
 WORLD, SLOW_RANK, SLOWDOWN, LR, STALENESS = 4, 3, 3.0, 0.01, 4
@@ -56,11 +56,23 @@ def _train(rank, world, method, steps, batch, seed):
     else:
         register(ddp, "noop")
         if method.endswith("dpsgd"):
-            opt = DPSGD(ddp.parameters(), topology="ring", lr=LR, momentum=0.9, asynchronous=asynchronous,
-                        max_staleness=STALENESS)
+            opt = DPSGD(
+                ddp.parameters(),
+                topology="ring",
+                lr=LR,
+                momentum=0.9,
+                asynchronous=asynchronous,
+                max_staleness=STALENESS,
+            )
         else:
-            opt = DecentLaM(ddp.parameters(), lr=LR, momentum=0.9, topology="ring", asynchronous=asynchronous,
-                            max_staleness=STALENESS)
+            opt = DecentLaM(
+                ddp.parameters(),
+                lr=LR,
+                momentum=0.9,
+                topology="ring",
+                asynchronous=asynchronous,
+                max_staleness=STALENESS,
+            )
     straggler = Straggler({SLOW_RANK: SLOWDOWN}, rank=rank)
     data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank + 1000 * seed, split="train")
     loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))
@@ -80,14 +92,17 @@ def _train(rank, world, method, steps, batch, seed):
     info = {}
     if asynchronous:
         eng = opt._async
-        info = {"waits": eng.waits, "max_staleness_seen": eng.max_seen_staleness,
-                "replaced_sends": eng.replaced_sends}
+        info = {"waits": eng.waits, "max_staleness_seen": eng.max_seen_staleness, "replaced_sends": eng.replaced_sends}
         opt.finish()
     gathered = [None] * world
     dist.all_gather_object(gathered, {"losses": losses, "times": times, "done_at": done_at, **info})
     sent = list(getattr(opt, "stats", None).steps) if hasattr(opt, "stats") else []
-    return {"method": method, "seed": seed, "ranks": gathered,
-            "bytes_per_step": (sum(sent) / len(sent)) if sent else sum(p.numel() * 4 for p in model.parameters())}
+    return {
+        "method": method,
+        "seed": seed,
+        "ranks": gathered,
+        "bytes_per_step": (sum(sent) / len(sent)) if sent else sum(p.numel() * 4 for p in model.parameters()),
+    }
 
 
 def run(link, method, steps, batch, seed):
@@ -98,8 +113,18 @@ def run(link, method, steps, batch, seed):
 
     def argv(rank, hosts):
         addr = hosts[0].address if hosts else "127.0.0.1"
-        return [sys.executable, __file__, "--worker", f"{rank}:{WORLD}:{addr}:{port}:{method}", "--steps", str(steps),
-                "--batch-size", str(batch), "--seed", str(seed)]
+        return [
+            sys.executable,
+            __file__,
+            "--worker",
+            f"{rank}:{WORLD}:{addr}:{port}:{method}",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(batch),
+            "--seed",
+            str(seed),
+        ]
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ok, why = available() if link != "loopback" else (False, "asked for loopback")
@@ -168,8 +193,12 @@ def main():
 
     build_default_model("tiny", progress=True)
     runs, failures = [], []
-    combos = [(l, s, m) for l in args.links.split(",") for s in map(int, args.seeds.split(","))
-              for m in args.methods.split(",")]
+    combos = [
+        (l, s, m)
+        for l in args.links.split(",")
+        for s in map(int, args.seeds.split(","))
+        for m in args.methods.split(",")
+    ]
     for link, seed, method in tqdm(combos, desc="link x seed x method"):
         try:
             runs.append(run(link, method, args.steps, args.batch_size, seed))
@@ -190,19 +219,28 @@ def render(payload):
         for method in dict.fromkeys(r["method"] for r in runs):
             per = []
             for r in (x for x in runs if x["link"] == link and x["method"] == method):
-                ref = next((x for x in runs if x["link"] == link and x["method"] == "allreduce"
-                            and x["seed"] == r["seed"]), None)
+                ref = next(
+                    (x for x in runs if x["link"] == link and x["method"] == "allreduce" and x["seed"] == r["seed"]),
+                    None,
+                )
                 if ref is None:
                     continue
                 target = curve(ref)[1][-1] * args["target_factor"]
                 got, base = to_target(r, target), to_target(ref, target)
-                per.append({"seed": r["seed"], "time": got, "ratio": None if got is None else got / base,
-                            "final": curve(r)[1][-1],
-                            "fast_steps_per_s": statistics.mean(len(x["times"]) / x["done_at"]
-                                                                for k, x in enumerate(r["ranks"]) if k != SLOW_RANK),
-                            "waits": max((x.get("waits", 0) for x in r["ranks"]), default=0),
-                            "stale": max((x.get("max_staleness_seen", 0) for x in r["ranks"]), default=0),
-                            "bytes": r["bytes_per_step"]})
+                per.append(
+                    {
+                        "seed": r["seed"],
+                        "time": got,
+                        "ratio": None if got is None else got / base,
+                        "final": curve(r)[1][-1],
+                        "fast_steps_per_s": statistics.mean(
+                            len(x["times"]) / x["done_at"] for k, x in enumerate(r["ranks"]) if k != SLOW_RANK
+                        ),
+                        "waits": max((x.get("waits", 0) for x in r["ranks"]), default=0),
+                        "stale": max((x.get("max_staleness_seen", 0) for x in r["ranks"]), default=0),
+                        "bytes": r["bytes_per_step"],
+                    }
+                )
             if per:
                 rows.append({"link": link, "method": method, "per": per})
 
@@ -214,27 +252,35 @@ def render(payload):
             return format(vals[0], spec)
         return f"{statistics.median(vals):{spec}} ({min(vals):{spec}}-{max(vals):{spec}})"
 
-    lines = ["| link | method | time to target (s) | time / all-reduce | final loss | fast ranks' steps per s | "
-             "bytes per step per rank | staleness waits (max over ranks) | oldest value mixed (steps) |",
-             "|" + "---|" * 9]
+    lines = [
+        "| link | method | time to target (s) | time / all-reduce | final loss | fast ranks' steps per s | "
+        "bytes per step per rank | staleness waits (max over ranks) | oldest value mixed (steps) |",
+        "|" + "---|" * 9,
+    ]
     for r in rows:
         p = r["per"]
-        lines.append(f"| {r['link']} | {r['method']} | {cell(p, 'time', '.1f')} | {cell(p, 'ratio', '.2f')} | "
-                     f"{cell(p, 'final', '.3f')} | {cell(p, 'fast_steps_per_s', '.2f')} | {cell(p, 'bytes', '.0f')} | "
-                     f"{cell(p, 'waits', 'd')} | {cell(p, 'stale', 'd')} |")
+        lines.append(
+            f"| {r['link']} | {r['method']} | {cell(p, 'time', '.1f')} | {cell(p, 'ratio', '.2f')} | "
+            f"{cell(p, 'final', '.3f')} | {cell(p, 'fast_steps_per_s', '.2f')} | {cell(p, 'bytes', '.0f')} | "
+            f"{cell(p, 'waits', 'd')} | {cell(p, 'stale', 'd')} |"
+        )
     for f in payload.get("failures", []):
-        lines.append(f"| {f['link']} | {f['method']} (seed {f['seed']}) | failed: "
-                     f"{f['error'].strip().splitlines()[-1][:160]} |" + " |" * 6)
+        lines.append(
+            f"| {f['link']} | {f['method']} (seed {f['seed']}) | failed: "
+            f"{f['error'].strip().splitlines()[-1][:160]} |" + " |" * 6
+        )
     table = "\n".join(lines)
     where = sorted({r["network"] for r in runs})
-    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA) on the addition task, {WORLD} ranks "
-             f"({'; '.join(where)}), {args['steps']} steps of batch {args['batch_size']} per rank, SGD momentum 0.9 "
-             f"at lr {LR} for every method; rank {SLOW_RANK} computes {SLOWDOWN:g}x slower. D-PSGD and DecentLaM on "
-             f"a ring, synchronous or asynchronous (AD-PSGD-style, max_staleness {STALENESS}); all-reduce SGD is DDP. "
-             f"Loss at time t: mean over ranks of each rank's latest trailing mean of {SMOOTH} training losses. "
-             f"Target: all-reduce SGD's final loss (same link, seed) x {args['target_factor']}. Median over seeds "
-             f"{args['seeds']}, (min-max) in brackets. Bytes: each rank's payload per step (neighbour messages, or "
-             "DDP's all-reduce payload).")
+    notes = (
+        f"Full fine-tuning of the embedded default model (tiny LLaMA) on the addition task, {WORLD} ranks "
+        f"({'; '.join(where)}), {args['steps']} steps of batch {args['batch_size']} per rank, SGD momentum 0.9 "
+        f"at lr {LR} for every method; rank {SLOW_RANK} computes {SLOWDOWN:g}x slower. D-PSGD and DecentLaM on "
+        f"a ring, synchronous or asynchronous (AD-PSGD-style, max_staleness {STALENESS}); all-reduce SGD is DDP. "
+        f"Loss at time t: mean over ranks of each rank's latest trailing mean of {SMOOTH} training losses. "
+        f"Target: all-reduce SGD's final loss (same link, seed) x {args['target_factor']}. Median over seeds "
+        f"{args['seeds']}, (min-max) in brackets. Bytes: each rank's payload per step (neighbour messages, or "
+        "DDP's all-reduce payload)."
+    )
     import matplotlib
 
     matplotlib.use("Agg")

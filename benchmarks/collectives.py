@@ -23,7 +23,7 @@ def worker(rank: int, world: int, addr: str, port: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hf_dtrain.distributed import all_gather_single, reduce_scatter_single
+    from hf_dtrain.distributed.collectives import all_gather_single, reduce_scatter_single
     from hf_dtrain.testing import gloo_group
 
     with gloo_group(rank, world, addr, port, timeout_s=300):
@@ -36,7 +36,8 @@ def worker(rank: int, world: int, addr: str, port: str) -> None:
             "all_gather of the shards (DeAR's second half)": lambda: all_gather_single(torch.empty_like(x), shard),
             "reduce_scatter (gloo's own)": lambda: reduce_scatter_single(shard, x),
             "1-bit messages (signs, phase 1 all_to_all)": lambda: dist.all_to_all_single(
-                torch.empty(x.numel() // 8, dtype=torch.uint8), torch.zeros(x.numel() // 8, dtype=torch.uint8)),
+                torch.empty(x.numel() // 8, dtype=torch.uint8), torch.zeros(x.numel() // 8, dtype=torch.uint8)
+            ),
         }
         for name, fn in cases.items():
             times = []
@@ -54,6 +55,7 @@ def main():
     import argparse
 
     from _report import write
+
     from hf_dtrain.testing import free_port
     from hf_dtrain.testing.netns import emulated_hosts, run_on_hosts
 
@@ -69,24 +71,44 @@ def main():
     for link in args.links.split(","):
         port = str(free_port())
         with emulated_hosts(WORLD, rate=link) as hosts:
-            outs = run_on_hosts(hosts, lambda r, h: [sys.executable, __file__, "--worker",
-                                                     f"{r}:{WORLD}:{h[0].address}:{port}"], timeout=900)
+            outs = run_on_hosts(
+                hosts,
+                lambda r, h: [sys.executable, __file__, "--worker", f"{r}:{WORLD}:{h[0].address}:{port}"],
+                timeout=900,
+            )
         result = json.loads(next(line for line in outs[0].splitlines() if line.startswith("RESULT "))[7:])
         ref = result["all_reduce (DDP, ring)"]
         for name, seconds in result.items():
             rows.append({"link": link, "collective": name, "seconds": seconds, "vs_all_reduce": seconds / ref})
-        rows.append({"link": link, "collective": "DeAR's halves together",
-                     "seconds": result["all_to_all (DeAR's reduce-scatter on gloo)"]
-                     + result["all_gather of the shards (DeAR's second half)"],
-                     "vs_all_reduce": (result["all_to_all (DeAR's reduce-scatter on gloo)"]
-                                       + result["all_gather of the shards (DeAR's second half)"]) / ref})
+        rows.append(
+            {
+                "link": link,
+                "collective": "DeAR's halves together",
+                "seconds": result["all_to_all (DeAR's reduce-scatter on gloo)"]
+                + result["all_gather of the shards (DeAR's second half)"],
+                "vs_all_reduce": (
+                    result["all_to_all (DeAR's reduce-scatter on gloo)"]
+                    + result["all_gather of the shards (DeAR's second half)"]
+                )
+                / ref,
+            }
+        )
     from _report import markdown_table
 
-    table = markdown_table(rows, [("link", "link", ""), ("collective", "collective", ""),
-                                  ("seconds", "seconds (best of 3)", ".3f"), ("vs_all_reduce", "/ all-reduce", ".2f")])
-    notes = (f"{WORLD} network namespaces (veth + tc tbf each way), one gloo rank each; a buffer of {NUMEL:,} fp32 values "
-             "(the default model's gradient). all_to_all and all_gather move the same bytes per rank as the "
-             "reduce-scatter and all-gather halves of a ring all-reduce.")
+    table = markdown_table(
+        rows,
+        [
+            ("link", "link", ""),
+            ("collective", "collective", ""),
+            ("seconds", "seconds (best of 3)", ".3f"),
+            ("vs_all_reduce", "/ all-reduce", ".2f"),
+        ],
+    )
+    notes = (
+        f"{WORLD} network namespaces (veth + tc tbf each way), one gloo rank each; a buffer of {NUMEL:,} fp32 values "
+        "(the default model's gradient). all_to_all and all_gather move the same bytes per rank as the "
+        "reduce-scatter and all-gather halves of a ring all-reduce."
+    )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -22,10 +22,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result
 
-LR = {"allreduce": 0.01, "dpsgd": 0.01, "decentlam": 0.01, "lsgd": 0.01, "aldsgd": 0.01, "partition": 0.01,
-      "nonblocking": 0.01, "nb_dpsgd": 0.01, "nb_decentlam": 0.01, "craig": 0.01}
+LR = {
+    "allreduce": 0.01,
+    "dpsgd": 0.01,
+    "decentlam": 0.01,
+    "lsgd": 0.01,
+    "aldsgd": 0.01,
+    "partition": 0.01,
+    "nonblocking": 0.01,
+    "nb_dpsgd": 0.01,
+    "nb_decentlam": 0.01,
+    "craig": 0.01,
+}
 BLOCKING = ["allreduce", "dpsgd", "decentlam", "lsgd", "aldsgd"]
 STRAGGLER_ONLY = ["partition", "nonblocking", "nb_dpsgd", "nb_decentlam"]
 WORLD, SLOW_RANK, SLOWDOWN, MICRO = 4, 3, 3.0, 4
@@ -84,8 +94,9 @@ def _train(rank: int, world: int, method: str, straggle: bool, steps: int, batch
     if method == "partition":  # shards and batches sized to the measured speeds (the slow rank: a third)
         speeds = [1.0 / SLOWDOWN if r == SLOW_RANK else 1.0 for r in range(world)]
         global_batch = batch * world
-        sampler = HeterogeneityAwareSampler(None, speeds, rank=rank, num_samples=n_train, seed=0,
-                                            global_batch_size=global_batch)
+        sampler = HeterogeneityAwareSampler(
+            None, speeds, rank=rank, num_samples=n_train, seed=0, global_batch_size=global_batch
+        )
         loader = DataLoader(data, batch_size=sampler.batch_size_for(global_batch), sampler=sampler, collate_fn=collate)
         scale = sampler.loss_scale(global_batch)
     else:
@@ -93,8 +104,13 @@ def _train(rank: int, world: int, method: str, straggle: bool, steps: int, batch
         loader = DataLoader(torch.utils.data.Subset(data, shard), batch_size=batch, collate_fn=collate)
     nb = None
     if method.startswith("nb_") or method == "nonblocking":
-        nb = NonBlockingSGD(ddp, opt, deadline="fastest", average="allreduce" if method == "nonblocking" else "local",
-                            straggler=straggler)
+        nb = NonBlockingSGD(
+            ddp,
+            opt,
+            deadline="fastest",
+            average="allreduce" if method == "nonblocking" else "local",
+            straggler=straggler,
+        )
     losses, times, counts = [], [], []
     dist.barrier()
     t0 = time.perf_counter()
@@ -126,11 +142,19 @@ def _train(rank: int, world: int, method: str, straggle: bool, steps: int, batch
         sent = [a + (sent[i] if i < len(sent) else 0) for i, a in enumerate(nb.stats.steps)]
     elif method in ("allreduce", "partition"):
         sent = [sum(p.numel() * p.element_size() for p in model.parameters())] * len(losses)  # DDP's payload
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     from hf_dtrain.decentralized import consensus_distance
 
-    return {"method": method, "straggler": straggle, "losses": (mean / world).tolist(), "times": times,
-            "bytes_steps": sent, "consensus": consensus_distance(params), "counts": counts, "rank": rank}
+    return {
+        "method": method,
+        "straggler": straggle,
+        "losses": (mean / world).tolist(),
+        "times": times,
+        "bytes_steps": sent,
+        "consensus": consensus_distance(params),
+        "counts": counts,
+        "rank": rank,
+    }
 
 
 def run_world(method: str, straggle: bool, steps: int, batch: int, lr: float, world: int) -> dict:
@@ -138,8 +162,21 @@ def run_world(method: str, straggle: bool, steps: int, batch: int, lr: float, wo
     from hf_dtrain.testing.netns import run_ranks
 
     port = str(free_port())
-    argv = [[sys.executable, __file__, "--worker", f"{r}:{world}:{port}:{method}:{int(straggle)}", "--steps",
-             str(steps), "--batch-size", str(batch), "--lr", f"{method}={lr}"] for r in range(world)]
+    argv = [
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            f"{r}:{world}:{port}:{method}:{int(straggle)}",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(batch),
+            "--lr",
+            f"{method}={lr}",
+        ]
+        for r in range(world)
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     outs = run_ranks(argv, [env] * world, timeout=3600)
     rows = [parse_result(o) for o in outs]
@@ -181,8 +218,9 @@ def run_craig(steps: int, batch: int, lr: float, fraction: float) -> list[dict]:
             b = collate([pool[indices[int(p)]] for p in pos])
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
             target = b["labels"][:, 1:]
-            per_tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100,
-                                                        reduction="none")
+            per_tok = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
+            )
             per_ex = per_tok.sum(1) / (target != -100).sum(1).clamp(min=1)
             (per_ex * w[pos]).mean().backward()
             opt.step()
@@ -210,8 +248,9 @@ def main():
         return
     if args.worker:
         rank, world, port, method, straggle = args.worker.split(":")
-        emit_result((worker(int(rank), int(world), port, method, bool(int(straggle)), args.steps,
-                                            args.batch_size, LR[method])))
+        emit_result(
+            worker(int(rank), int(world), port, method, bool(int(straggle)), args.steps, args.batch_size, LR[method])
+        )
         return
     from tqdm import tqdm
 
@@ -219,8 +258,9 @@ def main():
 
     build_default_model("tiny", progress=True)
     methods = args.methods.split(",")
-    runs = [(m, False) for m in BLOCKING if m in methods] + [(m, True) for m in BLOCKING + STRAGGLER_ONLY
-                                                               if m in methods]
+    runs = [(m, False) for m in BLOCKING if m in methods] + [
+        (m, True) for m in BLOCKING + STRAGGLER_ONLY if m in methods
+    ]
     rows = []
     for method, straggle in tqdm(runs, desc="decentralized"):
         rows.append(run_world(method, straggle, args.steps, args.batch_size, LR[method], WORLD))
@@ -242,10 +282,16 @@ def render(payload: dict):
         summarize_curve(r, SMOOTH)
         r["label"] = r["method"] + (" (3x straggler)" if r["straggler"] else "")
         r["bytes_per_step"] = round(sum(r["bytes_steps"]) / len(r["bytes_steps"])) if r["bytes_steps"] else None
-        r["mean_count"] = (sum(sum(c) for c in r["counts_by_rank"]) / max(1, sum(len(c) for c in r["counts_by_rank"]))
-                           if any(r["counts_by_rank"]) else None)
-        r["slow_rank_count"] = (sum(r["counts_by_rank"][SLOW_RANK]) / len(r["counts_by_rank"][SLOW_RANK])
-                                if any(r["counts_by_rank"]) else None)
+        r["mean_count"] = (
+            sum(sum(c) for c in r["counts_by_rank"]) / max(1, sum(len(c) for c in r["counts_by_rank"]))
+            if any(r["counts_by_rank"])
+            else None
+        )
+        r["slow_rank_count"] = (
+            sum(r["counts_by_rank"][SLOW_RANK]) / len(r["counts_by_rank"][SLOW_RANK])
+            if any(r["counts_by_rank"])
+            else None
+        )
     base = next(r for r in rows if r["method"] == "allreduce" and not r["straggler"])
     target = base["final"] * args["target_factor"]
     for r in rows:
@@ -254,39 +300,57 @@ def render(payload: dict):
         r["steps_to_target"] = None if i is None else i + 1
     for r in rows:
         ref = next((x for x in rows if x["method"] == "allreduce" and x["straggler"] == r["straggler"]), None)
-        r["time_vs_allreduce"] = (r["time_to_target"] / ref["time_to_target"]
-                                  if ref and r["time_to_target"] and ref["time_to_target"] else None)
+        r["time_vs_allreduce"] = (
+            r["time_to_target"] / ref["time_to_target"]
+            if ref and r["time_to_target"] and ref["time_to_target"]
+            else None
+        )
         r["step_time_ms"] = 1000 * r["seconds"] / len(r["times"])
-    table = markdown_table(rows, [
-        ("label", "method", ""), ("final", "final loss (smoothed)", ".3f"), ("steps_to_target", "steps to target", ""),
-        ("time_to_target", "time to target (s)", ".1f"), ("time_vs_allreduce", "time / all-reduce SGD (same condition)", ".2f"),
-        ("step_time_ms", "ms per step", ".0f"), ("bytes_per_step", "bytes sent per rank, mean per step", ""),
-        ("consensus", "final consensus distance", ".2e"), ("slow_rank_count", "micro-batches per step, slow rank (of 4)", ".2f"),
-    ])
+    table = markdown_table(
+        rows,
+        [
+            ("label", "method", ""),
+            ("final", "final loss (smoothed)", ".3f"),
+            ("steps_to_target", "steps to target", ""),
+            ("time_to_target", "time to target (s)", ".1f"),
+            ("time_vs_allreduce", "time / all-reduce SGD (same condition)", ".2f"),
+            ("step_time_ms", "ms per step", ".0f"),
+            ("bytes_per_step", "bytes sent per rank, mean per step", ""),
+            ("consensus", "final consensus distance", ".2e"),
+            ("slow_rank_count", "micro-batches per step, slow rank (of 4)", ".2f"),
+        ],
+    )
     craig = payload.get("craig") or []
     if craig:
-        table += "\n\n### CRAIG against random subsets of the same size\n\n" + markdown_table(craig, [
-            ("subset", "subset", ""), ("size", "examples", ""),
-            ("proxy_gradient_error", "relative error of the weighted proxy gradient", ".3f"),
-            ("held_out_loss", "held-out loss after training on it", ".3f"),
-        ])
-    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA) on the addition task, {WORLD} gloo ranks on "
-             f"loopback (one thread each on this machine), {args['steps']} steps of batch {args['batch_size']} per rank, "
-             f"SGD momentum 0.9 at lr {LR['allreduce']} for every method. Straggler: rank {SLOW_RANK} sleeps "
-             f"{SLOWDOWN - 1:g}x its compute time after each forward (so it computes {SLOWDOWN:g}x slower). D-PSGD and "
-             "DecentLaM on a ring; LSGD with 2 nodes of 2 ranks, local pulls every 4 steps and global every 16 "
-             "(couplings 0.1); AL-DSGD on MATCHA matchings of a ring (budget 0.5, c1 0.3, c2 0.1, p1 = p2 = 0.2). "
-             "Partition: shards and batches sized to the speeds (the slow rank gets a third) with loss scales so every "
-             f"sample weighs the same. Non-blocking: {MICRO} micro-batches per step, deadline = the fastest rank's "
-             "full-batch time. Loss: mean over ranks of the training loss, mean of the last "
-             f"{SMOOTH} steps. Target: all-reduce SGD's final smoothed loss without a straggler x "
-             f"{args['target_factor']} = {target:.3f}; ratios against all-reduce SGD under the same condition. "
-             "Bytes: what each rank hands to collectives or sends to neighbours, mean per step (DDP: its all-reduce "
-             "payload; a ring all-reduce moves 2(N-1)/N = 1.5x that per rank, so D-PSGD's two neighbour messages "
-             "are 1.33x a ring all-reduce's traffic here, the same at any world size). Consensus distance: sqrt(mean_i ||x_i - mean x||^2) at the end. CRAIG: "
-             f"{args['craig_fraction']:.0%} of a 2,000-example pool selected on the logit-gradient proxies of the "
-             f"base model, {args['craig_steps']} steps of batch {args['batch_size']} with the weights as per-example "
-             "loss weights; random subsets with uniform weights, three draws.")
+        table += "\n\n### CRAIG against random subsets of the same size\n\n" + markdown_table(
+            craig,
+            [
+                ("subset", "subset", ""),
+                ("size", "examples", ""),
+                ("proxy_gradient_error", "relative error of the weighted proxy gradient", ".3f"),
+                ("held_out_loss", "held-out loss after training on it", ".3f"),
+            ],
+        )
+    notes = (
+        f"Full fine-tuning of the embedded default model (tiny LLaMA) on the addition task, {WORLD} gloo ranks on "
+        f"loopback (one thread each on this machine), {args['steps']} steps of batch {args['batch_size']} per rank, "
+        f"SGD momentum 0.9 at lr {LR['allreduce']} for every method. Straggler: rank {SLOW_RANK} sleeps "
+        f"{SLOWDOWN - 1:g}x its compute time after each forward (so it computes {SLOWDOWN:g}x slower). D-PSGD and "
+        "DecentLaM on a ring; LSGD with 2 nodes of 2 ranks, local pulls every 4 steps and global every 16 "
+        "(couplings 0.1); AL-DSGD on MATCHA matchings of a ring (budget 0.5, c1 0.3, c2 0.1, p1 = p2 = 0.2). "
+        "Partition: shards and batches sized to the speeds (the slow rank gets a third) with loss scales so every "
+        f"sample weighs the same. Non-blocking: {MICRO} micro-batches per step, deadline = the fastest rank's "
+        "full-batch time. Loss: mean over ranks of the training loss, mean of the last "
+        f"{SMOOTH} steps. Target: all-reduce SGD's final smoothed loss without a straggler x "
+        f"{args['target_factor']} = {target:.3f}; ratios against all-reduce SGD under the same condition. "
+        "Bytes: what each rank hands to collectives or sends to neighbours, mean per step (DDP: its all-reduce "
+        "payload; a ring all-reduce moves 2(N-1)/N = 1.5x that per rank, so D-PSGD's two neighbour messages "
+        "are 1.33x a ring all-reduce's traffic here, the same at any world size). Consensus distance: sqrt(mean_i "
+        "||x_i - mean x||^2) at the end. CRAIG: "
+        f"{args['craig_fraction']:.0%} of a 2,000-example pool selected on the logit-gradient proxies of the "
+        f"base model, {args['craig_steps']} steps of batch {args['batch_size']} with the weights as per-example "
+        "loss weights; random subsets with uniform weights, three draws."
+    )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, write  # noqa: E402
+from _report import markdown_table, write
 
 
 def run(hosts, out, steps, scenario, rate_note):
@@ -34,26 +34,64 @@ def run(hosts, out, steps, scenario, rate_note):
     logs = {n: open(os.path.join(out + ".logs", f"{n}.log"), "w") for n in "ABCD"}
     procs, events = {}, []
     try:
-        procs["A"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["A"], wrap=hosts[0].command,
-                                  env=dict(GLOO_SOCKET_IFNAME=hosts[0].interface),
-                                  local_addr=hosts[0].address, store_host=True)
+        procs["A"] = launch_host(
+            ElasticConfig(**base),
+            endpoint,
+            run_id,
+            logs["A"],
+            wrap=hosts[0].command,
+            env=dict(GLOO_SOCKET_IFNAME=hosts[0].interface),
+            local_addr=hosts[0].address,
+            store_host=True,
+        )
         time.sleep(2)
-        procs["B"] = launch_host(ElasticConfig(**base, slowdown=3.0), endpoint, run_id, logs["B"], wrap=hosts[1].command,
-                                  env=dict(GLOO_SOCKET_IFNAME=hosts[1].interface),
-                                  local_addr=hosts[1].address, store_host=False)
+        procs["B"] = launch_host(
+            ElasticConfig(**base, slowdown=3.0),
+            endpoint,
+            run_id,
+            logs["B"],
+            wrap=hosts[1].command,
+            env=dict(GLOO_SOCKET_IFNAME=hosts[1].interface),
+            local_addr=hosts[1].address,
+            store_host=False,
+        )
         if scenario == "elastic":
-            wait_for_log(out, lambda log: sum(r["world_size"] == 2 for r in log) >= steps // 6, 300, procs.values(),
-                         "A and B training")
+            wait_for_log(
+                out,
+                lambda log: sum(r["world_size"] == 2 for r in log) >= steps // 6,
+                300,
+                procs.values(),
+                "A and B training",
+            )
             lose_host(procs["B"])
             events.append(("B lost", time.time()))
-            wait_for_log(out, lambda log: log[-1]["world_size"] == 1 and log[-1]["step"] >= steps // 3, 300,
-                         procs.values(), "A alone")
-            procs["C"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["C"], wrap=hosts[2].command,
-                                  env=dict(GLOO_SOCKET_IFNAME=hosts[2].interface),
-                                  local_addr=hosts[2].address, store_host=False)
-            procs["D"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["D"], wrap=hosts[3].command,
-                                  env=dict(GLOO_SOCKET_IFNAME=hosts[3].interface),
-                                  local_addr=hosts[3].address, store_host=False)
+            wait_for_log(
+                out,
+                lambda log: log[-1]["world_size"] == 1 and log[-1]["step"] >= steps // 3,
+                300,
+                procs.values(),
+                "A alone",
+            )
+            procs["C"] = launch_host(
+                ElasticConfig(**base),
+                endpoint,
+                run_id,
+                logs["C"],
+                wrap=hosts[2].command,
+                env=dict(GLOO_SOCKET_IFNAME=hosts[2].interface),
+                local_addr=hosts[2].address,
+                store_host=False,
+            )
+            procs["D"] = launch_host(
+                ElasticConfig(**base),
+                endpoint,
+                run_id,
+                logs["D"],
+                wrap=hosts[3].command,
+                env=dict(GLOO_SOCKET_IFNAME=hosts[3].interface),
+                local_addr=hosts[3].address,
+                store_host=False,
+            )
             events.append(("C, D started", time.time()))
         log = wait_for_log(out, lambda log: log[-1]["step"] == steps - 1, 600, procs.values(), "the last step")
         for p in procs.values():
@@ -73,9 +111,16 @@ def summarize(log, events):
     phases, cur = [], None
     for r in log:
         if cur is None or r["generation"] != cur["generation"]:
-            cur = dict(generation=r["generation"], world_size=r["world_size"], first_step=r["step"],
-                       restored_from=r.get("restored_from"), batch_sizes=r["batch_sizes"], speeds=r["speeds"],
-                       t0=r["time"], steps=0)
+            cur = dict(
+                generation=r["generation"],
+                world_size=r["world_size"],
+                first_step=r["step"],
+                restored_from=r.get("restored_from"),
+                batch_sizes=r["batch_sizes"],
+                speeds=r["speeds"],
+                t0=r["time"],
+                steps=0,
+            )
             phases.append(cur)
         cur["steps"] += 1
         cur["t1"] = r["time"]
@@ -89,11 +134,17 @@ def summarize(log, events):
             continue
         prev = by_gen.get(nxt["generation"] - 1)
         last_before = max((r["step"] for r in log if r["time"] < t), default=-1)
-        changes.append(dict(event=name, recovery_s=nxt["t0"] - t if name == "B lost" else None,
-                            join_s=nxt["t0"] - t if name != "B lost" else None,
-                            resumed_at=nxt["first_step"], restored_from=nxt["restored_from"],
-                            recomputed=max(0, last_before - nxt["first_step"] + 1) if prev else 0,
-                            world=f"{prev['world_size'] if prev else '?'} -> {nxt['world_size']}"))
+        changes.append(
+            dict(
+                event=name,
+                recovery_s=nxt["t0"] - t if name == "B lost" else None,
+                join_s=nxt["t0"] - t if name != "B lost" else None,
+                resumed_at=nxt["first_step"],
+                restored_from=nxt["restored_from"],
+                recomputed=max(0, last_before - nxt["first_step"] + 1) if prev else 0,
+                world=f"{prev['world_size'] if prev else '?'} -> {nxt['world_size']}",
+            )
+        )
     return phases, changes
 
 
@@ -128,35 +179,75 @@ def main():
     el = results["elastic"]["log"]
     for ph in results["elastic"]["phases"]:
         pts = [r for r in el if r["generation"] == ph["generation"]]
-        ax.plot([r["step"] for r in pts], [r["loss"] for r in pts], color=colors[ph["world_size"]], lw=1.2,
-                label=f"elastic, {ph['world_size']} host(s) from step {ph['first_step']}")
+        ax.plot(
+            [r["step"] for r in pts],
+            [r["loss"] for r in pts],
+            color=colors[ph["world_size"]],
+            lw=1.2,
+            label=f"elastic, {ph['world_size']} host(s) from step {ph['first_step']}",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (global batch 16)")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     rows = []
     for ph in results["elastic"]["phases"]:
-        rows.append(dict(phase=f"{ph['world_size']} host(s)", steps=f"{ph['first_step']}-{ph['first_step'] + ph['steps'] - 1}",
-                         restored=ph["restored_from"] or "", batch=str(ph["batch_sizes"]),
-                         speeds=str([round(s) for s in ph["speeds"]]), sps=ph["steps_per_s"] or 0.0))
-    table = markdown_table(rows, [("phase", "membership", ""), ("steps", "steps", ""), ("restored", "restored from", ""),
-                                  ("batch", "batch per host", ""), ("speeds", "measured seq/s per host", ""),
-                                  ("sps", "steps/s", ".1f")])
-    crow = [dict(event=c["event"], world=c["world"], s=(c["recovery_s"] if c["recovery_s"] is not None else c["join_s"]),
-                 resumed=c["resumed_at"], recomputed=c["recomputed"]) for c in results["elastic"]["changes"]]
-    table += "\n\nMembership changes:\n\n" + markdown_table(crow, [("event", "event", ""), ("world", "hosts", ""),
-                                                                   ("s", "seconds to the next step", ".1f"),
-                                                                   ("resumed", "resumed at step", ""),
-                                                                   ("recomputed", "steps recomputed", "")])
+        rows.append(
+            dict(
+                phase=f"{ph['world_size']} host(s)",
+                steps=f"{ph['first_step']}-{ph['first_step'] + ph['steps'] - 1}",
+                restored=ph["restored_from"] or "",
+                batch=str(ph["batch_sizes"]),
+                speeds=str([round(s) for s in ph["speeds"]]),
+                sps=ph["steps_per_s"] or 0.0,
+            )
+        )
+    table = markdown_table(
+        rows,
+        [
+            ("phase", "membership", ""),
+            ("steps", "steps", ""),
+            ("restored", "restored from", ""),
+            ("batch", "batch per host", ""),
+            ("speeds", "measured seq/s per host", ""),
+            ("sps", "steps/s", ".1f"),
+        ],
+    )
+    crow = [
+        dict(
+            event=c["event"],
+            world=c["world"],
+            s=(c["recovery_s"] if c["recovery_s"] is not None else c["join_s"]),
+            resumed=c["resumed_at"],
+            recomputed=c["recomputed"],
+        )
+        for c in results["elastic"]["changes"]
+    ]
+    table += "\n\nMembership changes:\n\n" + markdown_table(
+        crow,
+        [
+            ("event", "event", ""),
+            ("world", "hosts", ""),
+            ("s", "seconds to the next step", ".1f"),
+            ("resumed", "resumed at step", ""),
+            ("recomputed", "steps recomputed", ""),
+        ],
+    )
     last = lambda log: sum(r["loss"] for r in log[-20:]) / 20  # noqa: E731
-    table += (f"\n\nMean loss of the last 20 steps: elastic {last(el):.4f}, A + B throughout {last(fixed):.4f} "
-              f"(ratio {last(el) / last(fixed):.3f}). Wall time: elastic {results['elastic']['wall_s']:.0f} s, "
-              f"fixed {results['fixed']['wall_s']:.0f} s.")
-    write("elastic", dict(steps=args.steps, rate=args.rate, **{k: {kk: vv for kk, vv in v.items()}
-                                                              for k, v in results.items()}), table, fig,
-          notes=f"4 network namespaces with {args.rate} links; the test LLaMA preset, AdamW 3e-3, global batch 16 "
-                "dealt by measured speed; B runs 3x slower (--slowdown 3); snapshots every step with a persisted "
-                "(resharding) copy every step.")
+    table += (
+        f"\n\nMean loss of the last 20 steps: elastic {last(el):.4f}, A + B throughout {last(fixed):.4f} "
+        f"(ratio {last(el) / last(fixed):.3f}). Wall time: elastic {results['elastic']['wall_s']:.0f} s, "
+        f"fixed {results['fixed']['wall_s']:.0f} s."
+    )
+    write(
+        "elastic",
+        dict(steps=args.steps, rate=args.rate, **{k: dict(v.items()) for k, v in results.items()}),
+        table,
+        fig,
+        notes=f"4 network namespaces with {args.rate} links; the test LLaMA preset, AdamW 3e-3, global batch 16 "
+        "dealt by measured speed; B runs 3x slower (--slowdown 3); snapshots every step with a persisted "
+        "(resharding) copy every step.",
+    )
     print(table)
 
 

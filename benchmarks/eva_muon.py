@@ -29,8 +29,7 @@ SMOOTH = 20
 def _muon(model, lr):
     import torch
 
-    hidden = [p for n, p in model.named_parameters()
-              if p.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n]
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n]
     ids = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if id(p) not in ids]
 
@@ -38,8 +37,10 @@ def _muon(model, lr):
         """Muon on the hidden matrices, AdamW on the rest, stepped together (one optimizer for the loop)."""
 
         def __init__(self):
-            self.parts = [torch.optim.Muon(hidden, lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"),
-                          torch.optim.AdamW(rest, lr=lr, weight_decay=0.0)]
+            self.parts = [
+                torch.optim.Muon(hidden, lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(rest, lr=lr, weight_decay=0.0),
+            ]
             self.param_groups = [g for part in self.parts for g in part.param_groups]
             self.state = {}
             self.defaults = {}
@@ -135,8 +136,12 @@ def render(payload: dict):
     names = list(dict.fromkeys(r["optimizer"] for r in runs))
     lrs = sorted({r["lr"] for r in runs})
     seeds = sorted({r["seed"] for r in runs})
-    mean_final = {(n, lr): statistics.mean(r["final"] for r in runs if r["optimizer"] == n and r["lr"] == lr)
-                  for n in names for lr in lrs if any(r["optimizer"] == n and r["lr"] == lr for r in runs)}
+    mean_final = {
+        (n, lr): statistics.mean(r["final"] for r in runs if r["optimizer"] == n and r["lr"] == lr)
+        for n in names
+        for lr in lrs
+        if any(r["optimizer"] == n and r["lr"] == lr for r in runs)
+    }
     best = {n: min((lr for (m, lr) in mean_final if m == n), key=lambda lr: mean_final[(n, lr)]) for n in names}
 
     def pick(n, seed):
@@ -153,11 +158,16 @@ def render(payload: dict):
             target = ref["final"] * args["target_factor"]
             r, i, j = pick(n, seed), None, None
             i, j = first(r, target), first(ref, target)
-            per.append({"seed": seed, "final": r["final"],
-                        "steps": None if i is None else i + 1,
-                        "steps_vs": None if i is None else (i + 1) / (j + 1),
-                        "time_vs": None if i is None else r["times"][i] / ref["times"][j],
-                        "sec_per_step": r["times"][-1] / len(r["times"])})
+            per.append(
+                {
+                    "seed": seed,
+                    "final": r["final"],
+                    "steps": None if i is None else i + 1,
+                    "steps_vs": None if i is None else (i + 1) / (j + 1),
+                    "time_vs": None if i is None else r["times"][i] / ref["times"][j],
+                    "sec_per_step": r["times"][-1] / len(r["times"]),
+                }
+            )
         rows.append({"optimizer": n, "lr": best[n], "per_seed": per})
 
     def cell(per, key, spec):
@@ -165,34 +175,50 @@ def render(payload: dict):
         if any(v is None for v in vals):
             got = [v for v in vals if v is not None]
             return f"not reached ({len(vals) - len(got)} of {len(vals)} seeds)" + (
-                f"; reached: {statistics.median(got):{spec}}" if got else "")
+                f"; reached: {statistics.median(got):{spec}}" if got else ""
+            )
         if len(vals) == 1:
             return format(vals[0], spec)
         return f"{statistics.median(vals):{spec}} ({min(vals):{spec}}-{max(vals):{spec}})"
 
-    lines = ["| optimizer | best lr (grid " + ", ".join(f"{x:g}" for x in lrs) + ") | final loss | steps to target | "
-             "steps / AdamW | time to target / AdamW | seconds per step |", "|" + "---|" * 7]
+    lines = [
+        "| optimizer | best lr (grid " + ", ".join(f"{x:g}" for x in lrs) + ") | final loss | steps to target | "
+        "steps / AdamW | time to target / AdamW | seconds per step |",
+        "|" + "---|" * 7,
+    ]
     for row in rows:
         p = row["per_seed"]
-        lines.append(f"| {row['optimizer']} | {row['lr']:g} | {cell(p, 'final', '.3f')} | {cell(p, 'steps', 'd')} | "
-                     f"{cell(p, 'steps_vs', '.2f')} | {cell(p, 'time_vs', '.2f')} | {cell(p, 'sec_per_step', '.3f')} |")
-    lines += ["", "### The grid (final smoothed loss, mean over seeds)", "",
-              "| optimizer | " + " | ".join(f"lr {x:g}" for x in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
+        lines.append(
+            f"| {row['optimizer']} | {row['lr']:g} | {cell(p, 'final', '.3f')} | {cell(p, 'steps', 'd')} | "
+            f"{cell(p, 'steps_vs', '.2f')} | {cell(p, 'time_vs', '.2f')} | {cell(p, 'sec_per_step', '.3f')} |"
+        )
+    lines += [
+        "",
+        "### The grid (final smoothed loss, mean over seeds)",
+        "",
+        "| optimizer | " + " | ".join(f"lr {x:g}" for x in lrs) + " |",
+        "|" + "---|" * (len(lrs) + 1),
+    ]
     for n in names:
-        lines.append(f"| {n} | " + " | ".join(f"{mean_final[(n, lr)]:.3f}" if (n, lr) in mean_final else "n/a"
-                                              for lr in lrs) + " |")
+        lines.append(
+            f"| {n} | "
+            + " | ".join(f"{mean_final[(n, lr)]:.3f}" if (n, lr) in mean_final else "n/a" for lr in lrs)
+            + " |"
+        )
     for n, why in payload.get("skipped", {}).items():
         lines.append(f"\n{n}: skipped, {why}.")
     table = "\n".join(lines)
-    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA, 3.1M parameters) on the addition task, "
-             f"{args['steps']} steps of batch {args['batch_size']}, one process; seeds {args['seeds']} (data order and "
-             "initial draw); median over seeds, (min-max) in brackets. Every optimizer's learning rate from the same "
-             "grid; best = lowest final smoothed loss (mean of the last 20 steps) averaged over the seeds. Weight "
-             "decay 0 for all. Muon: torch.optim.Muon on the hidden 2-D matrices with adjust_lr_fn=match_rms_adamw "
-             "(AdamW's learning-rate scale), AdamW on embeddings, output projection and norms. Eva: on AdamW, damping "
-             "1e-6, KL clip 0.001, decay 0.95. SOAP: pytorch_optimizer.SOAP defaults (betas 0.95, 0.95, "
-             "preconditioning every 10 steps) with the grid's lr. Target: the best AdamW's final smoothed loss x "
-             f"{args['target_factor']}, per seed; steps and seconds to it as ratios to AdamW's in the same seed.")
+    notes = (
+        f"Full fine-tuning of the embedded default model (tiny LLaMA, 3.1M parameters) on the addition task, "
+        f"{args['steps']} steps of batch {args['batch_size']}, one process; seeds {args['seeds']} (data order and "
+        "initial draw); median over seeds, (min-max) in brackets. Every optimizer's learning rate from the same "
+        "grid; best = lowest final smoothed loss (mean of the last 20 steps) averaged over the seeds. Weight "
+        "decay 0 for all. Muon: torch.optim.Muon on the hidden 2-D matrices with adjust_lr_fn=match_rms_adamw "
+        "(AdamW's learning-rate scale), AdamW on embeddings, output projection and norms. Eva: on AdamW, damping "
+        "1e-6, KL clip 0.001, decay 0.95. SOAP: pytorch_optimizer.SOAP defaults (betas 0.95, 0.95, "
+        "preconditioning every 10 steps) with the grid's lr. Target: the best AdamW's final smoothed loss x "
+        f"{args['target_factor']}, per seed; steps and seconds to it as ratios to AdamW's in the same seed."
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,8 +229,13 @@ def render(payload: dict):
         for k, seed in enumerate(seeds):
             r = pick(n, seed)
             color = f"C{names.index(n)}"
-            axes[0].plot(range(1, len(r["smoothed"]) + 1), r["smoothed"], color=color, alpha=0.8,
-                         label=f"{n} (lr {best[n]:g})" if k == 0 else None)
+            axes[0].plot(
+                range(1, len(r["smoothed"]) + 1),
+                r["smoothed"],
+                color=color,
+                alpha=0.8,
+                label=f"{n} (lr {best[n]:g})" if k == 0 else None,
+            )
             axes[1].plot(r["times"], r["smoothed"], color=color, alpha=0.8, label=n if k == 0 else None)
     for ax, xlabel in zip(axes, ["step", "wall time (s)"]):
         ax.set_xlabel(xlabel)

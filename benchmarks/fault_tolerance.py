@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, run_worker  # noqa: E402  (the worker protocol)
+import itertools
+
+from _report import emit_result, run_worker
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PRESETS = {"tiny": {"steps": 24, "intervals": [1, 5, 20]}, "small": {"steps": 11, "intervals": [1, 5]}}
@@ -41,9 +44,16 @@ def _state(model, opt, sched):
     import numpy as np
     import torch
 
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "rng": {"python": random.getstate(), "numpy": torch.from_numpy(np.random.get_state()[1].copy()),
-                    "torch": torch.get_rng_state()}}  # loadable with torch.load(weights_only=True)
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": {
+            "python": random.getstate(),
+            "numpy": torch.from_numpy(np.random.get_state()[1].copy()),
+            "torch": torch.get_rng_state(),
+        },
+    }  # loadable with torch.load(weights_only=True)
 
 
 def worker(preset: str, method: str, interval: int, steps: int) -> dict:
@@ -93,17 +103,24 @@ def worker(preset: str, method: str, interval: int, steps: int) -> dict:
 
                 if future is not None:
                     future.result()  # one save in flight at a time (DCP's own rule)
-                future = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                                        checkpoint_id=os.path.join(tmp, f"dcp{step}"))
+                future = dcp.async_save(
+                    {"model": model.state_dict(), "optimizer": opt.state_dict()},
+                    checkpoint_id=os.path.join(tmp, f"dcp{step}"),
+                )
             stall = time.perf_counter() - s
             if step > interval:  # the first save also allocates (our slot, DCP's staging); steady state after
                 stalls.append(stall + pending_stall)
             pending_stall = 0.0
         if step:
             times.append(time.perf_counter() - t0)
-    row = {"preset": preset, "method": method, "interval": interval, "step_seconds": statistics.median(times),
-           "mean_step_seconds": statistics.mean(times),
-           "stall_seconds": statistics.median(stalls) if stalls else None}
+    row = {
+        "preset": preset,
+        "method": method,
+        "interval": interval,
+        "step_seconds": statistics.median(times),
+        "mean_step_seconds": statistics.mean(times),
+        "stall_seconds": statistics.median(stalls) if stalls else None,
+    }
     if engine is not None:
         row["snapshot_bytes"] = engine.stats["bytes"]
         row["copy_seconds"] = statistics.median(engine.stats["copy_seconds"][1:] or engine.stats["copy_seconds"])
@@ -163,18 +180,30 @@ def trainer_worker(preset: str, interval: int, steps: int, tmp: str) -> dict:
     from hf_dtrain.testing import random_batch
 
     model = build_llama(preset, seed=0)
-    rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seq=SEQ, vocab=model.config.vocab_size,
-                                                      seed=s).items()} for s in range(BATCH * (steps + 1))]
+    rows = [
+        {k: v[0].tolist() for k, v in random_batch(batch=1, seq=SEQ, vocab=model.config.vocab_size, seed=s).items()}
+        for s in range(BATCH * (steps + 1))
+    ]
     marks: list[float] = []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             marks.append(time.perf_counter())
 
-    args = TrainingArguments(output_dir=tmp, max_steps=steps + 1, per_device_train_batch_size=BATCH, report_to=[],
-                             use_cpu=True, logging_strategy="no", disable_tqdm=True, learning_rate=1e-4,
-                             save_strategy="steps" if interval else "no", save_steps=interval or 1,
-                             save_only_model=False, lr_scheduler_type="constant")
+    args = TrainingArguments(
+        output_dir=tmp,
+        max_steps=steps + 1,
+        per_device_train_batch_size=BATCH,
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-4,
+        save_strategy="steps" if interval else "no",
+        save_steps=interval or 1,
+        save_only_model=False,
+        lr_scheduler_type="constant",
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
     saves = []
     real = trainer._save_checkpoint
@@ -187,10 +216,15 @@ def trainer_worker(preset: str, interval: int, steps: int, tmp: str) -> dict:
 
     trainer._save_checkpoint = timed
     trainer.train()
-    times = [b - a for a, b in zip(marks[1:], marks[2:])]
-    return {"preset": preset, "method": "trainer" if interval else "trainer_none", "interval": interval,
-            "step_seconds": statistics.median(times), "mean_step_seconds": statistics.mean(times),
-            "stall_seconds": statistics.median(saves[1:] or saves) if saves else None}
+    times = [b - a for a, b in itertools.pairwise(marks)]
+    return {
+        "preset": preset,
+        "method": "trainer" if interval else "trainer_none",
+        "interval": interval,
+        "step_seconds": statistics.median(times),
+        "mean_step_seconds": statistics.mean(times),
+        "stall_seconds": statistics.median(saves[1:] or saves) if saves else None,
+    }
 
 
 def lost_node_runs() -> list[dict]:
@@ -202,8 +236,10 @@ def lost_node_runs() -> list[dict]:
     from hf_dtrain.testing.fault import launch_ft_workers as _launch
 
     rows = []
-    for name, fault, kill in [("killed trainer", "1:12:after_snapshot", []),
-                              ("lost node (parity rebuild)", "1:12:after_snapshot", [1])]:
+    for name, fault, kill in [
+        ("killed trainer", "1:12:after_snapshot", []),
+        ("lost node (parity rebuild)", "1:12:after_snapshot", [1]),
+    ]:
         tmp = Path(tempfile.mkdtemp(prefix="hf_dtrain_ft_bench_"))
         out, ft_dir = tmp / "out", tmp / "ft"
         out.mkdir()
@@ -218,8 +254,16 @@ def lost_node_runs() -> list[dict]:
         finally:
             stop_snapshot_processes(ft_dir)
         step, source, seconds = open(out / "rank1.restore").read().split()[:3]
-        rows.append({"case": name, "source": source, "restored_step": int(step), "failed_at_step": 12,
-                     "lost_steps": 12 - int(step), "restore_seconds": float(seconds)})
+        rows.append(
+            {
+                "case": name,
+                "source": source,
+                "restored_step": int(step),
+                "failed_at_step": 12,
+                "lost_steps": 12 - int(step),
+                "restore_seconds": float(seconds),
+            }
+        )
     return rows
 
 
@@ -248,7 +292,7 @@ def sharded_worker(preset: str, steps: int, tmp: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hf_dtrain.distributed import init_distributed
+    from hf_dtrain.distributed.groups import init_distributed
     from hf_dtrain.fault import SnapshotEngine
     from hf_dtrain.models import build_llama
     from hf_dtrain.parallel import apply_fsdp
@@ -263,8 +307,9 @@ def sharded_worker(preset: str, steps: int, tmp: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
     dcp_group = dist.new_group(backend="gloo")
-    engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft"), parity=1 if world > 1 else 0,
-                            timeout=120)
+    engine = SnapshotEngine(
+        model, opt, sched, directory=os.path.join(tmp, "ft"), parity=1 if world > 1 else 0, timeout=120
+    )
     # the same without erasure coding: what the parity exchange between snapshot processes costs on shared cores
     plain = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft_noparity"), parity=0, timeout=120)
     out: dict = {"world": world, "preset": preset}
@@ -292,8 +337,11 @@ def sharded_worker(preset: str, steps: int, tmp: str) -> None:
                 if future is not None:
                     future.result()  # DCP's rule: one save in flight
                 msd, osd = get_state_dict(model, opt)
-                future = dcp.async_save({"model": msd, "optim": osd}, process_group=dcp_group,
-                                        checkpoint_id=os.path.join(tmp, f"dcp-async-{step % 2}"))
+                future = dcp.async_save(
+                    {"model": msd, "optim": osd},
+                    process_group=dcp_group,
+                    checkpoint_id=os.path.join(tmp, f"dcp-async-{step % 2}"),
+                )
             stall = time.perf_counter() - s
             if i:  # the first save allocates (our slot, DCP's staging); steady state after
                 times.append(time.perf_counter() - t0)
@@ -325,7 +373,7 @@ def sharded_restore_worker(preset: str, tmp: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from hf_dtrain.distributed import init_distributed
+    from hf_dtrain.distributed.groups import init_distributed
     from hf_dtrain.fault import SnapshotEngine
     from hf_dtrain.models import build_llama
     from hf_dtrain.parallel import apply_fsdp
@@ -345,8 +393,9 @@ def sharded_restore_worker(preset: str, tmp: str) -> None:
         return float(t)
 
     model, opt, sched = fresh()
-    engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft"), parity=1 if world > 1 else 0,
-                            timeout=120)
+    engine = SnapshotEngine(
+        model, opt, sched, directory=os.path.join(tmp, "ft"), parity=1 if world > 1 else 0, timeout=120
+    )
     dist.barrier()
     t0 = time.perf_counter()
     restored = engine.restore()
@@ -361,8 +410,9 @@ def sharded_restore_worker(preset: str, tmp: str) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     restart = slowest(time.perf_counter() - t0)
     if dist.get_rank() == 0:
-        Path(tmp, "restore.json").write_text(json.dumps({"ours": ours, "dcp_load": restart,
-                                                          "source": restored.source, "step": restored.step}))
+        Path(tmp, "restore.json").write_text(
+            json.dumps({"ours": ours, "dcp_load": restart, "source": restored.source, "step": restored.step})
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -379,16 +429,20 @@ def sharded_rows(preset: str = "tiny", worlds=SHARDED_WORLDS) -> list[dict]:
         ft_dir = os.path.join(tmp, "ft")
         argv = [sys.executable, __file__]
         try:
-            codes = elastic_launch([*argv, "--sharded-worker", f"{preset}:{SHARDED_STEPS}:{tmp}"], world,
-                                   timeout=1800, log_dir=tmp)
+            codes = elastic_launch(
+                [*argv, "--sharded-worker", f"{preset}:{SHARDED_STEPS}:{tmp}"], world, timeout=1800, log_dir=tmp
+            )
             if codes != [0] * world:
-                raise RuntimeError(f"sharded worker failed {codes}: {open(os.path.join(tmp, 'rank0.out')).read()[-3000:]}")
+                raise RuntimeError(
+                    f"sharded worker failed {codes}: {open(os.path.join(tmp, 'rank0.out')).read()[-3000:]}"
+                )
             if world > 1:
                 kill_snapshot_process(ft_dir, 1)  # node 1 lost: its trainer is gone, and its snapshot process
-            codes = elastic_launch([*argv, "--sharded-restore", f"{preset}:{tmp}"], world, timeout=1800,
-                                   log_dir=tmp)
+            codes = elastic_launch([*argv, "--sharded-restore", f"{preset}:{tmp}"], world, timeout=1800, log_dir=tmp)
             if codes != [0] * world:
-                raise RuntimeError(f"restore worker failed {codes}: {open(os.path.join(tmp, 'rank0.out')).read()[-3000:]}")
+                raise RuntimeError(
+                    f"restore worker failed {codes}: {open(os.path.join(tmp, 'rank0.out')).read()[-3000:]}"
+                )
         finally:
             stop_snapshot_processes(ft_dir)
         row = json.loads(Path(tmp, "train.json").read_text())
@@ -410,7 +464,7 @@ def reshard_worker(preset: str, mode: str, tmp: str, directory: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hf_dtrain.distributed import init_distributed
+    from hf_dtrain.distributed.groups import init_distributed
     from hf_dtrain.fault import SnapshotEngine
     from hf_dtrain.models import build_llama
     from hf_dtrain.parallel import apply_fsdp
@@ -421,8 +475,15 @@ def reshard_worker(preset: str, mode: str, tmp: str, directory: str) -> None:
     apply_fsdp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
-    engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, directory), timeout=120,
-                            persist_dir=os.path.join(tmp, "disk"), persist_every=RESHARD_EVERY)
+    engine = SnapshotEngine(
+        model,
+        opt,
+        sched,
+        directory=os.path.join(tmp, directory),
+        timeout=120,
+        persist_dir=os.path.join(tmp, "disk"),
+        persist_every=RESHARD_EVERY,
+    )
     out: dict = {}
     if mode == "train":
         for step in range(1, RESHARD_STEPS + 1):
@@ -464,10 +525,19 @@ def reshard_rows(preset: str = "tiny") -> list[dict]:
                 raise RuntimeError(f"{mode} failed {codes}: {open(os.path.join(tmp, 'rank0.out')).read()[-3000:]}")
             if mode == "restore":
                 r = json.loads(Path(tmp, f"restore-{directory}.json").read_text())
-                rows.append({"restart": "2 -> 3 ranks", "from": {"ft": "the snapshot processes' copies (ours)",
-                                                                   "ft_new": "the persisted DCP copy"}[directory],
-                             "source": r["source"], "trained_to": RESHARD_STEPS, "restored_step": r["step"],
-                             "lost_steps": RESHARD_STEPS - r["step"], "restore_seconds": r["seconds"]})
+                rows.append(
+                    {
+                        "restart": "2 -> 3 ranks",
+                        "from": {"ft": "the snapshot processes' copies (ours)", "ft_new": "the persisted DCP copy"}[
+                            directory
+                        ],
+                        "source": r["source"],
+                        "trained_to": RESHARD_STEPS,
+                        "restored_step": r["step"],
+                        "lost_steps": RESHARD_STEPS - r["step"],
+                        "restore_seconds": r["seconds"],
+                    }
+                )
                 print(rows[-1], flush=True)
     finally:
         for d in ("ft", "ft_new"):
@@ -476,8 +546,11 @@ def reshard_rows(preset: str = "tiny") -> list[dict]:
 
 
 def _run(argv: list[str]):
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                                        os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="2",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     return run_worker(__file__, argv, env=env, timeout=1800)
 
 
@@ -492,14 +565,26 @@ def main():
     ap.add_argument("--sharded-worker")
     ap.add_argument("--sharded-restore")
     ap.add_argument("--reshard-worker")
-    ap.add_argument("--reshard", action="store_true",
-                    help="measure only the world-size change rows (FSDP2, 2 -> 3 ranks) and add them to the JSON")
-    ap.add_argument("--recovery", action="store_true",
-                    help="measure only the 3-rank failure rows (a killed trainer, a lost node) into the JSON")
-    ap.add_argument("--sharded", action="store_true",
-                    help="measure only the FSDP2 rows (1, 2 and 4 ranks) and add them to the existing JSON")
-    ap.add_argument("--update-restore", action="store_true",
-                    help="re-measure only the restore rows (a fresh snapshot per preset) in the existing JSON")
+    ap.add_argument(
+        "--reshard",
+        action="store_true",
+        help="measure only the world-size change rows (FSDP2, 2 -> 3 ranks) and add them to the JSON",
+    )
+    ap.add_argument(
+        "--recovery",
+        action="store_true",
+        help="measure only the 3-rank failure rows (a killed trainer, a lost node) into the JSON",
+    )
+    ap.add_argument(
+        "--sharded",
+        action="store_true",
+        help="measure only the FSDP2 rows (1, 2 and 4 ranks) and add them to the existing JSON",
+    )
+    ap.add_argument(
+        "--update-restore",
+        action="store_true",
+        help="re-measure only the restore rows (a fresh snapshot per preset) in the existing JSON",
+    )
     args = ap.parse_args()
     if args.sharded_worker:
         preset, steps, tmp = args.sharded_worker.split(":", 2)
@@ -555,11 +640,11 @@ def main():
     if args.worker:
         preset, method, interval = args.worker.split(":")
         steps = max(PRESETS[preset]["steps"], 2 * int(interval) + 1)  # at least two saves: one after the first
-        emit_result((worker(preset, method, int(interval), steps)))
+        emit_result(worker(preset, method, int(interval), steps))
         return
     if args.restore:
         preset, tmp = args.restore.split(":", 1)
-        emit_result((restore_worker(preset, tmp)))
+        emit_result(restore_worker(preset, tmp))
         return
     from tqdm import tqdm
 
@@ -574,8 +659,14 @@ def main():
     for p, m, i in tqdm(jobs, desc="configurations"):
         rows.append(_run(["--worker", f"{p}:{m}:{i}"]))
         partial.write_text(json.dumps({"rows": rows}))  # measured rows survive a failure further on
-    payload = {"rows": rows, "recovery": lost_node_runs(), "sharded": sharded_rows(), "reshard": reshard_rows(),
-               "batch": BATCH, "seq": SEQ}
+    payload = {
+        "rows": rows,
+        "recovery": lost_node_runs(),
+        "sharded": sharded_rows(),
+        "reshard": reshard_rows(),
+        "batch": BATCH,
+        "seq": SEQ,
+    }
     partial.write_text(json.dumps(payload))
     from _report import write
 
@@ -594,8 +685,10 @@ def _section_environment(payload: dict, key: str) -> str:
     when = payload.get(f"{key}_measured") or payload.get(f"{key}_remeasured")
     if not when:
         return ""
-    return (f"\n\nEnvironment of this section: not recorded with it (measured {when}, apart from the full run "
-            "whose environment closes this file; same machine and torch). Sections measured later record theirs.")
+    return (
+        f"\n\nEnvironment of this section: not recorded with it (measured {when}, apart from the full run "
+        "whose environment closes this file; same machine and torch). Sections measured later record theirs."
+    )
 
 
 def render(payload: dict):
@@ -608,86 +701,159 @@ def render(payload: dict):
         r["overhead"] = r["step_seconds"] / base["step_seconds"] - 1
         r["mean_overhead"] = r["mean_step_seconds"] / base["mean_step_seconds"] - 1
         r["stall_ms"] = None if r["stall_seconds"] is None else 1000 * r["stall_seconds"]
-        save = next((x for x in rows if x["preset"] == r["preset"] and x["method"] == "torch_save"
-                     and x["interval"] == r["interval"]), None)
-        r["stall_vs_save"] = (r["stall_seconds"] / save["stall_seconds"]
-                              if save and r["stall_seconds"] is not None else None)
-        r["label"] = {"ours": "in-memory snapshot (ours)", "torch_save": "torch.save", "dcp_async": "DCP async_save",
-                      "trainer": "Trainer save_steps", "none": "no saving", "trainer_none": "Trainer, no saving"}[
-            r["method"]]
+        save = next(
+            (
+                x
+                for x in rows
+                if x["preset"] == r["preset"] and x["method"] == "torch_save" and x["interval"] == r["interval"]
+            ),
+            None,
+        )
+        r["stall_vs_save"] = (
+            r["stall_seconds"] / save["stall_seconds"] if save and r["stall_seconds"] is not None else None
+        )
+        r["label"] = {
+            "ours": "in-memory snapshot (ours)",
+            "torch_save": "torch.save",
+            "dcp_async": "DCP async_save",
+            "trainer": "Trainer save_steps",
+            "none": "no saving",
+            "trainer_none": "Trainer, no saving",
+        }[r["method"]]
         if "restore_seconds" in r:
             r["restore_ms"] = 1000 * r["restore_seconds"]["ours"]
             r["load_ms"] = 1000 * r["restore_seconds"]["torch_load"]
     shown = [r for r in rows if r["method"] not in ("none", "trainer_none")]
-    table = markdown_table(shown, [
-        ("preset", "model", ""), ("label", "method", ""), ("interval", "every N steps", ""),
-        ("stall_ms", "stall per save (ms)", ".1f"), ("stall_vs_save", "stall / torch.save", ".3f"),
-        ("overhead", "step-time overhead (median)", "+.1%"), ("mean_overhead", "step-time overhead (mean)", "+.1%"),
-    ])
+    table = markdown_table(
+        shown,
+        [
+            ("preset", "model", ""),
+            ("label", "method", ""),
+            ("interval", "every N steps", ""),
+            ("stall_ms", "stall per save (ms)", ".1f"),
+            ("stall_vs_save", "stall / torch.save", ".3f"),
+            ("overhead", "step-time overhead (median)", "+.1%"),
+            ("mean_overhead", "step-time overhead (mean)", "+.1%"),
+        ],
+    )
     ours = [r for r in rows if r["method"] == "ours" and "restore_ms" in r and r["interval"] == 1]
-    when = (f" (re-measured {payload['restore_remeasured']} after the restore path changed)"
-            if payload.get("restore_remeasured") else "")
-    table += f"\n\n### Restore in a fresh process (killed trainer, node alive){when}\n\n" + markdown_table(ours, [
-        ("preset", "model", ""), ("snapshot_bytes", "snapshot bytes", ",d"),
-        ("restore_ms", "from the snapshot process (ms)", ".0f"), ("load_ms", "torch.load of the checkpoint (ms)", ".0f"),
-    ]) + _section_environment(payload, "restore")
+    when = (
+        f" (re-measured {payload['restore_remeasured']} after the restore path changed)"
+        if payload.get("restore_remeasured")
+        else ""
+    )
+    table += (
+        f"\n\n### Restore in a fresh process (killed trainer, node alive){when}\n\n"
+        + markdown_table(
+            ours,
+            [
+                ("preset", "model", ""),
+                ("snapshot_bytes", "snapshot bytes", ",d"),
+                ("restore_ms", "from the snapshot process (ms)", ".0f"),
+                ("load_ms", "torch.load of the checkpoint (ms)", ".0f"),
+            ],
+        )
+        + _section_environment(payload, "restore")
+    )
     when = f" (measured {payload['recovery_measured']})" if payload.get("recovery_measured") else ""
-    table += f"\n\n### Failures in a 3-rank run (test model, snapshot every step, one node per rank){when}\n\n" + \
-        markdown_table(payload["recovery"], [
-            ("case", "failure", ""), ("source", "restored from", ""), ("failed_at_step", "failed after step", ""),
-            ("restored_step", "restored step", ""), ("lost_steps", "steps lost", ""),
-            ("restore_seconds", "restore time (s)", ".2f")]) + _section_environment(payload, "recovery")
+    table += (
+        f"\n\n### Failures in a 3-rank run (test model, snapshot every step, one node per rank){when}\n\n"
+        + markdown_table(
+            payload["recovery"],
+            [
+                ("case", "failure", ""),
+                ("source", "restored from", ""),
+                ("failed_at_step", "failed after step", ""),
+                ("restored_step", "restored step", ""),
+                ("lost_steps", "steps lost", ""),
+                ("restore_seconds", "restore time (s)", ".2f"),
+            ],
+        )
+        + _section_environment(payload, "recovery")
+    )
     if payload.get("sharded"):
         sharded = []
         for r in payload["sharded"]:
             base = r["none"]["step_seconds"]
-            sharded.append({
-                "world": r["world"], "bytes": r["snapshot_bytes_per_rank"],
-                "bytes_ratio": r["snapshot_bytes_per_rank"] / payload["sharded"][0]["snapshot_bytes_per_rank"],
-                "ours_stall_ms": 1000 * r["ours"]["stall_seconds"], "dcp_stall_ms": 1000 * r["dcp_async"]["stall_seconds"],
-                "stall_ratio": r["ours"]["stall_seconds"] / r["dcp_async"]["stall_seconds"],
-                "ours_overhead": r["ours"]["step_seconds"] / base - 1,
-                "noparity_overhead": r["ours_noparity"]["step_seconds"] / base - 1 if "ours_noparity" in r else None,
-                "dcp_overhead": r["dcp_async"]["step_seconds"] / base - 1,
-                "restore_source": r["restore"]["source"], "ours_restore_s": r["restore"]["ours"],
-                "dcp_restore_s": r["restore"]["dcp_load"],
-                "restore_ratio": r["restore"]["ours"] / r["restore"]["dcp_load"]})
+            sharded.append(
+                {
+                    "world": r["world"],
+                    "bytes": r["snapshot_bytes_per_rank"],
+                    "bytes_ratio": r["snapshot_bytes_per_rank"] / payload["sharded"][0]["snapshot_bytes_per_rank"],
+                    "ours_stall_ms": 1000 * r["ours"]["stall_seconds"],
+                    "dcp_stall_ms": 1000 * r["dcp_async"]["stall_seconds"],
+                    "stall_ratio": r["ours"]["stall_seconds"] / r["dcp_async"]["stall_seconds"],
+                    "ours_overhead": r["ours"]["step_seconds"] / base - 1,
+                    "noparity_overhead": r["ours_noparity"]["step_seconds"] / base - 1
+                    if "ours_noparity" in r
+                    else None,
+                    "dcp_overhead": r["dcp_async"]["step_seconds"] / base - 1,
+                    "restore_source": r["restore"]["source"],
+                    "ours_restore_s": r["restore"]["ours"],
+                    "dcp_restore_s": r["restore"]["dcp_load"],
+                    "restore_ratio": r["restore"]["ours"] / r["restore"]["dcp_load"],
+                }
+            )
         when = f" (measured {payload['sharded_measured']})" if payload.get("sharded_measured") else ""
-        table += (f"\n\n### FSDP2: sharded snapshots every step against DCP async_save of the same state{when}\n\n"
-                  + markdown_table(sharded, [
-                      ("world", "ranks", ""), ("bytes", "snapshot bytes per rank", ",d"),
-                      ("bytes_ratio", "bytes / 1 rank", ".3f"), ("ours_stall_ms", "stall, ours (ms)", ".1f"),
-                      ("dcp_stall_ms", "stall, DCP async_save (ms)", ".1f"), ("stall_ratio", "stall ratio", ".3f"),
-                      ("ours_overhead", "step overhead, ours", "+.1%"),
-                      ("noparity_overhead", "ours, parity off", "+.1%"),
-                      ("dcp_overhead", "step overhead, DCP async", "+.1%"),
-                      ("restore_source", "restored from", ""), ("ours_restore_s", "restore, ours (s)", ".3f"),
-                      ("dcp_restore_s", "restart, dcp.load (s)", ".3f"), ("restore_ratio", "restore ratio", ".3f")])
-                  + _section_environment(payload, "sharded"))
+        table += (
+            f"\n\n### FSDP2: sharded snapshots every step against DCP async_save of the same state{when}\n\n"
+            + markdown_table(
+                sharded,
+                [
+                    ("world", "ranks", ""),
+                    ("bytes", "snapshot bytes per rank", ",d"),
+                    ("bytes_ratio", "bytes / 1 rank", ".3f"),
+                    ("ours_stall_ms", "stall, ours (ms)", ".1f"),
+                    ("dcp_stall_ms", "stall, DCP async_save (ms)", ".1f"),
+                    ("stall_ratio", "stall ratio", ".3f"),
+                    ("ours_overhead", "step overhead, ours", "+.1%"),
+                    ("noparity_overhead", "ours, parity off", "+.1%"),
+                    ("dcp_overhead", "step overhead, DCP async", "+.1%"),
+                    ("restore_source", "restored from", ""),
+                    ("ours_restore_s", "restore, ours (s)", ".3f"),
+                    ("dcp_restore_s", "restart, dcp.load (s)", ".3f"),
+                    ("restore_ratio", "restore ratio", ".3f"),
+                ],
+            )
+            + _section_environment(payload, "sharded")
+        )
     if payload.get("reshard"):
         when = f" (measured {payload['reshard_measured']})" if payload.get("reshard_measured") else ""
-        table += (f"\n\n### FSDP2 restarted on another world size: the survivors' in-memory snapshots against the "
-                  f"persisted DCP copy{when}\n\n" + markdown_table(payload["reshard"], [
-                      ("restart", "restart", ""), ("from", "restored from", ""), ("source", "source", ""),
-                      ("trained_to", "trained to step", ""), ("restored_step", "restored step", ""),
-                      ("lost_steps", "steps lost", ""), ("restore_seconds", "restore time, slowest rank (s)", ".3f")])
-                  + _section_environment(payload, "reshard"))
-    notes = (f"Batch {payload['batch']} x {payload['seq']} tokens, AdamW, full training; each configuration in a fresh "
-             "process on this 2-core CPU host; median over the timed steps after a warm-up step, the first save "
-             "excluded from the stall (it allocates). Ours: a background thread copies into the snapshot process's "
-             "memory and checksums (xxh3) while the next forward and backward run; the stall is what the loop "
-             "waits for. torch.save and the Trainer write to local disk (page cache). DCP async_save stages to host "
-             "memory and writes in a background thread; one save in flight. Erasure coding is off in the one-process "
-             "rows (one node); the 3-rank rows have parity on. FSDP2 rows: the tiny model sharded on 1, 2 and 4 gloo "
-             "ranks of this 2-core host (4 ranks oversubscribe it), one emulated node each, parity 1 above one rank; "
-             "every rank's step starts at a barrier, so the median is the job's step time; 12 timed steps per "
-             "method; the restart is node 1 lost (trainer and snapshot process) and every rank relaunched: ours "
-             "rebuilds its shards from parity, the DCP restart loads the same state from local disk (page cache); "
-             "each the slowest rank's time. World-size change rows: the tiny model on FSDP2, 2 ranks trained 10 "
-             "steps with every 4th snapshot persisted, then restarted on 3 ranks (one emulated node each): once with "
-             "a new snapshot directory (only the persisted copy of step 8 is there), once with the training run's "
-             "(its snapshot processes hold both old ranks' snapshots of step 10, written once as a DCP checkpoint "
-             "under the persist directory and loaded like the persisted copy).")
+        table += (
+            f"\n\n### FSDP2 restarted on another world size: the survivors' in-memory snapshots against the "
+            f"persisted DCP copy{when}\n\n"
+            + markdown_table(
+                payload["reshard"],
+                [
+                    ("restart", "restart", ""),
+                    ("from", "restored from", ""),
+                    ("source", "source", ""),
+                    ("trained_to", "trained to step", ""),
+                    ("restored_step", "restored step", ""),
+                    ("lost_steps", "steps lost", ""),
+                    ("restore_seconds", "restore time, slowest rank (s)", ".3f"),
+                ],
+            )
+            + _section_environment(payload, "reshard")
+        )
+    notes = (
+        f"Batch {payload['batch']} x {payload['seq']} tokens, AdamW, full training; each configuration in a fresh "
+        "process on this 2-core CPU host; median over the timed steps after a warm-up step, the first save "
+        "excluded from the stall (it allocates). Ours: a background thread copies into the snapshot process's "
+        "memory and checksums (xxh3) while the next forward and backward run; the stall is what the loop "
+        "waits for. torch.save and the Trainer write to local disk (page cache). DCP async_save stages to host "
+        "memory and writes in a background thread; one save in flight. Erasure coding is off in the one-process "
+        "rows (one node); the 3-rank rows have parity on. FSDP2 rows: the tiny model sharded on 1, 2 and 4 gloo "
+        "ranks of this 2-core host (4 ranks oversubscribe it), one emulated node each, parity 1 above one rank; "
+        "every rank's step starts at a barrier, so the median is the job's step time; 12 timed steps per "
+        "method; the restart is node 1 lost (trainer and snapshot process) and every rank relaunched: ours "
+        "rebuilds its shards from parity, the DCP restart loads the same state from local disk (page cache); "
+        "each the slowest rank's time. World-size change rows: the tiny model on FSDP2, 2 ranks trained 10 "
+        "steps with every 4th snapshot persisted, then restarted on 3 ranks (one emulated node each): once with "
+        "a new snapshot directory (only the persisted copy of step 8 is there), once with the training run's "
+        "(its snapshot processes hold both old ranks' snapshots of step 10, written once as a DCP checkpoint "
+        "under the persist directory and loaded like the persisted copy)."
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -695,13 +861,15 @@ def render(payload: dict):
 
     presets = [p for p in PRESETS if any(r["preset"] == p for r in rows)]
     extra = 2 if payload.get("sharded") else 0
-    fig, axes = plt.subplots(1, 2 * len(presets) + extra, figsize=(5.5 * (2 * len(presets) + extra), 4.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, 2 * len(presets) + extra, figsize=(5.5 * (2 * len(presets) + extra), 4.4), squeeze=False
+    )
     for i, preset in enumerate(presets):
         ax = axes[0][2 * i]
         for m in METHODS:
-            pts = sorted((r["interval"], 100 * r["overhead"]) for r in rows if r["preset"] == preset
-                         and r["method"] == m)
+            pts = sorted(
+                (r["interval"], 100 * r["overhead"]) for r in rows if r["preset"] == preset and r["method"] == m
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=next(r["label"] for r in rows if r["method"] == m))
         ax.set_xscale("log")
@@ -711,8 +879,13 @@ def render(payload: dict):
         ax.axhline(5, color="grey", ls=":", lw=1)
         ax.legend(fontsize=7)
         ax = axes[0][2 * i + 1]
-        every1 = [r for r in rows if r["preset"] == preset and r["interval"] == min(
-            PRESETS[preset]["intervals"]) and r["stall_ms"] is not None]
+        every1 = [
+            r
+            for r in rows
+            if r["preset"] == preset
+            and r["interval"] == min(PRESETS[preset]["intervals"])
+            and r["stall_ms"] is not None
+        ]
         ax.bar([r["label"].replace(" (ours)", "\n(ours)") for r in every1], [r["stall_ms"] for r in every1])
         ax.set_yscale("log")
         ax.set_ylabel("stall per save (ms, log)")

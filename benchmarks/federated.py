@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, write  # noqa: E402
+from _report import markdown_table, write
 
 UPLINKS = [("none", None), ("int8", None), ("int4", None), ("lowrank", 2), ("lowrank", 1)]
 
@@ -40,11 +40,30 @@ def _config(base_path, out, rounds, clients=100, per_round=10, local_steps=5, up
     from hf_dtrain.federated import FederatedConfig
     from hf_dtrain.finetune import FinetuneConfig
 
-    job = FinetuneConfig.from_dict(dict(method="lorafa", model=base_path, train_size=4000, eval_size=200,
-                                        output_dir=out, progress=False, report=False, lorafa={"optimizer": False}))
-    return FedSimulateConfig(job=job, fed=FederatedConfig(clients=clients, per_round=per_round, rounds=rounds,
-                                                          local_steps=local_steps, batch_size=8, uplink=uplink,
-                                                          uplink_rank=rank))
+    job = FinetuneConfig.from_dict(
+        dict(
+            method="lorafa",
+            model=base_path,
+            train_size=4000,
+            eval_size=200,
+            output_dir=out,
+            progress=False,
+            report=False,
+            lorafa={"optimizer": False},
+        )
+    )
+    return FedSimulateConfig(
+        job=job,
+        fed=FederatedConfig(
+            clients=clients,
+            per_round=per_round,
+            rounds=rounds,
+            local_steps=local_steps,
+            batch_size=8,
+            uplink=uplink,
+            uplink_rank=rank,
+        ),
+    )
 
 
 def client_process(argv):
@@ -61,10 +80,16 @@ def client_process(argv):
     cfg = _config(base_path, None, 1)
     model, _, clients, collator, _, _ = build_federation(cfg)
     sim = FederatedSimulation(model, clients, collator, client_config(cfg), state_dir=state_dir)
-    sim.global_state = {n: v for n, v in load_file(global_path).items()}
+    sim.global_state = dict(load_file(global_path).items())
     delta, _, weight, sent, _ = sim.train_client(int(client))
-    save_file({**{f"d.{n}": v.contiguous() for n, v in delta.items()},
-               "weight": torch.tensor([weight]), "bytes": torch.tensor([float(sent)])}, out)
+    save_file(
+        {
+            **{f"d.{n}": v.contiguous() for n, v in delta.items()},
+            "weight": torch.tensor([weight]),
+            "bytes": torch.tensor([float(sent)]),
+        },
+        out,
+    )
 
 
 def per_client_processes(base_path, rounds, tmp, concurrency=2) -> float:
@@ -85,8 +110,21 @@ def per_client_processes(base_path, rounds, tmp, concurrency=2) -> float:
         for c in sampled:
             out = os.path.join(tmp, f"delta{c}.safetensors")
             outs.append(out)
-            running.append(subprocess.Popen([sys.executable, __file__, "--client-process", base_path, gpath, str(c),
-                                             out, os.path.join(tmp, "states")], env=dict(os.environ, OMP_NUM_THREADS="1")))
+            running.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--client-process",
+                        base_path,
+                        gpath,
+                        str(c),
+                        out,
+                        os.path.join(tmp, "states"),
+                    ],
+                    env=dict(os.environ, OMP_NUM_THREADS="1"),
+                )
+            )
             if len(running) >= concurrency:
                 running.pop(0).wait()
         for p in running:
@@ -107,11 +145,45 @@ def parrot_processes(base_path, rounds, tmp, nproc=2) -> tuple[float, float]:
     from hf_dtrain.testing import free_port
 
     out = os.path.join(tmp, "parrot")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "-m", "hf_dtrain.cli", "fed", "simulate", "--method", "lorafa", "--model", base_path,
-           "--train-size", "4000", "--eval-size", "200", "--clients", "100", "--per-round", "10", "--rounds",
-           str(rounds), "--local-steps", "5", "--fed.batch-size", "8", "--lorafa.optimizer", "false",
-           "--output-dir", out, "--progress", "false", "--report", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "hf_dtrain.cli",
+        "fed",
+        "simulate",
+        "--method",
+        "lorafa",
+        "--model",
+        base_path,
+        "--train-size",
+        "4000",
+        "--eval-size",
+        "200",
+        "--clients",
+        "100",
+        "--per-round",
+        "10",
+        "--rounds",
+        str(rounds),
+        "--local-steps",
+        "5",
+        "--fed.batch-size",
+        "8",
+        "--lorafa.optimizer",
+        "false",
+        "--output-dir",
+        out,
+        "--progress",
+        "false",
+        "--report",
+        "false",
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
     wall = time.perf_counter() - t0
@@ -173,14 +245,22 @@ def flower_simulation(base_path, rounds, tmp, workers=2) -> float:
         return Client(int(context.node_config["partition-id"])).to_client()
 
     def server_fn(context: Context):
-        strategy = FedAvg(fraction_fit=0.1, fraction_evaluate=0.0, min_fit_clients=10, min_available_clients=100,
-                          initial_parameters=initial)
+        strategy = FedAvg(
+            fraction_fit=0.1,
+            fraction_evaluate=0.0,
+            min_fit_clients=10,
+            min_available_clients=100,
+            initial_parameters=initial,
+        )
         return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=rounds))
 
     t0 = time.perf_counter()
-    run_simulation(server_app=ServerApp(server_fn=server_fn), client_app=ClientApp(client_fn=client_fn),
-                   num_supernodes=100, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                                       "init_args": {"num_cpus": workers}})
+    run_simulation(
+        server_app=ServerApp(server_fn=server_fn),
+        client_app=ClientApp(client_fn=client_fn),
+        num_supernodes=100,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": workers}},
+    )
     return time.perf_counter() - t0
 
 
@@ -230,8 +310,15 @@ def split_worker(argv):
             loss, n = side.evaluate()
             total, rows = total + loss * n, rows + n
     with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(dict(seconds=seconds, sent=side.bytes_sent, received=side.bytes_received,
-                       eval_loss=total / rows if rows else None), f)
+        json.dump(
+            dict(
+                seconds=seconds,
+                sent=side.bytes_sent,
+                received=side.bytes_received,
+                eval_loss=total / rows if rows else None,
+            ),
+            f,
+        )
     dist.destroy_process_group()
 
 
@@ -276,13 +363,26 @@ def split_part(base_path, rate="100mbit") -> list[dict]:
             name = "full" if spec is None else str(spec)
             out = os.path.join(tmp, name)
             port = free_port()
-            run_on_hosts(hosts, lambda r, hs: [sys.executable, __file__, "--split-worker", str(r), base_path, name, out],
-                         timeout=900, env=dict(MASTER_ADDR=hosts[0].address, MASTER_PORT=str(port),
-                                               OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+            run_on_hosts(
+                hosts,
+                lambda r, hs: [sys.executable, __file__, "--split-worker", str(r), base_path, name, out],
+                timeout=900,
+                env=dict(
+                    MASTER_ADDR=hosts[0].address,
+                    MASTER_PORT=str(port),
+                    OMP_NUM_THREADS="1",
+                    PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+                ),
+            )
             edge, cloud = (json.load(open(f"{out}.{r}.json")) for r in (0, 1))
-            rows.append(dict(rank=name, bytes_per_step=(edge["sent"] + cloud["sent"]) / SPLIT_STEPS,
-                             seconds_per_step=max(edge["seconds"], cloud["seconds"]) / SPLIT_STEPS,
-                             eval_loss=cloud["eval_loss"]))
+            rows.append(
+                dict(
+                    rank=name,
+                    bytes_per_step=(edge["sent"] + cloud["sent"]) / SPLIT_STEPS,
+                    seconds_per_step=max(edge["seconds"], cloud["seconds"]) / SPLIT_STEPS,
+                    eval_loss=cloud["eval_loss"],
+                )
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -295,8 +395,12 @@ def main():
     ap.add_argument("--sim-rounds", type=int, default=3, help="rounds of the wall-time comparison")
     ap.add_argument("--split-worker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--only-split", action="store_true", help="run only the split fine-tuning part")
-    ap.add_argument("--only-sim", action="store_true", help="rerun only the simulators' wall-time comparison (one "
-                    "process per client, Parrot, Flower) and rewrite the results with it")
+    ap.add_argument(
+        "--only-sim",
+        action="store_true",
+        help="rerun only the simulators' wall-time comparison (one "
+        "process per client, Parrot, Flower) and rewrite the results with it",
+    )
     args = ap.parse_args()
     if args.client_process:
         return client_process(args.client_process)
@@ -319,17 +423,31 @@ def main():
 
         data = json.loads((RESULTS / "federated.json").read_text())
         sim = simulation_part(base_path, args.sim_rounds)
-        return render(data["rows"], data["rounds"], sim, data["split"], data["unsplit_eval_loss"],
-                      env={**data["environment"], "command (simulation part)": "python benchmarks/federated.py "
-                           + " ".join(sys.argv[1:])})
+        return render(
+            data["rows"],
+            data["rounds"],
+            sim,
+            data["split"],
+            data["unsplit_eval_loss"],
+            env={
+                **data["environment"],
+                "command (simulation part)": "python benchmarks/federated.py " + " ".join(sys.argv[1:]),
+            },
+        )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for uplink, rank in UPLINKS:
             t0 = time.perf_counter()
             r = fed_run(base_path, os.path.join(tmp, f"{uplink}{rank}"), args.rounds, uplink, rank or 4)
-            rows.append(dict(uplink=uplink + (f" r={rank}" if rank else ""), bytes_per_round=r["uplink_bytes"] / args.rounds,
-                             eval_loss=r["eval_loss_final"], seconds=time.perf_counter() - t0,
-                             curve=[h["eval_loss"] for h in r["rounds"]]))
+            rows.append(
+                dict(
+                    uplink=uplink + (f" r={rank}" if rank else ""),
+                    bytes_per_round=r["uplink_bytes"] / args.rounds,
+                    eval_loss=r["eval_loss_final"],
+                    seconds=time.perf_counter() - t0,
+                    curve=[h["eval_loss"] for h in r["rounds"]],
+                )
+            )
             print(rows[-1], flush=True)
     full = rows[0]
     for row in rows:
@@ -356,9 +474,17 @@ def simulation_part(base_path, rounds) -> dict:
             flower, flower_version = flower_simulation(base_path, rounds, tmp), flwr.__version__
         except ImportError as e:
             flower, flower_version = None, f"not installed ({e}): pip install 'flwr[simulation]'"
-    sim = dict(rounds=rounds, per_client_process_s=naive, parrot_wall_s=parrot_wall, parrot_rounds_s=parrot_rounds,
-               speedup_wall=naive / parrot_wall, speedup_rounds=naive / parrot_rounds, flower_s=flower,
-               flower=flower_version, speedup_vs_flower=flower / parrot_wall if flower else None)
+    sim = dict(
+        rounds=rounds,
+        per_client_process_s=naive,
+        parrot_wall_s=parrot_wall,
+        parrot_rounds_s=parrot_rounds,
+        speedup_wall=naive / parrot_wall,
+        speedup_rounds=naive / parrot_rounds,
+        flower_s=flower,
+        flower=flower_version,
+        speedup_vs_flower=flower / parrot_wall if flower else None,
+    )
     print(sim, flush=True)
     return sim
 
@@ -371,32 +497,56 @@ def render(rows, rounds, sim, split_rows, central, env=None):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for row in rows:
-        ax.plot(range(1, len(row["curve"]) + 1), row["curve"], label=f"{row['uplink']} ({row['bytes_vs_fp32']:.3f}x bytes)")
+        ax.plot(
+            range(1, len(row["curve"]) + 1), row["curve"], label=f"{row['uplink']} ({row['bytes_vs_fp32']:.3f}x bytes)"
+        )
     ax.set_xlabel("round")
     ax.set_ylabel("eval loss of the global adapter")
     ax.legend(fontsize=8)
-    cols = [("uplink", "uplink", ""), ("bytes_per_round", "bytes / round", ",.0f"), ("bytes_vs_fp32", "vs fp32", ".3f"),
-            ("eval_loss", "final eval loss", ".4f"), ("eval_loss_vs_fp32", "vs fp32", ".4f"), ("seconds", "wall s", ".1f")]
+    cols = [
+        ("uplink", "uplink", ""),
+        ("bytes_per_round", "bytes / round", ",.0f"),
+        ("bytes_vs_fp32", "vs fp32", ".3f"),
+        ("eval_loss", "final eval loss", ".4f"),
+        ("eval_loss_vs_fp32", "vs fp32", ".4f"),
+        ("seconds", "wall s", ".1f"),
+    ]
     table = markdown_table(rows, cols)
-    table += (f"\n\nSimulation wall time of {sim['rounds']} rounds (100 clients, 10 per round, 2 CPU cores): one "
-              f"process per client {sim['per_client_process_s']:.1f} s; Parrot on 2 processes {sim['parrot_wall_s']:.1f} s "
-              f"with start-up ({sim['speedup_wall']:.1f}x faster), {sim['parrot_rounds_s']:.1f} s in the rounds "
-              f"({sim['speedup_rounds']:.1f}x).")
+    table += (
+        f"\n\nSimulation wall time of {sim['rounds']} rounds (100 clients, 10 per round, 2 CPU cores): one "
+        f"process per client {sim['per_client_process_s']:.1f} s; Parrot on 2 processes {sim['parrot_wall_s']:.1f} s "
+        f"with start-up ({sim['speedup_wall']:.1f}x faster), {sim['parrot_rounds_s']:.1f} s in the rounds "
+        f"({sim['speedup_rounds']:.1f}x)."
+    )
     if sim.get("flower_s"):
-        table += (f" Flower {sim['flower']} (`flwr.simulation.run_simulation`, Ray backend, 2 actors of 1 CPU, the "
-                  f"same client code, its FedAvg): {sim['flower_s']:.1f} s, {sim['speedup_vs_flower']:.1f}x Parrot's "
-                  "wall time with start-up.")
+        table += (
+            f" Flower {sim['flower']} (`flwr.simulation.run_simulation`, Ray backend, 2 actors of 1 CPU, the "
+            f"same client code, its FedAvg): {sim['flower_s']:.1f} s, {sim['speedup_vs_flower']:.1f}x Parrot's "
+            "wall time with start-up."
+        )
     elif sim.get("flower"):
         table += f" Flower: {sim['flower']}."
-    scols = [("rank", "link rank", ""), ("bytes_per_step", "bytes / step", ",.0f"), ("bytes_vs_full", "vs full", ".3f"),
-             ("seconds_per_step", "s / step (100 Mbit/s)", ".3f"), ("eval_loss", "eval loss", ".4f"),
-             ("eval_loss_vs_unsplit", "vs unsplit", ".4f")]
-    table += (f"\n\nSplit fine-tuning (cut after layer 2 of 4, LoRA-FA, {SPLIT_STEPS} steps of batch 16) on two emulated "
-              f"hosts joined by 100 Mbit/s links; unsplit eval loss {central:.4f}:\n\n" + markdown_table(split_rows, scols))
-    write("federated", dict(rows=rows, rounds=rounds, simulation=sim, split=split_rows, unsplit_eval_loss=central),
-          table, fig, env=env,
-          notes="100 clients (Dirichlet 0.5 over the first operand's leading digit), 10 per round, 5 local AdamW "
-                "steps of batch 8, LoRA-FA r=8 (its optimizer off), error feedback on the compressed uplinks.")
+    scols = [
+        ("rank", "link rank", ""),
+        ("bytes_per_step", "bytes / step", ",.0f"),
+        ("bytes_vs_full", "vs full", ".3f"),
+        ("seconds_per_step", "s / step (100 Mbit/s)", ".3f"),
+        ("eval_loss", "eval loss", ".4f"),
+        ("eval_loss_vs_unsplit", "vs unsplit", ".4f"),
+    ]
+    table += (
+        f"\n\nSplit fine-tuning (cut after layer 2 of 4, LoRA-FA, {SPLIT_STEPS} steps of batch 16) on two emulated "
+        f"hosts joined by 100 Mbit/s links; unsplit eval loss {central:.4f}:\n\n" + markdown_table(split_rows, scols)
+    )
+    write(
+        "federated",
+        dict(rows=rows, rounds=rounds, simulation=sim, split=split_rows, unsplit_eval_loss=central),
+        table,
+        fig,
+        env=env,
+        notes="100 clients (Dirichlet 0.5 over the first operand's leading digit), 10 per round, 5 local AdamW "
+        "steps of batch 8, LoRA-FA r=8 (its optimizer off), error feedback on the compressed uplinks.",
+    )
     print(table)
 
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, write  # noqa: E402
+from _report import markdown_table, write
 
 KS = [1, 4, 8, 16]
 LRS = [1e-3, 2e-3, 4e-3, 8e-3]
@@ -33,9 +33,19 @@ def jobs_for(method: str, k: int, batch: int, steps: int):
     from hf_dtrain.finetune import FinetuneConfig
     from hf_dtrain.sweep import expand_grid
 
-    base = FinetuneConfig.from_dict(dict(method=method, max_steps=steps, per_device_train_batch_size=batch,
-                                         warmup_steps=2, train_size=4000, eval_size=16, progress=False, report=False,
-                                         logging_steps=1000))
+    base = FinetuneConfig.from_dict(
+        dict(
+            method=method,
+            max_steps=steps,
+            per_device_train_batch_size=batch,
+            warmup_steps=2,
+            train_size=4000,
+            eval_size=16,
+            progress=False,
+            report=False,
+            logging_steps=1000,
+        )
+    )
     grid = expand_grid(base, learning_rate=LRS, lora_r=RANKS, seed=SEEDS)  # 16 jobs
     return grid[:k]
 
@@ -69,13 +79,31 @@ def time_trainer(job, base_path, warm: int) -> float:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
 
-    args = TrainingArguments(output_dir="/tmp/hf_dtrain_bench_fused", max_steps=a.max_steps,
-                             learning_rate=a.learning_rate, per_device_train_batch_size=a.per_device_train_batch_size,
-                             warmup_steps=a.warmup_steps, lr_scheduler_type="linear", seed=a.seed,
-                             data_seed=a.seed, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_steps=1000, disable_tqdm=True, remove_unused_columns=False, max_grad_norm=1.0)
-    trainer = Trainer(model=model, args=args, data_collator=tasks.task_collator(tok), train_dataset=train,
-                      callbacks=[Clock()], optimizers=(opt, None))
+    args = TrainingArguments(
+        output_dir="/tmp/hf_dtrain_bench_fused",
+        max_steps=a.max_steps,
+        learning_rate=a.learning_rate,
+        per_device_train_batch_size=a.per_device_train_batch_size,
+        warmup_steps=a.warmup_steps,
+        lr_scheduler_type="linear",
+        seed=a.seed,
+        data_seed=a.seed,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1000,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        max_grad_norm=1.0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        data_collator=tasks.task_collator(tok),
+        train_dataset=train,
+        callbacks=[Clock()],
+        optimizers=(opt, None),
+    )
     trainer.train()
     del trainer, model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -111,9 +139,15 @@ def time_fused(jobs, base_path, warm: int, profile: bool = False):
         fused = fuse_adapters(peft_model, names)
     collator = tasks.task_collator(tok)
     args = [j.training_args() for j in jobs]
-    fjobs = [FusedJob(n, a.learning_rate, _job_loader(j, tasks.make_task_dataset(tok, j.train_size, seed=a.seed,
-                                                                                     split="train"), collator, 1, 0),
-                      warmup_steps=int(a.warmup_steps)) for n, j, a in zip(names, jobs, args)]
+    fjobs = [
+        FusedJob(
+            n,
+            a.learning_rate,
+            _job_loader(j, tasks.make_task_dataset(tok, j.train_size, seed=a.seed, split="train"), collator, 1, 0),
+            warmup_steps=int(a.warmup_steps),
+        )
+        for n, j, a in zip(names, jobs, args)
+    ]
     rule = "lorafa" if jobs[0].method == "lorafa" and jobs[0].lorafa.optimizer else "adamw"
     steps = args[0].max_steps
     trainer = FusedTrainer(fused, fjobs, steps, FusedConfig(), pad_id=tok.pad_token_id or 0, optimizer_rule=rule)
@@ -135,21 +169,26 @@ def time_fused(jobs, base_path, warm: int, profile: bool = False):
 
 def _profile_rows(prof) -> dict:
     """Self CPU time by kind of work, as shares of the profiled steps."""
-    kinds = {"matmul": ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear"),
-             "attention": ("scaled_dot_product", "_flash_attention", "_efficient_attention"),
-             "optimizer": ("lerp", "addcmul", "sqrt", "linalg", "vector_norm", "pinv")}
-    total, by = 0.0, {k: 0.0 for k in (*kinds, "other")}
+    kinds = {
+        "matmul": ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear"),
+        "attention": ("scaled_dot_product", "_flash_attention", "_efficient_attention"),
+        "optimizer": ("lerp", "addcmul", "sqrt", "linalg", "vector_norm", "pinv"),
+    }
+    total, by = 0.0, dict.fromkeys((*kinds, "other"), 0.0)
     for e in prof.key_averages():
         if not e.key.startswith("aten::"):
             continue
         t = e.self_cpu_time_total
         total += t
-        name = e.key[len("aten::"):]
+        name = e.key[len("aten::") :]
         kind = next((k for k, keys in kinds.items() if any(name.startswith(x) or name == x for x in keys)), "other")
         by[kind] += t
     launches = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-    return {**{k: v / max(total, 1) for k, v in by.items()}, "aten_calls_per_step": launches / 3,
-            "aten_self_ms_per_step": total / 3 / 1000}
+    return {
+        **{k: v / max(total, 1) for k, v in by.items()},
+        "aten_calls_per_step": launches / 3,
+        "aten_self_ms_per_step": total / 3 / 1000,
+    }
 
 
 def gemm_rates(rows_per_job: int, hidden: int, ks=(1, 8)) -> list[dict]:
@@ -161,7 +200,11 @@ def gemm_rates(rows_per_job: int, hidden: int, ks=(1, 8)) -> list[dict]:
 
     shape = PRESETS["tiny"]
     out = []
-    for n_out, what in ((hidden, "hidden"), (shape["intermediate_size"], "intermediate"), (shape["vocab_size"], "vocab")):
+    for n_out, what in (
+        (hidden, "hidden"),
+        (shape["intermediate_size"], "intermediate"),
+        (shape["vocab_size"], "vocab"),
+    ):
         row = dict(product=f"[rows x {hidden}] @ [{hidden} x {n_out}] ({what})")
         for k in ks:
             x, w = torch.randn(rows_per_job * k, hidden), torch.randn(hidden, n_out)
@@ -193,8 +236,14 @@ def render(payload: dict):
         ax.plot(ks, [r["sequential_samples_per_s"] for r in rs], "s--", label="one after another (Trainer)")
         ax.plot(ks, [r["engine_k1_samples_per_s"] for r in rs], "^:", label="one after another (fused engine, K=1)")
         for r in rs:
-            ax.annotate(f"{r['speedup_vs_trainer']:.1f}x", (r["k"], r["fused_samples_per_s"]),
-                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+            ax.annotate(
+                f"{r['speedup_vs_trainer']:.1f}x",
+                (r["k"], r["fused_samples_per_s"]),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=8,
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("jobs K")
@@ -202,24 +251,42 @@ def render(payload: dict):
         ax.set_title(f"{method}, batch {batch} per job")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    cols = [("method", "method", ""), ("batch", "batch/job", "d"), ("k", "K", "d"), ("fused_samples_per_s", "fused samples/s", ".0f"),
-            ("sequential_samples_per_s", "sequential (Trainer) samples/s", ".0f"),
-            ("speedup_vs_trainer", "fused / sequential (Trainer)", ".2f"),
-            ("speedup_vs_engine_k1", "fused / sequential (engine K=1)", ".2f"),
-            ("per_job_mib", "memory guard: per-job MiB", ".1f")]
+    cols = [
+        ("method", "method", ""),
+        ("batch", "batch/job", "d"),
+        ("k", "K", "d"),
+        ("fused_samples_per_s", "fused samples/s", ".0f"),
+        ("sequential_samples_per_s", "sequential (Trainer) samples/s", ".0f"),
+        ("speedup_vs_trainer", "fused / sequential (Trainer)", ".2f"),
+        ("speedup_vs_engine_k1", "fused / sequential (engine K=1)", ".2f"),
+        ("per_job_mib", "memory guard: per-job MiB", ".1f"),
+    ]
     table = markdown_table(rows, cols)
     prof = payload.get("profile", {})
     if prof:
-        pcols = [("case", "step", ""), ("aten_self_ms_per_step", "aten self ms/step", ".1f"),
-                 ("aten_calls_per_step", "aten calls/step", ".0f"), ("matmul", "matmul", ".2f"),
-                 ("attention", "attention", ".2f"), ("optimizer", "optimizer", ".2f"), ("other", "other", ".2f")]
+        pcols = [
+            ("case", "step", ""),
+            ("aten_self_ms_per_step", "aten self ms/step", ".1f"),
+            ("aten_calls_per_step", "aten calls/step", ".0f"),
+            ("matmul", "matmul", ".2f"),
+            ("attention", "attention", ".2f"),
+            ("optimizer", "optimizer", ".2f"),
+            ("other", "other", ".2f"),
+        ]
         table += "\n\nProfile (torch.profiler, self CPU time shares of 3 steps):\n\n" + markdown_table(
-            [dict(case=k, **v) for k, v in prof.items()], pcols)
+            [dict(case=k, **v) for k, v in prof.items()], pcols
+        )
     if payload.get("gemm"):
-        gcols = [("product", "product", ""), ("gflops_k1", "GFLOP/s, one job's rows", ".1f"),
-                 ("gflops_k8", "GFLOP/s, 8 jobs' rows", ".1f"), ("gain", "gain", ".2f")]
-        table += (f"\n\nMatrix products at the rows of one job ({payload['rows_per_job']}: batch x mean sequence "
-                  "length) and of 8 jobs stacked:\n\n" + markdown_table(payload["gemm"], gcols))
+        gcols = [
+            ("product", "product", ""),
+            ("gflops_k1", "GFLOP/s, one job's rows", ".1f"),
+            ("gflops_k8", "GFLOP/s, 8 jobs' rows", ".1f"),
+            ("gain", "gain", ".2f"),
+        ]
+        table += (
+            f"\n\nMatrix products at the rows of one job ({payload['rows_per_job']}: batch x mean sequence "
+            "length) and of 8 jobs stacked:\n\n" + markdown_table(payload["gemm"], gcols)
+        )
     return table, fig
 
 
@@ -258,9 +325,17 @@ def main() -> None:
             if k == 1:
                 k1 = t
             seq_time = sum(seq[:k])  # seconds for one step of each of the k jobs, one after another
-            row = dict(method=method, batch=bs, k=k, fused_step_s=t, fused_samples_per_s=k * bs / t,
-                       sequential_samples_per_s=k * bs / seq_time, engine_k1_samples_per_s=bs / k1,
-                       speedup_vs_trainer=seq_time / t, speedup_vs_engine_k1=k * k1 / t)
+            row = dict(
+                method=method,
+                batch=bs,
+                k=k,
+                fused_step_s=t,
+                fused_samples_per_s=k * bs / t,
+                sequential_samples_per_s=k * bs / seq_time,
+                engine_k1_samples_per_s=bs / k1,
+                speedup_vs_trainer=seq_time / t,
+                speedup_vs_engine_k1=k * k1 / t,
+            )
             rows.append(row)
             print(row, flush=True)
     for method, bs in [(m, b) for m in methods for b in batch_sizes]:  # the memory guard's per-job estimate
@@ -269,13 +344,23 @@ def main() -> None:
             if r["method"] == method and r["batch"] == bs:
                 r["per_job_mib"] = per / 2**20
     rows_per_job = batch_sizes[0] * _mean_length(base_path)
-    payload = dict(rows=rows, methods=methods, profile=profile, steps=args.steps, warm=args.warm,
-                   batch_sizes=batch_sizes, grid=dict(learning_rate=LRS, lora_r=RANKS, seed=SEEDS),
-                   rows_per_job=rows_per_job, gemm=gemm_rates(rows_per_job, 256))
+    payload = dict(
+        rows=rows,
+        methods=methods,
+        profile=profile,
+        steps=args.steps,
+        warm=args.warm,
+        batch_sizes=batch_sizes,
+        grid=dict(learning_rate=LRS, lora_r=RANKS, seed=SEEDS),
+        rows_per_job=rows_per_job,
+        gemm=gemm_rates(rows_per_job, 256),
+    )
     table, fig = render(payload)
-    notes = ("Sequential = the same K jobs one after another; its samples/s is K x batch over the sum of the jobs' "
-             "median step times. Each fused step trains all K jobs on their own batches. Jobs: the grid "
-             f"learning rate {LRS} x rank {RANKS} x seed {SEEDS} (the first K).")
+    notes = (
+        "Sequential = the same K jobs one after another; its samples/s is K x batch over the sum of the jobs' "
+        "median step times. Each fused step trains all K jobs on their own batches. Jobs: the grid "
+        f"learning rate {LRS} x rank {RANKS} x seed {SEEDS} (the first K)."
+    )
     write("fused", payload, table, fig, notes=notes)
     print(table)
 
@@ -307,8 +392,9 @@ def _per_job_bytes(method, base_path, batch) -> int:
     if method == "full":
         fused = fuse_models([copy.deepcopy(base)])
     else:
-        fused = fuse_adapters(get_peft_model(base, FINETUNE_METHODS[method].build_config(jobs[0], base),
-                                             adapter_name="a"), ["a"])
+        fused = fuse_adapters(
+            get_peft_model(base, FINETUNE_METHODS[method].build_config(jobs[0], base), adapter_name="a"), ["a"]
+        )
     ds = tasks.make_task_dataset(tok, batch, seed=0, split="train")
     batch_ = tasks.task_collator(tok)([ds[i] for i in range(batch)])
     return measure_job_bytes(fused, stack_batches([batch_], tok.pad_token_id or 0))["per_job_bytes"]

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result
 
 METHODS = ["native", "bf16", "fp16", "acp_sgd"]
 WORLD, RANKS_PER_NODE = 4, 2
@@ -47,8 +47,8 @@ def _train(rank: int, method: str, steps: int, batch: int, lr: float) -> dict:
 
     from hf_dtrain import tasks
     from hf_dtrain.comm import CommHookConfig, fsdp_exchange_step_bytes
-    from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.compose import shard_with_fsdp
+    from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.parallel import FSDPConfig
 
     torch.manual_seed(0)
@@ -77,9 +77,14 @@ def _train(rank: int, method: str, steps: int, batch: int, lr: float) -> dict:
         from types import SimpleNamespace
 
         sent = fsdp_exchange_step_bytes(SimpleNamespace(method="allreduce"), model)
-    return {"method": method, "bytes_per_step": sent, "step_time_median_s": statistics.median(times[len(times) // 2:]),
-            "loss_last10": statistics.mean(losses[-10:]), "losses": losses,
-            "n_params": sum(p.numel() for p in model.parameters())}
+    return {
+        "method": method,
+        "bytes_per_step": sent,
+        "step_time_median_s": statistics.median(times[len(times) // 2 :]),
+        "loss_last10": statistics.mean(losses[-10:]),
+        "losses": losses,
+        "n_params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def run_config(link: str, method: str, steps: int, batch: int, extra: list[str]) -> tuple[dict, str]:
@@ -89,18 +94,30 @@ def run_config(link: str, method: str, steps: int, batch: int, extra: list[str])
     port = str(free_port())
 
     def argv(rank, addr):
-        return [sys.executable, __file__, "--worker", f"{rank}:{addr}:{port}:{method}", "--steps", str(steps),
-                "--batch-size", str(batch)] + extra
+        return [
+            sys.executable,
+            __file__,
+            "--worker",
+            f"{rank}:{addr}:{port}:{method}",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(batch),
+        ] + extra
 
     ok, why = available() if link != "loopback" else (False, "--links loopback asked for it")
     if ok:
         with emulated_hosts(WORLD // RANKS_PER_NODE, rate=link) as hosts:
             node = [hosts[r // RANKS_PER_NODE] for r in range(WORLD)]
-            outs = run_ranks([node[r].command(argv(r, hosts[0].address)) for r in range(WORLD)],
-                             [dict(os.environ, GLOO_SOCKET_IFNAME=node[r].interface) for r in range(WORLD)],
-                             timeout=3600)
-        where = (f"{WORLD // RANKS_PER_NODE} network namespaces (nodes) of {RANKS_PER_NODE} ranks, veth + tc tbf "
-                 f"{link} each way")
+            outs = run_ranks(
+                [node[r].command(argv(r, hosts[0].address)) for r in range(WORLD)],
+                [dict(os.environ, GLOO_SOCKET_IFNAME=node[r].interface) for r in range(WORLD)],
+                timeout=3600,
+            )
+        where = (
+            f"{WORLD // RANKS_PER_NODE} network namespaces (nodes) of {RANKS_PER_NODE} ranks, veth + tc tbf "
+            f"{link} each way"
+        )
     else:  # loopback: same processes, no rate limit
         outs = run_ranks([argv(r, "127.0.0.1") for r in range(WORLD)], [dict(os.environ)] * WORLD, timeout=3600)
         where = f"loopback, no rate limit ({why})"
@@ -135,10 +152,17 @@ def main():
 
     build_default_model("tiny", progress=True)
     rows = []
-    for link, method in tqdm([(l, m) for l in args.links.split(",") for m in args.methods.split(",")],
-                             desc="link x method"):
-        extra = ["--rank", str(args.rank), "--start-iter", str(args.start_iter), "--learning-rate",
-                 str(args.learning_rate)]
+    for link, method in tqdm(
+        [(l, m) for l in args.links.split(",") for m in args.methods.split(",")], desc="link x method"
+    ):
+        extra = [
+            "--rank",
+            str(args.rank),
+            "--start-iter",
+            str(args.start_iter),
+            "--learning-rate",
+            str(args.learning_rate),
+        ]
         result, where = run_config(link, method, args.steps, args.batch_size, extra)
         rows.append(dict(result, link=link, network=where))
     from _report import ratios_per_link
@@ -159,33 +183,46 @@ def render(payload: dict):
     rows, args = payload["rows"], payload["args"]
     for r in rows:
         r["MiB_per_step"] = r["bytes_per_step"] / 2**20
-    table = markdown_table(rows, [
-        ("link", "link", ""), ("method", "replica exchange", ""), ("MiB_per_step", "MiB per step per rank", ".3f"),
-        ("bytes_vs_native", "bytes / native", ".3f"), ("step_time_median_s", "median step (s)", ".3f"),
-        ("step_time_vs_native", "step time / native", ".2f"), ("loss_last10", "train loss (last 10 steps)", ".4f"),
-        ("loss_vs_native", "loss / native", ".3f"),
-    ])
+    table = markdown_table(
+        rows,
+        [
+            ("link", "link", ""),
+            ("method", "replica exchange", ""),
+            ("MiB_per_step", "MiB per step per rank", ".3f"),
+            ("bytes_vs_native", "bytes / native", ".3f"),
+            ("step_time_median_s", "median step (s)", ".3f"),
+            ("step_time_vs_native", "step time / native", ".2f"),
+            ("loss_last10", "train loss (last 10 steps)", ".4f"),
+            ("loss_vs_native", "loss / native", ".3f"),
+        ],
+    )
     where = sorted({r["network"] for r in rows})
-    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA, {rows[0]['n_params'] / 1e6:.1f}M "
-             f"parameters) under HSDP, 2 replica groups x 2 shards, {args['steps']} AdamW steps (lr "
-             f"{args['learning_rate']}) of batch {args['batch_size']} per rank on the addition task, gloo. Network: "
-             f"{'; '.join(where)}. ACP-SGD: rank {payload['rank']}, {payload['start_iter']} dense warm-up steps, "
-             "error feedback; its bytes are the mean over the compressed steps (P and Q steps alternate). Bytes: "
-             "what each rank hands to the replica all-reduce per step (hf_dtrain.distributed.WireStats; native HSDP "
-             "by the dense formula). Step time: median over the second half of the steps, as a ratio to native "
-             "HSDP on the same link. DeepSpeed ZeRO++'s quantized gradients (zero_quantized_gradients), the "
-             "comparison a DeepSpeed user would make, do not run on this machine: DeepSpeed 0.19's CPU accelerator "
-             "has no QuantizerBuilder ('This op had not been implemented on CPU backend').")
+    notes = (
+        f"Full fine-tuning of the embedded default model (tiny LLaMA, {rows[0]['n_params'] / 1e6:.1f}M "
+        f"parameters) under HSDP, 2 replica groups x 2 shards, {args['steps']} AdamW steps (lr "
+        f"{args['learning_rate']}) of batch {args['batch_size']} per rank on the addition task, gloo. Network: "
+        f"{'; '.join(where)}. ACP-SGD: rank {payload['rank']}, {payload['start_iter']} dense warm-up steps, "
+        "error feedback; its bytes are the mean over the compressed steps (P and Q steps alternate). Bytes: "
+        "what each rank hands to the replica all-reduce per step (hf_dtrain.distributed.WireStats; native HSDP "
+        "by the dense formula). Step time: median over the second half of the steps, as a ratio to native "
+        "HSDP on the same link. DeepSpeed ZeRO++'s quantized gradients (zero_quantized_gradients), the "
+        "comparison a DeepSpeed user would make, do not run on this machine: DeepSpeed 0.19's CPU accelerator "
+        "has no QuantizerBuilder ('This op had not been implemented on CPU backend')."
+    )
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from _report import bars_by_link
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    links, methods = bars_by_link([(axes[0], "MiB_per_step", "MiB per step per rank, replica exchange (log)"),
-                                   (axes[1], "step_time_vs_native", "step time / native HSDP")], rows)
+    links, methods = bars_by_link(
+        [
+            (axes[0], "MiB_per_step", "MiB per step per rank, replica exchange (log)"),
+            (axes[1], "step_time_vs_native", "step time / native HSDP"),
+        ],
+        rows,
+    )
     for link in links:
         for m in methods:
             r = next(x for x in rows if x["link"] == link and x["method"] == m)

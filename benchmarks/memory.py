@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, run_worker  # noqa: E402  (the worker protocol)
+from _report import emit_result, run_worker
 
 PRESETS = ["tiny", "small"]
 BUDGETS = [0.75, 0.5, 0.25, 0.15]
@@ -69,9 +69,12 @@ def worker(preset: str, method: str, batch: int, seq: int, steps: int) -> dict:
             return tier.load(x[1]) if isinstance(x, tuple) and x and x[0] == "off" else x
     elif method.startswith("delta"):  # delta_<budget>: per decoder layer; delta-sub_<budget>: per sub-module;
         # delta-mem_<budget>: the fewest bytes predicted no slower than full checkpointing
-        scheduler = apply_delta(model, float(method.split("_")[1]),
-                                granularity="submodule" if method.startswith("delta-sub") else "layer",
-                                objective="memory" if method.startswith("delta-mem") else "time")
+        scheduler = apply_delta(
+            model,
+            float(method.split("_")[1]),
+            granularity="submodule" if method.startswith("delta-sub") else "layer",
+            objective="memory" if method.startswith("delta-mem") else "time",
+        )
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times, saved = [], []
@@ -96,8 +99,14 @@ def worker(preset: str, method: str, batch: int, seq: int, steps: int) -> dict:
         opt.zero_grad()
         if step:  # the first step warms up (and, for DELTA, profiles and plans)
             times.append(time.perf_counter() - start)
-    row = {"preset": preset, "method": method, "step_seconds": statistics.median(times), "saved_bytes": saved[-1],
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "loss": loss.item()}
+    row = {
+        "preset": preset,
+        "method": method,
+        "step_seconds": statistics.median(times),
+        "saved_bytes": saved[-1],
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "loss": loss.item(),
+    }
     if scheduler is not None:
         plan = next(iter(scheduler.plans.values()))
         row["plan"] = plan.actions
@@ -148,20 +157,25 @@ def main():
         return
     if args.worker:
         preset, method = args.worker.split(":")
-        emit_result((worker(preset, method, BATCH, SEQ, STEPS)))
+        emit_result(worker(preset, method, BATCH, SEQ, STEPS))
         return
     from tqdm import tqdm
 
-    methods = (["none", "checkpoint", "hf_offload", "offload_all"] + [f"delta_{b}" for b in BUDGETS]
-               + [f"delta-sub_{b}" for b in SUB_BUDGETS] + ["delta-mem_0.5"])
+    methods = (
+        ["none", "checkpoint", "hf_offload", "offload_all"]
+        + [f"delta_{b}" for b in BUDGETS]
+        + [f"delta-sub_{b}" for b in SUB_BUDGETS]
+        + ["delta-mem_0.5"]
+    )
     rows, batches = [], []
     env = dict(os.environ, OMP_NUM_THREADS="2")
     for preset in args.presets.split(","):
         for method in tqdm(methods, desc=preset):
             rows.append(run_worker(__file__, ["--worker", f"{preset}:{method}"], env=env, timeout=1800))
         none = next(r for r in rows if r["preset"] == preset and r["method"] == "none")
-        batches.append({"preset": preset, "budget_bytes": none["saved_bytes"],
-                        **largest_batch(preset, SEQ, none["saved_bytes"])})
+        batches.append(
+            {"preset": preset, "budget_bytes": none["saved_bytes"], **largest_batch(preset, SEQ, none["saved_bytes"])}
+        )
     payload = {"rows": rows, "largest_batch": batches, "batch": BATCH, "seq": SEQ, "steps": STEPS}
     from _report import write
 
@@ -179,34 +193,57 @@ def render(payload: dict):
         none = next(x for x in rows if x["preset"] == r["preset"] and x["method"] == "none")
         r["time_vs_none"] = r["step_seconds"] / none["step_seconds"]
         r["saved_vs_none"] = r["saved_bytes"] / none["saved_bytes"]
-        r["saved_mib"] = r["saved_bytes"] / 2 ** 20
-        r["rss_mib"] = r["peak_rss_bytes"] / 2 ** 20
-        r["actions"] = (", ".join(f"{a}: {list(r['plan'].values()).count(a)}" for a in ("keep", "recompute", "offload"))
-                        + (" (sub-modules)" if r["method"].startswith("delta-sub") else
-                           " (layers, fewest bytes)" if r["method"].startswith("delta-mem") else " (layers)")
-                        if "plan" in r else None)
-    table = markdown_table(rows, [
-        ("preset", "model", ""), ("method", "method", ""), ("saved_mib", "saved activations (MiB)", ".1f"),
-        ("saved_vs_none", "saved / no saving", ".2f"), ("rss_mib", "peak RSS (MiB)", ".0f"),
-        ("step_seconds", "step time (s)", ".3f"), ("time_vs_none", "step time / no saving", ".2f"),
-        ("actions", "DELTA plan (units)", ""),
-    ])
+        r["saved_mib"] = r["saved_bytes"] / 2**20
+        r["rss_mib"] = r["peak_rss_bytes"] / 2**20
+        r["actions"] = (
+            ", ".join(f"{a}: {list(r['plan'].values()).count(a)}" for a in ("keep", "recompute", "offload"))
+            + (
+                " (sub-modules)"
+                if r["method"].startswith("delta-sub")
+                else " (layers, fewest bytes)"
+                if r["method"].startswith("delta-mem")
+                else " (layers)"
+            )
+            if "plan" in r
+            else None
+        )
+    table = markdown_table(
+        rows,
+        [
+            ("preset", "model", ""),
+            ("method", "method", ""),
+            ("saved_mib", "saved activations (MiB)", ".1f"),
+            ("saved_vs_none", "saved / no saving", ".2f"),
+            ("rss_mib", "peak RSS (MiB)", ".0f"),
+            ("step_seconds", "step time (s)", ".3f"),
+            ("time_vs_none", "step time / no saving", ".2f"),
+            ("actions", "DELTA plan (units)", ""),
+        ],
+    )
     for b in payload["largest_batch"]:
         b["ratio"] = b["delta"] / max(1, b["none"])
     table += "\n\n### Largest batch whose saved activations fit a fixed budget\n\n" + markdown_table(
-        payload["largest_batch"], [("preset", "model", ""), ("budget_bytes", "budget (bytes)", ""),
-                                   ("none", "no saving", ""), ("delta", "DELTA", ""), ("ratio", "DELTA / no saving", ".1f")])
-    notes = (f"Batch {payload['batch']} x {payload['seq']} tokens, SGD, {payload['steps']} timed steps after one warm-up "
-             "step (DELTA profiles and plans in it), median step time; each method in a fresh process on this 2-core "
-             "CPU host. Saved activations: unique storages saved for backward, parameters excluded (checkpointed "
-             "layers: their kept inputs); what is offloaded to the file tier is not counted as saved. transformers' "
-             "offload option on a host without a GPU copies the checkpoint inputs to host memory, so they stay "
-             "resident. offload_all: every saved activation to the file tier with saved-tensor hooks (torchtune's "
-             "technique, on this host's slower tier). DELTA budgets: fractions of the no-saving activation bytes; delta-sub: "
-             "planned per sub-module (attention, MLP, the two norms of each layer); delta-mem: objective='memory', "
-             "the fewest bytes among the plans predicted no slower than full checkpointing. "
-             "Largest batch: the budget is the no-saving bytes of batch 8; from measured profiles at each batch size "
-             "(DELTA: its minimum feasible budget, every layer offloaded).")
+        payload["largest_batch"],
+        [
+            ("preset", "model", ""),
+            ("budget_bytes", "budget (bytes)", ""),
+            ("none", "no saving", ""),
+            ("delta", "DELTA", ""),
+            ("ratio", "DELTA / no saving", ".1f"),
+        ],
+    )
+    notes = (
+        f"Batch {payload['batch']} x {payload['seq']} tokens, SGD, {payload['steps']} timed steps after one warm-up "
+        "step (DELTA profiles and plans in it), median step time; each method in a fresh process on this 2-core CPU "
+        "host. Saved activations: unique storages saved for backward, parameters excluded (checkpointed layers: their "
+        "kept inputs); what is offloaded to the file tier is not counted as saved. transformers' offload option on a "
+        "host without a GPU copies the checkpoint inputs to host memory, so they stay resident. offload_all: every "
+        "saved activation to the file tier with saved-tensor hooks (torchtune's technique, on this host's slower "
+        "tier). DELTA budgets: fractions of the no-saving activation bytes; delta-sub: planned per sub-module "
+        "(attention, MLP, the two norms of each layer); delta-mem: objective='memory', the fewest bytes among the "
+        "plans predicted no slower than full checkpointing. Largest batch: the budget is the no-saving bytes of batch "
+        "8; from measured profiles at each batch size (DELTA: its minimum feasible budget, every layer offloaded)."
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,8 +254,13 @@ def render(payload: dict):
         for r in rows:
             if r["preset"] == preset:
                 ax.scatter(r["time_vs_none"], r["saved_mib"], s=40)
-                ax.annotate(r["method"], (r["time_vs_none"], r["saved_mib"]), fontsize=8, xytext=(4, 4),
-                            textcoords="offset points")
+                ax.annotate(
+                    r["method"],
+                    (r["time_vs_none"], r["saved_mib"]),
+                    fontsize=8,
+                    xytext=(4, 4),
+                    textcoords="offset points",
+                )
         ax.set_xlabel("step time / no saving")
         ax.set_ylabel("saved activations (MiB)")
         ax.set_title(f"{preset} LLaMA, batch {payload['batch']} x {payload['seq']}")

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result
 
 LR = {"adamw": 5e-4, "sgd": 0.01, "eva_sgd": 0.01, "eva_adamw": 5e-4, "lamb": 2e-3, "onebit_lamb": 2e-3}
 # the one-process optimizers' sweeps: learning rates, and for Eva the paper's damping (0.03) against a small one (at
@@ -107,8 +107,13 @@ def _train_pair(rank: int, world: int, method: str, steps: int, batch: int, lr: 
     # the loss of the global batch (both ranks) per step, in one all-reduce after the run (not a sync per step)
     mean = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(mean)
-    return {"method": method, "lr": lr, "losses": (mean / world).tolist(), "times": times,
-            "bytes_steps": list(opt.stats.steps)}
+    return {
+        "method": method,
+        "lr": lr,
+        "losses": (mean / world).tolist(),
+        "times": times,
+        "bytes_steps": list(opt.stats.steps),
+    }
 
 
 def run_pair(method: str, steps: int, batch: int, lr: float, freeze: int, world: int) -> dict:
@@ -116,8 +121,21 @@ def run_pair(method: str, steps: int, batch: int, lr: float, freeze: int, world:
     from hf_dtrain.testing.netns import run_ranks
 
     port = str(free_port())
-    argv = [[sys.executable, __file__, "--worker", f"{r}:{world}:{port}:{method}:{freeze}", "--steps", str(steps),
-             "--batch-size", str(batch), "--lr", f"{method}={lr}"] for r in range(world)]
+    argv = [
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            f"{r}:{world}:{port}:{method}:{freeze}",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(batch),
+            "--lr",
+            f"{method}={lr}",
+        ]
+        for r in range(world)
+    ]
     outs = run_ranks(argv, [dict(os.environ)] * world, timeout=3600)
     return parse_result(outs[0])
 
@@ -141,8 +159,7 @@ def main():
         return
     if args.worker:
         rank, world, port, method, freeze = args.worker.split(":")
-        emit_result((worker(int(rank), int(world), port, method, args.steps, args.batch_size,
-                                            LR[method], int(freeze))))
+        emit_result(worker(int(rank), int(world), port, method, args.steps, args.batch_size, LR[method], int(freeze)))
         return
     from tqdm import tqdm
 
@@ -150,8 +167,10 @@ def main():
 
     build_default_model("tiny", progress=True)
     freeze = max(1, int(args.freeze_fraction * args.steps))
-    runs = [(m, cfg) for m in SINGLE for cfg in GRID[m]] + [("lamb", {"lr": LR["lamb"]}),
-                                                          ("onebit_lamb", {"lr": LR["onebit_lamb"]})]
+    runs = [(m, cfg) for m in SINGLE for cfg in GRID[m]] + [
+        ("lamb", {"lr": LR["lamb"]}),
+        ("onebit_lamb", {"lr": LR["onebit_lamb"]}),
+    ]
     rows = []
     for method, cfg in tqdm(runs, desc="optimizers"):
         if method in SINGLE:
@@ -206,29 +225,45 @@ def render(payload: dict):
             r["bytes_vs_lamb"] = r["bytes_per_step"] / lamb["bytes_steps"][-1] if lamb else None
         if "eva_extra_bytes" in r:
             r["eva_extra_vs_state"] = r["eva_extra_bytes"] / max(1, r["base_state_bytes"])
-    table = markdown_table(chosen, [
-        ("method", "optimizer", ""), ("label", "best configuration", ""),
-        ("final", "final loss (smoothed)", ".3f"),
-        ("steps_to_target", "steps to target", ""), ("steps_vs_adamw", "steps / AdamW", ".2f"),
-        ("time_to_target", "time to target (s)", ".1f"), ("time_vs_adamw", "time / AdamW", ".2f"),
-        ("seconds", "total time (s)", ".1f"), ("bytes_per_step", "bytes per step (after warm-up)", ""),
-        ("bytes_vs_lamb", "bytes / LAMB", ".4f"), ("eva_extra_bytes", "Eva extra memory (B)", ""),
-        ("eva_extra_vs_state", "Eva extra / optimizer state", ".4f"),
-    ])
+    table = markdown_table(
+        chosen,
+        [
+            ("method", "optimizer", ""),
+            ("label", "best configuration", ""),
+            ("final", "final loss (smoothed)", ".3f"),
+            ("steps_to_target", "steps to target", ""),
+            ("steps_vs_adamw", "steps / AdamW", ".2f"),
+            ("time_to_target", "time to target (s)", ".1f"),
+            ("time_vs_adamw", "time / AdamW", ".2f"),
+            ("seconds", "total time (s)", ".1f"),
+            ("bytes_per_step", "bytes per step (after warm-up)", ""),
+            ("bytes_vs_lamb", "bytes / LAMB", ".4f"),
+            ("eva_extra_bytes", "Eva extra memory (B)", ""),
+            ("eva_extra_vs_state", "Eva extra / optimizer state", ".4f"),
+        ],
+    )
     sweep = [r for r in rows if r["method"] in SINGLE]
     if len(sweep) > len([m for m in SINGLE if m in best]):
-        table += "\n\n### The sweep (one-process optimizers)\n\n" + markdown_table(sweep, [
-            ("method", "optimizer", ""), ("label", "configuration", ""), ("final", "final loss (smoothed)", ".3f"),
-            ("steps_to_target", "steps to target", ""), ("steps_vs_adamw", "steps / best AdamW", ".2f"),
-        ])
-    notes = (f"Full fine-tuning of the embedded default model (tiny LLaMA) on the addition task, {args['steps']} steps "
-             f"of batch {args['batch_size']}; one process for AdamW, SGD (momentum 0.9) and Eva (paper defaults "
-             f"unless the configuration says otherwise: damping 0.03, KL clip 0.001, decay 0.95), each at the best "
-             f"configuration of its sweep (lowest final loss); {args['world']} gloo ranks on loopback for LAMB and "
-             f"1-bit LAMB (batch {args['batch_size']} per rank, LAMB warm-up {payload['freeze_step']} steps). Loss: "
-             f"mean of the last {SMOOTH} training losses. Target loss: the best AdamW's final smoothed loss x "
-             f"{args['target_factor']} = {target:.3f}. Empty cells: the target was not reached. Bytes: what each rank "
-             "hands to collectives per step (hf_dtrain.distributed.WireStats).")
+        table += "\n\n### The sweep (one-process optimizers)\n\n" + markdown_table(
+            sweep,
+            [
+                ("method", "optimizer", ""),
+                ("label", "configuration", ""),
+                ("final", "final loss (smoothed)", ".3f"),
+                ("steps_to_target", "steps to target", ""),
+                ("steps_vs_adamw", "steps / best AdamW", ".2f"),
+            ],
+        )
+    notes = (
+        f"Full fine-tuning of the embedded default model (tiny LLaMA) on the addition task, {args['steps']} steps "
+        f"of batch {args['batch_size']}; one process for AdamW, SGD (momentum 0.9) and Eva (paper defaults "
+        f"unless the configuration says otherwise: damping 0.03, KL clip 0.001, decay 0.95), each at the best "
+        f"configuration of its sweep (lowest final loss); {args['world']} gloo ranks on loopback for LAMB and "
+        f"1-bit LAMB (batch {args['batch_size']} per rank, LAMB warm-up {payload['freeze_step']} steps). Loss: "
+        f"mean of the last {SMOOTH} training losses. Target loss: the best AdamW's final smoothed loss x "
+        f"{args['target_factor']} = {target:.3f}. Empty cells: the target was not reached. Bytes: what each rank "
+        "hands to collectives per step (hf_dtrain.distributed.WireStats)."
+    )
     rows = chosen
     import matplotlib
 

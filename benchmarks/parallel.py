@@ -23,7 +23,7 @@ import weakref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
 WORLD, SEQ, GLOBAL_BATCH = 4, 128, 8
 PRESETS = ("tiny", "small")
@@ -118,8 +118,13 @@ def _plan_rank(rank, world, preset, plans, out):
         dp_rank, dp_size = data_parallel(mesh)
         per_replica = GLOBAL_BATCH // dp_size
         model = build_llama(preset, seed=0)
-        pipeline = PipelineConfig(schedule=plan["schedule"], stages_per_rank=plan["stages_per_rank"],
-                                  microbatches=plan["microbatches"]) if plan["pp"] > 1 else None
+        pipeline = (
+            PipelineConfig(
+                schedule=plan["schedule"], stages_per_rank=plan["stages_per_rank"], microbatches=plan["microbatches"]
+            )
+            if plan["pp"] > 1
+            else None
+        )
         pipe, trained = apply_parallelism(model, mesh, batch_size=per_replica, seq_len=SEQ, pipeline=pipeline)
         opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(dp_rank)
@@ -145,9 +150,12 @@ def _plan_rank(rank, world, preset, plans, out):
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         params = list(trained.parameters())
         per_rank = _per_rank([_local_bytes(params) * 2 + _local_bytes(state), counter.peak], world)
-        results["plans"][key] = {"step_time": sorted(times)[len(times) // 2], "loss": float(loss.detach()),
-                                 "state_bytes": [float(x[0]) for x in per_rank],
-                                 "activation_bytes": [float(x[1]) for x in per_rank]}
+        results["plans"][key] = {
+            "step_time": sorted(times)[len(times) // 2],
+            "loss": float(loss.detach()),
+            "state_bytes": [float(x[0]) for x in per_rank],
+            "activation_bytes": [float(x[1]) for x in per_rank],
+        }
         del model, trained, pipe, opt
     if rank == 0:
         with open(out, "w") as f:
@@ -182,8 +190,11 @@ class WireBytes:
         t = args[0]
         n = _resolve_process_group(args[-1]).size()
         nbytes = t.numel() * t.element_size()
-        sent = {"all_gather_into_tensor": (n - 1) * nbytes, "reduce_scatter_tensor": (n - 1) / n * nbytes,
-                "all_reduce": 2 * (n - 1) / n * nbytes}[name]
+        sent = {
+            "all_gather_into_tensor": (n - 1) * nbytes,
+            "reduce_scatter_tensor": (n - 1) / n * nbytes,
+            "all_reduce": 2 * (n - 1) / n * nbytes,
+        }[name]
         self.by_op[name] = self.by_op.get(name, 0.0) + sent
 
     @property
@@ -236,9 +247,12 @@ def _optimus_rank(rank, world, out):
             if step >= WARMUP:
                 times.append(elapsed)
         gathered = _per_rank([counter.peak, wire.total], world)
-        results[name] = {"step_time": sorted(times)[len(times) // 2],
-                         "activation_bytes": [float(x[0]) for x in gathered],
-                         "wire_bytes": [float(x[1]) for x in gathered], "wire_by_op_rank0": wire.by_op}
+        results[name] = {
+            "step_time": sorted(times)[len(times) // 2],
+            "activation_bytes": [float(x[0]) for x in gathered],
+            "wire_bytes": [float(x[1]) for x in gathered],
+            "wire_by_op_rank0": wire.by_op,
+        }
         del model, opt
     if rank == 0:
         with open(out, "w") as f:
@@ -258,9 +272,18 @@ def measure(preset: str, out_dir: str) -> dict:
     from hf_dtrain.parallel.planner import legal_plans
     from hf_dtrain.testing import run_distributed
 
-    plans = {p.key: {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
-                     "microbatches": p.microbatches, "schedule": p.schedule, "stages_per_rank": p.stages_per_rank}
-             for p in legal_plans(llama_config(preset), WORLD, GLOBAL_BATCH, activations=("none",))}
+    plans = {
+        p.key: {
+            "pp": p.pp,
+            "dp_replicate": p.dp_replicate,
+            "dp_shard": p.dp_shard,
+            "tp": p.tp,
+            "microbatches": p.microbatches,
+            "schedule": p.schedule,
+            "stages_per_rank": p.stages_per_rank,
+        }
+        for p in legal_plans(llama_config(preset), WORLD, GLOBAL_BATCH, activations=("none",))
+    }
     out = os.path.join(out_dir, f"{preset}.json")
     t0 = time.perf_counter()
     run_distributed(_plan_rank, WORLD, args=(preset, plans, out), timeout=3000, pg_timeout_s=600)
@@ -283,15 +306,26 @@ def analyse(measured: dict) -> dict:
         for key, settings in measured[preset]["plan_settings"].items():
             plan = predict(Plan(**settings, activation="none"), llama_config(preset), profile, GLOBAL_BATCH, SEQ)
             got = measured[preset]["plans"][key]
-            rows.append({"plan": key, "predicted_s": plan.step_time, "measured_s": got["step_time"],
-                         "predicted_mem_mib": sum(plan.memory.values()) / 2**20,
-                         "measured_mem_mib": max(a + b for a, b in zip(got["state_bytes"], got["activation_bytes"]))
-                         / 2**20, "bubble": plan.breakdown["bubble_fraction"]})
+            rows.append(
+                {
+                    "plan": key,
+                    "predicted_s": plan.step_time,
+                    "measured_s": got["step_time"],
+                    "predicted_mem_mib": sum(plan.memory.values()) / 2**20,
+                    "measured_mem_mib": max(a + b for a, b in zip(got["state_bytes"], got["activation_bytes"])) / 2**20,
+                    "bubble": plan.breakdown["bubble_fraction"],
+                }
+            )
         rho = spearmanr([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
         choice = min(rows, key=lambda r: r["predicted_s"])
         best = min(rows, key=lambda r: r["measured_s"])
-        summary[preset] = {"spearman": rho, "first_choice": choice["plan"], "measured_best": best["plan"],
-                           "first_choice_vs_best": choice["measured_s"] / best["measured_s"], "rows": rows}
+        summary[preset] = {
+            "spearman": rho,
+            "first_choice": choice["plan"],
+            "measured_best": best["plan"],
+            "first_choice_vs_best": choice["measured_s"] / best["measured_s"],
+            "rows": rows,
+        }
     return summary
 
 
@@ -300,7 +334,6 @@ def render(payload: dict):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from _report import markdown_table, write
 
     summary = payload["summary"]
@@ -321,34 +354,68 @@ def render(payload: dict):
         ax.set_ylabel("measured step time (s)")
         ax.set_title(f"{preset}: Spearman {s['spearman']:.2f}; first choice {s['first_choice_vs_best']:.2f}x best")
         rows = sorted(s["rows"], key=lambda r: r["measured_s"])
-        tables.append(f"### {preset}\n\n" + markdown_table(rows, [
-            ("plan", "plan", ""), ("measured_s", "measured step (s)", ".4f"),
-            ("predicted_s", "predicted step (s)", ".4f"), ("bubble", "bubble", ".0%"),
-            ("measured_mem_mib", "measured state+activations / rank (MiB, max rank)", ".1f"),
-            ("predicted_mem_mib", "predicted memory / rank (MiB)", ".1f")]))
-        notes.append(f"- {preset}: Spearman rank correlation {s['spearman']:.3f} (goal >= 0.9); the planner's "
-                     f"first choice {s['first_choice']} measures {s['first_choice_vs_best']:.3f}x the measured "
-                     f"best {s['measured_best']} (goal <= 1.10).")
+        tables.append(
+            f"### {preset}\n\n"
+            + markdown_table(
+                rows,
+                [
+                    ("plan", "plan", ""),
+                    ("measured_s", "measured step (s)", ".4f"),
+                    ("predicted_s", "predicted step (s)", ".4f"),
+                    ("bubble", "bubble", ".0%"),
+                    ("measured_mem_mib", "measured state+activations / rank (MiB, max rank)", ".1f"),
+                    ("predicted_mem_mib", "predicted memory / rank (MiB)", ".1f"),
+                ],
+            )
+        )
+        notes.append(
+            f"- {preset}: Spearman rank correlation {s['spearman']:.3f} (goal >= 0.9); the planner's "
+            f"first choice {s['first_choice']} measures {s['first_choice_vs_best']:.3f}x the measured "
+            f"best {s['measured_best']} (goal <= 1.10)."
+        )
     if "optimus" in payload:
         o = payload["optimus"]
         base = o["tp_1d"]
-        rows = [{"layout": {"tp_1d": "1D TP (tp 4, Megatron)", "tp_sp": "TP + SP (tp 4)",
-                            "optimus_2d": "Optimus-style 2D (2 x 2)"}[k],
-                 "act": max(v["activation_bytes"]) / 2**20, "act_ratio": max(v["activation_bytes"]) /
-                 max(base["activation_bytes"]), "wire": max(v["wire_bytes"]) / 2**20,
-                 "wire_ratio": max(v["wire_bytes"]) / max(base["wire_bytes"]), "step": v["step_time"],
-                 "step_ratio": v["step_time"] / base["step_time"]} for k, v in o.items()]
-        tables.append(f"### Optimus rows ({PRESETS[0]}, global batch {GLOBAL_BATCH} x {SEQ} tokens, 4 ranks)\n\n" +
-                      markdown_table(rows, [("layout", "layout", ""),
-                                            ("act", "peak activation bytes / rank (MiB)", ".2f"),
-                                            ("act_ratio", "vs 1D TP", ".2f"),
-                                            ("wire", "bytes sent / rank / step (MiB)", ".2f"),
-                                            ("wire_ratio", "vs 1D TP", ".2f"), ("step", "step (s)", ".3f"),
-                                            ("step_ratio", "vs 1D TP", ".2f")]))
+        rows = [
+            {
+                "layout": {
+                    "tp_1d": "1D TP (tp 4, Megatron)",
+                    "tp_sp": "TP + SP (tp 4)",
+                    "optimus_2d": "Optimus-style 2D (2 x 2)",
+                }[k],
+                "act": max(v["activation_bytes"]) / 2**20,
+                "act_ratio": max(v["activation_bytes"]) / max(base["activation_bytes"]),
+                "wire": max(v["wire_bytes"]) / 2**20,
+                "wire_ratio": max(v["wire_bytes"]) / max(base["wire_bytes"]),
+                "step": v["step_time"],
+                "step_ratio": v["step_time"] / base["step_time"],
+            }
+            for k, v in o.items()
+        ]
+        tables.append(
+            f"### Optimus rows ({PRESETS[0]}, global batch {GLOBAL_BATCH} x {SEQ} tokens, 4 ranks)\n\n"
+            + markdown_table(
+                rows,
+                [
+                    ("layout", "layout", ""),
+                    ("act", "peak activation bytes / rank (MiB)", ".2f"),
+                    ("act_ratio", "vs 1D TP", ".2f"),
+                    ("wire", "bytes sent / rank / step (MiB)", ".2f"),
+                    ("wire_ratio", "vs 1D TP", ".2f"),
+                    ("step", "step (s)", ".3f"),
+                    ("step_ratio", "vs 1D TP", ".2f"),
+                ],
+            )
+        )
     fig.tight_layout()
-    return write("parallel", payload, "\n\n".join(tables), fig,
-                 notes="\n".join(notes) + "\n\nMachine profile (measured in the same run, all 4 ranks at once):\n"
-                       f"```\n{json.dumps(payload['profile'], indent=1)}\n```")
+    return write(
+        "parallel",
+        payload,
+        "\n\n".join(tables),
+        fig,
+        notes="\n".join(notes) + "\n\nMachine profile (measured in the same run, all 4 ranks at once):\n"
+        f"```\n{json.dumps(payload['profile'], indent=1)}\n```",
+    )
 
 
 SCALE_WORLDS = (8, 64, 512, 4096)
@@ -362,8 +429,8 @@ def scaling():
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from _report import markdown_table, write
+
     from hf_dtrain.models import llama_config
     from hf_dtrain.parallel.planner import GiB, MachineProfile, rank_plans
 
@@ -376,14 +443,21 @@ def scaling():
             best = plans[0]
             ddp = next((p for p in plans if (p.tp, p.pp, p.dp_shard, p.activation) == (1, 1, 1, "none")), None)
             fsdp = next((p for p in plans if (p.tp, p.pp, p.dp_replicate, p.activation) == (1, 1, 1, "none")), None)
-            rows.append({"model": preset, "gpus": world, "legal": len(plans), "fit": len(fitting),
-                         "plan": best.key if best.fits else "none fits",
-                         "flags": best.flags() if best.fits else best.overflow,
-                         "step_s": best.step_time if best.fits else float("nan"),
-                         "mem_gib": sum(best.memory.values()) / GiB,
-                         "bubble": best.breakdown["bubble_fraction"],
-                         "fsdp_s": fsdp.step_time if fsdp is not None and fsdp.fits else float("nan"),
-                         "ddp_fits": bool(ddp is not None and ddp.fits)})
+            rows.append(
+                {
+                    "model": preset,
+                    "gpus": world,
+                    "legal": len(plans),
+                    "fit": len(fitting),
+                    "plan": best.key if best.fits else "none fits",
+                    "flags": best.flags() if best.fits else best.overflow,
+                    "step_s": best.step_time if best.fits else float("nan"),
+                    "mem_gib": sum(best.memory.values()) / GiB,
+                    "bubble": best.breakdown["bubble_fraction"],
+                    "fsdp_s": fsdp.step_time if fsdp is not None and fsdp.fits else float("nan"),
+                    "ddp_fits": bool(ddp is not None and ddp.fits),
+                }
+            )
     fig, ax = plt.subplots(figsize=(7, 4))
     for preset in SCALE_MODELS:
         r = [x for x in rows if x["model"] == preset]
@@ -393,13 +467,28 @@ def scaling():
     ax.set_xlabel("GPUs (H100, 8 per node)")
     ax.set_ylabel("predicted step time (s), 16k tokens / GPU")
     ax.legend(fontsize=7)
-    table = markdown_table(rows, [("model", "model", ""), ("gpus", "GPUs", ""), ("legal", "legal plans", ""),
-                                  ("fit", "fit in 80 GiB", ""), ("plan", "chosen", ""),
-                                  ("step_s", "predicted step (s)", ".2f"), ("fsdp_s", "plain FSDP2 (s)", ".2f"),
-                                  ("mem_gib", "GiB / GPU", ".1f"), ("bubble", "bubble", ".0%")])
-    return write("parallel_scaling", {"rows": rows, "profile": json.loads(profile.to_json())}, table, fig,
-                 notes="Datasheet profile (`MachineProfile.preset('h100')`), not measured here. Flags of each "
-                       "choice:\n\n" + "\n".join(f"- {r['model']} on {r['gpus']}: `{r['flags']}`" for r in rows))
+    table = markdown_table(
+        rows,
+        [
+            ("model", "model", ""),
+            ("gpus", "GPUs", ""),
+            ("legal", "legal plans", ""),
+            ("fit", "fit in 80 GiB", ""),
+            ("plan", "chosen", ""),
+            ("step_s", "predicted step (s)", ".2f"),
+            ("fsdp_s", "plain FSDP2 (s)", ".2f"),
+            ("mem_gib", "GiB / GPU", ".1f"),
+            ("bubble", "bubble", ".0%"),
+        ],
+    )
+    return write(
+        "parallel_scaling",
+        {"rows": rows, "profile": json.loads(profile.to_json())},
+        table,
+        fig,
+        notes="Datasheet profile (`MachineProfile.preset('h100')`), not measured here. Flags of each "
+        "choice:\n\n" + "\n".join(f"- {r['model']} on {r['gpus']}: `{r['flags']}`" for r in rows),
+    )
 
 
 def main():
@@ -417,8 +506,14 @@ def main():
 
         tmp = tempfile.mkdtemp()
         measured = {preset: measure(preset, tmp) for preset in PRESETS}
-        payload = {"world": WORLD, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "measured": measured,
-                   "profile": measured[PRESETS[0]]["profile"], "optimus": measure_optimus(tmp)}
+        payload = {
+            "world": WORLD,
+            "seq_len": SEQ,
+            "global_batch": GLOBAL_BATCH,
+            "measured": measured,
+            "profile": measured[PRESETS[0]]["profile"],
+            "optimus": measure_optimus(tmp),
+        }
         from _report import RESULTS
 
         RESULTS.mkdir(parents=True, exist_ok=True)  # the measurements first: a rendering error loses nothing
@@ -426,8 +521,10 @@ def main():
     payload["summary"] = analyse(payload["measured"])
     for preset in PRESETS:
         s = payload["summary"][preset]
-        print(f"{preset}: Spearman {s['spearman']:.3f}, first choice {s['first_choice']} = "
-              f"{s['first_choice_vs_best']:.3f}x the measured best {s['measured_best']}")
+        print(
+            f"{preset}: Spearman {s['spearman']:.3f}, first choice {s['first_choice']} = "
+            f"{s['first_choice_vs_best']:.3f}x the measured best {s['measured_best']}"
+        )
     print(render(payload))
 
 

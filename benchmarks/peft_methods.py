@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result, timed_steps  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result, timed_steps
 
 METHODS = ["full", "lora", "dora", "lora+peft_lorafa_opt", "lorafa", "smt"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -34,8 +34,11 @@ SMT_WARMUP = 20
 def _shapes(model):
     import torch
 
-    return [(m.out_features, m.in_features) for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS]
+    return [
+        (m.out_features, m.in_features)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS
+    ]
 
 
 def build(method: str, model):
@@ -49,7 +52,9 @@ def build(method: str, model):
     if method == "full":
         return model, None
     if method in ("lora", "dora", "lora+peft_lorafa_opt"):
-        cfg = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, use_dora=method == "dora", lora_dropout=0.0)
+        cfg = LoraConfig(
+            r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, use_dora=method == "dora", lora_dropout=0.0
+        )
         return get_peft_model(model, cfg), None
     if method == "lorafa":
         # only B (out x r) trains: the rank that matches LoRA's budget is budget / sum(out)
@@ -57,7 +62,9 @@ def build(method: str, model):
         return get_peft_model(model, LoraFAConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, init_seed=0)), None
     if method == "smt":
         n = round(budget / BLOCK**2)
-        return get_peft_model(model, SMTConfig(target_modules=TARGETS, block_size=BLOCK, num_blocks=n, warmup_steps=SMT_WARMUP)), None
+        return get_peft_model(
+            model, SMTConfig(target_modules=TARGETS, block_size=BLOCK, num_blocks=n, warmup_steps=SMT_WARMUP)
+        ), None
     raise ValueError(method)
 
 
@@ -76,8 +83,8 @@ def worker(method: str, steps: int, batch_size: int, seed: int) -> dict:
     from torch.utils.data import DataLoader
     from transformers import get_linear_schedule_with_warmup
 
-    from hf_dtrain.tasks import exact_match, make_task_dataset, task_collator
     from hf_dtrain.models import load_model_and_tokenizer
+    from hf_dtrain.tasks import exact_match, make_task_dataset, task_collator
     from hf_dtrain.testing import SavedTensorCounter
     from hf_dtrain.tuners.smt import smt_warmup
 
@@ -89,8 +96,11 @@ def worker(method: str, steps: int, batch_size: int, seed: int) -> dict:
     loader = DataLoader(train, batch_size=batch_size, shuffle=False, collate_fn=collate)
     model, _ = build(method, base)
     if method == "smt":  # scoring passes, not counted as training steps; they change no weight
-        warm = DataLoader(make_task_dataset(tok, SMT_WARMUP * batch_size, seed=seed + 1, split="train"),
-                          batch_size=batch_size, collate_fn=collate)
+        warm = DataLoader(
+            make_task_dataset(tok, SMT_WARMUP * batch_size, seed=seed + 1, split="train"),
+            batch_size=batch_size,
+            collate_fn=collate,
+        )
         smt_warmup(model, warm, progress=False)
     trainable_params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in trainable_params)
@@ -124,12 +134,18 @@ def worker(method: str, steps: int, batch_size: int, seed: int) -> dict:
             eval_losses.append(out.loss.item())
             hits.append(exact_match(out.logits.argmax(-1).numpy(), batch["labels"].numpy()))
     return {
-        "method": method, "trainable_params": trainable, "saved_bytes_train_batch": saved_train,
-        "saved_bytes_probe_8x256": saved_probe, "optimizer_state_bytes": opt_state,
+        "method": method,
+        "trainable_params": trainable,
+        "saved_bytes_train_batch": saved_train,
+        "saved_bytes_probe_8x256": saved_probe,
+        "optimizer_state_bytes": opt_state,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_time_median_s": statistics.median(times[10:] if len(times) > 20 else times),
-        "train_loss_last50": statistics.mean(losses[-50:]), "eval_loss": statistics.mean(eval_losses),
-        "eval_accuracy": statistics.mean(hits), "lr": LR[method], "steps": steps,
+        "train_loss_last50": statistics.mean(losses[-50:]),
+        "eval_loss": statistics.mean(eval_losses),
+        "eval_accuracy": statistics.mean(hits),
+        "lr": LR[method],
+        "steps": steps,
     }
 
 
@@ -137,19 +153,24 @@ def base_eval(seed: int) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from hf_dtrain.tasks import exact_match, make_task_dataset, task_collator
     from hf_dtrain.models import load_model_and_tokenizer
+    from hf_dtrain.tasks import exact_match, make_task_dataset, task_collator
 
     model, tok = load_model_and_tokenizer(None, progress=True)
     model.eval()
     losses, hits = [], []
     with torch.no_grad():
-        for batch in DataLoader(make_task_dataset(tok, 500, seed=seed, split="eval"), batch_size=100, collate_fn=task_collator(tok)):
+        for batch in DataLoader(
+            make_task_dataset(tok, 500, seed=seed, split="eval"), batch_size=100, collate_fn=task_collator(tok)
+        ):
             out = model(**batch)
             losses.append(out.loss.item())
             hits.append(exact_match(out.logits.argmax(-1).numpy(), batch["labels"].numpy()))
-    return {"eval_loss": sum(losses) / len(losses), "eval_accuracy": sum(hits) / len(hits),
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "eval_loss": sum(losses) / len(losses),
+        "eval_accuracy": sum(hits) / len(hits),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main():
@@ -163,7 +184,7 @@ def main():
         return
     apply_lr_overrides(args.lr, LR)
     if args.worker:
-        emit_result((worker(args.worker, args.steps, args.batch_size, args.seed)))
+        emit_result(worker(args.worker, args.steps, args.batch_size, args.seed))
         return
 
     from tqdm import tqdm
@@ -173,8 +194,20 @@ def main():
     methods = args.methods.split(",")
     runs = []
     for seed, method in tqdm([(s, m) for s in seeds for m in methods], desc="seed x method"):
-        cmd = [sys.executable, __file__, "--worker", method, "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--seed", str(seed), "--lr", f"{method}={LR[method]}"]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            method,
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--seed",
+            str(seed),
+            "--lr",
+            f"{method}={LR[method]}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"{method} (seed {seed}) failed:\n{proc.stderr[-4000:]}")
@@ -187,12 +220,21 @@ def main():
             vals = [r[key] for r in mine]
             row[key] = statistics.mean(vals)
             row[key + "_min"], row[key + "_max"] = min(vals), max(vals)
-        ratios = [r["step_time_median_s"] / next(x for x in runs if x["method"] == "lora" and x["seed"] == r["seed"])["step_time_median_s"]
-                  for r in mine] if "lora" in methods else [1.0]
+        ratios = (
+            [
+                r["step_time_median_s"]
+                / next(x for x in runs if x["method"] == "lora" and x["seed"] == r["seed"])["step_time_median_s"]
+                for r in mine
+            ]
+            if "lora" in methods
+            else [1.0]
+        )
         row["step_time_median_s"] = statistics.median(r["step_time_median_s"] for r in mine)
         row["step_time_vs_lora"] = statistics.mean(ratios)
         row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in mine)
-        row["accuracy_range"] = f"{row['eval_accuracy']:.3f} [{row['eval_accuracy_min']:.3f}, {row['eval_accuracy_max']:.3f}]"
+        row["accuracy_range"] = (
+            f"{row['eval_accuracy']:.3f} [{row['eval_accuracy_min']:.3f}, {row['eval_accuracy_max']:.3f}]"
+        )
         row["loss_range"] = f"{row['eval_loss']:.3f} [{row['eval_loss_min']:.3f}, {row['eval_loss_max']:.3f}]"
         rows.append(row)
     ref = next((r for r in rows if r["method"] == "lora"), rows[0])
@@ -216,23 +258,30 @@ def render(payload: dict):
 
     rows, runs, base, args, lr = payload["rows"], payload["runs"], payload["base"], payload["args"], payload["lr"]
     seeds = [int(x) for x in args["seeds"].split(",")]
-    table = markdown_table(rows, [
-        ("method", "method", ""), ("trainable_params", "trainable params", ",d"),
-        ("saved_MiB_train_batch", "saved for backward, train batch (MiB)", ".2f"),
-        ("saved_MiB_probe_8x256", "saved for backward, 8x256 probe (MiB)", ".1f"),
-        ("saved_probe_vs_lora", "probe saved / LoRA", ".2f"),
-        ("optimizer_state_MiB", "optimizer state (MiB)", ".3f"), ("peak_rss_MiB", "peak RSS (MiB)", ".0f"),
-        ("step_time_vs_lora", "step time / LoRA", ".2f"), ("loss_range", "eval loss, mean [min, max]", ""),
-        ("accuracy_range", "exact match, mean [min, max]", ""),
-    ])
+    table = markdown_table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("trainable_params", "trainable params", ",d"),
+            ("saved_MiB_train_batch", "saved for backward, train batch (MiB)", ".2f"),
+            ("saved_MiB_probe_8x256", "saved for backward, 8x256 probe (MiB)", ".1f"),
+            ("saved_probe_vs_lora", "probe saved / LoRA", ".2f"),
+            ("optimizer_state_MiB", "optimizer state (MiB)", ".3f"),
+            ("peak_rss_MiB", "peak RSS (MiB)", ".0f"),
+            ("step_time_vs_lora", "step time / LoRA", ".2f"),
+            ("loss_range", "eval loss, mean [min, max]", ""),
+            ("accuracy_range", "exact match, mean [min, max]", ""),
+        ],
+    )
     notes = (
         f"Base model before fine-tuning: eval loss {base['eval_loss']:.3f}, exact match {base['eval_accuracy']:.3f} "
-        f"({base['params']:,d} parameters). Seeds {seeds} (data order, adapter init); per seed {args['steps']} AdamW steps of batch {args['batch_size']} for every method, "
-        f"same data order, linear LR schedule with 20 warm-up steps, gradient norm clipped to 1.0 (the Trainer's "
-        f"defaults), learning rates {lr}; adapters on {', '.join(TARGETS)} at the LoRA r={RANK} budget (LoRA-FA: rank raised so B "
-        f"alone matches it; SMT: {BLOCK}x{BLOCK} blocks, {SMT_WARMUP} gradient-scoring passes first, not counted as "
-        "steps). Saved-for-backward bytes count activations only (parameters and buffers excluded). Peak RSS is the "
-        "whole process, so on this small model it is dominated by the Python and torch runtime."
+        f"({base['params']:,d} parameters). Seeds {seeds} (data order, adapter init); per seed {args['steps']} AdamW "
+        f"steps of batch {args['batch_size']} for every method, same data order, linear LR schedule with 20 warm-up "
+        f"steps, gradient norm clipped to 1.0 (the Trainer's defaults), learning rates {lr}; adapters on "
+        f"{', '.join(TARGETS)} at the LoRA r={RANK} budget (LoRA-FA: rank raised so B alone matches it; SMT: "
+        f"{BLOCK}x{BLOCK} blocks, {SMT_WARMUP} gradient-scoring passes first, not counted as steps). "
+        "Saved-for-backward bytes count activations only (parameters and buffers excluded). Peak RSS is the whole "
+        "process, so on this small model it is dominated by the Python and torch runtime."
     )
     import matplotlib
 
@@ -242,9 +291,15 @@ def render(payload: dict):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     names = [r["method"] for r in rows]
     colors = ["#888" if n == "full" else "#dd8452" if n in ("lorafa", "smt") else "#4c72b0" for n in names]
-    for ax, key, title in zip(axes, ["saved_MiB_probe_8x256", "step_time_vs_lora", "eval_accuracy"],
-                              ["saved for backward, 8x256 probe (MiB)", "step time / LoRA",
-                               f"exact match after training (mean, min-max over {len(seeds)} seeds)"]):
+    for ax, key, title in zip(
+        axes,
+        ["saved_MiB_probe_8x256", "step_time_vs_lora", "eval_accuracy"],
+        [
+            "saved for backward, 8x256 probe (MiB)",
+            "step time / LoRA",
+            f"exact match after training (mean, min-max over {len(seeds)} seeds)",
+        ],
+    ):
         ax.bar(names, [r[key] for r in rows], color=colors)
         ax.set_title(title)
         plt.setp(ax.get_xticklabels(), rotation=25, ha="right")

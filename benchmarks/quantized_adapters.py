@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, parse_result, timed_steps  # noqa: E402  (the worker protocol)
+from _report import emit_result, parse_result, timed_steps
 
 BASES = ["nf4", "hqq4"]
 METHODS = ["qlora", "qa-lora", "qbara", "qahira"]
@@ -105,10 +105,16 @@ def requantize_merge(model, kind: str):
         if kind == "nf4":
             import bitsandbytes as bnb
 
-            new = bnb.nn.Linear4bit(base.in_features, base.out_features, bias=False, compute_dtype=torch.float32,
-                                    quant_type=base.weight.quant_type)
-            new.weight = bnb.nn.Params4bit(dense, requires_grad=False, quant_type=base.weight.quant_type,
-                                           blocksize=base.weight.blocksize)
+            new = bnb.nn.Linear4bit(
+                base.in_features,
+                base.out_features,
+                bias=False,
+                compute_dtype=torch.float32,
+                quant_type=base.weight.quant_type,
+            )
+            new.weight = bnb.nn.Params4bit(
+                dense, requires_grad=False, quant_type=base.weight.quant_type, blocksize=base.weight.blocksize
+            )
             new = new.to("cpu")
             new.support_avx512bf16_for_cpu = False
         else:
@@ -142,9 +148,9 @@ def worker(base_kind: str, method: str, steps: int, batch_size: int, seed: int) 
     from torch.utils.data import DataLoader
     from transformers import get_linear_schedule_with_warmup
 
-    from hf_dtrain.tasks import make_task_dataset, task_collator
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
     from hf_dtrain.quantization import load_quantized_model
+    from hf_dtrain.tasks import make_task_dataset, task_collator
 
     torch.manual_seed(seed)
     path = build_default_model("tiny", progress=False)
@@ -161,8 +167,9 @@ def worker(base_kind: str, method: str, steps: int, batch_size: int, seed: int) 
     sched = get_linear_schedule_with_warmup(opt, 20, steps)
 
     model.train()
-    times, losses = timed_steps(model, DataLoader(train, batch_size=batch_size, shuffle=False, collate_fn=collate),
-                                trainable_params, opt, sched)
+    times, losses = timed_steps(
+        model, DataLoader(train, batch_size=batch_size, shuffle=False, collate_fn=collate), trainable_params, opt, sched
+    )
     eval_loss, eval_acc, ref_logits = evaluate(model, eval_loader)
     eff_rank, num_rank = delta_ranks(model)
 
@@ -179,12 +186,23 @@ def worker(base_kind: str, method: str, steps: int, batch_size: int, seed: int) 
     merged_loss, merged_acc, merged_logits = evaluate(merged, eval_loader)
     merge_err = max((a - b).abs().max().item() for a, b in zip(merged_logits, ref_logits))
     return {
-        "base": base_kind, "method": method, "trainable_params": trainable, "lr": LR[method], "steps": steps,
-        "quantized_base_eval_loss": quant_loss, "quantized_base_eval_accuracy": quant_acc,
+        "base": base_kind,
+        "method": method,
+        "trainable_params": trainable,
+        "lr": LR[method],
+        "steps": steps,
+        "quantized_base_eval_loss": quant_loss,
+        "quantized_base_eval_accuracy": quant_acc,
         "step_time_median_s": statistics.median(times[10:] if len(times) > 20 else times),
-        "train_loss_last50": statistics.mean(losses[-50:]), "eval_loss": eval_loss, "eval_accuracy": eval_acc,
-        "effective_rank": eff_rank, "numerical_rank": num_rank, "merge": merge_kind,
-        "merge_max_logit_err": merge_err, "merged_eval_loss": merged_loss, "merged_eval_accuracy": merged_acc,
+        "train_loss_last50": statistics.mean(losses[-50:]),
+        "eval_loss": eval_loss,
+        "eval_accuracy": eval_acc,
+        "effective_rank": eff_rank,
+        "numerical_rank": num_rank,
+        "merge": merge_kind,
+        "merge_max_logit_err": merge_err,
+        "merged_eval_loss": merged_loss,
+        "merged_eval_accuracy": merged_acc,
     }
 
 
@@ -202,7 +220,7 @@ def main():
     apply_lr_overrides(args.lr, LR)
     if args.worker:
         base_kind, method = args.worker.split(":")
-        emit_result((worker(base_kind, method, args.steps, args.batch_size, args.seed)))
+        emit_result(worker(base_kind, method, args.steps, args.batch_size, args.seed))
         return
 
     from tqdm import tqdm
@@ -213,10 +231,23 @@ def main():
     bases, methods = args.bases.split(","), args.methods.split(",")
     seeds = [int(x) for x in args.seeds.split(",")]
     runs = []
-    for seed, base_kind, method in tqdm([(s, b, m) for s in seeds for b in bases for m in methods],
-                                        desc="seed x base x method"):
-        cmd = [sys.executable, __file__, "--worker", f"{base_kind}:{method}", "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--seed", str(seed), "--lr", f"{method}={LR[method]}"]
+    for seed, base_kind, method in tqdm(
+        [(s, b, m) for s in seeds for b in bases for m in methods], desc="seed x base x method"
+    ):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            f"{base_kind}:{method}",
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--seed",
+            str(seed),
+            "--lr",
+            f"{method}={LR[method]}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise SystemExit(f"{base_kind}:{method} (seed {seed}) failed:\n{proc.stderr[-4000:]}")
@@ -230,9 +261,19 @@ def main():
             mine = [r for r in runs if (r["base"], r["method"]) == (base_kind, method)]
             row = dict(mine[0])
             row.pop("seed")
-            for key in ("eval_loss", "eval_accuracy", "effective_rank", "numerical_rank", "train_loss_last50",
-                        "merge_max_logit_err", "merged_eval_loss", "merged_eval_accuracy", "step_time_median_s",
-                        "quantized_base_eval_loss", "quantized_base_eval_accuracy"):
+            for key in (
+                "eval_loss",
+                "eval_accuracy",
+                "effective_rank",
+                "numerical_rank",
+                "train_loss_last50",
+                "merge_max_logit_err",
+                "merged_eval_loss",
+                "merged_eval_accuracy",
+                "step_time_median_s",
+                "quantized_base_eval_loss",
+                "quantized_base_eval_accuracy",
+            ):
                 vals = [r[key] for r in mine]
                 row[key] = statistics.mean(vals)
                 row[key + "_min"], row[key + "_max"] = min(vals), max(vals)
@@ -243,8 +284,7 @@ def main():
     for r in rows:
         ref = next((x for x in rows if (x["base"], x["method"]) == (r["base"], "qlora")), None)
         r["params_vs_qlora"] = r["trainable_params"] / ref["trainable_params"] if ref else None
-        r["accuracy_range"] = (f"{r['eval_accuracy']:.3f} [{r['eval_accuracy_min']:.3f}, "
-                               f"{r['eval_accuracy_max']:.3f}]")
+        r["accuracy_range"] = f"{r['eval_accuracy']:.3f} [{r['eval_accuracy_min']:.3f}, {r['eval_accuracy_max']:.3f}]"
         r["loss_range"] = f"{r['eval_loss']:.3f} [{r['eval_loss_min']:.3f}, {r['eval_loss_max']:.3f}]"
     payload = {"rows": rows, "runs": runs, "lr": dict(LR), "args": vars(args)}
     from _report import write
@@ -260,27 +300,37 @@ def render(payload: dict):
     from _report import markdown_table
 
     rows, args, lr = payload["rows"], payload["args"], payload["lr"]
-    table = markdown_table(rows, [
-        ("base", "base", ""), ("method", "method", ""), ("trainable_params", "trainable params", ",d"),
-        ("params_vs_qlora", "params / QLoRA", ".2f"), ("loss_range", "eval loss, mean [min, max]", ""),
-        ("accuracy_range", "exact match, mean [min, max]", ""), ("effective_rank", "effective rank of delta W", ".1f"),
-        ("numerical_rank", "numerical rank", ".1f"), ("step_time_vs_qlora", "step time / QLoRA", ".2f"),
-        ("merge", "merge into 4-bit", ""), ("merge_max_logit_err", "max abs logit change by the merge", ".2e"),
-        ("merged_eval_accuracy", "exact match after merge (mean)", ".3f"),
-    ])
+    table = markdown_table(
+        rows,
+        [
+            ("base", "base", ""),
+            ("method", "method", ""),
+            ("trainable_params", "trainable params", ",d"),
+            ("params_vs_qlora", "params / QLoRA", ".2f"),
+            ("loss_range", "eval loss, mean [min, max]", ""),
+            ("accuracy_range", "exact match, mean [min, max]", ""),
+            ("effective_rank", "effective rank of delta W", ".1f"),
+            ("numerical_rank", "numerical rank", ".1f"),
+            ("step_time_vs_qlora", "step time / QLoRA", ".2f"),
+            ("merge", "merge into 4-bit", ""),
+            ("merge_max_logit_err", "max abs logit change by the merge", ".2e"),
+            ("merged_eval_accuracy", "exact match after merge (mean)", ".3f"),
+        ],
+    )
     seeds = [int(x) for x in args["seeds"].split(",")]
     quant = {r["base"]: (r["quantized_base_eval_loss"], r["quantized_base_eval_accuracy"]) for r in rows}
     quant_txt = "; ".join(f"{b}: eval loss {l:.3f}, exact match {a:.3f}" for b, (l, a) in quant.items())
     notes = (
-        f"The embedded default base model (tiny LLaMA), quantized before fine-tuning ({quant_txt}). Seeds "
-        f"{seeds} (data order, adapter init); per seed {args['steps']} AdamW steps of batch {args['batch_size']} for every method, same data "
-        f"order, linear LR schedule with 20 warm-up steps, gradient norm clipped to 1.0; learning rates {lr}. All "
-        f"seven projections adapted. QA-LoRA and QA-HiRA pool the input over groups of {GROUP} (the HQQ group size); "
-        f"QLoRA r={RANK}, Q-BaRA r={RANK} with lambda=2, QA-LoRA r={QA_LORA_RANK}. Effective rank: exp of the "
-        "entropy of the normalised singular values of delta W, averaged over the 28 adapted layers; numerical rank: "
-        "singular values above max(shape) * eps * the largest. The merge error is the largest absolute logit "
-        "difference between the merged 4-bit model and the unmerged adapter model over 500 eval examples (fp32), "
-        "worst seed. Step time: median per run, as a ratio to QLoRA on the same base and seed, mean over seeds."
+        f"The embedded default base model (tiny LLaMA), quantized before fine-tuning ({quant_txt}). Seeds {seeds} "
+        f"(data order, adapter init); per seed {args['steps']} AdamW steps of batch {args['batch_size']} for every "
+        "method, same data order, linear LR schedule with 20 warm-up steps, gradient norm clipped to 1.0; learning "
+        f"rates {lr}. All seven projections adapted. QA-LoRA and QA-HiRA pool the input over groups of {GROUP} (the "
+        f"HQQ group size); QLoRA r={RANK}, Q-BaRA r={RANK} with lambda=2, QA-LoRA r={QA_LORA_RANK}. Effective rank: "
+        "exp of the entropy of the normalised singular values of delta W, averaged over the 28 adapted layers; "
+        "numerical rank: singular values above max(shape) * eps * the largest. The merge error is the largest "
+        "absolute logit difference between the merged 4-bit model and the unmerged adapter model over 500 eval "
+        "examples (fp32), worst seed. Step time: median per run, as a ratio to QLoRA on the same base and seed, mean "
+        "over seeds."
     )
     import matplotlib
 
@@ -295,13 +345,23 @@ def render(payload: dict):
         sub = {r["method"]: r for r in rows if r["base"] == b}
         xs = [i + (j - (len(bases) - 1) / 2) * width for i in range(len(methods))]
         axes[0].bar(xs, [sub[m]["eval_accuracy"] for m in methods], width, label=b)
-        axes[0].vlines(xs, [sub[m]["eval_accuracy_min"] for m in methods], [sub[m]["eval_accuracy_max"] for m in methods],
-                       color="k", lw=1)
+        axes[0].vlines(
+            xs,
+            [sub[m]["eval_accuracy_min"] for m in methods],
+            [sub[m]["eval_accuracy_max"] for m in methods],
+            color="k",
+            lw=1,
+        )
         axes[1].bar(xs, [sub[m]["effective_rank"] for m in methods], width, label=b)
         axes[2].bar(xs, [max(sub[m]["merge_max_logit_err"], 1e-8) for m in methods], width, label=b)
-    for ax, title in zip(axes, [f"exact match after training (mean, min-max over {len(seeds)} seeds)",
-                                "effective rank of delta W",
-                                "max |logit change| from merging into 4 bits (log)"]):
+    for ax, title in zip(
+        axes,
+        [
+            f"exact match after training (mean, min-max over {len(seeds)} seeds)",
+            "effective rank of delta W",
+            "max |logit change| from merging into 4 bits (log)",
+        ],
+    ):
         ax.set_xticks(range(len(methods)), methods)
         ax.set_title(title)
     axes[1].legend(title="4-bit base", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(bases))

@@ -35,7 +35,6 @@ A = dict(
 
 def shapes(preset: str):
     import torch
-
     from transformers import LlamaForCausalLM
 
     from hf_dtrain.models import llama_config
@@ -59,8 +58,10 @@ def costs(named_shapes, n_gpus: int, link_gbit: float) -> dict:
     dense_bytes = ring * A["grad_bytes"] * P
     t_dense = dense_bytes / bw + latency
     state = ACPSGDState(rank=A["acp_rank"])
-    acp_payload = (acp_sgd_step_bytes(state, named_shapes, A["grad_bytes"], True)
-                   + acp_sgd_step_bytes(state, named_shapes, A["grad_bytes"], False)) / 2
+    acp_payload = (
+        acp_sgd_step_bytes(state, named_shapes, A["grad_bytes"], True)
+        + acp_sgd_step_bytes(state, named_shapes, A["grad_bytes"], False)
+    ) / 2
     t_acp = ring * acp_payload / bw + latency
     onebit = onebit_lamb_step_bytes(P, n_gpus) * (n_gpus - 1) / n_gpus
     t_onebit = onebit / bw + 2 * (n_gpus - 1) * A["hop_latency_s"]
@@ -73,7 +74,8 @@ def costs(named_shapes, n_gpus: int, link_gbit: float) -> dict:
     t_parity = shard * m / k * (k + m) / k / bw  # each piece to m holders, spread over the group
     t_disk = shard * A["gpus_per_node"] / (A["disk_gbyte_s_per_node"] * 1e9)
     return {
-        "params": P, "compute_s": compute,
+        "params": P,
+        "compute_s": compute,
         "dense_ddp": max(0.0, t_dense - backward),  # DDP overlaps the all-reduce with backward
         "acp_sgd": max(0.0, t_acp - backward),  # compressed, same overlap
         "dear": max(0.0, t_dense - backward - forward),  # reduce-scatter in backward, all-gather in next forward
@@ -81,8 +83,14 @@ def costs(named_shapes, n_gpus: int, link_gbit: float) -> dict:
         "gossip": t_gossip,  # D-PSGD / DecentLaM on a ring, inside step()
         "snapshot_every_step": max(0.0, t_d2h + t_parity - compute),
         "disk_checkpoint": t_disk,
-        "raw": {"dense": t_dense, "acp": t_acp, "onebit": t_onebit, "gossip": t_gossip, "d2h": t_d2h,
-                "parity": t_parity},
+        "raw": {
+            "dense": t_dense,
+            "acp": t_acp,
+            "onebit": t_onebit,
+            "gossip": t_gossip,
+            "d2h": t_d2h,
+            "parity": t_parity,
+        },
     }
 
 
@@ -112,9 +120,15 @@ def main():
     print("\n".join(str(p) for p in paths.values()))
 
 
-METHODS = [("dense_ddp", "DDP all-reduce"), ("acp_sgd", "ACP-SGD r=4"), ("dear", "DeAR"),
-           ("onebit_lamb", "1-bit LAMB"), ("gossip", "D-PSGD/DecentLaM ring"),
-           ("snapshot_every_step", "snapshot every step"), ("disk_checkpoint", "disk checkpoint (1 save)")]
+METHODS = [
+    ("dense_ddp", "DDP all-reduce"),
+    ("acp_sgd", "ACP-SGD r=4"),
+    ("dear", "DeAR"),
+    ("onebit_lamb", "1-bit LAMB"),
+    ("gossip", "D-PSGD/DecentLaM ring"),
+    ("snapshot_every_step", "snapshot every step"),
+    ("disk_checkpoint", "disk checkpoint (1 save)"),
+]
 
 
 def render(payload: dict):
@@ -124,21 +138,29 @@ def render(payload: dict):
     for r in rows:
         for key, _ in METHODS:
             r[f"{key}_x"] = (r["compute_s"] + r[key]) / r["compute_s"]
-    columns = [("model", "model", ""), ("link_gbit", "Gbit/s", ""), ("gpus", "GPUs", ""),
-               ("compute_s", "compute (s)", ".2f")] + [(f"{k}_x", label, ".2f") for k, label in METHODS]
-    table = ("Step time as a multiple of the compute time (1.00: the exchange is hidden), per method.\n\n"
-             + markdown_table(rows, columns))
+    columns = [
+        ("model", "model", ""),
+        ("link_gbit", "Gbit/s", ""),
+        ("gpus", "GPUs", ""),
+        ("compute_s", "compute (s)", ".2f"),
+    ] + [(f"{k}_x", label, ".2f") for k, label in METHODS]
+    table = (
+        "Step time as a multiple of the compute time (1.00: the exchange is hidden), per method.\n\n"
+        + markdown_table(rows, columns)
+    )
     a = payload["assumptions"]
-    notes = (f"Assumptions: {a['peak_tflops']:.0f} TFLOP/s bf16 peak at MFU {a['mfu']}, {a['tokens_per_gpu']} tokens "
-             f"per GPU per step, bf16 gradients ({a['grad_bytes']} bytes), {a['link_efficiency']:.0%} of the link rate "
-             f"per GPU (no NVLink shortcut inside a node), {a['hop_latency_s'] * 1e6:.0f} us per ring hop; the training "
-             f"state is {a['state_bytes_per_param']} bytes/param sharded over the GPUs (ZeRO/FSDP), copied to host at "
-             f"{a['pcie_gbyte_s']:.0f} GB/s, parity groups of {a['parity_group'][0]}+{a['parity_group'][1]} nodes; a "
-             f"disk checkpoint writes {a['disk_gbyte_s_per_node']:.0f} GB/s per node of {a['gpus_per_node']} GPUs. "
-             "DDP overlaps its all-reduce with backward, DeAR also with the next forward; 1-bit LAMB and gossip "
-             "exchange inside step() (no overlap). Byte formulas are the ones the test suite checks against the "
-             "measured wire bytes. Convergence differences (compression error, consensus distance) are not in these "
-             "numbers: see the measured benchmarks.")
+    notes = (
+        f"Assumptions: {a['peak_tflops']:.0f} TFLOP/s bf16 peak at MFU {a['mfu']}, {a['tokens_per_gpu']} tokens "
+        f"per GPU per step, bf16 gradients ({a['grad_bytes']} bytes), {a['link_efficiency']:.0%} of the link rate "
+        f"per GPU (no NVLink shortcut inside a node), {a['hop_latency_s'] * 1e6:.0f} us per ring hop; the training "
+        f"state is {a['state_bytes_per_param']} bytes/param sharded over the GPUs (ZeRO/FSDP), copied to host at "
+        f"{a['pcie_gbyte_s']:.0f} GB/s, parity groups of {a['parity_group'][0]}+{a['parity_group'][1]} nodes; a "
+        f"disk checkpoint writes {a['disk_gbyte_s_per_node']:.0f} GB/s per node of {a['gpus_per_node']} GPUs. "
+        "DDP overlaps its all-reduce with backward, DeAR also with the next forward; 1-bit LAMB and gossip "
+        "exchange inside step() (no overlap). Byte formulas are the ones the test suite checks against the "
+        "measured wire bytes. Convergence differences (compression error, consensus distance) are not in these "
+        "numbers: see the measured benchmarks."
+    )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, rerender, write  # noqa: E402
+from _report import markdown_table, rerender, write
 
 ENGINES = ["ddp", "fsdp2", "zero3"]
 WORLDS = [1, 2, 4]
@@ -68,7 +68,7 @@ def _tensor_bytes(t) -> int:
 
 
 def _optimizer_bytes(optimizer) -> int:
-    from hf_dtrain.distributed import unwrap_optimizer
+    from hf_dtrain.distributed.engines import unwrap_optimizer
 
     inner = unwrap_optimizer(optimizer)
     total = 0
@@ -106,12 +106,17 @@ def _rank(rank: int, world: int, engine: str, out: str, presets: list, methods: 
             elif engine == "zero3":
                 import deepspeed
 
-                config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-                          "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-                          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+                config = {
+                    "train_micro_batch_size_per_gpu": BATCH,
+                    "gradient_accumulation_steps": 1,
+                    "gradient_clipping": 0.0,
+                    "zero_allow_untested_optimizer": True,
+                    "steps_per_print": 10**9,
+                    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                }
                 ds_engine, optimizer, *_ = deepspeed.initialize(
-                    model=model, optimizer=torch.optim.AdamW(params, lr=1e-4), config=config,
-                    dist_init_required=False)
+                    model=model, optimizer=torch.optim.AdamW(params, lr=1e-4), config=config, dist_init_required=False
+                )
             else:
                 if world > 1:
                     model = torch.nn.parallel.DistributedDataParallel(model)
@@ -153,9 +158,18 @@ def _rank(rank: int, world: int, engine: str, out: str, presets: list, methods: 
             # global counts: a DTensor's numel is global; a ZeRO-3 parameter's is in ds_numel
             n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
             n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
-            rows.append({"engine": engine, "world": world, "preset": preset, "method": method,
-                         "step_seconds": float(step_time), "n_params": n_params, "n_trainable": n_trainable,
-                         **measured})
+            rows.append(
+                {
+                    "engine": engine,
+                    "world": world,
+                    "preset": preset,
+                    "method": method,
+                    "step_seconds": float(step_time),
+                    "n_params": n_params,
+                    "n_trainable": n_trainable,
+                    **measured,
+                }
+            )
             del model, optimizer, ds_engine
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -171,8 +185,9 @@ def measure(worlds=WORLDS, presets=PRESETS, methods=METHODS) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for engine, world in tqdm(runs, desc="sharded"):
             out = os.path.join(tmp, f"{engine}_{world}.json")
-            run_distributed(_rank, world_size=world, args=(engine, out, presets, methods), timeout=3000,
-                            pg_timeout_s=600)
+            run_distributed(
+                _rank, world_size=world, args=(engine, out, presets, methods), timeout=3000, pg_timeout_s=600
+            )
             rows += json.loads(Path(out).read_text())
     ddp = {(r["world"], r["preset"], r["method"]): r for r in rows if r["engine"] == "ddp"}
     for r in rows:
@@ -212,16 +227,28 @@ def _paper_rows() -> list[dict]:
         with torch.device("meta"):
             model = LlamaForCausalLM(llama_config(preset))
         total = sum(p.numel() for p in model.parameters())
-        adapter = sum(PAPER["lora_r"] * sum(p.shape) for n, p in model.named_parameters()
-                      if n.endswith(".weight") and n.split(".")[-2] in targets)
+        adapter = sum(
+            PAPER["lora_r"] * sum(p.shape)
+            for n, p in model.named_parameters()
+            if n.endswith(".weight") and n.split(".")[-2] in targets
+        )
         for method, trainable in (("full", total), ("adapter", adapter)):
             frozen = total - trainable
             state = PAPER["frozen_bytes"] * frozen + PAPER["trainable_bytes"] * trainable
             for engine, gpus, shards in [("ddp", "any", 1)] + [("fsdp2 / zero3", g, g) for g in PAPER_GPUS]:
                 gib = state / shards / 2**30
-                rows.append({"model": preset, "method": method, "gpus": gpus, "engine": engine,
-                             "params_b": total / 1e9, "trainable_m": trainable / 1e6, "state_gib": gib,
-                             "fits": "yes" if gib < PAPER["gpu_gib"] else "no"})
+                rows.append(
+                    {
+                        "model": preset,
+                        "method": method,
+                        "gpus": gpus,
+                        "engine": engine,
+                        "params_b": total / 1e9,
+                        "trainable_m": trainable / 1e6,
+                        "state_gib": gib,
+                        "fits": "yes" if gib < PAPER["gpu_gib"] else "no",
+                    }
+                )
         del model
     return rows
 
@@ -235,18 +262,29 @@ def render(payload: dict):
     rows = payload["rows"]
     mib = 1 / 2**20
     table_rows = [{**r, **{f"{k}_mib": r[k] * mib for k in KINDS + ["total"]}} for r in rows]
-    columns = [("preset", "preset", ""), ("method", "method", ""), ("world", "ranks", "d"), ("engine", "engine", ""),
-               ("params_mib", "params MiB", ".2f"), ("grads_mib", "grads MiB", ".2f"),
-               ("optimizer_mib", "optimizer MiB", ".2f"), ("activations_mib", "activations MiB", ".1f"),
-               ("total_mib", "total MiB", ".1f"), ("bytes_vs_ddp", "bytes / DDP", ".2f"),
-               ("step_time_vs_ddp", "step time / DDP", ".2f")]
+    columns = [
+        ("preset", "preset", ""),
+        ("method", "method", ""),
+        ("world", "ranks", "d"),
+        ("engine", "engine", ""),
+        ("params_mib", "params MiB", ".2f"),
+        ("grads_mib", "grads MiB", ".2f"),
+        ("optimizer_mib", "optimizer MiB", ".2f"),
+        ("activations_mib", "activations MiB", ".1f"),
+        ("total_mib", "total MiB", ".1f"),
+        ("bytes_vs_ddp", "bytes / DDP", ".2f"),
+        ("step_time_vs_ddp", "step time / DDP", ".2f"),
+    ]
     table = markdown_table(table_rows, columns)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, preset in zip(axes, PRESETS):
         for engine, style in zip(ENGINES, ["-o", "--s", ":^"]):
             for method, color in zip(["full", "lorafa"], ["C0", "C1"]):
-                pts = sorted((r["world"], (r["total"] - r["activations"]) * mib) for r in rows
-                             if r["engine"] == engine and r["preset"] == preset and r["method"] == method)
+                pts = sorted(
+                    (r["world"], (r["total"] - r["activations"]) * mib)
+                    for r in rows
+                    if r["engine"] == engine and r["preset"] == preset and r["method"] == method
+                )
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=f"{engine} {method}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(WORLDS, [str(w) for w in WORLDS])
@@ -260,35 +298,54 @@ def render(payload: dict):
     for preset in PRESETS:
         for world in WORLDS[1:]:
             f, z = full[("fsdp2", world, preset)], full[("zero3", world, preset)]
-            lines.append(f"- {preset}, full fine-tuning, {world} ranks: FSDP2 holds {f['bytes_vs_ddp']:.2f}x DDP's "
-                         f"bytes per rank at {f['step_time_vs_ddp']:.2f}x its step time; ZeRO-3 "
-                         f"{z['bytes_vs_ddp']:.2f}x at {z['step_time_vs_ddp']:.2f}x.")
-    notes = ("Bytes are counted per rank on rank 0 (see the module docstring for what each column holds); activations "
-             "are not sharded by any engine, so the totals fall less than the model state does. Step time is the "
-             "slowest rank's median over the timed steps; 4 ranks share 2 CPU cores, so times at 4 ranks are "
-             "mostly contention.\n\n" + "\n".join(lines))
+            lines.append(
+                f"- {preset}, full fine-tuning, {world} ranks: FSDP2 holds {f['bytes_vs_ddp']:.2f}x DDP's "
+                f"bytes per rank at {f['step_time_vs_ddp']:.2f}x its step time; ZeRO-3 "
+                f"{z['bytes_vs_ddp']:.2f}x at {z['step_time_vs_ddp']:.2f}x."
+            )
+    notes = (
+        "Bytes are counted per rank on rank 0 (see the module docstring for what each column holds); activations "
+        "are not sharded by any engine, so the totals fall less than the model state does. Step time is the "
+        "slowest rank's median over the timed steps; 4 ranks share 2 CPU cores, so times at 4 ranks are "
+        "mostly contention.\n\n" + "\n".join(lines)
+    )
     per_param = []
     for r in rows:
         if r["method"] == "full" and r["world"] in (1, max(WORLDS)):
-            per_param.append(f"{r['engine']} at {r['world']} rank(s), {r['preset']}: "
-                             f"{(r['params'] + r['grads'] + r['optimizer']) / r['n_params']:.2f} bytes/param")
-    notes += ("\n\nMeasured training state per parameter per rank, full fine-tuning in fp32 (parameters + gradients + "
-              "optimizer state, over the model's parameter count): " + "; ".join(per_param) + ". Sharding divides it "
-              "by the ranks (padding of uneven shards aside); ZeRO-3 adds its fp32 master partition (4 bytes/param) "
-              "here because the client optimizer steps on its own flat copy.")
+            per_param.append(
+                f"{r['engine']} at {r['world']} rank(s), {r['preset']}: "
+                f"{(r['params'] + r['grads'] + r['optimizer']) / r['n_params']:.2f} bytes/param"
+            )
+    notes += (
+        "\n\nMeasured training state per parameter per rank, full fine-tuning in fp32 (parameters + gradients + "
+        "optimizer state, over the model's parameter count): " + "; ".join(per_param) + ". Sharding divides it "
+        "by the ranks (padding of uneven shards aside); ZeRO-3 adds its fp32 master partition (4 bytes/param) "
+        "here because the client optimizer steps on its own flat copy."
+    )
     paper = payload.get("paper") or []
     if paper:
         p = PAPER
-        notes += ("\n\n## On paper: LLaMA-2 7B and 70B\n\nTraining state per GPU (activations and the transient "
-                  f"gathered layer not included) with bf16 training: a frozen base at {p['frozen_bytes']} bytes/param, "
-                  f"trainable parameters at {p['trainable_bytes']} bytes/param (fp32 master 4 + gradient 4 + Adam 8; "
-                  "ZeRO-3 in bf16: bf16 parameter 2 + bf16 gradient 2 + fp32 master 4 + Adam 8), replicated by DDP "
-                  "or divided by the GPUs under FSDP2 / ZeRO-3 as measured above. The adapter row stands for all "
-                  f"four tuners: the jobs match their trainable count to LoRA at r={p['lora_r']} on all seven "
-                  f"projections. 'fits' compares with {p['gpu_gib']} GiB.\n\n"
-                  + markdown_table(paper, [("model", "model", ""), ("method", "method", ""), ("gpus", "GPUs", ""),
-                                           ("engine", "engine", ""), ("trainable_m", "trainable (M)", ".1f"),
-                                           ("state_gib", "state per GPU (GiB)", ".1f"), ("fits", "fits 80 GB", "")]))
+        notes += (
+            "\n\n## On paper: LLaMA-2 7B and 70B\n\nTraining state per GPU (activations and the transient "
+            f"gathered layer not included) with bf16 training: a frozen base at {p['frozen_bytes']} bytes/param, "
+            f"trainable parameters at {p['trainable_bytes']} bytes/param (fp32 master 4 + gradient 4 + Adam 8; "
+            "ZeRO-3 in bf16: bf16 parameter 2 + bf16 gradient 2 + fp32 master 4 + Adam 8), replicated by DDP "
+            "or divided by the GPUs under FSDP2 / ZeRO-3 as measured above. The adapter row stands for all "
+            f"four tuners: the jobs match their trainable count to LoRA at r={p['lora_r']} on all seven "
+            f"projections. 'fits' compares with {p['gpu_gib']} GiB.\n\n"
+            + markdown_table(
+                paper,
+                [
+                    ("model", "model", ""),
+                    ("method", "method", ""),
+                    ("gpus", "GPUs", ""),
+                    ("engine", "engine", ""),
+                    ("trainable_m", "trainable (M)", ".1f"),
+                    ("state_gib", "state per GPU (GiB)", ".1f"),
+                    ("fits", "fits 80 GB", ""),
+                ],
+            )
+        )
     return table, fig, notes
 
 
@@ -299,8 +356,14 @@ def main() -> None:
     if args.from_json:
         paths = rerender(args.from_json, "sharded", render)
     else:
-        payload = {"rows": measure(), "paper": _paper_rows(), "paper_assumptions": PAPER, "batch": BATCH, "seq": SEQ,
-                   "timed_steps": TIMED}
+        payload = {
+            "rows": measure(),
+            "paper": _paper_rows(),
+            "paper_assumptions": PAPER,
+            "batch": BATCH,
+            "seq": SEQ,
+            "timed_steps": TIMED,
+        }
         table, fig, notes = render(payload)
         paths = write("sharded", payload, table, fig, notes)
     print("\n".join(str(p) for p in paths.values()))

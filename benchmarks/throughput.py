@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, environment, markdown_table, run_worker, write  # noqa: E402
+from _report import emit_result, markdown_table, run_worker, write
 
 METHODS = ["full", "lora", "dora", "qlora", "lorafa", "smt", "qbara", "qahira"]
 QUANTIZED = {"qlora", "qbara", "qahira"}
@@ -60,8 +60,7 @@ GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 def _targets(model):
     import torch
 
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS]
 
 
 def adapter_config(method: str, model):
@@ -77,17 +76,22 @@ def adapter_config(method: str, model):
     if method == "full":
         return None
     if method in ("lora", "dora", "qlora"):
-        return LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=TARGETS,
-                          use_dora=method == "dora")
+        return LoraConfig(
+            r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=TARGETS, use_dora=method == "dora"
+        )
     if method == "lorafa":
         r = round(budget / sum(m.out_features for _, m in targets))
         return LoraFAConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, init_seed=0)
     if method == "smt":
         rng = random.Random(0)
-        cells = [(name, i, j) for name, m in targets
-                 for i in range(m.out_features // SMT_BLOCK) for j in range(m.in_features // SMT_BLOCK)]
+        cells = [
+            (name, i, j)
+            for name, m in targets
+            for i in range(m.out_features // SMT_BLOCK)
+            for j in range(m.in_features // SMT_BLOCK)
+        ]
         picked: dict[str, list] = {}
-        for name, i, j in rng.sample(cells, round(budget / SMT_BLOCK ** 2)):
+        for name, i, j in rng.sample(cells, round(budget / SMT_BLOCK**2)):
             picked.setdefault(name, []).append([i, j])
         return SMTConfig(block_size=SMT_BLOCK, target_modules=TARGETS, block_indices=picked)
     if method == "qbara":
@@ -95,9 +99,10 @@ def adapter_config(method: str, model):
     if method == "qahira":
         # one matrix of (out / lambda_out) x (in / group) per layer: its count is set by the shape, so lambda_out (a
         # power of two dividing every out_features) is the one whose count is nearest LoRA's budget (by ratio)
-        lambdas = [2 ** k for k in range(8) if all(m.out_features % 2 ** k == 0 for _, m in targets)]
-        count = {lam: sum((m.out_features // lam) * (m.in_features // NF4_BLOCK) for _, m in targets)
-                 for lam in lambdas}
+        lambdas = [2**k for k in range(8) if all(m.out_features % 2**k == 0 for _, m in targets)]
+        count = {
+            lam: sum((m.out_features // lam) * (m.in_features // NF4_BLOCK) for _, m in targets) for lam in lambdas
+        }
         lam = min(lambdas, key=lambda lam: abs(math.log(count[lam] / budget)))
         return QAHiRAConfig(group_size=NF4_BLOCK, lambda_out=lam, target_modules=TARGETS)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -160,8 +165,13 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
 
         from hf_dtrain.quantization import prepare_bnb_4bit_for_training
 
-        model = AutoModelForCausalLM.from_pretrained(path, device_map=device, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            device_map=device,
+            quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+            ),
+        )
         if not cuda:
             prepare_bnb_4bit_for_training(model)  # bitsandbytes' CPU kernel path for training
     else:
@@ -217,12 +227,27 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
         for _ in range(2):
             step(fn)
         peak = _peak_rss() - base_rss
-    return {"method": method, "mode": mode, "trainable": trainable, "step_seconds": times, "losses": losses,
-            "flops_per_step": flops, "peak_bytes": peak, "peak_kind": "cuda max_memory_allocated" if cuda else (
-                ("peak RSS over 2 steps after the timed ones, with every large block mapped and unmapped (a fixed "
-                "mmap threshold), above the RSS before the model was built") if reset and exact
-                else "peak RSS of the process above the RSS before the model was built"),
-            "warmup_seconds": warm_seconds, "tokens_per_step": batch * seq}
+    return {
+        "method": method,
+        "mode": mode,
+        "trainable": trainable,
+        "step_seconds": times,
+        "losses": losses,
+        "flops_per_step": flops,
+        "peak_bytes": peak,
+        "peak_kind": "cuda max_memory_allocated"
+        if cuda
+        else (
+            (
+                "peak RSS over 2 steps after the timed ones, with every large block mapped and unmapped (a fixed "
+                "mmap threshold), above the RSS before the model was built"
+            )
+            if reset and exact
+            else "peak RSS of the process above the RSS before the model was built"
+        ),
+        "warmup_seconds": warm_seconds,
+        "tokens_per_step": batch * seq,
+    }
 
 
 def count_flops(model, step) -> int:
@@ -263,7 +288,7 @@ def matmul_peak() -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    return {"peak_flops": 2 * n ** 3 / best, "peak_source": f"measured: best of 6 bf16 {n}x{n} matmuls on {device}"}
+    return {"peak_flops": 2 * n**3 / best, "peak_source": f"measured: best of 6 bf16 {n}x{n} matmuls on {device}"}
 
 
 def _pooled(runs: list[dict]) -> dict:
@@ -308,8 +333,9 @@ def render(payload: dict):
     for i, mode in enumerate(MODES):
         vals = [next((r.get("vs_lora", 0) for r in rows if r["method"] == m and r["mode"] == mode), 0) for m in methods]
         axes[0].bar([x + (i - 0.5) * width for x in range(len(methods))], vals, width, label=mode)
-        mem = [next((r["peak_bytes"] / 2**30 for r in rows if r["method"] == m and r["mode"] == mode), 0)
-               for m in methods]
+        mem = [
+            next((r["peak_bytes"] / 2**30 for r in rows if r["method"] == m and r["mode"] == mode), 0) for m in methods
+        ]
         axes[1].bar([x + (i - 0.5) * width for x in range(len(methods))], mem, width, label=mode)
     axes[0].axhline(1.0, color="k", lw=0.8, ls="--")
     axes[0].set_ylabel("tokens/s over peft LoRA's (same mode)")
@@ -324,13 +350,25 @@ def render(payload: dict):
 
 
 def table(payload: dict) -> str:
-    rows = sorted((r for r in payload["rows"] if "error" not in r),
-                  key=lambda r: (MODES.index(r["mode"]), METHODS.index(r["method"])))
-    md = markdown_table(rows, [("method", "method", ""), ("mode", "mode", ""), ("trainable", "trainable", ",d"),
-                               ("budget_vs_lora", "budget / LoRA's", ".2f"), ("step_s", "step (s)", ".3f"),
-                               ("tokens_per_s", "tokens/s", ",.0f"), ("vs_lora", "vs LoRA", ".2f"),
-                               ("mfu", "MFU", ".3f"), ("peak_bytes", "peak bytes", ",d"),
-                               ("peak_vs_lora", "peak / LoRA's", ".2f")])
+    rows = sorted(
+        (r for r in payload["rows"] if "error" not in r),
+        key=lambda r: (MODES.index(r["mode"]), METHODS.index(r["method"])),
+    )
+    md = markdown_table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("mode", "mode", ""),
+            ("trainable", "trainable", ",d"),
+            ("budget_vs_lora", "budget / LoRA's", ".2f"),
+            ("step_s", "step (s)", ".3f"),
+            ("tokens_per_s", "tokens/s", ",.0f"),
+            ("vs_lora", "vs LoRA", ".2f"),
+            ("mfu", "MFU", ".3f"),
+            ("peak_bytes", "peak bytes", ",d"),
+            ("peak_vs_lora", "peak / LoRA's", ".2f"),
+        ],
+    )
     failed = [r for r in payload["rows"] if "error" in r]
     if failed:
         md += "\n\nFailed: " + "; ".join(f"{r['method']} {r['mode']}: {r['error']}" for r in failed)
@@ -339,23 +377,37 @@ def table(payload: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default=None, help="one LlamaConfig preset (default: 100m on CPU, llama3.2-1b on a GPU)")
+    ap.add_argument(
+        "--preset", default=None, help="one LlamaConfig preset (default: 100m on CPU, llama3.2-1b on a GPU)"
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 4 on CPU, 8 on a GPU)")
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256 on CPU, 1024 on a GPU)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method and mode")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="rounds over every (method, mode), in reversed order every other round; each row pools "
-                         "the timed steps of all its rounds (this host's step times drift by 10-15%% between runs)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds over every (method, mode), in reversed order every other round; each row pools "
+        "the timed steps of all its rounds (this host's step times drift by 10-15%% between runs)",
+    )
     ap.add_argument("--name", default="throughput", help="results/<name>.{json,md,png}")
-    ap.add_argument("--time-budget", type=float, default=0.0,
-                    help="seconds: start no further (method, mode) once this much has passed (0: no limit); the "
-                         "rest are listed as not measured")
-    ap.add_argument("--order", choices=("method", "mode"), default="method",
-                    help="method: each method's modes one after another; mode: every method eager, then every "
-                         "method compiled (with a short --time-budget, every eager row comes first)")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds: start no further (method, mode) once this much has passed (0: no limit); the "
+        "rest are listed as not measured",
+    )
+    ap.add_argument(
+        "--order",
+        choices=("method", "mode"),
+        default="method",
+        help="method: each method's modes one after another; mode: every method eager, then every "
+        "method compiled (with a short --time-budget, every eager row comes first)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--peak-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -387,36 +439,55 @@ def main() -> None:
         peak = run_worker(script, ["--peak-worker"], what="matmul peak")
         print(f"peak {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_source']})", flush=True)
         methods, modes = args.methods.split(","), args.modes.split(",")
-        runs = ([(m, mode) for m in methods for mode in modes] if args.order == "method"
-                else [(m, mode) for mode in modes for m in methods])
+        runs = (
+            [(m, mode) for m in methods for mode in modes]
+            if args.order == "method"
+            else [(m, mode) for mode in modes for m in methods]
+        )
         rounds: dict[tuple, list] = {}
         for round_ in range(args.repeats):
-            for method, mode in (runs if round_ % 2 == 0 else runs[::-1]):
+            for method, mode in runs if round_ % 2 == 0 else runs[::-1]:
                 t0 = time.perf_counter()
                 if args.time_budget and t0 - start > args.time_budget:
                     if round_ == 0:
                         not_measured.append(f"{method} {mode}")
                     continue
-                row = run_worker(script, ["--worker", f"{method}:{mode}:{path}:{batch}:{seq}:{args.steps}:"
-                                          f"{args.warmup}"], what=f"{method} {mode}", timeout=3600)
+                row = run_worker(
+                    script,
+                    ["--worker", f"{method}:{mode}:{path}:{batch}:{seq}:{args.steps}:{args.warmup}"],
+                    what=f"{method} {mode}",
+                    timeout=3600,
+                )
                 rounds.setdefault((method, mode), []).append(row)
                 done = f"{statistics.median(row['step_seconds']):.3f} s/step" if "error" not in row else row["error"]
-                print(f"round {round_ + 1}: {method:8s} {mode:8s} {done} ({time.perf_counter() - t0:.0f} s)",
-                      flush=True)
+                print(
+                    f"round {round_ + 1}: {method:8s} {mode:8s} {done} ({time.perf_counter() - t0:.0f} s)", flush=True
+                )
         for key in runs:
             if key in rounds:
                 rows.append(_pooled(rounds[key]))
     summarize(rows, peak["peak_flops"])
-    payload = {"preset": preset, "batch": batch, "seq": seq, "steps": args.steps, "warmup": args.warmup,
-               "repeats": args.repeats, "order": args.order,
-               "device": torch.cuda.get_device_name(0) if cuda else "cpu", **peak, "rows": rows,
-               "not_measured": not_measured}
-    notes = (f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "
-             f"{'bf16 weights' if cuda else 'fp32 weights under bf16 autocast'}; median of {args.steps} timed steps "
-             f"after {args.warmup} warm-up steps in each of {args.repeats} rounds (every other one in reversed "
-             f"order), each (method, mode) in a fresh process. MFU: FLOPs counted by "
-             f"torch.utils.flop_counter for one step over the step time and {peak['peak_source']} "
-             f"({peak['peak_flops'] / 1e12:.3f} TFLOP/s). vs LoRA: tokens/s over peft LoRA's in the same mode.")
+    payload = {
+        "preset": preset,
+        "batch": batch,
+        "seq": seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "order": args.order,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        **peak,
+        "rows": rows,
+        "not_measured": not_measured,
+    }
+    notes = (
+        f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "
+        f"{'bf16 weights' if cuda else 'fp32 weights under bf16 autocast'}; median of {args.steps} timed steps "
+        f"after {args.warmup} warm-up steps in each of {args.repeats} rounds (every other one in reversed "
+        f"order), each (method, mode) in a fresh process. MFU: FLOPs counted by "
+        f"torch.utils.flop_counter for one step over the step time and {peak['peak_source']} "
+        f"({peak['peak_flops'] / 1e12:.3f} TFLOP/s). vs LoRA: tokens/s over peft LoRA's in the same mode."
+    )
     if not_measured:
         notes += f" Not measured (time budget {args.time_budget:.0f} s spent): {', '.join(not_measured)}."
     (Path(__file__).resolve().parent / "results" / args.name).parent.mkdir(parents=True, exist_ok=True)

@@ -5,13 +5,24 @@
 loading a saved hf_dtrain adapter.
 """
 
+from .settings import RELEASE as __version__
 from .tuners import LoraFAConfig, LoraFAModel, QAHiRAConfig, QAHiRAModel, QBaRAConfig, QBaRAModel, SMTConfig, SMTModel
 from .tuners.lorafa import create_lorafa_optimizer
 from .tuners.smt import SMTSelectionCallback, select_smt_blocks, set_smt_block_indices, smt_warmup
 
-from .settings import RELEASE as __version__
-
 __all__ = [
-    "SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel", "QBaRAConfig", "QBaRAModel", "create_lorafa_optimizer",
-    "SMTSelectionCallback", "smt_warmup", "select_smt_blocks", "set_smt_block_indices", "__version__",
+    "LoraFAConfig",
+    "LoraFAModel",
+    "QAHiRAConfig",
+    "QAHiRAModel",
+    "QBaRAConfig",
+    "QBaRAModel",
+    "SMTConfig",
+    "SMTModel",
+    "SMTSelectionCallback",
+    "__version__",
+    "create_lorafa_optimizer",
+    "select_smt_blocks",
+    "set_smt_block_indices",
+    "smt_warmup",
 ]

@@ -25,11 +25,22 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import sys
 import typing
 
+import yaml
+from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
+from trl import SFTConfig
+
+from hf_dtrain.fed import FedSimulateConfig
+from hf_dtrain.federated import FederatedConfig
 from hf_dtrain.finetune import METHODS, FinetuneConfig
-from hf_dtrain.settings import help_of, merge, section_type, unwrap_optional, walk_fields
+from hf_dtrain.fused import FusedConfig
+from hf_dtrain.pretrain import PretrainConfig
+from hf_dtrain.settings import build, help_of, merge, section_type, unwrap_optional, walk_fields
+from hf_dtrain.sweep import AXIS_TYPES, GRID_AXES
 
 
 def _bool(text: str) -> bool:
@@ -71,9 +82,12 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
     field added to an engine's config is a flag with no other edit. Optional sections also get their short form
     (``--comm-hook acp_sgd``, ``--delta 0.5``, ``--fault-tolerance true``). A job holding the Trainer's settings
     (``FinetuneConfig.training``) gets every ``SFTConfig`` field as a flag too."""
-    parser.add_argument("--recipe", metavar="FILE.yaml",
-                        help="YAML file whose keys are the job's fields (sections as nested mappings); flags given "
-                             "explicitly override it.")
+    parser.add_argument(
+        "--recipe",
+        metavar="FILE.yaml",
+        help="YAML file whose keys are the job's fields (sections as nested mappings); flags given "
+        "explicitly override it.",
+    )
     for f in dataclasses.fields(cls):
         sec = section_type(cls, f.name)
         if sec is not None and sec[1]:  # an optional section's short form
@@ -85,22 +99,31 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
             else:
                 conv, _ = _converter(typing.get_type_hints(inner)[short])
                 conv, meta = _none_or(conv), None
-            what = (f"the {short} of the section" if short else
-                    "true (or the bare flag): on with the section's defaults")
-            parser.add_argument(flag_of(f.name), dest=f.name, type=conv, default=argparse.SUPPRESS, metavar=meta,
-                                help=f"{help_of(f)} Short form: {what}; any {flag_of(f.name)}.* flag turns it on too.",
-                                **extra)
+            what = f"the {short} of the section" if short else "true (or the bare flag): on with the section's defaults"
+            parser.add_argument(
+                flag_of(f.name),
+                dest=f.name,
+                type=conv,
+                default=argparse.SUPPRESS,
+                metavar=meta,
+                help=f"{help_of(f)} Short form: {what}; any {flag_of(f.name)}.* flag turns it on too.",
+                **extra,
+            )
     groups: dict = {}
     for path, f, tp, owner in walk_fields(cls):
         if f.metadata.get("flatten"):
             continue
         conv, nargs = _converter(tp)
-        kwargs = dict(dest=path, type=conv, default=argparse.SUPPRESS, help=help_of(f),
-                      metavar=path.rsplit(".", 1)[-1].upper())
+        kwargs = dict(
+            dest=path, type=conv, default=argparse.SUPPRESS, help=help_of(f), metavar=path.rsplit(".", 1)[-1].upper()
+        )
         section = path.split(".")[0] if "." in path else None
         if section not in groups:
-            groups[section] = parser if section is None else parser.add_argument_group(
-                f"{section} ({owner.__name__}, {owner.__module__.rsplit('.', 1)[0]})")
+            groups[section] = (
+                parser
+                if section is None
+                else parser.add_argument_group(f"{section} ({owner.__name__}, {owner.__module__.rsplit('.', 1)[0]})")
+            )
         if nargs:
             kwargs["nargs"] = nargs
         if path == "method" and hasattr(cls, "training_args"):
@@ -110,10 +133,21 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -> No
         groups[section].add_argument(flag_of(path), **kwargs)
     if any(f.name == "parallel" for f in dataclasses.fields(cls)):  # the degrees' short forms, as torchtitan names them
         for name in ("tp", "pp", "dp_shard", "dp_replicate"):
-            groups["parallel"].add_argument(flag_of(name), dest=f"parallel.{name}", type=int, default=argparse.SUPPRESS,
-                                            metavar="N", help=f"Short for {flag_of('parallel.' + name)}.")
-        groups["parallel"].add_argument("--plan", dest="parallel.plan", default=argparse.SUPPRESS, choices=["auto"],
-                                        help="Short for --parallel.plan.")
+            groups["parallel"].add_argument(
+                flag_of(name),
+                dest=f"parallel.{name}",
+                type=int,
+                default=argparse.SUPPRESS,
+                metavar="N",
+                help=f"Short for {flag_of('parallel.' + name)}.",
+            )
+        groups["parallel"].add_argument(
+            "--plan",
+            dest="parallel.plan",
+            default=argparse.SUPPRESS,
+            choices=["auto"],
+            help="Short for --parallel.plan.",
+        )
     if any(f.metadata.get("flatten") for f in dataclasses.fields(cls)):
         add_trainer_arguments(parser, cls)
 
@@ -123,12 +157,13 @@ NOT_FLAGS = ("parallelism_config",)
 
 
 def _json_mapping(text: str):
-    import json
 
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r} ({e})")
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"key\": 1}}', got {text!r} ({e})"
+        ) from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
@@ -145,15 +180,13 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -
     ``--no-remove-unused-columns``, choices and JSON dicts as ``trl sft`` takes them), except the names the job
     owns (``--fsdp``, ``--deepspeed``: hf_dtrain's engines, which set the Trainer's). Only the flags given reach the
     config (their defaults are the job's, ``FinetuneConfig.training_defaults``)."""
-    from transformers import HfArgumentParser
-    from transformers.hf_argparser import string_to_bool
-    from trl import SFTConfig
 
     owned = {f.name for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(SFTConfig)
     group = parser.add_argument_group(
         "the Trainer (every field of trl.SFTConfig and transformers.TrainingArguments; the job's defaults differ "
-        "where FinetuneConfig.training_defaults says)")
+        "where FinetuneConfig.training_defaults says)"
+    )
     before = len(parser._actions)
     for f in dataclasses.fields(SFTConfig):
         if not f.init or f.name in owned or f.name in NOT_FLAGS:
@@ -177,7 +210,6 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, cls=FinetuneConfig) -
 
 def load_recipe(path: str) -> dict:
     """A recipe YAML's mapping (checked against the job's fields when the config is built)."""
-    import yaml
 
     with open(path) as f:
         try:
@@ -220,24 +252,34 @@ def _list_of(conv):
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     """``hf-dtrain finetune``'s flags (the settings every job shares), the grid's axes as comma-separated lists
     (``--lr 1e-4,3e-4 --r 8,16 --seed 0,1``), ``--recipes`` (one job per YAML) and ``--fused.*`` (FusedConfig)."""
-    from hf_dtrain.fused import FusedConfig
-    from hf_dtrain.sweep import AXIS_TYPES, GRID_AXES
 
     add_job_arguments(parser, FinetuneConfig)
     grid = parser.add_argument_group("the grid (comma-separated values; every combination is one job)")
     for short, name in GRID_AXES.items():
         flags = [flag_of(name)] + ([flag_of(short)] if short != name else [])
-        grid.add_argument(*flags, dest=f"grid.{name}", type=_list_of(AXIS_TYPES[name]), default=argparse.SUPPRESS,
-                          metavar="V[,V...]", help=f"Values of {name}, one job each.")
-    grid.add_argument("--recipes", dest="grid.recipes", type=_list_of(str), default=argparse.SUPPRESS,
-                      metavar="A.yaml[,B.yaml...]",
-                      help="One job per finetune recipe (the grid's axes then expand each); flags given here apply to all.")
+        grid.add_argument(
+            *flags,
+            dest=f"grid.{name}",
+            type=_list_of(AXIS_TYPES[name]),
+            default=argparse.SUPPRESS,
+            metavar="V[,V...]",
+            help=f"Values of {name}, one job each.",
+        )
+    grid.add_argument(
+        "--recipes",
+        dest="grid.recipes",
+        type=_list_of(str),
+        default=argparse.SUPPRESS,
+        metavar="A.yaml[,B.yaml...]",
+        help="One job per finetune recipe (the grid's axes then expand each); flags given here apply to all.",
+    )
     fused = parser.add_argument_group(f"fused (FusedConfig, {FusedConfig.__module__})")
     fh = typing.get_type_hints(FusedConfig)
     for f in dataclasses.fields(FusedConfig):
         conv, _ = _converter(fh[f.name])
-        fused.add_argument(flag_of(f"fused.{f.name}"), dest=f"fused.{f.name}", type=conv, default=argparse.SUPPRESS,
-                           help=help_of(f))
+        fused.add_argument(
+            flag_of(f"fused.{f.name}"), dest=f"fused.{f.name}", type=conv, default=argparse.SUPPRESS, help=help_of(f)
+        )
 
 
 def sweep_config_from_args(ns: argparse.Namespace):
@@ -249,8 +291,9 @@ def sweep_config_from_args(ns: argparse.Namespace):
     given = vars(ns)
     flag_axes = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("grid.") and k != "grid.recipes"}
     flag_fused = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("fused.")}
-    shared = argparse.Namespace(**{k: v for k, v in given.items()
-                                   if not k.startswith(("grid.", "fused.")) and k != "recipe"})
+    shared = argparse.Namespace(
+        **{k: v for k, v in given.items() if not k.startswith(("grid.", "fused.")) and k != "recipe"}
+    )
     recipes = given.get("grid.recipes") or [given.get("recipe")]
     jobs, fused = [], {}
     for path in recipes:
@@ -268,68 +311,87 @@ def sweep_config_from_args(ns: argparse.Namespace):
         base = FinetuneConfig.from_dict(merge(data, args_to_data(shared, FinetuneConfig), FinetuneConfig), where=where)
         jobs += expand_grid(base, **axes)
     base = jobs[0]
-    return SweepConfig(jobs=jobs, fused={**fused, **flag_fused}, output_dir=base.training.get("output_dir"),
-                       progress=base.progress,
-                       report=base.report)
+    return SweepConfig(
+        jobs=jobs,
+        fused={**fused, **flag_fused},
+        output_dir=base.training.get("output_dir"),
+        progress=base.progress,
+        report=base.report,
+    )
 
 
-FED_SHORT = {"clients": "clients", "per-round": "per_round", "rounds": "rounds", "local-steps": "local_steps",
-             "algorithm": "algorithm", "uplink": "uplink"}
+FED_SHORT = {
+    "clients": "clients",
+    "per-round": "per_round",
+    "rounds": "rounds",
+    "local-steps": "local_steps",
+    "algorithm": "algorithm",
+    "uplink": "uplink",
+}
 
 
 def add_fed_arguments(parser: argparse.ArgumentParser) -> None:
     """``hf-dtrain fed simulate``: finetune's model / method / data flags, ``--fed.*`` (FederatedConfig) and the
     short forms ``--clients --per-round --rounds --local-steps --algorithm --uplink``."""
-    from hf_dtrain.federated import FederatedConfig
 
     add_job_arguments(parser, FinetuneConfig)
     group = parser.add_argument_group(f"fed (FederatedConfig, {FederatedConfig.__module__})")
     hints = typing.get_type_hints(FederatedConfig)
     for f in dataclasses.fields(FederatedConfig):
         conv, _ = _converter(hints[f.name])
-        group.add_argument(flag_of(f"fed.{f.name}"), dest=f"fed.{f.name}", type=conv, default=argparse.SUPPRESS,
-                           help=help_of(f))
+        group.add_argument(
+            flag_of(f"fed.{f.name}"), dest=f"fed.{f.name}", type=conv, default=argparse.SUPPRESS, help=help_of(f)
+        )
     for short, name in FED_SHORT.items():
         conv, _ = _converter(hints[name])
-        group.add_argument(f"--{short}", dest=f"fed.{name}", type=conv, default=argparse.SUPPRESS,
-                           help=f"Short for --fed.{short}.")
+        group.add_argument(
+            f"--{short}", dest=f"fed.{name}", type=conv, default=argparse.SUPPRESS, help=f"Short for --fed.{short}."
+        )
 
 
 def fed_config_from_args(ns: argparse.Namespace):
-    from hf_dtrain.fed import FedSimulateConfig
-    from hf_dtrain.federated import FederatedConfig
-    from hf_dtrain.settings import build
 
     given = vars(ns)
     fed = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("fed.")}
     data = load_recipe(ns.recipe) if getattr(ns, "recipe", None) else {}
     fed = {**(data.pop("fed", None) or {}), **fed}
-    shared = argparse.Namespace(**{k: v for k, v in given.items() if not k.startswith("fed.") and k not in ("recipe", "action")})
-    job = FinetuneConfig.from_dict(merge(data, args_to_data(shared, FinetuneConfig), FinetuneConfig),
-                                   where=f"recipe {ns.recipe}" if getattr(ns, "recipe", None) else "FinetuneConfig")
+    shared = argparse.Namespace(
+        **{k: v for k, v in given.items() if not k.startswith("fed.") and k not in ("recipe", "action")}
+    )
+    job = FinetuneConfig.from_dict(
+        merge(data, args_to_data(shared, FinetuneConfig), FinetuneConfig),
+        where=f"recipe {ns.recipe}" if getattr(ns, "recipe", None) else "FinetuneConfig",
+    )
     return FedSimulateConfig(job=job, fed=build(FederatedConfig, fed, where="fed"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-dtrain", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hf-dtrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     ft = sub.add_parser("finetune", help="fine-tune a base model and report eval loss / accuracy before and after")
     add_job_arguments(ft)
-    from hf_dtrain.pretrain import PretrainConfig
 
     pt = sub.add_parser("pretrain", help="pretrain a LLaMA from a LlamaConfig preset with any compatible parts")
     add_job_arguments(pt, PretrainConfig)
-    sw = sub.add_parser("sweep", conflict_handler="resolve",
-                        help="train a grid of finetune jobs fused, as one model (HFTA): --lr 1e-4,3e-4 --r 8,16 --seed 0,1")
+    sw = sub.add_parser(
+        "sweep",
+        conflict_handler="resolve",
+        help="train a grid of finetune jobs fused, as one model (HFTA): --lr 1e-4,3e-4 --r 8,16 --seed 0,1",
+    )
     add_sweep_arguments(sw)
     fed = sub.add_parser("fed", help="federated fine-tuning: hf-dtrain fed simulate --clients 100 --per-round 10")
     fed_sub = fed.add_subparsers(dest="action", required=True)
     add_fed_arguments(fed_sub.add_parser("simulate", help="simulate N clients on the launched processes (Parrot)"))
-    sub.add_parser("elastic", help="elastic data-parallel training: hosts join and leave while it trains "
-                                   "(hf-dtrain elastic --help)", add_help=False)
-    sub.add_parser("plan", help="rank the parallelism plans of a model on a machine (hf-dtrain plan --help)",
-                   add_help=False)
+    sub.add_parser(
+        "elastic",
+        help="elastic data-parallel training: hosts join and leave while it trains (hf-dtrain elastic --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "plan", help="rank the parallelism plans of a model on a machine (hf-dtrain plan --help)", add_help=False
+    )
     bb = sub.add_parser("build-base", help="build and cache the embedded default base model")
     bb.add_argument("--preset", default="tiny", help="LlamaConfig preset (hf_dtrain.models.PRESETS)")
     bb.add_argument("--steps", type=int, default=None, help="pretraining steps (default per preset)")
@@ -349,13 +411,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(args[1:])
     if args[:1] == ["finetune"]:
-        mesh_flags = [a for a in args if a.split("=")[0] in ("--tp", "--pp", "--dp-shard", "--dp-replicate", "--plan")
-                      or a.startswith(("--parallel", "--pipeline.", "--tensor-parallel."))]
+        mesh_flags = [
+            a
+            for a in args
+            if a.split("=")[0] in ("--tp", "--pp", "--dp-shard", "--dp-replicate", "--plan")
+            or a.startswith(("--parallel", "--pipeline.", "--tensor-parallel."))
+        ]
         if mesh_flags:
-            raise SystemExit(f"hf-dtrain finetune: {mesh_flags[0]} is a pretrain flag: the Trainer cannot drive a "
-                             "pipeline (it calls model(**batch) once per step on every rank) and does not lay a "
-                             "model out on a tp / pp mesh. Use hf-dtrain pretrain --tp/--pp, or the Accelerate loop "
-                             "in docs/parallel.md; for sharded fine-tuning use --fsdp or --deepspeed zero3.")
+            raise SystemExit(
+                f"hf-dtrain finetune: {mesh_flags[0]} is a pretrain flag: the Trainer cannot drive a "
+                "pipeline (it calls model(**batch) once per step on every rank) and does not lay a "
+                "model out on a tp / pp mesh. Use hf-dtrain pretrain --tp/--pp, or the Accelerate loop "
+                "in docs/parallel.md; for sharded fine-tuning use --fsdp or --deepspeed zero3."
+            )
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "build-base":
@@ -373,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_fed_simulate(cfg)
         finally:
-            from hf_dtrain.distributed import release_process_group
+            from hf_dtrain.distributed.groups import release_process_group
 
             release_process_group()
         return 0
@@ -391,13 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         except FusedMemoryError as e:  # the memory guard: how many jobs fit, and what to change
             raise SystemExit(f"hf-dtrain sweep: {e}") from None
         finally:
-            from hf_dtrain.distributed import release_process_group
+            from hf_dtrain.distributed.groups import release_process_group
 
             release_process_group()
         return 0
     if ns.command in ("finetune", "pretrain"):
         if ns.command == "finetune":
             from hf_dtrain.finetune import run_finetune as run
+
             cls = FinetuneConfig
         else:
             from hf_dtrain.pretrain import PretrainConfig as cls
@@ -406,13 +475,18 @@ def main(argv: list[str] | None = None) -> int:
             cfg = job_config_from_args(ns, cls)
         except (ValueError, TypeError, OSError) as e:
             raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
-        from hf_dtrain.distributed import RankFailure
+        from hf_dtrain.distributed.groups import RankFailure
         from hf_dtrain.fault.snapshot import SnapshotError, SnapshotMismatch
         from hf_dtrain.settings import SettingsError
 
         try:
             run(cfg)
-        except (RankFailure, SnapshotError, SnapshotMismatch, SettingsError) as e:  # a dead rank named, or snapshots that cannot be resumed
+        except (
+            RankFailure,
+            SnapshotError,
+            SnapshotMismatch,
+            SettingsError,
+        ) as e:  # a dead rank named, or snapshots that cannot be resumed
             raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
         except ValueError as e:
             if "cannot be combined" in str(e):  # ComposeOptions.check: the clash, named, before any training
@@ -421,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:  # the DDP model (the Trainer's, the loop's) freed while its gloo group exists, then the group: freed
             # at interpreter exit instead, a rank could abort ("terminate called without an active exception") after
             # the run had saved everything
-            from hf_dtrain.distributed import release_process_group
+            from hf_dtrain.distributed.groups import release_process_group
 
             release_process_group()
         return 0

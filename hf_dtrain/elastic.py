@@ -27,12 +27,21 @@ import dataclasses
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hf_dtrain.data.partition import HeterogeneityAwareSampler
+from hf_dtrain.distributed.groups import release_process_group
+from hf_dtrain.fault import SnapshotConfig, SnapshotEngine
+from hf_dtrain.models import PRESETS, build_llama
+from hf_dtrain.settings import check_fields
 
 LOG = "elastic.jsonl"
 
@@ -42,11 +51,16 @@ class ElasticConfig:
     """One elastic run. Every field is a flag of ``hf-dtrain elastic`` (``--steps``, ``--min-nodes`` ...); every
     host passes the same values, except ``slowdown`` (this host's own)."""
 
-    output_dir: str = field(default="runs/elastic", metadata={
-        "help": "Where the log, the snapshots' persisted copies and the final model go: storage every host reads."})
+    output_dir: str = field(
+        default="runs/elastic",
+        metadata={
+            "help": "Where the log, the snapshots' persisted copies and the final model go: storage every host reads."
+        },
+    )
     steps: int = field(default=60, metadata={"min": 1, "help": "Optimizer steps of the whole run."})
-    global_batch_size: int = field(default=16, metadata={
-        "min": 1, "help": "Sequences per step over all workers, dealt by measured speed."})
+    global_batch_size: int = field(
+        default=16, metadata={"min": 1, "help": "Sequences per step over all workers, dealt by measured speed."}
+    )
     seq_len: int = field(default=32, metadata={"min": 2, "help": "Tokens per sequence."})
     samples: int = field(default=2048, metadata={"min": 1, "help": "Size of the synthetic training set."})
     preset: str = field(default="test", metadata={"help": "LlamaConfig preset of the model (hf_dtrain.models)."})
@@ -54,47 +68,91 @@ class ElasticConfig:
     seed: int = field(default=0, metadata={"min": 0, "help": "Seed of the model and the data."})
     min_nodes: int = field(default=1, metadata={"min": 1, "help": "Fewest hosts the run trains with."})
     max_nodes: int = field(default=4, metadata={"min": 1, "help": "Most hosts that may join."})
-    persist_every: int = field(default=1, metadata={
-        "min": 1, "help": "Steps between persisted (resharding) snapshot copies: a membership change resumes from "
-                          "the newest one, so at most this many steps are recomputed."})
-    probe_steps: int = field(default=2, metadata={
-        "min": 1, "help": "Timed forward/backward steps per worker at the start of each generation (its speed)."})
-    collective_timeout: float = field(default=30.0, metadata={
-        "gt": 0, "help": "Seconds a collective waits for a rank before the generation fails."})
-    slowdown: float = field(default=1.0, metadata={
-        "min": 1, "help": "This host only: emulate a slower host (each step's compute takes this many times longer)."})
+    persist_every: int = field(
+        default=1,
+        metadata={
+            "min": 1,
+            "help": "Steps between persisted (resharding) snapshot copies: a membership change resumes from "
+            "the newest one, so at most this many steps are recomputed.",
+        },
+    )
+    probe_steps: int = field(
+        default=2,
+        metadata={
+            "min": 1,
+            "help": "Timed forward/backward steps per worker at the start of each generation (its speed).",
+        },
+    )
+    collective_timeout: float = field(
+        default=30.0, metadata={"gt": 0, "help": "Seconds a collective waits for a rank before the generation fails."}
+    )
+    slowdown: float = field(
+        default=1.0,
+        metadata={
+            "min": 1,
+            "help": "This host only: emulate a slower host (each step's compute takes this many times longer).",
+        },
+    )
 
     def __post_init__(self):
-        from hf_dtrain.models import PRESETS
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
         if self.min_nodes > self.max_nodes:
-            raise ValueError(f"ElasticConfig.min_nodes={self.min_nodes} is more than max_nodes={self.max_nodes}; "
-                             "set --min-nodes <= --max-nodes.")
+            raise ValueError(
+                f"ElasticConfig.min_nodes={self.min_nodes} is more than max_nodes={self.max_nodes}; "
+                "set --min-nodes <= --max-nodes."
+            )
         if self.preset not in PRESETS:
             raise ValueError(f"ElasticConfig.preset={self.preset!r} is not a preset; choose one of {sorted(PRESETS)}.")
         if self.global_batch_size < self.max_nodes:
-            raise ValueError(f"ElasticConfig.global_batch_size={self.global_batch_size} cannot give each of up to "
-                             f"max_nodes={self.max_nodes} workers a sequence; raise --global-batch-size or lower "
-                             "--max-nodes.")
+            raise ValueError(
+                f"ElasticConfig.global_batch_size={self.global_batch_size} cannot give each of up to "
+                f"max_nodes={self.max_nodes} workers a sequence; raise --global-batch-size or lower "
+                "--max-nodes."
+            )
 
 
-def torchrun_command(config: ElasticConfig, endpoint: str, run_id: str, nproc_per_node: int = 1,
-                     local_addr: Optional[str] = None, store_host: Optional[bool] = None) -> tuple[list, dict]:
+def torchrun_command(
+    config: ElasticConfig,
+    endpoint: str,
+    run_id: str,
+    nproc_per_node: int = 1,
+    local_addr: str | None = None,
+    store_host: bool | None = None,
+) -> tuple[list, dict]:
     """The torchrun command line (and environment additions) that runs this host's share of ``config``;
     ``local_addr``: this host's address as the others reach it (default: what its hostname resolves to);
     ``store_host``: whether this host serves the rendezvous store at ``endpoint``; None lets torchrun decide (by
     comparing the endpoint with the hostname's addresses: it misses an address the hostname does not resolve to, and
     on one machine the first agent to bind the port wins). The run lives as long as the store's host: say which."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{config.min_nodes}:{config.max_nodes}",
-            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, "--max-restarts", "100", "--monitor-interval", "0.5",
+    args = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            f"{config.min_nodes}:{config.max_nodes}",
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run_id,
+            "--max-restarts",
+            "100",
+            "--monitor-interval",
+            "0.5",
             # a lost host is dropped after 3 missed 1 s heartbeats; a generation forms 2 s after its last arrival
-            "--rdzv-conf", "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
-                           "close_timeout=5" + ("" if store_host is None else f",is_host={str(store_host).lower()}")
-            ] + (["--local-addr", local_addr] if local_addr else []) + [
-            "-m", "hf_dtrain.elastic", "--worker"] + to_argv(config)
+            "--rdzv-conf",
+            "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
+            "close_timeout=5" + ("" if store_host is None else f",is_host={str(store_host).lower()}"),
+        ]
+        + (["--local-addr", local_addr] if local_addr else [])
+        + ["-m", "hf_dtrain.elastic", "--worker"]
+        + to_argv(config)
+    )
     return args, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -154,13 +212,6 @@ def read_log(output_dir: str) -> list[dict]:
 
 def run_worker(config: ElasticConfig) -> None:
     """One worker of one generation (what torchrun runs on each host)."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from hf_dtrain.data.partition import HeterogeneityAwareSampler
-    from hf_dtrain.distributed import release_process_group
-    from hf_dtrain.fault import SnapshotConfig, SnapshotEngine
-    from hf_dtrain.models import build_llama
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -170,12 +221,20 @@ def run_worker(config: ElasticConfig) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     os.makedirs(config.output_dir, exist_ok=True)
-    snapshots = SnapshotConfig(directory=os.path.join(config.output_dir, "snapshots"), parity=0,
-                               persist_every=config.persist_every,
-                               persist_dir=os.path.join(config.output_dir, "persisted"),
-                               timeout=config.collective_timeout)
-    engine = SnapshotEngine(ddp, optimizer, scheduler, config=snapshots,
-                            identity={"job": "elastic", "preset": config.preset, "seed": config.seed})
+    snapshots = SnapshotConfig(
+        directory=os.path.join(config.output_dir, "snapshots"),
+        parity=0,
+        persist_every=config.persist_every,
+        persist_dir=os.path.join(config.output_dir, "persisted"),
+        timeout=config.collective_timeout,
+    )
+    engine = SnapshotEngine(
+        ddp,
+        optimizer,
+        scheduler,
+        config=snapshots,
+        identity={"job": "elastic", "preset": config.preset, "seed": config.seed},
+    )
     restored = engine.restore()
     start = restored.step + 1 if restored is not None else 0
     source = restored.source if restored is not None else "fresh"
@@ -193,8 +252,9 @@ def run_worker(config: ElasticConfig) -> None:
     speeds = [torch.zeros_like(speed) for _ in range(world)]
     dist.all_gather(speeds, speed)
     speeds = [float(s) for s in speeds]
-    sampler = HeterogeneityAwareSampler(None, speeds, rank=rank, num_samples=len(data), seed=config.seed,
-                                        global_batch_size=config.global_batch_size)
+    sampler = HeterogeneityAwareSampler(
+        None, speeds, rank=rank, num_samples=len(data), seed=config.seed, global_batch_size=config.global_batch_size
+    )
     batch_size = sampler.batch_size_for(config.global_batch_size)
     scale = sampler.loss_scale(config.global_batch_size)
     sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
@@ -209,7 +269,7 @@ def run_worker(config: ElasticConfig) -> None:
             sampler.set_epoch(epoch)
             order = list(iter(sampler))
         at = (step % per_epoch) * batch_size
-        batch = data[order[at:at + batch_size]]
+        batch = data[order[at : at + batch_size]]
         t0 = time.perf_counter()
         loss = ddp(input_ids=batch, labels=batch).loss
         (loss * scale).backward()
@@ -222,9 +282,16 @@ def run_worker(config: ElasticConfig) -> None:
         dist.all_reduce(total)
         engine.snapshot(step, extra={"step": step})
         if rank == 0:
-            record = {"step": step, "loss": float(total) / config.global_batch_size, "world_size": world,
-                      "generation": generation, "batch_sizes": sizes, "speeds": [round(s, 2) for s in speeds],
-                      "seconds": round(time.perf_counter() - t0, 4), "time": time.time()}
+            record = {
+                "step": step,
+                "loss": float(total) / config.global_batch_size,
+                "world_size": world,
+                "generation": generation,
+                "batch_sizes": sizes,
+                "speeds": [round(s, 2) for s in speeds],
+                "seconds": round(time.perf_counter() - t0, 4),
+                "time": time.time(),
+            }
             if step == start:
                 record["restored_from"] = source
             _append_log(log, record)
@@ -243,26 +310,42 @@ def _bool(text: str) -> bool:
     return text.lower() == "true"
 
 
-def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    import typing
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
 
-    parser = parser or argparse.ArgumentParser(prog="hf-dtrain elastic", description=__doc__,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--endpoint", default="127.0.0.1:29400",
-                        help="host:port of the rendezvous (the first host's address; every host passes the same).")
+    parser = parser or argparse.ArgumentParser(
+        prog="hf-dtrain elastic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--endpoint",
+        default="127.0.0.1:29400",
+        help="host:port of the rendezvous (the first host's address; every host passes the same).",
+    )
     parser.add_argument("--run-id", default="hf-dtrain-elastic", help="The rendezvous id (the same on every host).")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="Workers on this host.")
-    parser.add_argument("--store-host", type=_bool, default=None, help="true: this host serves the rendezvous "
-                        "store at --endpoint; false: it connects to it. Default: torchrun decides by the hostname's "
-                        "addresses. The run lives as long as the store's host does: set true on the host that stays, "
-                        "false on the others.")
-    parser.add_argument("--local-addr", default=None, help="This host's address as the other hosts reach it "
-                        "(default: what its hostname resolves to).")
+    parser.add_argument(
+        "--store-host",
+        type=_bool,
+        default=None,
+        help="true: this host serves the rendezvous "
+        "store at --endpoint; false: it connects to it. Default: torchrun decides by the hostname's "
+        "addresses. The run lives as long as the store's host does: set true on the host that stays, "
+        "false on the others.",
+    )
+    parser.add_argument(
+        "--local-addr",
+        default=None,
+        help="This host's address as the other hosts reach it (default: what its hostname resolves to).",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     hints = typing.get_type_hints(ElasticConfig)
     for f in dataclasses.fields(ElasticConfig):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=hints[f.name], default=f.default,
-                            help=f.metadata.get("help"))
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=hints[f.name],
+            default=f.default,
+            help=f.metadata.get("help"),
+        )
     return parser
 
 
@@ -270,8 +353,7 @@ def config_from_args(ns: argparse.Namespace) -> ElasticConfig:
     return ElasticConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ElasticConfig)})
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    import subprocess
+def main(argv: list[str] | None = None) -> int:
 
     ns = build_parser().parse_args(argv)
     try:
@@ -281,8 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.worker:
         run_worker(config)
         return 0
-    cmd, env = torchrun_command(config, ns.endpoint, ns.run_id, ns.nproc_per_node, ns.local_addr,
-                                ns.store_host)
+    cmd, env = torchrun_command(config, ns.endpoint, ns.run_id, ns.nproc_per_node, ns.local_addr, ns.store_host)
     return subprocess.call(cmd, env={**os.environ, **env})
 
 

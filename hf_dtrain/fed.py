@@ -19,7 +19,11 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from peft import get_peft_model
+from transformers import set_seed
 
+from hf_dtrain import tasks
+from hf_dtrain.compose import ComposeOptions
 from hf_dtrain.federated import FederatedConfig, FederatedSimulation, dirichlet_split
 from hf_dtrain.finetune import DEFAULT_TASK_TRAIN_SIZE, FinetuneConfig, load_base_and_data
 from hf_dtrain.run import JobRun
@@ -32,41 +36,67 @@ FED_METHODS = ("lora", "lorafa", "qbara", "smt", "dora", "qahira")  # peft adapt
 class FedSimulateConfig:
     """A federated simulation: the model / method / data settings of a finetune job, and the federation."""
 
-    job: FinetuneConfig = field(default_factory=FinetuneConfig, metadata={
-        "help": "Base model, method, rank and data, as hf-dtrain finetune takes them (its engine sections are refused)."})
+    job: FinetuneConfig = field(
+        default_factory=FinetuneConfig,
+        metadata={
+            "help": "Base model, method, rank and data, as hf-dtrain finetune takes them (its engine sections are "
+            "refused)."
+        },
+    )
     fed: FederatedConfig = field(default_factory=FederatedConfig, metadata={"help": "The federation."})
 
     def __post_init__(self):
-        from hf_dtrain.compose import ComposeOptions
 
         if self.job.method not in FED_METHODS:
-            raise ValueError(f"method={self.job.method!r}: the federated payload is a peft adapter; use one of "
-                             f"{', '.join(FED_METHODS)}.")
+            raise ValueError(
+                f"method={self.job.method!r}: the federated payload is a peft adapter; use one of "
+                f"{', '.join(FED_METHODS)}."
+            )
         defaults = dataclasses.asdict(ComposeOptions())
         for name, value in defaults.items():
             if dataclasses.asdict(self.job).get(name) != value:
-                raise ValueError(f"{name} is set, but hf-dtrain fed simulate runs its own loop (clients trained one "
-                                 f"after another, Parrot's aggregation); leave {name} at its default.")
+                raise ValueError(
+                    f"{name} is set, but hf-dtrain fed simulate runs its own loop (clients trained one "
+                    f"after another, Parrot's aggregation); leave {name} at its default."
+                )
         unsupported = sorted(set(self.job.training) - FED_TRAINER_SETTINGS)
         if unsupported:
-            raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in unsupported)} given, but hf-dtrain fed "
-                             "simulate runs its own client loop (--fed.* sets it) and takes only these Trainer "
-                             f"settings: {', '.join(sorted(FED_TRAINER_SETTINGS))}.")
+            raise ValueError(
+                f"{', '.join('--' + k.replace('_', '-') for k in unsupported)} given, but hf-dtrain fed "
+                "simulate runs its own client loop (--fed.* sets it) and takes only these Trainer "
+                f"settings: {', '.join(sorted(FED_TRAINER_SETTINGS))}."
+            )
 
 
 # the Trainer settings the federation honours: the data's preparation, the seed, the clients' learning rate (when
 # --fed.client-lr is not given), where it writes; the others are refused rather than ignored
-FED_TRAINER_SETTINGS = {"learning_rate", "seed", "output_dir", "max_length", "truncation_mode", "dataset_text_field",
-                        "completion_only_loss", "assistant_only_loss", "chat_template_path", "report_to",
-                        "disable_tqdm", "logging_steps", "use_cpu"}
+FED_TRAINER_SETTINGS = {
+    "learning_rate",
+    "seed",
+    "output_dir",
+    "max_length",
+    "truncation_mode",
+    "dataset_text_field",
+    "completion_only_loss",
+    "assistant_only_loss",
+    "chat_template_path",
+    "report_to",
+    "disable_tqdm",
+    "logging_steps",
+    "use_cpu",
+}
 
 
 def _labels(job: FinetuneConfig, dataset) -> list | None:
     if job.dataset is None:
         from hf_dtrain import tasks
 
-        pairs = tasks.addition_examples(job.train_size or DEFAULT_TASK_TRAIN_SIZE, seed=job.seed, split="train",
-                                        digits=job.task_digits or tasks.TASK_DIGITS)
+        pairs = tasks.addition_examples(
+            job.train_size or DEFAULT_TASK_TRAIN_SIZE,
+            seed=job.seed,
+            split="train",
+            digits=job.task_digits or tasks.TASK_DIGITS,
+        )
         return [p[0][0] for p in pairs]  # the first operand's leading digit: clients see different numbers
     for column in ("label", "source"):
         if column in getattr(dataset, "column_names", []):
@@ -77,24 +107,25 @@ def _labels(job: FinetuneConfig, dataset) -> list | None:
 def build_federation(cfg: FedSimulateConfig, run: JobRun | None = None):
     """``(peft model, tokenizer, client datasets, collator, eval function, base path)`` as the job builds them (with
     ``run``, rank 0 first: it builds the embedded default base; the others read the cache)."""
-    from peft import get_peft_model
-    from transformers import set_seed
-
-    from hf_dtrain import tasks
 
     job, fed = cfg.job, cfg.fed
     with run.main_first() if run is not None else contextlib.nullcontext():
         data = load_base_and_data(job, progress=job.progress and (run is None or run.is_main))
     model, tokenizer, base_path, train, evalset = data.model, data.tokenizer, data.base_path, data.train, data.eval
     labels = _labels(job, train)
-    split = dirichlet_split(labels if labels is not None else [0] * len(train), fed.clients,
-                            fed.dirichlet_alpha if labels is not None else None, seed=fed.seed)
+    split = dirichlet_split(
+        labels if labels is not None else [0] * len(train),
+        fed.clients,
+        fed.dirichlet_alpha if labels is not None else None,
+        seed=fed.seed,
+    )
     clients = [train.select(idx) for idx in split]
     collator = tasks.sft_collator(tokenizer)
     set_seed(job.seed)
     model = get_peft_model(model, FINETUNE_METHODS[job.method].build_config(job, model))
-    eval_batches = [collator([evalset[i] for i in range(s, min(s + 64, len(evalset)))])
-                    for s in range(0, len(evalset), 64)]
+    eval_batches = [
+        collator([evalset[i] for i in range(s, min(s + 64, len(evalset)))]) for s in range(0, len(evalset), 64)
+    ]
 
     @torch.no_grad()
     def evaluate(m) -> float:
@@ -121,15 +152,22 @@ def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
     run = JobRun(job, engine="trainer", check=False)  # the process group under a launcher; its own loop, no engine
     rank = run.rank
     out_dir = job.training.get("output_dir") or os.path.join("outputs", f"fed-{job.method}")
-    model, tokenizer, clients, collator, evaluate, base_path = build_federation(cfg, run)
+    model, tokenizer, clients, collator, evaluate, _base_path = build_federation(cfg, run)
     fed = client_config(cfg)
-    sim = FederatedSimulation(model, clients, collator, fed,
-                              state_dir=os.path.join(out_dir, "client_states"), eval_fn=evaluate)
+    sim = FederatedSimulation(
+        model, clients, collator, fed, state_dir=os.path.join(out_dir, "client_states"), eval_fn=evaluate
+    )
     history = sim.run(progress=job.progress)
-    result = dict(method=job.method, base_model=job.model or f"hf_dtrain default ({job.base_preset})",
-                  config=dict(job=dataclasses.asdict(job), fed=dataclasses.asdict(fed)), rounds=history,
-                  client_sizes=[len(c) for c in clients], uplink_bytes=sum(h["uplink_bytes"] for h in history),
-                  eval_loss_final=history[-1].get("eval_loss"), processes=sim.world)
+    result = dict(
+        method=job.method,
+        base_model=job.model or f"hf_dtrain default ({job.base_preset})",
+        config=dict(job=dataclasses.asdict(job), fed=dataclasses.asdict(fed)),
+        rounds=history,
+        client_sizes=[len(c) for c in clients],
+        uplink_bytes=sum(h["uplink_bytes"] for h in history),
+        eval_loss_final=history[-1].get("eval_loss"),
+        processes=sim.world,
+    )
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
         model.save_pretrained(out_dir)
@@ -142,9 +180,11 @@ def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
 
 def _write_report(out_dir: str, history: list[dict], report: bool) -> None:
     head = "| round | trained | failed | uplink MB | train loss | eval loss |\n|---|---|---|---|---|---|\n"
-    lines = [f"| {h['round']} | {h['trained']} | {','.join(map(str, h['failed'])) or '-'} | "
-             f"{h['uplink_bytes'] / 1e6:.3f} | {h['train_loss']:.4f} | {h.get('eval_loss', float('nan')):.4f} |"
-             for h in history]
+    lines = [
+        f"| {h['round']} | {h['trained']} | {','.join(map(str, h['failed'])) or '-'} | "
+        f"{h['uplink_bytes'] / 1e6:.3f} | {h['train_loss']:.4f} | {h.get('eval_loss', float('nan')):.4f} |"
+        for h in history
+    ]
     table = head + "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "fed.md"), "w") as f:
         f.write(table)

@@ -13,20 +13,31 @@ model card and ``results.json``, print a table. Works in one process and under `
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import Optional
 
+import datasets
 import torch
+from peft import PeftConfig
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import set_seed
+from trl import SFTConfig, SFTTrainer
 
+from hf_dtrain import tasks
 from hf_dtrain.compose import EXCHANGING, ComposeOptions, check_local_path, run_identity, wire_bytes
+from hf_dtrain.distributed.groups import init_distributed
+from hf_dtrain.model_card import write_model_card
+from hf_dtrain.models import load_model_and_tokenizer
 from hf_dtrain.parallel import local_param_bytes
 from hf_dtrain.parallel.zero import deepspeed_config
-from hf_dtrain.model_card import write_model_card
 from hf_dtrain.run import JobRun
 from hf_dtrain.settings import SettingsError, check_fields
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS
+from hf_dtrain.tuners.smt import SMTSelectionCallback, smt_warmup
 from hf_dtrain.tuners.smt.job import SMT_TARGETS
 
 # Each method's fine-tuning knowledge (default learning rate, 4-bit bases, peft config with the budget matched to
@@ -35,23 +46,40 @@ from hf_dtrain.tuners.smt.job import SMT_TARGETS
 METHODS = tuple(FINETUNE_METHODS)
 DEFAULT_LR = {name: m.default_lr for name, m in FINETUNE_METHODS.items()}
 # Which methods train on which 4-bit base (``--quantize``); see hf_dtrain.quantization.
-QUANTIZED_METHODS = {base: tuple(n for n, m in FINETUNE_METHODS.items() if base in m.quantized_bases)
-                     for base in ("nf4", "hqq4", "int4")}
+QUANTIZED_METHODS = {
+    base: tuple(n for n, m in FINETUNE_METHODS.items() if base in m.quantized_bases) for base in ("nf4", "hqq4", "int4")
+}
 TORCH_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # The default task's size when no --train-size is given (2000 steps of 16 examples: README command 1)
 DEFAULT_TASK_TRAIN_SIZE = 32000
 
 
 # Trainer settings SFTConfig leaves unchecked: (name, bound, strict)
-TRAINER_BOUNDS = (("learning_rate", 0, True), ("per_device_train_batch_size", 1, False),
-                  ("per_device_eval_batch_size", 1, False), ("gradient_accumulation_steps", 1, False),
-                  ("num_train_epochs", 0, True), ("warmup_steps", 0, False), ("weight_decay", 0, False),
-                  ("max_length", 1, False), ("logging_steps", 0, True), ("max_grad_norm", 0, False))
+TRAINER_BOUNDS = (
+    ("learning_rate", 0, True),
+    ("per_device_train_batch_size", 1, False),
+    ("per_device_eval_batch_size", 1, False),
+    ("gradient_accumulation_steps", 1, False),
+    ("num_train_epochs", 0, True),
+    ("warmup_steps", 0, False),
+    ("weight_decay", 0, False),
+    ("max_length", 1, False),
+    ("logging_steps", 0, True),
+    ("max_grad_norm", 0, False),
+)
+
+
+# transformers 5.23 renamed TrainingArguments' gradient_checkpointing to activation_checkpointing: the field this
+# release has, found on the dataclass, not from a version string
+CHECKPOINTING_FIELD = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(SFTConfig)}
+    else "gradient_checkpointing"
+)
 
 
 def sft_fields() -> dict:
     """The fields of TRL's ``SFTConfig`` (so of ``TrainingArguments``) by name."""
-    from trl import SFTConfig
 
     return {f.name: f for f in dataclasses.fields(SFTConfig) if f.init}
 
@@ -61,45 +89,87 @@ class FinetuneJob(ComposeOptions):
     """The job's own settings (the methods' sections are added to :class:`FinetuneConfig` from the registry)."""
 
     method: str = field(default="lorafa", metadata={"help": f"One of {', '.join(METHODS)}."})
-    peft_config: Optional[str] = field(default=None, metadata={
-        "help": "A saved peft config to train instead of --method's: a directory holding adapter_config.json, or the "
-                "JSON file (any peft method; hf_dtrain's too). --method follows its type."})
-    model: Optional[str] = field(default=None, metadata={
-        "help": "Base model path or hub id (any causal LM); None = the embedded default LLaMA."})
-    torch_dtype: str = field(default="auto", metadata={
-        "help": f"dtype the base model is loaded in: {', '.join(TORCH_DTYPES)} (auto: the checkpoint's)."})
-    attn_implementation: Optional[str] = field(default=None, metadata={
-        "help": "Attention kernel of the base model: eager, sdpa, flash_attention_2, ... (None: transformers' choice)."})
-    quantize: Optional[str] = field(default=None, metadata={
-        "help": "Load the base in 4 bits: nf4 (bitsandbytes), hqq4 (HQQ, zero-points) or int4 (hf_dtrain's Int4Linear, "
-                "zero-points); qahira merges exactly into hqq4/int4."})
-    quant_group_size: int = field(default=64, metadata={
-        "min": 1, "help": "hqq4/int4: quantization group size along in_features (also qahira's input pooling factor)."})
-    dataset: Optional[str] = field(default=None, metadata={
-        "help": "Local json/jsonl/csv/parquet/txt file or hub dataset in one of TRL's formats (messages, "
-                "prompt/completion, text); None = the default addition task."})
-    dataset_config: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration name."})
-    lora_r: int = field(default=8, metadata={
-        "min": 1, "help": "Rank of lora / dora / lorafa / qbara, and the LoRA budget the other methods are matched to."})
+    peft_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "A saved peft config to train instead of --method's: a directory holding adapter_config.json, or "
+            "the JSON file (any peft method; hf_dtrain's too). --method follows its type."
+        },
+    )
+    model: str | None = field(
+        default=None, metadata={"help": "Base model path or hub id (any causal LM); None = the embedded default LLaMA."}
+    )
+    torch_dtype: str = field(
+        default="auto",
+        metadata={"help": f"dtype the base model is loaded in: {', '.join(TORCH_DTYPES)} (auto: the checkpoint's)."},
+    )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "Attention kernel of the base model: eager, sdpa, flash_attention_2, ... (None: transformers' "
+            "choice)."
+        },
+    )
+    quantize: str | None = field(
+        default=None,
+        metadata={
+            "help": "Load the base in 4 bits: nf4 (bitsandbytes), hqq4 (HQQ, zero-points) or int4 (hf_dtrain's "
+            "Int4Linear, zero-points); qahira merges exactly into hqq4/int4."
+        },
+    )
+    quant_group_size: int = field(
+        default=64,
+        metadata={
+            "min": 1,
+            "help": "hqq4/int4: quantization group size along in_features (also qahira's input pooling factor).",
+        },
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Local json/jsonl/csv/parquet/txt file or hub dataset in one of TRL's formats (messages, "
+            "prompt/completion, text); None = the default addition task."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    lora_r: int = field(
+        default=8,
+        metadata={
+            "min": 1,
+            "help": "Rank of lora / dora / lorafa / qbara, and the LoRA budget the other methods are matched to.",
+        },
+    )
     lora_alpha: int = field(default=16, metadata={"gt": 0, "help": "Scaling numerator for lora, dora, lorafa, qbara."})
     lora_dropout: float = field(default=0.0, metadata={"min": 0, "lt": 1, "help": "Dropout for lora and dora."})
-    target_modules: Optional[list[str]] = field(default=None, metadata={
-        "help": f"Modules to adapt; default {LORA_TARGETS} ({SMT_TARGETS} for smt)."})
-    task_digits: Optional[int] = field(default=None, metadata={
-        "min": 1, "help": "Default task: operands have 1 to N digits (default hf_dtrain.tasks.TASK_DIGITS)."})
-    train_size: Optional[int] = field(default=None, metadata={
-        "min": 1, "help": f"Training examples: the default task's count (default {DEFAULT_TASK_TRAIN_SIZE}) or a cap "
-                          "on --dataset's rows (default all)."})
+    target_modules: list[str] | None = field(
+        default=None, metadata={"help": f"Modules to adapt; default {LORA_TARGETS} ({SMT_TARGETS} for smt)."}
+    )
+    task_digits: int | None = field(
+        default=None,
+        metadata={"min": 1, "help": "Default task: operands have 1 to N digits (default hf_dtrain.tasks.TASK_DIGITS)."},
+    )
+    train_size: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "help": f"Training examples: the default task's count (default {DEFAULT_TASK_TRAIN_SIZE}) or a cap "
+            "on --dataset's rows (default all).",
+        },
+    )
     eval_size: int = field(default=200, metadata={"min": 1, "help": "Held-out examples for eval loss and accuracy."})
     report: bool = field(default=True, metadata={"help": "Print the result table (rank 0)."})
     progress: bool = field(default=True, metadata={"help": "Show progress bars."})
     base_preset: str = field(default="tiny", metadata={"help": "Preset of the embedded default base model."})
-    base_steps: Optional[int] = field(default=None, metadata={"min": 1, "help": "Pretraining steps of the default base."})
-    training: dict = field(default_factory=dict, metadata={
-        "flatten": "SFTConfig",
-        "help": "TRL's SFTConfig settings (every TrainingArguments field too), given as top-level flags and YAML keys "
-                "(--bf16, --gradient-checkpointing, --learning-rate, --packing ...); the rest are the job's defaults "
-                "(training_defaults)."})
+    base_steps: int | None = field(default=None, metadata={"min": 1, "help": "Pretraining steps of the default base."})
+    training: dict = field(
+        default_factory=dict,
+        metadata={
+            "flatten": "SFTConfig",
+            "help": "TRL's SFTConfig settings (every TrainingArguments field too), given as top-level flags and YAML "
+            "keys (--bf16, --gradient-checkpointing, --learning-rate, --packing ...); the rest are the job's defaults "
+            "(training_defaults).",
+        },
+    )
 
     def __post_init__(self):
         check_fields(self)
@@ -114,21 +184,30 @@ class FinetuneJob(ComposeOptions):
             raise ValueError(f"FinetuneConfig.training: {unknown} are not SFTConfig / TrainingArguments fields.")
         owned = sorted(set(self.training) & {f.name for f in dataclasses.fields(self)})
         if owned:
-            raise ValueError(f"FinetuneConfig.training: {owned} are hf_dtrain's own settings here "
-                             f"(--{owned[0].replace('_', '-')}); give them at the top level.")
+            raise ValueError(
+                f"FinetuneConfig.training: {owned} are hf_dtrain's own settings here "
+                f"(--{owned[0].replace('_', '-')}); give them at the top level."
+            )
         check_local_path(self, "peft_config", kinds=(".json",))
         if self.peft_config is not None:
             self.method = method_of_peft_config(load_peft_config(self.peft_config), self.method)
         if self.method not in FINETUNE_METHODS:
             raise ValueError(f"method={self.method!r} is unknown; set --method to one of {', '.join(METHODS)}.")
         if self.torch_dtype not in TORCH_DTYPES:
-            raise ValueError(f"torch_dtype={self.torch_dtype!r} is unknown; set --torch-dtype to one of "
-                             f"{', '.join(TORCH_DTYPES)}.")
+            raise ValueError(
+                f"torch_dtype={self.torch_dtype!r} is unknown; set --torch-dtype to one of {', '.join(TORCH_DTYPES)}."
+            )
         for name, m in FINETUNE_METHODS.items():  # a method's section is taken only with that method
-            if m.settings is not None and hasattr(self, name) and getattr(self, name) != m.settings() \
-                    and self.method != name:
-                raise ValueError(f"{name}.* settings are given but method={self.method}; set --method {name}, or "
-                                 f"drop the {name} settings.")
+            if (
+                m.settings is not None
+                and hasattr(self, name)
+                and getattr(self, name) != m.settings()
+                and self.method != name
+            ):
+                raise ValueError(
+                    f"{name}.* settings are given but method={self.method}; set --method {name}, or "
+                    f"drop the {name} settings."
+                )
         self.validate()
         check_local_path(self, "dataset")
         check_local_path(self, "model")
@@ -138,21 +217,21 @@ class FinetuneJob(ComposeOptions):
                 self.quantize = None
         if self.quantize is not None:
             if self.quantize not in QUANTIZED_METHODS:
-                raise ValueError(f"quantize={self.quantize!r} is unknown; set --quantize to one of "
-                                 f"{', '.join(QUANTIZED_METHODS)} (or leave it out for a dense base).")
+                raise ValueError(
+                    f"quantize={self.quantize!r} is unknown; set --quantize to one of "
+                    f"{', '.join(QUANTIZED_METHODS)} (or leave it out for a dense base)."
+                )
             if self.method not in QUANTIZED_METHODS[self.quantize]:
-                raise ValueError(f"method={self.method!r} cannot train on a {self.quantize} base; with "
-                                 f"--quantize {self.quantize} use --method one of "
-                                 f"{', '.join(QUANTIZED_METHODS[self.quantize])}.")
+                raise ValueError(
+                    f"method={self.method!r} cannot train on a {self.quantize} base; with "
+                    f"--quantize {self.quantize} use --method one of "
+                    f"{', '.join(QUANTIZED_METHODS[self.quantize])}."
+                )
         self._check_training(self.training_args())  # SFTConfig's own checks, and the bounds it leaves out, now
 
     def _check_training(self, args) -> None:
         """What ``SFTConfig`` accepts but would train wrong or fail on after start-up: a NaN or infinite number, a
         batch of 0, a step count of 0, negative warm-up or decay."""
-        import math
-        import typing
-
-        from trl import SFTConfig
 
         hints = typing.get_type_hints(SFTConfig)
         for name, value in self.training.items():
@@ -170,11 +249,12 @@ class FinetuneJob(ComposeOptions):
                 bound = f"> {low}" if strict else f">= {low}"
                 raise ValueError(f"{name}={value!r} must be {bound}; set --{name.replace('_', '-')}.")
         if args.max_steps == 0:
-            raise ValueError("max_steps=0 trains nothing; set --max-steps N (N >= 1), or -1 to train "
-                             "--num-train-epochs epochs.")
+            raise ValueError(
+                "max_steps=0 trains nothing; set --max-steps N (N >= 1), or -1 to train --num-train-epochs epochs."
+            )
 
     @classmethod
-    def from_dict(cls, data: Optional[dict], where: Optional[str] = None):
+    def from_dict(cls, data: dict | None, where: str | None = None):
         """As :meth:`ComposeOptions.from_dict`, with the Trainer's settings at the top level (as ``trl sft``'s YAML
         has them) gathered into ``training``."""
         data = {str(k).replace("-", "_"): v for k, v in (data or {}).items()}
@@ -193,22 +273,33 @@ class FinetuneJob(ComposeOptions):
         asked, and what fits the machine: bf16 and gradient checkpointing on a GPU that supports bf16, fp32 on CPU."""
         gpu = torch.cuda.is_available()
         bf16 = gpu and torch.cuda.is_bf16_supported() and not self.training.get("fp16")
-        out = dict(output_dir=os.path.join("outputs", f"finetune-{self.method}"),
-                   learning_rate=FINETUNE_METHODS[self.method].default_lr, per_device_train_batch_size=16,
-                   per_device_eval_batch_size=64, num_train_epochs=1, warmup_steps=20, lr_scheduler_type="linear",
-                   logging_steps=200, seed=0, report_to="none", save_strategy="no", eval_strategy="no",
-                   use_cpu=not gpu, bf16=bf16, max_length=512, dataloader_num_workers=0, disable_tqdm=not self.progress,
-                   ddp_find_unused_parameters=False if self.method != "full" else None)
+        out = dict(
+            output_dir=os.path.join("outputs", f"finetune-{self.method}"),
+            learning_rate=FINETUNE_METHODS[self.method].default_lr,
+            per_device_train_batch_size=16,
+            per_device_eval_batch_size=64,
+            num_train_epochs=1,
+            warmup_steps=20,
+            lr_scheduler_type="linear",
+            logging_steps=200,
+            seed=0,
+            report_to="none",
+            save_strategy="no",
+            eval_strategy="no",
+            use_cpu=not gpu,
+            bf16=bf16,
+            max_length=512,
+            dataloader_num_workers=0,
+            disable_tqdm=not self.progress,
+            ddp_find_unused_parameters=False if self.method != "full" else None,
+        )
         if not {"gradient_checkpointing", "activation_checkpointing"} & set(self.training):
-            out["activation_checkpointing"] = bool(bf16)  # (transformers' new name for gradient_checkpointing)
+            out[CHECKPOINTING_FIELD] = bool(bf16)
         return out
 
     def training_args(self, **engine):
         """The ``SFTConfig`` this job trains with: the settings given (``training``) over the job's defaults,
         passed to ``SFTConfig`` as they are; ``engine``: what the job's engines set (DeepSpeed's config...)."""
-        from trl import SFTConfig
-
-        from hf_dtrain.distributed import init_distributed
 
         # TrainingArguments sets up the process group as it is built: under torchrun's / accelerate's restarts it
         # must use this generation's own store keys (a restarted generation would read the dead one's addresses)
@@ -232,13 +323,25 @@ def _finetune_config_class():
     extra = []
     for name, m in FINETUNE_METHODS.items():
         if m.settings is not None:
-            extra.append((name, m.settings, field(default_factory=m.settings, metadata={
-                "help": f"{name}'s own settings (used with --method {name}; {m.settings.__module__})."})))
+            extra.append(
+                (
+                    name,
+                    m.settings,
+                    field(
+                        default_factory=m.settings,
+                        metadata={
+                            "help": f"{name}'s own settings (used with --method {name}; {m.settings.__module__})."
+                        },
+                    ),
+                )
+            )
     cls = dataclasses.make_dataclass("FinetuneConfig", extra, bases=(FinetuneJob,))
     cls.__module__ = __name__
-    cls.__doc__ = ("Settings of one fine-tuning run; every field is also a ``hf-dtrain finetune`` flag and a recipe "
-                   "YAML key: the job's own, the engine sections of :class:`hf_dtrain.compose.ComposeOptions`, each "
-                   "method's section, and every ``SFTConfig`` field at the top level (``training``).")
+    cls.__doc__ = (
+        "Settings of one fine-tuning run; every field is also a ``hf-dtrain finetune`` flag and a recipe "
+        "YAML key: the job's own, the engine sections of :class:`hf_dtrain.compose.ComposeOptions`, each "
+        "method's section, and every ``SFTConfig`` field at the top level (``training``)."
+    )
     return cls
 
 
@@ -247,14 +350,13 @@ FinetuneConfig = _finetune_config_class()
 
 def load_peft_config(path: str):
     """A saved peft config: a directory holding ``adapter_config.json`` or the JSON file itself."""
-    import json
-
-    from peft import PeftConfig
 
     file = os.path.join(path, "adapter_config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ValueError(f"peft_config: {path} holds no adapter_config.json; set --peft-config to a saved peft "
-                         "adapter directory or its adapter_config.json.")
+        raise ValueError(
+            f"peft_config: {path} holds no adapter_config.json; set --peft-config to a saved peft "
+            "adapter directory or its adapter_config.json."
+        )
     with open(file) as f:
         try:
             data = json.load(f)
@@ -265,8 +367,10 @@ def load_peft_config(path: str):
     try:
         return PeftConfig.from_peft_type(**data)
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"peft_config: {file} is not a config peft can build ({e!r}); a hf_dtrain method needs "
-                         "`import hf_dtrain`, which this job has done.") from None
+        raise ValueError(
+            f"peft_config: {file} is not a config peft can build ({e!r}); a hf_dtrain method needs "
+            "`import hf_dtrain`, which this job has done."
+        ) from None
 
 
 def method_of_peft_config(config, given: str) -> str:
@@ -288,13 +392,18 @@ def build_peft_config(cfg, model):
 
 def format_table(r: dict) -> str:
     method = r["method"] + (f" on {r['quantize']}" if r.get("quantize") else "")
+
     def change(before, after):
         return f"{after:.3f}" if before is None else f"{before:.3f} -> {after:.3f}"
 
     acc = "n/a" if r.get("accuracy_after") is None else change(r.get("accuracy_before"), r["accuracy_after"])
-    cols = [("method", method), ("trainable", f"{r['trainable_params']:,} ({r['trainable_pct']:.2f}%)"),
-            ("train s", f"{r['train_seconds']:.1f}"),
-            ("eval loss", change(r["eval_loss_before"], r["eval_loss_after"])), ("accuracy", acc)]
+    cols = [
+        ("method", method),
+        ("trainable", f"{r['trainable_params']:,} ({r['trainable_pct']:.2f}%)"),
+        ("train s", f"{r['train_seconds']:.1f}"),
+        ("eval loss", change(r["eval_loss_before"], r["eval_loss_after"])),
+        ("accuracy", acc),
+    ]
     widths = [max(len(h), len(v)) for h, v in cols]
     line = "| " + " | ".join(h.ljust(w) for (h, _), w in zip(cols, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -318,7 +427,6 @@ class BaseAndData:
 def load_base_model(cfg, base_path: str):
     """The base model at ``base_path`` as the job loads it: ``torch_dtype``, ``attn_implementation``,
     ``trust_remote_code`` (the Trainer's setting, off by default), or 4-bit with ``quantize``."""
-    from hf_dtrain.models import load_model_and_tokenizer
 
     if cfg.quantize is not None:
         from hf_dtrain.quantization import load_quantized_model
@@ -334,9 +442,7 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
     """The base model (the embedded default, built and cached when ``cfg.model`` is None; ``torch_dtype``,
     ``attn_implementation``, ``trust_remote_code``, 4-bit ``quantize``) and the train / eval data (the default task
     or ``cfg.dataset``), tokenized by TRL's preparation for ``cfg.training_args()``."""
-    import datasets
 
-    from hf_dtrain import tasks
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
 
     if not progress:
@@ -347,21 +453,32 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
     model = load_base_model(cfg, base_path) if load_model else None
     if cfg.dataset is None:
         digits = cfg.task_digits or tasks.TASK_DIGITS
-        train = tasks.addition_dataset(cfg.train_size or DEFAULT_TASK_TRAIN_SIZE, seed=cfg.seed, split="train",
-                                       digits=digits)
+        train = tasks.addition_dataset(
+            cfg.train_size or DEFAULT_TASK_TRAIN_SIZE, seed=cfg.seed, split="train", digits=digits
+        )
         held = tasks.addition_dataset(cfg.eval_size, seed=cfg.seed, split="eval", digits=digits)
     else:
-        train, held = tasks.load_sft_dataset(cfg.dataset, config=cfg.dataset_config, train_size=cfg.train_size,
-                                             eval_size=cfg.eval_size, seed=cfg.seed, text_field=args.dataset_text_field)
+        train, held = tasks.load_sft_dataset(
+            cfg.dataset,
+            config=cfg.dataset_config,
+            train_size=cfg.train_size,
+            eval_size=cfg.eval_size,
+            seed=cfg.seed,
+            text_field=args.dataset_text_field,
+        )
     kind = tasks.dataset_format(train, args.dataset_text_field)
     if kind == "conversational" and tokenizer.chat_template is None and args.chat_template_path is None:
-        raise ValueError(f"--dataset {cfg.dataset} is conversational (messages), but the tokenizer of {base_path} has "
-                         "no chat template: set --chat-template-path to a Jinja template file (or a model whose "
-                         "template to use), or give the data as prompt/completion or text.")
+        raise ValueError(
+            f"--dataset {cfg.dataset} is conversational (messages), but the tokenizer of {base_path} has "
+            "no chat template: set --chat-template-path to a Jinja template file (or a model whose "
+            "template to use), or give the data as prompt/completion or text."
+        )
     if args.assistant_only_loss and kind != "conversational":
         where = cfg.dataset or "the default task"
-        raise ValueError(f"--assistant-only-loss needs conversational data (messages); {where} is {kind}: use "
-                         "--completion-only-loss for prompt/completion data.")
+        raise ValueError(
+            f"--assistant-only-loss needs conversational data (messages); {where} is {kind}: use "
+            "--completion-only-loss for prompt/completion data."
+        )
     if args.chat_template_path is not None:
         with open(args.chat_template_path) as f:
             tokenizer.chat_template = f.read()
@@ -383,8 +500,9 @@ def engine_callbacks(cfg, output_dir: str):
         from hf_dtrain.compose import snapshot_config_for
         from hf_dtrain.fault import InMemoryFaultToleranceCallback
 
-        ft = InMemoryFaultToleranceCallback(snapshot_config_for(cfg.fault_tolerance, output_dir),
-                                            identity=run_identity(cfg))
+        ft = InMemoryFaultToleranceCallback(
+            snapshot_config_for(cfg.fault_tolerance, output_dir), identity=run_identity(cfg)
+        )
     return delta_cb, ft
 
 
@@ -394,24 +512,33 @@ def _engine_settings(cfg, run: JobRun) -> dict:
     if cfg.deepspeed:
         out["deepspeed"] = deepspeed_config(cfg.deepspeed)
     if "optim" in cfg.training and (cfg.optimizer != "adamw" or (cfg.method == "lorafa" and cfg.lorafa.optimizer)):
-        other = (f"--optimizer {cfg.optimizer}" if cfg.optimizer != "adamw"
-                 else "LoRA-FA's own optimizer (--lorafa.optimizer true)")
-        raise SettingsError(f"--optim {cfg.training['optim']} is the Trainer's optimizer, and {other} would replace it "
-                            "silently: drop --optim, or use it with --optimizer adamw"
-                            + (" and --lorafa.optimizer false." if cfg.method == "lorafa" else "."))
+        other = (
+            f"--optimizer {cfg.optimizer}"
+            if cfg.optimizer != "adamw"
+            else "LoRA-FA's own optimizer (--lorafa.optimizer true)"
+        )
+        raise SettingsError(
+            f"--optim {cfg.training['optim']} is the Trainer's optimizer, and {other} would replace it "
+            "silently: drop --optim, or use it with --optimizer adamw"
+            + (" and --lorafa.optimizer false." if cfg.method == "lorafa" else ".")
+        )
     save_strategy = cfg.training_args().save_strategy
     if cfg.fsdp is not None and save_strategy != "no":
-        raise SettingsError(f"save_strategy={save_strategy.value} with fsdp: the Trainer's "
-                            "checkpoints cannot hold the FSDP2 shards hf_dtrain lays out (the final adapter is "
-                            "gathered and saved at the end); set --save-strategy no, or train on DDP (no --fsdp) for "
-                            "resumable Trainer checkpoints.")
+        raise SettingsError(
+            f"save_strategy={save_strategy.value} with fsdp: the Trainer's "
+            "checkpoints cannot hold the FSDP2 shards hf_dtrain lays out (the final adapter is "
+            "gathered and saved at the end); set --save-strategy no, or train on DDP (no --fsdp) for "
+            "resumable Trainer checkpoints."
+        )
     if cfg.comm_method == "dear" or cfg.optimizer in EXCHANGING:
         # DeAR averages the gradients after step() is called, and the exchanging optimizers never average them:
         # clipping local gradients would be wrong
         if cfg.training.get("max_grad_norm", 0) not in (0, 0.0, None):
-            raise SettingsError(f"max_grad_norm={cfg.training['max_grad_norm']}: with "
-                             f"{'--comm-hook dear' if cfg.comm_method == 'dear' else '--optimizer ' + cfg.optimizer} "
-                             "the gradients are not averaged at clipping time; set --max-grad-norm 0.")
+            raise SettingsError(
+                f"max_grad_norm={cfg.training['max_grad_norm']}: with "
+                f"{'--comm-hook dear' if cfg.comm_method == 'dear' else '--optimizer ' + cfg.optimizer} "
+                "the gradients are not averaged at clipping time; set --max-grad-norm 0."
+            )
         out["max_grad_norm"] = 0.0
     if cfg.asynchronous_gossip:  # a buffer broadcast in every forward would make every step a synchronisation point
         out["ddp_broadcast_buffers"] = False
@@ -419,12 +546,10 @@ def _engine_settings(cfg, run: JobRun) -> dict:
 
 
 def _sft_trainer(cfg, run, data, model, args, callbacks, optimizers):
-    from trl import SFTTrainer
 
-    from hf_dtrain import tasks
-
-    accuracy = data.data_format == "prompt-completion" and not (args.eval_packing if args.eval_packing is not None
-                                                                else args.packing)
+    accuracy = data.data_format == "prompt-completion" and not (
+        args.eval_packing if args.eval_packing is not None else args.packing
+    )
     # the data is prepared already (load_base_and_data, by TRL's own preparation): the trainer takes it as it is
     # (its assistant-only masks are in the labels already: the trainer's own check for them would look for messages)
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
@@ -433,52 +558,63 @@ def _sft_trainer(cfg, run, data, model, args, callbacks, optimizers):
     # peft gave them (fp32 on a 4-bit base: peft's autocast_adapter_dtype), which the fused sweep, the federated loop
     # and the exact 4-bit merge assume; --bf16 still computes in bf16 under autocast
     kept = {name: p.data for name, p in model.named_parameters() if p.requires_grad}
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-                         processing_class=data.tokenizer, callbacks=callbacks, optimizers=optimizers,
-                         compute_metrics=tasks.compute_metrics if accuracy else None,
-                         preprocess_logits_for_metrics=tasks.preprocess_logits_for_metrics if accuracy else None)
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=data.tokenizer,
+        callbacks=callbacks,
+        optimizers=optimizers,
+        compute_metrics=tasks.compute_metrics if accuracy else None,
+        preprocess_logits_for_metrics=tasks.preprocess_logits_for_metrics if accuracy else None,
+    )
     for name, p in model.named_parameters():
         if name in kept and p.dtype != kept[name].dtype:
             p.data = kept[name]
     if cfg.deepspeed and not trainer.is_deepspeed_enabled:  # never train something other than what was asked
-        raise RuntimeError(f"deepspeed={cfg.deepspeed} was given but Accelerate did not enable DeepSpeed (distributed "
-                           f"type {trainer.accelerator.distributed_type}); launch with accelerate launch / torchrun / "
-                           "deepspeed so that LOCAL_RANK is set.")
+        raise RuntimeError(
+            f"deepspeed={cfg.deepspeed} was given but Accelerate did not enable DeepSpeed (distributed "
+            f"type {trainer.accelerator.distributed_type}); launch with accelerate launch / torchrun / "
+            "deepspeed so that LOCAL_RANK is set."
+        )
     return trainer
 
 
 def _select_smt_blocks(cfg, run, model, data, args, callbacks) -> None:
     """SMT picks its blocks from warm-up gradients: by a callback in one process; before DDP / FSDP2 / DeepSpeed
     wrap the model otherwise (they cannot change parameter shapes afterwards)."""
-    from hf_dtrain.tuners.smt import SMTSelectionCallback, smt_warmup
 
     if run.world_size == 1 and cfg.fsdp is None and not cfg.deepspeed:
         callbacks.append(SMTSelectionCallback())
         return
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from hf_dtrain import tasks
 
     sampler = DistributedSampler(data.train, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(data.train, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                        collate_fn=tasks.sft_collator(data.tokenizer, args))
+    loader = DataLoader(
+        data.train,
+        batch_size=args.per_device_train_batch_size,
+        sampler=sampler,
+        collate_fn=tasks.sft_collator(data.tokenizer, args),
+    )
     warmup = model.peft_config[model.active_adapter].warmup_steps
     smt_warmup(model, loader, num_steps=warmup)
 
 
 def run_finetune(cfg) -> dict:
     """Run one fine-tuning job; return the measured figures (also written to ``<output_dir>/results.json``)."""
-    from transformers import set_seed
 
     if cfg.deepspeed and not torch.cuda.is_available():
         # Accelerate 1.15 enables DeepSpeed only off the CPU: the Trainer would silently train with DDP instead.
-        raise ValueError(f"deepspeed={cfg.deepspeed}: on a machine without CUDA, Accelerate (1.15) does not enable "
-                         "DeepSpeed for the Trainer and would silently run DDP. Run --deepspeed on a GPU machine, "
-                         "use --fsdp here, or call deepspeed.initialize yourself (DS_ACCELERATOR=cpu; see "
-                         "docs/sharded.md).")
+        raise ValueError(
+            f"deepspeed={cfg.deepspeed}: on a machine without CUDA, Accelerate (1.15) does not enable "
+            "DeepSpeed for the Trainer and would silently run DDP. Run --deepspeed on a GPU machine, "
+            "use --fsdp here, or call deepspeed.initialize yourself (DS_ACCELERATOR=cpu; see "
+            "docs/sharded.md)."
+        )
     own = FINETUNE_METHODS[cfg.method].build_optimizer
-    run = JobRun(cfg, engine="trainer", lorafa_optimizer=own is not None and cfg.method == "lorafa"
-                 and cfg.lorafa.optimizer)
+    run = JobRun(
+        cfg, engine="trainer", lorafa_optimizer=own is not None and cfg.method == "lorafa" and cfg.lorafa.optimizer
+    )
     args = cfg.training_args(**_engine_settings(cfg, run))
     with run.main_first():  # rank 0 builds the default base once; the others read the cache
         data = load_base_and_data(cfg, progress=cfg.progress and run.is_main)
@@ -519,8 +655,21 @@ def run_finetune(cfg) -> dict:
     run.close_guard()
     train_seconds = time.perf_counter() - t0
     after = trainer.evaluate()
-    results = _results(cfg, run, trainer, data, args, before, after, train_out, train_seconds,
-                       comm=comm, exchange=exchange, delta_cb=delta_cb, ft=ft)
+    results = _results(
+        cfg,
+        run,
+        trainer,
+        data,
+        args,
+        before,
+        after,
+        train_out,
+        train_seconds,
+        comm=comm,
+        exchange=exchange,
+        delta_cb=delta_cb,
+        ft=ft,
+    )
 
     def report():
         write_model_card(args.output_dir, results, cfg.model or f"hf_dtrain/default-{cfg.base_preset}")
@@ -536,35 +685,62 @@ def _results(cfg, run, trainer, data, args, before, after, train_out, train_seco
     total = sum(p.numel() for p in trainer.model.parameters())
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     return dict(
-        method=cfg.method, base_model=cfg.model or f"hf_dtrain default ({cfg.base_preset})", base_path=data.base_path,
-        quantize=cfg.quantize, data_format=data.data_format,
-        comm=(wire_bytes(optimizer=optimizer) if cfg.optimizer in EXCHANGING
-              else comm.summary() if comm is not None
-              else dict(method=cfg.comm_hook.method, **wire_bytes(exchange)) if exchange is not None else None),
-        delta=None if delta_cb is None else {
+        method=cfg.method,
+        base_model=cfg.model or f"hf_dtrain default ({cfg.base_preset})",
+        base_path=data.base_path,
+        quantize=cfg.quantize,
+        data_format=data.data_format,
+        comm=(
+            wire_bytes(optimizer=optimizer)
+            if cfg.optimizer in EXCHANGING
+            else comm.summary()
+            if comm is not None
+            else dict(method=cfg.comm_hook.method, **wire_bytes(exchange))
+            if exchange is not None
+            else None
+        ),
+        delta=None
+        if delta_cb is None
+        else {
             "saved_bytes": [h["saved_bytes"] for h in delta_cb.history if not h["profiling"]],
-            "budget_bytes": delta_cb.budgets},
-        fault_tolerance=None if ft is None else {
-            "snapshots": ft.snapshots, "restored": None if ft.restored is None else {
-                "step": ft.restored.step, "source": ft.restored.source}},
+            "budget_bytes": delta_cb.budgets,
+        },
+        fault_tolerance=None
+        if ft is None
+        else {
+            "snapshots": ft.snapshots,
+            "restored": None if ft.restored is None else {"step": ft.restored.step, "source": ft.restored.source},
+        },
         replicas_identical=None if run.sharded else _replicas_identical(trainer.model, run.world_size),
         dataset=cfg.dataset or "default addition task (hf_dtrain.tasks)",
-        trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(1, total),
+        trainable_params=trainable,
+        total_params=total,
+        trainable_pct=100.0 * trainable / max(1, total),
         param_bytes_local=local_param_bytes(trainer.model),
-        train_seconds=train_seconds, train_loss=float(train_out.training_loss),
+        train_seconds=train_seconds,
+        train_loss=float(train_out.training_loss),
         eval_loss_before=None if before is None else float(before["eval_loss"]),
         eval_loss_after=float(after["eval_loss"]),
         accuracy_before=None if before is None else before.get("eval_accuracy"),
         accuracy_after=after.get("eval_accuracy"),
         losses={int(h["step"]): float(h["loss"]) for h in trainer.state.log_history if "loss" in h},
-        max_steps=trainer.state.max_steps, learning_rate=args.learning_rate,
+        max_steps=trainer.state.max_steps,
+        learning_rate=args.learning_rate,
         per_device_train_batch_size=args.per_device_train_batch_size,
         mixed_precision=str(trainer.accelerator.mixed_precision),
-        gradient_checkpointing=bool(getattr(getattr(trainer.model, "base_model", trainer.model),
-                                            "is_gradient_checkpointing", False)),
-        world_size=run.world_size, output_dir=args.output_dir, config=dataclasses.asdict(cfg),
-        engine="fsdp2" if cfg.fsdp is not None else f"deepspeed-zero{cfg.deepspeed_stage()}" if cfg.deepspeed
-        else "ddp" if run.world_size > 1 else "single process",
+        gradient_checkpointing=bool(
+            getattr(getattr(trainer.model, "base_model", trainer.model), "is_gradient_checkpointing", False)
+        ),
+        world_size=run.world_size,
+        output_dir=args.output_dir,
+        config=dataclasses.asdict(cfg),
+        engine="fsdp2"
+        if cfg.fsdp is not None
+        else f"deepspeed-zero{cfg.deepspeed_stage()}"
+        if cfg.deepspeed
+        else "ddp"
+        if run.world_size > 1
+        else "single process",
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from huggingface_hub import ModelCard, ModelCardData
+
 from hf_dtrain.settings import RELEASE
 
 CARD_TEMPLATE = """---
@@ -39,11 +41,14 @@ import hf_dtrain  # registers hf_dtrain's peft methods (needed to load its adapt
 
 def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
     """Write ``README.md`` (a ``huggingface_hub.ModelCard`` with YAML metadata) into ``output_dir``; return its path."""
-    from huggingface_hub import ModelCard, ModelCardData
 
     full = results["method"] == "full"
-    data = ModelCardData(base_model=base_model, library_name="transformers" if full else "peft",
-                         tags=["hf_dtrain", results["method"], "text-generation"], pipeline_tag="text-generation")
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers" if full else "peft",
+        tags=["hf_dtrain", results["method"], "text-generation"],
+        pipeline_tag="text-generation",
+    )
     if full:
         usage = f'from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained("{output_dir}")'
     else:
@@ -51,28 +56,42 @@ def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
         if quantize:  # the same 4-bit base the adapter was trained on
             if base_model.startswith("hf_dtrain/default-"):
                 preset = base_model.removeprefix("hf_dtrain/default-")
-                path = ("from hf_dtrain.models import build_default_model\n"
-                        f'path = build_default_model("{preset}")\n')
+                path = f'from hf_dtrain.models import build_default_model\npath = build_default_model("{preset}")\n'
             else:
                 path = f'path = "{base_model}"\n'
             group = results["config"]["quant_group_size"]
-            load_base = (f"from hf_dtrain.quantization import load_quantized_model\n{path}"
-                         f'base = load_quantized_model(path, "{quantize}", group_size={group})')
-        elif base_model.startswith("hf_dtrain/default-"):  # the embedded default: rebuilt (or found in the cache) locally
+            load_base = (
+                f"from hf_dtrain.quantization import load_quantized_model\n{path}"
+                f'base = load_quantized_model(path, "{quantize}", group_size={group})'
+            )
+        elif base_model.startswith(
+            "hf_dtrain/default-"
+        ):  # the embedded default: rebuilt (or found in the cache) locally
             preset = base_model.removeprefix("hf_dtrain/default-")
-            load_base = ("from hf_dtrain.models import load_model_and_tokenizer\n"
-                         f'base, tokenizer = load_model_and_tokenizer(None, preset="{preset}")')
+            load_base = (
+                "from hf_dtrain.models import load_model_and_tokenizer\n"
+                f'base, tokenizer = load_model_and_tokenizer(None, preset="{preset}")'
+            )
         else:
             load_base = f'from transformers import AutoModelForCausalLM\nbase = AutoModelForCausalLM.from_pretrained("{base_model}")'
         usage = f'{load_base}\nfrom peft import PeftModel\nmodel = PeftModel.from_pretrained(base, "{output_dir}")'
 
     card = ModelCard.from_template(
-        data, template_str=CARD_TEMPLATE, model_name=f"{results['method']} fine-tune of {base_model}",
-        description=("A full fine-tune." if full else f"A {results['method']} adapter"
-                     + (f" trained on the {results['quantize']} 4-bit base." if results.get("quantize") else ".")),
-        dataset_desc=results["dataset"], batch=results["per_device_train_batch_size"], usage=usage,
+        data,
+        template_str=CARD_TEMPLATE,
+        model_name=f"{results['method']} fine-tune of {base_model}",
+        description=(
+            "A full fine-tune."
+            if full
+            else f"A {results['method']} adapter"
+            + (f" trained on the {results['quantize']} 4-bit base." if results.get("quantize") else ".")
+        ),
+        dataset_desc=results["dataset"],
+        batch=results["per_device_train_batch_size"],
+        usage=usage,
         quant_flag=f" --quantize {results['quantize']}" if results.get("quantize") else "",
-        version=RELEASE, **results,
+        version=RELEASE,
+        **results,
     )
     path = os.path.join(output_dir, "README.md")
     card.save(path)

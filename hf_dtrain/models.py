@@ -7,54 +7,122 @@ and the ordinary ``from_pretrained`` path is used.
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import inspect
 import json
 import os
 import shutil
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from safetensors import safe_open
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.masking_utils import create_causal_mask
+
+from hf_dtrain.tasks import pretraining_task_texts
+
+# transformers 5.24 renamed create_causal_mask's ``past_key_values`` to ``cache``: the signature says which
+_MASK_CACHE_KEYWORD = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+def causal_mask(config, inputs_embeds: torch.Tensor, position_ids: torch.Tensor):
+    """transformers' causal mask for a whole sequence with no KV cache (what a decoder layer run by hand takes), on
+    every transformers release hf_dtrain supports."""
+    return create_causal_mask(
+        config=config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=None,
+        position_ids=position_ids,
+        **{_MASK_CACHE_KEYWORD: None},
+    )
+
 
 # Shapes. "test" is for unit tests (milliseconds per step); "tiny" is the embedded default base model; "small" is a
 # larger CPU-trainable shape; "llama2-7b"/"llama2-70b"/"llama3-8b" are the real shapes for GPU users (never built in
 # tests; benchmarks/scaling.py reads their parameter shapes from a meta-device model).
 PRESETS: dict[str, dict] = {
     "test": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        vocab_size=128, max_position_embeddings=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=128,
     ),
     "tiny": dict(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        vocab_size=1024, max_position_embeddings=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=256,
     ),
     "small": dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-        vocab_size=4096, max_position_embeddings=512,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=4096,
+        max_position_embeddings=512,
     ),
     # about 100M parameters (97.4M): the largest shape benchmarks/throughput.py trains on a 2-core CPU host
     "100m": dict(
-        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-        vocab_size=8192, max_position_embeddings=1024,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        vocab_size=8192,
+        max_position_embeddings=1024,
     ),
     # Llama 3.2 1B's shape (1.24B parameters, its input and output embeddings tied as in the release)
     "llama3.2-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
     ),
     "llama2-7b": dict(
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
     ),
     "llama2-70b": dict(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
     ),
     "llama3-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
     ),
 }
 
@@ -69,7 +137,9 @@ def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
     return LlamaConfig(**kwargs)
 
 
-def build_llama(preset: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
+def build_llama(
+    preset: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> LlamaForCausalLM:
     """A randomly initialised ``LlamaForCausalLM`` of a preset shape, deterministic in ``seed``."""
     config = llama_config(preset, **overrides)
     with torch.random.fork_rng(devices=[]):
@@ -103,7 +173,6 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def stdlib_source_files() -> list[Path]:
     """The standard library's own ``.py`` files, sorted (site-packages and the test suites excluded)."""
-    import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -133,12 +202,13 @@ def train_tokenizer(texts, vocab_size: int):
 
     Adds ``<s>`` in front of every encoded text (like LLaMA); ``</s>`` is the eos and ``<pad>`` the pad token.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -159,8 +229,16 @@ def train_tokenizer(texts, vocab_size: int):
 
 def _build_settings(preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr) -> dict:
     return dict(
-        build_version=BASE_BUILD_VERSION, preset=preset, model_config=PRESETS[preset], steps=steps, seed=seed,
-        seq_len=seq_len, batch_size=batch_size, data_bytes=data_bytes, task_share=task_share, lr=lr,
+        build_version=BASE_BUILD_VERSION,
+        preset=preset,
+        model_config=PRESETS[preset],
+        steps=steps,
+        seed=seed,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        data_bytes=data_bytes,
+        task_share=task_share,
+        lr=lr,
         python=f"{sys.version_info[0]}.{sys.version_info[1]}",
     )
 
@@ -216,16 +294,22 @@ def build_default_model(
     Cache root: ``cache_dir``, else ``$HF_DTRAIN_CACHE``, else ``~/.cache/hf_dtrain``.
     """
     global build_count
-    from tqdm.auto import tqdm
-
-    from hf_dtrain.tasks import pretraining_task_texts
 
     steps, seed, seq_len, batch_size, data_bytes, task_share, lr = _resolve(
         preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr
     )
     settings = _build_settings(preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr)
-    final = default_model_dir(preset, cache_dir, steps, seed, seq_len=seq_len, batch_size=batch_size,
-                              data_bytes=data_bytes, task_share=task_share, lr=lr)
+    final = default_model_dir(
+        preset,
+        cache_dir,
+        steps,
+        seed,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        data_bytes=data_bytes,
+        task_share=task_share,
+        lr=lr,
+    )
     if (final / "hf_dtrain_base.json").is_file():
         return str(final)
 
@@ -236,12 +320,18 @@ def build_default_model(
     tokenizer = train_tokenizer(docs + task_texts[:2000], vocab_size=PRESETS[preset]["vocab_size"])
     # Byte-level BPE needs 256 + 3 ids at least: presets with a smaller vocabulary grow to the tokenizer's size.
     vocab = max(PRESETS[preset]["vocab_size"], len(tokenizer))
-    model = build_llama(preset, seed=seed, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = build_llama(
+        preset,
+        seed=seed,
+        vocab_size=vocab,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     text_blocks, task_blocks = _pretrain_blocks(tokenizer, docs, task_texts, seq_len)
 
     g = torch.Generator().manual_seed(seed)
-    n_task = int(round(batch_size * task_share)) if len(task_blocks) else 0
+    n_task = round(batch_size * task_share) if len(task_blocks) else 0
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -274,8 +364,13 @@ def build_default_model(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        info = dict(settings, vocab_size=vocab, final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
-                    build_seconds=round(time.time() - t0, 1), n_params=sum(p.numel() for p in model.parameters()))
+        info = dict(
+            settings,
+            vocab_size=vocab,
+            final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
+            build_seconds=round(time.time() - t0, 1),
+            n_params=sum(p.numel() for p in model.parameters()),
+        )
         # Written last: its presence marks a complete directory.
         (tmp / "hf_dtrain_base.json").write_text(json.dumps(info, indent=2))
         try:
@@ -292,9 +387,6 @@ def build_default_model(
 def check_weight_files(path: str) -> None:
     """Every ``*.safetensors`` file of a local model or adapter directory opens (its header parses and its data is
     all there): a ``ValueError`` naming the damaged file otherwise, instead of a loader error that names none."""
-    import glob
-
-    from safetensors import safe_open
 
     if not os.path.isdir(path):
         return
@@ -305,21 +397,30 @@ def check_weight_files(path: str) -> None:
                 if keys:
                     f.get_slice(keys[-1])  # the last tensor's bytes lie within the file
         except Exception as e:  # SafetensorError, OSError: truncated, empty, not safetensors
-            raise ValueError(f"{name} is damaged or truncated ({type(e).__name__}: {e}); replace it (save the "
-                             "model or adapter again) or point --model elsewhere.") from None
+            raise ValueError(
+                f"{name} is damaged or truncated ({type(e).__name__}: {e}); replace it (save the "
+                "model or adapter again) or point --model elsewhere."
+            ) from None
 
 
-def load_model_and_tokenizer(model: str | None = None, *, preset: str = "tiny", base_steps: int | None = None,
-                             progress: bool = True, load_model: bool = True, **from_pretrained_kwargs):
+def load_model_and_tokenizer(
+    model: str | None = None,
+    *,
+    preset: str = "tiny",
+    base_steps: int | None = None,
+    progress: bool = True,
+    load_model: bool = True,
+    **from_pretrained_kwargs,
+):
     """``(model, tokenizer)``: the embedded default base (built and cached if needed) when ``model`` is None, else
     ``from_pretrained(model)`` (a local path or a hub id); ``load_model=False`` gives ``(None, tokenizer)``. A tokenizer
     without pad token gets its eos as pad."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = build_default_model(preset, steps=base_steps, progress=progress) if model is None else model
     check_weight_files(path)
     tokenizer = AutoTokenizer.from_pretrained(
-        path, trust_remote_code=bool(from_pretrained_kwargs.get("trust_remote_code", False)))
+        path, trust_remote_code=bool(from_pretrained_kwargs.get("trust_remote_code", False))
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not load_model:
@@ -348,7 +449,6 @@ class LlamaPipelineStage(torch.nn.Module):
         self.lm_head = causal_lm.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
 
         m = self.model
         h = m.embed_tokens(x) if self.first else x
@@ -357,8 +457,7 @@ class LlamaPipelineStage(torch.nn.Module):
         length = h.shape[1] if self.first else h.shape[1] * getattr(self, "sequence_shards", 1)
         whole = h[:, :1].expand(h.shape[0], length, h.shape[-1])
         positions = torch.arange(length, device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=whole, attention_mask=None, cache=None,
-                                  position_ids=positions)
+        mask = causal_mask(self.config, whole, positions)
         rope = m.rotary_emb(whole, position_ids=positions)
         for layer in m.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)

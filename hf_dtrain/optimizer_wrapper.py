@@ -6,19 +6,21 @@ usual ``param_groups``/``state``/``zero_grad``, and the wrapper's own state trav
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Union
+from collections.abc import Callable
 
 import torch
 
 BASE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
-def build_base_optimizer(base_optimizer: Union[str, Callable], params, owner: str, **kwargs) -> torch.optim.Optimizer:
+def build_base_optimizer(base_optimizer: str | Callable, params, owner: str, **kwargs) -> torch.optim.Optimizer:
     """``"sgd"``/``"adamw"``/``"adam"`` or a ``torch.optim.Optimizer`` class, built on ``params`` with ``kwargs``."""
     if isinstance(base_optimizer, str):
         if base_optimizer.lower() not in BASE_OPTIMIZERS:
-            raise ValueError(f"{owner} base_optimizer={base_optimizer!r} is unknown; use one of "
-                             f"{', '.join(BASE_OPTIMIZERS)} or a torch.optim.Optimizer class.")
+            raise ValueError(
+                f"{owner} base_optimizer={base_optimizer!r} is unknown; use one of "
+                f"{', '.join(BASE_OPTIMIZERS)} or a torch.optim.Optimizer class."
+            )
         base_optimizer = BASE_OPTIMIZERS[base_optimizer.lower()]
     return base_optimizer(params, **kwargs)
 

@@ -3,27 +3,38 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import socket
 import tempfile
 from datetime import timedelta
 
-from hf_dtrain.parallel.planner import ACTIVATION_POLICIES, GiB, MachineProfile, format_table, rank_plans
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf_dtrain.models import llama_config
+from hf_dtrain.parallel.planner import (
+    ACTIVATION_POLICIES,
+    GiB,
+    MachineProfile,
+    format_table,
+    measure_profile,
+    rank_plans,
+)
 from hf_dtrain.settings import parse_bytes
 
 
 def _calibrate(rank: int, world: int, port: int, out: str) -> None:
     """One rank of ``hf-dtrain plan --calibrate`` (``torch.multiprocessing.spawn``): a process group on this host,
     the machine profile measured with every rank at once, written by rank 0."""
-    import torch
-    import torch.distributed as dist
-
-    from hf_dtrain.parallel.planner import measure_profile
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     try:
         profile = measure_profile(name=f"this machine, {world} ranks")
         if rank == 0:
@@ -35,9 +46,6 @@ def _calibrate(rank: int, world: int, port: int, out: str) -> None:
 
 def calibrate(ranks: int):
     """The machine profile measured by ``ranks`` local processes (``hf-dtrain plan --calibrate``)."""
-    import socket
-
-    import torch.multiprocessing as mp
 
     from hf_dtrain.parallel.planner import MachineProfile
 
@@ -51,7 +59,6 @@ def calibrate(ranks: int):
 
 def plan_main(argv=None) -> int:
     """``hf-dtrain plan``: rank every legal plan of a model on a machine and print the best's flags."""
-    import argparse
 
     ap = argparse.ArgumentParser(prog="hf-dtrain plan", description=plan_main.__doc__)
     ap.add_argument("--preset", default="tiny", help="LlamaConfig preset (hf_dtrain.models.PRESETS)")
@@ -60,11 +67,19 @@ def plan_main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 8 x world)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--profile", default="h100", help="h100 (datasheet figures) or a JSON from --save-profile")
-    ap.add_argument("--calibrate", action="store_true", help="measure this machine's profile first (spawns "
-                    "--calibrate-ranks gloo / NCCL processes here) and plan with it")
-    ap.add_argument("--calibrate-ranks", type=int, default=None,
-                    help="processes for --calibrate: as many as the run puts on one node (default: --world-size, at "
-                         "most 8), so the cores or GPUs are shared as in training")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's profile first (spawns "
+        "--calibrate-ranks gloo / NCCL processes here) and plan with it",
+    )
+    ap.add_argument(
+        "--calibrate-ranks",
+        type=int,
+        default=None,
+        help="processes for --calibrate: as many as the run puts on one node (default: --world-size, at "
+        "most 8), so the cores or GPUs are shared as in training",
+    )
     ap.add_argument("--save-profile", help="write the profile used to this JSON")
     ap.add_argument("--device-memory", help="per-device memory, e.g. 80GB (overrides the profile's)")
     ap.add_argument("--ranks-per-node", type=int, help="devices per node (overrides the profile's)")
@@ -73,7 +88,6 @@ def plan_main(argv=None) -> int:
     ap.add_argument("--activation", default="none,checkpoint", help="activation policies to consider")
     ap.add_argument("--top", type=int, default=15, help="rows of the table")
     ns = ap.parse_args(argv)
-    from hf_dtrain.models import llama_config
 
     try:
         if ns.model_config:
@@ -107,16 +121,22 @@ def plan_main(argv=None) -> int:
     if ns.save_profile:
         with open(ns.save_profile, "w") as f:
             f.write(profile.to_json())
-    print(f"{len(plans)} legal plans for {ns.model_config or ns.preset} on {ns.world_size} devices "
-          f"({profile.name}), global batch {batch} x {ns.seq_len} tokens:\n")
+    print(
+        f"{len(plans)} legal plans for {ns.model_config or ns.preset} on {ns.world_size} devices "
+        f"({profile.name}), global batch {batch} x {ns.seq_len} tokens:\n"
+    )
     print(format_table(plans, ns.top))
     best = plans[0]
     if not best.fits:
-        raise SystemExit(f"\nno plan fits in {profile.device_memory / GiB:.1f} GiB per device: the smallest "
-                         f"needs {min(sum(p.memory.values()) for p in plans) / GiB:.1f} GiB ({best.overflow}). "
-                         "Add devices, shorten --seq-len or lower --global-batch.")
-    print(f"\nbest: {best.key}, predicted {best.step_time:.4g} s per step, "
-          f"{sum(best.memory.values()) / GiB:.2f} GiB per device")
+        raise SystemExit(
+            f"\nno plan fits in {profile.device_memory / GiB:.1f} GiB per device: the smallest "
+            f"needs {min(sum(p.memory.values()) for p in plans) / GiB:.1f} GiB ({best.overflow}). "
+            "Add devices, shorten --seq-len or lower --global-batch."
+        )
+    print(
+        f"\nbest: {best.key}, predicted {best.step_time:.4g} s per step, "
+        f"{sum(best.memory.values()) / GiB:.2f} GiB per device"
+    )
     print(f"  hf-dtrain pretrain {best.flags()}")
     print("  accelerate config:\n    " + best.accelerate_config(ns.world_size).replace("\n", "\n    "))
     return 0

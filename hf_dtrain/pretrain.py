@@ -18,15 +18,34 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from datasets import load_dataset
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
-from hf_dtrain.parallel.mesh import ParallelConfig
+from hf_dtrain.compose import (
+    EXCHANGING,
+    ComposeOptions,
+    check_local_path,
+    run_identity,
+    snapshot_config_for,
+    wire_bytes,
+)
+from hf_dtrain.distributed.engines import unwrap_optimizer
+from hf_dtrain.fault import SnapshotEngine
+from hf_dtrain.fault.snapshot import job_key_for
+from hf_dtrain.models import PRESETS, cache_root, llama_config, stdlib_text, train_tokenizer
+from hf_dtrain.parallel import local_param_bytes
+from hf_dtrain.parallel.mesh import ParallelConfig, check_parallel
 from hf_dtrain.parallel.pipeline import PipelineConfig
-from hf_dtrain.parallel.tensor import TensorParallelConfig
-from hf_dtrain.compose import EXCHANGING, ComposeOptions, check_local_path, run_identity, wire_bytes
+from hf_dtrain.parallel.planner import format_table, measure_profile, rank_plans
+from hf_dtrain.parallel.tensor import TensorParallelConfig, local_loss, tensor_parallel_loss
 from hf_dtrain.run import JobRun
+from hf_dtrain.settings import SettingsError, check_fields
 
 logger = logging.getLogger(__name__)
 
@@ -36,37 +55,57 @@ class PretrainConfig(ComposeOptions):
     """Settings of one pretraining run; every field is a ``hf-dtrain pretrain`` flag and a recipe YAML key."""
 
     preset: str = field(default="tiny", metadata={"help": "LlamaConfig preset (hf_dtrain.models.PRESETS)."})
-    dataset: Optional[str] = field(default=None, metadata={
-        "help": "A local .txt/.jsonl/.json file or a hub dataset with a text column; None = the Python standard "
-                "library's source (on every machine)."})
-    dataset_config: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "A local .txt/.jsonl/.json file or a hub dataset with a text column; None = the Python standard "
+            "library's source (on every machine)."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
     text_column: str = field(default="text", metadata={"help": "Column holding the text."})
     streaming: bool = field(default=False, metadata={"help": "Stream the dataset (hub datasets too large to load)."})
-    data_bytes: int = field(default=2_000_000, metadata={"min": 1000, "help": "Default corpus: bytes of stdlib source to use."})
+    data_bytes: int = field(
+        default=2_000_000, metadata={"min": 1000, "help": "Default corpus: bytes of stdlib source to use."}
+    )
     seq_len: int = field(default=128, metadata={"min": 2, "help": "Tokens per training block."})
-    per_device_train_batch_size: int = field(default=16, metadata={"min": 1, 
-        "help": "Blocks per process per step (with --hetero-speeds: the global batch is this x processes)."})
+    per_device_train_batch_size: int = field(
+        default=16,
+        metadata={
+            "min": 1,
+            "help": "Blocks per process per step (with --hetero-speeds: the global batch is this x processes).",
+        },
+    )
     max_steps: int = field(default=200, metadata={"min": 1, "help": "Optimizer steps."})
     learning_rate: float = field(default=1e-3, metadata={"gt": 0, "help": "Peak learning rate."})
-    warmup_steps: int = field(default=20, metadata={"min": 0, "help": "Linear warm-up steps, then cosine decay to a tenth."})
+    warmup_steps: int = field(
+        default=20, metadata={"min": 0, "help": "Linear warm-up steps, then cosine decay to a tenth."}
+    )
     weight_decay: float = field(default=0.0, metadata={"min": 0, "help": "Weight decay."})
     seed: int = field(default=0, metadata={"min": 0, "help": "Seed of the init and the data order."})
     output_dir: str = field(default="outputs/pretrain", metadata={"help": "Where results.json and the model go."})
     logging_steps: int = field(default=10, metadata={"min": 0, "help": "Print the loss every N steps (rank 0)."})
-    eval_blocks: int = field(default=64, metadata={"min": 0, "help": "Held-out blocks for the final loss (default corpus)."})
+    eval_blocks: int = field(
+        default=64, metadata={"min": 0, "help": "Held-out blocks for the final loss (default corpus)."}
+    )
     save_model: bool = field(default=True, metadata={"help": "Save the model and tokenizer at the end (rank 0)."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
-    parallel: Optional[ParallelConfig] = field(default=None, metadata={
-        "help": "Tensor / pipeline / data parallelism degrees on one DeviceMesh (hf_dtrain.parallel.mesh: --tp, "
-                "--pp, --dp-replicate, --dp-shard; their product is the process count). None: DDP, or FSDP2 with "
-                "--fsdp. per_device_train_batch_size is then the batch of one data-parallel replica."})
-    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig, metadata={
-        "help": "Tensor parallelism's settings (used with --tp > 1)."})
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig, metadata={
-        "help": "Pipeline parallelism's settings (used with --pp > 1)."})
+    parallel: ParallelConfig | None = field(
+        default=None,
+        metadata={
+            "help": "Tensor / pipeline / data parallelism degrees on one DeviceMesh (hf_dtrain.parallel.mesh: --tp, "
+            "--pp, --dp-replicate, --dp-shard; their product is the process count). None: DDP, or FSDP2 with "
+            "--fsdp. per_device_train_batch_size is then the batch of one data-parallel replica."
+        },
+    )
+    tensor_parallel: TensorParallelConfig = field(
+        default_factory=TensorParallelConfig, metadata={"help": "Tensor parallelism's settings (used with --tp > 1)."}
+    )
+    pipeline: PipelineConfig = field(
+        default_factory=PipelineConfig, metadata={"help": "Pipeline parallelism's settings (used with --pp > 1)."}
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
         from hf_dtrain.models import PRESETS
@@ -82,8 +121,10 @@ class PretrainConfig(ComposeOptions):
         pp = self.parallel.pp if self.parallel is not None else 1
         for section, degree, flag in (("tensor_parallel", tp, "--tp"), ("pipeline", pp, "--pp")):
             if getattr(self, section) != type(getattr(self, section))() and degree == 1:
-                raise ValueError(f"{section}.* settings are given but {flag} is 1; set {flag} N (N >= 2) or drop "
-                                 f"the {section} settings.")
+                raise ValueError(
+                    f"{section}.* settings are given but {flag} is 1; set {flag} N (N >= 2) or drop "
+                    f"the {section} settings."
+                )
 
     def check(self, world_size: int, engine: str, lorafa_optimizer: bool = False) -> None:
         """ComposeOptions' clashes, and what cannot run on a tensor / pipeline / mesh-parallel model today."""
@@ -98,28 +139,32 @@ class PretrainConfig(ComposeOptions):
         if self.parallel is not None:
             what = "--tp/--pp/--dp-replicate/--dp-shard (parallel)"
             if self.fsdp is not None and self.fsdp.replicate != 1:
-                clashes.append(f"fsdp.replicate and {what}: the mesh's data dims are --dp-replicate and --dp-shard; "
-                               "drop --fsdp.replicate (the fsdp.* settings still apply to the data dims)")
+                clashes.append(
+                    f"fsdp.replicate and {what}: the mesh's data dims are --dp-replicate and --dp-shard; "
+                    "drop --fsdp.replicate (the fsdp.* settings still apply to the data dims)"
+                )
             for name, value, why in (
-                    ("comm_hook", self.comm_hook, "DDP communication hooks have no DDP to hook into on the mesh"),
-                    ("delta", self.delta, "DELTA schedules whole-layer activations; it is not built for DTensor "
-                                          "shards or pipeline stages yet"),
-                    ("hetero_speeds", self.hetero_speeds, "the sampler shards over processes, not data-parallel "
-                                                          "replicas")):
+                ("comm_hook", self.comm_hook, "DDP communication hooks have no DDP to hook into on the mesh"),
+                (
+                    "delta",
+                    self.delta,
+                    "DELTA schedules whole-layer activations; it is not built for DTensor "
+                    "shards or pipeline stages yet",
+                ),
+                ("hetero_speeds", self.hetero_speeds, "the sampler shards over processes, not data-parallel replicas"),
+            ):
                 if value is not None:
                     clashes.append(f"{name} with {what}: {why}")
             if self.optimizer not in ("adamw",):
-                clashes.append(f"optimizer={self.optimizer} with {what}: only adamw runs on DTensor shards and "
-                               "pipeline stages here")
+                clashes.append(
+                    f"optimizer={self.optimizer} with {what}: only adamw runs on DTensor shards and "
+                    "pipeline stages here"
+                )
         return clashes
-
 
 
 def default_tokenizer(preset: str, data_bytes: int = 1_000_000):
     """A byte-level BPE tokenizer for ``preset``'s vocabulary trained on the stdlib's source, cached on disk."""
-    from transformers import AutoTokenizer
-
-    from hf_dtrain.models import PRESETS, cache_root, stdlib_text, train_tokenizer
 
     path = cache_root() / "tokenizers" / f"{preset}-{PRESETS[preset]['vocab_size']}-{data_bytes}"
     if (path / "tokenizer.json").exists():
@@ -154,7 +199,6 @@ def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int):
         blocks = blocks[torch.randperm(len(blocks), generator=g)]
         held = min(cfg.eval_blocks, len(blocks) // 10)
         return blocks[held:], blocks[:held]
-    from datasets import load_dataset
 
     path = cfg.dataset
     if os.path.exists(path):
@@ -179,8 +223,9 @@ def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int):
 
         return stream, None
     if cfg.text_column not in ds.column_names:
-        raise ValueError(f"dataset {path} has no column {cfg.text_column!r} (columns: {ds.column_names}); set "
-                         "--text-column.")
+        raise ValueError(
+            f"dataset {path} has no column {cfg.text_column!r} (columns: {ds.column_names}); set --text-column."
+        )
     blocks = _pack(tokenizer, ds[cfg.text_column], cfg.seq_len)
     held = min(cfg.eval_blocks, len(blocks) // 10)
     return blocks[held:], blocks[:held]
@@ -199,32 +244,40 @@ def _schedule(cfg: PretrainConfig):
 def _auto_plan(cfg: PretrainConfig, world: int, main: bool) -> dict:
     """``--plan auto``: measure this machine on the launched ranks, rank the legal plans, take the best that fits;
     ``cfg``'s parallel / pipeline settings and per-replica batch are set to it. Returns the degrees."""
-    from hf_dtrain.models import llama_config
-    from hf_dtrain.parallel.mesh import check_parallel
-    from hf_dtrain.parallel.planner import format_table, measure_profile, rank_plans
-    from hf_dtrain.settings import SettingsError
 
     config = llama_config(cfg.preset)
     global_batch = cfg.per_device_train_batch_size * world
     profile = measure_profile(name=f"this machine, {world} ranks")
     try:
-        plans = rank_plans(config, world, profile, global_batch, cfg.seq_len,
-                           activations=("checkpoint",) if (cfg.fsdp and cfg.fsdp.activation_checkpointing) else
-                           ("none",))
+        plans = rank_plans(
+            config,
+            world,
+            profile,
+            global_batch,
+            cfg.seq_len,
+            activations=("checkpoint",) if (cfg.fsdp and cfg.fsdp.activation_checkpointing) else ("none",),
+        )
     except ValueError as e:
         raise SettingsError(f"--plan auto: {e}") from None
     best = plans[0]
     if not best.fits:
-        raise SettingsError(f"--plan auto: no plan fits in {profile.device_memory / 2**30:.1f} GiB per rank "
-                            f"({best.overflow}); lower the batch or the sequence length, or add devices.")
+        raise SettingsError(
+            f"--plan auto: no plan fits in {profile.device_memory / 2**30:.1f} GiB per rank "
+            f"({best.overflow}); lower the batch or the sequence length, or add devices."
+        )
     if main:
-        print(f"--plan auto chose {best.key} (predicted {best.step_time:.4g} s per step); the ranking:\n"
-              f"{format_table(plans, 8)}", flush=True)
-    cfg.parallel = dataclasses.replace(cfg.parallel, plan=None, tp=best.tp, pp=best.pp,
-                                       dp_replicate=best.dp_replicate, dp_shard=best.dp_shard)
+        print(
+            f"--plan auto chose {best.key} (predicted {best.step_time:.4g} s per step); the ranking:\n"
+            f"{format_table(plans, 8)}",
+            flush=True,
+        )
+    cfg.parallel = dataclasses.replace(
+        cfg.parallel, plan=None, tp=best.tp, pp=best.pp, dp_replicate=best.dp_replicate, dp_shard=best.dp_shard
+    )
     if best.pp > 1:
-        cfg.pipeline = dataclasses.replace(cfg.pipeline, schedule=best.schedule, microbatches=best.microbatches,
-                                           stages_per_rank=best.stages_per_rank)
+        cfg.pipeline = dataclasses.replace(
+            cfg.pipeline, schedule=best.schedule, microbatches=best.microbatches, stages_per_rank=best.stages_per_rank
+        )
     cfg.per_device_train_batch_size = global_batch // (best.dp_replicate * best.dp_shard)
     try:
         return check_parallel(cfg.parallel, world, config, cfg.pipeline)
@@ -232,14 +285,11 @@ def _auto_plan(cfg: PretrainConfig, world: int, main: bool) -> dict:
         raise SettingsError(f"--plan auto chose {best.key}, which the runtime refuses: {e}") from None
 
 
-def _checked_layout(cfg: PretrainConfig) -> Optional[dict]:
+def _checked_layout(cfg: PretrainConfig) -> dict | None:
     """The mesh degrees against the process count and the model, before any process group (None: no mesh, or
     ``--plan auto``, which needs the launched ranks)."""
     if cfg.parallel is None:
         return None
-    from hf_dtrain.models import llama_config
-    from hf_dtrain.parallel.mesh import check_parallel
-    from hf_dtrain.settings import SettingsError
 
     clashes = cfg.parallel_clashes()
     if clashes:
@@ -247,8 +297,9 @@ def _checked_layout(cfg: PretrainConfig) -> Optional[dict]:
     if cfg.parallel.plan == "auto":
         return None
     try:
-        return check_parallel(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")), llama_config(cfg.preset),
-                              cfg.pipeline)
+        return check_parallel(
+            cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")), llama_config(cfg.preset), cfg.pipeline
+        )
     except ValueError as e:
         raise SettingsError(str(e)) from None
 
@@ -256,7 +307,6 @@ def _checked_layout(cfg: PretrainConfig) -> Optional[dict]:
 def _loader(cfg: PretrainConfig, train, mesh, world: int, rank: int):
     """``(loader, per-rank batch, loss scale, whether Accelerate should prepare it)`` for the layout: a data-parallel
     replica's blocks on the mesh, this rank's stream, the heterogeneity-aware sampler, or a shuffled loader."""
-    from torch.utils.data import DataLoader
 
     batch = cfg.per_device_train_batch_size
     if mesh is not None:  # a data-parallel replica's tp and pp ranks see the same blocks
@@ -266,10 +316,13 @@ def _loader(cfg: PretrainConfig, train, mesh, world: int, rank: int):
 
         dp_rank, dp_size = data_parallel(mesh)
         if callable(train):
-            raise ValueError("streaming with --tp/--pp/--dp-*: the stream is sharded per process, not per "
-                             "data-parallel replica; load the dataset (streaming false).")
-        sampler = DistributedSampler(train, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=cfg.seed,
-                                     drop_last=True)
+            raise ValueError(
+                "streaming with --tp/--pp/--dp-*: the stream is sharded per process, not per "
+                "data-parallel replica; load the dataset (streaming false)."
+            )
+        sampler = DistributedSampler(
+            train, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
         return DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True), batch, 1.0, False
     if callable(train):  # streaming: this rank's blocks in order
         from torch.utils.data import IterableDataset
@@ -282,13 +335,15 @@ def _loader(cfg: PretrainConfig, train, mesh, world: int, rank: int):
     if cfg.hetero_speeds is not None:
         from hf_dtrain.data import HeterogeneityAwareSampler
 
-        sampler = HeterogeneityAwareSampler(None, cfg.hetero_speeds, rank=rank, num_samples=len(train), seed=cfg.seed,
-                                            global_batch_size=batch * world)
+        sampler = HeterogeneityAwareSampler(
+            None, cfg.hetero_speeds, rank=rank, num_samples=len(train), seed=cfg.seed, global_batch_size=batch * world
+        )
         scale = sampler.loss_scale(batch * world)
         batch = sampler.batch_size_for(batch * world)
         return DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True), batch, scale, False
-    loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
+    loader = DataLoader(
+        train, batch_size=batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(cfg.seed)
+    )
     return loader, batch, 1.0, True
 
 
@@ -296,8 +351,9 @@ def _batches(loader, start: int, streaming: bool):
     """Blocks from the step ``start``: whole epochs skipped by count, then the rest of the epoch skipped; epoch e's
     order depends on (seed, e) only, so a resumed run skips into the same order."""
     if not streaming and len(loader) == 0:
-        raise ValueError("the training data gives no full batch: lower --per-device-train-batch-size or give more "
-                         "data.")
+        raise ValueError(
+            "the training data gives no full batch: lower --per-device-train-batch-size or give more data."
+        )
     done = start - 1
     epoch, skip = (0, done) if streaming else divmod(done, len(loader))
     while True:
@@ -316,7 +372,7 @@ def _batches(loader, start: int, streaming: bool):
 PLACEMENT = ("parallel", "tensor_parallel", "pipeline", "fsdp")
 
 
-def _identity_and_placement(cfg: PretrainConfig, degrees: Optional[dict], pipe) -> tuple[dict, dict]:
+def _identity_and_placement(cfg: PretrainConfig, degrees: dict | None, pipe) -> tuple[dict, dict]:
     """The job's identity for its snapshots, and its placement: the layout settings, the degrees in force (the
     planner's too) and the pipeline's layer cut (a profile may cut another way on another launch)."""
     identity = run_identity(cfg)
@@ -327,24 +383,40 @@ def _identity_and_placement(cfg: PretrainConfig, degrees: Optional[dict], pipe) 
     return identity, placement
 
 
-def _restore(cfg: PretrainConfig, model, optimizer, scheduler, comm_state, accelerator, rank: int,
-             degrees: Optional[dict] = None, pipe=None):
+def _restore(
+    cfg: PretrainConfig,
+    model,
+    optimizer,
+    scheduler,
+    comm_state,
+    accelerator,
+    rank: int,
+    degrees: dict | None = None,
+    pipe=None,
+):
     """The snapshot engine and what it restored: ``(engine, restored, first step, previous results or None)``."""
-    from hf_dtrain.compose import snapshot_config_for
-    from hf_dtrain.fault import SnapshotEngine
-    from hf_dtrain.fault.snapshot import job_key_for
 
     stateful = {"comm_hook": comm_state} if hasattr(comm_state, "state_dict") else None
     identity, placement = _identity_and_placement(cfg, degrees, pipe)
-    engine = SnapshotEngine(model, optimizer, scheduler, config=snapshot_config_for(cfg.fault_tolerance, cfg.output_dir),
-                            stateful=stateful, identity=identity, placement=placement,
-                            job_key=job_key_for(cfg.output_dir))
+    engine = SnapshotEngine(
+        model,
+        optimizer,
+        scheduler,
+        config=snapshot_config_for(cfg.fault_tolerance, cfg.output_dir),
+        stateful=stateful,
+        identity=identity,
+        placement=placement,
+        job_key=job_key_for(cfg.output_dir),
+    )
     restored = engine.restore()
     if restored is not None and restored.source == "completed":
         previous = os.path.join(cfg.output_dir, f"results_rank{rank}.json")
         if accelerator.is_main_process:
-            print(f"this job already completed ({restored.detail}); nothing to do. To run it again, relaunch "
-                  "with --fault-tolerance.fresh-start true", flush=True)
+            print(
+                f"this job already completed ({restored.detail}); nothing to do. To run it again, relaunch "
+                "with --fault-tolerance.fresh-start true",
+                flush=True,
+            )
         engine.close()
         done = None
         if os.path.exists(previous):
@@ -356,8 +428,7 @@ def _restore(cfg: PretrainConfig, model, optimizer, scheduler, comm_state, accel
     return engine, restored, (restored.extra["next_step"] if restored is not None else 1), None
 
 
-def _held_out_loss(held_out, trained, unwrapped, pipe, batch: int, device) -> Optional[float]:
-    from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
+def _held_out_loss(held_out, trained, unwrapped, pipe, batch: int, device) -> float | None:
 
     if held_out is None or not len(held_out):
         return None
@@ -368,8 +439,10 @@ def _held_out_loss(held_out, trained, unwrapped, pipe, batch: int, device) -> Op
             losses = [pipe.evaluate(b.to(device), b.to(device)).item() for b in chunks if len(b)]
         else:
             with tensor_parallel_loss(unwrapped):
-                losses = [local_loss(unwrapped(input_ids=b.to(device), labels=b.to(device)).loss).item()
-                          for b in held_out.split(16)]
+                losses = [
+                    local_loss(unwrapped(input_ids=b.to(device), labels=b.to(device)).loss).item()
+                    for b in held_out.split(16)
+                ]
         trained.train()
     return sum(losses) / len(losses) if losses else None
 
@@ -385,20 +458,20 @@ def _save(cfg: PretrainConfig, run, unwrapped, tokenizer, pipe, mesh, degrees, r
             tokenizer.save_pretrained(cfg.output_dir)
         return
     # a mesh holds DTensor shards even without FSDP: every rank gathers, rank 0 writes
-    run.finish(unwrapped, tokenizer, cfg.output_dir, results, save_model=cfg.save_model,
-               gather=True if degrees is not None else None)
+    run.finish(
+        unwrapped,
+        tokenizer,
+        cfg.output_dir,
+        results,
+        save_model=cfg.save_model,
+        gather=True if degrees is not None else None,
+    )
 
 
 def run_pretrain(cfg: PretrainConfig) -> dict:
     """Run one pretraining job; return the measured figures (also ``<output_dir>/results.json``)."""
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, set_seed
-    from tqdm.auto import tqdm
 
-    from hf_dtrain.distributed import unwrap_optimizer
     from hf_dtrain.models import PRESETS, build_llama
-    from hf_dtrain.parallel import local_param_bytes
-    from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
 
     degrees = _checked_layout(cfg)
     run = JobRun(cfg, engine="accelerate", check=False)
@@ -407,8 +480,11 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         from accelerate.utils import DistributedDataParallelKwargs
 
         handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=handlers,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        kwargs_handlers=handlers,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
     world, rank = accelerator.num_processes, accelerator.process_index
     if cfg.parallel is not None and cfg.parallel.plan == "auto":
         degrees = _auto_plan(cfg, world, accelerator.is_main_process)
@@ -429,12 +505,22 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         from hf_dtrain.parallel.mesh import apply_parallelism, build_mesh
 
         mesh = build_mesh(degrees)
-        pipe, trained = apply_parallelism(model, mesh, batch_size=cfg.per_device_train_batch_size,
-                                          seq_len=cfg.seq_len, tensor_parallel=cfg.tensor_parallel,
-                                          pipeline=cfg.pipeline, fsdp=cfg.fsdp, device=accelerator.device)
+        pipe, trained = apply_parallelism(
+            model,
+            mesh,
+            batch_size=cfg.per_device_train_batch_size,
+            seq_len=cfg.seq_len,
+            tensor_parallel=cfg.tensor_parallel,
+            pipeline=cfg.pipeline,
+            fsdp=cfg.fsdp,
+            device=accelerator.device,
+        )
         if pipe is not None and run.is_main:
-            print(f"pipeline: {degrees['pp'] * cfg.pipeline.stages_per_rank} stages, layers {pipe.bounds}, "
-                  f"{cfg.pipeline.schedule} over {pipe.n_microbatches} micro-batches", flush=True)
+            print(
+                f"pipeline: {degrees['pp'] * cfg.pipeline.stages_per_rank} stages, layers {pipe.bounds}, "
+                f"{cfg.pipeline.schedule} over {pipe.n_microbatches} micro-batches",
+                flush=True,
+            )
     else:
         exchange = run.shard(model)
     optimizer = run.optimizer(trained, cfg.learning_rate, cfg.weight_decay, trainer_default=False)
@@ -454,19 +540,32 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     engine, restored, start = None, None, 1
     if cfg.fault_tolerance is not None:
         # on the mesh each rank snapshots what it trains: its tensor-parallel shards, its pipeline stages
-        engine, restored, start, done = _restore(cfg, model if degrees is None else trained, optimizer, scheduler,
-                                                 comm_state, accelerator, rank, degrees, pipe)
+        engine, restored, start, done = _restore(
+            cfg,
+            model if degrees is None else trained,
+            optimizer,
+            scheduler,
+            comm_state,
+            accelerator,
+            rank,
+            degrees,
+            pipe,
+        )
         if done is not None:
             return done
     history, t0 = [], time.perf_counter()
     os.makedirs(cfg.output_dir, exist_ok=True)
     # one line per step as it happens (kept across a crash and the relaunch: the full curve of a restarted run)
     step_log = open(os.path.join(cfg.output_dir, f"history_rank{rank}.jsonl"), "a")
-    bar = tqdm(total=cfg.max_steps, initial=start - 1, disable=not (cfg.progress and run.is_main),
-               desc=f"pretrain {cfg.preset}")
+    bar = tqdm(
+        total=cfg.max_steps,
+        initial=start - 1,
+        disable=not (cfg.progress and run.is_main),
+        desc=f"pretrain {cfg.preset}",
+    )
     step = start - 1
     with run.guard(snapshots=engine is not None):
-        for blocks in (_batches(loader, start, callable(train)) if start <= cfg.max_steps else ()):
+        for blocks in _batches(loader, start, callable(train)) if start <= cfg.max_steps else ():
             step += 1
             if run.monitor is not None:
                 run.monitor.step = step  # published at once: a dead rank is named with the step it was on
@@ -507,22 +606,42 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     unwrapped = accelerator.unwrap_model(model) if degrees is None else model
     held_loss = _held_out_loss(held_out, trained, unwrapped, pipe, batch, accelerator.device)
     results = dict(
-        preset=cfg.preset, world_size=world, rank=rank, steps=cfg.max_steps, first_step=start, batch_size=batch,
-        history=history, held_out_loss=held_loss,
+        preset=cfg.preset,
+        world_size=world,
+        rank=rank,
+        steps=cfg.max_steps,
+        first_step=start,
+        batch_size=batch,
+        history=history,
+        held_out_loss=held_loss,
         wire=wire_bytes(comm_state, unwrap_optimizer(optimizer) if cfg.optimizer in EXCHANGING else None),
-        delta=None if delta is None else {
+        delta=None
+        if delta is None
+        else {
             "budget_bytes": {str(k): p.budget for k, p in delta.plans.items()},
             "saved_bytes": [h["saved_bytes"] for h in delta.executor.stats.history if not h["profiling"]],
             "offloaded_bytes": [h["offloaded_bytes"] for h in delta.executor.stats.history if not h["profiling"]],
-            "plans": {str(k): p.actions for k, p in delta.plans.items()}},
-        fault_tolerance=None if engine is None else {
-            "snapshots": engine.stats["snapshots"], "snapshot_bytes": engine.stats["bytes"],
-            "restored": None if restored is None else {"step": restored.step, "source": restored.source}},
-        engine=("mesh " + " x ".join(f"{k} {v}" for k, v in degrees.items())) if degrees is not None else
-        "fsdp2" if cfg.fsdp is not None else "ddp" if world > 1 else "single process",
-        pipeline=None if pipe is None else {"bounds": pipe.bounds, "profile": pipe.costs,
-                                            "microbatches": pipe.n_microbatches},
-        param_bytes_local=local_param_bytes(trained), config=dataclasses.asdict(cfg),
+            "plans": {str(k): p.actions for k, p in delta.plans.items()},
+        },
+        fault_tolerance=None
+        if engine is None
+        else {
+            "snapshots": engine.stats["snapshots"],
+            "snapshot_bytes": engine.stats["bytes"],
+            "restored": None if restored is None else {"step": restored.step, "source": restored.source},
+        },
+        engine=("mesh " + " x ".join(f"{k} {v}" for k, v in degrees.items()))
+        if degrees is not None
+        else "fsdp2"
+        if cfg.fsdp is not None
+        else "ddp"
+        if world > 1
+        else "single process",
+        pipeline=None
+        if pipe is None
+        else {"bounds": pipe.bounds, "profile": pipe.costs, "microbatches": pipe.n_microbatches},
+        param_bytes_local=local_param_bytes(trained),
+        config=dataclasses.asdict(cfg),
     )
     with open(os.path.join(cfg.output_dir, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -17,20 +17,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
+from accelerate import PartialState
 
 from hf_dtrain.compose import build_optimizer, fsdp_from_launcher, keep_sharded, shard_with_fsdp
+from hf_dtrain.distributed.groups import RankMonitor, init_distributed
 
 
 class JobRun:
     """One job's run sequence over a :class:`~hf_dtrain.compose.ComposeOptions` config (``cfg``)."""
 
     def __init__(self, cfg, engine: str, lorafa_optimizer: bool = False, check: bool = True):
-        from accelerate import PartialState
-
-        from hf_dtrain.distributed import init_distributed
 
         init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
         self.cfg, self.engine = cfg, engine
@@ -73,15 +72,16 @@ class JobRun:
             return None
         return build_optimizer(self.cfg, model, lr, weight_decay)
 
-    def guard(self, step_of: Optional[Callable[[], int]] = None, snapshots: bool = False):
+    def guard(self, step_of: Callable[[], int] | None = None, snapshots: bool = False):
         """With 2+ ranks, a :class:`~hf_dtrain.distributed.RankMonitor`: a rank that dies makes the others exit
         naming it, with the hint to relaunch."""
         if self.world_size < 2:
             return contextlib.nullcontext()
-        from hf_dtrain.distributed import RankMonitor
 
-        self.monitor = RankMonitor(resume_hint="relaunch the same command to resume" + (
-            " from the snapshot processes, which keep the state" if snapshots else ""))
+        self.monitor = RankMonitor(
+            resume_hint="relaunch the same command to resume"
+            + (" from the snapshot processes, which keep the state" if snapshots else "")
+        )
         self.monitor.step_of = step_of
         return self.monitor.guard()
 
@@ -90,8 +90,16 @@ class JobRun:
             self.monitor.close()
             self.monitor = None
 
-    def finish(self, model, tokenizer, output_dir: str, results: dict, save_model: bool = True,
-               write: Optional[Callable[[], None]] = None, gather: Optional[bool] = None) -> None:
+    def finish(
+        self,
+        model,
+        tokenizer,
+        output_dir: str,
+        results: dict,
+        save_model: bool = True,
+        write: Callable[[], None] | None = None,
+        gather: bool | None = None,
+    ) -> None:
         """Save ``model`` (every rank gathers FSDP2 / ZeRO / DTensor shards and rank 0 writes when ``gather``, by
         default for FSDP2 and DeepSpeed; rank 0 alone otherwise) with its tokenizer, write ``results.json`` and call
         ``write`` on rank 0, then wait for every rank."""

@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any, Iterator, Optional
-
+from collections.abc import Iterator
+from typing import Any
 
 # The release (``hf_dtrain.__version__``; pyproject.toml reads it from here): recorded in snapshots' run identity
 # and in the README saved with an adapter.
@@ -38,11 +38,11 @@ def unwrap_optional(tp: Any) -> tuple[Any, bool]:
     args = typing.get_args(tp)
     if args and type(None) in args:
         rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True  # noqa: UP007 (a union built at run time)
     return tp, False
 
 
-def section_type(cls: type, name: str) -> Optional[tuple[type, bool]]:
+def section_type(cls: type, name: str) -> tuple[type, bool] | None:
     """``(config class, optional)`` when field ``name`` of ``cls`` is a nested config section, else None."""
     inner, optional = unwrap_optional(typing.get_type_hints(cls)[name])
     return (inner, optional) if is_config(inner) else None
@@ -71,7 +71,7 @@ def walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.
             yield prefix + f.name, f, hints[f.name], cls
 
 
-def section_value(cls: type, value: Any, where: str) -> Optional[dict]:
+def section_value(cls: type, value: Any, where: str) -> dict | None:
     """A section's plain value in its dict form (None: off): a mapping, ``true`` (defaults), ``false``/``None`` (off),
     or a scalar for the class's ``shorthand`` field."""
     if value is None or value is False:
@@ -102,7 +102,7 @@ def merge(base: dict, over: dict, cls: type) -> dict:
     return out
 
 
-def build(cls: type, data: Optional[dict], where: Optional[str] = None):
+def build(cls: type, data: dict | None, where: str | None = None):
     """``cls(**data)`` with nested sections built from their plain values; unknown keys are a ``ValueError`` that
     lists the valid ones."""
     where = where or cls.__name__
@@ -138,13 +138,15 @@ def coerce_section(owner: Any, name: str) -> None:
     setattr(owner, name, None if plain is None else build(cls, plain, f"{type(owner).__name__}.{name}"))
 
 
-def check_choice(config: Any, name: str, choices, key: Optional[str] = None) -> None:
+def check_choice(config: Any, name: str, choices, key: str | None = None) -> None:
     """``ValueError`` unless ``config.name`` is one of ``choices``, naming the field, the key to set and the choices.
     ``key``: how the user sets it (default ``<section>.<name>`` is left to the caller; plain ``name`` otherwise)."""
     value = getattr(config, name)
     if value not in choices:
-        raise ValueError(f"{type(config).__name__}.{name}={value!r} is unknown; set {key or name} to one of "
-                         f"{', '.join(map(str, choices))}.")
+        raise ValueError(
+            f"{type(config).__name__}.{name}={value!r} is unknown; set {key or name} to one of "
+            f"{', '.join(map(str, choices))}."
+        )
 
 
 class SettingsError(ValueError):
@@ -223,8 +225,9 @@ def check_fields(config: Any) -> None:
                 try:
                     value = [_number(v, inner) for v in value]
                 except (TypeError, ValueError):
-                    raise ValueError(f"{where} must be a list of {inner.__name__} values, got {value!r}; "
-                                     f"{fix}.") from None
+                    raise ValueError(
+                        f"{where} must be a list of {inner.__name__} values, got {value!r}; {fix}."
+                    ) from None
                 bad = [v for v in value if isinstance(v, float) and not math.isfinite(v)]
                 if bad:
                     raise ValueError(f"{where} must hold finite numbers, got {value!r}; {fix}.")
@@ -245,8 +248,12 @@ def check_fields(config: Any) -> None:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{where} must be a finite number, got {value!r}; {fix}.")
             why = f" ({f.metadata['why']})" if "why" in f.metadata else ""
-            for key, ok, text in (("min", lambda v, b: v >= b, ">="), ("max", lambda v, b: v <= b, "<="),
-                                  ("gt", lambda v, b: v > b, ">"), ("lt", lambda v, b: v < b, "<")):
+            for key, ok, text in (
+                ("min", lambda v, b: v >= b, ">="),
+                ("max", lambda v, b: v <= b, "<="),
+                ("gt", lambda v, b: v > b, ">"),
+                ("lt", lambda v, b: v < b, "<"),
+            ):
                 limit = f.metadata.get(key)
                 if limit is not None and not ok(value, limit):
                     kind = "an integer" if tp is int else "a number"
@@ -257,8 +264,9 @@ def check_fields(config: Any) -> None:
             raise ValueError(f"{where} must be a string, got {value!r}; {fix}.")
 
 
-def check_number(config: Any, name: str, gt: Optional[float] = None, low: Optional[float] = None,
-                 key: Optional[str] = None) -> None:
+def check_number(
+    config: Any, name: str, gt: float | None = None, low: float | None = None, key: str | None = None
+) -> None:
     """``ValueError`` unless ``config.name`` is a finite number (not a bool) > ``gt`` / >= ``low``, naming the field:
     for configs that are not ours field by field (peft's ``PeftConfig`` subclasses)."""
     value = getattr(config, name)
@@ -266,8 +274,9 @@ def check_number(config: Any, name: str, gt: Optional[float] = None, low: Option
     ok = ok and (gt is None or value > gt) and (low is None or value >= low)
     if not ok:
         bound = f" > {gt}" if gt is not None else (f" >= {low}" if low is not None else "")
-        raise ValueError(f"{type(config).__name__}.{name} must be a finite number{bound}, got {value!r}; set "
-                         f"{key or name}.")
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be a finite number{bound}, got {value!r}; set {key or name}."
+        )
 
 
 def parse_bytes(text) -> float:
@@ -275,7 +284,7 @@ def parse_bytes(text) -> float:
     if isinstance(text, (int, float)):
         return float(text)
     t = str(text).strip().upper().replace("IB", "B")
-    for unit, factor in (("TB", 1024 ** 4), ("GB", 1024 ** 3), ("MB", 1024 ** 2), ("KB", 1024), ("B", 1)):
+    for unit, factor in (("TB", 1024**4), ("GB", 1024**3), ("MB", 1024**2), ("KB", 1024), ("B", 1)):
         if t.endswith(unit):
             try:
                 return float(t[: -len(unit)]) * factor
@@ -285,4 +294,3 @@ def parse_bytes(text) -> float:
         return float(t)
     except ValueError:
         raise ValueError(f"{text!r} is not a size: give e.g. 80GB, 512MB or a number of bytes.") from None
-

@@ -16,13 +16,13 @@ unsplit training (tested).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from hf_dtrain.distributed import WireStats
+from hf_dtrain.distributed.counters import WireStats
 from hf_dtrain.models import LlamaPipelineStage
+from hf_dtrain.settings import check_fields
 
 
 @dataclass
@@ -30,25 +30,29 @@ class SplitConfig:
     """Where the model is cut and how the link is compressed."""
 
     cut_layer: int = field(default=1, metadata={"min": 1, "help": "The edge runs decoder layers [0, cut_layer)."})
-    rank: Optional[int] = field(default=None, metadata={
-        "min": 1, "help": "Rank of the activations and gradients sent over the link; None: uncompressed."})
-    error_feedback: bool = field(default=True, metadata={
-        "help": "Carry the gradient's truncation error into the next step (compressed links)."})
+    rank: int | None = field(
+        default=None,
+        metadata={"min": 1, "help": "Rank of the activations and gradients sent over the link; None: uncompressed."},
+    )
+    error_feedback: bool = field(
+        default=True, metadata={"help": "Carry the gradient's truncation error into the next step (compressed links)."}
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
 
     def check(self, causal_lm) -> None:
         layers = causal_lm.config.num_hidden_layers
         if not 1 <= self.cut_layer < layers:
-            raise ValueError(f"SplitConfig.cut_layer={self.cut_layer} is outside the model: it has {layers} decoder "
-                             f"layers, so the cut must be in 1..{layers - 1} (the edge keeps at least one layer, the "
-                             "cloud at least one).")
+            raise ValueError(
+                f"SplitConfig.cut_layer={self.cut_layer} is outside the model: it has {layers} decoder "
+                f"layers, so the cut must be in 1..{layers - 1} (the edge keeps at least one layer, the "
+                "cloud at least one)."
+            )
 
 
-def _lowrank(m: torch.Tensor, rank: Optional[int]) -> list[torch.Tensor]:
+def _lowrank(m: torch.Tensor, rank: int | None) -> list[torch.Tensor]:
     """What goes on the wire for matrix ``m`` at ``rank`` (None or >= min(shape): ``m`` itself)."""
     if rank is None or rank >= min(m.shape):
         return [m.contiguous()]
@@ -56,7 +60,7 @@ def _lowrank(m: torch.Tensor, rank: Optional[int]) -> list[torch.Tensor]:
     return [(u[:, :rank] * s[:rank]).contiguous(), vh[:rank].contiguous()]
 
 
-def _send(tensors: list[torch.Tensor], peer: int, group=None, stats: Optional[WireStats] = None) -> None:
+def _send(tensors: list[torch.Tensor], peer: int, group=None, stats: WireStats | None = None) -> None:
     """``tensors`` to ``peer``: a shape header, then each tensor; ``stats`` counts the tensors' payload bytes."""
     head = torch.tensor([len(tensors)] + [d for t in tensors for d in (t.dim(), *t.shape)], dtype=torch.long)
     dist.send(torch.tensor([head.numel()], dtype=torch.long), peer, group=group)
@@ -67,7 +71,7 @@ def _send(tensors: list[torch.Tensor], peer: int, group=None, stats: Optional[Wi
             stats.add(t)
 
 
-def _recv(peer: int, dtype=torch.float32, group=None, stats: Optional[WireStats] = None) -> list[torch.Tensor]:
+def _recv(peer: int, dtype=torch.float32, group=None, stats: WireStats | None = None) -> list[torch.Tensor]:
     n = torch.empty(1, dtype=torch.long)
     dist.recv(n, peer, group=group)
     head = torch.empty(int(n), dtype=torch.long)
@@ -75,7 +79,7 @@ def _recv(peer: int, dtype=torch.float32, group=None, stats: Optional[WireStats]
     vals, out, pos = head.tolist(), [], 1
     for _ in range(vals[0]):
         ndim = vals[pos]
-        shape = vals[pos + 1:pos + 1 + ndim]
+        shape = vals[pos + 1 : pos + 1 + ndim]
         pos += 1 + ndim
         t = torch.empty(shape, dtype=dtype)
         dist.recv(t, peer, group=group)
@@ -119,7 +123,6 @@ class SplitEdge(_Side):
         self.stage = LlamaPipelineStage(causal_lm, 0, config.cut_layer, first=True, last=False)
         self.sent, self.received = WireStats(), WireStats()
 
-
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Forward to the cut, send the activations and labels, receive the activations' gradient, backward (the
         caller steps its optimizer on :meth:`parameters`)."""
@@ -152,7 +155,6 @@ class SplitCloud(_Side):
         self.residual = None
         self.sent, self.received = WireStats(), WireStats()
 
-
     def step(self) -> float:
         parts = _recv(self.peer, group=self.group, stats=self.received)
         labels = _recv(self.peer, group=self.group, stats=self.received)[0].long()
@@ -162,9 +164,13 @@ class SplitCloud(_Side):
         loss = self.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
         loss.backward()
         g = h.grad.reshape(b * t, -1)
-        if self.cfg.rank is not None and self.cfg.error_feedback:
-            if self.residual is not None and self.residual.shape == g.shape:
-                g = g + self.residual
+        if (
+            self.cfg.rank is not None
+            and self.cfg.error_feedback
+            and self.residual is not None
+            and self.residual.shape == g.shape
+        ):
+            g = g + self.residual
         grad_parts = _lowrank(g, self.cfg.rank)
         if self.cfg.rank is not None and self.cfg.error_feedback:
             self.residual = g - _join(grad_parts)

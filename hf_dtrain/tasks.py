@@ -9,9 +9,15 @@ generation loop, so it works as a Trainer ``compute_metrics`` with ``preprocess_
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+from datasets import Dataset, DatasetDict, load_dataset
+from transformers import DataCollatorForSeq2Seq
+from trl import SFTTrainer
+from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 IGNORE_INDEX = -100
 # Operand range of the default task: both operands have 1 to TASK_DIGITS digits. The tiny base learns a lot of it in
@@ -74,7 +80,6 @@ def tokenize_example(tokenizer, prompt: str, completion: str, max_length: int | 
 
 
 def _to_dataset(tokenizer, pairs, max_length=None):
-    from datasets import Dataset
 
     rows = [tokenize_example(tokenizer, p, c, max_length) for p, c in pairs]
     return Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "attention_mask", "labels")})
@@ -89,7 +94,6 @@ def addition_dataset(n: int, seed: int = 0, split: str = "train", digits: int = 
     """The default task in TRL's prompt-completion format: a ``datasets.Dataset`` with ``prompt`` (``"12+345="``) and
     ``completion`` (``"357"``) columns; ``hf-dtrain finetune`` with no ``--dataset`` trains on it through the same
     path as a user's file (the eos and the completion-only labels are added by TRL's preparation)."""
-    from datasets import Dataset
 
     pairs = addition_examples(n, seed=seed, split=split, digits=digits)
     return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
@@ -110,25 +114,34 @@ def dataset_format(dataset, text_field: str = "text") -> str:
         return "conversational" if isinstance(first, list) else "prompt-completion"
     if text_field in columns:
         return "language modeling"
-    raise ValueError(f"the dataset has columns {columns}, none of TRL's formats: a 'messages' column (chat, rendered "
-                     "with the tokenizer's chat template), 'prompt' and 'completion' columns, or a text column (set "
-                     f"--dataset-text-field, now {text_field!r}).")
+    raise ValueError(
+        f"the dataset has columns {columns}, none of TRL's formats: a 'messages' column (chat, rendered "
+        "with the tokenizer's chat template), 'prompt' and 'completion' columns, or a text column (set "
+        f"--dataset-text-field, now {text_field!r})."
+    )
 
 
-def load_sft_dataset(name_or_path: str, *, config: str | None = None, train_size: int | None = None,
-                     eval_size: int = 200, seed: int = 0, text_field: str = "text"):
+def load_sft_dataset(
+    name_or_path: str,
+    *,
+    config: str | None = None,
+    train_size: int | None = None,
+    eval_size: int = 200,
+    seed: int = 0,
+    text_field: str = "text",
+):
     """``(train, eval)`` raw datasets in one of TRL's formats from a local json / jsonl / csv / parquet / txt file or
     a hub dataset (``config``: its configuration name). The eval split is the dataset's ``validation`` / ``test``
     split when it has one (its first ``eval_size`` rows), else ``eval_size`` rows (at most a fifth) held out from
     train with ``seed``; ``train_size`` caps the training rows (None: all)."""
-    from datasets import DatasetDict, load_dataset
 
     if os.path.exists(name_or_path):
         ext = os.path.splitext(name_or_path)[1].lower().lstrip(".")
         kind = DATA_FILE_TYPES.get(ext)
         if kind is None:
-            raise ValueError(f"--dataset {name_or_path!r}: unsupported file type {ext!r}; use "
-                             f"{', '.join(DATA_FILE_TYPES)}.")
+            raise ValueError(
+                f"--dataset {name_or_path!r}: unsupported file type {ext!r}; use {', '.join(DATA_FILE_TYPES)}."
+            )
         ds = load_dataset(kind, data_files=name_or_path)
     else:
         ds = load_dataset(name_or_path, config)
@@ -141,8 +154,10 @@ def load_sft_dataset(name_or_path: str, *, config: str | None = None, train_size
     held = next((ds[s] for s in ("validation", "test", "eval") if s in ds), None)
     if held is None:
         if len(train) < 2:
-            raise ValueError(f"--dataset {name_or_path!r} has {len(train)} row(s): at least 2 are needed (one to "
-                             "hold out for evaluation), or give a validation split.")
+            raise ValueError(
+                f"--dataset {name_or_path!r} has {len(train)} row(s): at least 2 are needed (one to "
+                "hold out for evaluation), or give a validation split."
+            )
         parts = train.train_test_split(test_size=min(eval_size, max(1, len(train) // 5)), seed=seed)
         train, held = parts["train"], parts["test"]
     elif eval_size:
@@ -158,10 +173,6 @@ def prepare_sft_dataset(dataset, tokenizer, args, packing: bool | None = None):
     not run the ``SFTTrainer`` (the fused sweep, the federated simulation): they train on the same tokens as
     ``hf-dtrain finetune``. Uses TRL's own ``SFTTrainer._prepare_dataset`` (trl is pinned to a tested range; a test
     checks the result against the trainer's). ``packing``: None for ``args.packing``."""
-    from types import SimpleNamespace
-
-    from trl import SFTTrainer
-    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
     sample = dataset[0]
     completion_only = args.completion_only_loss
@@ -181,17 +192,16 @@ def sft_collator(tokenizer, args=None):
     """TRL's collator for prepared datasets, as the ``SFTTrainer`` builds it for ``args`` (an ``SFTConfig``): pads
     input_ids with the pad token and labels with -100 and gives the attention mask, or, padding-free (``padding_free``,
     or best-fit packing), position ids that keep attention within each packed example."""
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    padding_free = args is not None and (args.padding_free or (args.packing and args.packing_strategy in
-                                                               ("bfd", "bfd_split")))
+    padding_free = args is not None and (
+        args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return DataCollatorForLanguageModeling(pad_token_id=pad, padding_free=padding_free)
 
 
 def task_collator(tokenizer):
     """Pads input_ids with the pad token, attention_mask with 0 and labels with -100 (right padding)."""
-    from transformers import DataCollatorForSeq2Seq
 
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 
@@ -234,8 +244,13 @@ def greedy_exact_match(model, tokenizer, pairs, max_new_tokens: int = 8) -> floa
     hits = 0
     for prompt, completion in pairs:
         ids = torch.tensor([tokenizer(prompt, add_special_tokens=True)["input_ids"]])
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
+        out = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
         hits += text == completion + tokenizer.eos_token
     return hits / max(1, len(pairs))

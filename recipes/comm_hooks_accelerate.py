@@ -22,8 +22,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="base model path or hub id (default: the embedded default)")
     ap.add_argument("--method", default="acp_sgd", help="allreduce, acp_sgd, s2_reducer, dear or embrace")
-    ap.add_argument("--hook-config", default=None, help="YAML file with the method's settings (CommHookConfig keys; "
-                    "overrides --method/--rank/--start-iter)")
+    ap.add_argument(
+        "--hook-config",
+        default=None,
+        help="YAML file with the method's settings (CommHookConfig keys; overrides --method/--rank/--start-iter)",
+    )
     ap.add_argument("--rank", type=int, default=4)
     ap.add_argument("--start-iter", type=int, default=10)
     ap.add_argument("--steps", type=int, default=200)
@@ -43,9 +46,16 @@ def main(argv=None):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     with accelerator.main_process_first():
         model, tok = load_model_and_tokenizer(args.model, progress=accelerator.is_main_process)
-    train = tasks.make_task_dataset(tok, args.steps * args.batch_size * accelerator.num_processes, seed=0, split="train")
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=tasks.task_collator(tok),
-                        generator=torch.Generator().manual_seed(0))
+    train = tasks.make_task_dataset(
+        tok, args.steps * args.batch_size * accelerator.num_processes, seed=0, split="train"
+    )
+    loader = DataLoader(
+        train,
+        batch_size=args.batch_size,
+        shuffle=True,
+        collate_fn=tasks.task_collator(tok),
+        generator=torch.Generator().manual_seed(0),
+    )
     if args.hook_config:
         import yaml
 
@@ -73,12 +83,20 @@ def main(argv=None):
     if hasattr(state, "flush"):
         state.flush()  # DeAR: the last update waits for a next forward that does not come
     steps = state.stats.steps
-    report = {"method": args.method, "world_size": accelerator.num_processes, "steps": len(losses),
-              "hook_steps": len(steps), "bytes_per_step": steps, "final_loss_mean_last10": sum(losses[-10:]) / 10,
-              "param_checksum": float(sum(p.detach().double().sum() for p in model.parameters()))}
+    report = {
+        "method": args.method,
+        "world_size": accelerator.num_processes,
+        "steps": len(losses),
+        "hook_steps": len(steps),
+        "bytes_per_step": steps,
+        "final_loss_mean_last10": sum(losses[-10:]) / 10,
+        "param_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+    }
     if accelerator.is_main_process:
-        print(f"{args.method}: loss {report['final_loss_mean_last10']:.4f} (mean of the last 10 steps), "
-              f"{sum(steps) / max(1, len(steps)) / 2**20:.3f} MiB per step on the wire from each rank")
+        print(
+            f"{args.method}: loss {report['final_loss_mean_last10']:.4f} (mean of the last 10 steps), "
+            f"{sum(steps) / max(1, len(steps)) / 2**20:.3f} MiB per step on the wire from each rank"
+        )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"comm_{accelerator.process_index}.json"), "w") as f:
@@ -86,7 +104,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from hf_dtrain.distributed import release_process_group
+    from hf_dtrain.distributed.groups import release_process_group
 
     main()
     release_process_group()  # DDP freed while its gloo group still exists, then the group (pytorch#56297)

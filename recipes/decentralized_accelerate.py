@@ -33,8 +33,8 @@ def main(argv=None):
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from hf_dtrain.comm import register
     from hf_dtrain import tasks
+    from hf_dtrain.comm import register
     from hf_dtrain.decentralized import ALDSGD, DPSGD, LSGD, DecentLaM, NonBlockingSGD, Straggler
     from hf_dtrain.models import load_model_and_tokenizer
 
@@ -42,10 +42,16 @@ def main(argv=None):
     with accelerator.main_process_first():
         model, tok = load_model_and_tokenizer(args.model, progress=accelerator.is_main_process)
     model.train()
-    train = tasks.make_task_dataset(tok, args.steps * args.batch_size * accelerator.num_processes, seed=0,
-                                    split="train")
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=tasks.task_collator(tok),
-                        generator=torch.Generator().manual_seed(0))
+    train = tasks.make_task_dataset(
+        tok, args.steps * args.batch_size * accelerator.num_processes, seed=0, split="train"
+    )
+    loader = DataLoader(
+        train,
+        batch_size=args.batch_size,
+        shuffle=True,
+        collate_fn=tasks.task_collator(tok),
+        generator=torch.Generator().manual_seed(0),
+    )
     model, loader = accelerator.prepare(model, loader)  # DDP, and each rank its own share of the data
     register(model, "noop")  # gradients stay local: the optimizer gossips
     if args.method == "dpsgd":
@@ -55,8 +61,13 @@ def main(argv=None):
     elif args.method == "lsgd":
         optimizer = LSGD(model.parameters(), model=model, lr=args.lr, momentum=0.9, local_period=4, global_period=16)
     else:
-        optimizer = ALDSGD(model.parameters(), model=model, lr=args.lr, momentum=0.9,
-                           topology="matcha" if args.topology == "ring" else args.topology)
+        optimizer = ALDSGD(
+            model.parameters(),
+            model=model,
+            lr=args.lr,
+            momentum=0.9,
+            topology="matcha" if args.topology == "ring" else args.topology,
+        )
     straggler = None
     if args.straggler:
         rank, factor = args.straggler.split(":")
@@ -76,12 +87,20 @@ def main(argv=None):
         if len(losses) == args.steps:
             break
     consensus = optimizer.consensus_distance()  # a collective: every rank
-    report = {"method": args.method, "world_size": accelerator.num_processes, "steps": len(losses),
-              "loss_first10": sum(losses[:10]) / 10, "loss_last10": sum(losses[-10:]) / 10,
-              "bytes_per_step": optimizer.stats.steps, "consensus_distance": consensus}
+    report = {
+        "method": args.method,
+        "world_size": accelerator.num_processes,
+        "steps": len(losses),
+        "loss_first10": sum(losses[:10]) / 10,
+        "loss_last10": sum(losses[-10:]) / 10,
+        "bytes_per_step": optimizer.stats.steps,
+        "consensus_distance": consensus,
+    }
     if accelerator.is_main_process:
-        print(f"{args.method}: loss {report['loss_first10']:.4f} -> {report['loss_last10']:.4f}, "
-              f"{optimizer.stats.steps[-1]} bytes per step sent by rank 0, consensus distance {consensus:.3e}")
+        print(
+            f"{args.method}: loss {report['loss_first10']:.4f} -> {report['loss_last10']:.4f}, "
+            f"{optimizer.stats.steps[-1]} bytes per step sent by rank 0, consensus distance {consensus:.3e}"
+        )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"decentralized_{accelerator.process_index}.json"), "w") as f:
@@ -89,7 +108,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from hf_dtrain.distributed import release_process_group
+    from hf_dtrain.distributed.groups import release_process_group
 
     main()
     release_process_group()  # DDP freed while its gloo group still exists, then the group (pytorch#56297)

@@ -40,10 +40,16 @@ def main(argv=None):
         model, tok = load_model_and_tokenizer(args.model, progress=accelerator.is_main_process)
     model.train()
     scheduler = apply_delta(model, DeltaConfig(budget=budget, method=args.method))  # unwrapped, before prepare
-    train = tasks.make_task_dataset(tok, args.steps * args.batch_size * accelerator.num_processes, seed=0,
-                                    split="train")
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=tasks.task_collator(tok),
-                        generator=torch.Generator().manual_seed(0))
+    train = tasks.make_task_dataset(
+        tok, args.steps * args.batch_size * accelerator.num_processes, seed=0, split="train"
+    )
+    loader = DataLoader(
+        train,
+        batch_size=args.batch_size,
+        shuffle=True,
+        collate_fn=tasks.task_collator(tok),
+        generator=torch.Generator().manual_seed(0),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
@@ -59,18 +65,26 @@ def main(argv=None):
     if accelerator.is_main_process:
         for shape, plan in scheduler.plans.items():
             print(f"plan for input shape {shape}:\n{plan.table()}\n")
-        print(f"loss {sum(losses[:10]) / 10:.4f} -> {sum(losses[-10:]) / 10:.4f}; saved activations per step: "
-              f"max {max(h['saved_bytes'] for h in history):,} bytes, offloaded {history[-1]['offloaded_bytes']:,}")
+        print(
+            f"loss {sum(losses[:10]) / 10:.4f} -> {sum(losses[-10:]) / 10:.4f}; saved activations per step: "
+            f"max {max(h['saved_bytes'] for h in history):,} bytes, offloaded {history[-1]['offloaded_bytes']:,}"
+        )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"delta_{accelerator.process_index}.json"), "w") as f:
-            json.dump({"losses": losses, "history": history,
-                       "budgets": {str(k): p.budget for k, p in scheduler.plans.items()}}, f)
+            json.dump(
+                {
+                    "losses": losses,
+                    "history": history,
+                    "budgets": {str(k): p.budget for k, p in scheduler.plans.items()},
+                },
+                f,
+            )
     scheduler.remove()
 
 
 if __name__ == "__main__":
-    from hf_dtrain.distributed import release_process_group
+    from hf_dtrain.distributed.groups import release_process_group
 
     main()
     release_process_group()  # DDP freed while its gloo group still exists, then the group (pytorch#56297)

@@ -50,17 +50,29 @@ def main(argv=None):
     with accelerator.main_process_first():
         model, tok = load_model_and_tokenizer(args.model, progress=accelerator.is_main_process)
     model.train()
-    train = tasks.make_task_dataset(tok, args.steps * args.batch_size * accelerator.num_processes, seed=0,
-                                    split="train")
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=tasks.task_collator(tok),
-                        generator=torch.Generator().manual_seed(0))
+    train = tasks.make_task_dataset(
+        tok, args.steps * args.batch_size * accelerator.num_processes, seed=0, split="train"
+    )
+    loader = DataLoader(
+        train,
+        batch_size=args.batch_size,
+        shuffle=True,
+        collate_fn=tasks.task_collator(tok),
+        generator=torch.Generator().manual_seed(0),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / 10))
     model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
     os.makedirs(args.out, exist_ok=True)
-    engine = SnapshotEngine(model, optimizer, schedule, directory=args.snapshot_dir, parity=args.parity,
-                            persist_dir=os.path.join(args.out, "snapshots") if args.persist_every else None,
-                            persist_every=args.persist_every)
+    engine = SnapshotEngine(
+        model,
+        optimizer,
+        schedule,
+        directory=args.snapshot_dir,
+        parity=args.parity,
+        persist_dir=os.path.join(args.out, "snapshots") if args.persist_every else None,
+        persist_every=args.persist_every,
+    )
     restored = engine.restore()  # memory, else parity, else disk; None on a fresh start
     start = restored.extra["next_step"] if restored else 1
     if restored and accelerator.is_main_process:
@@ -87,16 +99,25 @@ def main(argv=None):
     bar.close()
     stall = engine.stats["stall_seconds"][1:] or [0.0]
     with open(os.path.join(args.out, f"ft_{accelerator.process_index}.json"), "w") as f:
-        json.dump({"losses": losses, "restored": restored and {"step": restored.step, "source": restored.source},
-                   "snapshot_bytes": engine.stats["bytes"], "mean_stall_seconds": sum(stall) / len(stall)}, f)
+        json.dump(
+            {
+                "losses": losses,
+                "restored": restored and {"step": restored.step, "source": restored.source},
+                "snapshot_bytes": engine.stats["bytes"],
+                "mean_stall_seconds": sum(stall) / len(stall),
+            },
+            f,
+        )
     if accelerator.is_main_process:
-        print(f"loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}; snapshot {engine.stats['bytes']:,} bytes per rank, "
-              f"mean stall {1000 * sum(stall) / len(stall):.2f} ms")
+        print(
+            f"loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}; snapshot {engine.stats['bytes']:,} bytes per rank, "
+            f"mean stall {1000 * sum(stall) / len(stall):.2f} ms"
+        )
     engine.close(shutdown=True)  # the run is over: stop the snapshot processes
 
 
 if __name__ == "__main__":
-    from hf_dtrain.distributed import release_process_group
+    from hf_dtrain.distributed.groups import release_process_group
 
     main()
     release_process_group()

@@ -25,10 +25,10 @@ def main(argv=None):
     ap.add_argument("--eval-size", type=int, default=200)
     args = ap.parse_args(argv)
 
-    import hf_dtrain  # noqa: F401  (registers QA-HiRA with peft)
     from peft import PeftModel
     from torch.utils.data import DataLoader
 
+    import hf_dtrain  # noqa: F401  (registers QA-HiRA with peft)
     from hf_dtrain import tasks
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
     from hf_dtrain.quantization import load_quantized_model
@@ -37,8 +37,10 @@ def main(argv=None):
     cfg = results["config"]
     quantize = results.get("quantize")
     if results["method"] != "qahira" or quantize not in ("hqq4", "int4"):
-        raise SystemExit(f"{args.adapter}: an exact 4-bit merge needs --method qahira with --quantize hqq4 or int4; "
-                         f"this run is {results['method']} on {quantize or 'a dense base'}.")
+        raise SystemExit(
+            f"{args.adapter}: an exact 4-bit merge needs --method qahira with --quantize hqq4 or int4; "
+            f"this run is {results['method']} on {quantize or 'a dense base'}."
+        )
     base_path = cfg["model"] or build_default_model(cfg["base_preset"], steps=cfg["base_steps"], progress=False)
     _, tokenizer = load_model_and_tokenizer(base_path, load_model=False)
     base = load_quantized_model(base_path, quantize, group_size=cfg["quant_group_size"])
@@ -54,8 +56,10 @@ def main(argv=None):
     with torch.no_grad():
         after = [merged(**b).logits for b in batches]
     err = max((a - b).abs().max().item() for a, b in zip(before, after))
-    print(f"merged into {quantize}: largest |logit difference| to the adapter model over {args.eval_size} examples: "
-          f"{err:.2e}")
+    print(
+        f"merged into {quantize}: largest |logit difference| to the adapter model over {args.eval_size} examples: "
+        f"{err:.2e}"
+    )
 
     out = args.out or args.adapter.rstrip("/") + "-merged"
     os.makedirs(out, exist_ok=True)
@@ -72,24 +76,35 @@ def main(argv=None):
 
     # read it back and check that nothing was lost on the way to disk
     if quantize == "hqq4":
-        reloaded = AutoHQQHFModel.from_quantized(out, compute_dtype=torch.float32,
-                                                 device="cuda" if torch.cuda.is_available() else "cpu")
+        reloaded = AutoHQQHFModel.from_quantized(
+            out, compute_dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu"
+        )
     else:
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from hf_dtrain.quantization.int4 import quantize_model_int4
 
-        reloaded = quantize_model_int4(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out)),
-                                       group_size=cfg["quant_group_size"])
+        reloaded = quantize_model_int4(
+            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out)), group_size=cfg["quant_group_size"]
+        )
         reloaded.load_state_dict(load_file(os.path.join(out, "model.safetensors")))
     reloaded.eval()
     with torch.no_grad():
         reload_err = max((reloaded(**b).logits - a).abs().max().item() for b, a in zip(batches, after))
     print(f"saved the merged {quantize} model to {out}; reloaded, its logits differ by at most {reload_err:.2e}")
     with open(os.path.join(out, "merge.json"), "w") as f:
-        json.dump({"adapter": args.adapter, "quantize": quantize, "max_abs_logit_diff": err,
-                   "reload_max_abs_logit_diff": reload_err, "eval_size": args.eval_size}, f, indent=2)
+        json.dump(
+            {
+                "adapter": args.adapter,
+                "quantize": quantize,
+                "max_abs_logit_diff": err,
+                "reload_max_abs_logit_diff": reload_err,
+                "eval_size": args.eval_size,
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

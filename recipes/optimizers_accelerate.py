@@ -26,10 +26,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="base model path or hub id (default: the embedded default)")
     ap.add_argument("--optimizer", default="eva", choices=["adamw", "eva", "foof", "eva_sgd", "onebit_lamb"])
-    ap.add_argument("--lr", type=float, default=None, help="default: 3e-4 (AdamW, Eva, FOOF), 1e-2 (Eva on SGD), "
-                    "2e-3 (1-bit LAMB)")
-    ap.add_argument("--damping", type=float, default=None, help="Eva / FOOF damping (default: 1e-6 on AdamW, the "
-                    "paper's 0.03 on SGD)")
+    ap.add_argument(
+        "--lr", type=float, default=None, help="default: 3e-4 (AdamW, Eva, FOOF), 1e-2 (Eva on SGD), 2e-3 (1-bit LAMB)"
+    )
+    ap.add_argument(
+        "--damping",
+        type=float,
+        default=None,
+        help="Eva / FOOF damping (default: 1e-6 on AdamW, the paper's 0.03 on SGD)",
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--freeze-fraction", type=float, default=0.15, help="1-bit LAMB: LAMB warm-up share of the steps")
     ap.add_argument("--batch-size", type=int, default=16)
@@ -49,10 +54,16 @@ def main(argv=None):
     with accelerator.main_process_first():
         model, tok = load_model_and_tokenizer(args.model, progress=accelerator.is_main_process)
     model.train()
-    train = tasks.make_task_dataset(tok, args.steps * args.batch_size * accelerator.num_processes, seed=0,
-                                    split="train")
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=tasks.task_collator(tok),
-                        generator=torch.Generator().manual_seed(0))
+    train = tasks.make_task_dataset(
+        tok, args.steps * args.batch_size * accelerator.num_processes, seed=0, split="train"
+    )
+    loader = DataLoader(
+        train,
+        batch_size=args.batch_size,
+        shuffle=True,
+        collate_fn=tasks.task_collator(tok),
+        generator=torch.Generator().manual_seed(0),
+    )
     lr = args.lr or {"eva_sgd": 1e-2, "onebit_lamb": 2e-3}.get(args.optimizer, 3e-4)
     if args.optimizer == "onebit_lamb":
         model, loader = accelerator.prepare(model, loader)
@@ -66,8 +77,9 @@ def main(argv=None):
             base = "sgd" if args.optimizer == "eva_sgd" else "adamw"
             kwargs = {"momentum": 0.9} if base == "sgd" else {}
             kwargs["damping"] = args.damping or (0.03 if base == "sgd" else 1e-6)
-            optimizer = Eva(model, base_optimizer=base, lr=lr, method="foof" if args.optimizer == "foof" else "eva",
-                            **kwargs)
+            optimizer = Eva(
+                model, base_optimizer=base, lr=lr, method="foof" if args.optimizer == "foof" else "eva", **kwargs
+            )
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     losses = []
@@ -81,9 +93,15 @@ def main(argv=None):
             break
     inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     sent = inner.stats.steps if isinstance(inner, OneBitLamb) else []
-    report = {"optimizer": args.optimizer, "world_size": accelerator.num_processes, "steps": len(losses),
-              "loss_first10": sum(losses[:10]) / 10, "loss_last10": sum(losses[-10:]) / 10, "bytes_per_step": sent,
-              "param_checksum": float(sum(p.detach().double().sum() for p in model.parameters()))}
+    report = {
+        "optimizer": args.optimizer,
+        "world_size": accelerator.num_processes,
+        "steps": len(losses),
+        "loss_first10": sum(losses[:10]) / 10,
+        "loss_last10": sum(losses[-10:]) / 10,
+        "bytes_per_step": sent,
+        "param_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+    }
     if accelerator.is_main_process:
         extra = f", {sent[-1]} bytes per step on the wire from each rank" if sent else ""
         print(f"{args.optimizer}: loss {report['loss_first10']:.4f} -> {report['loss_last10']:.4f}{extra}")
@@ -98,7 +116,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from hf_dtrain.distributed import release_process_group
+    from hf_dtrain.distributed.groups import release_process_group
 
     main()
     release_process_group()  # DDP freed while its gloo group still exists, then the group (pytorch#56297)

@@ -54,13 +54,26 @@ def main():
         data = load_dataset(args.dataset, split="train")
     else:
         data = Dataset.from_list([{"text": f"{a} + {b} = {a + b}"} for a in range(40) for b in range(10)])
-    sft = SFTConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
-                    learning_rate=2e-3, max_length=64, report_to=[], save_strategy="no", logging_steps=10,
-                    use_cpu=not torch.cuda.is_available())
+    sft = SFTConfig(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=8,
+        learning_rate=2e-3,
+        max_length=64,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10,
+        use_cpu=not torch.cuda.is_available(),
+    )
     print(f"TRL defaults: bf16={sft.bf16}")
-    trainer = SFTTrainer(model=model, args=sft, train_dataset=data, processing_class=tokenizer,
-                         peft_config=peft_config(args.method),
-                         callbacks=[SMTSelectionCallback()] if args.method == "smt" else None)
+    trainer = SFTTrainer(
+        model=model,
+        args=sft,
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=peft_config(args.method),
+        callbacks=[SMTSelectionCallback()] if args.method == "smt" else None,
+    )
     trainer.train()
     adapter_dir = f"{args.output_dir}/adapter"
     trainer.save_model(adapter_dir)  # adapter_config.json, adapter_model.safetensors, README.md

@@ -31,9 +31,19 @@ def merge_qahira_exactly():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
 
     def check(adapter_dir, eval_size: int = 50) -> dict:
-        proc = subprocess.run([sys.executable, os.path.join(repo, "recipes", "merge_qahira_4bit.py"),
-                               str(adapter_dir), "--eval-size", str(eval_size)], capture_output=True, text=True,
-                              timeout=300, env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(repo, "recipes", "merge_qahira_4bit.py"),
+                str(adapter_dir),
+                "--eval-size",
+                str(eval_size),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         merge = json.load(open(f"{adapter_dir}-merged/merge.json"))
         assert merge["max_abs_logit_diff"] < 1e-4 and merge["reload_max_abs_logit_diff"] == 0

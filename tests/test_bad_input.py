@@ -124,8 +124,11 @@ PYTHON = [
 ]
 
 
-@pytest.mark.parametrize("cls, kwargs, error, message", PYTHON,
-                         ids=[f"{c.__name__}-{'-'.join(f'{k}={v!r}' for k, v in kw.items())}" for c, kw, *_ in PYTHON])
+@pytest.mark.parametrize(
+    "cls, kwargs, error, message",
+    PYTHON,
+    ids=[f"{c.__name__}-{'-'.join(f'{k}={v!r}' for k, v in kw.items())}" for c, kw, *_ in PYTHON],
+)
 def test_python_configs(cls, kwargs, error, message):
     with pytest.raises(error, match=message):
         # the fine-tuning job's Trainer settings are top-level keys of its plain data, as in YAML
@@ -240,8 +243,10 @@ def test_cli_flags(tmp_path, capsys, monkeypatch, job, flags, message):
 
 
 def test_unreadable_deepspeed_config_names_the_file(tmp_path):
-    for text, message in (("{not json", r"cannot be read as JSON"), ('{"zero_optimization": {"stage": 7}}',
-                                                                      r"stage must be 0, 1, 2 or 3")):
+    for text, message in (
+        ("{not json", r"cannot be read as JSON"),
+        ('{"zero_optimization": {"stage": 7}}', r"stage must be 0, 1, 2 or 3"),
+    ):
         path = tmp_path / "ds.json"
         path.write_text(text)
         with pytest.raises(ValueError, match=rf"{path}.*{message}|{message}"):
@@ -317,8 +322,14 @@ def _disk_run(ft_dir, disk, steps=4):
         opt.zero_grad()
         engine.snapshot(step, extra={"next_step": step + 1})
     engine.close(shutdown=True)
-    return lambda: SnapshotEngine(tiny_llama(seed=1, hidden_size=32), torch.optim.AdamW(model.parameters()),
-                                  directory=ft_dir, parity=0, persist_dir=disk, persist_every=1)
+    return lambda: SnapshotEngine(
+        tiny_llama(seed=1, hidden_size=32),
+        torch.optim.AdamW(model.parameters()),
+        directory=ft_dir,
+        parity=0,
+        persist_dir=disk,
+        persist_every=1,
+    )
 
 
 @pytest.mark.parametrize("damage", ["json", "truncated", "stray_folder", "flipped_byte"])

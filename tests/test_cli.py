@@ -19,10 +19,29 @@ def test_defaults_and_flags():
     cfg = _cfg([])
     assert cfg == FinetuneConfig()
     assert cfg.method == "lorafa" and cfg.model is None
-    cfg = _cfg(["--method", "lorafa", "--max-steps", "7", "--learning-rate", "0.01", "--target-modules", "q_proj",
-                "v_proj", "--lorafa.optimizer", "false", "--bf16", "--no-remove-unused-columns"])
-    assert cfg.method == "lorafa" and cfg.training == {"max_steps": 7, "learning_rate": 0.01, "bf16": True,
-                                                       "remove_unused_columns": False}
+    cfg = _cfg(
+        [
+            "--method",
+            "lorafa",
+            "--max-steps",
+            "7",
+            "--learning-rate",
+            "0.01",
+            "--target-modules",
+            "q_proj",
+            "v_proj",
+            "--lorafa.optimizer",
+            "false",
+            "--bf16",
+            "--no-remove-unused-columns",
+        ]
+    )
+    assert cfg.method == "lorafa" and cfg.training == {
+        "max_steps": 7,
+        "learning_rate": 0.01,
+        "bf16": True,
+        "remove_unused_columns": False,
+    }
     args = cfg.training_args()
     assert (args.max_steps, args.learning_rate, args.bf16, args.remove_unused_columns) == (7, 0.01, True, False)
     assert cfg.target_modules == ["q_proj", "v_proj"] and cfg.lorafa.optimizer is False
@@ -60,31 +79,47 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
     with pytest.raises(SystemExit, match="lora_rank"):
         main(["finetune", "--recipe", str(recipe)])
     recipe.write_text("method: qlora\n")
-    with pytest.raises(SystemExit, match="method='qlora'.*--method"):
+    with pytest.raises(SystemExit, match=r"method='qlora'.*--method"):
         main(["finetune", "--recipe", str(recipe)])
     with pytest.raises(SystemExit):  # argparse rejects it with the valid choices
         main(["finetune", "--method", "qlora"])
-    with pytest.raises(ValueError, match=r"method='topk' is unknown; set comm_hook.method \(--comm-hook\) to one of "
-                                         r"allreduce, bf16, fp16, acp_sgd"):
+    with pytest.raises(
+        ValueError,
+        match=r"method='topk' is unknown; set comm_hook.method \(--comm-hook\) to one of "
+        r"allreduce, bf16, fp16, acp_sgd",
+    ):
         FinetuneConfig(comm_hook="topk")
     with pytest.raises(ValueError, match="one of lora, dora, full, lorafa, smt, qbara, qahira"):
         FinetuneConfig(method="adapter")
     with pytest.raises(ValueError, match=r"quantize='fp4' is unknown; set --quantize to one of nf4, hqq4, int4"):
         FinetuneConfig(method="qahira", quantize="fp4")
-    with pytest.raises(ValueError, match=r"method='smt' cannot train on a nf4 base; with --quantize nf4 use --method "
-                                         r"one of lora, dora, lorafa, qbara, qahira"):
+    with pytest.raises(
+        ValueError,
+        match=r"method='smt' cannot train on a nf4 base; with --quantize nf4 use --method "
+        r"one of lora, dora, lorafa, qbara, qahira",
+    ):
         FinetuneConfig(method="smt", quantize="nf4")
     assert _cfg(["--method", "qahira", "--quantize", "hqq4", "--quant-group-size", "16"]).quant_group_size == 16
 
 
 def test_module_entry_point_and_build_base(tmp_path):
     env = dict(os.environ, HF_DTRAIN_CACHE=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "hf_dtrain.cli", "finetune", "--help"], capture_output=True,
-                         text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "hf_dtrain.cli", "finetune", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0 and "--recipe" in out.stdout and "--smt.block-size" in out.stdout
     assert "--gradient_checkpointing" in out.stdout and "--bf16" in out.stdout and "--packing" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "hf_dtrain.cli", "build-base", "--preset", "test", "--steps", "2"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "hf_dtrain.cli", "build-base", "--preset", "test", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     path = out.stdout.strip().splitlines()[-1]
     assert path.startswith(str(tmp_path / "base" / "test-")) and os.path.isfile(os.path.join(path, "config.json"))
@@ -96,9 +131,21 @@ def base_path(tmp_path_factory):
 
 
 def _finetune(base_path, out, method, **kw):
-    cfg = FinetuneConfig.from_dict(dict(method=method, model=base_path, output_dir=str(out), task_digits=1,
-                                        train_size=2000, eval_size=10, max_steps=kw.pop("max_steps", 500),
-                                        per_device_train_batch_size=16, logging_steps=1000, progress=False, **kw))
+    cfg = FinetuneConfig.from_dict(
+        dict(
+            method=method,
+            model=base_path,
+            output_dir=str(out),
+            task_digits=1,
+            train_size=2000,
+            eval_size=10,
+            max_steps=kw.pop("max_steps", 500),
+            per_device_train_batch_size=16,
+            logging_steps=1000,
+            progress=False,
+            **kw,
+        )
+    )
     return run_finetune(cfg)
 
 
@@ -114,6 +161,7 @@ def _check_outputs(r, out, method):
     assert saved["accuracy_after"] == r["accuracy_after"] and saved["method"] == method
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_finetune_lora_end_to_end(base_path, tmp_path, capsys):
     out = tmp_path / "lora"
@@ -147,7 +195,9 @@ def test_finetune_smt_end_to_end(base_path, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, quantize", [("qahira", "hqq4"), ("qbara", "nf4")])  # int4 + the merge: the QLoRA
-def test_finetune_on_a_4bit_base_end_to_end(base_path, tmp_path, method, quantize, merge_qahira_exactly):       # recipe's test
+def test_finetune_on_a_4bit_base_end_to_end(
+    base_path, tmp_path, method, quantize, merge_qahira_exactly
+):  # recipe's test
     """Train on a 4-bit base (evaluated before training: bitsandbytes must keep its gradients), save, and reload the
     adapter onto the same 4-bit base in a fresh process with identical logits."""
     if quantize == "hqq4":
@@ -192,11 +242,38 @@ def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_
         pytest.importorskip("hqq", reason="hqq (the test extra) provides the maintained zero-point 4-bit format")
 
     out = tmp_path / method
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", method,
-           "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "2000",
-           "--eval-size", "10", "--max-steps", "300", "--learning-rate", "3e-3", "--progress", "false",
-           "--logging-steps", "1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/accelerate/cpu_2proc.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "hf_dtrain.cli",
+        "finetune",
+        "--method",
+        method,
+        "--model",
+        base_path,
+        "--output-dir",
+        str(out),
+        "--task-digits",
+        "1",
+        "--train-size",
+        "2000",
+        "--eval-size",
+        "10",
+        "--max-steps",
+        "300",
+        "--learning-rate",
+        "3e-3",
+        "--progress",
+        "false",
+        "--logging-steps",
+        "1000",
+    ]
     if method == "smt":
         cmd += ["--smt.block-size", "16", "--smt.warmup-steps", "5"]
     if quantize:
@@ -239,11 +316,39 @@ def _reload_and_merge(base_path, adapter_dir):
 def _launch_finetune(config_file, base_path, out, method, steps, extra=()):
     from hf_dtrain.testing import free_port
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
-           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", method,
-           "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "1000",
-           "--eval-size", "10", "--max-steps", str(steps), "--learning-rate", "3e-3", "--progress", "false",
-           "--logging-steps", "1", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        config_file,
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "hf_dtrain.cli",
+        "finetune",
+        "--method",
+        method,
+        "--model",
+        base_path,
+        "--output-dir",
+        str(out),
+        "--task-digits",
+        "1",
+        "--train-size",
+        "1000",
+        "--eval-size",
+        "10",
+        "--max-steps",
+        str(steps),
+        "--learning-rate",
+        "3e-3",
+        "--progress",
+        "false",
+        "--logging-steps",
+        "1",
+        *extra,
+    ]
     if method == "smt":
         cmd += ["--smt.block-size", "16", "--smt.warmup-steps", "5"]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
@@ -269,8 +374,9 @@ def test_finetune_under_the_accelerate_fsdp2_config_shards_and_trains(base_path,
     proc, r = _launch_finetune("recipes/accelerate/fsdp2_cpu_2proc.yaml", base_path, tmp_path / "fsdp", method, steps)
     assert "runs as FSDP2 on CPU" in proc.stdout
     assert r["world_size"] == 2 and r["engine"] == "fsdp2"
-    assert FSDPConfig(**r["config"]["fsdp"]) == FSDPConfig(layer_classes=["LlamaDecoderLayer"],
-                                                          activation_checkpointing=True)  # the YAML's settings
+    assert FSDPConfig(**r["config"]["fsdp"]) == FSDPConfig(
+        layer_classes=["LlamaDecoderLayer"], activation_checkpointing=True
+    )  # the YAML's settings
     whole = r["total_params"] * 4
     assert r["param_bytes_local"] < 0.55 * whole  # sharded: about half on each of the 2 ranks
     assert r["eval_loss_after"] < r["eval_loss_before"]
@@ -306,10 +412,32 @@ def test_pretrain_under_the_accelerate_fsdp2_config_equals_the_ddp_launch(tmp_pa
     runs = {}
     for config in ("fsdp2_cpu_2proc", "cpu_2proc"):
         out = tmp_path / config
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"recipes/accelerate/{config}.yaml",
-               "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "pretrain", "--preset", "tiny",
-               "--max-steps", "12", "--per-device-train-batch-size", "4", "--seq-len", "32", "--data-bytes",
-               "200000", "--progress", "false", "--output-dir", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            f"recipes/accelerate/{config}.yaml",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "hf_dtrain.cli",
+            "pretrain",
+            "--preset",
+            "tiny",
+            "--max-steps",
+            "12",
+            "--per-device-train-batch-size",
+            "4",
+            "--seq-len",
+            "32",
+            "--data-bytes",
+            "200000",
+            "--progress",
+            "false",
+            "--output-dir",
+            str(out),
+        ]
         env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
@@ -338,11 +466,40 @@ def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_
 
     comm_hook, _, exchange = comm_hook.partition(":")
     out = tmp_path / comm_hook
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune", "--method", "full",
-           "--model", base_path, "--output-dir", str(out), "--task-digits", "1", "--train-size", "1000",
-           "--eval-size", "10", "--max-steps", "40", "--learning-rate", "1e-3", "--progress", "false",
-           "--logging-steps", "1000", "--comm-hook", comm_hook]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/accelerate/cpu_2proc.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "hf_dtrain.cli",
+        "finetune",
+        "--method",
+        "full",
+        "--model",
+        base_path,
+        "--output-dir",
+        str(out),
+        "--task-digits",
+        "1",
+        "--train-size",
+        "1000",
+        "--eval-size",
+        "10",
+        "--max-steps",
+        "40",
+        "--learning-rate",
+        "1e-3",
+        "--progress",
+        "false",
+        "--logging-steps",
+        "1000",
+        "--comm-hook",
+        comm_hook,
+    ]
     cmd += ["--comm-hook.exchange", exchange] if exchange else []
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -396,7 +553,8 @@ def test_every_committed_recipe_loads():
         assert cfg.comm_hook == (CommHookConfig(**data["comm_hook"]) if data.get("comm_hook") else None)
         cfg.check(2, "accelerate")  # the committed combination composes
         assert (cfg.fsdp is not None) == ("fsdp" in data) and (cfg.fault_tolerance is not None) == (
-            "fault_tolerance" in data)
+            "fault_tolerance" in data
+        )
         if cfg.parallel is not None:  # the recipe's degrees fit its model on the processes it names
             from hf_dtrain.models import llama_config
             from hf_dtrain.parallel.mesh import check_parallel

@@ -8,15 +8,22 @@ import pytest
 from hf_dtrain.compose import ComposeOptions
 
 
-@pytest.mark.parametrize("kwargs,world,engine,expected", [
-    (dict(comm_hook="acp_sgd", optimizer="onebit_lamb"), 2, "accelerate",
-     r"optimizer=onebit_lamb exchanges .* comm_hook=acp_sgd would be a second exchange: drop --comm-hook"),
-    (dict(comm_hook="acp_sgd"), 1, "accelerate", r"comm_hook=acp_sgd needs >= 2 processes; this run has 1"),
-    (dict(optimizer="decentlam"), 1, "trainer", r"optimizer=decentlam needs >= 2 processes"),
-    (dict(fault_tolerance=True, comm_hook="dear"), 2, "trainer", r"comm_hook=dear defers each update"),
-    (dict(hetero_speeds=[1.0, 2.0]), 2, "trainer", r"Trainer shards its loader again"),
-    (dict(hetero_speeds=[1.0, 2.0, 3.0]), 2, "accelerate", r"hetero_speeds has 3 values for 2 processes"),
-])
+@pytest.mark.parametrize(
+    "kwargs,world,engine,expected",
+    [
+        (
+            dict(comm_hook="acp_sgd", optimizer="onebit_lamb"),
+            2,
+            "accelerate",
+            r"optimizer=onebit_lamb exchanges .* comm_hook=acp_sgd would be a second exchange: drop --comm-hook",
+        ),
+        (dict(comm_hook="acp_sgd"), 1, "accelerate", r"comm_hook=acp_sgd needs >= 2 processes; this run has 1"),
+        (dict(optimizer="decentlam"), 1, "trainer", r"optimizer=decentlam needs >= 2 processes"),
+        (dict(fault_tolerance=True, comm_hook="dear"), 2, "trainer", r"comm_hook=dear defers each update"),
+        (dict(hetero_speeds=[1.0, 2.0]), 2, "trainer", r"Trainer shards its loader again"),
+        (dict(hetero_speeds=[1.0, 2.0, 3.0]), 2, "accelerate", r"hetero_speeds has 3 values for 2 processes"),
+    ],
+)
 def test_clashes_are_refused_naming_both_sides(kwargs, world, engine, expected):
     with pytest.raises(ValueError, match=r"cannot be combined: .*" + expected):
         ComposeOptions(**kwargs).check(world, engine)
@@ -28,8 +35,7 @@ def test_two_optimizers_and_deepspeed_clashes(tmp_path):
     zero3 = tmp_path / "ds.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with pytest.raises(ValueError) as err:
-        ComposeOptions(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, deepspeed=str(zero3)).check(
-            2, "trainer")
+        ComposeOptions(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, deepspeed=str(zero3)).check(2, "trainer")
     message = str(err.value)
     assert "comm_hook=acp_sgd is a DDP communication hook and DeepSpeed ZeRO-3 replaces DDP" in message
     assert "delta" not in message and "fault_tolerance with DeepSpeed ZeRO-3" in message  # DELTA works on ZeRO-3
@@ -42,8 +48,9 @@ def test_fsdp_clashes_name_the_reason(tmp_path):
     zero3 = tmp_path / "ds.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with pytest.raises(ValueError) as err:
-        ComposeOptions(fsdp=True, comm_hook="acp_sgd", delta=0.5, fault_tolerance=True,
-                       deepspeed=str(zero3)).check(2, "trainer")
+        ComposeOptions(fsdp=True, comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, deepspeed=str(zero3)).check(
+            2, "trainer"
+        )
     message = str(err.value)
     assert "fsdp and deepspeed are two sharding engines" in message
     assert "FSDP2 has no DDP hooks" in message and "set --fsdp.replicate N" in message
@@ -54,8 +61,11 @@ def test_fsdp_clashes_name_the_reason(tmp_path):
     # HSDP: the hooks that can carry the replica exchange are taken, the others refused with their reason
     for method in ("allreduce", "bf16", "fp16", "acp_sgd"):
         ComposeOptions(fsdp={"replicate": 2}, comm_hook=method).check(4, "accelerate")
-    for method, why in [("dear", "FSDP2 already does exactly that"), ("embrace", "FSDP2 shards the tables"),
-                        ("s2_reducer", "dense row shards")]:
+    for method, why in [
+        ("dear", "FSDP2 already does exactly that"),
+        ("embrace", "FSDP2 shards the tables"),
+        ("s2_reducer", "dense row shards"),
+    ]:
         with pytest.raises(ValueError, match=f"comm_hook={method} cannot carry FSDP2's replica exchange: .*{why}"):
             ComposeOptions(fsdp={"replicate": 2}, comm_hook=method).check(4, "accelerate")
 
@@ -67,15 +77,26 @@ def test_accelerate_fsdp_configs_that_fsdp2_cannot_honour_are_refused():
 
     from hf_dtrain.parallel import FSDPConfig
 
-    plugin = SimpleNamespace(fsdp_version=2, reshard_after_forward=False, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
-                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_offload=CPUOffloadPolicy(),
-                             activation_checkpointing=True)
+    plugin = SimpleNamespace(
+        fsdp_version=2,
+        reshard_after_forward=False,
+        auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        cpu_offload=CPUOffloadPolicy(),
+        activation_checkpointing=True,
+    )
     assert FSDPConfig.from_accelerate(plugin, mixed_precision="bf16") == FSDPConfig(
-        reshard_after_forward=False, param_dtype="bf16", cpu_offload=True, layer_classes=["LlamaDecoderLayer"],
-        activation_checkpointing=True)
-    for change, match in [({"fsdp_version": 1}, "hf_dtrain shards with FSDP2 only: set fsdp_config.fsdp_version: 2"),
-                          ({"auto_wrap_policy": "SIZE_BASED_WRAP"}, "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"),
-                          ({"reshard_after_forward": 2}, "takes true or false")]:
+        reshard_after_forward=False,
+        param_dtype="bf16",
+        cpu_offload=True,
+        layer_classes=["LlamaDecoderLayer"],
+        activation_checkpointing=True,
+    )
+    for change, match in [
+        ({"fsdp_version": 1}, "hf_dtrain shards with FSDP2 only: set fsdp_config.fsdp_version: 2"),
+        ({"auto_wrap_policy": "SIZE_BASED_WRAP"}, "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"),
+        ({"reshard_after_forward": 2}, "takes true or false"),
+    ]:
         with pytest.raises(ValueError, match=match):
             FSDPConfig.from_accelerate(SimpleNamespace(**{**vars(plugin), **change}), mixed_precision="no")
 
@@ -91,8 +112,11 @@ def test_bad_values_are_refused():
         ComposeOptions(delta={"budget": 0.5, "granularity": "op"})
     with pytest.raises(ValueError, match=r"eva.\* settings are given but optimizer=adamw; set --optimizer eva"):
         ComposeOptions(eva={"damping": 0.1})
-    with pytest.raises(ValueError, match=r"ComposeOptions.delta: unknown key\(s\) \['budgett'\]; valid keys are "
-                                         r"allow_offload, budget, granularity"):
+    with pytest.raises(
+        ValueError,
+        match=r"ComposeOptions.delta: unknown key\(s\) \['budgett'\]; valid keys are "
+        r"allow_offload, budget, granularity",
+    ):
         ComposeOptions.from_dict({"delta": {"budgett": 0.5}})
 
 
@@ -115,9 +139,32 @@ def test_pretrain_on_a_local_jsonl_dataset_one_process(tmp_path, streaming):
     data = tmp_path / "corpus.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "out"
-    assert main(["pretrain", "--dataset", str(data), "--streaming", str(streaming).lower(), "--max-steps", "6",
-                 "--per-device-train-batch-size", "4", "--seq-len", "64", "--delta.budget", "0.6", "--progress",
-                 "false", "--save-model", "false", "--output-dir", str(out)]) == 0
+    assert (
+        main(
+            [
+                "pretrain",
+                "--dataset",
+                str(data),
+                "--streaming",
+                str(streaming).lower(),
+                "--max-steps",
+                "6",
+                "--per-device-train-batch-size",
+                "4",
+                "--seq-len",
+                "64",
+                "--delta.budget",
+                "0.6",
+                "--progress",
+                "false",
+                "--save-model",
+                "false",
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.load(open(out / "results.json"))
     assert [h["step"] for h in results["history"]] == list(range(1, 7))
     assert len((out / "history_rank0.jsonl").read_text().splitlines()) == 6

@@ -12,8 +12,22 @@ from hf_dtrain.testing import elastic_launch, stop_snapshot_processes, tiny_defa
 
 pytestmark = pytest.mark.slow
 
-PARTS = ["--comm-hook", "acp_sgd", "--comm-hook.start-iter", "4", "--comm-hook.rank", "2", "--delta.budget", "0.5",
-         "--fault-tolerance.parity", "1", "--progress", "false", "--logging-steps", "1"]
+PARTS = [
+    "--comm-hook",
+    "acp_sgd",
+    "--comm-hook.start-iter",
+    "4",
+    "--comm-hook.rank",
+    "2",
+    "--delta.budget",
+    "0.5",
+    "--fault-tolerance.parity",
+    "1",
+    "--progress",
+    "false",
+    "--logging-steps",
+    "1",
+]
 
 
 def _run(tmp_path, name, job_argv, fault=None):
@@ -23,8 +37,9 @@ def _run(tmp_path, name, job_argv, fault=None):
     argv = [sys.executable, "-m", *cli]
     try:
         if fault:  # the same job under the testing fault injector: rank:step killed after that step's snapshot
-            codes = elastic_launch([sys.executable, "-m", "hf_dtrain.testing.fault", fault, *cli], 2, timeout=600,
-                                   log_dir=str(out))
+            codes = elastic_launch(
+                [sys.executable, "-m", "hf_dtrain.testing.fault", fault, *cli], 2, timeout=600, log_dir=str(out)
+            )
             assert codes[1] == -9 and codes[0] != 0, codes  # rank 1 killed itself, the agent stopped rank 0
         codes = elastic_launch(argv, 2, timeout=600, log_dir=str(out))
         assert codes == [0, 0], open(out / "rank0.out").read()[-4000:]
@@ -34,8 +49,25 @@ def _run(tmp_path, name, job_argv, fault=None):
 
 
 def test_composed_pretraining_resumes_exactly_after_a_killed_rank(tmp_path):
-    job = ["pretrain", "--preset", "tiny", "--max-steps", "12", "--per-device-train-batch-size", "4", "--seq-len",
-           "64", "--data-bytes", "300000", "--save-model", "false", "--learning-rate", "2e-3", "--warmup-steps", "2"]
+    job = [
+        "pretrain",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "12",
+        "--per-device-train-batch-size",
+        "4",
+        "--seq-len",
+        "64",
+        "--data-bytes",
+        "300000",
+        "--save-model",
+        "false",
+        "--learning-rate",
+        "2e-3",
+        "--warmup-steps",
+        "2",
+    ]
     ref = _run(tmp_path, "ref", job)
     results = [json.load(open(ref / f"results_rank{r}.json")) for r in range(2)]
     losses = [h["loss"] for h in results[0]["history"]]
@@ -45,7 +77,7 @@ def test_composed_pretraining_resumes_exactly_after_a_killed_rank(tmp_path):
     delta = results[0]["delta"]
     budget = max(delta["budget_bytes"].values())
     assert delta["saved_bytes"] and all(b <= budget for b in delta["saved_bytes"])
-    assert set(a for plan in delta["plans"].values() for a in plan.values()) != {"keep"}  # the budget bit
+    assert {a for plan in delta["plans"].values() for a in plan.values()} != {"keep"}  # the budget bit
     assert results[0]["fault_tolerance"]["snapshots"] == 12 and results[0]["fault_tolerance"]["restored"] is None
 
     run = _run(tmp_path, "run", job, fault="1:6")
@@ -62,17 +94,37 @@ def test_composed_pretraining_resumes_exactly_after_a_killed_rank(tmp_path):
 
 def test_composed_finetuning_resumes_exactly_after_a_killed_rank(tmp_path):
     base = tiny_default_base(tmp_path / "cache", steps=50)
-    job = ["finetune", "--method", "lorafa", "--lora-r", "16", "--model", base, "--max-steps", "12",
-           "--per-device-train-batch-size", "8", "--eval-size", "16", "--train-size", "512", "--report", "false"]
+    job = [
+        "finetune",
+        "--method",
+        "lorafa",
+        "--lora-r",
+        "16",
+        "--model",
+        base,
+        "--max-steps",
+        "12",
+        "--per-device-train-batch-size",
+        "8",
+        "--eval-size",
+        "16",
+        "--train-size",
+        "512",
+        "--report",
+        "false",
+    ]
     ref = _run(tmp_path, "ref", job)
     results = json.load(open(ref / "results.json"))
     losses = results["losses"]
     steps = sorted(int(s) for s in losses)
     assert steps == list(range(1, 13))
     assert sum(losses[str(s)] for s in steps[-4:]) < sum(losses[str(s)] for s in steps[:4])
-    assert results["comm"]["steps"] >= 12 and results["comm"]["bytes_last_step"] < results["comm"]["bytes_per_step_mean"]
+    assert (
+        results["comm"]["steps"] >= 12 and results["comm"]["bytes_last_step"] < results["comm"]["bytes_per_step_mean"]
+    )
     assert results["delta"]["saved_bytes"] and all(
-        b <= max(results["delta"]["budget_bytes"].values()) for b in results["delta"]["saved_bytes"])
+        b <= max(results["delta"]["budget_bytes"].values()) for b in results["delta"]["saved_bytes"]
+    )
     assert results["fault_tolerance"]["snapshots"] == 12
 
     run = _run(tmp_path, "run", job, fault="1:6")
@@ -88,10 +140,35 @@ def test_decentralized_pretraining_with_the_heterogeneity_aware_sampler(tmp_path
     the batch, both take the same steps, the gossip bytes are counted, and the loss falls."""
     out = tmp_path / "out"
     out.mkdir()
-    argv = [sys.executable, "-m", "hf_dtrain.cli", "pretrain", "--preset", "tiny", "--max-steps", "12",
-            "--per-device-train-batch-size", "4", "--seq-len", "64", "--data-bytes", "300000", "--save-model",
-            "false", "--optimizer", "decentlam", "--learning-rate", "0.05", "--hetero-speeds", "1", "3",
-            "--progress", "false", "--output-dir", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "hf_dtrain.cli",
+        "pretrain",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "12",
+        "--per-device-train-batch-size",
+        "4",
+        "--seq-len",
+        "64",
+        "--data-bytes",
+        "300000",
+        "--save-model",
+        "false",
+        "--optimizer",
+        "decentlam",
+        "--learning-rate",
+        "0.05",
+        "--hetero-speeds",
+        "1",
+        "3",
+        "--progress",
+        "false",
+        "--output-dir",
+        str(out),
+    ]
     assert elastic_launch(argv, 2, timeout=600, log_dir=str(out)) == [0, 0], open(out / "rank0.out").read()[-3000:]
     results = [json.load(open(out / f"results_rank{r}.json")) for r in range(2)]
     assert [r["batch_size"] for r in results] == [2, 6]  # a global batch of 8 split 1:3

@@ -72,8 +72,7 @@ def test_every_comm_hook_field_changes_bytes_or_parameters(tmp_path):
 def _eva_update(**changes):
     torch.manual_seed(0)
     model = tiny_llama(seed=0)
-    opt = Eva.from_config(model, dataclasses.replace(EvaConfig(), **changes), model=model, base_optimizer="sgd",
-                          lr=0.1)
+    opt = Eva.from_config(model, dataclasses.replace(EvaConfig(), **changes), model=model, base_optimizer="sgd", lr=0.1)
     for step in range(3):
         model(**random_batch(seed=step)).loss.backward()
         opt.step()
@@ -81,8 +80,17 @@ def _eva_update(**changes):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("field,value", [("damping", 0.5), ("kl_clip", 0.1), ("factor_decay", 0.5),
-                                         ("update_interval", 2), ("method", "foof"), ("exclude", ["mlp"])])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("damping", 0.5),
+        ("kl_clip", 0.1),
+        ("factor_decay", 0.5),
+        ("update_interval", 2),
+        ("method", "foof"),
+        ("exclude", ["mlp"]),
+    ],
+)
 def test_every_eva_field_changes_the_update(field, value):
     assert not torch.equal(_eva_update(**{field: value}), _eva_update()), f"EvaConfig.{field} changed nothing"
 

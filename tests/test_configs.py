@@ -44,15 +44,27 @@ def _sample(tp, default):
     return None, None
 
 
-CHOICES = {("CommHookConfig", "method"): "s2_reducer", ("CommHookConfig", "exchange"): "alltoall",
-           ("DeltaConfig", "granularity"): "submodule", ("DeltaConfig", "objective"): "memory",
-           ("DeltaConfig", "method"): "delta", ("EvaConfig", "method"): "foof", ("GossipConfig", "topology"): "torus",
-           ("GossipConfig", "mode"): "cta", ("SnapshotConfig", "persist_dir"): "/tmp/p",
-           ("SnapshotConfig", "directory"): "/tmp/d", ("DeltaConfig", "budget"): 0.25,
-           ("SnapshotConfig", "group_size"): 3, ("SnapshotConfig", "trainable_only"): True}
+CHOICES = {
+    ("CommHookConfig", "method"): "s2_reducer",
+    ("CommHookConfig", "exchange"): "alltoall",
+    ("DeltaConfig", "granularity"): "submodule",
+    ("DeltaConfig", "objective"): "memory",
+    ("DeltaConfig", "method"): "delta",
+    ("EvaConfig", "method"): "foof",
+    ("GossipConfig", "topology"): "torus",
+    ("GossipConfig", "mode"): "cta",
+    ("SnapshotConfig", "persist_dir"): "/tmp/p",
+    ("SnapshotConfig", "directory"): "/tmp/d",
+    ("DeltaConfig", "budget"): 0.25,
+    ("SnapshotConfig", "group_size"): 3,
+    ("SnapshotConfig", "trainable_only"): True,
+}
 # a section that must be selected for its settings to be taken
-SELECTOR = {"eva": ["--optimizer", "eva"], "onebit_lamb": ["--optimizer", "onebit_lamb"],
-            "gossip": ["--optimizer", "decentlam"]}
+SELECTOR = {
+    "eva": ["--optimizer", "eva"],
+    "onebit_lamb": ["--optimizer", "onebit_lamb"],
+    "gossip": ["--optimizer", "decentlam"],
+}
 
 
 def _sections(job):
@@ -114,8 +126,12 @@ def test_the_config_reaches_the_engine_unchanged(tmp_path):
     from hf_dtrain.finetune import engine_callbacks
     from hf_dtrain.testing import stop_snapshot_processes, tiny_llama
 
-    cfg = FinetuneConfig.from_dict({"delta": {"budget": 0.3, "objective": "memory", "allow_offload": False},
-                                    "fault_tolerance": {"parity": 0, "idle_exit": 5.0, "directory": str(tmp_path)}})
+    cfg = FinetuneConfig.from_dict(
+        {
+            "delta": {"budget": 0.3, "objective": "memory", "allow_offload": False},
+            "fault_tolerance": {"parity": 0, "idle_exit": 5.0, "directory": str(tmp_path)},
+        }
+    )
     delta_cb, ft = engine_callbacks(cfg, str(tmp_path / "out"))
     assert delta_cb.config is cfg.delta and ft.config is cfg.fault_tolerance
     persisting = dataclasses.replace(cfg.fault_tolerance, persist_every=5)
@@ -133,26 +149,65 @@ def test_the_config_reaches_the_engine_unchanged(tmp_path):
 # a valid value other than the job's default for the SFTConfig fields whose type does not say which (an enum, a
 # JSON object, a path, a name), with what else it needs to be valid
 TRAINER_SAMPLES = {
-    "lr_scheduler_type": "cosine", "optim": "sgd", "logging_strategy": "epoch", "eval_strategy": "steps",
-    "save_strategy": "epoch", "hub_strategy": "end", "include_num_input_tokens_seen": "all", "log_level": "info",
-    "log_level_replica": "error", "truncation_mode": "keep_end", "packing_strategy": "wrapped", "loss_type": "dft",
-    "train_sampling_strategy": "sequential", "dataloader_multiprocessing_context": "spawn",
-    "debug": ["underflow_overflow"], "lr_scheduler_kwargs": {"num_cycles": 1},
-    "activation_checkpointing_kwargs": {"use_reentrant": False}, "gradient_checkpointing_kwargs": {"use_reentrant": False},
-    "liger_kernel_config": {"rope": True}, "accelerator_config": {"split_batches": True},
-    "fsdp_config": {"min_num_params": 10}, "model_init_kwargs": {"revision": "main"},
-    "dataset_kwargs": {"add_special_tokens": False}, "report_to": "tensorboard", "include_for_metrics": ["inputs"],
-    "label_names": ["labels"], "optim_target_modules": "q_proj", "trackio_static_space_id": "org/space",
-    "pad_to_multiple_of": 8, "output_dir": "/tmp/elsewhere", "torch_compile_backend": "inductor",
-    "torch_compile_mode": "reduce-overhead", "eos_token": "</s>", "pad_token": "<pad>",
-    "chat_template_path": "template.jinja", "dataset_text_field": "body", "metric_for_best_model": "loss",
-    "resume_from_checkpoint": "/tmp/ckpt", "optim_args": "a=1", "hub_token": "x", "hub_model_id": "o/m",
-    "hub_revision": "dev", "run_name": "r", "project": "p", "trackio_space_id": "o/s", "trackio_bucket_id": "b",
-    "length_column_name": "len", "ddp_timeout": 60, "max_steps": 7, "local_rank": 0, "logging_steps": 7,
-    "dataloader_prefetch_factor": 3, "dataloader_pin_memory": False, "ddp_backend": "gloo",
+    "lr_scheduler_type": "cosine",
+    "optim": "sgd",
+    "logging_strategy": "epoch",
+    "eval_strategy": "steps",
+    "save_strategy": "epoch",
+    "hub_strategy": "end",
+    "include_num_input_tokens_seen": "all",
+    "log_level": "info",
+    "log_level_replica": "error",
+    "truncation_mode": "keep_end",
+    "packing_strategy": "wrapped",
+    "loss_type": "dft",
+    "train_sampling_strategy": "sequential",
+    "dataloader_multiprocessing_context": "spawn",
+    "debug": ["underflow_overflow"],
+    "lr_scheduler_kwargs": {"num_cycles": 1},
+    "activation_checkpointing_kwargs": {"use_reentrant": False},
+    "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "liger_kernel_config": {"rope": True},
+    "accelerator_config": {"split_batches": True},
+    "fsdp_config": {"min_num_params": 10},
+    "model_init_kwargs": {"revision": "main"},
+    "dataset_kwargs": {"add_special_tokens": False},
+    "report_to": "tensorboard",
+    "include_for_metrics": ["inputs"],
+    "label_names": ["labels"],
+    "optim_target_modules": "q_proj",
+    "trackio_static_space_id": "org/space",
+    "pad_to_multiple_of": 8,
+    "output_dir": "/tmp/elsewhere",
+    "torch_compile_backend": "inductor",
+    "torch_compile_mode": "reduce-overhead",
+    "eos_token": "</s>",
+    "pad_token": "<pad>",
+    "chat_template_path": "template.jinja",
+    "dataset_text_field": "body",
+    "metric_for_best_model": "loss",
+    "resume_from_checkpoint": "/tmp/ckpt",
+    "optim_args": "a=1",
+    "hub_token": "x",
+    "hub_model_id": "o/m",
+    "hub_revision": "dev",
+    "run_name": "r",
+    "project": "p",
+    "trackio_space_id": "o/s",
+    "trackio_bucket_id": "b",
+    "length_column_name": "len",
+    "ddp_timeout": 60,
+    "max_steps": 7,
+    "local_rank": 0,
+    "logging_steps": 7,
+    "dataloader_prefetch_factor": 3,
+    "dataloader_pin_memory": False,
+    "ddp_backend": "gloo",
 }
-TRAINER_NEEDS = {"dataloader_prefetch_factor": {"dataloader_num_workers": 1},
-                 "load_best_model_at_end": {"eval_strategy": "steps", "save_strategy": "steps", "save_steps": 400}}
+TRAINER_NEEDS = {
+    "dataloader_prefetch_factor": {"dataloader_num_workers": 1},
+    "load_best_model_at_end": {"eval_strategy": "steps", "save_strategy": "steps", "save_steps": 400},
+}
 # refused by SFTConfig itself on this machine (the job passes the refusal on, naming SFTConfig): a GPU feature, and
 # a backend that needs the process group the job creates later
 REFUSED_HERE = {"tf32", "ddp_backend"} if not torch.cuda.is_available() else {"ddp_backend"}
@@ -237,10 +292,13 @@ def test_importing_a_tuner_job_module_first_works_and_registers_it():
 
     procs = {}
     for name in ("smt", "lorafa", "qbara", "qahira"):
-        code = (f"import hf_dtrain.tuners.{name}.job as job; from hf_dtrain.tuners.finetune_method import "
-                f"FINETUNE_METHODS; assert FINETUNE_METHODS[{name!r}] is job.METHOD; print('ok')")
-        procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True)
+        code = (
+            f"import hf_dtrain.tuners.{name}.job as job; from hf_dtrain.tuners.finetune_method import "
+            f"FINETUNE_METHODS; assert FINETUNE_METHODS[{name!r}] is job.METHOD; print('ok')"
+        )
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0 and out.strip().endswith("ok"), (name, err[-2000:])
@@ -248,7 +306,9 @@ def test_importing_a_tuner_job_module_first_works_and_registers_it():
 
 def test_short_forms_and_off():
     cfg = ComposeOptions.from_dict({"comm_hook": "dear", "delta": 2e8, "fault_tolerance": True})
-    assert cfg.comm_hook.method == "dear" and cfg.delta.budget == 200_000_000 and cfg.fault_tolerance == SnapshotConfig()
+    assert (
+        cfg.comm_hook.method == "dear" and cfg.delta.budget == 200_000_000 and cfg.fault_tolerance == SnapshotConfig()
+    )
     cfg = ComposeOptions.from_dict({"comm_hook": None, "delta": None, "fault_tolerance": False})
     assert cfg.comm_hook is None and cfg.delta is None and cfg.fault_tolerance is None
     with pytest.raises(ValueError, match=r"ComposeOptions.eva cannot be switched off"):

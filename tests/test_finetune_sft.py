@@ -28,10 +28,14 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
     model = chat_llama_checkpoint(root / "my-llama", root / "cache", steps=20)
     files = {}
-    for kind, row in (("text", lambda p, c: {"text": f"{p}{c}"}),
-                      ("prompt-completion", lambda p, c: {"prompt": p, "completion": c}),
-                      ("conversational", lambda p, c: {"messages": [{"role": "user", "content": p[:-1]},
-                                                                    {"role": "assistant", "content": c}]})):
+    for kind, row in (
+        ("text", lambda p, c: {"text": f"{p}{c}"}),
+        ("prompt-completion", lambda p, c: {"prompt": p, "completion": c}),
+        (
+            "conversational",
+            lambda p, c: {"messages": [{"role": "user", "content": p[:-1]}, {"role": "assistant", "content": c}]},
+        ),
+    ):
         path = root / f"{kind}.jsonl"
         path.write_text("".join(json.dumps(row(p, c)) + "\n" for p, c in _pairs()))
         files[kind] = str(path)
@@ -39,8 +43,9 @@ def setup(tmp_path_factory):
 
 
 def _config(model, dataset, **settings):
-    return FinetuneConfig.from_dict(dict(model=model, dataset=dataset, eval_size=8, progress=False, report=False,
-                                         **settings))
+    return FinetuneConfig.from_dict(
+        dict(model=model, dataset=dataset, eval_size=8, progress=False, report=False, **settings)
+    )
 
 
 def _expected(tok, kind, row, assistant_only):
@@ -51,15 +56,16 @@ def _expected(tok, kind, row, assistant_only):
     if kind == "prompt-completion":
         prompt = tok(row["prompt"])["input_ids"]
         ids = tok(row["prompt"] + row["completion"] + tok.eos_token)["input_ids"]
-        assert ids[:len(prompt)] == prompt
-        return ids, [-100] * len(prompt) + ids[len(prompt):]
+        assert ids[: len(prompt)] == prompt
+        return ids, [-100] * len(prompt) + ids[len(prompt) :]
     ids = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"]
     if not assistant_only:
         return ids, list(ids)
-    head = tok.apply_chat_template(row["messages"][:-1], tokenize=True, add_generation_prompt=True,
-                                   return_dict=True)["input_ids"]
-    assert ids[:len(head)] == head  # the template renders the prompt alone the same way
-    return ids, [-100] * len(head) + ids[len(head):]  # the answer and its eos, nothing of the prompt
+    head = tok.apply_chat_template(row["messages"][:-1], tokenize=True, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
+    assert ids[: len(head)] == head  # the template renders the prompt alone the same way
+    return ids, [-100] * len(head) + ids[len(head) :]  # the answer and its eos, nothing of the prompt
 
 
 @pytest.mark.parametrize("kind", ["text", "prompt-completion", "conversational"])
@@ -81,7 +87,7 @@ def test_labels_are_masked_where_the_format_says(setup, kind, packing):
             assert sum(row["seq_lengths"]) == len(row["input_ids"]) <= 64
             start = 0
             for n in row["seq_lengths"]:
-                got[(tuple(row["input_ids"][start:start + n]), tuple(row["labels"][start:start + n]))] += 1
+                got[(tuple(row["input_ids"][start : start + n]), tuple(row["labels"][start : start + n]))] += 1
                 start += n
         else:
             got[(tuple(row["input_ids"]), tuple(row["labels"]))] += 1
@@ -91,17 +97,49 @@ def test_labels_are_masked_where_the_format_says(setup, kind, packing):
 
 
 def _run(out, *argv):
-    main(["finetune", *argv, "--output-dir", str(out), "--eval-size", "8", "--progress", "false", "--report",
-          "false", "--logging-steps", "1", "--per-device-train-batch-size", "4", "--learning-rate", "3e-3"])
+    main(
+        [
+            "finetune",
+            *argv,
+            "--output-dir",
+            str(out),
+            "--eval-size",
+            "8",
+            "--progress",
+            "false",
+            "--report",
+            "false",
+            "--logging-steps",
+            "1",
+            "--per-device-train-batch-size",
+            "4",
+            "--learning-rate",
+            "3e-3",
+        ]
+    )
     with open(out / "results.json") as f:
         return json.load(f)
 
 
 def test_chat_data_trains_with_bf16_autocast_gradient_checkpointing_and_packing(setup):
     model, files, root = setup
-    r = _run(root / "chat", "--model", model, "--dataset", files["conversational"], "--method", "lora",
-             "--assistant-only-loss", "--packing", "--max-length", "64", "--bf16", "--gradient-checkpointing",
-             "--max-steps", "6")
+    r = _run(
+        root / "chat",
+        "--model",
+        model,
+        "--dataset",
+        files["conversational"],
+        "--method",
+        "lora",
+        "--assistant-only-loss",
+        "--packing",
+        "--max-length",
+        "64",
+        "--bf16",
+        "--gradient-checkpointing",
+        "--max-steps",
+        "6",
+    )
     assert r["data_format"] == "conversational" and r["mixed_precision"] == "bf16" and r["gradient_checkpointing"]
     assert r["accuracy_after"] is None  # exact match is for prompt-completion data
     assert len(r["losses"]) == 6 and r["eval_loss_after"] < r["eval_loss_before"]
@@ -123,10 +161,23 @@ def test_bf16_autocast_changes_the_numbers_and_checkpointing_does_not(setup):
     assert fp32["accuracy_before"] is not None  # prompt-completion: exact match reported
 
 
+@pytest.mark.smoke
 def test_resume_from_checkpoint_repeats_the_remaining_losses_exactly(setup):
     model, files, root = setup
-    common = ("--model", model, "--dataset", files["text"], "--method", "lorafa", "--max-steps", "6",
-              "--save-strategy", "steps", "--save-steps", "3")
+    common = (
+        "--model",
+        model,
+        "--dataset",
+        files["text"],
+        "--method",
+        "lorafa",
+        "--max-steps",
+        "6",
+        "--save-strategy",
+        "steps",
+        "--save-steps",
+        "3",
+    )
     whole = _run(root / "whole", *common)
     assert whole["data_format"] == "language modeling"
     # mark the checkpoint's logged step 1: a run that really resumes carries it over and trains only steps 4-6
@@ -138,7 +189,8 @@ def test_resume_from_checkpoint_repeats_the_remaining_losses_exactly(setup):
     resumed = _run(root / "resumed", *common, "--resume-from-checkpoint", str(root / "whole" / "checkpoint-3"))
     assert resumed["losses"]["1"] == 123.0  # from the checkpoint, not recomputed
     assert {k: v for k, v in resumed["losses"].items() if int(k) > 1} == {
-        k: v for k, v in whole["losses"].items() if int(k) > 1}  # steps 4-6 from the restored weights and optimizer
+        k: v for k, v in whole["losses"].items() if int(k) > 1
+    }  # steps 4-6 from the restored weights and optimizer
 
 
 @pytest.mark.parametrize("which", ["lora", "smt"])
@@ -149,12 +201,23 @@ def test_peft_config_trains_a_saved_peft_or_hf_dtrain_config(setup, which):
 
     model, files, root = setup
     saved = root / f"{which}-config"
-    config = (LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-              if which == "lora" else SMTConfig(target_modules=["q_proj", "v_proj"], block_size=16, num_blocks=3,
-                                                warmup_steps=2))
+    config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if which == "lora"
+        else SMTConfig(target_modules=["q_proj", "v_proj"], block_size=16, num_blocks=3, warmup_steps=2)
+    )
     config.save_pretrained(saved)
-    r = _run(root / f"{which}-run", "--model", model, "--dataset", files["prompt-completion"], "--peft-config",
-             str(saved / "adapter_config.json" if which == "lora" else saved), "--max-steps", "4")
+    r = _run(
+        root / f"{which}-run",
+        "--model",
+        model,
+        "--dataset",
+        files["prompt-completion"],
+        "--peft-config",
+        str(saved / "adapter_config.json" if which == "lora" else saved),
+        "--max-steps",
+        "4",
+    )
     assert r["method"] == which and len(r["losses"]) == 4
     trained = PeftConfig.from_pretrained(str(root / f"{which}-run"))
     assert type(trained) is type(config) and sorted(trained.target_modules) == ["q_proj", "v_proj"]
@@ -172,8 +235,9 @@ def test_a_conversational_dataset_without_a_chat_template_is_refused_naming_the_
     with pytest.raises(ValueError, match=r"no chat template: set --chat-template-path"):
         load_base_and_data(_config(plain, files["conversational"]), progress=False, load_model=False)
     with pytest.raises(ValueError, match=r"--assistant-only-loss needs conversational data"):
-        load_base_and_data(_config(plain, files["prompt-completion"], assistant_only_loss=True), progress=False,
-                           load_model=False)
+        load_base_and_data(
+            _config(plain, files["prompt-completion"], assistant_only_loss=True), progress=False, load_model=False
+        )
 
 
 @pytest.mark.slow
@@ -189,13 +253,48 @@ def test_the_fsdp2_chat_recipe_runs_on_two_cpu_processes_with_a_stand_in(setup):
     model, files, root = setup
     out = root / "recipe-fsdp2"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", "finetune",
-           "--recipe", "recipes/finetune_llama8b_chat_fsdp2.yaml", "--model", model,
-           "--dataset", files["conversational"], "--smt.block-size", "16", "--smt.warmup-steps", "2",
-           "--max-length", "64", "--max-steps", "4", "--gradient-accumulation-steps", "1",
-           "--per-device-train-batch-size", "2", "--learning-rate", "1e-2", "--logging-steps", "1",
-           "--eval-size", "8", "--output-dir", str(out), "--progress", "false", "--report", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/accelerate/cpu_2proc.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "hf_dtrain.cli",
+        "finetune",
+        "--recipe",
+        "recipes/finetune_llama8b_chat_fsdp2.yaml",
+        "--model",
+        model,
+        "--dataset",
+        files["conversational"],
+        "--smt.block-size",
+        "16",
+        "--smt.warmup-steps",
+        "2",
+        "--max-length",
+        "64",
+        "--max-steps",
+        "4",
+        "--gradient-accumulation-steps",
+        "1",
+        "--per-device-train-batch-size",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--logging-steps",
+        "1",
+        "--eval-size",
+        "8",
+        "--output-dir",
+        str(out),
+        "--progress",
+        "false",
+        "--report",
+        "false",
+    ]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -214,9 +313,23 @@ def test_the_qlora_qahira_recipe_trains_on_int4_and_merges_exactly(setup, merge_
     bf16, then recipes/merge_qahira_4bit.py merges into the 4-bit model with the logits unchanged."""
     model, files, root = setup
     out = root / "recipe-qahira"
-    r = _run(out, "--recipe", "recipes/finetune_qlora_qahira.yaml", "--model", model, "--dataset",
-             files["conversational"], "--quant-group-size", "16", "--max-length", "64", "--max-steps", "4",
-             "--gradient-accumulation-steps", "1")
+    r = _run(
+        out,
+        "--recipe",
+        "recipes/finetune_qlora_qahira.yaml",
+        "--model",
+        model,
+        "--dataset",
+        files["conversational"],
+        "--quant-group-size",
+        "16",
+        "--max-length",
+        "64",
+        "--max-steps",
+        "4",
+        "--gradient-accumulation-steps",
+        "1",
+    )
     assert r["method"] == "qahira" and r["quantize"] == "int4" and r["mixed_precision"] == "bf16"
     assert r["eval_loss_after"] < r["eval_loss_before"]
     merge_qahira_exactly(out, eval_size=20)
@@ -227,8 +340,10 @@ def test_settings_an_engine_would_override_are_refused_before_any_step(setup):
     from hf_dtrain.settings import SettingsError
 
     model, files, _ = setup
-    for data, message in (({"method": "lorafa", "optim": "sgd"}, r"--optim sgd .*LoRA-FA's own optimizer"),
-                          ({"method": "lora", "optim": "sgd", "optimizer": "eva"}, r"--optim sgd .*--optimizer eva"),
-                          ({"method": "lora", "fsdp": True, "save_strategy": "steps"}, r"save_strategy=steps with fsdp")):
+    for data, message in (
+        ({"method": "lorafa", "optim": "sgd"}, r"--optim sgd .*LoRA-FA's own optimizer"),
+        ({"method": "lora", "optim": "sgd", "optimizer": "eva"}, r"--optim sgd .*--optimizer eva"),
+        ({"method": "lora", "fsdp": True, "save_strategy": "steps"}, r"save_strategy=steps with fsdp"),
+    ):
         with pytest.raises(SettingsError, match=message):
             run_finetune(_config(model, files["text"], **data))

@@ -16,8 +16,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dry run and the no-GPU message")
 def test_cpu_dry_run_end_to_end(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hf_dtrain.testing.gpu_check", "--cpu-dry-run", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_dtrain.testing.gpu_check", "--cpu-dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (folder,) = list(tmp_path.iterdir())
     assert {p.name for p in folder.iterdir()} == {"gpu_check.json", "gpu_check.md", "gpu_check.png"}
@@ -27,8 +31,18 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert status["peak_memory"]["status"] == "skipped"
     assert "CUDA" in status["peak_memory"]["detail"]["reason"]
     assert "[skipped] peak_memory" in proc.stdout and "needs a CUDA device" in proc.stdout
-    for name in ("cuda_tests", "tuners_autocast", "bnb_4bit", "qahira_merge", "comm_hooks", "delta_memory",
-                 "snapshot_stall", "fused_sweep", "throughput", "multi_gpu"):
+    for name in (
+        "cuda_tests",
+        "tuners_autocast",
+        "bnb_4bit",
+        "qahira_merge",
+        "comm_hooks",
+        "delta_memory",
+        "snapshot_stall",
+        "fused_sweep",
+        "throughput",
+        "multi_gpu",
+    ):
         assert status[name]["status"] == "passed", status[name]
     assert status["cuda_tests"]["detail"]["counts"].get("skipped", 0) >= 1  # the CUDA tests exist and skip here
     assert set(status["tuners_autocast"]["detail"]) == {"lora", "smt", "lorafa", "qbara", "qahira"}
@@ -86,13 +100,22 @@ def test_throughput_counts_attention_flops_with_grouped_kv_heads():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = importlib.util.spec_from_file_location(
-        "throughput_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py")
+        "throughput_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     torch.manual_seed(0)
     heads, kv, width, layers, b, s = 8, 2, 128, 2, 2, 64
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=width, intermediate_size=256, num_hidden_layers=layers,
-                                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=512))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=width,
+            intermediate_size=256,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            vocab_size=512,
+        )
+    )
     assert model.config._attn_implementation == "sdpa"
     ids = torch.randint(0, 512, (b, s))
 

@@ -7,8 +7,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from hf_dtrain.quantization.int4 import (
+    Int4Linear,
+    dequantize_int4,
+    pack_int4,
+    quantize_int4,
+    quantize_model_int4,
+    unpack_int4,
+)
 from hf_dtrain.testing import random_batch, tiny_llama
-from hf_dtrain.quantization.int4 import Int4Linear, dequantize_int4, pack_int4, quantize_int4, quantize_model_int4, unpack_int4
 
 
 def test_pack_unpack_round_trip_and_layout():
@@ -94,5 +101,5 @@ def test_bad_group_size_and_update_shape_are_clear_errors():
     layer = Int4Linear.from_linear(torch.nn.Linear(64, 8), group_size=16)
     with pytest.raises(ValueError, match=r"has shape \(8, 4\) \(out, in / group_size\), got \(8, 64\)"):
         layer.fold_group_constant_update(torch.zeros(8, 64))
-    with pytest.raises(ValueError, match="found no nn.Linear"):
+    with pytest.raises(ValueError, match=r"found no nn.Linear"):
         quantize_model_int4(tiny_llama(), target_modules=["nope"])

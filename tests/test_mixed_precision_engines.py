@@ -54,7 +54,7 @@ def test_a_snapshot_keeps_the_grad_scaler_and_an_fp16_run_resumes_exactly(tmp_pa
         torch.manual_seed(0)
         model = tiny_llama(seed=0, hidden_size=32)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+        return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
 
     def run(model, opt, scaler, engine, first, last):
         losses = []
@@ -85,7 +85,7 @@ def test_a_snapshot_keeps_the_grad_scaler_and_an_fp16_run_resumes_exactly(tmp_pa
         model2, opt2, scaler2 = setup()
         engine2 = SnapshotEngine(model2, opt2, scaler=scaler2, directory=ft, parity=0)
         assert engine2.restore().step == 3
-        assert scaler2.get_scale() == scale and scaler2.state_dict() == state and scale != 2.0 ** 16
+        assert scaler2.get_scale() == scale and scaler2.state_dict() == state and scale != 2.0**16
         assert run(model2, opt2, scaler2, engine2, 4, 6) == reference[3:]  # fp16 steps after the restore, exactly
         engine2.close(shutdown=True)
     finally:

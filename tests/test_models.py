@@ -66,7 +66,7 @@ def test_default_model_is_built_once_cached_and_loadable(tmp_path):
     ids = torch.tensor([tok("1+2=")["input_ids"]])
     assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tok))
 
-    lm, tok2 = models.load_model_and_tokenizer(path)
+    _lm, tok2 = models.load_model_and_tokenizer(path)
     assert tok2("x")["input_ids"] == tok("x")["input_ids"]
 
 
@@ -94,5 +94,5 @@ def test_load_default_uses_build(monkeypatch, tmp_path):
         return path
 
     monkeypatch.setattr(models, "build_default_model", fake_build)
-    model, tok = models.load_model_and_tokenizer(None, preset="test")
+    _model, tok = models.load_model_and_tokenizer(None, preset="test")
     assert calls == ["test"] and tok.eos_token == "</s>"

@@ -7,8 +7,12 @@ import torch
 from peft import get_peft_model
 
 from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig
-from hf_dtrain.quantization import (load_quantized_model, prepare_bnb_4bit_for_training, quantize_model_hqq,
-                                    quantized_kind)
+from hf_dtrain.quantization import (
+    load_quantized_model,
+    prepare_bnb_4bit_for_training,
+    quantize_model_hqq,
+    quantized_kind,
+)
 from hf_dtrain.testing import random_batch, tiny_llama, train_steps
 from hf_dtrain.tuners.qahira import QAHiRALayer, quantize_model_int4
 
@@ -22,7 +26,7 @@ def logits(model, batch):
 
 def randomise(model, std=0.3, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    for n, p in model.named_parameters():
+    for _n, p in model.named_parameters():
         if p.requires_grad:
             p.data = torch.randn(p.shape, generator=gen) * std
     return model.eval()
@@ -80,7 +84,9 @@ def test_qahira_merges_exactly_into_zero_points(kind):
 def test_qahira_group_size_must_match_the_hqq_group_size():
     pytest.importorskip("hqq", reason="hqq (the test extra) provides the maintained zero-point 4-bit format")
     base = quantize_model_hqq(tiny_llama(), group_size=16)
-    with pytest.raises(ValueError, match=r"group_size=32 differs from the quantization group size 16 .*set group_size=16"):
+    with pytest.raises(
+        ValueError, match=r"group_size=32 differs from the quantization group size 16 .*set group_size=16"
+    ):
         get_peft_model(base, QAHiRAConfig(group_size=32, lambda_out=4, target_modules=TARGETS))
 
 
@@ -89,11 +95,17 @@ def test_qa_lora_factorisation_counts_rank_and_exact_merge():
     model = get_peft_model(base, QAHiRAConfig(group_size=16, lambda_out=1, r=3, target_modules=TARGETS))
     # per layer r * (in / g) + out * r: q, v (64 x 64): 3*4 + 64*3; down (64 x 128): 3*8 + 64*3; two layers
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 2 * (2 * (12 + 192) + (24 + 192))
-    untrained = get_peft_model(quantize_model_int4(tiny_llama(), group_size=16),
-                               QAHiRAConfig(group_size=16, lambda_out=1, r=3, target_modules=TARGETS))
+    untrained = get_peft_model(
+        quantize_model_int4(tiny_llama(), group_size=16),
+        QAHiRAConfig(group_size=16, lambda_out=1, r=3, target_modules=TARGETS),
+    )
     batch = random_batch(seed=4)
-    torch.testing.assert_close(logits(untrained.eval(), batch),
-                               logits(quantize_model_int4(tiny_llama(), group_size=16).eval(), batch), atol=0, rtol=0)
+    torch.testing.assert_close(
+        logits(untrained.eval(), batch),
+        logits(quantize_model_int4(tiny_llama(), group_size=16).eval(), batch),
+        atol=0,
+        rtol=0,
+    )
     model = randomise(model)
     layer = next(m for m in model.modules() if isinstance(m, QAHiRALayer))
     assert torch.linalg.matrix_rank(layer.get_delta_weight("default")) == 3
@@ -101,22 +113,31 @@ def test_qa_lora_factorisation_counts_rank_and_exact_merge():
     torch.testing.assert_close(logits(model.merge_and_unload(), batch), ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("config_cls, kwargs", [(QAHiRAConfig, dict(group_size=16, lambda_out=4)),
-                                                (QBaRAConfig, dict(r=2))])
+@pytest.mark.parametrize(
+    "config_cls, kwargs", [(QAHiRAConfig, dict(group_size=16, lambda_out=4)), (QBaRAConfig, dict(r=2))]
+)
 def test_require_quantized_base(config_cls, kwargs):
-    with pytest.raises(ValueError, match=rf"{config_cls.__name__}.require_quantized_base=True but "
-                                         r"'model.layers.0.self_attn.q_proj' is a dense Linear.*load_quantized_model"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{config_cls.__name__}.require_quantized_base=True but "
+        r"'model.layers.0.self_attn.q_proj' is a dense Linear.*load_quantized_model",
+    ):
         get_peft_model(tiny_llama(), config_cls(require_quantized_base=True, target_modules=TARGETS, **kwargs))
-    model = get_peft_model(quantize_model_int4(tiny_llama(), group_size=16),
-                           config_cls(require_quantized_base=True, target_modules=TARGETS, **kwargs))
+    model = get_peft_model(
+        quantize_model_int4(tiny_llama(), group_size=16),
+        config_cls(require_quantized_base=True, target_modules=TARGETS, **kwargs),
+    )
     assert sum(isinstance(m, model.base_model.tuner_layer_cls) for m in model.modules()) == 6
 
 
 def _load_bnb(path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    return AutoModelForCausalLM.from_pretrained(path, device_map="cpu", quantization_config=BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32))
+    return AutoModelForCausalLM.from_pretrained(
+        path,
+        device_map="cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+    )
 
 
 def _grads(model, batch):
@@ -127,10 +148,15 @@ def _grads(model, batch):
     return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("config", [QAHiRAConfig(group_size=16, lambda_out=4, target_modules=TARGETS),
-                                    QBaRAConfig(r=2, target_modules=TARGETS),
-                                    LoraFAConfig(r=2, target_modules=TARGETS, init_seed=0)],
-                         ids=["qahira", "qbara", "lorafa"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        QAHiRAConfig(group_size=16, lambda_out=4, target_modules=TARGETS),
+        QBaRAConfig(r=2, target_modules=TARGETS),
+        LoraFAConfig(r=2, target_modules=TARGETS, init_seed=0),
+    ],
+    ids=["qahira", "qbara", "lorafa"],
+)
 def test_evaluation_before_training_on_bnb_4bit_keeps_gradients(saved_tiny, config):
     """bitsandbytes (0.50, CPU with AVX512-BF16) repacks 4-bit weights during eval-mode no_grad forwards and then drops
     gradients through them (the attention adapters got None); get_peft_model with an hf_dtrain method turns that

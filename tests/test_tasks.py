@@ -54,25 +54,29 @@ def test_collator_pads_labels_with_ignore_index(base):
     lengths = [len(ds[i]["input_ids"]) for i in range(16)]
     assert batch["input_ids"].shape == (16, max(lengths))
     short = int(np.argmin(lengths))
-    assert (batch["labels"][short, lengths[short]:] == -100).all()
-    assert (batch["attention_mask"][short, lengths[short]:] == 0).all()
-    assert (batch["input_ids"][short, lengths[short]:] == tok.pad_token_id).all()
+    assert (batch["labels"][short, lengths[short] :] == -100).all()
+    assert (batch["attention_mask"][short, lengths[short] :] == 0).all()
+    assert (batch["input_ids"][short, lengths[short] :] == tok.pad_token_id).all()
 
 
 def test_exact_match_on_constructed_predictions():
-    labels = np.array([
-        [-100, -100, -100, 5, 6, 2],
-        [-100, -100, 7, 2, -100, -100],  # padded row
-        [-100, -100, -100, 5, 6, 2],
-        [-100, -100, -100, -100, -100, -100],  # nothing supervised: wrong
-    ])
+    labels = np.array(
+        [
+            [-100, -100, -100, 5, 6, 2],
+            [-100, -100, 7, 2, -100, -100],  # padded row
+            [-100, -100, -100, 5, 6, 2],
+            [-100, -100, -100, -100, -100, -100],  # nothing supervised: wrong
+        ]
+    )
     # pred[:, t] predicts labels[:, t + 1]
-    preds = np.array([
-        [9, 9, 5, 6, 2, 0],  # all right (garbage on prompt and last position is ignored)
-        [9, 7, 2, 4, 4, 4],  # right
-        [9, 9, 5, 6, 3, 0],  # eos wrong
-        [0, 0, 0, 0, 0, 0],
-    ])
+    preds = np.array(
+        [
+            [9, 9, 5, 6, 2, 0],  # all right (garbage on prompt and last position is ignored)
+            [9, 7, 2, 4, 4, 4],  # right
+            [9, 9, 5, 6, 3, 0],  # eos wrong
+            [0, 0, 0, 0, 0, 0],
+        ]
+    )
     assert tasks.exact_match(preds, labels) == pytest.approx(0.5)
     # the unshifted comparison (a classic bug) must not score the same
     assert tasks.exact_match(np.where(labels == -100, 0, labels), labels) == 0.0
@@ -92,9 +96,10 @@ def test_teacher_forced_accuracy_equals_greedy_decoding(base):
     own = []
     for prompt, _ in pairs[:3]:
         ids = torch.tensor([tok(prompt)["input_ids"]])
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
-        text = tok.decode(out[0, ids.shape[1]:])
+        out = model.generate(
+            ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )
+        text = tok.decode(out[0, ids.shape[1] :])
         if text.endswith(tok.eos_token) and tok.eos_token not in text[: -len(tok.eos_token)]:
             own.append((prompt, text[: -len(tok.eos_token)]))
     mixed = own + pairs[3:]
@@ -107,7 +112,7 @@ def test_teacher_forced_accuracy_equals_greedy_decoding(base):
 
 
 def test_load_sft_dataset_from_local_jsonl_and_its_formats(base, tmp_path):
-    _, tok = base
+    _, _tok = base
     path = tmp_path / "d.jsonl"
     with open(path, "w") as f:
         for i in range(40):
@@ -127,8 +132,9 @@ def test_load_sft_dataset_from_local_jsonl_and_its_formats(base, tmp_path):
         tasks.load_sft_dataset(str(one))
     from datasets import Dataset
 
-    assert tasks.dataset_format(Dataset.from_dict({"messages": [[{"role": "user", "content": "hi"}]]})) == \
-        "conversational"
+    assert (
+        tasks.dataset_format(Dataset.from_dict({"messages": [[{"role": "user", "content": "hi"}]]})) == "conversational"
+    )
     assert tasks.dataset_format(Dataset.from_dict({"body": ["x"]}), text_field="body") == "language modeling"
 
 
@@ -145,7 +151,7 @@ def test_prepare_sft_dataset_is_what_the_sft_trainer_prepares(base, tmp_path):
     assert mine.column_names == ["input_ids", "labels"]
     assert mine[:] == theirs.select_columns(mine.column_names)[:]
     pairs = tasks.addition_examples(12, seed=3)
-    for row, (prompt, completion) in zip(mine, pairs):  # the prompt masked, the completion and eos trained
+    for row, (prompt, _completion) in zip(mine, pairs):  # the prompt masked, the completion and eos trained
         n = len(tok(prompt)["input_ids"])
         assert row["labels"][:n] == [-100] * n and row["labels"][n:] == row["input_ids"][n:]
         assert row["input_ids"][-1] == tok.eos_token_id

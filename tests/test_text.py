@@ -5,9 +5,12 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT = [p for pattern in ("*.md", "docs/**/*.md", "recipes/**/*", "hf_dtrain/**/*.py", "benchmarks/*.py",
-                          "tests/**/*.py")
-        for p in ROOT.glob(pattern) if p.is_file() and p.suffix in (".md", ".py", ".yaml", ".yml")]
+TEXT = [
+    p
+    for pattern in ("*.md", "docs/**/*.md", "recipes/**/*", "hf_dtrain/**/*.py", "benchmarks/*.py", "tests/**/*.py")
+    for p in ROOT.glob(pattern)
+    if p.is_file() and p.suffix in (".md", ".py", ".yaml", ".yml")
+]
 INTERNAL = re.compile(r"""\b(?:issue|task)s?\s+#?\d+\b|(?<![\w/&"'])#\d{2,3}\b(?![0-9a-fA-F])""", re.IGNORECASE)
 OUTSIDE = re.compile(r"\.\./shared/(?!data/)")  # the shared data sets are read where they live; nothing else is
 

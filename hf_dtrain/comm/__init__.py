@@ -14,23 +14,25 @@ FSDP2 has no DDP hooks: under HSDP, :func:`register_fsdp` (:mod:`hf_dtrain.comm.
 replica groups with ``allreduce``, ``bf16``, ``fp16`` or ``acp_sgd``.
 """
 
-
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
-from ..distributed import WireStats, check_same_across_ranks, keep_gradients_local, unwrap_optimizer, world_size_of
+from ..distributed.collectives import check_same_across_ranks, world_size_of
+from ..distributed.counters import WireStats
+from ..distributed.engines import keep_gradients_local, unwrap_optimizer
 from .acp_sgd import ACPSGDState, acp_sgd_hook, acp_sgd_step_bytes
-from .dear import DeARState, dear_step_bytes
 from .config import METHODS, CommHookConfig
+from .dear import DeARState, dear_step_bytes
 from .embrace import EmbRaceState, embrace_dense_hook, embrace_step_bytes, exclude_embeddings
 from .embrace_sharded import ColumnShardedEmbedding, clip_sharded_grad_norm_, shard_embeddings, unshard_embeddings
 from .fsdp import FSDP_METHODS, FSDPExchangeState, fsdp_exchange_step_bytes, register_fsdp
 from .s2_reducer import S2ReducerState, s2_reducer_hook
-
 
 
 @dataclass
@@ -38,14 +40,13 @@ class DenseState:
     """State of :func:`dense_allreduce_hook`: torch's averaged all-reduce, with the same byte accounting as the
     compressing hooks."""
 
-    process_group: Optional[dist.ProcessGroup] = None
+    process_group: dist.ProcessGroup | None = None
     stats: WireStats = field(default_factory=WireStats)
     calls: int = 0
-    wire_dtype: Optional[torch.dtype] = None  # bf16 / fp16: the bucket travels in this dtype (torch's hooks)
+    wire_dtype: torch.dtype | None = None  # bf16 / fp16: the bucket travels in this dtype (torch's hooks)
 
 
 def dense_allreduce_hook(state: DenseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     state.calls += 1
     buffer = bucket.buffer()
@@ -54,8 +55,9 @@ def dense_allreduce_hook(state: DenseState, bucket: dist.GradBucket) -> torch.fu
         fut = default_hooks.allreduce_hook(state.process_group, bucket)
     else:  # torch casts the bucket, all-reduces it and casts back: count what travels
         state.stats.add_bytes(buffer.numel() * state.wire_dtype.itemsize)
-        half_hook = (default_hooks.bf16_compress_hook if state.wire_dtype == torch.bfloat16
-                     else default_hooks.fp16_compress_hook)
+        half_hook = (
+            default_hooks.bf16_compress_hook if state.wire_dtype == torch.bfloat16 else default_hooks.fp16_compress_hook
+        )
         fut = half_hook(state.process_group, bucket)
     if not bucket.is_last():
         return fut
@@ -68,7 +70,6 @@ def dense_allreduce_hook(state: DenseState, bucket: dist.GradBucket) -> torch.fu
 
 
 def _ddp_module(model):
-    from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return model
@@ -79,7 +80,7 @@ def _ddp_module(model):
     )
 
 
-def register(model, config: Union[CommHookConfig, dict, str, None] = None, process_group=None, optimizer=None):
+def register(model, config: CommHookConfig | dict | str | None = None, process_group=None, optimizer=None):
     """Register the configured hook on a DDP-wrapped model; returns the hook's state (``state.stats`` counts the
     bytes of every step). ``optimizer`` is needed by ``"dear"`` (its update is deferred to the next forward).
     Errors (``TypeError``/``ValueError``) for an unwrapped model, a world of one process, a rank that exceeds a
@@ -88,8 +89,10 @@ def register(model, config: Union[CommHookConfig, dict, str, None] = None, proce
     ddp = _ddp_module(model)
     config = CommHookConfig.from_any(config)
     if world_size_of(process_group) < 2:
-        raise ValueError("communication hooks need a world of >= 2 processes; this one has 1. Launch with "
-                         "accelerate launch / torchrun --nproc_per_node >= 2 (on CPU set ACCELERATE_USE_CPU=true).")
+        raise ValueError(
+            "communication hooks need a world of >= 2 processes; this one has 1. Launch with "
+            "accelerate launch / torchrun --nproc_per_node >= 2 (on CPU set ACCELERATE_USE_CPU=true)."
+        )
     check_same_across_ranks(dataclasses.asdict(config), "comm hook config", process_group)
     return _REGISTER[config.method](ddp, config, process_group, optimizer)
 
@@ -114,8 +117,10 @@ def _register_noop(ddp, config, group, optimizer):
 
 def _register_dear(ddp, config, group, optimizer):
     if optimizer is None:
-        raise ValueError("DeAR defers the optimizer update to the next forward and needs the optimizer: "
-                         "register(model, 'dear', optimizer=optimizer) with the prepared optimizer.")
+        raise ValueError(
+            "DeAR defers the optimizer update to the next forward and needs the optimizer: "
+            "register(model, 'dear', optimizer=optimizer) with the prepared optimizer."
+        )
     state = DeARState(process_group=group, fusion_mb=config.fusion_mb)
     state.attach(ddp, unwrap_optimizer(optimizer))  # per-layer hooks; DDP itself sends nothing
     return state
@@ -129,16 +134,26 @@ def _register_embrace(ddp, config, group, optimizer):
 
 
 def _register_s2_reducer(ddp, config, group, optimizer):
-    state = S2ReducerState(process_group=group, rows=config.sketch_rows, width_factor=config.sketch_width_factor,
-                           seed=config.seed, error_feedback=config.use_error_feedback)
+    state = S2ReducerState(
+        process_group=group,
+        rows=config.sketch_rows,
+        width_factor=config.sketch_width_factor,
+        seed=config.seed,
+        error_feedback=config.use_error_feedback,
+    )
     ddp.register_comm_hook(state, s2_reducer_hook)
     return state
 
 
 def _register_acp_sgd(ddp, config, group, optimizer):
-    state = ACPSGDState(process_group=group, rank=config.rank, start_iter=config.start_iter,
-                        min_compression_rate=config.min_compression_rate,
-                        use_error_feedback=config.use_error_feedback, seed=config.seed)
+    state = ACPSGDState(
+        process_group=group,
+        rank=config.rank,
+        start_iter=config.start_iter,
+        min_compression_rate=config.min_compression_rate,
+        use_error_feedback=config.use_error_feedback,
+        seed=config.seed,
+    )
     state.check_rank((n, p.shape) for n, p in ddp.module.named_parameters() if p.requires_grad)
     state.param_names = {id(p): n for n, p in ddp.module.named_parameters()}  # state keyed by parameter
     ddp.register_comm_hook(state, acp_sgd_hook)
@@ -146,14 +161,42 @@ def _register_acp_sgd(ddp, config, group, optimizer):
 
 
 # method name -> (DDP model, config, process group, optimizer) -> the hook's state
-_REGISTER: dict[str, Callable] = {"allreduce": _register_allreduce, "bf16": _register_half, "fp16": _register_half,
-                                  "noop": _register_noop, "dear": _register_dear,
-                                  "embrace": _register_embrace, "s2_reducer": _register_s2_reducer,
-                                  "acp_sgd": _register_acp_sgd}
+_REGISTER: dict[str, Callable] = {
+    "allreduce": _register_allreduce,
+    "bf16": _register_half,
+    "fp16": _register_half,
+    "noop": _register_noop,
+    "dear": _register_dear,
+    "embrace": _register_embrace,
+    "s2_reducer": _register_s2_reducer,
+    "acp_sgd": _register_acp_sgd,
+}
 assert set(_REGISTER) == set(METHODS)
 
-__all__ = ["CommHookConfig", "register", "unwrap_optimizer", "DenseState", "dense_allreduce_hook", "ACPSGDState",
-           "acp_sgd_hook", "acp_sgd_step_bytes", "S2ReducerState", "s2_reducer_hook", "DeARState",
-           "dear_step_bytes", "EmbRaceState", "embrace_dense_hook", "embrace_step_bytes", "exclude_embeddings",
-           "ColumnShardedEmbedding", "shard_embeddings", "unshard_embeddings", "clip_sharded_grad_norm_", "WireStats",
-           "register_fsdp", "FSDPExchangeState", "fsdp_exchange_step_bytes", "FSDP_METHODS"]
+__all__ = [
+    "FSDP_METHODS",
+    "ACPSGDState",
+    "ColumnShardedEmbedding",
+    "CommHookConfig",
+    "DeARState",
+    "DenseState",
+    "EmbRaceState",
+    "FSDPExchangeState",
+    "S2ReducerState",
+    "WireStats",
+    "acp_sgd_hook",
+    "acp_sgd_step_bytes",
+    "clip_sharded_grad_norm_",
+    "dear_step_bytes",
+    "dense_allreduce_hook",
+    "embrace_dense_hook",
+    "embrace_step_bytes",
+    "exclude_embeddings",
+    "fsdp_exchange_step_bytes",
+    "register",
+    "register_fsdp",
+    "s2_reducer_hook",
+    "shard_embeddings",
+    "unshard_embeddings",
+    "unwrap_optimizer",
+]

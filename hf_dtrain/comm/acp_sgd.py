@@ -14,16 +14,14 @@ so the averaged gradient is identical everywhere and replicas stay in sync. ``M`
 flat buffer: one all-reduce per bucket per step.
 """
 
-
-from dataclasses import dataclass, field
-from typing import Optional
-
 import zlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..distributed import WireStats, world_size_of
+from ..distributed.collectives import world_size_of
+from ..distributed.counters import WireStats
 
 
 @dataclass
@@ -48,7 +46,7 @@ class ACPSGDState:
     * ``iter``: optimizer steps seen (advanced on the bucket DDP reports last); ``stats``: bytes per step.
     """
 
-    process_group: Optional[dist.ProcessGroup] = None
+    process_group: dist.ProcessGroup | None = None
     rank: int = 4
     start_iter: int = 10
     min_compression_rate: float = 2.0
@@ -65,22 +63,30 @@ class ACPSGDState:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"ACPSGDState.rank must be a positive integer, got {self.rank!r}.")
         if not isinstance(self.start_iter, int) or self.start_iter < 2:
-            raise ValueError(f"ACPSGDState.start_iter must be an integer >= 2 (DDP rebuilds its buckets after the "
-                             f"first step), got {self.start_iter!r}.")
+            raise ValueError(
+                f"ACPSGDState.start_iter must be an integer >= 2 (DDP rebuilds its buckets after the "
+                f"first step), got {self.start_iter!r}."
+            )
         if self.min_compression_rate < 0:
             raise ValueError(f"ACPSGDState.min_compression_rate must be >= 0, got {self.min_compression_rate!r}.")
 
     def state_dict(self) -> dict:
         """The step count and every tensor's factors and error feedback, as copies (the hook changes them in the
         next backward): what a snapshot needs for the run to go on exactly."""
-        return {"iter": self.iter, "tensors": {k: {"shape": list(t.shape), "error": t.error.clone(),
-                                                   "p": t.p.clone(), "q": t.q.clone()}
-                                               for k, t in self.tensors.items()}}
+        return {
+            "iter": self.iter,
+            "tensors": {
+                k: {"shape": list(t.shape), "error": t.error.clone(), "p": t.p.clone(), "q": t.q.clone()}
+                for k, t in self.tensors.items()
+            },
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.iter = int(state["iter"])
-        self.tensors = {k: _TensorState(tuple(t["shape"]), t["error"].clone(), t["p"].clone(), t["q"].clone())
-                        for k, t in state["tensors"].items()}
+        self.tensors = {
+            k: _TensorState(tuple(t["shape"]), t["error"].clone(), t["p"].clone(), t["q"].clone())
+            for k, t in state["tensors"].items()
+        }
 
     def tensor_key(self, bucket: dist.GradBucket, position: int, param=None) -> str:
         """The state key of the ``position``-th tensor of ``bucket``: its parameter's name when known."""
@@ -102,8 +108,10 @@ class ACPSGDState:
                 continue
             n, m = shape[0], int(torch.Size(shape).numel()) // shape[0]
             if self.rank > min(n, m) and self.min_compression_rate * (n + m) * self.rank <= n * m:
-                raise ValueError(f"ACP-SGD rank={self.rank} exceeds min{(n, m)} of {name!r} (its gradient as a "
-                                 f"matrix); use rank <= {min(n, m)}.")
+                raise ValueError(
+                    f"ACP-SGD rank={self.rank} exceeds min{(n, m)} of {name!r} (its gradient as a "
+                    f"matrix); use rank <= {min(n, m)}."
+                )
 
     @property
     def even(self) -> bool:
@@ -125,9 +133,12 @@ def tensor_state(state: ACPSGDState, key: str, n: int, m: int, device, dtype) ->
     ts = state.tensors.get(key)
     if ts is None or ts.shape != (n, m):
         gen = torch.Generator().manual_seed(state.seed + 1_000_003 * zlib.crc32(key.encode()))
-        ts = _TensorState((n, m), torch.zeros(n, m, device=device, dtype=dtype),
-                          torch.zeros(n, state.rank, device=device, dtype=dtype),
-                          torch.randn(m, state.rank, generator=gen).to(device=device, dtype=dtype))
+        ts = _TensorState(
+            (n, m),
+            torch.zeros(n, m, device=device, dtype=dtype),
+            torch.zeros(n, state.rank, device=device, dtype=dtype),
+            torch.randn(m, state.rank, generator=gen).to(device=device, dtype=dtype),
+        )
         state.tensors[key] = ts
     return ts
 
@@ -141,8 +152,11 @@ def _tensor_states(state: ACPSGDState, bucket: dist.GradBucket) -> list:
         if not state.compresses(g.shape):
             out.append(None)
             continue
-        out.append(tensor_state(state, state.tensor_key(bucket, position, param), g.shape[0],
-                                g.numel() // g.shape[0], g.device, g.dtype))
+        out.append(
+            tensor_state(
+                state, state.tensor_key(bucket, position, param), g.shape[0], g.numel() // g.shape[0], g.device, g.dtype
+            )
+        )
     return out
 
 
@@ -177,8 +191,9 @@ def encode(state: ACPSGDState, grads: list, states: list, even: bool):
     return torch.cat(pieces) if pieces else torch.zeros(0), orth, errors
 
 
-def decode(state: ACPSGDState, reduced: torch.Tensor, grads: list, states: list, orth: list, errors: list,
-           even: bool) -> None:
+def decode(
+    state: ACPSGDState, reduced: torch.Tensor, grads: list, states: list, orth: list, errors: list, even: bool
+) -> None:
     """Write the averaged payload ``reduced`` back into ``grads`` (in place) and keep the new factors.
 
     An overflowing step (fp16 with a GradScaler, whose scaled gradients hold inf on some rank) carries inf or nan
@@ -189,12 +204,12 @@ def decode(state: ACPSGDState, reduced: torch.Tensor, grads: list, states: list,
     offset = 0
     for g, ts, o, err in zip(grads, states, orth, errors):
         if ts is None:
-            g.copy_(reduced[offset:offset + g.numel()].view_as(g))
+            g.copy_(reduced[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
             continue
         n, m = ts.shape
         size = (n if even else m) * state.rank
-        factor = reduced[offset:offset + size].view(-1, state.rank)
+        factor = reduced[offset : offset + size].view(-1, state.rank)
         offset += size
         if even:
             ts.p = torch.where(finite, factor, ts.p)

@@ -27,16 +27,16 @@ every save, evaluation and at the end). Gradient clipping on ``.grad`` between b
 local, not averaged, gradients and is refused by the Trainer callback.
 """
 
-
 import math
 import types
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..distributed import WireStats, all_gather_single, keep_gradients_local, reduce_scatter_single, world_size_of
+from ..distributed.collectives import all_gather_single, reduce_scatter_single, world_size_of
+from ..distributed.counters import WireStats
+from ..distributed.engines import keep_gradients_local
 
 
 def _native_reduce_scatter(group) -> bool:
@@ -55,18 +55,19 @@ class _Group:
     numel: int
     padded: int
     ready: int = 0  # gradients accumulated in this backward
-    flat: Optional[torch.Tensor] = None  # reduce-scatter input, then all-gather output
-    shard: Optional[torch.Tensor] = None
-    received: Optional[torch.Tensor] = None  # gloo: every rank's copy of this rank's shard, from the all-to-all
-    receive_buffer: Optional[torch.Tensor] = None  # what ``received`` points into, allocated once
+    flat: torch.Tensor | None = None  # reduce-scatter input, then all-gather output
+    shard: torch.Tensor | None = None
+    received: torch.Tensor | None = None  # gloo: every rank's copy of this rank's shard, from the all-to-all
+    receive_buffer: torch.Tensor | None = None  # what ``received`` points into, allocated once
     rs_work: object = None
     ag_work: object = None
-    probe: Optional[tuple] = None  # (param, flat index, value sent): what step() reads a GradScaler's unscale from
+    probe: tuple | None = None  # (param, flat index, value sent): what step() reads a GradScaler's unscale from
     scale: float = 1.0  # what the gradients were multiplied by between backward and step() (a GradScaler's 1/scale)
 
 
-def make_groups(modules: list[torch.nn.Module], fusion_bytes: float, element_size: int = 4,
-                world: int = 1) -> list[_Group]:
+def make_groups(
+    modules: list[torch.nn.Module], fusion_bytes: float, element_size: int = 4, world: int = 1
+) -> list[_Group]:
     """Fusion groups over ``modules`` (forward order): each module's own trainable parameters (a parameter shared by
     two modules belongs to the first), merged with the next modules until the group reaches ``fusion_bytes``."""
     seen: set[int] = set()
@@ -100,9 +101,9 @@ class DeARState:
       started in backward), ``"ag"`` (an all-gather started), ``"apply"`` (a group's update, in a pre-hook).
     """
 
-    process_group: Optional[dist.ProcessGroup] = None
+    process_group: dist.ProcessGroup | None = None
     fusion_mb: float = 1.0
-    optimizer: Optional[torch.optim.Optimizer] = None
+    optimizer: torch.optim.Optimizer | None = None
     iter: int = 0
     stats: WireStats = field(default_factory=WireStats)
     applied: int = 0
@@ -112,7 +113,7 @@ class DeARState:
     _due: set = field(default_factory=set)  # groups whose update waits for a forward
     launched: list[int] = field(default_factory=list)  # this backward's reduce-scatters, in launch order
     hyper: list[dict] = field(default_factory=list)  # param-group hyperparameters recorded at step()
-    trace: Optional[list] = None
+    trace: list | None = None
     _ddp: object = None
     _sync: bool = True
     _inner_step: object = None
@@ -141,18 +142,18 @@ class DeARState:
             g.flat = torch.empty(g.padded, dtype=like.dtype, device=like.device)
             g.shard = torch.empty(g.padded // world, dtype=like.dtype, device=like.device)
         flat = g.flat
-        flat[g.numel:].zero_()  # the padding (the all-gather wrote into it last step)
+        flat[g.numel :].zero_()  # the padding (the all-gather wrote into it last step)
         offset = 0
         g.probe = None
         for p in g.params:  # every slot is written: a copy of the gradient, or zeros where there is none
             if p.grad is not None:
                 grad = p.grad.reshape(-1)
-                flat[offset:offset + p.numel()].copy_(grad)
+                flat[offset : offset + p.numel()].copy_(grad)
                 if g.probe is None:  # the largest entry, read at step() (no host sync here)
                     i = grad.abs().argmax()
                     g.probe = (p, i, grad[i].clone())
             else:
-                flat[offset:offset + p.numel()].zero_()
+                flat[offset : offset + p.numel()].zero_()
             offset += p.numel()
         self.stats.add(flat)
         if _native_reduce_scatter(group):
@@ -195,8 +196,11 @@ class DeARState:
         # a GradScaler unscales the local .grad in place before step() (on the sent copy it could not): the averaged
         # gradient gets the same factor (a power of two, so the ratio is exact); one host sync for all groups
         probed = [g for g in self.groups if g.probe is not None and g.probe[0].grad is not None]
-        ratios = (torch.stack([g.probe[0].grad.reshape(-1)[g.probe[1]] / g.probe[2] for g in probed]).tolist()
-                  if probed else [])
+        ratios = (
+            torch.stack([g.probe[0].grad.reshape(-1)[g.probe[1]] / g.probe[2] for g in probed]).tolist()
+            if probed
+            else []
+        )
         scales = {g.index: r for g, r in zip(probed, ratios)}
         for g in self.groups:
             g.ready = 0
@@ -221,10 +225,10 @@ class DeARState:
             self._all_gather(self.groups[nxt])  # travels while this group's layer computes
         g.ag_work.wait()
         g.ag_work = None
-        averaged = g.flat[:g.numel].mul_(g.scale / world_size_of(self.process_group))
+        averaged = g.flat[: g.numel].mul_(g.scale / world_size_of(self.process_group))
         grads, offset = {}, 0
         for p in g.params:
-            grads[id(p)] = averaged[offset:offset + p.numel()].view_as(p)
+            grads[id(p)] = averaged[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         if self.trace is not None:
             self.trace.append(("apply", idx))
@@ -278,8 +282,7 @@ class DeARState:
         self.optimizer = optimizer
         self._inner_step = optimizer.step
         world = world_size_of(self.process_group)
-        modules = [m for m in ddp_model.module.modules()
-                   if any(p.requires_grad for p in m.parameters(recurse=False))]
+        modules = [m for m in ddp_model.module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
         self.groups = make_groups(modules, self.fusion_mb * 2**20, world=world)
         self.by_param = {id(p): g.index for g in self.groups for p in g.params}
         self._module_group = {}

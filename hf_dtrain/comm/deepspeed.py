@@ -19,11 +19,11 @@ What applies where:
   accumulation boundary only.
 """
 
-
 import math
 
 import torch
 
+from ..distributed.collectives import world_size_of
 from . import CommHookConfig, DenseState, dense_allreduce_hook
 from .acp_sgd import ACPSGDState, acp_sgd_hook
 from .s2_reducer import S2ReducerState, s2_reducer_hook
@@ -41,7 +41,7 @@ class FlatBucket:
         self._buffer = torch.cat([g.reshape(-1) for g in grads])
         self._views, offset = [], 0
         for p in params:
-            self._views.append(self._buffer[offset:offset + p.numel()].view_as(p))
+            self._views.append(self._buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
     def index(self) -> int:
@@ -62,7 +62,7 @@ class FlatBucket:
     def write_back(self, reduced: torch.Tensor) -> None:
         offset = 0
         for p in self._params:
-            value = reduced[offset:offset + p.numel()].view_as(p)
+            value = reduced[offset : offset + p.numel()].view_as(p)
             if p.grad is None:
                 p.grad = value.clone()
             else:
@@ -89,22 +89,29 @@ def register_deepspeed(engine, config=None, bucket_cap_mb: float = 25.0):
     config = CommHookConfig.from_any(config)
     stage = engine.zero_optimization_stage()
     if stage != 0:
-        raise ValueError(f"hf_dtrain communication methods replace the gradient all-reduce of ZeRO stage 0; this engine "
-                         f"runs ZeRO stage {stage}, whose optimizer reduces gradients into its partitions itself. Set "
-                         "zero_optimization.stage to 0, or use DDP (Accelerate / Trainer without DeepSpeed).")
+        raise ValueError(
+            f"hf_dtrain communication methods replace the gradient all-reduce of ZeRO stage 0; this engine "
+            f"runs ZeRO stage {stage}, whose optimizer reduces gradients into its partitions itself. Set "
+            "zero_optimization.stage to 0, or use DDP (Accelerate / Trainer without DeepSpeed)."
+        )
     if config.method not in DEEPSPEED_METHODS:
-        raise ValueError(f"comm method {config.method!r} needs DDP's bucket schedule (forward pre-hooks or parameters "
-                         f"ignored by DDP); with DeepSpeed use one of {', '.join(DEEPSPEED_METHODS)}.")
+        raise ValueError(
+            f"comm method {config.method!r} needs DDP's bucket schedule (forward pre-hooks or parameters "
+            f"ignored by DDP); with DeepSpeed use one of {', '.join(DEEPSPEED_METHODS)}."
+        )
     if engine.gradient_clipping():
-        raise ValueError(f"DeepSpeed's gradient_clipping={engine.gradient_clipping()} runs before the optimizer step, "
-                         "that is before this method averages the gradients; set gradient_clipping to 0.")
+        raise ValueError(
+            f"DeepSpeed's gradient_clipping={engine.gradient_clipping()} runs before the optimizer step, "
+            "that is before this method averages the gradients; set gradient_clipping to 0."
+        )
     if not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}.")
-    from ..distributed import world_size_of
 
     if world_size_of() < 2:
-        raise ValueError("communication methods need a world of >= 2 processes; this one has 1 (launch with deepspeed "
-                         "/ torchrun --nproc_per_node >= 2).")
+        raise ValueError(
+            "communication methods need a world of >= 2 processes; this one has 1 (launch with deepspeed "
+            "/ torchrun --nproc_per_node >= 2)."
+        )
     params = [p for p in engine.module.parameters() if p.requires_grad]
     if config.method == "allreduce":
         state, hook = DenseState(), dense_allreduce_hook
@@ -112,9 +119,13 @@ def register_deepspeed(engine, config=None, bucket_cap_mb: float = 25.0):
         state = S2ReducerState(rows=config.sketch_rows, width_factor=config.sketch_width_factor, seed=config.seed)
         hook = s2_reducer_hook
     else:
-        state = ACPSGDState(rank=config.rank, start_iter=config.start_iter,
-                            min_compression_rate=config.min_compression_rate,
-                            use_error_feedback=config.use_error_feedback, seed=config.seed)
+        state = ACPSGDState(
+            rank=config.rank,
+            start_iter=config.start_iter,
+            min_compression_rate=config.min_compression_rate,
+            use_error_feedback=config.use_error_feedback,
+            seed=config.seed,
+        )
         state.check_rank((n, p.shape) for n, p in engine.module.named_parameters() if p.requires_grad)
         hook = acp_sgd_hook
     buckets = _buckets(params, int(bucket_cap_mb * 2**20))

@@ -26,16 +26,17 @@ lookups and gradients by all-to-all, no table-sized exchange at all; call ``shar
 ``exclude_embeddings`` before wrapping. The two replicated exchanges keep every model and optimizer unchanged.
 """
 
-
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
-from ..distributed import WireStats, all_gather_single, world_size_of
+from ..distributed.collectives import all_gather_single, world_size_of
+from ..distributed.counters import WireStats
 
 EXCHANGES = ("allgather", "alltoall", "sharded")
 
@@ -48,15 +49,18 @@ def embedding_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def exclude_embeddings(model: nn.Module) -> list[str]:
     """Keep the embedding weights out of DDP (call before wrapping); returns their names."""
-    from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
-        raise ValueError("exclude_embeddings() must run before the model is wrapped in DDP (before "
-                         "accelerator.prepare / trainer.train); it got the wrapped model.")
+        raise ValueError(
+            "exclude_embeddings() must run before the model is wrapped in DDP (before "
+            "accelerator.prepare / trainer.train); it got the wrapped model."
+        )
     names = sorted(embedding_parameters(model))
     if not names:
-        raise ValueError("EmbRace found no trainable nn.Embedding in the model; use a dense method (allreduce, "
-                         "acp_sgd) for models without trainable embeddings.")
+        raise ValueError(
+            "EmbRace found no trainable nn.Embedding in the model; use a dense method (allreduce, "
+            "acp_sgd) for models without trainable embeddings."
+        )
     existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(set(existing) | set(names)))
     return names
@@ -71,7 +75,7 @@ class EmbRaceState:
     * ``sparse_steps`` / ``dense_steps``: embedding exchanges that took each path; ``rows_sent``: rows this rank sent.
     """
 
-    process_group: Optional[dist.ProcessGroup] = None
+    process_group: dist.ProcessGroup | None = None
     exchange: str = "allgather"
     stats: WireStats = field(default_factory=WireStats)
     sparse_steps: int = 0
@@ -139,8 +143,8 @@ class EmbRaceState:
         dim = grad.shape[1]
         index = torch.zeros(max_k, dtype=torch.int64, device=grad.device)  # padding: row 0 plus a zero row
         values = torch.zeros(max_k, dim, dtype=grad.dtype, device=grad.device)
-        index[:rows.numel()] = rows
-        values[:rows.numel()] = grad[rows]
+        index[: rows.numel()] = rows
+        values[: rows.numel()] = grad[rows]
         all_index = torch.empty(world * max_k, dtype=torch.int64, device=grad.device)
         all_values = torch.empty(world * max_k, dim, dtype=grad.dtype, device=grad.device)
         self.stats.add(index)
@@ -190,8 +194,8 @@ class EmbRaceState:
             max_k = int(all_counts.max())
             index = torch.zeros(max_k, dtype=torch.int64, device=grad.device)
             values = torch.zeros(max_k, dim, dtype=grad.dtype, device=grad.device)
-            index[:owned.numel()] = owned
-            values[:owned.numel()] = summed
+            index[: owned.numel()] = owned
+            values[: owned.numel()] = summed
             all_index = torch.empty(world * max_k, dtype=torch.int64, device=grad.device)
             all_values = torch.empty(world * max_k, dim, dtype=grad.dtype, device=grad.device)
             self.stats.add(index)
@@ -210,9 +214,11 @@ class EmbRaceState:
 
             shards = sharded_embeddings(ddp_model.module)
             if not shards:
-                raise ValueError("EmbRace exchange='sharded' found no sharded embedding. Call "
-                                 "hf_dtrain.comm.shard_embeddings(model) before DDP(model) / accelerator.prepare(model) "
-                                 "(CommHookCallback.attach does it for the Trainer).")
+                raise ValueError(
+                    "EmbRace exchange='sharded' found no sharded embedding. Call "
+                    "hf_dtrain.comm.shard_embeddings(model) before DDP(model) / accelerator.prepare(model) "
+                    "(CommHookCallback.attach does it for the Trainer)."
+                )
             for m in shards.values():
                 m.stats = self.stats  # the lookups' and their gradients' bytes count in this step
             self._ddp = weakref.ref(ddp_model)
@@ -221,9 +227,11 @@ class EmbRaceState:
         params = embedding_parameters(ddp_model.module)
         missing = sorted(set(params) - ignored)
         if missing:
-            raise ValueError(f"EmbRace: the embedding parameter(s) {missing} are still inside DDP. Call "
-                             "hf_dtrain.comm.exclude_embeddings(model) before DDP(model) / accelerator.prepare(model) "
-                             "(CommHookCallback.attach does it for the Trainer).")
+            raise ValueError(
+                f"EmbRace: the embedding parameter(s) {missing} are still inside DDP. Call "
+                "hf_dtrain.comm.exclude_embeddings(model) before DDP(model) / accelerator.prepare(model) "
+                "(CommHookCallback.attach does it for the Trainer)."
+            )
         # a weak reference: the parameters' hooks hold this state, and a cycle through the DDP model would keep it
         # (and its gloo group) alive until a later garbage collection, possibly past destroy_process_group
         self._ddp = weakref.ref(ddp_model)
@@ -234,14 +242,14 @@ class EmbRaceState:
 
 def embrace_dense_hook(state: EmbRaceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook for the dense parameters: torch's averaged all-reduce, counted in the EmbRace step."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     state._queue_end()
     state.stats.add(bucket.buffer())
     return allreduce_hook(state.process_group, bucket)
 
 
-def embrace_step_bytes(dense_bucket_numels: list[int], max_rows: int, dim: int, world: int,
-                       element_size: int = 4) -> int:
+def embrace_step_bytes(
+    dense_bucket_numels: list[int], max_rows: int, dim: int, world: int, element_size: int = 4
+) -> int:
     """Bytes per sparse ``allgather`` step: dense buckets, the count, and ``max_rows`` (index, row) pairs."""
     return sum(n * element_size for n in dense_bucket_numels) + 8 + max_rows * (8 + dim * element_size)

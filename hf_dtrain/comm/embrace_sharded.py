@@ -26,13 +26,13 @@ whose norm would be each rank's own and would make the replicas drift apart; the
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from ..distributed import WireStats, all_gather_single, world_size_of
+from ..distributed.collectives import all_gather_single, world_size_of
+from ..distributed.counters import WireStats
 
 
 def _column_splits(dim: int, world: int) -> list[int]:
@@ -49,10 +49,10 @@ class _ShardedLookup(torch.autograd.Function):
         all_gather_single(counts, n, group=group)
         counts = counts.tolist()
         padded = torch.zeros(max(counts), dtype=torch.int64, device=flat.device)
-        padded[:flat.numel()] = flat
+        padded[: flat.numel()] = flat
         all_ids = torch.empty(world * max(counts), dtype=torch.int64, device=flat.device)
         all_gather_single(all_ids, padded, group=group)
-        all_ids = torch.cat([all_ids[r * max(counts):r * max(counts) + counts[r]] for r in range(world)])
+        all_ids = torch.cat([all_ids[r * max(counts) : r * max(counts) + counts[r]] for r in range(world)])
         mine = module.widths[rank]
         local = weight[all_ids]  # every rank's tokens, in this rank's columns
         out = torch.empty(sum(counts[rank] * w for w in module.widths), dtype=weight.dtype, device=weight.device)
@@ -94,17 +94,21 @@ class ColumnShardedEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, group=None):
         super().__init__()
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
-            raise ValueError("ColumnShardedEmbedding shards plain embeddings only (no max_norm, scale_grad_by_freq "
-                             "or sparse gradients).")
+            raise ValueError(
+                "ColumnShardedEmbedding shards plain embeddings only (no max_norm, scale_grad_by_freq "
+                "or sparse gradients)."
+            )
         self.group, self.world, self.rank = group, world_size_of(group), dist.get_rank(group)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.padding_idx = embedding.padding_idx
         self.widths = _column_splits(self.embedding_dim, self.world)
-        self.start = sum(self.widths[:self.rank])
+        self.start = sum(self.widths[: self.rank])
         full = embedding.weight.detach()
-        self.weight = nn.Parameter(full[:, self.start:self.start + self.widths[self.rank]].clone(),
-                                   requires_grad=embedding.weight.requires_grad)
-        self.stats: Optional[WireStats] = None
+        self.weight = nn.Parameter(
+            full[:, self.start : self.start + self.widths[self.rank]].clone(),
+            requires_grad=embedding.weight.requires_grad,
+        )
+        self.stats: WireStats | None = None
 
     def forward(self, ids):
         return _ShardedLookup.apply(ids, self.weight, self, torch.is_grad_enabled())
@@ -114,14 +118,16 @@ class ColumnShardedEmbedding(nn.Module):
         """The whole ``vocab x hidden`` table (a collective: every rank calls it)."""
         widest = max(self.widths)  # gloo gathers equal sizes: pad to the widest slice
         mine = torch.zeros(self.num_embeddings, widest, dtype=self.weight.dtype, device=self.weight.device)
-        mine[:, :self.weight.shape[1]] = self.weight.detach()
+        mine[:, : self.weight.shape[1]] = self.weight.detach()
         parts = [torch.empty_like(mine) for _ in self.widths]
         dist.all_gather(parts, mine, group=self.group)
         return torch.cat([p[:, :w] for p, w in zip(parts, self.widths)], dim=1)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, columns {self.start}:"
-                f"{self.start + self.widths[self.rank]} of rank {self.rank}/{self.world}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, columns {self.start}:"
+            f"{self.start + self.widths[self.rank]} of rank {self.rank}/{self.world}"
+        )
 
 
 def _tied(model: nn.Module, weight: nn.Parameter) -> bool:
@@ -133,25 +139,33 @@ def shard_embeddings(model: nn.Module, group=None) -> list[str]:
     out of DDP (call before ``DDP(model)`` / ``accelerator.prepare``; every rank, same model). Returns the names of
     the replaced modules. A table tied to the output projection is refused (its gradient is dense: keep it
     replicated with ``exchange="allgather"``, or untie it)."""
-    from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
-        raise ValueError("shard_embeddings() must run before the model is wrapped in DDP (before accelerator.prepare "
-                         "/ trainer.train); it got the wrapped model.")
+        raise ValueError(
+            "shard_embeddings() must run before the model is wrapped in DDP (before accelerator.prepare "
+            "/ trainer.train); it got the wrapped model."
+        )
     if world_size_of(group) < 2:
         raise ValueError("sharded embeddings need a world of >= 2 processes (torchrun / accelerate launch).")
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m.weight.requires_grad]
     if not targets:
-        raise ValueError("EmbRace found no trainable nn.Embedding in the model; use a dense method (allreduce, "
-                         "acp_sgd) for models without trainable embeddings.")
+        raise ValueError(
+            "EmbRace found no trainable nn.Embedding in the model; use a dense method (allreduce, "
+            "acp_sgd) for models without trainable embeddings."
+        )
     for name, m in targets:
         if _tied(model, m.weight):
-            raise ValueError(f"EmbRace exchange='sharded': the embedding {name!r} is tied to another module (the "
-                             "output projection, tie_word_embeddings=True), whose gradient is dense. Untie it, or use "
-                             "exchange='allgather' / 'alltoall' (replicated tables).")
+            raise ValueError(
+                f"EmbRace exchange='sharded': the embedding {name!r} is tied to another module (the "
+                "output projection, tie_word_embeddings=True), whose gradient is dense. Untie it, or use "
+                "exchange='allgather' / 'alltoall' (replicated tables)."
+            )
     # the lookups travel on their own group: in backward they overlap DDP's all-reduce on the default group
-    own = dist.new_group(list(range(dist.get_world_size())) if group is None else
-                         [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))])
+    own = dist.new_group(
+        list(range(dist.get_world_size()))
+        if group is None
+        else [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    )
     names = []
     for name, m in targets:
         parent_name, _, child = name.rpartition(".")
@@ -177,19 +191,24 @@ def clip_sharded_grad_norm_(parameters, max_norm: float, model: nn.Module, norm_
     counted once, and every gradient is scaled by the same factor. Returns the total norm (the same on every rank).
     Every rank calls it."""
     if float(norm_type) != 2.0:
-        raise ValueError(f"clip_sharded_grad_norm_ with sharded embeddings supports norm_type=2 only, got "
-                         f"{norm_type}; use the Euclidean norm (the default).")
-    params = [p for p in (parameters if not isinstance(parameters, torch.Tensor) else [parameters])
-              if p.grad is not None]
+        raise ValueError(
+            f"clip_sharded_grad_norm_ with sharded embeddings supports norm_type=2 only, got "
+            f"{norm_type}; use the Euclidean norm (the default)."
+        )
+    params = [
+        p for p in (parameters if not isinstance(parameters, torch.Tensor) else [parameters]) if p.grad is not None
+    ]
     shards = sharded_embeddings(model)
     shard_ids = {id(m.weight) for m in shards.values()}
     dense = [p.grad for p in params if id(p) not in shard_ids]
     local = [p.grad for p in params if id(p) in shard_ids]
     device = params[0].grad.device if params else torch.device("cpu")
-    dense_sq = torch.nn.utils.get_total_norm(dense).to(device, torch.float32) ** 2 if dense else \
-        torch.zeros((), device=device)
-    shard_sq = torch.nn.utils.get_total_norm(local).to(device, torch.float32) ** 2 if local else \
-        torch.zeros((), device=device)
+    dense_sq = (
+        torch.nn.utils.get_total_norm(dense).to(device, torch.float32) ** 2 if dense else torch.zeros((), device=device)
+    )
+    shard_sq = (
+        torch.nn.utils.get_total_norm(local).to(device, torch.float32) ** 2 if local else torch.zeros((), device=device)
+    )
     if shards:
         dist.all_reduce(shard_sq, group=next(iter(shards.values())).group)
     total = (dense_sq + shard_sq).sqrt()
@@ -203,8 +222,9 @@ def unshard_embeddings(model: nn.Module) -> list[str]:
     names = []
     for name, m in sharded_embeddings(model).items():
         full = m.full_weight()
-        emb = nn.Embedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, device=full.device,
-                           dtype=full.dtype)
+        emb = nn.Embedding(
+            m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, device=full.device, dtype=full.dtype
+        )
         emb.weight.copy_(full)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, emb)

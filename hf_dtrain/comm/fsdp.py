@@ -26,25 +26,26 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
-from ..distributed import WireStats, check_same_across_ranks, world_size_of
+from ..distributed.collectives import check_same_across_ranks, world_size_of
+from ..distributed.counters import WireStats
 from .acp_sgd import ACPSGDState, decode, encode, tensor_state
 from .config import CommHookConfig
 
 FSDP_METHODS = ("allreduce", "bf16", "fp16", "acp_sgd")
 FSDP_REFUSALS = {
     "dear": "DeAR splits the all-reduce into a reduce-scatter in backward and an all-gather before the next forward; "
-            "FSDP2 already does exactly that for every unit",
+    "FSDP2 already does exactly that for every unit",
     "embrace": "EmbRace exchanges the rows of replicated embedding tables; FSDP2 shards the tables and "
-               "reduce-scatters their gradients densely",
+    "reduce-scatters their gradients densely",
     "s2_reducer": "the S2 Reducer sketches sparse whole-tensor gradients; FSDP2's replica exchange carries dense row "
-                  "shards (not built)",
+    "shards (not built)",
     "noop": "noop leaves gradients local for optimizers that exchange themselves; under FSDP2 a rank holds a shard, "
-            "not a replica",
+    "not a replica",
 }
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,10 +59,10 @@ class FSDPExchangeState:
     method is ``acp_sgd``; ``dense_fallbacks`` counts unit-steps that went dense because the layout did not match."""
 
     method: str
-    process_group: Optional[dist.ProcessGroup]
+    process_group: dist.ProcessGroup | None
     replicas: int
     stats: WireStats = field(default_factory=WireStats)
-    acp: Optional[ACPSGDState] = None
+    acp: ACPSGDState | None = None
     iter: int = 0  # optimizer steps finished (backward passes that reduced)
     dense_fallbacks: int = 0
     _in_step: bool = False
@@ -107,9 +108,12 @@ class FSDPExchangeState:
         views = _shard_views(group, reduce_output)
         if views is None:
             self.dense_fallbacks += 1
-            warnings.warn(f"hf_dtrain FSDP replica exchange: the reduce output of unit {name!r} does not match its "
-                          "trainable parameters (one got no gradient this step); this unit's step goes dense.",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"hf_dtrain FSDP replica exchange: the reduce output of unit {name!r} does not match its "
+                "trainable parameters (one got no gradient this step); this unit's step goes dense.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             self._all_reduce_mean(reduce_output)
             return
         acp = self.acp
@@ -119,8 +123,9 @@ class FSDPExchangeState:
             if view.dim() < 2 or not acp.compresses(view.shape):
                 states.append(None)
             else:
-                states.append(tensor_state(acp, key, view.shape[0], view.numel() // view.shape[0], view.device,
-                                           view.dtype))
+                states.append(
+                    tensor_state(acp, key, view.shape[0], view.numel() // view.shape[0], view.device, view.dtype)
+                )
         even = acp.even
         flat, orth, errors = encode(acp, grads, states, even)
         reduced = self._all_reduce_mean(flat)
@@ -132,7 +137,7 @@ def _param_groups(module) -> list:
     return list(groups)
 
 
-def _shard_views(group, reduce_output: torch.Tensor) -> Optional[list]:
+def _shard_views(group, reduce_output: torch.Tensor) -> list | None:
     """``(parameter name, view of its row shard in reduce_output)`` for each parameter in the buffer, or None when
     the buffer's size does not match the unit's trainable parameters."""
     params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
@@ -141,7 +146,7 @@ def _shard_views(group, reduce_output: torch.Tensor) -> Optional[list]:
     out, offset = [], 0
     for fp in params:
         size = fp.sharded_size
-        out.append((fp._param_fqn, reduce_output[offset:offset + size.numel()].view(size)))
+        out.append((fp._param_fqn, reduce_output[offset : offset + size.numel()].view(size)))
         offset += fp.padded_sharded_param_size.numel()
     return out
 
@@ -160,75 +165,99 @@ def _check_layout(units) -> None:
     for name, _, group in units:
         for fp in group.fsdp_params:
             if fp.fsdp_placement.dim != 0:
-                raise ValueError(f"the FSDP replica exchange needs row shards (Shard(0)); {fp._param_fqn!r} in unit "
-                                 f"{name!r} is sharded on dim {fp.fsdp_placement.dim}: drop shard_placement_fn.")
+                raise ValueError(
+                    f"the FSDP replica exchange needs row shards (Shard(0)); {fp._param_fqn!r} in unit "
+                    f"{name!r} is sharded on dim {fp.fsdp_placement.dim}: drop shard_placement_fn."
+                )
 
 
-def register_fsdp(model, config: Union[CommHookConfig, dict, str, None], replica_group) -> FSDPExchangeState:
+def register_fsdp(model, config: CommHookConfig | dict | str | None, replica_group) -> FSDPExchangeState:
     """Average gradients over HSDP replica groups with ``config.method`` (``allreduce``, ``bf16``, ``fp16`` or
-    ``acp_sgd``), through ``set_all_reduce_hook`` on every FSDP unit of ``model``.
+       ``acp_sgd``), through ``set_all_reduce_hook`` on every FSDP unit of ``model``.
 
-    ``model`` must be sharded with ``fully_shard`` on the ``dp_shard`` mesh dimension only, ``replica_group`` the
-    process group of the ``dp_replicate`` dimension::
+       ``model`` must be sharded with ``fully_shard`` on the ``dp_shard`` mesh dimension only, ``replica_group`` the
+       process group of the ``dp_replicate`` dimension::
 
-        mesh = fsdp_mesh(FSDPConfig(replicate=R))
-        apply_fsdp(model, config, mesh=mesh["dp_shard"])
-        state = register_fsdp(model, "acp_sgd", mesh["dp_replicate"].get_group())
- Call before the first backward. Returns the state (``state.stats``: bytes per step)."""
-    from torch.distributed.fsdp import FSDPModule
+           mesh = fsdp_mesh(FSDPConfig(replicate=R))
+           apply_fsdp(model, config, mesh=mesh["dp_shard"])
+           state = register_fsdp(model, "acp_sgd", mesh["dp_replicate"].get_group())
+    Call before the first backward. Returns the state (``state.stats``: bytes per step)."""
 
     config = CommHookConfig.from_any(config)
     if config.method not in FSDP_METHODS:
         why = FSDP_REFUSALS.get(config.method, "not built")
-        raise ValueError(f"comm_hook.method={config.method!r} cannot compress FSDP2's replica exchange: {why}. Use "
-                         f"one of {', '.join(FSDP_METHODS)}.")
+        raise ValueError(
+            f"comm_hook.method={config.method!r} cannot compress FSDP2's replica exchange: {why}. Use "
+            f"one of {', '.join(FSDP_METHODS)}."
+        )
     replicas = world_size_of(replica_group)
     if replicas < 2:
-        raise ValueError("the FSDP replica exchange needs >= 2 replica groups (HSDP: fsdp.replicate >= 2); with one "
-                         "group there is nothing to exchange across groups: drop the comm hook.")
+        raise ValueError(
+            "the FSDP replica exchange needs >= 2 replica groups (HSDP: fsdp.replicate >= 2); with one "
+            "group there is nothing to exchange across groups: drop the comm hook."
+        )
     units = []
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
             for group in _param_groups(module):
                 if getattr(group, "_is_hsdp", False):
-                    raise ValueError("the model is sharded on a 2D (HSDP) mesh, so FSDP2 already all-reduces across "
-                                     "replicas before any hook: shard it on the dp_shard mesh dimension only "
-                                     "(apply_fsdp(model, config, mesh=fsdp_mesh(config)['dp_shard'])).")
+                    raise ValueError(
+                        "the model is sharded on a 2D (HSDP) mesh, so FSDP2 already all-reduces across "
+                        "replicas before any hook: shard it on the dp_shard mesh dimension only "
+                        "(apply_fsdp(model, config, mesh=fsdp_mesh(config)['dp_shard']))."
+                    )
                 units.append((name or "<root>", module, group))
     if not units:
-        raise TypeError(f"register_fsdp needs a model sharded with fully_shard; {type(model).__name__} has no FSDP "
-                        "unit (apply_fsdp first).")
+        raise TypeError(
+            f"register_fsdp needs a model sharded with fully_shard; {type(model).__name__} has no FSDP "
+            "unit (apply_fsdp first)."
+        )
     _check_layout(units)
     check_same_across_ranks(dataclasses.asdict(config), "comm hook config")
     state = FSDPExchangeState(method=config.method, process_group=replica_group, replicas=replicas)
     if config.method == "acp_sgd":
-        state.acp = ACPSGDState(process_group=replica_group, rank=config.rank, start_iter=config.start_iter,
-                                min_compression_rate=config.min_compression_rate,
-                                use_error_feedback=config.use_error_feedback, seed=config.seed, stats=state.stats)
+        state.acp = ACPSGDState(
+            process_group=replica_group,
+            rank=config.rank,
+            start_iter=config.start_iter,
+            min_compression_rate=config.min_compression_rate,
+            use_error_feedback=config.use_error_feedback,
+            seed=config.seed,
+            stats=state.stats,
+        )
         # every shard shape any rank holds, so that all ranks agree on the verdict
-        state.acp.check_rank((fp._param_fqn, shape) for _, _, group in units for fp in group.fsdp_params
-                             if fp.sharded_param.requires_grad for shape in _all_shard_shapes(fp))
+        state.acp.check_rank(
+            (fp._param_fqn, shape)
+            for _, _, group in units
+            for fp in group.fsdp_params
+            if fp.sharded_param.requires_grad
+            for shape in _all_shard_shapes(fp)
+        )
     for name, module, group in units:
         if len(_param_groups(module)) != 1:
-            raise ValueError(f"FSDP unit {name!r} has several parameter groups (per-parameter meshes); the replica "
-                             "exchange needs one per unit.")
+            raise ValueError(
+                f"FSDP unit {name!r} has several parameter groups (per-parameter meshes); the replica "
+                "exchange needs one per unit."
+            )
         module.set_all_reduce_hook(lambda out, _g=group, _n=name: state.exchange(out, _g, _n))
     return state
 
 
 def fsdp_exchange_step_bytes(state: FSDPExchangeState, model, element_size: int = 4, even: bool = True) -> int:
     """Payload bytes one rank sends in one compressed step of ``state``'s method (the formula the tests check)."""
-    from torch.distributed.fsdp import FSDPModule
 
     shapes = []
     for _, module in model.named_modules():
         if isinstance(module, FSDPModule):
             for group in _param_groups(module):
-                shapes += [(fp._param_fqn, fp.sharded_size, fp.padded_sharded_param_size) for fp in group.fsdp_params
-                           if fp.sharded_param.requires_grad]
+                shapes += [
+                    (fp._param_fqn, fp.sharded_size, fp.padded_sharded_param_size)
+                    for fp in group.fsdp_params
+                    if fp.sharded_param.requires_grad
+                ]
     if state.method == "acp_sgd":
         total = 0
-        for _, size, padded in shapes:
+        for _, size, _padded in shapes:
             if len(size) >= 2 and state.acp.compresses(size):
                 n, m = size[0], size.numel() // size[0]
                 total += (n if even else m) * state.acp.rank

@@ -31,12 +31,12 @@ residual along (exact) and clears it.
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..distributed import WireStats, pack_bits, unpack_bits, world_size_of
+from ..distributed.collectives import pack_bits, unpack_bits, world_size_of
+from ..distributed.counters import WireStats
 
 
 @dataclass
@@ -51,7 +51,7 @@ class S2ReducerState:
       rows) and positions in the union.
     """
 
-    process_group: Optional[dist.ProcessGroup] = None
+    process_group: dist.ProcessGroup | None = None
     rows: int = 3
     width_factor: float = 4.0
     seed: int = 0
@@ -78,8 +78,6 @@ class S2ReducerState:
             raise ValueError(f"S2ReducerState.rows must be an odd positive integer, got {self.rows!r}.")
         if self.width_factor < 1:
             raise ValueError(f"S2ReducerState.width_factor must be >= 1, got {self.width_factor!r}.")
-
-
 
 
 def _hashes(state: S2ReducerState, n: int, width: int, bucket_index: int, device):
@@ -115,7 +113,7 @@ def s2_reducer_hook(state: S2ReducerState, bucket: dist.GradBucket) -> torch.fut
     offset = 0
     for size, k in zip(sizes, counts):
         if state.rows * math.ceil(state.width_factor * k) < size:
-            sparse[offset:offset + size] = True
+            sparse[offset : offset + size] = True
         offset += size
     union = (nonzero & sparse).nonzero().flatten()
     width = max(1, math.ceil(state.width_factor * union.numel()))

@@ -8,18 +8,16 @@ clipping would clip local gradients, so DeAR needs ``max_grad_norm=0``. An optim
 (``OneBitLamb``, torch's ``ZeroRedundancyOptimizer``) is consolidated on rank 0 before every save, since the Trainer
 writes rank 0's optimizer state only."""
 
-from typing import Optional, Union
-
 from transformers import TrainerCallback
 
 from . import CommHookConfig, exclude_embeddings, register, shard_embeddings, unshard_embeddings, unwrap_optimizer
+from .embrace_sharded import clip_sharded_grad_norm_
 
 
 def _clip_across_shards(trainer) -> None:
     """The Trainer clips with ``accelerator.clip_grad_norm_``, whose norm is each rank's own: with sharded tables
     the ranks would scale their dense gradients differently and drift apart. This accelerator clips with the norm
     summed over the shards instead (the Trainer also logs that norm as ``grad_norm``)."""
-    from .embrace_sharded import clip_sharded_grad_norm_
 
     accelerator, model = trainer.accelerator, trainer.model
 
@@ -38,22 +36,24 @@ class CommHookCallback(TrainerCallback):
     bytes put on the wire per optimizer step.
     """
 
-    def __init__(self, config: Union[CommHookConfig, dict, str, None] = None):
+    def __init__(self, config: CommHookConfig | dict | str | None = None):
         self.config = CommHookConfig.from_any(config)
         self.trainer = None
         self.state = None
         self._pending = None
 
     @classmethod
-    def attach(cls, trainer, config: Union[CommHookConfig, dict, str, None] = None) -> "CommHookCallback":
+    def attach(cls, trainer, config: CommHookConfig | dict | str | None = None) -> "CommHookCallback":
         callback = cls(config)
         callback.trainer = trainer
         if callback.config.method == "embrace" and callback.config.exchange == "sharded":
             if trainer.args.save_strategy != "no":
-                raise ValueError("EmbRace exchange='sharded' holds a column slice of each embedding table per rank, "
-                                 "which a mid-training checkpoint would save as is; set save_strategy='no' (the "
-                                 "callback puts the full tables back at the end of training, before you save), or "
-                                 "use exchange='allgather'.")
+                raise ValueError(
+                    "EmbRace exchange='sharded' holds a column slice of each embedding table per rank, "
+                    "which a mid-training checkpoint would save as is; set save_strategy='no' (the "
+                    "callback puts the full tables back at the end of training, before you save), or "
+                    "use exchange='allgather'."
+                )
             shard_embeddings(trainer.model)
             _clip_across_shards(trainer)
         elif callback.config.method == "embrace":
@@ -63,19 +63,25 @@ class CommHookCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer is None:
-            raise ValueError("CommHookCallback needs its trainer (the DDP model is trainer.model_wrapped): use "
-                             "CommHookCallback.attach(trainer, config) instead of callbacks=[CommHookCallback()].")
+            raise ValueError(
+                "CommHookCallback needs its trainer (the DDP model is trainer.model_wrapped): use "
+                "CommHookCallback.attach(trainer, config) instead of callbacks=[CommHookCallback()]."
+            )
         if self.state is not None:  # a second train() on the same wrapped model: the hook is already in place
             return
         if self.config.method == "dear" and args.max_grad_norm:
-            raise ValueError(f"DeAR averages gradients after optimizer.step() is called, so the Trainer's gradient "
-                             f"clipping (max_grad_norm={args.max_grad_norm}) would clip local gradients; set "
-                             "TrainingArguments(max_grad_norm=0) (--max_grad_norm 0).")
+            raise ValueError(
+                f"DeAR averages gradients after optimizer.step() is called, so the Trainer's gradient "
+                f"clipping (max_grad_norm={args.max_grad_norm}) would clip local gradients; set "
+                "TrainingArguments(max_grad_norm=0) (--max_grad_norm 0)."
+            )
         inner = unwrap_optimizer(self.trainer.optimizer) if self.trainer.optimizer is not None else None
         if getattr(inner, "exchanges_gradients_itself", False) and args.max_grad_norm:
-            raise ValueError(f"{type(inner).__name__} averages the gradients inside its step(), so the Trainer's "
-                             f"gradient clipping (max_grad_norm={args.max_grad_norm}) would clip each rank's local "
-                             "gradient; set TrainingArguments(max_grad_norm=0) (--max_grad_norm 0).")
+            raise ValueError(
+                f"{type(inner).__name__} averages the gradients inside its step(), so the Trainer's "
+                f"gradient clipping (max_grad_norm={args.max_grad_norm}) would clip each rank's local "
+                "gradient; set TrainingArguments(max_grad_norm=0) (--max_grad_norm 0)."
+            )
         self.state = register(self.trainer.model_wrapped, self.config, optimizer=self.trainer.optimizer)
         if self._pending is not None:  # restored by a snapshot before the hook existed
             self.state.load_state_dict(self._pending)
@@ -101,8 +107,12 @@ class CommHookCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         # DeAR: the last update is deferred to the next forward; apply it before the weights are read
-        if control.should_save or control.should_evaluate or control.should_training_stop or (
-                state.max_steps and state.global_step >= state.max_steps):
+        if (
+            control.should_save
+            or control.should_evaluate
+            or control.should_training_stop
+            or (state.max_steps and state.global_step >= state.max_steps)
+        ):
             self._flush()
         # an optimizer with per-rank state (1-bit LAMB's error feedback, torch's ZeroRedundancyOptimizer): the
         # Trainer writes rank 0's state_dict() only, so every rank's part is gathered there first
@@ -118,10 +128,14 @@ class CommHookCallback(TrainerCallback):
         if hasattr(inner, "finish"):  # asynchronous gossip: the last messages, on every rank
             inner.finish()
 
-    def summary(self) -> Optional[dict]:
+    def summary(self) -> dict | None:
         """Bytes per step of the finished steps (None before training)."""
         if self.state is None:
             return None
         steps = self.state.stats.steps
-        return {"method": self.config.method, "steps": len(steps), "bytes_per_step_mean": sum(steps) / max(1, len(steps)),
-                "bytes_last_step": steps[-1] if steps else None}
+        return {
+            "method": self.config.method,
+            "steps": len(steps),
+            "bytes_per_step_mean": sum(steps) / max(1, len(steps)),
+            "bytes_last_step": steps[-1] if steps else None,
+        }

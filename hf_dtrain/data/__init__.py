@@ -3,5 +3,11 @@
 from .coreset import craig_select, craig_subset, lm_gradient_proxies
 from .partition import HeterogeneityAwareSampler, partition_indices, speed_quotas
 
-__all__ = ["HeterogeneityAwareSampler", "partition_indices", "speed_quotas", "craig_select", "craig_subset",
-           "lm_gradient_proxies"]
+__all__ = [
+    "HeterogeneityAwareSampler",
+    "craig_select",
+    "craig_subset",
+    "lm_gradient_proxies",
+    "partition_indices",
+    "speed_quotas",
+]

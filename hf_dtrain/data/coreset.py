@@ -24,7 +24,7 @@ to the logits, CRAIG's last-layer proxy).
 from __future__ import annotations
 
 import heapq
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ def _lazy_greedy(sim: torch.Tensor, k: int) -> list[int]:
     heapq.heapify(heap)
     chosen: list[int] = []
     while len(chosen) < k and heap:
-        neg_gain, j = heapq.heappop(heap)
+        _neg_gain, j = heapq.heappop(heap)
         gain = float((sim[:, j] - best).clamp(min=0).sum())
         if not heap or gain >= -heap[0][0] - 1e-12:  # still the best after refreshing its gain: take it
             chosen.append(j)
@@ -49,16 +49,19 @@ def _lazy_greedy(sim: torch.Tensor, k: int) -> list[int]:
     return chosen
 
 
-def craig_select(proxies: torch.Tensor, size: Union[int, float], labels: Optional[Sequence[int]] = None
-                 ) -> tuple[list[int], torch.Tensor]:
+def craig_select(
+    proxies: torch.Tensor, size: int | float, labels: Sequence[int] | None = None
+) -> tuple[list[int], torch.Tensor]:
     """CRAIG subset of ``size`` examples (an int, or a fraction in (0, 1]) from per-example gradient proxies
     ``proxies`` (n x d); returns (indices, weights) with weights summing to n (the examples each one stands for).
     With labels, each class gets its share of ``size`` and at least one example."""
     if not torch.is_tensor(proxies) or proxies.dim() != 2:
-        raise TypeError(f"proxies must be an (n, d) tensor of per-example gradient proxies, got "
-                        f"{type(proxies).__name__}{tuple(getattr(proxies, 'shape', ()))}.")
+        raise TypeError(
+            f"proxies must be an (n, d) tensor of per-example gradient proxies, got "
+            f"{type(proxies).__name__}{tuple(getattr(proxies, 'shape', ()))}."
+        )
     n = proxies.shape[0]
-    k = int(round(size * n)) if isinstance(size, float) else int(size)
+    k = round(size * n) if isinstance(size, float) else int(size)
     if isinstance(size, float) and not 0 < size <= 1:
         raise ValueError(f"size as a fraction must be in (0, 1], got {size!r}.")
     if not 1 <= k <= n:
@@ -86,8 +89,13 @@ def craig_select(proxies: torch.Tensor, size: Union[int, float], labels: Optiona
     return indices, torch.tensor(weights, dtype=torch.float64)
 
 
-def craig_subset(dataset, proxies: torch.Tensor, size: Union[int, float], labels: Optional[Sequence[int]] = None,
-                 weight_column: str = "weight"):
+def craig_subset(
+    dataset,
+    proxies: torch.Tensor,
+    size: int | float,
+    labels: Sequence[int] | None = None,
+    weight_column: str = "weight",
+):
     """The CRAIG subset of a ``datasets.Dataset`` as a ``datasets.Dataset`` with a ``weight`` column (use it to
     weigh each example's loss; the weights sum to ``len(dataset)``)."""
     if len(dataset) != proxies.shape[0]:

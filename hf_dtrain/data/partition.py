@@ -22,13 +22,12 @@ sample weighs the same.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Sampler
 
-from hf_dtrain.distributed import speed_quotas  # noqa: F401  (the quota rule; part of this module's API)
-
+from hf_dtrain.distributed.quotas import speed_quotas
 
 EXACT_GREEDY_MAX = 512  # classes up to this size: exact greedy; above: stochastic greedy
 STOCHASTIC_CANDIDATES = 64
@@ -54,7 +53,7 @@ def _class_counts(class_sizes: list[int], speeds: Sequence[float], quotas: list[
                 flow.add_edge(("c", c), ("w", i), capacity=1)
     for i in range(k):
         flow.add_edge(("w", i), "sink", capacity=quotas[i] - sum(row[i] for row in counts))
-    value, paths = nx.maximum_flow(flow, "src", "sink")
+    _value, paths = nx.maximum_flow(flow, "src", "sink")
     for c in range(len(class_sizes)):
         for node, units in paths.get(("c", c), {}).items():
             counts[c][node[1]] += units
@@ -97,8 +96,13 @@ def _facility_deal(features: torch.Tensor, counts: list[int], generator: torch.G
     return picks
 
 
-def partition_indices(labels: Optional[Sequence[int]], speeds: Sequence[float], n: Optional[int] = None,
-                      features: Optional[torch.Tensor] = None, seed: int = 0) -> list[list[int]]:
+def partition_indices(
+    labels: Sequence[int] | None,
+    speeds: Sequence[float],
+    n: int | None = None,
+    features: torch.Tensor | None = None,
+    seed: int = 0,
+) -> list[list[int]]:
     """The shards (dataset indices per worker); the same on every rank for the same arguments."""
     if labels is None and n is None:
         raise ValueError("partition_indices needs labels= (one per sample) or n= (the number of samples).")
@@ -108,15 +112,19 @@ def partition_indices(labels: Optional[Sequence[int]], speeds: Sequence[float], 
     if len(speeds) < 1 or any(not (s > 0 and math.isfinite(s)) for s in speeds):
         raise ValueError(f"speeds must be positive finite numbers, one per worker, got {speeds!r}.")
     if len(speeds) > n:
-        raise ValueError(f"A partition of {n} samples over {len(speeds)} workers would leave workers empty: use at "
-                         "most as many workers as samples (or more data).")
+        raise ValueError(
+            f"A partition of {n} samples over {len(speeds)} workers would leave workers empty: use at "
+            "most as many workers as samples (or more data)."
+        )
     if features is not None and features.shape[0] != n:
         raise ValueError(f"features has {features.shape[0]} rows for {n} samples; give one feature row per sample.")
     quotas = speed_quotas(n, speeds)
     if min(quotas) == 0:
         slow = [i for i, q in enumerate(quotas) if q == 0]
-        raise ValueError(f"Workers {slow} get no sample ({n} samples for speeds {speeds}); give more data or drop "
-                         "the slowest workers.")
+        raise ValueError(
+            f"Workers {slow} get no sample ({n} samples for speeds {speeds}); give more data or drop "
+            "the slowest workers."
+        )
     classes = sorted(set(labels))
     members = {c: [i for i, y in enumerate(labels) if y == c] for c in classes}
     counts = _class_counts([len(members[c]) for c in classes], speeds, quotas)
@@ -132,7 +140,7 @@ def partition_indices(labels: Optional[Sequence[int]], speeds: Sequence[float], 
             order = torch.randperm(len(idx), generator=gen).tolist()
             start = 0
             for w, k in enumerate(row):
-                shards[w].extend(idx[p] for p in order[start:start + k])
+                shards[w].extend(idx[p] for p in order[start : start + k])
                 start += k
     return [sorted(s) for s in shards]
 
@@ -145,9 +153,17 @@ class HeterogeneityAwareSampler(Sampler[int]):
     throughputs (samples per second measured on each worker, or any proportional numbers).
     """
 
-    def __init__(self, labels: Optional[Sequence[int]], speeds: Sequence[float], rank: Optional[int] = None,
-                 features: Optional[torch.Tensor] = None, shuffle: bool = True, seed: int = 0,
-                 num_samples: Optional[int] = None, global_batch_size: Optional[int] = None):
+    def __init__(
+        self,
+        labels: Sequence[int] | None,
+        speeds: Sequence[float],
+        rank: int | None = None,
+        features: torch.Tensor | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_samples: int | None = None,
+        global_batch_size: int | None = None,
+    ):
         if rank is None:
             import torch.distributed as dist
 
@@ -161,11 +177,13 @@ class HeterogeneityAwareSampler(Sampler[int]):
         # DistributedSampler pads) so that every rank has the same number of batches per epoch: rounding the batch
         # sizes would otherwise leave one rank a batch short, and its peers waiting in a collective
         self.global_batch_size = global_batch_size
-        self.steps_per_epoch: Optional[int] = None
+        self.steps_per_epoch: int | None = None
         if global_batch_size is not None:
             if not isinstance(global_batch_size, int) or global_batch_size < len(speeds):
-                raise ValueError(f"global_batch_size must be an integer >= the number of workers ({len(speeds)}), "
-                                 f"got {global_batch_size!r}.")
+                raise ValueError(
+                    f"global_batch_size must be an integer >= the number of workers ({len(speeds)}), "
+                    f"got {global_batch_size!r}."
+                )
             sizes = [max(1, b) for b in speed_quotas(global_batch_size, self.shard_sizes)]
             self.steps_per_epoch = max(-(-len(s) // b) for s, b in zip(self.shards, sizes))
 

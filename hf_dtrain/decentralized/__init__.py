@@ -1,5 +1,6 @@
 """Decentralized and straggler-tolerant training: topologies with doubly stochastic mixing, neighbour gossip on
-torch.distributed, and optimizers built on them (D-PSGD, DecentLaM, LSGD, AL-DSGD), the DiLoCo baseline with an optional 1-bit outer exchange, and Non-blocking SGD with a straggler injector."""
+torch.distributed, and optimizers built on them (D-PSGD, DecentLaM, LSGD, AL-DSGD), the DiLoCo baseline with an optional
+1-bit outer exchange, and Non-blocking SGD with a straggler injector."""
 
 from .aldsgd import ALDSGD
 from .config import DiLoCoConfig, GossipConfig
@@ -11,5 +12,20 @@ from .lsgd import LSGD
 from .nonblocking import NonBlockingSGD, Straggler
 from .topology import MatchaTopology, Topology, metropolis_weights
 
-__all__ = ["GossipConfig", "DiLoCoConfig", "Topology", "MatchaTopology", "metropolis_weights", "gossip", "exchange", "consensus_distance", "DPSGD",
-           "DecentLaM", "DiLoCo", "LSGD", "ALDSGD", "NonBlockingSGD", "Straggler"]
+__all__ = [
+    "ALDSGD",
+    "DPSGD",
+    "LSGD",
+    "DecentLaM",
+    "DiLoCo",
+    "DiLoCoConfig",
+    "GossipConfig",
+    "MatchaTopology",
+    "NonBlockingSGD",
+    "Straggler",
+    "Topology",
+    "consensus_distance",
+    "exchange",
+    "gossip",
+    "metropolis_weights",
+]

@@ -3,23 +3,24 @@ parameters that is gossiped, the model's loss (for leader-based methods) and the
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 from torch import nn
 
-from ..distributed import WholeReplicaGuard, WireStats, keep_gradients_local
+from ..distributed.counters import WireStats
+from ..distributed.engines import WholeReplicaGuard, keep_gradients_local
 from .gossip import AsyncGossip, check_world, consensus_distance, flatten, gossip, require_world, unflatten_into
 from .topology import Topology
 
 
-def resolve_topology(topology: Union[str, Topology], world: int, **kwargs) -> Topology:
+def resolve_topology(topology: str | Topology, world: int, **kwargs) -> Topology:
     if isinstance(topology, Topology):
         return topology
     if isinstance(topology, str):
         return Topology.named(topology, world, **kwargs)
-    raise TypeError(f"topology must be a Topology or a name (ring, torus, exponential, fully_connected, matcha), got "
-                    f"{type(topology).__name__}.")
+    raise TypeError(
+        f"topology must be a Topology or a name (ring, torus, exponential, fully_connected, matcha), got "
+        f"{type(topology).__name__}."
+    )
 
 
 class GossipMixin:
@@ -27,14 +28,14 @@ class GossipMixin:
 
     exchanges_gradients_itself = True  # DDP must not average (noop hook), and a Trainer must not clip local grads
 
-    def _init_gossip(self, topology, process_group=None, model: Optional[nn.Module] = None, **topology_kwargs):
+    def _init_gossip(self, topology, process_group=None, model: nn.Module | None = None, **topology_kwargs):
         self._replica_guard = WholeReplicaGuard(self, type(self).__name__)
         self.topology = resolve_topology(topology, require_world(process_group), **topology_kwargs)
         self.rank = check_world(self.topology, process_group)
         self.process_group = process_group
         self.stats = WireStats()
         self.gossip_steps = 0
-        self._last_loss: Optional[float] = None
+        self._last_loss: float | None = None
         if model is not None:
             model.register_forward_hook(self._record_loss)
 
@@ -74,9 +75,11 @@ class GossipMixin:
 
     def _current_loss(self) -> float:
         if self._last_loss is None:
-            raise ValueError(f"{type(self).__name__} picks leaders by the current loss: pass model= (a model whose "
-                             "forward returns .loss, as transformers models do) or call optimizer.set_loss(loss) "
-                             "before optimizer.step().")
+            raise ValueError(
+                f"{type(self).__name__} picks leaders by the current loss: pass model= (a model whose "
+                "forward returns .loss, as transformers models do) or call optimizer.set_loss(loss) "
+                "before optimizer.step()."
+            )
         return float(self._last_loss)
 
     def _closure_loss(self, closure):

@@ -14,7 +14,7 @@ comes from a forward hook on ``model`` or ``optimizer.set_loss(loss)``.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,9 +25,18 @@ from .gossip import exchange
 from .topology import Topology
 
 
-def aldsgd_combine(rank: int, x: torch.Tensor, loss: float, degree: int,
-                   neighbours: dict[int, tuple[torch.Tensor, float, int]], w_row: torch.Tensor, c1: float, c2: float,
-                   p1: float, p2: float) -> tuple[torch.Tensor, int, int]:
+def aldsgd_combine(
+    rank: int,
+    x: torch.Tensor,
+    loss: float,
+    degree: int,
+    neighbours: dict[int, tuple[torch.Tensor, float, int]],
+    w_row: torch.Tensor,
+    c1: float,
+    c2: float,
+    p1: float,
+    p2: float,
+) -> tuple[torch.Tensor, int, int]:
     """One AL-DSGD combination on rank ``rank``: ``neighbours`` maps each active neighbour to (parameters, loss,
     degree), ``w_row`` is row ``rank`` of the mixing matrix. Returns the new parameters, the lowest-loss rank and the
     highest-degree rank among itself and its neighbours (ties go to the lowest rank)."""
@@ -49,12 +58,24 @@ class ALDSGD(GossipMixin, WrappedOptimizer):
 
     state_key = "aldsgd"
 
-    def __init__(self, params, model: Optional[nn.Module] = None, topology: Union[str, Topology] = "matcha",
-                 base_optimizer: Union[str, Callable] = "sgd", c1: float = 0.3, c2: float = 0.1, p1: float = 0.2,
-                 p2: float = 0.2, budget: float = 0.5, seed: int = 0, process_group=None, **base_kwargs):
-        if not (0 <= c1 and 0 <= c2 and c1 + c2 <= 1):
+    def __init__(
+        self,
+        params,
+        model: nn.Module | None = None,
+        topology: str | Topology = "matcha",
+        base_optimizer: str | Callable = "sgd",
+        c1: float = 0.3,
+        c2: float = 0.1,
+        p1: float = 0.2,
+        p2: float = 0.2,
+        budget: float = 0.5,
+        seed: int = 0,
+        process_group=None,
+        **base_kwargs,
+    ):
+        if not (c1 >= 0 and c2 >= 0 and c1 + c2 <= 1):
             raise ValueError(f"ALDSGD needs c1, c2 >= 0 with c1 + c2 <= 1, got c1={c1!r}, c2={c2!r}.")
-        if not (0 <= p1 and 0 <= p2 and p1 + p2 <= 1):
+        if not (p1 >= 0 and p2 >= 0 and p1 + p2 <= 1):
             raise ValueError(f"ALDSGD needs p1, p2 >= 0 with p1 + p2 <= 1, got p1={p1!r}, p2={p2!r}.")
         self._init_wrapper()
         self.base = build_base_optimizer(base_optimizer, params, "ALDSGD", **base_kwargs)
@@ -75,8 +96,9 @@ class ALDSGD(GossipMixin, WrappedOptimizer):
         received = exchange(message, self.topology, t, self.process_group, self.stats)
         if received:
             neighbours = {j: (m[:-2], float(m[-2]), int(m[-1])) for j, m in received.items()}
-            y, best, maxdeg = aldsgd_combine(i, x, self._current_loss(), degree, neighbours, w[i],
-                                             self.c1, self.c2, self.p1, self.p2)
+            y, best, maxdeg = aldsgd_combine(
+                i, x, self._current_loss(), degree, neighbours, w[i], self.c1, self.c2, self.p1, self.p2
+            )
             self._set_flat(y)
             self.leaders.append((t, best, maxdeg))
         self.gossip_steps += 1

@@ -20,8 +20,6 @@ that gap holds several steps of progress, and the momentum accumulates it. Prefe
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch._utils import _flatten_dense_tensors
 
@@ -32,9 +30,17 @@ from .topology import Topology
 class DecentLaM(GossipMixin, torch.optim.Optimizer):
     """``DecentLaM(params, lr, momentum=0.9, weight_decay=0.0, topology="ring")``."""
 
-    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-                 topology: Union[str, Topology] = "ring", process_group=None, asynchronous: bool = False,
-                 max_staleness: int = 4):
+    def __init__(
+        self,
+        params,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        topology: str | Topology = "ring",
+        process_group=None,
+        asynchronous: bool = False,
+        max_staleness: int = 4,
+    ):
         if not lr > 0:
             raise ValueError(f"DecentLaM lr must be > 0, got {lr!r}.")
         if not 0 <= momentum < 1:
@@ -63,7 +69,7 @@ class DecentLaM(GossipMixin, torch.optim.Optimizer):
         z_mixed = self._mix(_flatten_dense_tensors(z_parts), self.gossip_steps)
         offset = 0
         for p, (lr, momentum) in zip(params, hyper):
-            zm = z_mixed[offset:offset + p.numel()].view_as(p)
+            zm = z_mixed[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             g_tilde = (p - zm) / lr
             st = self.state[p]

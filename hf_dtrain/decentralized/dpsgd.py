@@ -19,7 +19,7 @@ DDP's ``noop_hook`` (:meth:`DPSGD.attach_ddp`) so the gradients stay local.
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from collections.abc import Callable
 
 import torch
 
@@ -34,12 +34,21 @@ class DPSGD(GossipMixin, WrappedOptimizer):
 
     state_key = "dpsgd"
 
-    def __init__(self, params, topology: Union[str, Topology] = "ring", base_optimizer: Union[str, Callable] = "sgd",
-                 mode: str = "atc", process_group=None, asynchronous: bool = False, max_staleness: int = 4,
-                 **base_kwargs):
+    def __init__(
+        self,
+        params,
+        topology: str | Topology = "ring",
+        base_optimizer: str | Callable = "sgd",
+        mode: str = "atc",
+        process_group=None,
+        asynchronous: bool = False,
+        max_staleness: int = 4,
+        **base_kwargs,
+    ):
         if mode not in ("atc", "cta"):
-            raise ValueError(f"DPSGD mode must be 'atc' (adapt then combine) or 'cta' (combine then adapt), got "
-                             f"{mode!r}.")
+            raise ValueError(
+                f"DPSGD mode must be 'atc' (adapt then combine) or 'cta' (combine then adapt), got {mode!r}."
+            )
         self._init_wrapper()
         self.base = build_base_optimizer(base_optimizer, params, "DPSGD", **base_kwargs)
         self.mode = mode

@@ -9,13 +9,14 @@ bounded by the process group's timeout.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+import threading
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..distributed import WireStats
+from ..distributed.counters import WireStats
 from .topology import Topology
 
 
@@ -26,9 +27,11 @@ def _global(rank: int, group) -> int:
 def require_world(group=None) -> int:
     """The size of ``group``; a clear error unless torch.distributed runs with >= 2 processes."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
-        raise ValueError("Decentralized training needs torch.distributed initialised with >= 2 processes; world size 1 "
-                         "has nobody to gossip with (launch with torchrun --nproc_per_node >= 2 or accelerate launch "
-                         "--num_processes >= 2).")
+        raise ValueError(
+            "Decentralized training needs torch.distributed initialised with >= 2 processes; world size 1 "
+            "has nobody to gossip with (launch with torchrun --nproc_per_node >= 2 or accelerate launch "
+            "--num_processes >= 2)."
+        )
     return dist.get_world_size(group)
 
 
@@ -36,13 +39,16 @@ def check_world(topology: Topology, group=None) -> int:
     """This rank in ``group``; a clear error unless the topology has one node per rank of the group."""
     world = require_world(group)
     if topology.n != world:
-        raise ValueError(f"The topology has {topology.n} nodes but the process group has {world} ranks; build it for "
-                         f"the world size, e.g. Topology.ring({world}).")
+        raise ValueError(
+            f"The topology has {topology.n} nodes but the process group has {world} ranks; build it for "
+            f"the world size, e.g. Topology.ring({world})."
+        )
     return dist.get_rank(group)
 
 
-def exchange(tensor: torch.Tensor, topology: Topology, step: int = 0, group=None,
-             stats: Optional[WireStats] = None) -> dict[int, torch.Tensor]:
+def exchange(
+    tensor: torch.Tensor, topology: Topology, step: int = 0, group=None, stats: WireStats | None = None
+) -> dict[int, torch.Tensor]:
     """Send ``tensor`` to this rank's out-neighbours at ``step`` and return ``{j: x_j}`` from its in-neighbours."""
     rank = dist.get_rank(group)
     ops, received = [], {}
@@ -59,8 +65,9 @@ def exchange(tensor: torch.Tensor, topology: Topology, step: int = 0, group=None
     return received
 
 
-def gossip(tensor: torch.Tensor, topology: Topology, step: int = 0, group=None,
-           stats: Optional[WireStats] = None) -> torch.Tensor:
+def gossip(
+    tensor: torch.Tensor, topology: Topology, step: int = 0, group=None, stats: WireStats | None = None
+) -> torch.Tensor:
     """``sum_j W[i, j] x_j`` on rank ``i`` (a new tensor; ``tensor`` is left as it is)."""
     if topology.is_uniform_complete(step):
         out = tensor.clone()
@@ -124,16 +131,27 @@ class AsyncGossip:
     is a synchronisation point again.
     """
 
-    def __init__(self, numel: int, topology: Topology, group=None, max_staleness: int = 4,
-                 stats: Optional[WireStats] = None, dtype: torch.dtype = torch.float32, timeout_s: float = 600.0):
-        import threading
+    def __init__(
+        self,
+        numel: int,
+        topology: Topology,
+        group=None,
+        max_staleness: int = 4,
+        stats: WireStats | None = None,
+        dtype: torch.dtype = torch.float32,
+        timeout_s: float = 600.0,
+    ):
 
         if not isinstance(max_staleness, int) or max_staleness < 1:
-            raise ValueError(f"max_staleness must be an integer >= 1 (steps of this rank a neighbour's value may "
-                             f"be old), got {max_staleness!r}.")
+            raise ValueError(
+                f"max_staleness must be an integer >= 1 (steps of this rank a neighbour's value may "
+                f"be old), got {max_staleness!r}."
+            )
         if type(topology).mixing is not Topology.mixing:
-            raise ValueError(f"asynchronous gossip needs a static topology (ring, torus, exponential, "
-                             f"fully_connected); {topology.name!r} changes with the step.")
+            raise ValueError(
+                f"asynchronous gossip needs a static topology (ring, torus, exponential, "
+                f"fully_connected); {topology.name!r} changes with the step."
+            )
         ranks = list(range(dist.get_world_size(group)))
         self.group = dist.new_group([_global(r, group) for r in ranks])  # every rank, in order: its own channel
         self.rank = dist.get_rank(group)
@@ -144,21 +162,23 @@ class AsyncGossip:
         self.numel, self.dtype = numel, dtype
         self._peer = {j: _global(j, group) for j in set(self.ins) | set(self.outs)}
         self._cond = threading.Condition()
-        self.latest: dict[int, Optional[torch.Tensor]] = {j: None for j in self.ins}
-        self.their_step = {j: -1 for j in self.ins}
-        self.fresh_at = {j: 0 for j in self.ins}  # this rank's step when j's newest value arrived
-        self.done = {j: False for j in self.ins}
-        self._outbox: dict[int, Optional[tuple]] = {j: None for j in self.outs}  # (step, value, done) not yet sent
+        self.latest: dict[int, torch.Tensor | None] = dict.fromkeys(self.ins)
+        self.their_step = dict.fromkeys(self.ins, -1)
+        self.fresh_at = dict.fromkeys(self.ins, 0)  # this rank's step when j's newest value arrived
+        self.done = dict.fromkeys(self.ins, False)
+        self._outbox: dict[int, tuple | None] = dict.fromkeys(self.outs)  # (step, value, done) not yet sent
         self._errors: list[BaseException] = []
         self.step = 0
         self.waits = 0  # staleness waits (the bound at work)
         self.max_seen_staleness = 0  # the oldest value mixed, in this rank's steps
         self.replaced_sends = 0  # values replaced by a newer one before their neighbour took them
         self.closed = False
-        self._threads = [threading.Thread(target=self._receive, args=(j,), daemon=True, name=f"gossip-recv-{j}")
-                         for j in self.ins]
-        self._threads += [threading.Thread(target=self._send_loop, args=(j,), daemon=True, name=f"gossip-send-{j}")
-                          for j in self.outs]
+        self._threads = [
+            threading.Thread(target=self._receive, args=(j,), daemon=True, name=f"gossip-recv-{j}") for j in self.ins
+        ]
+        self._threads += [
+            threading.Thread(target=self._send_loop, args=(j,), daemon=True, name=f"gossip-send-{j}") for j in self.outs
+        ]
         for t in self._threads:
             t.start()
 
@@ -178,7 +198,7 @@ class AsyncGossip:
                     self._cond.notify_all()
                 if buf[-1] > 0:
                     return
-        except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+        except BaseException as e:
             with self._cond:
                 self._errors.append(e)
                 self._cond.notify_all()
@@ -197,15 +217,17 @@ class AsyncGossip:
                 dist.send(buf, dst=self._peer[j], group=self.group)
                 if done:
                     return
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             with self._cond:
                 self._errors.append(e)
                 self._cond.notify_all()
 
     def _check_errors(self) -> None:
         if self._errors:
-            raise RuntimeError(f"asynchronous gossip on rank {self.rank}: a neighbour's exchange failed (did a rank "
-                               f"die?): {self._errors[0]}") from self._errors[0]
+            raise RuntimeError(
+                f"asynchronous gossip on rank {self.rank}: a neighbour's exchange failed (did a rank "
+                f"die?): {self._errors[0]}"
+            ) from self._errors[0]
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         """One asynchronous gossip step on flat ``x``; returns the mixed vector (``x`` is left as it is)."""
@@ -223,16 +245,19 @@ class AsyncGossip:
             self._cond.notify_all()
 
             def fresh(j):
-                return self.done[j] or (self.latest[j] is not None
-                                        and self.step - self.fresh_at[j] <= self.max_staleness)
+                return self.done[j] or (
+                    self.latest[j] is not None and self.step - self.fresh_at[j] <= self.max_staleness
+                )
 
             for j in self.ins:  # the bound: wait for a value at most max_staleness of this rank's steps old
                 if not fresh(j):
                     self.waits += 1
                     if not self._cond.wait_for(lambda: fresh(j) or bool(self._errors), timeout=self.timeout_s):
-                        raise RuntimeError(f"asynchronous gossip on rank {self.rank}: no value from rank {j} for "
-                                           f"{self.timeout_s:.0f} s (max_staleness={self.max_staleness}); did it "
-                                           "die or stop without finish()?")
+                        raise RuntimeError(
+                            f"asynchronous gossip on rank {self.rank}: no value from rank {j} for "
+                            f"{self.timeout_s:.0f} s (max_staleness={self.max_staleness}); did it "
+                            "die or stop without finish()?"
+                        )
                     self._check_errors()
             latest = dict(self.latest)
             for j in self.ins:
@@ -256,6 +281,8 @@ class AsyncGossip:
         for t in self._threads:
             t.join(self.timeout_s)
             if t.is_alive():
-                raise RuntimeError(f"asynchronous gossip on rank {self.rank}: {t.name} did not finish within "
-                                   f"{self.timeout_s:.0f} s (a neighbour did not call finish()?).")
+                raise RuntimeError(
+                    f"asynchronous gossip on rank {self.rank}: {t.name} did not finish within "
+                    f"{self.timeout_s:.0f} s (a neighbour did not call finish()?)."
+                )
         self._check_errors()

@@ -15,13 +15,13 @@ couplings 0 it is independent local SGD on every rank. Under DDP register DDP's 
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import all_gather_single
+from ..distributed.collectives import all_gather_single
 from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
 from .topology import Topology
@@ -34,9 +34,19 @@ class LSGD(GossipMixin, WrappedOptimizer):
 
     state_key = "lsgd"
 
-    def __init__(self, params, model: Optional[nn.Module] = None, base_optimizer: Union[str, Callable] = "sgd",
-                 c_local: float = 0.1, c_global: float = 0.1, local_period: int = 256, global_period: int = 256,
-                 ranks_per_node: Optional[int] = None, process_group=None, **base_kwargs):
+    def __init__(
+        self,
+        params,
+        model: nn.Module | None = None,
+        base_optimizer: str | Callable = "sgd",
+        c_local: float = 0.1,
+        c_global: float = 0.1,
+        local_period: int = 256,
+        global_period: int = 256,
+        ranks_per_node: int | None = None,
+        process_group=None,
+        **base_kwargs,
+    ):
         for name, c in (("c_local", c_local), ("c_global", c_global)):
             if not 0 <= c <= 1:
                 raise ValueError(f"LSGD {name} (the pull toward the leader) must be in [0, 1], got {c!r}.")

@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..distributed import WireStats
+from ..distributed.counters import WireStats
 
 
 class Straggler:
@@ -37,13 +37,15 @@ class Straggler:
     sleeps ``(slowdown[r] - 1) * seconds``, plus, if ``random_delay_s`` > 0, an exponential random delay of that mean
     (seeded per rank)."""
 
-    def __init__(self, slowdown: Optional[dict[int, float]] = None, random_delay_s: float = 0.0, rank: int = 0,
-                 seed: int = 0):
+    def __init__(
+        self, slowdown: dict[int, float] | None = None, random_delay_s: float = 0.0, rank: int = 0, seed: int = 0
+    ):
         slowdown = dict(slowdown or {})
         for r, f in slowdown.items():
             if not f >= 1:
-                raise ValueError(f"Straggler slowdown for rank {r} must be >= 1 (a factor on its compute time), got "
-                                 f"{f!r}.")
+                raise ValueError(
+                    f"Straggler slowdown for rank {r} must be >= 1 (a factor on its compute time), got {f!r}."
+                )
         if not random_delay_s >= 0:
             raise ValueError(f"Straggler random_delay_s must be >= 0, got {random_delay_s!r}.")
         self.factor = float(slowdown.get(rank, 1.0))
@@ -66,26 +68,39 @@ class NonBlockingSGD:
     ``history`` keeps those per step; ``stats`` the bytes this rank sends.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 deadline: Union[str, float, None] = "fastest", average: str = "allreduce",
-                 min_micro_batches: int = 1, straggler: Optional[Straggler] = None, process_group=None,
-                 ema: float = 0.5):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        deadline: str | float | None = "fastest",
+        average: str = "allreduce",
+        min_micro_batches: int = 1,
+        straggler: Straggler | None = None,
+        process_group=None,
+        ema: float = 0.5,
+    ):
         if average not in ("allreduce", "local"):
-            raise ValueError(f"NonBlockingSGD average must be 'allreduce' (one all-reduce of the gradient sums) or "
-                             f"'local' (a decentralized optimizer gossips), got {average!r}.")
+            raise ValueError(
+                f"NonBlockingSGD average must be 'allreduce' (one all-reduce of the gradient sums) or "
+                f"'local' (a decentralized optimizer gossips), got {average!r}."
+            )
         if not (deadline is None or deadline == "fastest" or (isinstance(deadline, (int, float)) and deadline > 0)):
-            raise ValueError(f"NonBlockingSGD deadline must be 'fastest', a positive number of seconds or None "
-                             f"(blocking), got {deadline!r}.")
+            raise ValueError(
+                f"NonBlockingSGD deadline must be 'fastest', a positive number of seconds or None "
+                f"(blocking), got {deadline!r}."
+            )
         if not isinstance(min_micro_batches, int) or min_micro_batches < 1:
             raise ValueError(f"NonBlockingSGD min_micro_batches must be an integer >= 1, got {min_micro_batches!r}.")
         if not dist.is_initialized() or dist.get_world_size(process_group) < 2:
-            raise ValueError("NonBlockingSGD needs torch.distributed with >= 2 processes (world size 1 has no "
-                             "stragglers to wait for).")
+            raise ValueError(
+                "NonBlockingSGD needs torch.distributed with >= 2 processes (world size 1 has no "
+                "stragglers to wait for)."
+            )
         self.model, self.optimizer = model, optimizer
         self.deadline, self.average, self.min_micro = deadline, average, min_micro_batches
         self.straggler, self.process_group, self.ema = straggler, process_group, ema
-        self.per_micro: Optional[float] = None  # this rank's running time per micro-batch (s)
-        self.agreed_deadline: Optional[float] = None
+        self.per_micro: float | None = None  # this rank's running time per micro-batch (s)
+        self.agreed_deadline: float | None = None
         self.stats = WireStats()
         self.history: list[dict] = []
 
@@ -119,11 +134,12 @@ class NonBlockingSGD:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         total = count
         if self.average == "allreduce":
-            flat = torch.cat([_flatten_dense_tensors(grads).float(),
-                              torch.tensor([float(count), loss_sum], dtype=torch.float32)])
+            flat = torch.cat(
+                [_flatten_dense_tensors(grads).float(), torch.tensor([float(count), loss_sum], dtype=torch.float32)]
+            )
             self.stats.add(flat)
             dist.all_reduce(flat, group=self.process_group)
-            total = int(round(float(flat[-2])))
+            total = round(float(flat[-2]))
             loss_sum = float(flat[-1])
             for p, g in zip(params, _unflatten_dense_tensors(flat[:-2] / total, grads)):
                 p.grad = g.to(p.dtype)
@@ -137,7 +153,11 @@ class NonBlockingSGD:
             dist.all_reduce(estimate, op=dist.ReduceOp.MIN, group=self.process_group)
             self.agreed_deadline = float(estimate)
         self.stats.end_step()
-        record = {"loss": loss_sum / (total if self.average == "allreduce" else count), "count": count,
-                  "total_count": total, "seconds": time.perf_counter() - t0}
+        record = {
+            "loss": loss_sum / (total if self.average == "allreduce" else count),
+            "count": count,
+            "total_count": total,
+            "seconds": time.perf_counter() - t0,
+        }
         self.history.append(record)
         return record

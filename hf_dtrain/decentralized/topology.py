@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Optional
 
 import networkx as nx
 import torch
@@ -46,8 +45,10 @@ class Topology:
             raise ValueError(f"Topology weights must be a square n x n matrix, got shape {tuple(weights.shape)}.")
         n = weights.shape[0]
         if n < 2:
-            raise ValueError("Decentralized training needs at least 2 ranks (a world of one process has nobody to "
-                             "gossip with); launch with torchrun / accelerate launch --num_processes >= 2.")
+            raise ValueError(
+                "Decentralized training needs at least 2 ranks (a world of one process has nobody to "
+                "gossip with); launch with torchrun / accelerate launch --num_processes >= 2."
+            )
         _check_doubly_stochastic(weights, name)
         _check_connected(weights, name)
         self.weights, self.n, self.name = weights, n, name
@@ -85,29 +86,33 @@ class Topology:
 
     # -- constructors ------------------------------------------------------------------------------------------------
     @classmethod
-    def from_graph(cls, graph: nx.Graph, name: Optional[str] = None) -> "Topology":
+    def from_graph(cls, graph: nx.Graph, name: str | None = None) -> Topology:
         """Metropolis-Hastings weights on a connected undirected networkx graph with nodes ``0..n-1``."""
         n = graph.number_of_nodes()
         if sorted(graph.nodes()) != list(range(n)):
-            raise ValueError(f"Topology.from_graph needs nodes 0..{n - 1} (the ranks), got {sorted(graph.nodes())[:8]}"
-                             "...; relabel with networkx.convert_node_labels_to_integers(graph).")
+            raise ValueError(
+                f"Topology.from_graph needs nodes 0..{n - 1} (the ranks), got {sorted(graph.nodes())[:8]}"
+                "...; relabel with networkx.convert_node_labels_to_integers(graph)."
+            )
         if n >= 2 and not nx.is_connected(graph):
             parts = [sorted(c) for c in nx.connected_components(graph)]
-            raise ValueError(f"The communication graph is not connected (components {parts}): the ranks of one "
-                             "component would never learn from the others. Add edges between the components.")
+            raise ValueError(
+                f"The communication graph is not connected (components {parts}): the ranks of one "
+                "component would never learn from the others. Add edges between the components."
+            )
         return cls(metropolis_weights(graph, n), name or "graph")
 
     @classmethod
-    def ring(cls, n: int) -> "Topology":
+    def ring(cls, n: int) -> Topology:
         _check_n(n)
         return cls.from_graph(nx.cycle_graph(n), "ring")
 
     @classmethod
-    def torus(cls, n: int, rows: Optional[int] = None) -> "Topology":
+    def torus(cls, n: int, rows: int | None = None) -> Topology:
         """A ``rows x (n / rows)`` 2-D torus (default: the most square factorisation of ``n``)."""
         _check_n(n)
         if rows is None:
-            rows = max(r for r in range(1, int(math.isqrt(n)) + 1) if n % r == 0)
+            rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
         if n % rows:
             raise ValueError(f"Topology.torus: rows={rows} does not divide n={n}; choose a divisor of {n}.")
         grid = nx.Graph(nx.grid_2d_graph(rows, n // rows, periodic=True))  # Graph: no duplicate edges on short sides
@@ -115,11 +120,11 @@ class Topology:
         return cls.from_graph(nx.convert_node_labels_to_integers(grid, ordering="sorted"), "torus")
 
     @classmethod
-    def exponential(cls, n: int) -> "Topology":
+    def exponential(cls, n: int) -> Topology:
         """Static exponential graph: rank ``i`` sends to ``i + 2^k mod n`` for ``2^k < n``, and averages what it
         receives with itself uniformly (a circulant, so doubly stochastic)."""
         _check_n(n)
-        offsets = [2 ** k for k in range(int(math.log2(n - 1)) + 1)] if n > 1 else []
+        offsets = [2**k for k in range(int(math.log2(n - 1)) + 1)] if n > 1 else []
         w = torch.zeros(n, n, dtype=torch.float64)
         for i in range(n):
             w[i, i] = 1.0
@@ -128,19 +133,23 @@ class Topology:
         return cls(w / (len(offsets) + 1), "exponential")
 
     @classmethod
-    def fully_connected(cls, n: int) -> "Topology":
+    def fully_connected(cls, n: int) -> Topology:
         _check_n(n)
         return cls(torch.full((n, n), 1.0 / n, dtype=torch.float64), "fully_connected")
 
     @classmethod
-    def named(cls, name: str, n: int, **kwargs) -> "Topology":
+    def named(cls, name: str, n: int, **kwargs) -> Topology:
         """``"ring"``, ``"torus"``, ``"exponential"``, ``"fully_connected"`` or ``"matcha"`` (``budget=``, ``seed=``,
         ``base=`` a base topology name)."""
         if name == "matcha":
             base = kwargs.pop("base", "torus")
             return MatchaTopology(cls.named(base, n), **kwargs)
-        builders = {"ring": cls.ring, "torus": cls.torus, "exponential": cls.exponential,
-                    "fully_connected": cls.fully_connected}
+        builders = {
+            "ring": cls.ring,
+            "torus": cls.torus,
+            "exponential": cls.exponential,
+            "fully_connected": cls.fully_connected,
+        }
         if name not in builders:
             raise ValueError(f"Unknown topology {name!r}; use one of {', '.join(list(builders) + ['matcha'])}.")
         return builders[name](n, **kwargs)
@@ -155,13 +164,19 @@ class MatchaTopology(Topology):
 
     def __init__(self, base: Topology, budget: float = 0.5, seed: int = 0):
         if not 0 < budget <= 1:
-            raise ValueError(f"MatchaTopology budget must be in (0, 1] (share of the base graph's matchings active per "
-                             f"step), got {budget!r}.")
+            raise ValueError(
+                f"MatchaTopology budget must be in (0, 1] (share of the base graph's matchings active per "
+                f"step), got {budget!r}."
+            )
         super().__init__(base.weights, f"matcha({base.name}, budget={budget})")
         graph = nx.Graph()
         graph.add_nodes_from(range(self.n))
-        graph.add_edges_from((i, j) for i in range(self.n) for j in range(self.n)
-                             if i < j and (base.weights[i, j] > 0 or base.weights[j, i] > 0))
+        graph.add_edges_from(
+            (i, j)
+            for i in range(self.n)
+            for j in range(self.n)
+            if i < j and (base.weights[i, j] > 0 or base.weights[j, i] > 0)
+        )
         colours = nx.greedy_color(nx.line_graph(graph), strategy="largest_first")
         self.matchings: list[list[tuple[int, int]]] = [[] for _ in range(max(colours.values(), default=-1) + 1)]
         for edge, c in sorted(colours.items()):
@@ -202,12 +217,16 @@ def _check_doubly_stochastic(w: torch.Tensor, name: str) -> None:
     bad_rows = [i for i, s in enumerate(rows.tolist()) if abs(s - 1) > 1e-6]
     bad_cols = [j for j, s in enumerate(cols.tolist()) if abs(s - 1) > 1e-6]
     if bad_rows or bad_cols:
-        found = [f"{what} {bad[:5]} sum to {[round(float(sums[k]), 4) for k in bad[:5]]}"
-                 for what, bad, sums in (("rows", bad_rows, rows), ("columns", bad_cols, cols)) if bad]
+        found = [
+            f"{what} {bad[:5]} sum to {[round(float(sums[k]), 4) for k in bad[:5]]}"
+            for what, bad, sums in (("rows", bad_rows, rows), ("columns", bad_cols, cols))
+            if bad
+        ]
         raise ValueError(
             f"Topology {name!r}: the mixing matrix must be doubly stochastic (every row and every column sums to 1, "
             f"so gossip keeps the average); {' and '.join(found)}. Use Topology.from_graph(graph) for "
-            "Metropolis-Hastings weights.")
+            "Metropolis-Hastings weights."
+        )
 
 
 def _check_connected(w: torch.Tensor, name: str) -> None:
@@ -217,5 +236,7 @@ def _check_connected(w: torch.Tensor, name: str) -> None:
     graph.add_edges_from((j, i) for i in range(n) for j in range(n) if i != j and w[i, j] > _TOL)
     if not nx.is_strongly_connected(graph):
         parts = [sorted(c) for c in nx.strongly_connected_components(graph)]
-        raise ValueError(f"Topology {name!r}: the communication graph is not connected (components {parts}); the "
-                         "ranks of one component would never learn from the others.")
+        raise ValueError(
+            f"Topology {name!r}: the communication graph is not connected (components {parts}); the "
+            "ranks of one component would never learn from the others."
+        )

@@ -15,5 +15,12 @@ from .config import SnapshotConfig
 from .erasure import ErasureCode, UnrecoverableError
 from .snapshot import Restored, SnapshotEngine, SnapshotError
 
-__all__ = ["SnapshotConfig", "InMemoryFaultToleranceCallback", "SnapshotEngine", "SnapshotError", "Restored", "ErasureCode",
-           "UnrecoverableError"]
+__all__ = [
+    "ErasureCode",
+    "InMemoryFaultToleranceCallback",
+    "Restored",
+    "SnapshotConfig",
+    "SnapshotEngine",
+    "SnapshotError",
+    "UnrecoverableError",
+]

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-from typing import Optional
 
 import torch
 from transformers import TrainerCallback
@@ -35,21 +34,43 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
     ``InMemoryFaultToleranceCallback(every_n_steps=1, parity=1)``)."""
 
     # TrainingArguments that change what is trained: part of the run identity every snapshot records
-    IDENTITY_ARGS = ("seed", "data_seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
-                     "weight_decay", "max_steps", "num_train_epochs", "per_device_train_batch_size",
-                     "gradient_accumulation_steps", "optim", "adam_beta1", "adam_beta2", "adam_epsilon",
-                     "max_grad_norm", "bf16", "fp16")
+    IDENTITY_ARGS = (
+        "seed",
+        "data_seed",
+        "learning_rate",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "warmup_ratio",
+        "weight_decay",
+        "max_steps",
+        "num_train_epochs",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "optim",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "max_grad_norm",
+        "bf16",
+        "fp16",
+    )
 
-    def __init__(self, config: Optional[SnapshotConfig] = None, *, stateful: Optional[dict] = None,
-                 identity: Optional[dict] = None, **settings):
+    def __init__(
+        self,
+        config: SnapshotConfig | None = None,
+        *,
+        stateful: dict | None = None,
+        identity: dict | None = None,
+        **settings,
+    ):
         self.config = SnapshotConfig.from_any(config, **settings)
         self.identity = dict(identity or {})
         self.every_n_steps = self.config.every_n_steps
         self.stateful = dict(stateful or {})
-        self.engine: Optional[SnapshotEngine] = None
-        self.restored: Optional[Restored] = None
+        self.engine: SnapshotEngine | None = None
+        self.restored: Restored | None = None
         self.snapshots = 0  # taken in this process's run (after train: the count)
-        self._deferred: Optional[int] = None  # a step whose snapshot waits for the Trainer's log of it (on_log)
+        self._deferred: int | None = None  # a step whose snapshot waits for the Trainer's log of it (on_log)
         self._trainer = None  # whose checkpoint loaders resume_checkpoint replaced until train() begins
 
     def add_stateful(self, name: str, obj) -> None:
@@ -66,17 +87,24 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
             identity = {"trainer": {k: getattr(args, k, None) for k in self.IDENTITY_ARGS}, "job": self.identity}
             if train_dataset is not None:
                 identity["train_dataset"] = getattr(train_dataset, "_fingerprint", None) or len(train_dataset)
-            self.engine = SnapshotEngine(model, config=self.config, stateful=self.stateful, identity=identity,
-                                         job_key=job_key_for(args.output_dir))
+            self.engine = SnapshotEngine(
+                model,
+                config=self.config,
+                stateful=self.stateful,
+                identity=identity,
+                job_key=job_key_for(args.output_dir),
+            )
         return self.engine
 
-    def resume_checkpoint(self, trainer) -> Optional[str]:
+    def resume_checkpoint(self, trainer) -> str | None:
         """Restore before ``trainer.train``; returns the checkpoint directory to resume from, or ``None``."""
         if getattr(trainer, "is_deepspeed_enabled", False):  # before any snapshot process or collective
-            raise ValueError("InMemoryFaultToleranceCallback with DeepSpeed under the Trainer: the Trainer resumes "
-                             "DeepSpeed from DeepSpeed's own checkpoint, which the in-memory snapshot does not write; "
-                             "use SnapshotEngine(engine, engine.optimizer) in your own DeepSpeed loop (ZeRO-1/2/3), "
-                             "or FSDP2 / DDP with the Trainer.")
+            raise ValueError(
+                "InMemoryFaultToleranceCallback with DeepSpeed under the Trainer: the Trainer resumes "
+                "DeepSpeed from DeepSpeed's own checkpoint, which the in-memory snapshot does not write; "
+                "use SnapshotEngine(engine, engine.optimizer) in your own DeepSpeed loop (ZeRO-1/2/3), "
+                "or FSDP2 / DDP with the Trainer."
+            )
         trainer.args.device  # noqa: B018  (sets up the process group, as Trainer does)
         engine = self._engine(trainer.model, trainer.args, trainer.train_dataset)
         restored = engine.restore(apply=False)
@@ -84,16 +112,19 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         if restored is None:
             return None
         if restored.source == "completed":
-            raise SnapshotError(f"This job already completed ({restored.detail}); its snapshots are gone. To train "
-                                "it again, relaunch with --fault-tolerance.fresh-start true "
-                                "(InMemoryFaultToleranceCallback(fresh_start=True)).")
+            raise SnapshotError(
+                f"This job already completed ({restored.detail}); its snapshots are gone. To train "
+                "it again, relaunch with --fault-tolerance.fresh-start true "
+                "(InMemoryFaultToleranceCallback(fresh_start=True))."
+            )
         if restored.source in ("resharded", "memory-resharded"):
             raise SnapshotMismatch(
                 f"This job's snapshots were taken on another world size ({restored.detail}). Under the Trainer, "
                 "InMemoryFaultToleranceCallback resumes on the number of processes that took them: relaunch with "
                 "that many, or train from step 0 with --fault-tolerance.fresh-start true "
                 "(InMemoryFaultToleranceCallback(fresh_start=True)). hf-dtrain pretrain and SnapshotEngine in your "
-                "own loop reshard onto another world size.")
+                "own loop reshard onto another world size."
+            )
         state = restored.state
         for name, obj in engine.stateful.items():  # e.g. the comm hook's state (CommHookCallback applies it later)
             if name in state.get("stateful", {}):
@@ -106,13 +137,19 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         rng = state["rng"]
         rng_file = "rng_state.pth" if engine.world == 1 else f"rng_state_{engine.rank}.pth"
         # the Trainer loads it with torch.load(weights_only=True)
-        torch.save({"python": rng["python"], "numpy": rng["numpy"], "cpu": rng["torch"],
-                    **({"cuda": rng["cuda"]} if "cuda" in rng else {})}, os.path.join(out, rng_file))
+        torch.save(
+            {
+                "python": rng["python"],
+                "numpy": rng["numpy"],
+                "cpu": rng["torch"],
+                **({"cuda": rng["cuda"]} if "cuda" in rng else {}),
+            },
+            os.path.join(out, rng_file),
+        )
         with open(os.path.join(out, "trainer_state.json"), "w") as f:
             f.write(restored.extra["trainer_state"])
         self._hand_over(trainer, engine, state)
-        logger.warning("resuming from step %d restored from %s (%s)", restored.step, restored.source,
-                       restored.detail)
+        logger.warning("resuming from step %d restored from %s (%s)", restored.step, restored.source, restored.detail)
         return out
 
     # the Trainer methods that load a checkpoint's model and optimizer (transformers 5.x)
@@ -127,9 +164,11 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         (``on_train_begin`` puts the Trainer's back)."""
         missing = [name for name in self.TRAINER_LOADERS if not callable(getattr(type(trainer), name, None))]
         if missing:
-            raise RuntimeError(f"this transformers release's Trainer has no {', '.join(missing)}, where the callback "
-                               "loads the restored state; use the transformers release hf_dtrain supports "
-                               "(pyproject.toml)")
+            raise RuntimeError(
+                f"this transformers release's Trainer has no {', '.join(missing)}, where the callback "
+                "loads the restored state; use the transformers release hf_dtrain supports "
+                "(pyproject.toml)"
+            )
 
         def load_model(checkpoint, model=None):
             engine.apply_model(state)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar
+
+from hf_dtrain.settings import check_fields
 
 
 @dataclass
@@ -17,37 +19,75 @@ class SnapshotConfig:
     section_key: ClassVar[str] = "fault_tolerance"  # flags --fault-tolerance.<field>, YAML fault_tolerance:
 
     every_n_steps: int = field(default=1, metadata={"min": 1, "help": "Snapshot every N optimizer steps."})
-    parity: int = field(default=1, metadata={"min": 0, 
-        "help": "Lost nodes to survive: erasure coding across nodes (XOR for 1, Reed-Solomon above; 0: off)."})
-    group_size: Optional[int] = field(default=None, metadata={"min": 1, 
-        "help": "Nodes per erasure-coding group (more than parity); default all nodes in one group."})
-    persist_every: int = field(default=0, metadata={"min": 0, 
-        "help": "Also write every N-th snapshot to disk as safetensors, in the background (0: never)."})
-    persist_dir: Optional[str] = field(default=None, metadata={
-        "help": "Where the disk snapshots go (the jobs default to <output_dir>/snapshots when persist_every > 0)."})
-    directory: Optional[str] = field(default=None, metadata={
-        "help": "Private directory of the snapshot processes (sockets, key, logs); default a per-user, per-job "
-                "directory under the system's temporary directory."})
-    timeout: float = field(default=60.0, metadata={"gt": 0, 
-        "help": "Seconds to wait for the snapshot process and for the other ranks before failing with a message."})
-    idle_exit: float = field(default=300.0, metadata={"gt": 0, 
-        "help": "Grace period: a snapshot process exits once no trainer and no launcher of its job (torchrun's or "
-                "accelerate's elastic agent, which may restart them) has been alive for this many seconds, so a "
-                "crashed job does not hold memory; relaunch by hand within it to resume from memory."})
-    fresh_start: bool = field(default=False, metadata={
-        "help": "Train from step 0 although this job has snapshots: they are discarded (disk snapshots are moved "
-                "aside to <persist_dir>.discarded-<time>). Without it, a job whose snapshots are lost or belong to "
-                "another job stops with a message instead of starting over."})
-    trainable_only: Optional[bool] = field(default=None, metadata={
-        "help": "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."})
+    parity: int = field(
+        default=1,
+        metadata={
+            "min": 0,
+            "help": "Lost nodes to survive: erasure coding across nodes (XOR for 1, Reed-Solomon above; 0: off).",
+        },
+    )
+    group_size: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "help": "Nodes per erasure-coding group (more than parity); default all nodes in one group.",
+        },
+    )
+    persist_every: int = field(
+        default=0,
+        metadata={
+            "min": 0,
+            "help": "Also write every N-th snapshot to disk as safetensors, in the background (0: never).",
+        },
+    )
+    persist_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where the disk snapshots go (the jobs default to <output_dir>/snapshots when persist_every > 0)."
+        },
+    )
+    directory: str | None = field(
+        default=None,
+        metadata={
+            "help": "Private directory of the snapshot processes (sockets, key, logs); default a per-user, per-job "
+            "directory under the system's temporary directory."
+        },
+    )
+    timeout: float = field(
+        default=60.0,
+        metadata={
+            "gt": 0,
+            "help": "Seconds to wait for the snapshot process and for the other ranks before failing with a message.",
+        },
+    )
+    idle_exit: float = field(
+        default=300.0,
+        metadata={
+            "gt": 0,
+            "help": "Grace period: a snapshot process exits once no trainer and no launcher of its job (torchrun's or "
+            "accelerate's elastic agent, which may restart them) has been alive for this many seconds, so a "
+            "crashed job does not hold memory; relaunch by hand within it to resume from memory.",
+        },
+    )
+    fresh_start: bool = field(
+        default=False,
+        metadata={
+            "help": "Train from step 0 although this job has snapshots: they are discarded (disk snapshots are moved "
+            "aside to <persist_dir>.discarded-<time>). Without it, a job whose snapshots are lost or belong to "
+            "another job stops with a message instead of starting over."
+        },
+    )
+    trainable_only: bool | None = field(
+        default=None,
+        metadata={"help": "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."},
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
 
     @classmethod
-    def from_any(cls, config: Optional["SnapshotConfig"] = None, **settings) -> "SnapshotConfig":
+    def from_any(cls, config: SnapshotConfig | None = None, **settings) -> SnapshotConfig:
         """``config`` with ``settings`` on top, or a config from ``settings`` alone (the keyword form the engine and
         the callback also accept)."""
         if config is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from .state import rng_state, set_rng_state
 
@@ -36,24 +37,30 @@ def rebuild_ddp_buckets(ddp) -> bool:
     buckets were not rebuilt yet, with no communication hook and no module hooks (the extra forward and backward
     would change the state they keep: error feedback, DELTA's schedule). It runs in training mode and puts each
     module's mode back."""
-    from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp, DistributedDataParallel) or getattr(ddp, "_has_rebuilt_buckets", True):
         return False
     if getattr(ddp, "static_graph", False) or getattr(ddp, "find_unused_parameters", False):
         return False  # the buckets are rebuilt at the static graph's second step, or never
-    hooked = [type(m).__name__ for m in ddp.module.modules()
-              if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+    hooked = [
+        type(m).__name__
+        for m in ddp.module.modules()
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    ]
     if getattr(ddp, "_comm_hooks", None) or hooked:
         # a communication hook or module hooks (DELTA's, for one) keep state the extra step would change
-        logger.info("DDP's buckets are not rebuilt before the first step after the restore (%s): that step's "
-                    "reduction can differ from an uninterrupted run's in the last bit",
-                    "a communication hook" if getattr(ddp, "_comm_hooks", None) else f"hooks on {hooked[0]}")
+        logger.info(
+            "DDP's buckets are not rebuilt before the first step after the restore (%s): that step's "
+            "reduction can differ from an uninterrupted run's in the last bit",
+            "a communication hook" if getattr(ddp, "_comm_hooks", None) else f"hooks on {hooked[0]}",
+        )
         return False
     inputs = getattr(ddp.module, "dummy_inputs", None)
     if not isinstance(inputs, dict):
-        logger.warning("DDP's buckets are not rebuilt before the first step after the restore (the model has no "
-                       "dummy_inputs): that step's reduction can differ from an uninterrupted run's in the last bit")
+        logger.warning(
+            "DDP's buckets are not rebuilt before the first step after the restore (the model has no "
+            "dummy_inputs): that step's reduction can differ from an uninterrupted run's in the last bit"
+        )
         return False
     if any(p.grad is not None for p in ddp.module.parameters()):
         return False  # not at a step boundary with the gradients cleared

@@ -13,10 +13,11 @@ different lengths: each codeword's pieces are zero-padded to its longest; the tr
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
+import zfec
 
 
 class UnrecoverableError(RuntimeError):
@@ -38,11 +39,14 @@ class ErasureCode:
         if not isinstance(self.group_size, int) or not isinstance(self.parity, int):
             raise TypeError("ErasureCode group_size and parity must be ints.")
         if self.parity < 1:
-            raise ValueError(f"ErasureCode parity must be >= 1 (the number of lost nodes to survive), got "
-                             f"{self.parity}.")
+            raise ValueError(
+                f"ErasureCode parity must be >= 1 (the number of lost nodes to survive), got {self.parity}."
+            )
         if self.group_size < self.parity + 1:
-            raise ValueError(f"ErasureCode group_size must be at least parity + 1 = {self.parity + 1} (k >= 1 data "
-                             f"nodes per codeword), got {self.group_size}; use fewer parity nodes or larger groups.")
+            raise ValueError(
+                f"ErasureCode group_size must be at least parity + 1 = {self.parity + 1} (k >= 1 data "
+                f"nodes per codeword), got {self.group_size}; use fewer parity nodes or larger groups."
+            )
 
     @property
     def k(self) -> int:
@@ -85,9 +89,8 @@ class ErasureCode:
             acc = np.zeros(block, dtype=np.uint8)
             for p in pieces:
                 a = _as_array(p)
-                np.bitwise_xor(acc[:len(a)], a, out=acc[:len(a)])
+                np.bitwise_xor(acc[: len(a)], a, out=acc[: len(a)])
             return [acc]
-        import zfec
 
         padded = tuple(bytes(p) + bytes(block - len(p)) for p in pieces)
         blocks = zfec.Encoder(self.k, self.group_size).encode(padded, tuple(range(self.k, self.group_size)))
@@ -99,47 +102,63 @@ class ErasureCode:
         than the block (the rest is zeros). Parity 1 XORs straight into ``out``; Reed-Solomon pads and decodes.
         Raises ``UnrecoverableError`` with fewer than k symbols."""
         if len(symbols) < self.k:
-            raise UnrecoverableError(f"a codeword needs {self.k} of its {self.group_size} symbols, only "
-                                     f"{len(symbols)} survive")
+            raise UnrecoverableError(
+                f"a codeword needs {self.k} of its {self.group_size} symbols, only {len(symbols)} survive"
+            )
         if index in symbols:
-            a = _as_array(symbols[index])[:len(out)]
-            out[:len(a)] = a
-            out[len(a):] = 0
+            a = _as_array(symbols[index])[: len(out)]
+            out[: len(a)] = a
+            out[len(a) :] = 0
             return
         if self.parity == 1:
             first, *rest = symbols.values()  # the first copied in, the others XORed into it
-            a = _as_array(first)[:len(out)]
-            out[:len(a)] = a
-            out[len(a):] = 0
+            a = _as_array(first)[: len(out)]
+            out[: len(a)] = a
+            out[len(a) :] = 0
             for s in rest:
-                a = _as_array(s)[:len(out)]
-                np.bitwise_xor(out[:len(a)], a, out=out[:len(a)])
+                a = _as_array(s)[: len(out)]
+                np.bitwise_xor(out[: len(a)], a, out=out[: len(a)])
             return
-        import zfec
 
         block = max(len(s) for s in symbols.values())
-        nums = tuple(sorted(symbols)[:self.k])
+        nums = tuple(sorted(symbols)[: self.k])
         pieces = zfec.Decoder(self.k, self.group_size).decode(
-            tuple(bytes(symbols[i]) + bytes(block - len(symbols[i])) for i in nums), nums)
-        a = _as_array(pieces[index])[:len(out)]  # a block shorter than the slot: the piece's tail is padding
-        out[:len(a)] = a
-        out[len(a):] = 0
+            tuple(bytes(symbols[i]) + bytes(block - len(symbols[i])) for i in nums), nums
+        )
+        a = _as_array(pieces[index])[: len(out)]  # a block shorter than the slot: the piece's tail is padding
+        out[: len(a)] = a
+        out[len(a) :] = 0
 
-    def rebuild(self, lost: Sequence[int], shards: Mapping[int, bytes], parity_blocks: Mapping[tuple[int, int], bytes],
-                shard_bytes: Mapping[int, int]) -> dict[int, bytes]:
+    def rebuild(
+        self,
+        lost: Sequence[int],
+        shards: Mapping[int, bytes],
+        parity_blocks: Mapping[tuple[int, int], bytes],
+        shard_bytes: Mapping[int, int],
+    ) -> dict[int, bytes]:
         """Rebuild the shards of the ``lost`` group positions.
 
         ``shards``: the surviving nodes' shards; ``parity_blocks``: ``{(codeword, l): block}`` held by survivors;
         ``shard_bytes``: every node's true shard length (from the replicated manifests)."""
         lost = sorted(set(lost))
         if len(lost) > self.parity:
-            raise UnrecoverableError(f"{len(lost)} nodes of a group of {self.group_size} were lost ({lost}); its "
-                                     f"parity covers {self.parity}")
-        return {n: self.rebuild_shard(n, shard_bytes[n], lambda p: self.symbols(p, shards, parity_blocks, lost))
-                [:shard_bytes[n]].tobytes() for n in lost}
+            raise UnrecoverableError(
+                f"{len(lost)} nodes of a group of {self.group_size} were lost ({lost}); its parity covers {self.parity}"
+            )
+        return {
+            n: self.rebuild_shard(n, shard_bytes[n], lambda p: self.symbols(p, shards, parity_blocks, lost))[
+                : shard_bytes[n]
+            ].tobytes()
+            for n in lost
+        }
 
-    def symbols(self, codeword: int, shards: Mapping[int, object], parity_blocks: Mapping[tuple[int, int], object],
-                lost: Sequence[int] = ()) -> dict[int, object]:
+    def symbols(
+        self,
+        codeword: int,
+        shards: Mapping[int, object],
+        parity_blocks: Mapping[tuple[int, int], object],
+        lost: Sequence[int] = (),
+    ) -> dict[int, object]:
         """A codeword's surviving symbols (unpadded): the survivors' pieces and the parity blocks survivors hold."""
         out = {}
         for i, n in enumerate(self.data_nodes(codeword)):
@@ -166,13 +185,15 @@ class ErasureCode:
                 return symbol
         shard = np.empty(self.k * size, dtype=np.uint8)
         for j, p in enumerate(self.codewords_of(node)):
-            self.decode_into(shard[j * size:(j + 1) * size], self.data_nodes(p).index(node), symbols_of(p))
+            self.decode_into(shard[j * size : (j + 1) * size], self.data_nodes(p).index(node), symbols_of(p))
         return shard
 
 
 def node_groups(num_nodes: int, group_size: int) -> list[list[int]]:
     """Consecutive nodes in groups of ``group_size``; ``num_nodes`` must be a multiple of it."""
     if group_size < 2 or num_nodes % group_size:
-        raise ValueError(f"erasure group_size must be >= 2 and divide the number of nodes ({num_nodes}), got "
-                         f"{group_size}; pick a divisor of {num_nodes}.")
+        raise ValueError(
+            f"erasure group_size must be >= 2 and divide the number of nodes ({num_nodes}), got "
+            f"{group_size}; pick a divisor of {num_nodes}."
+        )
     return [list(range(s, s + group_size)) for s in range(0, num_nodes, group_size)]

@@ -4,11 +4,13 @@ optimizer state on it), in place. The DCP copy that reshards them onto another w
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from hf_dtrain.distributed.engines import unwrap_optimizer
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: the local shard of an FSDP2 DTensor (a view that writes through), else ``t``."""
-    from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -17,9 +19,6 @@ def as_shards(optimizer, state: dict) -> dict:
     """A restored optimizer state dict with each DTensor parameter's state tensors (stored as this rank's local
     shards) made DTensors again, with the parameter's mesh and placements: what the optimizer held when it was
     snapshotted. Scalars (AdamW's ``step``) stay as they are."""
-    from torch.distributed.tensor import DTensor
-
-    from hf_dtrain.distributed import unwrap_optimizer
 
     params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
     out = dict(state)
@@ -30,8 +29,11 @@ def as_shards(optimizer, state: dict) -> dict:
         p = params[i] if i is not None and i < len(params) else None
         if isinstance(p, DTensor):
             local = p.to_local().shape
-            st = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                        stride=p.stride())
-                  if torch.is_tensor(v) and v.dim() and v.shape == local else v for k, v in st.items()}
+            st = {
+                k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                if torch.is_tensor(v) and v.dim() and v.shape == local
+                else v
+                for k, v in st.items()
+            }
         out["state"][idx] = st
     return out

@@ -14,7 +14,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Optional
 
 import numpy as np
 
@@ -106,8 +105,9 @@ class ParityExchange:
                 failed.append("a slot was handed out for a newer step while it was sent (its parity is torn)")
             if failed:
                 self.events.append(f"step {step}: parity exchange failed: {'; '.join(failed)}")
-                logger.warning("SMP node %d: parity exchange for step %d failed: %s", self.node, step,
-                               "; ".join(failed))
+                logger.warning(
+                    "SMP node %d: parity exchange for step %d failed: %s", self.node, step, "; ".join(failed)
+                )
             with self._send_cv:
                 self._sending = None
                 self._send_cv.notify_all()
@@ -116,8 +116,9 @@ class ParityExchange:
         """Every local rank's slot still holds what ``manifest`` describes (no newer snapshot was written into it)."""
         with self.lock:
             slots = [self._slot_with(r, step) for r in self.local_ranks]
-            return all(s is not None and s.manifest["checksum"] == m["checksum"]
-                       for s, m in zip(slots, manifest["ranks"]))
+            return all(
+                s is not None and s.manifest["checksum"] == m["checksum"] for s, m in zip(slots, manifest["ranks"])
+            )
 
     def receive_piece(self, header: dict, piece) -> None:
         step, p, frm = header["step"], header["codeword"], header["from"]
@@ -149,7 +150,7 @@ class ParityExchange:
         """(Under the lock.) ``position``'s parity blocks of ``step`` are complete; slot requests waiting on it
         are woken."""
         self.complete_at.setdefault(step, set()).add(position)
-        for old in sorted(self.complete_at)[:-2 * KEEP_STEPS]:
+        for old in sorted(self.complete_at)[: -2 * KEEP_STEPS]:
             self.complete_at.pop(old)
         self._send_cv.notify_all()
 
@@ -158,8 +159,9 @@ class ParityExchange:
         for node in self.group:
             if node != self.node:
                 try:
-                    conn, _ = self._peer_call(node, {"op": "complete", "step": step, "from": self.position},
-                                              timeout=5.0, connect_timeout=2.0)
+                    conn, _ = self._peer_call(
+                        node, {"op": "complete", "step": step, "from": self.position}, timeout=5.0, connect_timeout=2.0
+                    )
                     conn.close()
                 except (OSError, EOFError, TimeoutError):
                     pass  # a peer down: it is being replaced, and asks again when it rebuilds
@@ -189,11 +191,18 @@ class ParityExchange:
             while not self.globally_complete(newest) and not self._stop.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.events.append(f"step {newest}: parity not complete at every holder after {wait:.0f} s; "
-                                       "its older slot is reused anyway")
-                    logger.warning("SMP node %d: step %d's parity is not complete at every holder after %.0f s "
-                                   "(a peer down?); reusing rank %d's older slot anyway", self.node, newest, wait,
-                                   rank)
+                    self.events.append(
+                        f"step {newest}: parity not complete at every holder after {wait:.0f} s; "
+                        "its older slot is reused anyway"
+                    )
+                    logger.warning(
+                        "SMP node %d: step %d's parity is not complete at every holder after %.0f s "
+                        "(a peer down?); reusing rank %d's older slot anyway",
+                        self.node,
+                        newest,
+                        wait,
+                        rank,
+                    )
                     return
                 self._send_cv.wait(min(left, 0.5))
 
@@ -222,9 +231,14 @@ class ParityExchange:
         with self.lock:
             ranks_steps = [set(self.complete_steps(r)) for r in self.local_ranks]
             local = sorted(set.intersection(*ranks_steps)) if ranks_steps else []
-            send(conn, {"local_steps": local, "parity_steps": self._complete_parity_steps() if self.parity else [],
-                        "manifests": {str(s): {str(n): m for n, m in ms.items()}
-                                      for s, ms in self.manifests.items()}})
+            send(
+                conn,
+                {
+                    "local_steps": local,
+                    "parity_steps": self._complete_parity_steps() if self.parity else [],
+                    "manifests": {str(s): {str(n): m for n, m in ms.items()} for s, ms in self.manifests.items()},
+                },
+            )
 
     def _op_fetch_symbols(self, conn: Connection, msg: dict) -> None:
         """What a rebuilding peer needs from this node at ``msg["step"]``: its pieces of ``msg["pieces"]`` (codewords)
@@ -261,8 +275,14 @@ class ParityExchange:
     def _op_ping(self, conn: Connection, msg: dict) -> None:
         send(conn, {"node": self.node, "pid": os.getpid()})
 
-    def _peer_call(self, node: int, header: dict, ranges: Optional[list] = None, timeout: float = 30.0,
-                   connect_timeout: Optional[float] = None):
+    def _peer_call(
+        self,
+        node: int,
+        header: dict,
+        ranges: list | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float | None = None,
+    ):
         """One request to a peer's snapshot process (``ranges``: file byte ranges sent after the header, see
         ``send_ranges``); returns the open connection and the answer."""
         host, port = self.peers[node]
@@ -280,6 +300,7 @@ class ParityExchange:
 
     def _survey(self) -> tuple[dict[int, dict], list[int]]:
         """Every group peer's holdings, asked in parallel: ``({position: holdings}, [nodes that did not answer])``."""
+
         def ask(node):
             try:
                 conn, info = self._peer_call(node, {"op": "holdings", "from": self.position}, timeout=10.0)
@@ -313,10 +334,12 @@ class ParityExchange:
             survivors.pop(pos)
         lost = [self.group[me]] + down
         if len(lost) > code.parity:
-            return [], (f"{len(lost)} nodes of erasure group {self.group} are lost ({sorted(lost)}); parity "
-                        f"{code.parity} covers {code.parity}")
+            return [], (
+                f"{len(lost)} nodes of erasure group {self.group} are lost ({sorted(lost)}); parity "
+                f"{code.parity} covers {code.parity}"
+            )
         candidates = None
-        for pos, info in survivors.items():
+        for info in survivors.values():
             steps = set(info["local_steps"])
             candidates = steps if candidates is None else candidates & steps
         good = []
@@ -325,7 +348,7 @@ class ParityExchange:
             for p in range(code.group_size):
                 if me not in code.data_nodes(p) and not any(self.group[h] in down for h in code.parity_holders(p)):
                     continue
-                for l, h in enumerate(code.parity_holders(p)):
+                for _l, h in enumerate(code.parity_holders(p)):
                     if h in survivors and step not in survivors[h]["parity_steps"]:
                         ok = False
             if ok and any(str(self.node) in info["manifests"].get(str(step), {}) for info in survivors.values()):
@@ -334,8 +357,9 @@ class ParityExchange:
 
     def _fetch_symbols(self, pos: int, step: int, pieces: list[int], parity: list[list[int]]) -> list[np.ndarray]:
         """``_op_fetch_symbols`` of the peer at group position ``pos``: each payload received into its own buffer."""
-        conn, head = self._peer_call(self.group[pos], {"op": "fetch_symbols", "step": step, "pieces": pieces,
-                                                       "parity": parity})
+        conn, head = self._peer_call(
+            self.group[pos], {"op": "fetch_symbols", "step": step, "pieces": pieces, "parity": parity}
+        )
         try:
             if "error" in head:
                 raise KeyError(head["error"])
@@ -357,14 +381,21 @@ class ParityExchange:
         t0 = time.perf_counter()
         survivors, down = self._survey()
         t_survey = time.perf_counter()
-        mine = next((info["manifests"][str(step)][str(self.node)] for info in survivors.values()
-                     if str(self.node) in info["manifests"].get(str(step), {})), None)
+        mine = next(
+            (
+                info["manifests"][str(step)][str(self.node)]
+                for info in survivors.values()
+                if str(self.node) in info["manifests"].get(str(step), {})
+            ),
+            None,
+        )
         if mine is None:
             raise UnrecoverableError(f"no surviving peer holds node {self.node}'s manifest for step {step}")
         lost = [me] + [self.group.index(n) for n in down]
         if len(lost) > code.parity:
-            raise UnrecoverableError(f"{len(lost)} nodes of erasure group {self.group} are lost; parity "
-                                     f"{code.parity} covers {code.parity}")
+            raise UnrecoverableError(
+                f"{len(lost)} nodes of erasure group {self.group} are lost; parity {code.parity} covers {code.parity}"
+            )
         asks = {pos: ([], []) for pos in survivors}  # position -> (codewords of its pieces, [codeword, l] blocks)
         for p in code.codewords_of(me):
             for n in code.data_nodes(p):
@@ -379,8 +410,13 @@ class ParityExchange:
             try:
                 return pos, self._fetch_symbols(pos, step, *asks[pos])
             except (OSError, EOFError, TimeoutError, KeyError) as e:
-                logger.warning("SMP node %d: node %d could not send its symbols of step %d: %s", self.node,
-                               self.group[pos], step, e)
+                logger.warning(
+                    "SMP node %d: node %d could not send its symbols of step %d: %s",
+                    self.node,
+                    self.group[pos],
+                    step,
+                    e,
+                )
                 return pos, None
 
         with ThreadPoolExecutor(max(1, len(asks))) as pool:
@@ -390,9 +426,9 @@ class ParityExchange:
             if bufs is None:
                 continue
             pieces, blocks = asks[pos]
-            for p, buf in zip(pieces, bufs[:len(pieces)]):
+            for p, buf in zip(pieces, bufs[: len(pieces)]):
                 symbols[p][code.data_nodes(p).index(pos)] = buf
-            for (p, l), buf in zip(blocks, bufs[len(pieces):]):
+            for (p, l), buf in zip(blocks, bufs[len(pieces) :]):
                 symbols[p][code.k + l] = buf
         t1 = time.perf_counter()
         shard = code.rebuild_shard(me, mine["shard_bytes"], lambda p: symbols[p])
@@ -400,11 +436,12 @@ class ParityExchange:
         offset, installed = 0, []
         for rank_manifest in mine["ranks"]:
             n = rank_manifest["nbytes"]
-            data = shard[offset:offset + n]
+            data = shard[offset : offset + n]
             offset += n
             if checksum(data) != rank_manifest["checksum"]:
-                raise UnrecoverableError(f"rank {rank_manifest['rank']}'s snapshot rebuilt from parity at step "
-                                         f"{step} fails its checksum")
+                raise UnrecoverableError(
+                    f"rank {rank_manifest['rank']}'s snapshot rebuilt from parity at step {step} fails its checksum"
+                )
             installed.append((rank_manifest, data))
         with self.lock:
             for rank_manifest, data in installed:
@@ -413,6 +450,14 @@ class ParityExchange:
                 slot.write(data)
                 slot.manifest = dict(rank_manifest, rebuilt=True)
             self.events.append(f"rebuilt step {step} from parity (lost: {sorted(self.group[p] for p in lost)})")
-        logger.warning("SMP node %d: rebuilt step %d from peers' parity in %.3f s (survey %.3f s, fetched in %.3f s, "
-                       "decoded in %.3f s, checked and installed in %.3f s)", self.node, step,
-                       time.perf_counter() - t0, t_survey - t0, t1 - t_survey, t2 - t1, time.perf_counter() - t2)
+        logger.warning(
+            "SMP node %d: rebuilt step %d from peers' parity in %.3f s (survey %.3f s, fetched in %.3f s, "
+            "decoded in %.3f s, checked and installed in %.3f s)",
+            self.node,
+            step,
+            time.perf_counter() - t0,
+            t_survey - t0,
+            t1 - t_survey,
+            t2 - t1,
+            time.perf_counter() - t2,
+        )

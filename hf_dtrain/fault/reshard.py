@@ -21,10 +21,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .state import flatten_state, unflatten_state
 
@@ -41,28 +49,24 @@ def canonical_fqn(name: str) -> str:
     return name
 
 
-def _meta(t: torch.Tensor) -> Optional[tuple]:
-    from torch.distributed.tensor import DTensor
+def _meta(t: torch.Tensor) -> tuple | None:
 
     if isinstance(t, DTensor):
         return (t.device_mesh, tuple(t.placements), t.shape, t.stride(), tuple(t.to_local().shape))
     return None
 
 
-def _as_global(local: torch.Tensor, meta: Optional[tuple]) -> torch.Tensor:
+def _as_global(local: torch.Tensor, meta: tuple | None) -> torch.Tensor:
     """A local shard from the snapshot as the DTensor it was (no communication), or a replicated tensor as is."""
     if meta is None:
         return local
-    from torch.distributed.tensor import DTensor
 
     mesh, placements, shape, stride, _ = meta
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def _global_offset(t: torch.Tensor) -> Optional[list[int]]:
+def _global_offset(t: torch.Tensor) -> list[int] | None:
     """Where this rank's shard of a DTensor starts in the global tensor; None for a tensor every rank holds whole."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(t, DTensor):
         return None
@@ -80,26 +84,28 @@ class ShardMap:
         self.model_meta = {k: _meta(t) for k, t in model_state.items()}
         # where this rank's shard of each sharded tensor starts, by FQN (recorded in every snapshot: another world
         # size can then read the snapshots of the ranks that took them as a DCP checkpoint, see ``write_chunks``)
-        self.offsets = {self.model_keys[k]: o for k, t in model_state.items()
-                        if (o := _global_offset(t)) is not None}
+        self.offsets = {self.model_keys[k]: o for k, t in model_state.items() if (o := _global_offset(t)) is not None}
         names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         self.param_fqns: list[str] = []
-        self.param_meta: list[Optional[tuple]] = []
+        self.param_meta: list[tuple | None] = []
         if optimizer is not None:
             for g in optimizer.param_groups:
                 for p in g["params"]:
                     if id(p) not in names:
-                        raise ValueError("SnapshotConfig.persist_every: the optimizer holds a parameter that is not "
-                                         "the model's, so its state has no name to be resharded by; build the "
-                                         "optimizer on the model's parameters")
+                        raise ValueError(
+                            "SnapshotConfig.persist_every: the optimizer holds a parameter that is not "
+                            "the model's, so its state has no name to be resharded by; build the "
+                            "optimizer on the model's parameters"
+                        )
                     self.param_fqns.append(names[id(p)])
                     self.param_meta.append(_meta(p))
 
     def split(self, state: dict) -> tuple[dict, dict]:
         """``state`` (a snapshot, unflattened) as ``(sharded, replicated)``: the tensors DCP writes, with local shards
         made DTensors again, and everything else (JSON-able or small tensors) for ``replicated.safetensors``."""
-        sharded: dict[str, Any] = {"model": {self.model_keys[k]: _as_global(t, self.model_meta[k])
-                                             for k, t in state["model"].items()}}
+        sharded: dict[str, Any] = {
+            "model": {self.model_keys[k]: _as_global(t, self.model_meta[k]) for k, t in state["model"].items()}
+        }
         replicated = self.replicated(state)
         if "optimizer" in state:
             opt_state = {}
@@ -129,12 +135,12 @@ class ShardMap:
             start = 0
             for g in state["optimizer"].get("param_groups", []):
                 n = len(g["params"])
-                groups.append({**{k: v for k, v in g.items() if k != "params"},
-                               "params": self.param_fqns[start:start + n]})
+                groups.append(
+                    {**{k: v for k, v in g.items() if k != "params"}, "params": self.param_fqns[start : start + n]}
+                )
                 start += n
             replicated["optimizer"] = {"param_groups": groups, "other": other}
         return replicated
-
 
     def chunks(self, state: dict, offsets: dict[str, list[int]], whole: bool) -> dict[str, tuple]:
         """Another rank's snapshot ``state`` (unflattened) as DCP's flat keys -> ``(tensor, global offset)``, with the
@@ -164,7 +170,6 @@ def write_chunks(path: str, chunks: dict[str, tuple], write) -> None:
     layout (what ``HuggingFaceStorageWriter(save_distributed=True)`` writes: each tensor's global offsets in the
     header), written by ``write(path, bytes)``. Empty shards are left out."""
     from safetensors.torch import save
-    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
 
     kept = {k: (t, o) for k, (t, o) in chunks.items() if t.numel()}
     tensors = {k: t.detach().cpu().contiguous() for k, (t, _) in kept.items()}
@@ -174,12 +179,11 @@ def write_chunks(path: str, chunks: dict[str, tuple], write) -> None:
 
 def save(directory: str, sharded: dict, process_group=None) -> None:
     """Write ``sharded`` (from :meth:`ShardMap.split`) as a DCP checkpoint in ``directory`` (owner-only)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    dcp.save(sharded, storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True),
-             process_group=process_group)
+    dcp.save(
+        sharded, storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True), process_group=process_group
+    )
     for name in os.listdir(directory):
         os.chmod(os.path.join(directory, name), 0o600)
 
@@ -197,11 +201,10 @@ def write_replicated(path: str, replicated: dict, metadata: dict[str, str], writ
 
 def read_replicated(path: str) -> tuple[dict[str, str], dict]:
     """Metadata and state of a ``replicated.safetensors``."""
-    from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
         metadata = dict(f.metadata() or {})
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f}
     return metadata, unflatten_state(json.loads(metadata["skeleton"]), tensors)
 
 
@@ -209,7 +212,6 @@ def template(model: nn.Module, optimizer, model_keys: list[str]) -> tuple[dict, 
     """What DCP loads into: this run's model and optimizer state (``get_state_dict``: its own sharding, the
     optimizer's state initialised if empty) restricted to the snapshot's model keys; and the optimizer state dict
     whose ``state`` it fills."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
     target: dict[str, Any] = {"model": {k: msd[k] for k in model_keys if k in msd}}
@@ -221,22 +223,18 @@ def template(model: nn.Module, optimizer, model_keys: list[str]) -> tuple[dict, 
 def stored_model_keys(directory: str) -> list[str]:
     """The model's names in the DCP checkpoint in ``directory``, every rank's (the stages of a pipeline each wrote
     their own)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     stored = HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata
-    return sorted(k[len("model."):] for k in stored if k.startswith("model."))
+    return sorted(k[len("model.") :] for k in stored if k.startswith("model."))
 
 
 def differences(target: dict, directory: str, model_keys: list[str]) -> list[str]:
     """What keeps the checkpoint in ``directory`` from loading into ``target``: names it lacks or holds beyond this
     run's, and global shapes that differ (a sharding DCP cannot map)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     stored = HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata
     flat, _ = flatten_state_dict(target)
-    out = [f"model.{k}: in the snapshot, not in this model" for k in model_keys
-           if f"model.{k}" not in flat]
+    out = [f"model.{k}: in the snapshot, not in this model" for k in model_keys if f"model.{k}" not in flat]
     for key, t in flat.items():
         if key not in stored:
             out.append(f"{key}: in this run, not in the snapshot")
@@ -249,9 +247,6 @@ def differences(target: dict, directory: str, model_keys: list[str]) -> list[str
 def load(model: nn.Module, optimizer, directory: str, target: dict, osd: dict, replicated: dict) -> None:
     """Load the DCP checkpoint in ``directory`` into ``target`` (any sharding: DCP reads the overlapping parts of
     each rank's file), then into the model and the optimizer (param groups by FQN from ``replicated``)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     dcp.load(target, storage_reader=HuggingFaceStorageReader(directory))
     optim_sd = None
@@ -263,9 +258,16 @@ def load(model: nn.Module, optimizer, directory: str, target: dict, osd: dict, r
         # groups, and a pipeline's rank 0 holds only its own stages' parameters
         stored = replicated.get("optimizer", {}).get("param_groups") or []
         if stored and len(stored) != len(osd["param_groups"]):
-            raise ValueError(f"the snapshot's optimizer has {len(stored)} parameter groups and this run's has "
-                             f"{len(osd['param_groups'])}: build the optimizer as the run that took it did")
+            raise ValueError(
+                f"the snapshot's optimizer has {len(stored)} parameter groups and this run's has "
+                f"{len(osd['param_groups'])}: build the optimizer as the run that took it did"
+            )
         groups = [{**(stored[i] if stored else {}), "params": g["params"]} for i, g in enumerate(osd["param_groups"])]
         optim_sd = {"state": state, "param_groups": groups}
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=target["model"],
-                   optim_state_dict=optim_sd or {}, options=StateDictOptions(strict=False))
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=target["model"],
+        optim_state_dict=optim_sd or {},
+        options=StateDictOptions(strict=False),
+    )

@@ -15,12 +15,15 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import struct
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import reshard
 from .state import parse, set_rng_state, unflatten_state
 from .wire import checksum
 
@@ -46,7 +49,7 @@ class Restored:
     source: str
     extra: Any  # what was passed to snapshot(extra=...): the data position, trainer state
     detail: str = ""
-    state: Optional[dict] = dataclasses.field(default=None, repr=False)  # everything, with restore(apply=False)
+    state: dict | None = dataclasses.field(default=None, repr=False)  # everything, with restore(apply=False)
 
 
 def _flatten(d: Any, prefix: str = "") -> dict:
@@ -76,13 +79,19 @@ class RestorePolicy:
             return []
         steps = []
         for name in os.listdir(self.persist_dir):
-            number = name[len("snapshot-"):]
-            if name.startswith("snapshot-") and number.isdigit() and any(os.path.exists(
-                    os.path.join(self.persist_dir, name, f)) for f in (f"rank{self.rank}.json", "replicated.safetensors")):
+            number = name[len("snapshot-") :]
+            if (
+                name.startswith("snapshot-")
+                and number.isdigit()
+                and any(
+                    os.path.exists(os.path.join(self.persist_dir, name, f))
+                    for f in (f"rank{self.rank}.json", "replicated.safetensors")
+                )
+            ):
                 steps.append(int(number))
         return sorted(steps)
 
-    def _read_disk(self, step: int) -> tuple[Optional[Any], str]:
+    def _read_disk(self, step: int) -> tuple[Any | None, str]:
         """This rank's disk snapshot of ``step`` as bytes, checked against its manifest, or ``(None, why)``."""
         d = os.path.join(self.persist_dir, f"snapshot-{step}")
         path = os.path.join(d, f"rank{self.rank}.json")
@@ -109,12 +118,12 @@ class RestorePolicy:
             return sorted(steps, reverse=True)
         buf = torch.full((64,), -1, dtype=torch.int64)
         mine = sorted(steps)[-64:]
-        buf[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        buf[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
         out = [torch.zeros_like(buf) for _ in range(self.world)]
         dist.all_gather(out, buf, group=self.group)
-        common = set(int(s) for s in out[0].tolist() if s >= 0)
+        common = {int(s) for s in out[0].tolist() if s >= 0}
         for t in out[1:]:
-            common &= set(int(s) for s in t.tolist() if s >= 0)
+            common &= {int(s) for s in t.tolist() if s >= 0}
         return sorted(common, reverse=True)
 
     def _vote(self, flag: bool, every: bool) -> bool:
@@ -148,33 +157,40 @@ class RestorePolicy:
         except ValueError as e:
             problem = e
         if self._any(problem is not None):
-            raise problem or SnapshotMismatch(f"another rank's snapshot {where} does not match this run (see its "
-                                              "error)")
+            raise problem or SnapshotMismatch(
+                f"another rank's snapshot {where} does not match this run (see its error)"
+            )
 
     def _check(self, metadata: dict, where: str, resharded: bool = False) -> None:
         """``metadata`` is this job's, taken on this world size and placement; with ``resharded`` (a DCP copy read
         into this run's sharding) the world size and placement may differ, and the parameter fingerprint is left
         to the copy's own check of every name and shape (``reshard.differences``)."""
         if not resharded and int(metadata["world_size"]) != self.world:
-            raise SnapshotMismatch(f"The snapshot {where} was taken with world size {metadata['world_size']}; this run "
-                                   f"has {self.world}. Restart with the same number of processes, or set "
-                                   "fault_tolerance.persist_every so that a restart on another world size reshards "
-                                   "the newest persisted DCP snapshot.")
+            raise SnapshotMismatch(
+                f"The snapshot {where} was taken with world size {metadata['world_size']}; this run "
+                f"has {self.world}. Restart with the same number of processes, or set "
+                "fault_tolerance.persist_every so that a restart on another world size reshards "
+                "the newest persisted DCP snapshot."
+            )
         if not resharded and self._placement_of(metadata) != self.placement:
-            raise SnapshotMismatch(f"The snapshot {where} was taken with another layout "
-                                   f"({identity_diff(self._placement_of(metadata), self.placement)}). Restart with "
-                                   "the same layout, or set fault_tolerance.persist_every so that a restart on "
-                                   "another layout reshards the newest persisted DCP snapshot.")
+            raise SnapshotMismatch(
+                f"The snapshot {where} was taken with another layout "
+                f"({identity_diff(self._placement_of(metadata), self.placement)}). Restart with "
+                "the same layout, or set fault_tolerance.persist_every so that a restart on "
+                "another layout reshards the newest persisted DCP snapshot."
+            )
         theirs = json.loads(metadata.get("identity") or "{}")
         ours = self.identity
         if resharded:
             theirs, ours = ({k: v for k, v in i.items() if k != "parameters"} for i in (theirs, ours))
         if theirs != ours:
-            raise SnapshotMismatch(f"The snapshot {where} belongs to another job: "
-                                   f"{identity_diff(theirs, ours)}. This run does not resume it. To train "
-                                   f"this job from step 0 and discard those snapshots, relaunch with "
-                                   f"{FRESH_START}; to keep them, give this job its own fault_tolerance.directory "
-                                   "(or output directory).")
+            raise SnapshotMismatch(
+                f"The snapshot {where} belongs to another job: "
+                f"{identity_diff(theirs, ours)}. This run does not resume it. To train "
+                f"this job from step 0 and discard those snapshots, relaunch with "
+                f"{FRESH_START}; to keep them, give this job its own fault_tolerance.directory "
+                "(or output directory)."
+            )
 
     def _load(self, metadata: dict, tensors: dict[str, torch.Tensor], apply: bool = True) -> dict:
         """The snapshot's state (its tensors are views into a private copy of the slot); with ``apply``, loaded into
@@ -203,9 +219,11 @@ class RestorePolicy:
         every rank)."""
         why = self.source.check(state)
         if self._any(why is not None):
-            raise SnapshotMismatch(f"The snapshot does not fit this run's {self.source.kind} state: "
-                                   f"{why or 'see the other ranks'}. Resume it with the model, settings and world "
-                                   f"size that took it, or train from step 0 with {FRESH_START}.")
+            raise SnapshotMismatch(
+                f"The snapshot does not fit this run's {self.source.kind} state: "
+                f"{why or 'see the other ranks'}. Resume it with the model, settings and world "
+                f"size that took it, or train from step 0 with {FRESH_START}."
+            )
         self.source.load(state)
 
     def apply_optimizer(self, state: dict) -> None:
@@ -228,7 +246,7 @@ class RestorePolicy:
         reply, _ = self.client.call({"op": "available", "rank": self.rank})
         return reply["steps"], reply["source"], reply.get("reason", "")
 
-    def restore(self, apply: bool = True) -> Optional[Restored]:
+    def restore(self, apply: bool = True) -> Restored | None:
         """Load the newest step every rank has: from memory, else rebuilt from parity, else from disk (with
         ``apply=False`` the state is returned in ``Restored.state`` and nothing is loaded). Returns ``None`` on a
         fresh start: nothing anywhere and no record of earlier snapshots, or ``fresh_start`` set. Raises
@@ -239,7 +257,7 @@ class RestorePolicy:
             self._start_fresh()
             return None
         marker = self._read_marker()
-        steps, source, reason = self.available()
+        steps, _source, reason = self.available()
         reasons = [reason] if reason else []
         disk_steps = self._disk_steps()
         # lost: this rank committed snapshots (its record says so) and its snapshot process holds none now. Ranks
@@ -252,11 +270,17 @@ class RestorePolicy:
             if self._all(got is not None):
                 if self._any(self._moved(got[0])):
                     theirs = int(got[0]["world_size"])
-                    other_world = f"{theirs} ranks" + ("" if theirs != self.world else " in another layout ("
-                                                       f"{identity_diff(self._placement_of(got[0]), self.placement)})")
-                    logger.warning("the in-memory snapshots were taken on %s and this run has %d: they cannot be "
-                                   "loaded here; trying the persisted DCP snapshots, which reshard", other_world,
-                                   self.world)
+                    other_world = f"{theirs} ranks" + (
+                        ""
+                        if theirs != self.world
+                        else f" in another layout ({identity_diff(self._placement_of(got[0]), self.placement)})"
+                    )
+                    logger.warning(
+                        "the in-memory snapshots were taken on %s and this run has %d: they cannot be "
+                        "loaded here; trying the persisted DCP snapshots, which reshard",
+                        other_world,
+                        self.world,
+                    )
                     break
                 self._check_all(got[0], f"in memory at step {step}")
                 metadata, tensors, rebuilt = got
@@ -293,9 +317,11 @@ class RestorePolicy:
                 if self._any(self._moved(metadata)):
                     # taken on another world size or layout and its DCP copy is incomplete (a host was lost while
                     # writing it): an older step's copy may reshard
-                    why = (f"the copy of step {step} was taken on {metadata['world_size']} ranks"
-                           f"{'' if int(metadata['world_size']) != self.world else ' in another layout'} and its "
-                           "resharding (DCP) copy is incomplete")
+                    why = (
+                        f"the copy of step {step} was taken on {metadata['world_size']} ranks"
+                        f"{'' if int(metadata['world_size']) != self.world else ' in another layout'} and its "
+                        "resharding (DCP) copy is incomplete"
+                    )
                     reasons.append(why)
                     skipped.append(step)
                     logger.error("%s; trying an older one", why)
@@ -309,8 +335,11 @@ class RestorePolicy:
                 logger.warning("restored step %d from disk (%s)", step, detail)
                 return Restored(step, "disk", state["extra"], detail, state)
             skipped.append(step)
-            logger.error("disk snapshot of step %d is unusable on some rank (%s); trying an older one", step,
-                         why or "another rank's copy")
+            logger.error(
+                "disk snapshot of step %d is unusable on some rank (%s); trying an older one",
+                step,
+                why or "another rank's copy",
+            )
         if other_world is not None:
             raise SnapshotMismatch(
                 f"This job's snapshots were taken on {other_world} and this run has {self.world}; in-memory "
@@ -319,18 +348,19 @@ class RestorePolicy:
                 f"Relaunch as they were taken to resume from memory; set fault_tolerance.persist_every (and "
                 "persist_dir, on storage every node reads) so a later restart on another world size or layout "
                 "can reshard; "
-                f"or train from step 0 with {FRESH_START}.")
+                f"or train from step 0 with {FRESH_START}."
+            )
         if had_any or self._any(bool(reasons)):
             raise SnapshotError(self._lost_message(marker, reasons, skipped))
         return None
 
-    def _try_resharded(self, step: int, apply: bool, reasons: list[str], d: Optional[str] = None,
-                       source: str = "resharded") -> Optional[Restored]:
+    def _try_resharded(
+        self, step: int, apply: bool, reasons: list[str], d: str | None = None, source: str = "resharded"
+    ) -> Restored | None:
         """Restore ``step`` from its DCP copy when it was taken on another world size (every rank agrees), loading
         the model's and optimizer's shards into this run's sharding; None when the step was taken on this world size
         (the exact per-rank copy is used) or has no complete DCP copy. A copy of another job, or one whose tensors
         do not map onto this model and optimizer, is refused on every rank naming what differs."""
-        from . import reshard
 
         d = d or os.path.join(self.persist_dir, f"snapshot-{step}")
         path = os.path.join(d, reshard.REPLICATED)
@@ -354,7 +384,8 @@ class RestorePolicy:
                     f"The snapshot on disk at {d} (taken on {metadata['world_size']} ranks) does not map onto this "
                     f"model and optimizer: {'; '.join(problems[:6]) or 'see the other ranks'}"
                     f"{f' (and {len(problems) - 6} more)' if len(problems) > 6 else ''}. Resume it with the model "
-                    f"and optimizer that took it, or train from step 0 with {FRESH_START}.")
+                    f"and optimizer that took it, or train from step 0 with {FRESH_START}."
+                )
             self.source.load_resharded(plan, os.path.join(d, reshard.DCP_DIR), state, self.optimizer)
             if self.scheduler is not None and "scheduler" in state:
                 self.scheduler.load_state_dict(state["scheduler"])
@@ -363,23 +394,27 @@ class RestorePolicy:
             set_rng_state(state["rng"])  # rank 0's: the old ranks' streams do not map onto the new ranks
             self.rebuild_ddp_buckets()
             if self.stateful:
-                logger.warning("restored on another world size: %s start afresh (their per-rank state, such as "
-                               "error feedback, does not map onto the new ranks)", ", ".join(self.stateful))
+                logger.warning(
+                    "restored on another world size: %s start afresh (their per-rank state, such as "
+                    "error feedback, does not map onto the new ranks)",
+                    ", ".join(self.stateful),
+                )
         self._discard_after(-1)
         self._marked = False
         self._last = (step, state["extra"])
-        detail = (f"{'the snapshot processes copy, through ' if source != 'resharded' else ''}{d}, taken on "
-                  f"{metadata['world_size']} ranks"
-                  f"{' in another layout' if int(metadata['world_size']) == self.world else ''} and resharded onto "
-                  f"{self.world} by "
-                  "torch.distributed.checkpoint")
+        detail = (
+            f"{'the snapshot processes copy, through ' if source != 'resharded' else ''}{d}, taken on "
+            f"{metadata['world_size']} ranks"
+            f"{' in another layout' if int(metadata['world_size']) == self.world else ''} and resharded onto "
+            f"{self.world} by "
+            "torch.distributed.checkpoint"
+        )
         logger.warning("restored step %d from %s (%s)", step, "memory" if source != "resharded" else "disk", detail)
         return Restored(step, source, state["extra"], detail, state)
 
-    def _snapshot_header(self, rank: int, step: int) -> Optional[dict]:
+    def _snapshot_header(self, rank: int, step: int) -> dict | None:
         """The metadata of the snapshot of ``rank`` (any rank whose slots this node holds) at ``step``: the slot's
         safetensors header, read alone."""
-        import struct
 
         reply, fd = self.client.call({"op": "open", "rank": rank, "step": step}, want_fd=True)
         if "error" in reply:
@@ -390,7 +425,7 @@ class RestorePolicy:
         finally:
             os.close(fd)
 
-    def _read_snapshot(self, rank: int, step: int) -> tuple[Optional[tuple[dict, dict, bool]], str]:
+    def _read_snapshot(self, rank: int, step: int) -> tuple[tuple[dict, dict, bool] | None, str]:
         """``rank``'s snapshot at ``step`` held by this node (rebuilt from parity if it must be): its metadata,
         its tensors (views into a private copy) and whether it was rebuilt; checksum checked."""
         reply, fd = self.client.call({"op": "open", "rank": rank, "step": step}, want_fd=True)
@@ -404,21 +439,19 @@ class RestorePolicy:
         finally:
             os.close(fd)
         if got != manifest["nbytes"] or checksum(buf.numpy()) != manifest["checksum"]:
-            return None, (f"rank {rank}'s snapshot of step {step} fails its checksum (a corrupted byte); "
-                          "it is not used")
+            return None, (
+                f"rank {rank}'s snapshot of step {step} fails its checksum (a corrupted byte); it is not used"
+            )
         metadata, tensors = parse(buf.numpy())
         return (metadata, tensors, reply.get("rebuilt", False)), ""
 
-    def _try_memory_resharded(self, apply: bool, reasons: list[str]) -> Optional[Restored]:
+    def _try_memory_resharded(self, apply: bool, reasons: list[str]) -> Restored | None:
         """A restart on another world size or layout, from the snapshot processes: when the nodes of this run hold,
         between them, every old rank's snapshot of one step (the newest such), each old rank's snapshot is written
         once, by a rank of a node that holds it, as its file of a DCP checkpoint (its shards at the global offsets it
         recorded) under ``persist_dir`` (storage every node reads), and loaded like a persisted copy: no step since
         the last persist is lost. None when they do not (the persisted copies are tried next) or nothing is
         persisted (no shared storage)."""
-        import shutil
-
-        from . import reshard
 
         if not (self.distributed and self.persist_dir and self.optimizer is not None):
             return None  # (without the optimizer its state in the snapshots has no names)
@@ -469,41 +502,57 @@ class RestorePolicy:
                     metadata, tensors, _ = got
                     state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
                     chunks = shards.chunks(state, json.loads(metadata["offsets"]), whole=rank == 0)
-                    reshard.write_chunks(os.path.join(d, reshard.DCP_DIR, f"shard-{rank:05d}.safetensors"), chunks,
-                                         self._write_private)
+                    reshard.write_chunks(
+                        os.path.join(d, reshard.DCP_DIR, f"shard-{rank:05d}.safetensors"), chunks, self._write_private
+                    )
                     if rank == 0:  # after every shard file (the barrier below): its presence marks the copy complete
-                        replicated, keep = shards.replicated(state), {k: metadata[k] for k in (
-                            "step", "world_size", "placement", "fingerprint", "identity")}
+                        replicated, keep = (
+                            shards.replicated(state),
+                            {k: metadata[k] for k in ("step", "world_size", "placement", "fingerprint", "identity")},
+                        )
                 except Exception as e:
-                    failed = (f"old rank {rank}'s snapshot of step {step} could not be written as a DCP file "
-                              f"({type(e).__name__}: {e})")
+                    failed = (
+                        f"old rank {rank}'s snapshot of step {step} could not be written as a DCP file "
+                        f"({type(e).__name__}: {e})"
+                    )
             if self._any(bool(failed)):
                 reasons.append(failed or "another rank could not read an old rank's snapshot")
                 return None
             if assigned[0] == self.rank:
                 reshard.write_replicated(os.path.join(d, reshard.REPLICATED), replicated, keep, self._write_private)
             dist.barrier(group=self.group)
-            logger.warning("the snapshot processes hold every one of the %d old ranks' snapshots of step %d: "
-                           "resharding them onto %d ranks", world, step, self.world)
+            logger.warning(
+                "the snapshot processes hold every one of the %d old ranks' snapshots of step %d: "
+                "resharding them onto %d ranks",
+                world,
+                step,
+                self.world,
+            )
             return self._try_resharded(step, apply, reasons, d=d, source="memory-resharded")
         finally:
             dist.barrier(group=self.group)
             if self.rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
 
-    def _completed(self, marker: Optional[dict]) -> Optional[Restored]:
+    def _completed(self, marker: dict | None) -> Restored | None:
         """A relaunch after the job finished (its snapshot processes shut down): the completed record, agreed by
         every rank, or None."""
         done = bool(marker) and marker.get("completed") is True and marker.get("identity_hash") == self.identity_hash
         if not self._all(done):
             return None
         logger.warning("this job already completed at step %s; nothing to resume", marker.get("last_step"))
-        return Restored(int(marker.get("last_step") or 0), "completed", marker.get("extra"),
-                        f"the job completed at step {marker.get('last_step')} ({self.marker})")
+        return Restored(
+            int(marker.get("last_step") or 0),
+            "completed",
+            marker.get("extra"),
+            f"the job completed at step {marker.get('last_step')} ({self.marker})",
+        )
 
-    def _lost_message(self, marker: Optional[dict], reasons: list[str], skipped: list[int]) -> str:
-        parts = [f"This job took snapshots (rank {self.rank}, node {self.node}: {self.dir}) but none can be "
-                 "restored, so it will not silently start over."]
+    def _lost_message(self, marker: dict | None, reasons: list[str], skipped: list[int]) -> str:
+        parts = [
+            f"This job took snapshots (rank {self.rank}, node {self.node}: {self.dir}) but none can be "
+            "restored, so it will not silently start over."
+        ]
         if marker and marker.get("identity_hash") not in (None, self.identity_hash):
             parts.append(f"They belonged to another job ({identity_diff(marker.get('identity', {}), self.identity)}).")
         exited = os.path.join(self.dir, "exited.json")
@@ -511,8 +560,10 @@ class RestorePolicy:
             with contextlib.suppress(OSError, ValueError):
                 parts.append(f"Node {self.node}'s snapshot process exited: {json.load(open(exited))['reason']}.")
         elif self.started_smp is not None and marker is not None:
-            parts.append(f"Node {self.node}'s snapshot process was lost (a new one was started by this launch), "
-                         "and its snapshots with it.")
+            parts.append(
+                f"Node {self.node}'s snapshot process was lost (a new one was started by this launch), "
+                "and its snapshots with it."
+            )
         if reasons:
             parts.append("Lost or unusable: " + "; ".join(reasons) + ".")
         if skipped:

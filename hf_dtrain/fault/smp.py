@@ -21,6 +21,7 @@ key is read from stdin, never from the command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener
 from multiprocessing.reduction import send_handle
-from typing import Optional
+from typing import ClassVar
 
 if __package__:
     from .erasure import UnrecoverableError
@@ -48,7 +49,7 @@ class Slot:
         self.rank, self.index = rank, index
         self.fd = os.memfd_create(f"hf_dtrain_r{rank}_s{index}", os.MFD_CLOEXEC)
         self.size = 0
-        self.manifest: Optional[dict] = None  # set by a commit; None while being written
+        self.manifest: dict | None = None  # set by a commit; None while being written
         self.resize(size)
 
     def resize(self, size: int) -> None:
@@ -68,8 +69,9 @@ class SnapshotManager(ParityExchange):
 
     HANDSHAKE_SECONDS = 5.0  # a connection that has not authenticated by then is dropped (it blocks no other)
 
-    def __init__(self, directory: str, node: int, key: bytes, host: str = "127.0.0.1", idle_exit: float = 300.0,
-                 port: int = 0):
+    def __init__(
+        self, directory: str, node: int, key: bytes, host: str = "127.0.0.1", idle_exit: float = 300.0, port: int = 0
+    ):
         self.dir, self.node, self.key, self.host, self.port = directory, node, key, host, port
         self.idle_exit = idle_exit  # nothing of the job alive for this long: it is gone, free the memory
         self.connected = 0  # trainers connected over the local socket
@@ -89,7 +91,7 @@ class SnapshotManager(ParityExchange):
         self.events: list[str] = []
         self._stop = threading.Event()
         self._send_queue: list[int] = []
-        self._sending: Optional[int] = None  # the step the sender is exchanging now
+        self._sending: int | None = None  # the step the sender is exchanging now
         self.complete_at: dict[int, set[int]] = {}  # step -> group positions whose parity blocks are complete
         self._send_cv = threading.Condition(self.lock)
 
@@ -102,21 +104,35 @@ class SnapshotManager(ParityExchange):
     def complete_steps(self, rank: int) -> list[int]:
         return sorted(s.manifest["step"] for s in self.slots.get(rank, []) if s.manifest)
 
-    def _slot_with(self, rank: int, step: int) -> Optional[Slot]:
+    def _slot_with(self, rank: int, step: int) -> Slot | None:
         return next((s for s in self.slots.get(rank, []) if s.manifest and s.manifest["step"] == step), None)
 
     # every request the snapshot process answers: the trainer's (local socket) and the peers' (TCP); anything
     # else is refused with the list
-    HANDLERS = {name: f"_op_{name}" for name in ("config", "slot", "commit", "available", "open", "discard",
-                                                 "status", "shutdown", "piece", "holdings",
-                                                 "fetch_symbols", "complete", "ping")}
+    HANDLERS: ClassVar[dict[str, str]] = {
+        name: f"_op_{name}"
+        for name in (
+            "config",
+            "slot",
+            "commit",
+            "available",
+            "open",
+            "discard",
+            "status",
+            "shutdown",
+            "piece",
+            "holdings",
+            "fetch_symbols",
+            "complete",
+            "ping",
+        )
+    }
 
     def handle(self, conn: Connection, msg: dict) -> None:
         op = msg.get("op")
         method = self.HANDLERS.get(op)
         if method is None:
-            send(conn, {"error": f"unknown op {op!r}; the snapshot process answers "
-                                 f"{', '.join(sorted(self.HANDLERS))}"})
+            send(conn, {"error": f"unknown op {op!r}; the snapshot process answers {', '.join(sorted(self.HANDLERS))}"})
             return
         getattr(self, method)(conn, msg)
 
@@ -199,9 +215,16 @@ class SnapshotManager(ParityExchange):
 
     def _op_status(self, conn: Connection, msg: dict) -> None:
         with self.lock:
-            send(conn, {"node": self.node, "pid": os.getpid(), "ranks": {r: self.complete_steps(r)
-                                                                         for r in self.slots},
-                        "parity_steps": sorted(self.parity_blocks), "events": self.events[-50:]})
+            send(
+                conn,
+                {
+                    "node": self.node,
+                    "pid": os.getpid(),
+                    "ranks": {r: self.complete_steps(r) for r in self.slots},
+                    "parity_steps": sorted(self.parity_blocks),
+                    "events": self.events[-50:],
+                },
+            )
 
     def _op_shutdown(self, conn: Connection, msg: dict) -> None:
         send(conn, {"ok": True})
@@ -247,18 +270,18 @@ class SnapshotManager(ParityExchange):
                 continue
             gone_since = gone_since or time.monotonic()
             if time.monotonic() - gone_since > self.idle_exit:
-                reason = (f"no trainer and no launcher of the job alive for {self.idle_exit:.0f} s "
-                          "(fault_tolerance.idle_exit); the in-memory snapshots of this node are dropped")
+                reason = (
+                    f"no trainer and no launcher of the job alive for {self.idle_exit:.0f} s "
+                    "(fault_tolerance.idle_exit); the in-memory snapshots of this node are dropped"
+                )
                 logger.warning("SMP node %d: %s; exiting", self.node, reason)
                 self._record_exit(reason)
                 break
         for listener in (local, peer):
             listener.close()
         for f in ("smp.json", "smp.sock"):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.dir, f))
-            except OSError:
-                pass
 
     def _record_exit(self, reason: str) -> None:
         """Why this process ended, for the next launch's message (``exited.json`` in the node directory)."""
@@ -335,10 +358,18 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", required=True, help="private directory for the socket (created 0700)")
     ap.add_argument("--node", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1", help="address peers reach this node's SMP on")
-    ap.add_argument("--port", type=int, default=0, help="TCP port for the peers (0: any; a re-spawn reuses its "
-                                                          "predecessor's, so the peers' addresses stay right)")
-    ap.add_argument("--idle-exit", type=float, default=300.0,
-                    help="exit after this many seconds with no trainer and no launcher of the job alive")
+    ap.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="TCP port for the peers (0: any; a re-spawn reuses its predecessor's, so the peers' addresses stay right)",
+    )
+    ap.add_argument(
+        "--idle-exit",
+        type=float,
+        default=300.0,
+        help="exit after this many seconds with no trainer and no launcher of the job alive",
+    )
     args = ap.parse_args(argv)
     key = bytes.fromhex(sys.stdin.readline().strip())
     if len(key) < 16:

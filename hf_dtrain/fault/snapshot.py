@@ -11,6 +11,7 @@ the DCP copy that reshards onto another world size or layout: ``reshard.py``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -23,19 +24,25 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_dtrain.settings import RELEASE
+
+from . import reshard
+from .config import SnapshotConfig
 from .ddp import unwrap as _unwrap
 from .erasure import node_groups
+
 # Restored and the errors are also imported from here (their names before the restore policy moved out)
 from .restore import Restored, RestorePolicy, SnapshotError, SnapshotMismatch  # noqa: F401
 from .source import source_for
-from .wire import SMPClient, checksum, connect, private_dir, runtime_root
 from .state import Layout, flatten_state, parse, rng_state, unflatten_state
+from .wire import SMPClient, checksum, connect, private_dir, runtime_root
 
 logger = logging.getLogger(__name__)
 
@@ -77,24 +84,37 @@ class SnapshotEngine(RestorePolicy):
     next ``optimizer.step()``; ``engine.restore()`` at start-up. ``extra``: JSON-able or tensor state you want back
     (the data position). ``stateful``: more objects with ``state_dict()`` / ``load_state_dict()`` to keep (a
     communication hook's state: error feedback); their ``state_dict()`` must return copies of anything that changes
-    before the next optimizer step. With a frozen base (PEFT), only trainable parameters are stored. A snapshot process with
-    no trainer connected for ``idle_exit`` seconds exits (the job is gone), so crashed jobs do not hold memory.
+    before the next optimizer step. With a frozen base (PEFT), only trainable parameters are stored. A snapshot process
+    with no trainer connected for ``idle_exit`` seconds exits (the job is gone), so crashed jobs do not hold memory.
     """
 
-    default_snapshot_hooks: list = []
+    default_snapshot_hooks: ClassVar[list] = []
 
-    def __init__(self, model: nn.Module, optimizer=None, scheduler=None, scaler=None, config=None, *,
-                 stateful: Optional[dict] = None, process_group=None, identity: Optional[dict] = None,
-                 job_key: Optional[str] = None, placement: Optional[dict] = None, **settings):
-        from .config import SnapshotConfig
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer=None,
+        scheduler=None,
+        scaler=None,
+        config=None,
+        *,
+        stateful: dict | None = None,
+        process_group=None,
+        identity: dict | None = None,
+        job_key: str | None = None,
+        placement: dict | None = None,
+        **settings,
+    ):
 
         self.config = config = SnapshotConfig.from_any(config, **settings)
         directory, parity, group_size = config.directory, config.parity, config.group_size
         persist_dir, persist_every = config.persist_dir, config.persist_every
         timeout, idle_exit, trainable_only = config.timeout, config.idle_exit, config.trainable_only
         if persist_every and not persist_dir:
-            raise ValueError("SnapshotConfig.persist_every > 0 needs persist_dir (where every N-th snapshot is "
-                             "written); set fault_tolerance.persist_dir.")
+            raise ValueError(
+                "SnapshotConfig.persist_every > 0 needs persist_dir (where every N-th snapshot is "
+                "written); set fault_tolerance.persist_dir."
+            )
         # what the snapshot holds of this layout and how it loads in place (source.py)
         self.source = source_for(model, optimizer, trainable_only)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
@@ -113,8 +133,10 @@ class SnapshotEngine(RestorePolicy):
         group_size = group_size or self.num_nodes
         if parity and self.num_nodes > 1:
             if parity >= group_size:
-                raise ValueError(f"parity={parity} needs erasure groups of more than {parity} nodes; group_size is "
-                                 f"{group_size} ({self.num_nodes} nodes). Lower parity or use more nodes.")
+                raise ValueError(
+                    f"parity={parity} needs erasure groups of more than {parity} nodes; group_size is "
+                    f"{group_size} ({self.num_nodes} nodes). Lower parity or use more nodes."
+                )
             self.groups = node_groups(self.num_nodes, group_size)
         else:
             parity, self.groups = 0, [[n] for n in range(self.num_nodes)]
@@ -125,41 +147,43 @@ class SnapshotEngine(RestorePolicy):
         self.trainable_only = self.source.trainable_only
         self.fingerprint = self._fingerprint()
         self.identity = self._identity(identity or {})
-        self.identity_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True, default=str).encode()
-                                            ).hexdigest()[:16]
+        self.identity_hash = hashlib.sha256(
+            json.dumps(self.identity, sort_keys=True, default=str).encode()
+        ).hexdigest()[:16]
         self._identity_json = json.dumps(self.identity, sort_keys=True)  # written into every snapshot's header
         # how the job lays the model over its ranks (its parallel degrees and layout settings): a snapshot of another
         # placement does not load rank by rank; like one of another world size, it reshards from the DCP copy
         self.placement = json.loads(json.dumps(placement or {}, sort_keys=True, default=str))
         self._placement_json = json.dumps(self.placement, sort_keys=True)
-        self.layout: Optional[Layout] = None
+        self.layout: Layout | None = None
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}
         self._registered: dict[int, int] = {}
         # read at the first snapshot: Accelerate's FSDP2 route moves the model to the GPU after the engine is built
-        self._cuda: Optional[bool] = None
+        self._cuda: bool | None = None
         # one long-lived copy thread fed by a queue: starting a thread per snapshot would stall the training thread
         # for up to the interpreter's switch interval (5 ms) while the new thread runs Python code
-        self._worker: Optional[threading.Thread] = None
+        self._worker: threading.Thread | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._in_flight = False
-        self._error: Optional[BaseException] = None
-        self._persist: Optional[threading.Thread] = None
-        self.stats = {"snapshots": 0, "stall_seconds": [], "copy_seconds": [], "wait_seconds": [],
-                      "bytes": 0}
+        self._error: BaseException | None = None
+        self._persist: threading.Thread | None = None
+        self.stats = {"snapshots": 0, "stall_seconds": [], "copy_seconds": [], "wait_seconds": [], "bytes": 0}
         self.base = private_dir(directory or default_directory(job_key or f"job-{self.identity_hash}"))
         self.dir = private_dir(os.path.join(self.base, f"node{self.node}"))
         sock = os.path.join(self.dir, "smp.sock")
         if len(sock.encode()) > 107:  # sockaddr_un's limit
-            raise ValueError(f"The snapshot socket path {sock} is {len(sock.encode())} bytes; Unix sockets allow 107. "
-                             "Set fault_tolerance.directory to a shorter path.")
+            raise ValueError(
+                f"The snapshot socket path {sock} is {len(sock.encode())} bytes; Unix sockets allow 107. "
+                "Set fault_tolerance.directory to a shorter path."
+            )
         self.marker = os.path.join(self.dir, f"run-rank{self.rank}.json")
         self._marked = False
         self.respawns = 0
         self._peers: dict = {}
-        self._last: Optional[tuple[int, Any]] = None  # (step, extra) of the newest committed or restored snapshot
+        self._last: tuple[int, Any] | None = None  # (step, extra) of the newest committed or restored snapshot
         self._pending = None
-        self.started_smp: Optional[int] = None
+        self.started_smp: int | None = None
         if self.rank == self.local_ranks[0]:  # what a writer killed midway left (no snapshot is being written now)
             self.clean_temporaries(self.dir)
             if self.persist_dir and os.path.isdir(self.persist_dir):
@@ -171,14 +195,13 @@ class SnapshotEngine(RestorePolicy):
         # every persist_every-th snapshot is also a DCP checkpoint (restorable onto another world size), written
         # by the persist thread over a process group of its own
         self._shards, self._persist_group = None, None  # the ShardMap is read at the first snapshot (the Trainer
-        if self.persist_every and self.distributed:        # hands the optimizer over after the engine is built)
+        if self.persist_every and self.distributed:  # hands the optimizer over after the engine is built)
             self._persist_group = self._gloo_group(process_group, timeout)
 
     # ---------------------------------------------------------------- set-up
     @staticmethod
     def _gloo_group(process_group, timeout: float):
         """A new gloo group of ``process_group``'s ranks (every rank builds the engine, so every rank joins it)."""
-        from datetime import timedelta
 
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
@@ -196,7 +219,6 @@ class SnapshotEngine(RestorePolicy):
         and what the engine sees itself: the trainable parameter set, the model config, the optimizer's and
         scheduler's classes and hyper-parameters, hf_dtrain's version. Recorded in every snapshot; a restore into a
         job whose identity differs is refused, naming what differs."""
-        from hf_dtrain.settings import RELEASE
 
         model = _unwrap(self.model)
         out = {"job": job, "hf_dtrain": RELEASE, "parameters": self.fingerprint}
@@ -205,12 +227,17 @@ class SnapshotEngine(RestorePolicy):
             cfg = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
             out["model_config"] = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
         if self.optimizer is not None:
-            from hf_dtrain.distributed import unwrap_optimizer
+            from hf_dtrain.distributed.engines import unwrap_optimizer
 
             opt = unwrap_optimizer(self.optimizer)
-            groups = [{k: v for k, v in g.items() if k not in ("params", "lr") and isinstance(v, (int, float, str,
-                                                                                                     bool, tuple))}
-                      for g in opt.param_groups]
+            groups = [
+                {
+                    k: v
+                    for k, v in g.items()
+                    if k not in ("params", "lr") and isinstance(v, (int, float, str, bool, tuple))
+                }
+                for g in opt.param_groups
+            ]
             out["optimizer"] = {"class": type(opt).__name__, "groups": groups}
         if self.scheduler is not None:
             out["scheduler"] = type(self.scheduler).__name__
@@ -279,7 +306,6 @@ class SnapshotEngine(RestorePolicy):
     def _start_smp(self, port: int = 0) -> SMPClient:
         """Connects to this node's snapshot process, starting it (its own session, so it outlives this trainer) when
         none answers. Any local rank may start it: a lock file lets exactly one do so."""
-        import fcntl
 
         with open(os.path.join(self.dir, "start.lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -287,10 +313,26 @@ class SnapshotEngine(RestorePolicy):
                 if not self._smp_alive():
                     log = open(os.path.join(self.dir, "smp.log"), "ab")
                     smp_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smp.py")
-                    proc = subprocess.Popen([sys.executable, smp_path, "--dir", self.dir, "--node", str(self.node),
-                                             "--host", os.environ.get("HF_DTRAIN_SMP_HOST", "127.0.0.1"),
-                                             "--idle-exit", str(self.idle_exit), "--port", str(port)],
-                                            stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
+                    proc = subprocess.Popen(
+                        [
+                            sys.executable,
+                            smp_path,
+                            "--dir",
+                            self.dir,
+                            "--node",
+                            str(self.node),
+                            "--host",
+                            os.environ.get("HF_DTRAIN_SMP_HOST", "127.0.0.1"),
+                            "--idle-exit",
+                            str(self.idle_exit),
+                            "--port",
+                            str(port),
+                        ],
+                        stdin=subprocess.PIPE,
+                        stdout=log,
+                        stderr=log,
+                        start_new_session=True,
+                    )
                     proc.stdin.write(self.key.hex().encode() + b"\n")
                     proc.stdin.close()
                     log.close()
@@ -311,7 +353,7 @@ class SnapshotEngine(RestorePolicy):
         entries = [mine]
         if self.distributed:
             buf = torch.zeros(256, dtype=torch.uint8)
-            buf[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
             out = [torch.zeros_like(buf) for _ in range(self.world)]
             dist.all_gather(out, buf, group=self.group)
             entries = [bytes(t.tolist()).rstrip(b"\0") for t in out]
@@ -324,9 +366,17 @@ class SnapshotEngine(RestorePolicy):
 
     def _send_config(self) -> None:
         agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-        reply, _ = self.client.call({"op": "config", "local_ranks": self.local_ranks, "group": self.node_group,
-                                     "parity": self.parity, "peers": self._peers, "rank": self.rank,
-                                     "agent_pid": agent})
+        reply, _ = self.client.call(
+            {
+                "op": "config",
+                "local_ranks": self.local_ranks,
+                "group": self.node_group,
+                "parity": self.parity,
+                "peers": self._peers,
+                "rank": self.rank,
+                "agent_pid": agent,
+            }
+        )
         if not reply.get("ok"):
             raise SnapshotError(f"snapshot process refused its configuration: {reply}")
 
@@ -345,9 +395,15 @@ class SnapshotEngine(RestorePolicy):
         self.client = self._start_smp(port)
         self._send_config()
         self.respawns += 1
-        logger.warning("rank %d: the snapshot process of node %d was lost (%s: %s); a new one (pid %s) took its "
-                       "place and a fresh snapshot is taken now", self.rank, self.node, type(error).__name__, error,
-                       self.client.info().get("pid"))
+        logger.warning(
+            "rank %d: the snapshot process of node %d was lost (%s: %s); a new one (pid %s) took its "
+            "place and a fresh snapshot is taken now",
+            self.rank,
+            self.node,
+            type(error).__name__,
+            error,
+            self.client.info().get("pid"),
+        )
 
     # ---------------------------------------------------------------- snapshot
     def _capture(self, extra: Any) -> dict:
@@ -370,10 +426,15 @@ class SnapshotEngine(RestorePolicy):
             state["scaler"] = self.scaler.state_dict()
         tensors: dict[str, torch.Tensor] = {}
         skeleton = flatten_state(state, tensors)
-        metadata = {"step": str(step), "rank": str(self.rank), "world_size": str(self.world),
-                    "placement": self._placement_json,
-                    "fingerprint": self.fingerprint, "identity": self._identity_json,
-                    "skeleton": json.dumps(skeleton, separators=(",", ":"))}
+        metadata = {
+            "step": str(step),
+            "rank": str(self.rank),
+            "world_size": str(self.world),
+            "placement": self._placement_json,
+            "fingerprint": self.fingerprint,
+            "identity": self._identity_json,
+            "skeleton": json.dumps(skeleton, separators=(",", ":")),
+        }
         if self._shards is not None:  # where this rank's shards sit in the global tensors (a restart on another
             metadata["offsets"] = json.dumps(self._shards.offsets)  # world size reads them: restore.py)
         return metadata, tensors
@@ -457,8 +518,10 @@ class SnapshotEngine(RestorePolicy):
     def _slot(self, total: int) -> tuple[int, mmap.mmap]:
         # the snapshot process may hold the slot back until the previous step's parity is everywhere; it answers
         # before this client gives up on it
-        reply, fd = self.client.call({"op": "slot", "rank": self.rank, "nbytes": total,
-                                      "wait": max(0.5 * self.timeout, self.timeout - 5.0)}, want_fd=True)
+        reply, fd = self.client.call(
+            {"op": "slot", "rank": self.rank, "nbytes": total, "wait": max(0.5 * self.timeout, self.timeout - 5.0)},
+            want_fd=True,
+        )
         if "error" in reply:
             raise SnapshotError(f"the snapshot process refused a slot: {reply['error']}")
         return reply["slot"], self._map(reply["slot"], fd, reply["size"])
@@ -466,7 +529,7 @@ class SnapshotEngine(RestorePolicy):
     def _copy(self, step, slot, buf, header, tensors, total, stream, extra=None) -> None:
         try:
             t0 = time.perf_counter()
-            buf[:len(header)] = header
+            buf[: len(header)] = header
             base = len(header)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for key, t in tensors.items():
@@ -477,8 +540,14 @@ class SnapshotEngine(RestorePolicy):
             if stream is not None:
                 stream.synchronize()  # the device-to-host copies have landed
             digest = checksum(memoryview(buf)[:total])
-            manifest = {"step": step, "nbytes": total, "checksum": digest, "fingerprint": self.fingerprint,
-                        "identity": self.identity_hash, "world_size": self.world}
+            manifest = {
+                "step": step,
+                "nbytes": total,
+                "checksum": digest,
+                "fingerprint": self.fingerprint,
+                "identity": self.identity_hash,
+                "world_size": self.world,
+            }
             reply, _ = self.client.call({"op": "commit", "rank": self.rank, "slot": slot, "manifest": manifest})
             if "error" in reply:
                 raise SnapshotError(f"the snapshot process refused the commit: {reply['error']}")
@@ -487,8 +556,14 @@ class SnapshotEngine(RestorePolicy):
             self.stats["bytes"] = total
             self._last = (step, extra)
             if not self._marked:
-                self._write_marker({"identity": self.identity, "identity_hash": self.identity_hash,
-                                    "first_step": step, "completed": False})
+                self._write_marker(
+                    {
+                        "identity": self.identity,
+                        "identity_hash": self.identity_hash,
+                        "first_step": step,
+                        "completed": False,
+                    }
+                )
             if self.persist_every and step % self.persist_every == 0:
                 self._start_persist(step, bytearray(memoryview(buf)[:total]), manifest)
         except BaseException as e:  # surfaced by wait()
@@ -500,7 +575,7 @@ class SnapshotEngine(RestorePolicy):
         self._marked = True
         self._write_private(self.marker, json.dumps(record, default=str).encode())
 
-    def _read_marker(self) -> Optional[dict]:
+    def _read_marker(self) -> dict | None:
         try:
             with open(self.marker) as f:
                 record = json.load(f)
@@ -547,8 +622,14 @@ class SnapshotEngine(RestorePolicy):
                 try:
                     self._persist_resharding(d, step, data)
                 except Exception as e:  # the exact per-rank copy is written; only the resharding copy is missing
-                    logger.error("rank %d: the DCP copy of step %d failed (%s: %s); a restart on another world size "
-                                 "cannot use it", self.rank, step, type(e).__name__, e)
+                    logger.error(
+                        "rank %d: the DCP copy of step %d failed (%s: %s); a restart on another world size "
+                        "cannot use it",
+                        self.rank,
+                        step,
+                        type(e).__name__,
+                        e,
+                    )
 
         self._persist = threading.Thread(target=write, daemon=True)
         self._persist.start()
@@ -556,7 +637,6 @@ class SnapshotEngine(RestorePolicy):
     def _persist_resharding(self, d: str, step: int, data) -> None:
         """The snapshot in ``data`` (this rank's slot bytes) as a DCP checkpoint under ``d/dcp`` (each rank its own
         shards), then ``d/replicated.safetensors`` from rank 0 once every rank's shards are written."""
-        from . import reshard
 
         metadata, tensors = parse(data)
         state = unflatten_state(json.loads(metadata["skeleton"]), tensors)
@@ -569,10 +649,18 @@ class SnapshotEngine(RestorePolicy):
             dist.barrier(group=self._persist_group)
         reshard.save(os.path.join(d, reshard.DCP_DIR), sharded, self._persist_group)  # returns once all have written
         if self.rank == 0:
-            reshard.write_replicated(os.path.join(d, reshard.REPLICATED), replicated, {
-                "step": str(step), "world_size": str(self.world), "placement": self._placement_json,
-                "fingerprint": self.fingerprint, "identity": json.dumps(self.identity, sort_keys=True)},
-                self._write_private)
+            reshard.write_replicated(
+                os.path.join(d, reshard.REPLICATED),
+                replicated,
+                {
+                    "step": str(step),
+                    "world_size": str(self.world),
+                    "placement": self._placement_json,
+                    "fingerprint": self.fingerprint,
+                    "identity": json.dumps(self.identity, sort_keys=True),
+                },
+                self._write_private,
+            )
 
     def close(self, shutdown: bool = False) -> None:
         """Finish the snapshot in flight; with ``shutdown`` (the run is over) stop the node's snapshot process."""
@@ -594,8 +682,15 @@ class SnapshotEngine(RestorePolicy):
             if self.distributed:
                 dist.barrier(group=self.group)
             step, extra = self._last or (0, None)
-            self._write_marker({"identity": self.identity, "identity_hash": self.identity_hash, "completed": True,
-                                "last_step": step, "extra": extra})
+            self._write_marker(
+                {
+                    "identity": self.identity,
+                    "identity_hash": self.identity_hash,
+                    "completed": True,
+                    "last_step": step,
+                    "extra": extra,
+                }
+            )
             if self.distributed:
                 dist.barrier(group=self.group)
             if self.rank == self.local_ranks[0]:

@@ -20,14 +20,17 @@ return references, which the engine copies into its slot.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..distributed import sharded_engine_of, unwrap_optimizer
+from ..distributed.engines import sharded_engine_of, unwrap_optimizer
+from . import reshard
 from .ddp import rebuild_ddp_buckets, unwrap
 from .fsdp import as_shards, local_shard
+from .reshard import ShardMap
+from .zero import ZeroSource, find_zero_optimizer
 
 
 class SnapshotSource(Protocol):
@@ -50,12 +53,12 @@ class SnapshotSource(Protocol):
     def collect(self, state: dict, optimizer) -> None:
         """Add to ``state`` what may be read on the copy thread while the next forward and backward run."""
 
-    def shard_map(self, optimizer) -> Optional[Any]:
+    def shard_map(self, optimizer) -> Any | None:
         """How ``state`` splits into sharded tensors (by fully qualified name, at global offsets) and replicated
         rest, for a DCP copy that reshards (:class:`~hf_dtrain.fault.reshard.ShardMap`); None when this layout
         does not reshard. Raises ``ValueError`` naming why it cannot (an optimizer parameter with no name)."""
 
-    def check(self, state: dict) -> Optional[str]:
+    def check(self, state: dict) -> str | None:
         """Why ``state`` cannot be loaded in place on this rank, or None."""
 
     def load(self, state: dict) -> None:
@@ -75,7 +78,7 @@ class SnapshotSource(Protocol):
     def after_restore(self) -> None:
         """Once everything is loaded, before the first step (every rank calls it)."""
 
-    def guard_step(self, wait) -> Optional[Any]:
+    def guard_step(self, wait) -> Any | None:
         """Make the layout's own optimizer step call ``wait()`` first, where the step can run outside the loop's
         control (DeepSpeed's, inside ``accelerator.backward``); the hook's handle (``remove()``), or None."""
 
@@ -87,7 +90,7 @@ class ModuleSource:
 
     kind = "modules"
 
-    def __init__(self, model: nn.Module, trainable_only: Optional[bool] = None):
+    def __init__(self, model: nn.Module, trainable_only: bool | None = None):
         self.model = model  # as passed (DDP-wrapped: after_restore rebuilds its buckets)
         if trainable_only is None:
             trainable_only = any(not p.requires_grad for p in unwrap(model).parameters())
@@ -103,8 +106,10 @@ class ModuleSource:
         return {k: local_shard(v) for k, v in state.items()} if local else state
 
     def describe(self) -> list[str]:
-        return [f"{name}:{tuple(t.shape)}:{t.dtype}:{getattr(t, 'placements', None)}"
-                for name, t in self.tensors(local=False).items()]  # global shapes: the same on every rank
+        return [
+            f"{name}:{tuple(t.shape)}:{t.dtype}:{getattr(t, 'placements', None)}"
+            for name, t in self.tensors(local=False).items()
+        ]  # global shapes: the same on every rank
 
     def capture(self) -> dict:
         return {"model": self.tensors()}
@@ -114,16 +119,18 @@ class ModuleSource:
             state["optimizer"] = optimizer.state_dict()
 
     def shard_map(self, optimizer):
-        from .reshard import ShardMap
 
-        return ShardMap(self.tensors(local=False), unwrap(self.model),
-                        None if optimizer is None else unwrap_optimizer(optimizer))
+        return ShardMap(
+            self.tensors(local=False), unwrap(self.model), None if optimizer is None else unwrap_optimizer(optimizer)
+        )
 
-    def check(self, state: dict) -> Optional[str]:
+    def check(self, state: dict) -> str | None:
         missing = sorted(set(state.get("model", {})) - set(self.tensors(local=False)))
         if missing:
-            return (f"it holds tensors this model does not have ({', '.join(missing[:4])}"
-                    f"{' ...' if len(missing) > 4 else ''})")
+            return (
+                f"it holds tensors this model does not have ({', '.join(missing[:4])}"
+                f"{' ...' if len(missing) > 4 else ''})"
+            )
         return None
 
     def load(self, state: dict) -> None:
@@ -137,7 +144,6 @@ class ModuleSource:
             optimizer.load_state_dict(as_shards(optimizer, state["optimizer"]))
 
     def reshard_plan(self, directory: str, optimizer) -> tuple[Any, list[str]]:
-        from . import reshard
 
         model_keys = reshard.stored_model_keys(directory)  # every rank's (a pipeline's stages each wrote theirs)
         opt = None if optimizer is None else unwrap_optimizer(optimizer)
@@ -145,11 +151,16 @@ class ModuleSource:
         return (target, osd), reshard.differences(target, directory, model_keys)
 
     def load_resharded(self, plan: Any, directory: str, replicated: dict, optimizer) -> None:
-        from . import reshard
 
         target, osd = plan
-        reshard.load(unwrap(self.model), None if optimizer is None else unwrap_optimizer(optimizer), directory,
-                     target, osd, replicated)
+        reshard.load(
+            unwrap(self.model),
+            None if optimizer is None else unwrap_optimizer(optimizer),
+            directory,
+            target,
+            osd,
+            replicated,
+        )
 
     def after_restore(self) -> None:
         rebuild_ddp_buckets(self.model)
@@ -158,21 +169,24 @@ class ModuleSource:
         return None  # the loop calls wait() before its optimizer step
 
 
-def source_for(model: nn.Module, optimizer=None, trainable_only: Optional[bool] = None) -> SnapshotSource:
+def source_for(model: nn.Module, optimizer=None, trainable_only: bool | None = None) -> SnapshotSource:
     """The snapshot source of this model and optimizer: DeepSpeed ZeRO's partitions when ``optimizer`` (or the
     engine ``model``) wraps a ZeRO optimizer, else the model's own tensors. Refuses a model whose parameters another
     engine holds with no way to read them."""
-    from .zero import ZeroSource, find_zero_optimizer
 
     zero = find_zero_optimizer(model, optimizer)
     if zero is not None:
         if trainable_only is False:
-            raise ValueError("SnapshotConfig.trainable_only=False with DeepSpeed ZeRO: the snapshot holds the ZeRO "
-                             "optimizer's partitions, which are the trainable parameters; leave trainable_only unset.")
+            raise ValueError(
+                "SnapshotConfig.trainable_only=False with DeepSpeed ZeRO: the snapshot holds the ZeRO "
+                "optimizer's partitions, which are the trainable parameters; leave trainable_only unset."
+            )
         return ZeroSource(zero, model)
     sharded = next(filter(None, map(sharded_engine_of, unwrap(model).parameters())), None)
     if sharded is not None and not sharded.startswith("FSDP2"):
-        raise ValueError(f"This model's parameters are held by {sharded}, and no ZeRO optimizer was given: its "
-                         "partitions live in the DeepSpeed optimizer, with the fp32 master weights. Pass the "
-                         "DeepSpeed engine as the model (SnapshotEngine(engine, engine.optimizer, ...)).")
+        raise ValueError(
+            f"This model's parameters are held by {sharded}, and no ZeRO optimizer was given: its "
+            "partitions live in the DeepSpeed optimizer, with the fp32 master weights. Pass the "
+            "DeepSpeed engine as the model (SnapshotEngine(engine, engine.optimizer, ...))."
+        )
     return ModuleSource(model, trainable_only)

@@ -15,9 +15,20 @@ import numpy as np
 import torch
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
     torch.uint64: "U64",
 }
 TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
@@ -40,12 +51,15 @@ def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "state
         items = []
         for k, v in obj.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"snapshot state: key {k!r} at {path} is a {type(k).__name__}; only str and int keys "
-                                "are stored")
+                raise TypeError(
+                    f"snapshot state: key {k!r} at {path} is a {type(k).__name__}; only str and int keys are stored"
+                )
             items.append([k, flatten_state(v, tensors, f"{path}.{k}")])
         return {"__d": items}
     if isinstance(obj, (list, tuple)):
-        if all(type(v) is int for v in obj):  # Python's RNG state: 625 ints, stored as they are (one pass, no recursion)
+        if all(
+            type(v) is int for v in obj
+        ):  # Python's RNG state: 625 ints, stored as they are (one pass, no recursion)
             return {"__tu": list(obj)} if isinstance(obj, tuple) else list(obj)
         out = [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
         return {"__tu": out} if isinstance(obj, tuple) else out
@@ -57,8 +71,10 @@ def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "state
         return obj
     if isinstance(obj, torch.dtype):
         return {"__dt": str(obj).replace("torch.", "")}
-    raise TypeError(f"snapshot state: {path} is a {type(obj).__name__}, which is not stored (tensors, numbers, "
-                    "strings, lists, tuples and dicts are); keep it out of the state or convert it")
+    raise TypeError(
+        f"snapshot state: {path} is a {type(obj).__name__}, which is not stored (tensors, numbers, "
+        "strings, lists, tuples and dicts are); keep it out of the state or convert it"
+    )
 
 
 def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -117,9 +133,14 @@ class Layout:
         self.header_capacity = header_capacity
 
     def matches(self, tensors: dict[str, torch.Tensor]) -> bool:
-        return len(tensors) == len(self.entries) and all(k in self.entries for k in tensors) and all(
-            self.entries[k][0] == SAFETENSORS_DTYPES.get(t.dtype) and self.entries[k][1] == list(t.shape)
-            for k, t in tensors.items())
+        return (
+            len(tensors) == len(self.entries)
+            and all(k in self.entries for k in tensors)
+            and all(
+                self.entries[k][0] == SAFETENSORS_DTYPES.get(t.dtype) and self.entries[k][1] == list(t.shape)
+                for k, t in tensors.items()
+            )
+        )
 
     def header(self, metadata: dict[str, str]) -> bytes:
         """The safetensors header bytes (length prefix included), padded with spaces to the reserved capacity; grows
@@ -146,15 +167,15 @@ def parse(buf) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     (n,) = struct.unpack("<Q", mv[:8])
     if n > len(mv) - 8:
         raise ValueError(f"snapshot slot header claims {n} bytes but the slot has {len(mv) - 8}")
-    head = json.loads(bytes(mv[8:8 + n]))
+    head = json.loads(bytes(mv[8 : 8 + n]))
     metadata = head.pop("__metadata__", {})
     base = 8 + n
     tensors = {}
     for key, e in head.items():
         a, b = e["data_offsets"]
         dtype = TORCH_DTYPES[e["dtype"]]
-        raw = torch.frombuffer(mv[base + a:base + b], dtype=torch.uint8) if b > a else torch.empty(0, dtype=torch.uint8)
+        raw = (
+            torch.frombuffer(mv[base + a : base + b], dtype=torch.uint8) if b > a else torch.empty(0, dtype=torch.uint8)
+        )
         tensors[key] = raw.view(dtype).reshape(e["shape"])
     return metadata, tensors
-
-

@@ -18,17 +18,18 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import recv_handle
-from typing import Optional
+
+import numpy as np
+import xxhash
 
 
 def checksum(buf) -> str:
     """xxh3-64 of ``buf`` (hex): GB/s, so it runs on every snapshot; strong enough to catch corruption."""
-    import xxhash
 
     return xxhash.xxh3_64_hexdigest(memoryview(buf))
 
 
-def send(conn: Connection, header: dict, payload: Optional[bytes] = None) -> None:
+def send(conn: Connection, header: dict, payload: bytes | None = None) -> None:
     conn.send_bytes(json.dumps(header).encode())
     if payload is not None:
         conn.send_bytes(payload)
@@ -72,17 +73,16 @@ def send_ranges(conn: Connection, ranges: list) -> None:
 def recv_array(conn: Connection):
     """One message (framed by ``conn.send_bytes``) received straight into a fresh uint8 NumPy array: no
     intermediate buffer (``recv_bytes`` grows one in Python, several times slower for megabytes)."""
-    import numpy as np
 
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         head = bytearray(4)
         _recv_exact(sock, memoryview(head))
-        n, = struct.unpack("!i", head)
+        (n,) = struct.unpack("!i", head)
         if n == -1:
             head = bytearray(8)
             _recv_exact(sock, memoryview(head))
-            n, = struct.unpack("!Q", head)
+            (n,) = struct.unpack("!Q", head)
         out = np.empty(n, dtype=np.uint8)
         _recv_exact(sock, memoryview(out))
         return out
@@ -99,14 +99,18 @@ def private_dir(path: str) -> str:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         owner = "a symlink" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}"
-        raise PermissionError(f"{path} is {owner}, not a private directory of uid {os.getuid()}: another user may "
-                              "have created it to intercept or deny the snapshot service. Remove it, or set "
-                              "fault_tolerance.directory to a directory of your own.")
+        raise PermissionError(
+            f"{path} is {owner}, not a private directory of uid {os.getuid()}: another user may "
+            "have created it to intercept or deny the snapshot service. Remove it, or set "
+            "fault_tolerance.directory to a directory of your own."
+        )
     if st.st_mode & 0o077 and not st.st_mode & 0o022:  # ours, readable by others, writable by none: tighten it
         os.chmod(path, 0o700)
     elif st.st_mode & 0o077:  # others could have written into it: nothing in it can be trusted
-        raise PermissionError(f"{path} has mode {oct(st.st_mode & 0o777)}; the snapshot service needs it private "
-                              f"(0700): run chmod 700 {path}, or set fault_tolerance.directory elsewhere.")
+        raise PermissionError(
+            f"{path} has mode {oct(st.st_mode & 0o777)}; the snapshot service needs it private "
+            f"(0700): run chmod 700 {path}, or set fault_tolerance.directory elsewhere."
+        )
     return path
 
 
@@ -183,8 +187,9 @@ class SMPClient:
         with self.lock:
             send(self.conn, dict(header, pid=os.getpid()))
             if not self.conn.poll(self.timeout):
-                raise TimeoutError(f"the snapshot process in {self.dir} did not answer {header['op']} in "
-                                   f"{self.timeout:.0f} s")
+                raise TimeoutError(
+                    f"the snapshot process in {self.dir} did not answer {header['op']} in {self.timeout:.0f} s"
+                )
             reply = recv(self.conn)
             if "error" in reply:
                 return reply, None

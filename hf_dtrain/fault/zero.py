@@ -10,7 +10,7 @@ makes sure of it when Accelerate's ``backward`` steps the engine itself).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -18,7 +18,7 @@ import torch
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
-def find_zero_optimizer(model, optimizer) -> Optional[Any]:
+def find_zero_optimizer(model, optimizer) -> Any | None:
     """The ZeRO-1/2/3 optimizer behind ``optimizer`` (or the DeepSpeed engine ``model``): through Accelerate's and
     DeepSpeed's wrappers (each keeps the one it wraps as ``.optimizer``); None when there is none."""
     for o in (optimizer, getattr(model, "optimizer", None)):
@@ -44,8 +44,11 @@ class ZeroSource:
 
     def __init__(self, zero_optimizer, model=None):
         self.opt = zero_optimizer
-        self.stage = 3 if hasattr(zero_optimizer, "fp32_partitioned_groups_flat") else \
-            int(getattr(zero_optimizer, "partition_gradients", False)) + 1
+        self.stage = (
+            3
+            if hasattr(zero_optimizer, "fp32_partitioned_groups_flat")
+            else int(getattr(zero_optimizer, "partition_gradients", False)) + 1
+        )
         self.kind = f"zero-{self.stage}"
         self.engine = model if all(hasattr(model, c) for c in ENGINE_COUNTERS) else None
 
@@ -73,8 +76,10 @@ class ZeroSource:
         return None
 
     def reshard_plan(self, directory: str, optimizer):
-        return None, ["DeepSpeed ZeRO partitions are not resharded from a snapshot (resume on the world size and "
-                      "ZeRO settings that took it, or from DeepSpeed's own checkpoint)"]
+        return None, [
+            "DeepSpeed ZeRO partitions are not resharded from a snapshot (resume on the world size and "
+            "ZeRO settings that took it, or from DeepSpeed's own checkpoint)"
+        ]
 
     def load_resharded(self, plan, directory: str, replicated: dict, optimizer) -> None:
         raise NotImplementedError("DeepSpeed ZeRO partitions are not resharded from a snapshot")
@@ -95,12 +100,20 @@ class ZeroSource:
         out: dict[str, Any] = {"stage": self.stage}
         if self.stage == 3:
             sd = self.opt.state_dict()  # DeepSpeed's own: base optimizer state keyed as it reloads it, fp32 masters
-            out.update(fp32=list(sd["fp32_flat_groups"]), optimizer=sd["optimizer_state_dict"],
-                       dynamic_loss_scale=bool(sd["dynamic_loss_scale"]), overflow=bool(sd["overflow"]),
-                       partition_count=sd["partition_count"])
+            out.update(
+                fp32=list(sd["fp32_flat_groups"]),
+                optimizer=sd["optimizer_state_dict"],
+                dynamic_loss_scale=bool(sd["dynamic_loss_scale"]),
+                overflow=bool(sd["overflow"]),
+                partition_count=sd["partition_count"],
+            )
         else:
-            out.update(fp32=list(self.opt.single_partition_of_fp32_groups), bit16=list(self.opt.bit16_groups_flat),
-                       optimizer=self.base.state_dict(), overflow=bool(getattr(self.opt, "overflow", False)))
+            out.update(
+                fp32=list(self.opt.single_partition_of_fp32_groups),
+                bit16=list(self.opt.bit16_groups_flat),
+                optimizer=self.base.state_dict(),
+                overflow=bool(getattr(self.opt, "overflow", False)),
+            )
         scaler = getattr(self.opt, "loss_scaler", None)
         if scaler is not None:
             out["loss_scaler"] = _scalars(scaler)
@@ -108,7 +121,7 @@ class ZeroSource:
             out["engine"] = {c: int(getattr(self.engine, c)) for c in ENGINE_COUNTERS}
         return out
 
-    def check(self, state: dict) -> Optional[str]:
+    def check(self, state: dict) -> str | None:
         """Why the snapshot ``state`` cannot be loaded here (another stage, other partition sizes), or None."""
         state = state.get("zero", {})
         if state.get("stage") != self.stage:
@@ -116,8 +129,10 @@ class ZeroSource:
         live = self.opt.fp32_partitioned_groups_flat if self.stage == 3 else self.opt.single_partition_of_fp32_groups
         theirs = [tuple(t.shape) for t in state["fp32"]]
         if theirs != [tuple(t.shape) for t in live]:
-            return (f"its fp32 partitions have shapes {theirs[:4]} and this rank's {[tuple(t.shape) for t in live][:4]} "
-                    "(another world size or ZeRO setting)")
+            return (
+                f"its fp32 partitions have shapes {theirs[:4]} and this rank's {[tuple(t.shape) for t in live][:4]} "
+                "(another world size or ZeRO setting)"
+            )
         return None
 
     def load(self, state: dict) -> None:
@@ -132,9 +147,14 @@ class ZeroSource:
             import torch.distributed as dist
 
             rank = dist.get_rank(group=self.opt.dp_process_group)
-            sd = {"loss_scaler": scaler, "dynamic_loss_scale": state["dynamic_loss_scale"],
-                  "overflow": state["overflow"], "partition_count": state["partition_count"],
-                  "optimizer_state_dict": state["optimizer"], "fp32_flat_groups": state["fp32"]}
+            sd = {
+                "loss_scaler": scaler,
+                "dynamic_loss_scale": state["dynamic_loss_scale"],
+                "overflow": state["overflow"],
+                "partition_count": state["partition_count"],
+                "optimizer_state_dict": state["optimizer"],
+                "fp32_flat_groups": state["fp32"],
+            }
             # DeepSpeed's own restore: fp32 masters and optimizer state, the 16-bit partitions from the masters, the
             # persistent parameters re-gathered
             self.opt.checkpoint_event_prologue()

@@ -15,5 +15,14 @@ from .data import dirichlet_split
 from .simulate import FederatedSimulation
 from .state import ClientStateStore
 
-__all__ = ["flat_average", "global_average", "local_aggregate", "compress", "compress_delta", "FederatedConfig",
-           "dirichlet_split", "FederatedSimulation", "ClientStateStore"]
+__all__ = [
+    "ClientStateStore",
+    "FederatedConfig",
+    "FederatedSimulation",
+    "compress",
+    "compress_delta",
+    "dirichlet_split",
+    "flat_average",
+    "global_average",
+    "local_aggregate",
+]

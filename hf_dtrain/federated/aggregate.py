@@ -12,7 +12,7 @@ def local_aggregate(deltas: list[dict[str, torch.Tensor]], weights: list[float],
     """``(sum_i w_i delta_i in float64, sum_i w_i)`` over one process's clients."""
     if names is None:
         names = list(deltas[0]) if deltas else []
-    total = {n: None for n in names}
+    total = dict.fromkeys(names)
     for d, w in zip(deltas, weights):
         for n in names:
             term = d[n].double() * float(w)

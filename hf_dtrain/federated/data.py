@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 
-def dirichlet_split(labels: Sequence, num_clients: int, alpha: Optional[float], seed: int = 0) -> list[list[int]]:
+def dirichlet_split(labels: Sequence, num_clients: int, alpha: float | None, seed: int = 0) -> list[list[int]]:
     """Indices per client. ``alpha`` None: an IID split (a seeded permutation dealt round robin). Otherwise each
     label's samples (labels may be any hashable: a class, a source, a task) are dealt to the clients in proportions
     drawn from Dirichlet(alpha, ..., alpha) (the usual non-IID benchmark split; small alpha, few labels per client).

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from hf_dtrain.distributed.quotas import speed_quotas
 
 from .aggregate import global_average, local_aggregate
 from .compress import compress_delta
@@ -32,8 +35,15 @@ class FederatedSimulation:
     """Simulate ``config.clients`` clients whose data are ``client_data`` (one dataset per client), training the
     trainable parameters of ``model`` (a peft model: its adapter is the payload)."""
 
-    def __init__(self, model, client_data: list, collator: Callable, config: FederatedConfig,
-                 state_dir: Optional[str] = None, eval_fn: Optional[Callable] = None) -> None:
+    def __init__(
+        self,
+        model,
+        client_data: list,
+        collator: Callable,
+        config: FederatedConfig,
+        state_dir: str | None = None,
+        eval_fn: Callable | None = None,
+    ) -> None:
         if len(client_data) != config.clients:
             raise ValueError(f"{len(client_data)} client datasets for FederatedConfig.clients={config.clients}.")
         self.model, self.data, self.collator, self.cfg = model, client_data, collator, config
@@ -45,8 +55,10 @@ class FederatedSimulation:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.world > 1 and state_dir is None:
-            raise ValueError("a multi-process simulation needs state_dir: a directory all processes share, where each "
-                             "client's state lives between rounds (any process may train a client next).")
+            raise ValueError(
+                "a multi-process simulation needs state_dir: a directory all processes share, where each "
+                "client's state lives between rounds (any process may train a client next)."
+            )
         self.store = ClientStateStore(state_dir)
         self.eval_fn = eval_fn
         self.speeds = [1.0] * self.world  # clients per second of each process, measured each round
@@ -59,12 +71,11 @@ class FederatedSimulation:
 
     def assign(self, clients: list[int]) -> list[list[int]]:
         """The round's clients dealt to the processes in proportion to their measured speeds."""
-        from hf_dtrain.distributed import speed_quotas
 
         quotas = speed_quotas(len(clients), self.speeds)
         out, start = [], 0
         for q in quotas:
-            out.append(clients[start:start + q])
+            out.append(clients[start : start + q])
             start += q
         return out
 
@@ -81,7 +92,7 @@ class FederatedSimulation:
             order = self.client_order(client, meta.get("epoch", 0))
             pos = meta.get("position", 0)
             while pos < len(order):
-                idx = order[pos:pos + b]
+                idx = order[pos : pos + b]
                 pos += len(idx)
                 meta["position"] = pos
                 yield self.collator([data[i] for i in idx])
@@ -102,7 +113,9 @@ class FederatedSimulation:
                 p.copy_(self.global_state[n].to(p.dtype))
         opt = self._optimizer()
         if cfg.keep_client_optimizer and meta.get("optimizer"):
-            state = {int(i): {k: tensors[f"opt.{i}.{k}"] for k in keys} for i, keys in meta["optimizer"]["keys"].items()}
+            state = {
+                int(i): {k: tensors[f"opt.{i}.{k}"] for k in keys} for i, keys in meta["optimizer"]["keys"].items()
+            }
             opt.load_state_dict({"state": state, "param_groups": meta["optimizer"]["groups"]})
         c_i = {n: tensors.get(f"control.{n}", torch.zeros_like(v)) for n, v in self.global_state.items()}
         device = next(iter(self.params.values())).device
@@ -170,26 +183,33 @@ class FederatedSimulation:
             losses.append(loss)
         seconds = time.perf_counter() - t0
         names = list(self.global_state)
-        sums, weight = local_aggregate(deltas, weights, names) if deltas else ({n: None for n in names}, 0.0)
-        sums = {n: (v if v is not None else torch.zeros_like(self.global_state[n], dtype=torch.float64))
-                for n, v in sums.items()}
-        dc_sum = {n: sum((d[n] for d in dcs), torch.zeros_like(self.global_state[n])) for n in names} \
-            if cfg.algorithm == "scaffold" else {}
+        sums, weight = local_aggregate(deltas, weights, names) if deltas else (dict.fromkeys(names), 0.0)
+        sums = {
+            n: (v if v is not None else torch.zeros_like(self.global_state[n], dtype=torch.float64))
+            for n, v in sums.items()
+        }
+        dc_sum = (
+            {n: sum((d[n] for d in dcs), torch.zeros_like(self.global_state[n])) for n in names}
+            if cfg.algorithm == "scaffold"
+            else {}
+        )
         failed_mask = torch.zeros(cfg.clients, dtype=torch.float64)
         for c, _ in failed:
             failed_mask[c] = 1
-        stats = torch.tensor([weight, float(sent), float(sum(losses)), float(len(losses)),
-                              seconds / max(1, len(mine))], dtype=torch.float64)
+        stats = torch.tensor(
+            [weight, float(sent), float(sum(losses)), float(len(losses)), seconds / max(1, len(mine))],
+            dtype=torch.float64,
+        )
         if self.world > 1:  # Parrot's global step: one sum of the processes' partial sums
             flat = torch.cat([sums[n].reshape(-1) for n in names] + [failed_mask, stats[:4]])
             dist.all_reduce(flat)
             off = 0
             for n in names:
                 k = sums[n].numel()
-                sums[n] = flat[off:off + k].view_as(sums[n])
+                sums[n] = flat[off : off + k].view_as(sums[n])
                 off += k
-            failed_mask = flat[off:off + cfg.clients]
-            stats[:4] = flat[off + cfg.clients:off + cfg.clients + 4]
+            failed_mask = flat[off : off + cfg.clients]
+            stats[:4] = flat[off + cfg.clients : off + cfg.clients + 4]
             speeds = torch.zeros(self.world, dtype=torch.float64)
             speeds[self.rank] = 1.0 / max(stats[4].item(), 1e-9)
             dist.all_reduce(speeds)
@@ -204,11 +224,16 @@ class FederatedSimulation:
                 self.global_state[n] += cfg.server_lr * avg[n]
         for n in dc_sum:  # c <- c + (1/N) sum_i dc_i
             self.control[n] += dc_sum[n] / cfg.clients
-        record = dict(round=round_index + 1, clients=sampled, trained=len(sampled) - len(failed_clients),
-                      seconds=time.perf_counter() - t0,
-                      failed=failed_clients, uplink_bytes=int(stats[1]),
-                      train_loss=float(stats[2] / stats[3]) if stats[3] > 0 else math.nan,
-                      failures=[f"client {c}: {why}" for c, why in failed])
+        record = dict(
+            round=round_index + 1,
+            clients=sampled,
+            trained=len(sampled) - len(failed_clients),
+            seconds=time.perf_counter() - t0,
+            failed=failed_clients,
+            uplink_bytes=int(stats[1]),
+            train_loss=float(stats[2] / stats[3]) if stats[3] > 0 else math.nan,
+            failures=[f"client {c}: {why}" for c, why in failed],
+        )
         if self.eval_fn is not None:
             self.load_global()
             record["eval_loss"] = float(self.eval_fn(self.model))
@@ -222,7 +247,6 @@ class FederatedSimulation:
                 p.copy_(self.global_state[n].to(p.dtype))
 
     def run(self, progress: bool = True) -> list[dict]:
-        from tqdm.auto import tqdm
 
         with tqdm(total=self.cfg.rounds, desc="federated rounds", disable=not progress or self.rank != 0) as bar:
             for r in range(self.cfg.rounds):

@@ -9,6 +9,7 @@ import os
 import tempfile
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
@@ -29,7 +30,6 @@ class ClientStateStore:
         path = self._path(client)
         if not os.path.exists(path):
             return {}, {}
-        from safetensors import safe_open
 
         with safe_open(path, framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("hf_dtrain", "{}"))
@@ -38,7 +38,10 @@ class ClientStateStore:
     def save(self, client: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         path = self._path(client)
         tmp = path + ".tmp"
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
-                  metadata={"hf_dtrain": json.dumps(meta)})
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+            tmp,
+            metadata={"hf_dtrain": json.dumps(meta)},
+        )
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)

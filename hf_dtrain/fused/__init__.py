@@ -8,12 +8,49 @@
 * ``hf-dtrain sweep`` (:mod:`hf_dtrain.sweep`) runs a grid of ``hf-dtrain finetune`` jobs this way.
 """
 
-from .engine import FusedConfig, FusedJob, FusedMemoryError, FusedTrainer, measure_job_bytes, per_job_loss, plan_groups, stack_batches
-from .fuse import FUSABLE_ADAPTERS, NOT_FUSABLE, FusedAdapters, FusedModels, check_fusable_adapter, fuse_adapters, fuse_models
+from .engine import (
+    FusedConfig,
+    FusedJob,
+    FusedMemoryError,
+    FusedTrainer,
+    measure_job_bytes,
+    per_job_loss,
+    plan_groups,
+    stack_batches,
+)
+from .fuse import (
+    FUSABLE_ADAPTERS,
+    NOT_FUSABLE,
+    FusedAdapters,
+    FusedModels,
+    check_fusable_adapter,
+    fuse_adapters,
+    fuse_models,
+)
 from .layers import FusedBlockSparse, FusedEmbedding, FusedLinear, FusedLowRank, FusedRMSNorm
 from .optim import FusedAdamW, JobSchedules
 
-__all__ = ["FusedConfig", "FusedJob", "FusedMemoryError", "FusedTrainer", "measure_job_bytes", "per_job_loss", "plan_groups",
-           "stack_batches", "FUSABLE_ADAPTERS", "NOT_FUSABLE", "FusedAdapters", "FusedModels", "check_fusable_adapter",
-           "fuse_adapters", "fuse_models", "FusedBlockSparse", "FusedEmbedding", "FusedLinear", "FusedLowRank",
-           "FusedRMSNorm", "FusedAdamW", "JobSchedules"]
+__all__ = [
+    "FUSABLE_ADAPTERS",
+    "NOT_FUSABLE",
+    "FusedAdamW",
+    "FusedAdapters",
+    "FusedBlockSparse",
+    "FusedConfig",
+    "FusedEmbedding",
+    "FusedJob",
+    "FusedLinear",
+    "FusedLowRank",
+    "FusedMemoryError",
+    "FusedModels",
+    "FusedRMSNorm",
+    "FusedTrainer",
+    "JobSchedules",
+    "check_fusable_adapter",
+    "fuse_adapters",
+    "fuse_models",
+    "measure_job_bytes",
+    "per_job_loss",
+    "plan_groups",
+    "stack_batches",
+]

@@ -17,11 +17,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
 
+import psutil
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from hf_dtrain.distributed.counters import SavedTensorCounter
+from hf_dtrain.settings import check_fields
+from hf_dtrain.tasks import exact_match
 
 from .optim import FusedAdamW, JobSchedules
 
@@ -37,21 +43,36 @@ class FusedMemoryError(ValueError):
 class FusedConfig:
     """How K jobs are trained fused (``hf-dtrain sweep --fused.*``)."""
 
-    max_grad_norm: float = field(default=1.0, metadata={
-        "min": 0, "help": "Per-job gradient-norm clip (the Trainer's max_grad_norm); 0 turns it off."})
-    memory_budget: Optional[str] = field(default=None, metadata={
-        "help": "Memory the fused step may use, e.g. '20GiB'; None: the free GPU memory, or on CPU the available RAM, "
-                "less a tenth."})
-    on_overflow: str = field(default="split", metadata={
-        "help": "When K jobs would not fit the budget: 'split' into fused groups that fit (run one after another), "
-                "or 'error'."})
-    max_jobs_per_group: Optional[int] = field(default=None, metadata={
-        "min": 1, "help": "At most this many jobs in one fused group (None: as many as fit)."})
-    lr_scheduler_type: str = field(default="linear", metadata={
-        "help": "Each job's schedule (transformers' get_scheduler names: linear, cosine, constant_with_warmup, ...)."})
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata={"min": 0, "help": "Per-job gradient-norm clip (the Trainer's max_grad_norm); 0 turns it off."},
+    )
+    memory_budget: str | None = field(
+        default=None,
+        metadata={
+            "help": "Memory the fused step may use, e.g. '20GiB'; None: the free GPU memory, or on CPU the available "
+            "RAM, less a tenth."
+        },
+    )
+    on_overflow: str = field(
+        default="split",
+        metadata={
+            "help": "When K jobs would not fit the budget: 'split' into fused groups that fit (run one after another), "
+            "or 'error'."
+        },
+    )
+    max_jobs_per_group: int | None = field(
+        default=None, metadata={"min": 1, "help": "At most this many jobs in one fused group (None: as many as fit)."}
+    )
+    lr_scheduler_type: str = field(
+        default="linear",
+        metadata={
+            "help": "Each job's schedule (transformers' get_scheduler names: linear, cosine, constant_with_warmup, "
+            "...)."
+        },
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
         if self.on_overflow not in OVERFLOW:
@@ -70,7 +91,6 @@ class FusedConfig:
         if torch.cuda.is_available():
             free, _ = torch.cuda.mem_get_info()
             return int(0.9 * free)
-        import psutil
 
         return int(0.9 * psutil.virtual_memory().available)
 
@@ -91,8 +111,10 @@ def stack_batches(batches: list[dict], pad_id: int) -> dict:
     """K micro-batches of equal row count -> one batch, job-major, right-padded to the longest."""
     rows = {b["input_ids"].shape[0] for b in batches}
     if len(rows) > 1:
-        raise ValueError(f"fused jobs got micro-batches of different sizes {sorted(rows)}; fused jobs need one "
-                         "per_device_train_batch_size and datasets of one length.")
+        raise ValueError(
+            f"fused jobs got micro-batches of different sizes {sorted(rows)}; fused jobs need one "
+            "per_device_train_batch_size and datasets of one length."
+        )
     t = max(b["input_ids"].shape[1] for b in batches)
     pads = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE_INDEX}
     out = {}
@@ -107,8 +129,9 @@ def per_job_loss(logits: torch.Tensor, labels: torch.Tensor, num_jobs: int, coun
     ``num_items_in_batch``)."""
     vocab = logits.shape[-1]
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    ce = F.cross_entropy(logits.float().reshape(-1, vocab), shifted.reshape(-1), ignore_index=IGNORE_INDEX,
-                         reduction="none")
+    ce = F.cross_entropy(
+        logits.float().reshape(-1, vocab), shifted.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
     if counts is None:
         counts = token_counts(labels, num_jobs)
     return ce.reshape(num_jobs, -1).sum(1) / counts.clamp(min=1)
@@ -132,8 +155,15 @@ class FusedTrainer:
     every job's loss per step; :attr:`stopped` maps a stopped job's index to the step and the reason.
     """
 
-    def __init__(self, fused, jobs: list[FusedJob], max_steps: int, config: FusedConfig | None = None,
-                 pad_id: int = 0, optimizer_rule: str = "adamw") -> None:
+    def __init__(
+        self,
+        fused,
+        jobs: list[FusedJob],
+        max_steps: int,
+        config: FusedConfig | None = None,
+        pad_id: int = 0,
+        optimizer_rule: str = "adamw",
+    ) -> None:
         self.fused, self.jobs, self.config = fused, list(jobs), config or FusedConfig()
         if len(self.jobs) != fused.num_jobs:
             raise ValueError(f"{len(self.jobs)} jobs given for a fused model of {fused.num_jobs}.")
@@ -145,12 +175,21 @@ class FusedTrainer:
             for _, f in getattr(fused, "layers", {}).values():
                 if hasattr(f, "lora_B") and not isinstance(f.lora_A, torch.nn.Parameter):
                     pairs[id(f.lora_B)] = (f.lora_A, f.scaling.view(-1))
-        self.optimizer = FusedAdamW([p for _, p in named], self.num_jobs,
-                                    weight_decay=[j.weight_decay for j in self.jobs],
-                                    decay=[not no_decay(n) for n, _ in named], rule=optimizer_rule, pairs=pairs,
-                                    eps=1e-6 if optimizer_rule == "lorafa" else 1e-8)
-        self.schedules = JobSchedules([j.learning_rate for j in self.jobs], [j.warmup_steps for j in self.jobs],
-                                      max_steps, self.config.lr_scheduler_type)
+        self.optimizer = FusedAdamW(
+            [p for _, p in named],
+            self.num_jobs,
+            weight_decay=[j.weight_decay for j in self.jobs],
+            decay=[not no_decay(n) for n, _ in named],
+            rule=optimizer_rule,
+            pairs=pairs,
+            eps=1e-6 if optimizer_rule == "lorafa" else 1e-8,
+        )
+        self.schedules = JobSchedules(
+            [j.learning_rate for j in self.jobs],
+            [j.warmup_steps for j in self.jobs],
+            max_steps,
+            self.config.lr_scheduler_type,
+        )
         self.params = fused.parameters()  # the fused trainable tensors, listed once
         self.device = self.params[0].device
         self.model = fused.model
@@ -211,29 +250,33 @@ class FusedTrainer:
         return row
 
     def train(self, progress: bool = True, desc: str = "fused jobs") -> list[list[float]]:
-        from tqdm.auto import tqdm
 
         with tqdm(total=self.max_steps, desc=desc, disable=not progress) as bar:
             while self.global_step < self.max_steps:
                 row = self.step()
                 bar.update(1)
-                bar.set_postfix_str(" ".join(f"{self.jobs[k].name}={v:.3f}" if v == v else f"{self.jobs[k].name}=stopped"
-                                             for k, v in enumerate(row)), refresh=False)
+                bar.set_postfix_str(
+                    " ".join(
+                        f"{self.jobs[k].name}={v:.3f}" if v == v else f"{self.jobs[k].name}=stopped"
+                        for k, v in enumerate(row)
+                    ),
+                    refresh=False,
+                )
         return self.history
 
     @torch.no_grad()
     def evaluate(self, batches_per_job: list[list[dict]]) -> list[dict]:
         """Each job's eval loss (the mean over its batches of the per-batch loss, weighted by rows, as the Trainer
         averages) and exact-match accuracy, on its own eval batches (lists of equal length)."""
-        from hf_dtrain.tasks import exact_match
 
         self.model.eval()
         k = self.num_jobs
         sums, rows, correct = [0.0] * k, [0] * k, [0.0] * k
         for group in zip(*batches_per_job):
             batch = stack_batches(list(group), self.pad_id)
-            out = self.model(input_ids=batch["input_ids"].to(self.device),
-                             attention_mask=batch["attention_mask"].to(self.device))
+            out = self.model(
+                input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device)
+            )
             losses = per_job_loss(out.logits, batch["labels"].to(self.device), k)
             preds = out.logits.argmax(-1).cpu().reshape(k, -1, batch["labels"].shape[1])
             labels = batch["labels"].reshape(k, -1, batch["labels"].shape[1])
@@ -249,7 +292,6 @@ def measure_job_bytes(fused, batch: dict) -> dict:
     """Memory of one job in a fused step, measured on a one-job fused model: the bytes its step saves for backward
     (logits included) plus its trainable state (parameter, gradient and AdamW's two moments), and the shared frozen
     bytes. On CUDA the step's peak allocation is measured too and the larger figure is kept."""
-    from hf_dtrain.distributed import SavedTensorCounter
 
     model = fused.model
     trainable = sum(p.numel() * p.element_size() for p in fused.parameters())
@@ -274,8 +316,9 @@ def measure_job_bytes(fused, batch: dict) -> dict:
     for p in fused.parameters():
         p.grad = None
     per_job = max(saved + 4 * trainable, peak + 3 * trainable)
-    return dict(per_job_bytes=int(per_job), shared_bytes=int(frozen), saved_bytes=int(saved),
-                trainable_bytes=int(trainable))
+    return dict(
+        per_job_bytes=int(per_job), shared_bytes=int(frozen), saved_bytes=int(saved), trainable_bytes=int(trainable)
+    )
 
 
 def plan_groups(num_jobs: int, per_job_bytes: int, shared_bytes: int, config: FusedConfig) -> list[list[int]]:
@@ -284,17 +327,21 @@ def plan_groups(num_jobs: int, per_job_bytes: int, shared_bytes: int, config: Fu
     fit = (budget - shared_bytes) // max(1, per_job_bytes)
     gib = 2**30
     if fit < 1:
-        raise FusedMemoryError(f"not even one job fits: the shared base takes {shared_bytes / gib:.2f} GiB and one job's "
-                         f"step {per_job_bytes / gib:.2f} GiB, the budget is {budget / gib:.2f} GiB; lower "
-                         "per_device_train_batch_size or the sequence length, or raise --fused.memory-budget.")
+        raise FusedMemoryError(
+            f"not even one job fits: the shared base takes {shared_bytes / gib:.2f} GiB and one job's "
+            f"step {per_job_bytes / gib:.2f} GiB, the budget is {budget / gib:.2f} GiB; lower "
+            "per_device_train_batch_size or the sequence length, or raise --fused.memory-budget."
+        )
     if config.max_jobs_per_group is not None:
         fit = min(fit, config.max_jobs_per_group)
     if fit >= num_jobs:
         return [list(range(num_jobs))]
     if config.on_overflow == "error" and (config.max_jobs_per_group is None or fit < config.max_jobs_per_group):
-        raise FusedMemoryError(f"{num_jobs} fused jobs would need about {(shared_bytes + num_jobs * per_job_bytes) / gib:.2f} "
-                         f"GiB; the budget is {budget / gib:.2f} GiB, so {int(fit)} fit at once. Use "
-                         "--fused.on-overflow split (groups run one after another), fewer jobs, or a larger "
-                         "--fused.memory-budget.")
+        raise FusedMemoryError(
+            f"{num_jobs} fused jobs would need about {(shared_bytes + num_jobs * per_job_bytes) / gib:.2f} "
+            f"GiB; the budget is {budget / gib:.2f} GiB, so {int(fit)} fit at once. Use "
+            "--fused.on-overflow split (groups run one after another), fewer jobs, or a larger "
+            "--fused.memory-budget."
+        )
     fit = int(fit)
     return [list(range(i, min(i + fit, num_jobs))) for i in range(0, num_jobs, fit)]

@@ -13,7 +13,15 @@
 from __future__ import annotations
 
 import torch
+from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.func import stack_module_state
+
+from hf_dtrain.tuners.lorafa.layer import LoraFALayer
+from hf_dtrain.tuners.qahira.layer import QAHiRALayer
+from hf_dtrain.tuners.qbara.layer import QBaRALayer
+from hf_dtrain.tuners.smt.layer import SMTLayer
 
 from .layers import FusedBlockSparse, FusedEmbedding, FusedLinear, FusedLowRank, FusedRMSNorm
 
@@ -22,7 +30,7 @@ FUSABLE_ADAPTERS = ("LORA", "LORAFA", "QBARA", "SMT")
 NOT_FUSABLE = {
     "DORA": "DoRA rescales each weight column by its norm, so its base is not shared between jobs",
     "QAHIRA": "QA-HiRA multiplies its adapter into the base weight elementwise (a Hadamard product), so the frozen "
-              "base cannot run once for all jobs",
+    "base cannot run once for all jobs",
 }
 
 
@@ -40,15 +48,14 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def _peft_type(layer) -> str:
-    from peft.tuners.lora import LoraLayer
 
-    from hf_dtrain.tuners.lorafa.layer import LoraFALayer
-    from hf_dtrain.tuners.qahira.layer import QAHiRALayer
-    from hf_dtrain.tuners.qbara.layer import QBaRALayer
-    from hf_dtrain.tuners.smt.layer import SMTLayer
-
-    for cls, name in ((LoraFALayer, "LORAFA"), (QBaRALayer, "QBARA"), (SMTLayer, "SMT"), (QAHiRALayer, "QAHIRA"),
-                      (LoraLayer, "LORA")):
+    for cls, name in (
+        (LoraFALayer, "LORAFA"),
+        (QBaRALayer, "QBARA"),
+        (SMTLayer, "SMT"),
+        (QAHiRALayer, "QAHIRA"),
+        (LoraLayer, "LORA"),
+    ):
         if isinstance(layer, cls):
             return name
     return type(layer).__name__
@@ -57,11 +64,14 @@ def _peft_type(layer) -> str:
 def check_fusable_adapter(peft_type: str, layer=None, names=()) -> None:
     """Raise ``ValueError`` with the reason when adapters of ``peft_type`` (on ``layer``) cannot be fused."""
     if peft_type in NOT_FUSABLE:
-        raise ValueError(f"{peft_type.lower()} cannot be trained fused: {NOT_FUSABLE[peft_type]}. Run its jobs one "
-                         f"at a time (hf-dtrain finetune), or fuse one of {', '.join(m.lower() for m in FUSABLE_ADAPTERS)}.")
+        raise ValueError(
+            f"{peft_type.lower()} cannot be trained fused: {NOT_FUSABLE[peft_type]}. Run its jobs one "
+            f"at a time (hf-dtrain finetune), or fuse one of {', '.join(m.lower() for m in FUSABLE_ADAPTERS)}."
+        )
     if peft_type not in FUSABLE_ADAPTERS:
-        raise ValueError(f"adapters of type {peft_type} cannot be trained fused; fusable: "
-                         f"{', '.join(FUSABLE_ADAPTERS)}.")
+        raise ValueError(
+            f"adapters of type {peft_type} cannot be trained fused; fusable: {', '.join(FUSABLE_ADAPTERS)}."
+        )
     if peft_type == "LORA" and layer is not None:
         for n in names:
             if layer.use_dora.get(n):
@@ -69,8 +79,10 @@ def check_fusable_adapter(peft_type: str, layer=None, names=()) -> None:
             if getattr(layer, "lora_bias", {}).get(n):
                 raise ValueError(f"adapter {n!r}: lora_bias=True is not supported fused; leave it False.")
             if not isinstance(layer.get_base_layer(), nn.Linear) and not hasattr(layer.get_base_layer(), "quant_state"):
-                raise ValueError(f"adapter {n!r}: LoRA on {type(layer.get_base_layer()).__name__} cannot be fused; "
-                                 "only linear (dense or 4-bit) targets fuse.")
+                raise ValueError(
+                    f"adapter {n!r}: LoRA on {type(layer.get_base_layer()).__name__} cannot be fused; "
+                    "only linear (dense or 4-bit) targets fuse."
+                )
 
 
 def _dropout_p(module) -> float:
@@ -87,11 +99,15 @@ def _fuse_layer(layer, names: list[str]) -> nn.Module:
             raise ValueError(f"SMT layer has no adapter {missing}")
         unselected = [n for n in names if layer._smt_unselected.get(n)]
         if unselected:
-            raise ValueError(f"SMT adapters {unselected} have no block selection yet: run smt_warmup (or give "
-                             "block_indices) before fusing.")
+            raise ValueError(
+                f"SMT adapters {unselected} have no block selection yet: run smt_warmup (or give "
+                "block_indices) before fusing."
+            )
         sizes = {layer.block_size[n] for n in names}
         if len(sizes) > 1:
-            raise ValueError(f"SMT jobs with different block sizes {sorted(sizes)} cannot be fused; use one block_size.")
+            raise ValueError(
+                f"SMT jobs with different block sizes {sorted(sizes)} cannot be fused; use one block_size."
+            )
         bs = sizes.pop()
         indices = [layer.smt_indices[n].cpu() for n in names]
         m = max(1, max(len(i) for i in indices))
@@ -135,7 +151,6 @@ class FusedAdapters:
         self.model = peft_model.get_base_model()
         self.layers: dict[str, tuple[nn.Module, nn.Module]] = {}  # module name -> (peft layer, fused layer)
         self.unfused = False
-        from peft.tuners.tuners_utils import BaseTunerLayer
 
         targets = [(n, m) for n, m in self.model.named_modules() if isinstance(m, BaseTunerLayer)]
         if not targets:
@@ -143,16 +158,20 @@ class FusedAdapters:
         for name, layer in targets:
             have = [n for n in self.names if n in _adapters_of(layer)]
             if len(have) != len(self.names):
-                raise ValueError(f"layer {name!r} holds adapters {sorted(_adapters_of(layer))}, not all of "
-                                 f"{self.names}: fused jobs need the same target modules.")
+                raise ValueError(
+                    f"layer {name!r} holds adapters {sorted(_adapters_of(layer))}, not all of "
+                    f"{self.names}: fused jobs need the same target modules."
+                )
             fused = _fuse_layer(layer, self.names)
             self.layers[name] = (layer, fused)
             _set_child(self.model, name, fused)
         # anything else trainable (modules_to_save) is not fused
         for n, p in self.model.named_parameters():
             if p.requires_grad and not any(n.startswith(t + ".") for t in self.layers):
-                raise ValueError(f"parameter {n!r} is trainable but is not a fused adapter (modules_to_save is not "
-                                 "supported fused); freeze it or leave modules_to_save unset.")
+                raise ValueError(
+                    f"parameter {n!r} is trainable but is not a fused adapter (modules_to_save is not "
+                    "supported fused); freeze it or leave modules_to_save unset."
+                )
 
     @property
     def num_jobs(self) -> int:
@@ -162,8 +181,9 @@ class FusedAdapters:
         return [p for _, f in self.layers.values() for p in f.parameters() if p.requires_grad]
 
     def named_parameters(self):
-        return [(f"{n}.{pn}", p) for n, (_, f) in self.layers.items() for pn, p in f.named_parameters()
-                if p.requires_grad]
+        return [
+            (f"{n}.{pn}", p) for n, (_, f) in self.layers.items() for pn, p in f.named_parameters() if p.requires_grad
+        ]
 
     @torch.no_grad()
     def write_back(self, jobs=None) -> None:
@@ -223,17 +243,21 @@ def _is_rmsnorm(module: nn.Module) -> bool:
 
 class FusedModels:
     """K copies of one model architecture trained as one: ``model`` is the first copy with every linear, embedding
-    and RMSNorm replaced by its fused form holding all K copies' weights (stacked by ``torch.func.stack_module_state``)."""
+    and RMSNorm replaced by its fused form holding all K copies' weights (stacked by
+    ``torch.func.stack_module_state``)."""
 
     def __init__(self, models: list[nn.Module]) -> None:
-        from torch.func import stack_module_state
 
         if len(models) < 1:
             raise ValueError("fuse_models needs at least one model.")
-        configs = {m.config.to_json_string(use_diff=False) if hasattr(m, "config") else type(m).__name__ for m in models}
+        configs = {
+            m.config.to_json_string(use_diff=False) if hasattr(m, "config") else type(m).__name__ for m in models
+        }
         if len(configs) > 1:
-            raise ValueError("fuse_models: the models differ in architecture (their configs differ); only copies of "
-                             "one architecture fuse. Split the sweep by model.")
+            raise ValueError(
+                "fuse_models: the models differ in architecture (their configs differ); only copies of "
+                "one architecture fuse. Split the sweep by model."
+            )
         self.num_jobs = len(models)
         self.config = getattr(models[0], "config", None)
         params, _ = stack_module_state(models)  # name -> (K, ...) stacked, detached leaves
@@ -245,8 +269,9 @@ class FusedModels:
                 if self.tied and name.endswith("lm_head"):
                     continue
                 bias = params.get(f"{name}.bias")
-                fused = FusedLinear(params[f"{name}.weight"].detach().clone(),
-                                    None if bias is None else bias.detach().clone())
+                fused = FusedLinear(
+                    params[f"{name}.weight"].detach().clone(), None if bias is None else bias.detach().clone()
+                )
             elif isinstance(mod, nn.Embedding):
                 fused = FusedEmbedding(params[f"{name}.weight"].detach().clone(), mod.padding_idx)
             elif _is_rmsnorm(mod):
@@ -254,8 +279,10 @@ class FusedModels:
             else:
                 own = [n for n, _ in mod.named_parameters(recurse=False)]
                 if own:
-                    raise ValueError(f"fuse_models: module {name!r} ({type(mod).__name__}) has parameters {own} and no "
-                                     "fused form (linear, embedding and RMSNorm fuse).")
+                    raise ValueError(
+                        f"fuse_models: module {name!r} ({type(mod).__name__}) has parameters {own} and no "
+                        "fused form (linear, embedding and RMSNorm fuse)."
+                    )
                 continue
             _set_child(self.model, name, fused)
             fused_names.append(name)

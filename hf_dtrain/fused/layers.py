@@ -35,8 +35,16 @@ class FusedLowRank(nn.Module):
     repetition of the output (LoRA and LoRA-FA: p = 1). ``a_trainable=False`` keeps A a buffer (LoRA-FA).
     """
 
-    def __init__(self, base_layer: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling, dropout=None,
-                 pool: int = 1, a_trainable: bool = True) -> None:
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scaling,
+        dropout=None,
+        pool: int = 1,
+        a_trainable: bool = True,
+    ) -> None:
         super().__init__()
         self.base_layer = base_layer
         self.num_jobs = a.shape[0]
@@ -73,8 +81,14 @@ class FusedBlockSparse(nn.Module):
     the real ones), so their gradient is zero.
     """
 
-    def __init__(self, base_layer: nn.Module, blocks: torch.Tensor, indices: list[torch.Tensor],
-                 in_features: int, out_features: int) -> None:
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        blocks: torch.Tensor,
+        indices: list[torch.Tensor],
+        in_features: int,
+        out_features: int,
+    ) -> None:
         super().__init__()
         self.base_layer = base_layer
         self.num_jobs, m, bs = blocks.shape[0], blocks.shape[1], blocks.shape[-1]

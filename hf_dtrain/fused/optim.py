@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers import get_scheduler
 
 
 def _per_job(values, like: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
@@ -35,8 +36,17 @@ class FusedAdamW:
     ``pairs`` (``rule="lorafa"``): ``{id(B): (A, scaling (K,))}`` for the LoRA-FA correction.
     """
 
-    def __init__(self, params, num_jobs: int, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8,
-                 decay=None, rule: str = "adamw", pairs=None) -> None:
+    def __init__(
+        self,
+        params,
+        num_jobs: int,
+        weight_decay,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        decay=None,
+        rule: str = "adamw",
+        pairs=None,
+    ) -> None:
         if rule not in ("adamw", "lorafa"):
             raise ValueError(f"FusedAdamW rule={rule!r}: use 'adamw' or 'lorafa'.")
         self.params = list(params)
@@ -88,7 +98,8 @@ class FusedAdamW:
             neg_step_size=[-(lr / (1 - b1**s)) for lr, s in zip(lrs, steps)],
             bc2_sqrt=[math.sqrt(1 - b2**s) for s in steps],
             lorafa_neg_step=[-(lr * math.sqrt(1 - b2**s) / (1 - b1**s)) for lr, s in zip(lrs, steps)],
-            lorafa_decay=[lr * wd for lr, wd in zip(lrs, self.weight_decay)])
+            lorafa_decay=[lr * wd for lr, wd in zip(lrs, self.weight_decay)],
+        )
         cache: dict = {}
         for p, st, decay in zip(self.params, self.state, self.decay):
             if p.grad is None:
@@ -138,7 +149,9 @@ class FusedAdamW:
         m.copy_(m_new)
         v.copy_(v_new)
         denom = v.sqrt().add_(self.eps)
-        p.add_(torch.mul(m, _per_job(c["lorafa_neg_step"], p, cache)).div_(denom))  # as B.addcdiv_(m, denom, value=-step)
+        p.add_(
+            torch.mul(m, _per_job(c["lorafa_neg_step"], p, cache)).div_(denom)
+        )  # as B.addcdiv_(m, denom, value=-step)
         if any(wd > 0 for wd in self.weight_decay):
             p.sub_(p * _per_job(c["lorafa_decay"], p, cache))
 
@@ -148,11 +161,12 @@ class JobSchedules:
     holding the job's peak rate): :meth:`lrs` is what the Trainer's scheduler would give each job this step."""
 
     def __init__(self, peak_lrs, warmup_steps, total_steps: int, name: str = "linear") -> None:
-        from transformers import get_scheduler
 
         self._opts = [torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr) for lr in peak_lrs]
-        self._scheds = [get_scheduler(name, o, num_warmup_steps=w, num_training_steps=total_steps)
-                        for o, w in zip(self._opts, warmup_steps)]
+        self._scheds = [
+            get_scheduler(name, o, num_warmup_steps=w, num_training_steps=total_steps)
+            for o, w in zip(self._opts, warmup_steps)
+        ]
 
     def lrs(self) -> list[float]:
         return [s.get_last_lr()[0] for s in self._scheds]

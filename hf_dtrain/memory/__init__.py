@@ -9,7 +9,6 @@ or bytes); ``DeltaCallback(DeltaConfig(...))`` for the Trainer. :class:`DeltaCon
 from __future__ import annotations
 
 import logging
-from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -22,8 +21,21 @@ from .profiler import Profile, decoder_layers, measure_tier_bandwidth, plan_unit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeltaConfig", "DeltaScheduler", "DeltaCallback", "apply_delta", "FileTier", "PinnedTier", "Plan", "Profile", "make_plan",
-           "minimum_budget", "profile_step", "decoder_layers", "plan_units"]
+__all__ = [
+    "DeltaCallback",
+    "DeltaConfig",
+    "DeltaScheduler",
+    "FileTier",
+    "PinnedTier",
+    "Plan",
+    "Profile",
+    "apply_delta",
+    "decoder_layers",
+    "make_plan",
+    "minimum_budget",
+    "plan_units",
+    "profile_step",
+]
 
 
 class DeltaScheduler:
@@ -32,8 +44,7 @@ class DeltaScheduler:
     forward at that shape runs under it. ``plans`` maps shapes to plans; ``executor.stats.history`` has
     the measured saved and offloaded bytes of every step."""
 
-    def __init__(self, model: nn.Module, config: Union[DeltaConfig, int, float, None] = None, tier=None,
-                 **overrides):
+    def __init__(self, model: nn.Module, config: DeltaConfig | int | float | None = None, tier=None, **overrides):
         self.config = DeltaConfig.from_any(config, **overrides)
         self.model = model
         device = next(model.parameters()).device
@@ -73,9 +84,14 @@ class DeltaScheduler:
                 out = self._orig_forward(*args, **kwargs)
             self.executor.end_step()
             profile = self.executor.profile(shape, self.bandwidth)
-            self.plans[shape] = make_plan(profile, self.budget_bytes(profile), self.config.method,
-                                          self.config.allow_offload, overlap=self.overlap,
-                                          objective=self.config.objective)
+            self.plans[shape] = make_plan(
+                profile,
+                self.budget_bytes(profile),
+                self.config.method,
+                self.config.allow_offload,
+                overlap=self.overlap,
+                objective=self.config.objective,
+            )
             logger.info("DELTA plan for input shape %s:\n%s", shape, self.plans[shape].table())
             return out
         plan = self.plans[shape]
@@ -90,13 +106,19 @@ class DeltaScheduler:
             self._replanned.add(shape)
             excess = measured - plan.predicted_bytes
             config = self.config
-            corrected = make_plan(plan.profile, max(minimum_budget(plan.profile, config.allow_offload),
-                                                    plan.budget - excess), config.method, config.allow_offload,
-                                   overlap=self.overlap, objective=config.objective)
+            corrected = make_plan(
+                plan.profile,
+                max(minimum_budget(plan.profile, config.allow_offload), plan.budget - excess),
+                config.method,
+                config.allow_offload,
+                overlap=self.overlap,
+                objective=config.objective,
+            )
             corrected.budget = plan.budget
             self.plans[shape] = corrected
-            logger.warning("DELTA: %d bytes saved against a budget of %d for shape %s; re-planned.", measured,
-                           plan.budget, shape)
+            logger.warning(
+                "DELTA: %d bytes saved against a budget of %d for shape %s; re-planned.", measured, plan.budget, shape
+            )
         return out
 
     def remove(self) -> None:
@@ -107,7 +129,7 @@ class DeltaScheduler:
             self.tier.close()
 
 
-def apply_delta(model: nn.Module, config: Union[DeltaConfig, int, float, None] = None, **overrides) -> DeltaScheduler:
+def apply_delta(model: nn.Module, config: DeltaConfig | int | float | None = None, **overrides) -> DeltaScheduler:
     """DELTA on ``model`` for Accelerate and custom loops (call before ``accelerator.prepare``, or on the unwrapped
     model); ``config`` is a :class:`DeltaConfig` or a budget (``apply_delta(model, 0.5, granularity="submodule")``).
     Returns the scheduler (``.plans``, ``.executor.stats``, ``.remove()``)."""
@@ -118,9 +140,9 @@ class DeltaCallback(TrainerCallback):
     """``Trainer(..., callbacks=[DeltaCallback(DeltaConfig(budget=0.5))])`` (or ``DeltaCallback(0.5)``): DELTA on the
     Trainer's model from ``on_train_begin`` to ``on_train_end``. The config is validated here, before training."""
 
-    def __init__(self, config: Union[DeltaConfig, int, float, None] = None, **overrides):
+    def __init__(self, config: DeltaConfig | int | float | None = None, **overrides):
         self.config = DeltaConfig.from_any(config, **overrides)
-        self.scheduler: Optional[DeltaScheduler] = None
+        self.scheduler: DeltaScheduler | None = None
         self.history: list = []
         self.budgets: dict = {}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Union
+from typing import ClassVar
 
-from hf_dtrain.settings import check_choice
+from hf_dtrain.settings import check_choice, check_fields
 
 from .planner import OBJECTIVES
 from .profiler import GRANULARITIES
@@ -24,34 +24,58 @@ class DeltaConfig:
 
     shorthand: ClassVar[str] = "budget"
 
-    budget: Optional[float] = field(default=None, metadata={
-        "help": "Memory budget for saved activations: a fraction in (0, 1] of the bytes a step saves with nothing "
-                "offloaded or recomputed, or a number of bytes (> 1). Required."})
-    granularity: str = field(default="layer", metadata={
-        "help": "Planning unit: layer (each decoder layer) or submodule (each layer's attention, MLP and norms)."})
-    objective: str = field(default="time", metadata={
-        "help": "time: the fastest plan within the budget; memory: the fewest bytes among plans predicted no slower "
-                "than recomputing every unit."})
-    method: str = field(default="exact", metadata={
-        "help": "Planner: exact (Pareto dynamic programme) or delta (the paper's filter and director heuristic)."})
-    allow_offload: bool = field(default=True, metadata={
-        "help": "Allow the offload action (to pinned host memory on CUDA, a private file on CPU); false: recompute "
-                "or keep only."})
+    budget: float | None = field(
+        default=None,
+        metadata={
+            "help": "Memory budget for saved activations: a fraction in (0, 1] of the bytes a step saves with nothing "
+            "offloaded or recomputed, or a number of bytes (> 1). Required."
+        },
+    )
+    granularity: str = field(
+        default="layer",
+        metadata={
+            "help": "Planning unit: layer (each decoder layer) or submodule (each layer's attention, MLP and norms)."
+        },
+    )
+    objective: str = field(
+        default="time",
+        metadata={
+            "help": "time: the fastest plan within the budget; memory: the fewest bytes among plans predicted no "
+            "slower than recomputing every unit."
+        },
+    )
+    method: str = field(
+        default="exact",
+        metadata={
+            "help": "Planner: exact (Pareto dynamic programme) or delta (the paper's filter and director heuristic)."
+        },
+    )
+    allow_offload: bool = field(
+        default=True,
+        metadata={
+            "help": "Allow the offload action (to pinned host memory on CUDA, a private file on CPU); false: recompute "
+            "or keep only."
+        },
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
         b = self.budget
         if b is None:
-            raise ValueError("DeltaConfig.budget is required: set delta.budget (--delta.budget) to a fraction in "
-                             "(0, 1] of the no-saving activation bytes, or to bytes (> 1).")
+            raise ValueError(
+                "DeltaConfig.budget is required: set delta.budget (--delta.budget) to a fraction in "
+                "(0, 1] of the no-saving activation bytes, or to bytes (> 1)."
+            )
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
-            raise ValueError(f"DeltaConfig.budget must be a fraction in (0, 1] or bytes (> 1), got {b!r}; set "
-                             "delta.budget.")
+            raise ValueError(
+                f"DeltaConfig.budget must be a fraction in (0, 1] or bytes (> 1), got {b!r}; set delta.budget."
+            )
         if b > 1 and b != int(b):
-            raise ValueError(f"DeltaConfig.budget={b!r}: above 1 the budget is a number of bytes and must be whole; "
-                             "a fraction of the no-saving activation bytes is in (0, 1].")
+            raise ValueError(
+                f"DeltaConfig.budget={b!r}: above 1 the budget is a number of bytes and must be whole; "
+                "a fraction of the no-saving activation bytes is in (0, 1]."
+            )
         # the one rule: up to 1 is a fraction of the no-saving bytes, above 1 a number of bytes
         self.budget = float(b) if b <= 1 else int(b)
         check_choice(self, "granularity", GRANULARITIES, "delta.granularity")
@@ -63,7 +87,7 @@ class DeltaConfig:
         return int(self.budget * no_saving_bytes) if isinstance(self.budget, float) else int(self.budget)
 
     @classmethod
-    def from_any(cls, config: Union["DeltaConfig", int, float, None], **overrides) -> "DeltaConfig":
+    def from_any(cls, config: DeltaConfig | int | float | None, **overrides) -> DeltaConfig:
         """A config from itself, a budget (bytes as an int, a fraction as a float) or None (the fields as keywords:
         ``budget=0.5, granularity="submodule"``), with fields overridden."""
         if config is None:

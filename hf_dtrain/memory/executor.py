@@ -14,11 +14,11 @@ inputs of recomputed layers included) and the bytes offloaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ class FileTier:
     ``preadv`` at offsets of a bump allocator reset every step. Not memory-mapped: the data lives in the page cache
     or on disk, outside the process's resident memory, which is the point of offloading on a host without a GPU."""
 
-    def __init__(self, directory: Optional[str] = None):
+    def __init__(self, directory: str | None = None):
         self.dir = tempfile.mkdtemp(prefix="hf_dtrain_delta_", dir=directory)  # 0700
         self.path = os.path.join(self.dir, "tier.bin")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -71,10 +71,8 @@ class FileTier:
         if fd is None:  # closed already: never close the number again (another file may own it by now)
             return
         for release in (lambda: os.close(fd), lambda: os.unlink(self.path), lambda: os.rmdir(self.dir)):
-            try:
+            with contextlib.suppress(OSError):
                 release()
-            except OSError:
-                pass
 
     def __del__(self):
         self.close()
@@ -117,8 +115,8 @@ class PinnedTier:
             else:  # the region holds this step's earlier tensors: this one gets its own pinned buffer
                 dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         else:
-            dst = self.region[self.offset:self.offset + n]
-        own = dst.data_ptr() != self.region[self.offset:].data_ptr()
+            dst = self.region[self.offset : self.offset + n]
+        own = dst.data_ptr() != self.region[self.offset :].data_ptr()
         if own:
             self._spills += 1
         key = -self._spills if own else self.offset
@@ -182,10 +180,10 @@ class DeltaExecutor:
         self.model, self.layers, self.tier = model, list(layers), tier
         self.actions = {name: "keep" for name, _ in layers}
         self.params = self._param_storages()
-        self.current: Optional[str] = None
+        self.current: str | None = None
         self.profiling = False
         self._storages: dict[int, int] = {}
-        self._group_of: dict[int, Optional[str]] = {}
+        self._group_of: dict[int, str | None] = {}
         self._inputs: dict[str, int] = {}
         self._times: dict[str, float] = {}
         self._offloaded: dict[str, list] = {}  # layer -> its offloaded handles this step (for the prefetch)
@@ -202,8 +200,10 @@ class DeltaExecutor:
         sharding after ``apply_delta`` frees the old storages, and activations may then be allocated at their
         addresses. The gathered parameters FSDP2 or ZeRO-3 hand a layer while it runs are recognised as parameters
         when saved (``_is_parameter``)."""
-        return {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-                for p in self.model.parameters()}
+        return {
+            (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            for p in self.model.parameters()
+        }
 
     def set_plan(self, actions: dict[str, str]) -> None:
         self.actions = dict(actions)
@@ -266,8 +266,10 @@ class DeltaExecutor:
             group = self._group_of.get(ptr)
             if group is not None:
                 per_group[group] += nbytes
-        groups = [GroupProfile(name, per_group[name], self._inputs.get(name, 0), self._times.get(name, 0.0))
-                  for name, _ in self.layers]
+        groups = [
+            GroupProfile(name, per_group[name], self._inputs.get(name, 0), self._times.get(name, 0.0))
+            for name, _ in self.layers
+        ]
         return Profile(groups, sum(self._storages.values()), shape, bandwidth)
 
     def pack(self, t: torch.Tensor):
@@ -294,7 +296,7 @@ class DeltaExecutor:
                 # backward reached this layer: start bringing back the previous offloaded layer (the next one needed)
                 self._prefetch_started.add(group)
                 order = [name for name, _ in self.layers if name in self._offloaded]
-                earlier = order[:order.index(group)] if group in order else []
+                earlier = order[: order.index(group)] if group in order else []
                 if earlier and earlier[-1] not in self._prefetch_started:
                     for h in self._offloaded[earlier[-1]]:
                         prefetch(h)
@@ -317,8 +319,13 @@ class DeltaExecutor:
 
     def end_step(self) -> None:
         self.stats.saved_bytes = sum(self._storages.values())
-        self.stats.history.append({"saved_bytes": self.stats.saved_bytes,
-                                   "offloaded_bytes": self.stats.offloaded_bytes, "profiling": self.profiling})
+        self.stats.history.append(
+            {
+                "saved_bytes": self.stats.saved_bytes,
+                "offloaded_bytes": self.stats.offloaded_bytes,
+                "profiling": self.profiling,
+            }
+        )
 
     def remove(self) -> None:
         for name, layer in self.layers:

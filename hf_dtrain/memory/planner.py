@@ -36,9 +36,13 @@ class Plan:
             action = self.actions[g.name]
             kept, cost = _option(g, action, self.profile.tier_bandwidth, overlap=False)
             rows.append(f"| {g.name} | {g.saved_bytes:,} | {action} | {kept:,} | {1000 * cost:.2f} |")
-        rows.append(f"| (outside the layers) | {self.profile.other_bytes:,} | keep | {self.profile.other_bytes:,} | 0 |")
-        rows.append(f"| **total** | {self.profile.total_saved_bytes:,} | | **{self.predicted_bytes:,}** "
-                    f"(budget {self.budget:,}) | {1000 * self.predicted_seconds:.2f} |")
+        rows.append(
+            f"| (outside the layers) | {self.profile.other_bytes:,} | keep | {self.profile.other_bytes:,} | 0 |"
+        )
+        rows.append(
+            f"| **total** | {self.profile.total_saved_bytes:,} | | **{self.predicted_bytes:,}** "
+            f"(budget {self.budget:,}) | {1000 * self.predicted_seconds:.2f} |"
+        )
         return "\n".join(rows)
 
 
@@ -60,8 +64,14 @@ def minimum_budget(profile: Profile, allow_offload: bool = True) -> int:
 OBJECTIVES = ("time", "memory")
 
 
-def make_plan(profile: Profile, budget: int, method: str = "exact", allow_offload: bool = True,
-              overlap: bool = False, objective: str = "time") -> Plan:
+def make_plan(
+    profile: Profile,
+    budget: int,
+    method: str = "exact",
+    allow_offload: bool = True,
+    overlap: bool = False,
+    objective: str = "time",
+) -> Plan:
     """The plan for ``budget`` bytes of saved activations; a ``ValueError`` stating the minimum feasible budget when
     none fits.
 
@@ -76,19 +86,25 @@ def make_plan(profile: Profile, budget: int, method: str = "exact", allow_offloa
         raise ValueError("objective='memory' needs method='exact' (it picks from the exact solver's Pareto frontier).")
     floor = minimum_budget(profile, allow_offload)
     if budget < floor:
-        raise ValueError(f"A budget of {budget:,} bytes cannot be met: the minimum feasible budget for this model and "
-                         f"batch shape {profile.shape} is {floor:,} bytes (everything outside the decoder layers, "
-                         f"{profile.other_bytes:,} bytes, stays, and every layer is "
-                         f"{'offloaded' if allow_offload else 'recomputed'}). Raise the budget or lower the batch "
-                         "size / sequence length.")
+        raise ValueError(
+            f"A budget of {budget:,} bytes cannot be met: the minimum feasible budget for this model and "
+            f"batch shape {profile.shape} is {floor:,} bytes (everything outside the decoder layers, "
+            f"{profile.other_bytes:,} bytes, stays, and every layer is "
+            f"{'offloaded' if allow_offload else 'recomputed'}). Raise the budget or lower the batch "
+            "size / sequence length."
+        )
     actions_allowed = ACTIONS if allow_offload else ("keep", "recompute")
     bw = profile.tier_bandwidth
     if method == "exact":
         frontier = [(profile.other_bytes, 0.0, ())]  # (bytes, seconds, actions so far), Pareto-optimal
         for g in profile.groups:
             options = [(a, *_option(g, a, bw, overlap)) for a in actions_allowed]
-            candidates = [(b + mem, s + cost, acts + (a,)) for b, s, acts in frontier for a, mem, cost in options
-                          if b + mem <= budget]
+            candidates = [
+                (b + mem, s + cost, acts + (a,))
+                for b, s, acts in frontier
+                for a, mem, cost in options
+                if b + mem <= budget
+            ]
             candidates.sort(key=lambda c: (c[0], c[1]))
             frontier = []
             for c in candidates:  # keep the points not dominated (more bytes must buy less time)
@@ -105,7 +121,9 @@ def make_plan(profile: Profile, budget: int, method: str = "exact", allow_offloa
     # DELTA: filter (largest x least recently needed first) and director (recompute vs swap), until under budget
     actions = {g.name: "keep" for g in profile.groups}
     used = profile.total_saved_bytes
-    order = sorted(range(len(profile.groups)), key=lambda i: -(profile.groups[i].saved_bytes * (len(profile.groups) - i)))
+    order = sorted(
+        range(len(profile.groups)), key=lambda i: -(profile.groups[i].saved_bytes * (len(profile.groups) - i))
+    )
     for i in order:
         if used <= budget:
             break

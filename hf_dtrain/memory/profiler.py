@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -17,12 +16,17 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks of a transformers model (``...layers.N``: the ModuleList the decoder iterates)."""
     best: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best) and name.split(".")[-1] in ("layers", "h",
-                                                                                                       "blocks"):
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > len(best)
+            and name.split(".")[-1] in ("layers", "h", "blocks")
+        ):
             best = [(f"{name}.{i}", m) for i, m in enumerate(module)]
     if not best:
-        raise ValueError(f"No decoder layers found in {type(model).__name__} (a ModuleList named layers / h / blocks); "
-                         "DELTA plans per decoder layer.")
+        raise ValueError(
+            f"No decoder layers found in {type(model).__name__} (a ModuleList named layers / h / blocks); "
+            "DELTA plans per decoder layer."
+        )
     return best
 
 
@@ -40,11 +44,14 @@ def plan_units(model: nn.Module, granularity: str = "layer") -> list[tuple[str, 
         return layers
     units = []
     for name, layer in layers:
-        children = [(f"{name}.{child}", m) for child, m in layer.named_children()
-                    if next(m.parameters(), None) is not None]
+        children = [
+            (f"{name}.{child}", m) for child, m in layer.named_children() if next(m.parameters(), None) is not None
+        ]
         if not children:
-            raise ValueError(f"Decoder layer {name} ({type(layer).__name__}) has no sub-modules with parameters; use "
-                             "granularity='layer'.")
+            raise ValueError(
+                f"Decoder layer {name} ({type(layer).__name__}) has no sub-modules with parameters; use "
+                "granularity='layer'."
+            )
         units.extend(children)
     return units
 
@@ -92,11 +99,11 @@ def measure_tier_bandwidth(tier, nbytes: int = 8 << 20) -> float:
     return 2 * nbytes / max(best, 1e-9)
 
 
-def profile_step(model: nn.Module, batch: dict, tier, layers: Optional[list] = None) -> Profile:
+def profile_step(model: nn.Module, batch: dict, tier, layers: list | None = None) -> Profile:
     """Run one forward + backward of ``model`` on ``batch`` keeping everything, and measure: the executor's own
     profiling step (one accounting for both), outside a scheduler. Gradients are left as they were (the step is for
     measuring only)."""
-    from .executor import DeltaExecutor
+    from .executor import DeltaExecutor  # the executor imports this module's Profile: a cycle at module level
 
     executor = DeltaExecutor(model, layers or decoder_layers(model), tier)
     grads = {p: p.grad for p in model.parameters()}

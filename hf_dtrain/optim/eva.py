@@ -23,15 +23,17 @@ all micro-batches of a step are averaged.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..distributed import world_size_of
-from .config import EVA_METHODS, EvaConfig, config_kwargs
+from ..distributed.collectives import world_size_of
 from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
+from .config import EVA_METHODS, EvaConfig, config_kwargs
 
 METHODS = EVA_METHODS
 
@@ -41,8 +43,21 @@ class _Layer:
     to the matrix's mean input (``project``), and the factor from the module's output gradient to the matrix's
     output gradient (``g_scale``)."""
 
-    __slots__ = ("name", "module", "_weight", "bias", "project", "g_scale", "a_sum", "g_sum", "count_a", "count_g",
-                 "a", "g", "smt_adapter")
+    __slots__ = (
+        "_weight",
+        "a",
+        "a_sum",
+        "bias",
+        "count_a",
+        "count_g",
+        "g",
+        "g_scale",
+        "g_sum",
+        "module",
+        "name",
+        "project",
+        "smt_adapter",
+    )
 
     def __init__(self, name, module, weight, bias=None, project=None, g_scale: float = 1.0, smt_adapter=None):
         self.name, self.module, self._weight, self.bias = name, module, weight, bias
@@ -59,19 +74,29 @@ class _Layer:
         if self.smt_adapter is None:
             return self._weight
         blocks = self.module.smt_weight
-        return blocks[self.smt_adapter] if self.smt_adapter in blocks else None
+        return blocks.get(self.smt_adapter, None)
 
 
 def _smt_targets(name: str, module) -> list:
     """hf_dtrain SMT layers: ``y = W x + D x`` with W frozen and D block-sparse; the trainable blocks of D see the
     layer's input and output gradient, so Eva's curvature is that of the dense matrix restricted to the blocks. Every
     target of a trained adapter is kept, also one with no block yet (a later selection may give it some)."""
-    return [_Layer(f"{name}.smt_weight.{adapter}", module, None, smt_adapter=adapter)
-            for adapter in getattr(module, "active_adapters", []) if adapter in module.block_size]
+    return [
+        _Layer(f"{name}.smt_weight.{adapter}", module, None, smt_adapter=adapter)
+        for adapter in getattr(module, "active_adapters", [])
+        if adapter in module.block_size
+    ]
 
 
-def _block_precondition(method: str, gamma: float, grad: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                        a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _block_precondition(
+    method: str,
+    gamma: float,
+    grad: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    a: torch.Tensor,
+    g: torch.Tensor,
+) -> torch.Tensor:
     """Eva / FOOF for block-sparse parameters: ``grad`` (k, b, b) holds the gradients of the blocks at block
     positions ``(rows[k], cols[k])`` of a matrix with mean input ``a`` and mean output gradient ``g``.
 
@@ -103,15 +128,15 @@ def _row_shard(grad: torch.Tensor, name: str):
     """``(rows, group)`` of an FSDP2 gradient: the slice of the matrix's rows this rank holds and the process group
     of the mesh dimension that shards them; ``(None, None)`` for a whole gradient. HSDP's replicate dimension holds
     copies, so only the shard dimension's group sums."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(grad, DTensor):
         return None, None
     dims = [i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate)]
     if len(dims) != 1 or grad.placements[dims[0]] != Shard(0):
-        raise ValueError(f"Eva: the gradient of {name} is sharded as {grad.placements}; Eva preconditions whole "
-                         "matrices or FSDP2's row shards (Shard(0) on one mesh dimension).")
+        raise ValueError(
+            f"Eva: the gradient of {name} is sharded as {grad.placements}; Eva preconditions whole "
+            "matrices or FSDP2's row shards (Shard(0) on one mesh dimension)."
+        )
     shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
     return slice(offset[0], offset[0] + shape[0]), grad.device_mesh.get_group(dims[0])
 
@@ -124,8 +149,15 @@ def _lorafa_targets(name: str, module) -> list:
         if adapter not in module.lorafa_B or not module.lorafa_B[adapter].requires_grad:
             continue
         a_matrix = module.lorafa_A[adapter]
-        targets.append(_Layer(f"{name}.lorafa_B.{adapter}", module, module.lorafa_B[adapter],
-                              project=lambda x, a=a_matrix: a.float() @ x, g_scale=float(module.scaling[adapter])))
+        targets.append(
+            _Layer(
+                f"{name}.lorafa_B.{adapter}",
+                module,
+                module.lorafa_B[adapter],
+                project=lambda x, a=a_matrix: a.float() @ x,
+                g_scale=float(module.scaling[adapter]),
+            )
+        )
     return targets
 
 
@@ -148,16 +180,33 @@ class Eva(WrappedOptimizer):
     * ``method``: ``"eva"`` or ``"foof"``.
     """
 
-    def __init__(self, params: Union[Iterable, nn.Module], model: Optional[nn.Module] = None, base_optimizer: Union[str, Callable] = "sgd",
-                 damping: float = 0.03, kl_clip: float = 0.001, factor_decay: float = 0.95, update_interval: int = 1,
-                 method: str = "eva", exclude: tuple[str, ...] = ("lm_head",), process_group=None, **base_kwargs):
+    def __init__(
+        self,
+        params: Iterable | nn.Module,
+        model: nn.Module | None = None,
+        base_optimizer: str | Callable = "sgd",
+        damping: float = 0.03,
+        kl_clip: float = 0.001,
+        factor_decay: float = 0.95,
+        update_interval: int = 1,
+        method: str = "eva",
+        exclude: tuple[str, ...] = ("lm_head",),
+        process_group=None,
+        **base_kwargs,
+    ):
         if isinstance(params, nn.Module):  # Eva(model, ...); also what the Trainer passes for kwargs with "model"
             model = params if model is None else model
             params = [p for p in params.parameters() if p.requires_grad]
         if not isinstance(model, nn.Module):
             raise TypeError(f"Eva needs the model (to hook its Linear layers): model=..., got {type(model).__name__}.")
-        self.config = EvaConfig(damping=damping, kl_clip=kl_clip, factor_decay=factor_decay,
-                                update_interval=update_interval, method=method, exclude=list(exclude))
+        self.config = EvaConfig(
+            damping=damping,
+            kl_clip=kl_clip,
+            factor_decay=factor_decay,
+            update_interval=update_interval,
+            method=method,
+            exclude=list(exclude),
+        )
         self._init_wrapper()
         self.base = build_base_optimizer(base_optimizer, params, "Eva", **base_kwargs)
         self.damping, self.kl_clip, self.factor_decay = float(damping), float(kl_clip), float(factor_decay)  # validated
@@ -179,9 +228,11 @@ class Eva(WrappedOptimizer):
                 continue
             for layer in targets:
                 if layer.smt_adapter is not None and hasattr(layer.weight, "device_mesh"):
-                    raise ValueError(f"Eva: {layer.name} holds SMT blocks sharded by FSDP2; Eva's block curvature "
-                                     "couples the blocks of one block row, which sit on other ranks. Precondition "
-                                     "SMT under DDP, or use another optimizer with --fsdp.")
+                    raise ValueError(
+                        f"Eva: {layer.name} holds SMT blocks sharded by FSDP2; Eva's block curvature "
+                        "couples the blocks of one block row, which sit on other ranks. Precondition "
+                        "SMT under DDP, or use another optimizer with --fsdp."
+                    )
                 if layer.weight is None:  # SMT target with no block yet: kept while its adapter is trained
                     if not module._smt_wants_grad.get(layer.smt_adapter, True):
                         continue
@@ -190,21 +241,38 @@ class Eva(WrappedOptimizer):
                 self.layers.append(layer)
                 self._handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
         if not self.layers:
-            raise ValueError("Eva found no trainable nn.Linear (or LoRA-FA / SMT adapter) in the model among the optimized "
-                             "parameters; nothing to precondition (check model= and exclude=).")
+            raise ValueError(
+                "Eva found no trainable nn.Linear (or LoRA-FA / SMT adapter) in the model among the optimized "
+                "parameters; nothing to precondition (check model= and exclude=)."
+            )
 
     @classmethod
-    def from_config(cls, params, config: EvaConfig, model: Optional[nn.Module] = None,
-                    base_optimizer: Union[str, Callable] = "sgd", process_group=None, **base_kwargs) -> "Eva":
+    def from_config(
+        cls,
+        params,
+        config: EvaConfig,
+        model: nn.Module | None = None,
+        base_optimizer: str | Callable = "sgd",
+        process_group=None,
+        **base_kwargs,
+    ) -> Eva:
         """``Eva`` with every setting from ``config`` (what the jobs pass down); ``base_kwargs`` (lr, weight decay)
         go to the wrapped optimizer."""
-        return cls(params, model=model, base_optimizer=base_optimizer, process_group=process_group,
-                   **config_kwargs(config), **base_kwargs)
+        return cls(
+            params,
+            model=model,
+            base_optimizer=base_optimizer,
+            process_group=process_group,
+            **config_kwargs(config),
+            **base_kwargs,
+        )
 
     def __repr__(self) -> str:
-        return (f"Eva(method={self.method}, damping={self.damping}, kl_clip={self.kl_clip}, "
-                f"factor_decay={self.factor_decay}, update_interval={self.update_interval}, layers={len(self.layers)}, "
-                f"base={self.base!r})")
+        return (
+            f"Eva(method={self.method}, damping={self.damping}, kl_clip={self.kl_clip}, "
+            f"factor_decay={self.factor_decay}, update_interval={self.update_interval}, layers={len(self.layers)}, "
+            f"base={self.base!r})"
+        )
 
     # -- collecting the vectors -------------------------------------------------------------------------------------
     def _collecting(self, module) -> bool:
@@ -225,6 +293,7 @@ class Eva(WrappedOptimizer):
             layer.a_sum = a if layer.a_sum is None else layer.a_sum + a
             layer.count_a += 1
             if output.requires_grad:
+
                 def grad_hook(grad):
                     g = grad.detach().reshape(-1, grad.shape[-1]).float().mean(0) * layer.g_scale
                     layer.g_sum = g if layer.g_sum is None else layer.g_sum + g
@@ -247,7 +316,7 @@ class Eva(WrappedOptimizer):
             flat /= world
             sizes = [v.numel() for v in a_new + g_new]
             parts = list(flat.split(sizes))
-            a_new, g_new = parts[:len(fresh)], parts[len(fresh):]
+            a_new, g_new = parts[: len(fresh)], parts[len(fresh) :]
         d = self.factor_decay
         for layer, a, g in zip(fresh, a_new, g_new):
             layer.a = a.clone() if layer.a is None else (1 - d) * layer.a + d * a
@@ -257,8 +326,14 @@ class Eva(WrappedOptimizer):
             layer.count_a = layer.count_g = 0
 
     # -- preconditioning ---------------------------------------------------------------------------------------------
-    def precondition(self, grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor, rows: Optional[slice] = None,
-                     agg: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def precondition(
+        self,
+        grad: torch.Tensor,
+        a: torch.Tensor,
+        g: torch.Tensor,
+        rows: slice | None = None,
+        agg: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The preconditioned gradient of one layer (``grad``: out x in, a bias column appended).
 
         ``rows``: ``grad`` holds only these rows of the layer's gradient (an FSDP2 row shard). FOOF acts on each row
@@ -281,18 +356,28 @@ class Eva(WrappedOptimizer):
                 loss = closure()
         if self.steps % self.update_interval == 0:
             self._update_vectors()
-        if self.steps == 0 and all(l.a is None for l in self.layers) and any(
-                l.weight is not None and l.weight.grad is not None for l in self.layers):
-            raise ValueError("Eva saw no forward pass of the model's Linear layers with gradients enabled before its "
-                             "first step(): pass model= the module that is trained (the same object, not a copy).")
-        if self.steps == 0 and any(l.a is not None for l in self.layers) and all(
-                l.weight is None or l.weight.grad is None for l in self.layers) and any(
-                p.grad is not None for group in self.base.param_groups for p in group["params"]):
+        if (
+            self.steps == 0
+            and all(l.a is None for l in self.layers)
+            and any(l.weight is not None and l.weight.grad is not None for l in self.layers)
+        ):
+            raise ValueError(
+                "Eva saw no forward pass of the model's Linear layers with gradients enabled before its "
+                "first step(): pass model= the module that is trained (the same object, not a copy)."
+            )
+        if (
+            self.steps == 0
+            and any(l.a is not None for l in self.layers)
+            and all(l.weight is None or l.weight.grad is None for l in self.layers)
+            and any(p.grad is not None for group in self.base.param_groups for p in group["params"])
+        ):
             # DeepSpeed ZeRO >= 1 hands the client optimizer flat partitions of all parameters, not the layers
-            raise ValueError("Eva found gradients on the optimizer's parameters but none on the model's layers: an "
-                             "engine keeps them elsewhere (DeepSpeed ZeRO stage >= 1 hands its client optimizer flat "
-                             "fp32 partitions with no layer boundaries, so no matrix can be preconditioned). Use Eva "
-                             "with DDP, FSDP2 or ZeRO stage 0.")
+            raise ValueError(
+                "Eva found gradients on the optimizer's parameters but none on the model's layers: an "
+                "engine keeps them elsewhere (DeepSpeed ZeRO stage >= 1 hands its client optimizer flat "
+                "fp32 partitions with no layer boundaries, so no matrix can be preconditioned). Use Eva "
+                "with DDP, FSDP2 or ZeRO stage 0."
+            )
         self.steps += 1
         updates = []  # (target parameters, their raw gradient, the preconditioned gradient)
         dense = []  # (target parameters, raw gradient, a, g, rows) of the matrices preconditioned below
@@ -315,13 +400,14 @@ class Eva(WrappedOptimizer):
                 grad = torch.cat([grad, _local(b.grad).float().unsqueeze(1)], 1)
             a = layer.a if layer.a.numel() == grad.shape[1] else None
             if a is None:  # a bias whose gradient is absent this step: drop its column of the vector
-                a = layer.a[:grad.shape[1]]
+                a = layer.a[: grad.shape[1]]
             dense.append(((w, b) if has_bias else (w,), grad, a, layer.g, rows))
         # Eva on row shards: every layer's partial gᵀ∇a over this rank's rows, completed by one all-reduce
         aggs = [None] * len(dense)
         if shard_group is not None and self.method != "foof" and dense:
-            parts = torch.stack([g[rows] @ grad @ a if rows is not None else g @ grad @ a
-                                 for _, grad, a, g, rows in dense])
+            parts = torch.stack(
+                [g[rows] @ grad @ a if rows is not None else g @ grad @ a for _, grad, a, g, rows in dense]
+            )
             sharded = torch.tensor([rows is not None for *_, rows in dense])
             summed = parts.where(sharded, torch.zeros_like(parts))
             dist.all_reduce(summed, group=shard_group)
@@ -336,7 +422,7 @@ class Eva(WrappedOptimizer):
                 vg = torch.stack([(v * g).sum() for _, g, v in updates]).sum()
                 if shard_group is not None:
                     dist.all_reduce(vg, group=shard_group)
-                vg = float(vg) * lr ** 2
+                vg = float(vg) * lr**2
                 nu = min(1.0, math.sqrt(self.kl_clip / vg)) if vg > 0 else 1.0
             else:
                 sums = torch.stack([torch.stack([g.pow(2).sum(), v.pow(2).sum()]) for _, g, v in updates]).sum(0)

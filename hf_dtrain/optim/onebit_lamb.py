@@ -32,13 +32,15 @@ with DeepSpeed turn the engine's all-reduce off (``engine.enable_backward_allred
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.distributed as dist
 
-from ..distributed import (WholeReplicaGuard, WireStats, check_same_across_ranks,
-                           keep_gradients_local, onebit_allreduce, world_size_of)
+from ..distributed.collectives import check_same_across_ranks, onebit_allreduce, world_size_of
+from ..distributed.counters import WireStats
+from ..distributed.engines import WholeReplicaGuard, keep_gradients_local
 from .config import OneBitLambConfig, config_kwargs
 
 
@@ -47,23 +49,48 @@ class OneBitLamb(torch.optim.Optimizer):
 
     exchanges_gradients_itself = True  # DDP must not average (noop hook), and a Trainer must not clip local grads
 
-    def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
-                 coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, mask_threshold: float = 1e-4, scale_block: int | None = 2048,
-                 process_group=None):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        freeze_step: int = 100,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        mask_threshold: float = 1e-4,
+        scale_block: int | None = 2048,
+        process_group=None,
+    ):
         if not lr > 0:
             raise ValueError(f"OneBitLamb lr must be > 0, got {lr!r}.")
-        self.config = OneBitLambConfig(freeze_step=freeze_step, betas=betas, eps=eps, max_coeff=max_coeff,
-                                       min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
-                                       factor_min=factor_min, factor_threshold=factor_threshold,
-                                       mask_threshold=mask_threshold, scale_block=scale_block)
+        self.config = OneBitLambConfig(
+            freeze_step=freeze_step,
+            betas=betas,
+            eps=eps,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            coeff_beta=coeff_beta,
+            factor_max=factor_max,
+            factor_min=factor_min,
+            factor_threshold=factor_threshold,
+            mask_threshold=mask_threshold,
+            scale_block=scale_block,
+        )
         self.world = world_size_of(process_group)
         if self.world < 2:
-            raise ValueError("OneBitLamb compresses the gradient exchange between processes and needs a world of >= 2 "
-                             "(launch with accelerate launch / torchrun / deepspeed); for one process use LAMB.")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
-                        min_coeff=min_coeff)
+            raise ValueError(
+                "OneBitLamb compresses the gradient exchange between processes and needs a world of >= 2 "
+                "(launch with accelerate launch / torchrun / deepspeed); for one process use LAMB."
+            )
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff
+        )
         super().__init__(params, defaults)
         self._replica_guard = WholeReplicaGuard(self, "OneBitLamb")
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
@@ -73,23 +100,27 @@ class OneBitLamb(torch.optim.Optimizer):
         self.process_group = process_group
         self.stats = WireStats()
         params = self._params()
-        import hashlib
 
         shapes = hashlib.sha256(str([tuple(p.shape) for p in params]).encode()).hexdigest()[:16]
         values = hashlib.sha256(str([round(float(p.detach().double().sum()), 6) for p in params]).encode()).hexdigest()
         check_same_across_ranks(
             {"tensors": len(params), "shapes_sha256": shapes, "values_sha256": values[:16]},
             "OneBitLamb parameters (shapes and values; load or seed the model identically on every rank)",
-            process_group)
+            process_group,
+        )
         n = sum(p.numel() for p in params)
         self.numel = n
         self.padded = math.ceil(n / (8 * self.world)) * 8 * self.world
-        self.global_state = {"step": 0, "worker_error": torch.zeros(self.padded),
-                             "server_error": torch.zeros(self.padded // self.world)}
+        self.global_state = {
+            "step": 0,
+            "worker_error": torch.zeros(self.padded),
+            "server_error": torch.zeros(self.padded // self.world),
+        }
 
     @classmethod
-    def from_config(cls, params, config: OneBitLambConfig, lr: float = 1e-3, weight_decay: float = 0.0,
-                    process_group=None) -> "OneBitLamb":
+    def from_config(
+        cls, params, config: OneBitLambConfig, lr: float = 1e-3, weight_decay: float = 0.0, process_group=None
+    ) -> OneBitLamb:
         """``OneBitLamb`` with every setting from ``config`` (what the jobs pass down)."""
         return cls(params, lr=lr, weight_decay=weight_decay, process_group=process_group, **config_kwargs(config))
 
@@ -136,7 +167,7 @@ class OneBitLamb(torch.optim.Optimizer):
             flat /= self.world
             offset = 0
             for p in params:
-                g = flat[offset:offset + p.numel()].view_as(p)
+                g = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
                 group = group_of[id(p)]
                 st = self.state[p]
@@ -179,14 +210,14 @@ class OneBitLamb(torch.optim.Optimizer):
             st["exp_avg"].mul_(b1).add_(p.grad.float(), alpha=1 - b1)
             pieces.append((st["exp_avg"] * st["scaling_coeff"]).reshape(-1))
         flat = torch.zeros(self.padded)
-        flat[:self.numel] = torch.cat(pieces)
+        flat[: self.numel] = torch.cat(pieces)
         averaged = self.compressed_allreduce(flat)
         offset = 0
         for p, prev in zip(params, previous):
             st = self.state[p]
             group = group_of[id(p)]
             b1, b2 = group["betas"]
-            m = averaged[offset:offset + p.numel()].view_as(p) / st["scaling_coeff"] * st["exp_avg_mask"]
+            m = averaged[offset : offset + p.numel()].view_as(p) / st["scaling_coeff"] * st["exp_avg_mask"]
             offset += p.numel()
             st["exp_avg"].copy_(m)
             grad_est = (m - b1 * prev) / (1 - b1)
@@ -194,8 +225,9 @@ class OneBitLamb(torch.optim.Optimizer):
             denom = st["exp_avg_sq"].sqrt() + group["eps"]
             update_prelim = m / denom
             update = update_prelim + group["weight_decay"] * p.float() if group["weight_decay"] else update_prelim
-            factor = float(((st["exp_avg_sq"].sqrt() + group["eps"])
-                            / (st["exp_avg_sq_fresh"].sqrt() + group["eps"])).max())
+            factor = float(
+                ((st["exp_avg_sq"].sqrt() + group["eps"]) / (st["exp_avg_sq_fresh"].sqrt() + group["eps"])).max()
+            )
             if group["weight_decay"]:
                 ratio = min(1.0, float(update_prelim.norm()) / max(float(update.norm()), 1e-30))
                 factor = factor * ratio + (1.0 - ratio)
@@ -220,12 +252,19 @@ class OneBitLamb(torch.optim.Optimizer):
         local = torch.cat([gs["worker_error"], gs["server_error"]])
         me = dist.get_rank(self.process_group)
         gathered = [torch.empty_like(local) for _ in range(self.world)] if me == to else None
-        dist.gather(local, gathered, dst=dist.get_global_rank(self.process_group, to) if self.process_group else to,
-                    group=self.process_group)
+        dist.gather(
+            local,
+            gathered,
+            dst=dist.get_global_rank(self.process_group, to) if self.process_group else to,
+            group=self.process_group,
+        )
         if me == to:
             stacked = torch.stack(gathered)
-            self._consolidated = {"step": gs["step"], "worker_error": stacked[:, :self.padded].clone(),
-                                  "server_error": stacked[:, self.padded:].clone()}
+            self._consolidated = {
+                "step": gs["step"],
+                "worker_error": stacked[:, : self.padded].clone(),
+                "server_error": stacked[:, self.padded :].clone(),
+            }
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -234,8 +273,10 @@ class OneBitLamb(torch.optim.Optimizer):
         onebit["rank"], onebit["world"] = dist.get_rank(self.process_group), self.world
         consolidated = getattr(self, "_consolidated", None)
         if consolidated is not None and consolidated["step"] == gs["step"]:
-            onebit["per_rank"] = {"worker_error": consolidated["worker_error"],
-                                  "server_error": consolidated["server_error"]}
+            onebit["per_rank"] = {
+                "worker_error": consolidated["worker_error"],
+                "server_error": consolidated["server_error"],
+            }
         sd["onebit"] = onebit
         return sd
 
@@ -250,19 +291,24 @@ class OneBitLamb(torch.optim.Optimizer):
         saved_rank, saved_world = onebit.pop("rank", None), onebit.pop("world", self.world)
         me = dist.get_rank(self.process_group)
         if saved_world != self.world:
-            raise ValueError(f"This OneBitLamb state was saved with {saved_world} ranks and is loaded on {self.world}; "
-                             "the compressed chunks (and their error feedback) depend on the world size: resume "
-                             f"with {saved_world} processes.")
+            raise ValueError(
+                f"This OneBitLamb state was saved with {saved_world} ranks and is loaded on {self.world}; "
+                "the compressed chunks (and their error feedback) depend on the world size: resume "
+                f"with {saved_world} processes."
+            )
         if per_rank is not None:
             onebit["worker_error"] = per_rank["worker_error"][me]
             onebit["server_error"] = per_rank["server_error"][me]
         elif saved_rank is not None and saved_rank != me and onebit["step"] > self.freeze_step:
             import warnings
 
-            warnings.warn(f"OneBitLamb: rank {me} loads the state saved by rank {saved_rank}, without its own "
-                          "error-feedback buffers; they restart at zero, so the resume is close but not exact. Call "
-                          "optimizer.consolidate_state_dict() on every rank before saving (CommHookCallback does it "
-                          "for the Trainer), or save each rank's state_dict().", stacklevel=2)
+            warnings.warn(
+                f"OneBitLamb: rank {me} loads the state saved by rank {saved_rank}, without its own "
+                "error-feedback buffers; they restart at zero, so the resume is close but not exact. Call "
+                "optimizer.consolidate_state_dict() on every rank before saving (CommHookCallback does it "
+                "for the Trainer), or save each rank's state_dict().",
+                stacklevel=2,
+            )
             onebit["worker_error"] = torch.zeros_like(self.global_state["worker_error"])
             onebit["server_error"] = torch.zeros_like(self.global_state["server_error"])
         self.global_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in onebit.items()}

@@ -4,9 +4,23 @@ pipeline parallelism (``pipeline``)."""
 
 from .fsdp import FSDPConfig, apply_fsdp, fsdp_mesh, fsdp_units
 from .pipeline import Pipeline, PipelineConfig, apply_pipeline
-from .tensor import TensorParallelConfig, apply_tensor_parallel, tensor_parallel_loss
 from .state import full_state_dict, is_fsdp2, is_zero3, local_param_bytes, save_pretrained
+from .tensor import TensorParallelConfig, apply_tensor_parallel, tensor_parallel_loss
 
-__all__ = ["FSDPConfig", "apply_fsdp", "fsdp_mesh", "fsdp_units", "full_state_dict", "save_pretrained", "is_fsdp2",
-           "is_zero3", "local_param_bytes", "TensorParallelConfig", "apply_tensor_parallel", "tensor_parallel_loss", "Pipeline",
-           "PipelineConfig", "apply_pipeline"]
+__all__ = [
+    "FSDPConfig",
+    "Pipeline",
+    "PipelineConfig",
+    "TensorParallelConfig",
+    "apply_fsdp",
+    "apply_pipeline",
+    "apply_tensor_parallel",
+    "fsdp_mesh",
+    "fsdp_units",
+    "full_state_dict",
+    "is_fsdp2",
+    "is_zero3",
+    "local_param_bytes",
+    "save_pretrained",
+    "tensor_parallel_loss",
+]

@@ -32,27 +32,38 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def check_2d(model_config, q: int, batch_size: int) -> None:
     """Refuse a q the model or the batch cannot be split by, naming the dim."""
-    dims = {"num_attention_heads": model_config.num_attention_heads,
-            "num_key_value_heads": getattr(model_config, "num_key_value_heads", None) or
-            model_config.num_attention_heads, "hidden_size": model_config.hidden_size,
-            "intermediate_size": model_config.intermediate_size, "vocab_size": model_config.vocab_size,
-            "batch size": batch_size}
+    dims = {
+        "num_attention_heads": model_config.num_attention_heads,
+        "num_key_value_heads": getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads,
+        "hidden_size": model_config.hidden_size,
+        "intermediate_size": model_config.intermediate_size,
+        "vocab_size": model_config.vocab_size,
+        "batch size": batch_size,
+    }
     for name, value in dims.items():
         if value % q:
-            raise ValueError(f"2D tensor parallelism on a {q} x {q} mesh splits the {name} ({value}) {q} ways; "
-                             f"choose q dividing it.")
+            raise ValueError(
+                f"2D tensor parallelism on a {q} x {q} mesh splits the {name} ({value}) {q} ways; choose q dividing it."
+            )
 
 
 def _linear_forward(self, x):
     """x: local [b / q, s, in / q] -> local [b / q, s, out / q]."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = self.weight.device_mesh
     w = self.weight.redistribute(mesh, [Replicate(), Shard(1)])  # all-gather over row: [out, in / q]
@@ -84,12 +95,14 @@ def _embed_forward(self, ids):
 
 def _head_forward(self, x):
     """The head on local [b / q, s, h / q] -> the logits of this row's batch shard, gathered over col."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     y = _linear_forward(self, x)
     mesh = self.weight.device_mesh
-    return DTensor.from_local(y, mesh, [Shard(0), Shard(y.dim() - 1)], run_check=False).redistribute(
-        mesh, [Shard(0), Replicate()]).to_local()
+    return (
+        DTensor.from_local(y, mesh, [Shard(0), Shard(y.dim() - 1)], run_check=False)
+        .redistribute(mesh, [Shard(0), Replicate()])
+        .to_local()
+    )
 
 
 def apply_2d_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
@@ -102,8 +115,10 @@ def apply_2d_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
         raise ValueError(f"2D tensor parallelism takes a q x q mesh (row, col), got {tuple(mesh.shape)}.")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(model, "peft_config"):
-        raise ValueError("2D tensor parallelism is built for full models; peft adapters are not laid out on the "
-                         "q x q mesh (use apply_tensor_parallel, which shards LoRA and LoRA-FA).")
+        raise ValueError(
+            "2D tensor parallelism is built for full models; peft adapters are not laid out on the "
+            "q x q mesh (use apply_tensor_parallel, which shards LoRA and LoRA-FA)."
+        )
     decoder = base.model
     if getattr(base.config, "tie_word_embeddings", False):
         raise ValueError("2D tensor parallelism: untie lm_head from the embedding (tie_word_embeddings=False).")

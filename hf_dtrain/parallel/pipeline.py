@@ -23,16 +23,27 @@ The Trainer cannot drive a pipeline (its loop calls ``model(**batch)`` once per 
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
 
-from hf_dtrain.distributed import CommFailure, is_comm_error
-from hf_dtrain.models import LlamaPipelineStage  # noqa: F401  (the stage class; its home is the base layer)
+from hf_dtrain.distributed.groups import CommFailure, is_comm_error
+from hf_dtrain.models import LlamaPipelineStage, causal_mask
+from hf_dtrain.settings import check_choice, check_fields
+
+from .tensor import local_loss, tensor_parallel_loss
+
 
 class PipelineStageError(CommFailure):
     """A pipeline step failed in a transfer between stages (a peer that died, one that runs something else, or one
@@ -51,35 +62,57 @@ class PipelineConfig:
 
     section_key: ClassVar[str] = "pipeline"
 
-    schedule: str = field(default="1F1B", metadata={
-        "help": "torch.distributed.pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B or "
-                "InterleavedZeroBubble (stages_per_rank >= 2)."})
-    microbatches: Optional[int] = field(default=None, metadata={
-        "help": "Micro-batches per step (the batch is split into this many along dim 0; it must divide the "
-                "batch). Default: 2 x the number of stages, at most the batch size."})
-    stages_per_rank: int = field(default=1, metadata={
-        "min": 1, "help": "Virtual stages per rank (interleaved schedules take >= 2: fewer bubbles, more "
-                          "point-to-point messages)."})
-    balance: str = field(default="profile", metadata={
-        "help": "How layers are cut into stages: profile (Merak: measured forward+backward time of the "
-                "embedding, a decoder layer and the head on this machine) or uniform (equal layer counts)."})
+    schedule: str = field(
+        default="1F1B",
+        metadata={
+            "help": "torch.distributed.pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B or "
+            "InterleavedZeroBubble (stages_per_rank >= 2)."
+        },
+    )
+    microbatches: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-batches per step (the batch is split into this many along dim 0; it must divide the "
+            "batch). Default: 2 x the number of stages, at most the batch size."
+        },
+    )
+    stages_per_rank: int = field(
+        default=1,
+        metadata={
+            "min": 1,
+            "help": "Virtual stages per rank (interleaved schedules take >= 2: fewer bubbles, more "
+            "point-to-point messages).",
+        },
+    )
+    balance: str = field(
+        default="profile",
+        metadata={
+            "help": "How layers are cut into stages: profile (Merak: measured forward+backward time of the "
+            "embedding, a decoder layer and the head on this machine) or uniform (equal layer counts)."
+        },
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_choice, check_fields
 
         check_fields(self)
         names = {n.lower(): n for n in SINGLE_STAGE + MULTI_STAGE}
         if not isinstance(self.schedule, str) or self.schedule.lower() not in names:
-            raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not one of {list(names.values())}; set "
-                             "pipeline.schedule (--pipeline.schedule).")
+            raise ValueError(
+                f"PipelineConfig.schedule={self.schedule!r} is not one of {list(names.values())}; set "
+                "pipeline.schedule (--pipeline.schedule)."
+            )
         self.schedule = names[self.schedule.lower()]
         check_choice(self, "balance", ("profile", "uniform"), "pipeline.balance")
         if self.schedule in SINGLE_STAGE and self.stages_per_rank != 1:
-            raise ValueError(f"pipeline.schedule={self.schedule} runs one stage per rank, but pipeline.stages_per_rank="
-                             f"{self.stages_per_rank}; use Interleaved1F1B for several, or stages_per_rank 1.")
+            raise ValueError(
+                f"pipeline.schedule={self.schedule} runs one stage per rank, but pipeline.stages_per_rank="
+                f"{self.stages_per_rank}; use Interleaved1F1B for several, or stages_per_rank 1."
+            )
         if self.schedule in MULTI_STAGE and self.stages_per_rank < 2:
-            raise ValueError(f"pipeline.schedule={self.schedule} interleaves several stages per rank: set "
-                             "pipeline.stages_per_rank >= 2 (or use 1F1B).")
+            raise ValueError(
+                f"pipeline.schedule={self.schedule} interleaves several stages per rank: set "
+                "pipeline.stages_per_rank >= 2 (or use 1F1B)."
+            )
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
             raise ValueError(f"PipelineConfig.microbatches={self.microbatches!r}: a whole number >= 1, or unset.")
 
@@ -87,11 +120,15 @@ class PipelineConfig:
         """The micro-batch count for a ``batch_size`` batch on ``pp`` ranks, checked."""
         n = self.microbatches or min(batch_size, 2 * pp * self.stages_per_rank)
         if batch_size % n:
-            raise ValueError(f"pipeline.microbatches={n} does not divide the batch of {batch_size}: choose a divisor of "
-                             "the per-replica batch size (--pipeline.microbatches).")
+            raise ValueError(
+                f"pipeline.microbatches={n} does not divide the batch of {batch_size}: choose a divisor of "
+                "the per-replica batch size (--pipeline.microbatches)."
+            )
         if self.schedule in MULTI_STAGE and n % pp:
-            raise ValueError(f"pipeline.schedule={self.schedule} needs the micro-batch count ({n}) to be a multiple of "
-                             f"the pipeline degree {pp}: set --pipeline.microbatches.")
+            raise ValueError(
+                f"pipeline.schedule={self.schedule} needs the micro-batch count ({n}) to be a multiple of "
+                f"the pipeline degree {pp}: set --pipeline.microbatches."
+            )
         return n
 
 
@@ -102,17 +139,22 @@ def check_pipeline(model_config, pp: int, stages_per_rank: int = 1) -> None:
     stages = pp * stages_per_rank
     layers = model_config.num_hidden_layers
     if stages > layers:
-        raise ValueError(f"--pp {pp} x pipeline.stages_per_rank {stages_per_rank} = {stages} stages, but the model has "
-                         f"{layers} decoder layers: every stage needs at least one; lower --pp or "
-                         "pipeline.stages_per_rank.")
+        raise ValueError(
+            f"--pp {pp} x pipeline.stages_per_rank {stages_per_rank} = {stages} stages, but the model has "
+            f"{layers} decoder layers: every stage needs at least one; lower --pp or "
+            "pipeline.stages_per_rank."
+        )
     if pp > 1 and getattr(model_config, "tie_word_embeddings", False):
-        raise ValueError("pipeline parallelism: the model ties lm_head to the embedding (tie_word_embeddings), "
-                         "which would sit on the first and the last stage; untie them (tie_word_embeddings=False) "
-                         "or train without --pp.")
+        raise ValueError(
+            "pipeline parallelism: the model ties lm_head to the embedding (tie_word_embeddings), "
+            "which would sit on the first and the last stage; untie them (tie_word_embeddings=False) "
+            "or train without --pp."
+        )
 
 
-def balance_layers(layer_costs: list[float], stages: int, first_extra: float = 0.0,
-                   last_extra: float = 0.0) -> list[tuple[int, int]]:
+def balance_layers(
+    layer_costs: list[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` layer ranges, one per stage, minimizing the slowest stage's cost (the
     pipeline's step time is set by it); the first stage also pays ``first_extra`` (the embedding), the last
     ``last_extra`` (norm, head and loss). Every stage gets at least one layer. Exact dynamic programming:
@@ -148,10 +190,16 @@ def balance_layers(layer_costs: list[float], stages: int, first_extra: float = 0
 def _causal_lm(model: nn.Module) -> nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
-    if getattr(decoder, "layers", None) is None or not hasattr(base, "lm_head") or \
-            not hasattr(decoder, "embed_tokens") or not hasattr(decoder, "rotary_emb"):
-        raise ValueError(f"apply_pipeline: {type(base).__name__} is not a LLaMA-family causal LM "
-                         "(model.embed_tokens, model.layers, model.rotary_emb, model.norm, lm_head).")
+    if (
+        getattr(decoder, "layers", None) is None
+        or not hasattr(base, "lm_head")
+        or not hasattr(decoder, "embed_tokens")
+        or not hasattr(decoder, "rotary_emb")
+    ):
+        raise ValueError(
+            f"apply_pipeline: {type(base).__name__} is not a LLaMA-family causal LM "
+            "(model.embed_tokens, model.layers, model.rotary_emb, model.norm, lm_head)."
+        )
     return base
 
 
@@ -175,7 +223,6 @@ def median_seconds(fn, repeats: int = 5, barrier: bool = False) -> float:
 def profile_costs(model: nn.Module, example: torch.Tensor) -> dict[str, float]:
     """Forward + backward seconds of the model's pieces at ``example``'s (micro-batch) shape, measured here: the
     embedding, one decoder layer (Merak's proxy: every LLaMA layer is alike) and the norm + head + loss."""
-    from transformers.masking_utils import create_causal_mask
 
     base = _causal_lm(model)
     decoder = base.model
@@ -183,8 +230,7 @@ def profile_costs(model: nn.Module, example: torch.Tensor) -> dict[str, float]:
     with torch.no_grad():
         hidden = decoder.embed_tokens(example).detach()
     positions = torch.arange(example.shape[1], device=example.device).unsqueeze(0)
-    mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                              position_ids=positions)
+    mask = causal_mask(base.config, hidden, positions)
     rope = decoder.rotary_emb(hidden, position_ids=positions)
     labels = example
 
@@ -210,8 +256,17 @@ class Pipeline:
     forward and backward over the micro-batches (gradients land in :meth:`parameters`; call the optimizer after)
     and returns the batch's mean loss on every rank of the pipeline."""
 
-    def __init__(self, modules, stages, schedule, group, last_rank: int, n_microbatches: int,
-                 bounds: list[tuple[int, int]], costs: Optional[dict] = None):
+    def __init__(
+        self,
+        modules,
+        stages,
+        schedule,
+        group,
+        last_rank: int,
+        n_microbatches: int,
+        bounds: list[tuple[int, int]],
+        costs: dict | None = None,
+    ):
         self.modules, self.stages, self.schedule = modules, stages, schedule
         self.group, self.last_rank, self.n_microbatches = group, last_rank, n_microbatches
         self.bounds, self.costs = bounds, costs
@@ -236,7 +291,6 @@ class Pipeline:
         return self
 
     def _broadcast_loss(self, losses: list, device) -> torch.Tensor:
-        from .tensor import local_loss
 
         if self.has_last:
             loss = torch.stack([local_loss(v).detach().float() for v in losses]).mean().to(device)
@@ -264,11 +318,12 @@ class Pipeline:
 
     def _run(self, run, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``run`` (the schedule's ``step`` or ``eval``) over the micro-batches; the batch's mean loss on every rank."""
-        from .tensor import tensor_parallel_loss
 
         if input_ids.shape[0] % self.n_microbatches:
-            raise ValueError(f"a batch of {input_ids.shape[0]} sequences does not split into "
-                             f"{self.n_microbatches} micro-batches (pipeline.microbatches).")
+            raise ValueError(
+                f"a batch of {input_ids.shape[0]} sequences does not split into "
+                f"{self.n_microbatches} micro-batches (pipeline.microbatches)."
+            )
         losses: list = []
         args = (input_ids,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
@@ -283,7 +338,8 @@ class Pipeline:
             raise PipelineStageError(
                 f"pipeline {self.where()} on rank {dist.get_rank()}: a transfer failed ({first}). A neighbour died, "
                 "runs another configuration, or was silent for the process group's timeout; every rank must run "
-                "the same command.") from e
+                "the same command."
+            ) from e
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -293,8 +349,6 @@ class Pipeline:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' whole (gathered over tp / data shards) parameters and buffers, on the CPU, under
         Hugging Face's names. Every rank of the stage's tp and data groups must call it (it gathers)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from torch.distributed.tensor import DTensor
 
         out: dict[str, torch.Tensor] = {}
         for m in self.modules:
@@ -311,34 +365,39 @@ class Pipeline:
         """A Hugging Face sharded checkpoint, one safetensors file per pipeline rank (its stages' weights) and the
         index, loadable with ``from_pretrained``: every rank calls it; ``writer``: this rank writes its pipeline
         rank's file (one rank per pipeline rank: the first of its tp and data groups)."""
-        import json
-        import os
-
-        from safetensors.torch import save_file
 
         state = self.state_dict()
         pp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         name = f"model-{rank + 1:05d}-of-{pp:05d}.safetensors"
         if writer:
             os.makedirs(save_directory, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(save_directory, name),
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.contiguous() for k, v in state.items()},
+                os.path.join(save_directory, name),
+                metadata={"format": "pt"},
+            )
         keys: list = [None] * pp
-        dist.all_gather_object(keys, (name, sorted(state), sum(v.numel() * v.element_size()
-                                                                for v in state.values())), group=self.group)
+        dist.all_gather_object(
+            keys, (name, sorted(state), sum(v.numel() * v.element_size() for v in state.values())), group=self.group
+        )
         if writer and rank == 0:
-            index = {"metadata": {"total_size": sum(size for _, _, size in keys)},
-                     "weight_map": {k: file for file, names, _ in keys for k in names}}
+            index = {
+                "metadata": {"total_size": sum(size for _, _, size in keys)},
+                "weight_map": {k: file for file, names, _ in keys for k in names},
+            }
             with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=1)
             config.save_pretrained(save_directory)
         dist.barrier()
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
-             attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("pipeline parallelism takes unpadded batches (the stages carry no attention mask): "
-                             "pack the sequences to a fixed length, as hf-dtrain pretrain does.")
+            raise ValueError(
+                "pipeline parallelism takes unpadded batches (the stages carry no attention mask): "
+                "pack the sequences to a fixed length, as hf-dtrain pretrain does."
+            )
         return self._run(self.schedule.step, input_ids, labels)
 
 
@@ -350,22 +409,31 @@ def _check_agreement(group, pp_rank: int, plan: dict) -> None:
     dist.all_gather_object(plans, plan, group=group)
     differ = [(r, k) for r, theirs in enumerate(plans) for k in plan if theirs[k] != plans[0][k]]
     if differ:
-        said = "; ".join(f"pipeline rank {r} has {k} {plans[r][k]!r}, pipeline rank 0 has "
-                         f"{plans[0][k]!r}" for r, k in differ[:6])
-        raise ValueError(f"the pipeline's ranks build different pipelines: {said}. Every rank must run the same "
-                         "command (pipeline.*, the batch size and the sequence length) on the same model.")
+        said = "; ".join(
+            f"pipeline rank {r} has {k} {plans[r][k]!r}, pipeline rank 0 has {plans[0][k]!r}" for r, k in differ[:6]
+        )
+        raise ValueError(
+            f"the pipeline's ranks build different pipelines: {said}. Every rank must run the same "
+            "command (pipeline.*, the batch size and the sequence length) on the same model."
+        )
 
 
-def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = None, *, batch_size: int,
-                   seq_len: int, device: Optional[torch.device] = None, after_split=None) -> Pipeline:
+def apply_pipeline(
+    model: nn.Module,
+    mesh,
+    config: PipelineConfig | None = None,
+    *,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device | None = None,
+    after_split=None,
+) -> Pipeline:
     """Cut ``model`` (a LLaMA-family causal LM, or a peft model around one) into ``pp x stages_per_rank`` stages
     over the 1D ``mesh`` (the ``pp`` dimension), keep this rank's and build the schedule. ``batch_size``: sequences
     per step on this pipeline (split into ``config.microbatches``), ``seq_len`` their length (the profile runs at
     the micro-batch's shape). ``after_split(stage_module)``: applied to each stage module before the schedule is
     built (tensor parallelism, FSDP2: ``apply_tensor_parallel``, ``apply_fsdp``). Build the optimizer from
     :meth:`Pipeline.parameters` afterwards."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import get_schedule_class
 
     config = config or PipelineConfig()
     if mesh.ndim != 1:
@@ -377,8 +445,9 @@ def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = No
     n_layers = len(base.model.layers)
     n_micro = config.n_microbatches(pp, batch_size)
     device = device or next(base.parameters()).device
-    example = torch.randint(0, base.config.vocab_size, (batch_size // n_micro, seq_len),
-                            generator=torch.Generator().manual_seed(0)).to(device)
+    example = torch.randint(
+        0, base.config.vocab_size, (batch_size // n_micro, seq_len), generator=torch.Generator().manual_seed(0)
+    ).to(device)
     costs = None
     if config.balance == "profile":
         costs = profile_costs(model, example)
@@ -410,11 +479,19 @@ def apply_pipeline(model: nn.Module, mesh, config: Optional[PipelineConfig] = No
     def loss_fn(logits, labels):  # a replicated DTensor under loss parallelism
         return base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size)
 
-    _check_agreement(mesh.get_group(), rank, {
-        "stages": n_stages, "schedule": config.schedule, "microbatches": n_micro, "batch_size": batch_size,
-        "seq_len": seq_len, "layer cut": bounds})
+    _check_agreement(
+        mesh.get_group(),
+        rank,
+        {
+            "stages": n_stages,
+            "schedule": config.schedule,
+            "microbatches": n_micro,
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "layer cut": bounds,
+        },
+    )
     cls = get_schedule_class(config.schedule)
-    schedule = cls(stages[0] if config.schedule in SINGLE_STAGE else stages, n_microbatches=n_micro,
-                   loss_fn=loss_fn)
+    schedule = cls(stages[0] if config.schedule in SINGLE_STAGE else stages, n_microbatches=n_micro, loss_fn=loss_fn)
     last_rank = dist.get_global_rank(mesh.get_group(), (n_stages - 1) % pp)
     return Pipeline(modules, stages, schedule, mesh.get_group(), last_rank, n_micro, bounds, costs)

@@ -24,10 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
-from typing import Optional
 
-GiB = 1024 ** 3
+import torch
+import torch.distributed as dist
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from hf_dtrain.distributed.collectives import all_gather_single, reduce_scatter_single
+from hf_dtrain.distributed.counters import SavedTensorCounter
+from hf_dtrain.models import causal_mask, llama_config
+
+from .pipeline import PipelineConfig, balance_layers, check_pipeline, median_seconds
+from .tensor import check_tensor_parallel
+
+GiB = 1024**3
 ACTIVATION_POLICIES = ("none", "checkpoint")
 
 
@@ -37,40 +48,50 @@ class MachineProfile:
     ``preset('h100')`` gives a GPU node's (public peak figures at a stated efficiency, not measured here)."""
 
     name: str = "unnamed"
-    sec_per_flop: float = 1e-10        # dense matmul time per FLOP (per rank, under the launch's concurrency)
-    layer_overhead: float = 1e-4       # seconds per decoder-layer call (forward), independent of size
-    coll_latency: float = 1e-4         # seconds per collective
-    intra_sec_per_byte: float = 1e-9   # per byte moved per rank, inside a node
-    inter_sec_per_byte: float = 1e-8   # per byte moved per rank, across nodes
+    sec_per_flop: float = 1e-10  # dense matmul time per FLOP (per rank, under the launch's concurrency)
+    layer_overhead: float = 1e-4  # seconds per decoder-layer call (forward), independent of size
+    coll_latency: float = 1e-4  # seconds per collective
+    intra_sec_per_byte: float = 1e-9  # per byte moved per rank, inside a node
+    inter_sec_per_byte: float = 1e-8  # per byte moved per rank, across nodes
     optim_sec_per_param: float = 1e-8  # AdamW step per local parameter
     activation_bytes_per_token: dict = field(default_factory=lambda: {"hidden": 34.0, "intermediate": 12.0})
-    overlap: float = 0.0               # fraction of FSDP / pipeline communication hidden behind compute
+    overlap: float = 0.0  # fraction of FSDP / pipeline communication hidden behind compute
     device_memory: float = 16 * GiB
     ranks_per_node: int = 8
     # compute units a node's ranks share (CPU cores when ranks outnumber them); None: one device per rank (GPUs).
     # sec_per_flop and layer_overhead are then per rank with all of the node's ranks computing at once
-    compute_slots: Optional[float] = None
+    compute_slots: float | None = None
     # seconds a tensor-parallel decoder layer adds per micro-batch beyond its FLOPs / tp and its modeled
     # collectives: DTensor's dispatch and the small reductions (norm weights, loss parallel) it issues
     tp_layer_overhead: float = 0.0
 
     @classmethod
-    def preset(cls, name: str) -> "MachineProfile":
+    def preset(cls, name: str) -> MachineProfile:
         if name == "h100":  # 989 TFLOP/s bf16 dense peak at 45% efficiency; NVLink 4 ~450 GB/s per direction at
             # 70%; 400 Gb/s InfiniBand per GPU at 80%; 80 GB HBM
-            return cls(name="h100 (datasheet figures, not measured)", sec_per_flop=1 / (0.45 * 989e12),
-                       layer_overhead=3e-5, coll_latency=2e-5, intra_sec_per_byte=1 / (0.7 * 450e9),
-                       inter_sec_per_byte=1 / (0.8 * 50e9), optim_sec_per_param=8 * 2 / (0.6 * 3.35e12),
-                       overlap=0.7, device_memory=80 * GiB, ranks_per_node=8,
-                       activation_bytes_per_token={"hidden": 17.0, "intermediate": 6.0})
-        raise ValueError(f"unknown machine profile {name!r}: use 'h100', or --profile FILE.json from "
-                         "hf-dtrain plan --calibrate --save-profile FILE.json.")
+            return cls(
+                name="h100 (datasheet figures, not measured)",
+                sec_per_flop=1 / (0.45 * 989e12),
+                layer_overhead=3e-5,
+                coll_latency=2e-5,
+                intra_sec_per_byte=1 / (0.7 * 450e9),
+                inter_sec_per_byte=1 / (0.8 * 50e9),
+                optim_sec_per_param=8 * 2 / (0.6 * 3.35e12),
+                overlap=0.7,
+                device_memory=80 * GiB,
+                ranks_per_node=8,
+                activation_bytes_per_token={"hidden": 17.0, "intermediate": 6.0},
+            )
+        raise ValueError(
+            f"unknown machine profile {name!r}: use 'h100', or --profile FILE.json from "
+            "hf-dtrain plan --calibrate --save-profile FILE.json."
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "MachineProfile":
+    def from_json(cls, text: str) -> MachineProfile:
         data = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
@@ -92,7 +113,7 @@ class Plan:
     step_time: float = 0.0
     memory: dict = field(default_factory=dict)
     fits: bool = True
-    overflow: Optional[str] = None
+    overflow: str | None = None
     breakdown: dict = field(default_factory=dict)
 
     @property
@@ -104,8 +125,12 @@ class Plan:
 
     def flags(self) -> str:
         """The ``hf-dtrain pretrain`` flags of this plan."""
-        out = [f"--tp {self.tp}", f"--pp {self.pp}", f"--dp-replicate {self.dp_replicate}",
-               f"--dp-shard {self.dp_shard}"]
+        out = [
+            f"--tp {self.tp}",
+            f"--pp {self.pp}",
+            f"--dp-replicate {self.dp_replicate}",
+            f"--dp-shard {self.dp_shard}",
+        ]
         if self.pp > 1:
             out += [f"--pipeline.schedule {self.schedule}", f"--pipeline.microbatches {self.microbatches}"]
             if self.stages_per_rank > 1:
@@ -118,11 +143,19 @@ class Plan:
         """The ``accelerate launch`` config file that runs ``hf-dtrain pretrain`` with these flags (the mesh itself
         is laid out by hf-dtrain from the flags: Accelerate's ParallelismConfig has no pipeline dimension)."""
         nodes = max(1, world // 8) if world > 8 else 1
-        return "\n".join([
-            "compute_environment: LOCAL_MACHINE", "distributed_type: MULTI_GPU", f"num_machines: {nodes}",
-            f"num_processes: {world}", f"mixed_precision: {mixed_precision}", "rdzv_backend: c10d",
-            "same_network: true", "use_cpu: false",
-            f"# accelerate launch --config_file this.yaml -m hf_dtrain.cli pretrain ... {self.flags()}"])
+        return "\n".join(
+            [
+                "compute_environment: LOCAL_MACHINE",
+                "distributed_type: MULTI_GPU",
+                f"num_machines: {nodes}",
+                f"num_processes: {world}",
+                f"mixed_precision: {mixed_precision}",
+                "rdzv_backend: c10d",
+                "same_network: true",
+                "use_cpu: false",
+                f"# accelerate launch --config_file this.yaml -m hf_dtrain.cli pretrain ... {self.flags()}",
+            ]
+        )
 
 
 def _dims(config) -> dict:
@@ -131,8 +164,17 @@ def _dims(config) -> dict:
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = h // heads
     layer_params = 2 * h * h + 2 * h * kv * hd + 3 * h * f + 2 * h
-    return dict(h=h, f=f, heads=heads, kv=kv, V=config.vocab_size, L=config.num_hidden_layers,
-                layer_params=layer_params, embed_params=config.vocab_size * h, head_params=config.vocab_size * h + h)
+    return dict(
+        h=h,
+        f=f,
+        heads=heads,
+        kv=kv,
+        V=config.vocab_size,
+        L=config.num_hidden_layers,
+        layer_params=layer_params,
+        embed_params=config.vocab_size * h,
+        head_params=config.vocab_size * h + h,
+    )
 
 
 def layer_flops(dims: dict, tokens: int, seq_len: int) -> float:
@@ -145,16 +187,17 @@ def _coll(profile: MachineProfile, n: int, nbytes: float, kind: str, intra: bool
     """alpha-beta time of one collective over ``n`` ranks on ``nbytes`` (the full tensor)."""
     if n <= 1:
         return 0.0
-    moved = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
-             "p2p": 1.0}[kind] * nbytes
+    moved = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n, "p2p": 1.0}[
+        kind
+    ] * nbytes
     per = profile.intra_sec_per_byte if intra else profile.inter_sec_per_byte
     return profile.coll_latency + moved * per
 
 
-def predict(plan: Plan, config, profile: MachineProfile, global_batch: int, seq_len: int,
-            sequence_parallel: bool = True) -> Plan:
+def predict(
+    plan: Plan, config, profile: MachineProfile, global_batch: int, seq_len: int, sequence_parallel: bool = True
+) -> Plan:
     """Fill ``plan``'s predicted step time (seconds), per-rank memory (bytes, by buffer) and whether it fits."""
-    from .pipeline import balance_layers
 
     d = _dims(config)
     pp, tp, dpr, dps, m, v = plan.pp, plan.tp, plan.dp_replicate, plan.dp_shard, plan.microbatches, plan.stages_per_rank
@@ -177,8 +220,10 @@ def predict(plan: Plan, config, profile: MachineProfile, global_batch: int, seq_
     act_bytes = tokens_mb * d["h"] * 4
     if tp > 1:
         if sequence_parallel:
-            t_tp = 4 * (_coll(profile, tp, act_bytes, "all_gather", tp_intra) +
-                        _coll(profile, tp, act_bytes, "reduce_scatter", tp_intra))
+            t_tp = 4 * (
+                _coll(profile, tp, act_bytes, "all_gather", tp_intra)
+                + _coll(profile, tp, act_bytes, "reduce_scatter", tp_intra)
+            )
         else:
             t_tp = 4 * _coll(profile, tp, act_bytes, "all_reduce", tp_intra)
         t_tp += profile.tp_layer_overhead
@@ -211,58 +256,78 @@ def predict(plan: Plan, config, profile: MachineProfile, global_batch: int, seq_
 
     # FSDP2 / HSDP per step, for the largest stage's parameters (this rank holds 1/tp of them)
     stage_params = stage_layers * d["layer_params"] * v + max(d["embed_params"], d["head_params"]) * (
-        1 if pp == 1 else 0.5)
+        1 if pp == 1 else 0.5
+    )
     if pp == 1:
         stage_params = d["L"] * d["layer_params"] + d["embed_params"] + d["head_params"]
     local = stage_params / tp
     t_fsdp = 0.0
     if dps > 1:
         gathers = 2 * m * v if pp > 1 else 2
-        t_fsdp = gathers * _coll(profile, dps, local * 4, "all_gather", dps_intra) + \
-            _coll(profile, dps, local * 4, "reduce_scatter", dps_intra)
+        t_fsdp = gathers * _coll(profile, dps, local * 4, "all_gather", dps_intra) + _coll(
+            profile, dps, local * 4, "reduce_scatter", dps_intra
+        )
     if dpr > 1:
         t_fsdp += _coll(profile, dpr, local * 4 / dps, "all_reduce", dpr_intra)
     exposed = t_fsdp * (1 - profile.overlap)
     t_optim = local / dps * profile.optim_sec_per_param
     plan.step_time = compute + exposed + t_optim
-    plan.breakdown = {"compute_and_tp": compute, "fsdp_exposed": exposed, "optimizer": t_optim,
-                      "bubble_fraction": (pp - 1) / (m * v + pp - 1) if pp > 1 else 0.0}
+    plan.breakdown = {
+        "compute_and_tp": compute,
+        "fsdp_exposed": exposed,
+        "optimizer": t_optim,
+        "bubble_fraction": (pp - 1) / (m * v + pp - 1) if pp > 1 else 0.0,
+    }
     # memory per rank
     a = profile.activation_bytes_per_token
     per_token_layer = a["hidden"] * d["h"] + a["intermediate"] * d["f"]
     if tp > 1:
-        per_token_layer = per_token_layer / tp if sequence_parallel else \
-            (per_token_layer - 4 * 4 * d["h"]) / tp + 4 * 4 * d["h"]
+        per_token_layer = (
+            per_token_layer / tp if sequence_parallel else (per_token_layer - 4 * 4 * d["h"]) / tp + 4 * 4 * d["h"]
+        )
     in_flight = m if (plan.schedule == "GPipe" or pp == 1) else min(m * v, pp * v)
     if ckpt:
-        acts = in_flight * tokens_mb * stage_layers * d["h"] * 4 / (tp if sequence_parallel else 1) + \
-            tokens_mb * per_token_layer
+        acts = (
+            in_flight * tokens_mb * stage_layers * d["h"] * 4 / (tp if sequence_parallel else 1)
+            + tokens_mb * per_token_layer
+        )
     else:
         acts = in_flight * tokens_mb * stage_layers * per_token_layer
     if pp == 1 and m > 1:  # gradient accumulation keeps one micro-batch's activations at a time
         acts = acts / m
     logits = 2 * tokens_mb * d["V"] * 4 / tp
-    memory = {"parameters": local / dps * 4, "gradients": local / dps * 4, "optimizer_state": local / dps * 8,
-              "gathered_layer": (d["layer_params"] / tp * 4 * 2) if dps > 1 else 0.0,
-              "activations": acts, "logits": logits}
+    memory = {
+        "parameters": local / dps * 4,
+        "gradients": local / dps * 4,
+        "optimizer_state": local / dps * 8,
+        "gathered_layer": (d["layer_params"] / tp * 4 * 2) if dps > 1 else 0.0,
+        "activations": acts,
+        "logits": logits,
+    }
     plan.memory = memory
     total = sum(memory.values())
     plan.fits = total <= profile.device_memory
     if not plan.fits:
         worst = max(memory, key=memory.get)
-        plan.overflow = (f"{total / GiB:.1f} GiB > {profile.device_memory / GiB:.1f} GiB: {worst} "
-                         f"{memory[worst] / GiB:.1f} GiB is the largest buffer")
+        plan.overflow = (
+            f"{total / GiB:.1f} GiB > {profile.device_memory / GiB:.1f} GiB: {worst} "
+            f"{memory[worst] / GiB:.1f} GiB is the largest buffer"
+        )
     return plan
 
 
-def legal_plans(config, world: int, global_batch: int, max_microbatches: int = 16,
-                activations=ACTIVATION_POLICIES, interleave: bool = True) -> list[Plan]:
+def legal_plans(
+    config,
+    world: int,
+    global_batch: int,
+    max_microbatches: int = 16,
+    activations=ACTIVATION_POLICIES,
+    interleave: bool = True,
+) -> list[Plan]:
     """Every (pp, dp_replicate, dp_shard, tp, micro-batches, activation policy) the runtime accepts for ``config``
     on ``world`` ranks with ``global_batch`` sequences per step: degrees whose product is ``world``, tp dividing the
     heads, KV heads, MLP and vocabulary, at most one stage per layer, micro-batch counts that divide the replica's
     batch (1 without a pipeline)."""
-    from .pipeline import PipelineConfig, check_pipeline
-    from .tensor import check_tensor_parallel
 
     plans = []
     divisors = [k for k in range(1, world + 1) if world % k == 0]
@@ -281,73 +346,95 @@ def legal_plans(config, world: int, global_batch: int, max_microbatches: int = 1
                 if global_batch % dp:
                     continue
                 per_replica = global_batch // dp
-                for v in ([1, 2] if (interleave and pp > 1) else [1]):
+                for v in [1, 2] if (interleave and pp > 1) else [1]:
                     try:
                         check_pipeline(config, pp, v)
                     except ValueError:
                         continue
                     schedule = "1F1B" if v == 1 else "Interleaved1F1B"
-                    ms = [1] if pp == 1 else [k for k in (pp, 2 * pp, 4 * pp, 8 * pp)
-                                              if k <= min(per_replica, max_microbatches) and per_replica % k == 0]
+                    ms = (
+                        [1]
+                        if pp == 1
+                        else [
+                            k
+                            for k in (pp, 2 * pp, 4 * pp, 8 * pp)
+                            if k <= min(per_replica, max_microbatches) and per_replica % k == 0
+                        ]
+                    )
                     for m in ms:
                         if pp > 1:
                             try:
                                 PipelineConfig(schedule=schedule, stages_per_rank=v, microbatches=m).n_microbatches(
-                                    pp, per_replica)
+                                    pp, per_replica
+                                )
                             except ValueError:
                                 continue
                         for act in activations:
-                            plans.append(Plan(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp, microbatches=m,
-                                              activation=act, schedule=schedule, stages_per_rank=v))
+                            plans.append(
+                                Plan(
+                                    pp=pp,
+                                    dp_replicate=dpr,
+                                    dp_shard=dps,
+                                    tp=tp,
+                                    microbatches=m,
+                                    activation=act,
+                                    schedule=schedule,
+                                    stages_per_rank=v,
+                                )
+                            )
     return plans
 
 
-def rank_plans(config, world: int, profile: MachineProfile, global_batch: int, seq_len: int,
-               activations=ACTIVATION_POLICIES, interleave: bool = True) -> list[Plan]:
+def rank_plans(
+    config,
+    world: int,
+    profile: MachineProfile,
+    global_batch: int,
+    seq_len: int,
+    activations=ACTIVATION_POLICIES,
+    interleave: bool = True,
+) -> list[Plan]:
     """The legal plans, predicted and sorted: those that fit first, by predicted step time."""
-    plans = [predict(p, config, profile, global_batch, seq_len)
-             for p in legal_plans(config, world, global_batch, activations=activations, interleave=interleave)]
+    plans = [
+        predict(p, config, profile, global_batch, seq_len)
+        for p in legal_plans(config, world, global_batch, activations=activations, interleave=interleave)
+    ]
     if not plans:
-        raise ValueError(f"no legal plan for {world} ranks and a global batch of {global_batch}: the batch must "
-                         "split over the data-parallel replicas (try a multiple of the world size).")
+        raise ValueError(
+            f"no legal plan for {world} ranks and a global batch of {global_batch}: the batch must "
+            "split over the data-parallel replicas (try a multiple of the world size)."
+        )
     return sorted(plans, key=lambda p: (not p.fits, p.step_time))
 
 
-def format_table(plans: list[Plan], top: Optional[int] = None) -> str:
+def format_table(plans: list[Plan], top: int | None = None) -> str:
     rows = ["| # | plan | step (s) | bubble | memory/rank (GiB) | fits |", "|---|---|---|---|---|---|"]
     for i, p in enumerate(plans[:top] if top else plans, 1):
         mem = sum(p.memory.values()) / GiB
-        rows.append(f"| {i} | {p.key} | {p.step_time:.4g} | {p.breakdown.get('bubble_fraction', 0):.0%} | "
-                    f"{mem:.2f} | {'yes' if p.fits else 'no: ' + (p.overflow or '')} |")
+        rows.append(
+            f"| {i} | {p.key} | {p.step_time:.4g} | {p.breakdown.get('bubble_fraction', 0):.0%} | "
+            f"{mem:.2f} | {'yes' if p.fits else 'no: ' + (p.overflow or '')} |"
+        )
     return "\n".join(rows)
 
 
-
 def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
-    import torch
 
     a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
     return [max(float(x), 0.0) for x in torch.linalg.lstsq(a, b).solution.squeeze(1)]
 
 
-def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_memory: Optional[float] = None,
-                    ranks_per_node: Optional[int] = None) -> MachineProfile:
+def measure_profile(
+    shapes=("tiny", "small"),
+    name: str = "measured",
+    device_memory: float | None = None,
+    ranks_per_node: int | None = None,
+) -> MachineProfile:
     """Measure this machine's :class:`MachineProfile`, on every rank of the default process group at once (so
     the cores are shared as in training): a decoder layer's forward + backward for each preset in ``shapes`` at two
     token counts (fit: seconds per FLOP and a fixed cost per call), all-gather / reduce-scatter / all-reduce at two
     sizes over the whole group and over pairs (fit: latency and seconds per byte moved), an AdamW step per
     parameter and the bytes autograd saves per token of a layer. Timings are the slowest rank's medians."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-    from transformers.masking_utils import create_causal_mask
-
-    from hf_dtrain.models import llama_config
-    from hf_dtrain.distributed import SavedTensorCounter, all_gather_single, reduce_scatter_single
-
-    from .pipeline import median_seconds
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -361,8 +448,7 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
         for batch, seq in ((1, 64), (4, 128)):
             x = torch.randn(batch, seq, d["h"], device=device)
             pos = torch.arange(seq, device=device).unsqueeze(0)
-            mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None,
-                                      position_ids=pos)
+            mask = causal_mask(config, x, pos)
             pe = rope(x, pos)
 
             def step():
@@ -372,8 +458,9 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
             rows.append([3 * layer_flops(d, batch * seq, seq), 3.0])
             ys.append(median_seconds(step, barrier=True))
             with SavedTensorCounter(exclude=list(layer.parameters()))() as counter:
-                out = layer(x.clone().requires_grad_(True), attention_mask=mask, position_embeddings=pe,
-                            position_ids=pos)
+                out = layer(
+                    x.clone().requires_grad_(True), attention_mask=mask, position_embeddings=pe, position_ids=pos
+                )
             act_rows.append([batch * seq * d["h"], batch * seq * d["f"]])
             act_ys.append(counter.nbytes)
             del out
@@ -392,10 +479,11 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
                 part = torch.empty(numel // n, device=device)
                 if group is None and n != world:
                     continue
-                for kind, fn, factor in (
-                        ("all_gather", lambda: all_gather_single(full, part, group=group), (n - 1) / n),
-                        ("reduce_scatter", lambda: reduce_scatter_single(part, full, group=group), (n - 1) / n),
-                        ("all_reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n)):
+                for _kind, fn, factor in (
+                    ("all_gather", lambda: all_gather_single(full, part, group=group), (n - 1) / n),
+                    ("reduce_scatter", lambda: reduce_scatter_single(part, full, group=group), (n - 1) / n),
+                    ("all_reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n),
+                ):
                     c_rows.append([1.0, factor * numel * 4])
                     c_ys.append(median_seconds(fn, barrier=True))
     latency, sec_per_byte = _lstsq(c_rows, c_ys) if c_rows else (0.0, 0.0)
@@ -432,8 +520,9 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
     params[0].grad = torch.randn(1 << 20, device=device)
     opt = torch.optim.AdamW(params, lr=1e-3)
     t_opt = median_seconds(opt.step, barrier=True) / (1 << 20)
-    values = torch.tensor([sec_per_flop, overhead_3, latency, sec_per_byte, t_opt, tp_overhead],
-                          dtype=torch.float64, device=device)
+    values = torch.tensor(
+        [sec_per_flop, overhead_3, latency, sec_per_byte, t_opt, tp_overhead], dtype=torch.float64, device=device
+    )
     if dist.is_initialized():  # the slowest rank's figures: the step waits for it
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     sec_per_flop, overhead_3, latency, sec_per_byte, t_opt, tp_overhead = values.tolist()
@@ -442,10 +531,18 @@ def measure_profile(shapes=("tiny", "small"), name: str = "measured", device_mem
     if device_memory is None:  # host memory shared by this node's ranks
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         device_memory = total / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    return MachineProfile(name=name, sec_per_flop=sec_per_flop, layer_overhead=overhead_3 / 3.0,
-                          coll_latency=latency, intra_sec_per_byte=sec_per_byte, inter_sec_per_byte=sec_per_byte,
-                          optim_sec_per_param=t_opt,
-                          activation_bytes_per_token={"hidden": per_h / 1.0, "intermediate": per_f / 1.0},
-                          overlap=0.0, device_memory=device_memory, tp_layer_overhead=tp_overhead,
-                          ranks_per_node=ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                          compute_slots=None if device.type == "cuda" else float(len(os.sched_getaffinity(0))))
+    return MachineProfile(
+        name=name,
+        sec_per_flop=sec_per_flop,
+        layer_overhead=overhead_3 / 3.0,
+        coll_latency=latency,
+        intra_sec_per_byte=sec_per_byte,
+        inter_sec_per_byte=sec_per_byte,
+        optim_sec_per_param=t_opt,
+        activation_bytes_per_token={"hidden": per_h / 1.0, "intermediate": per_f / 1.0},
+        overlap=0.0,
+        device_memory=device_memory,
+        tp_layer_overhead=tp_overhead,
+        ranks_per_node=ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        compute_slots=None if device.type == "cuda" else float(len(os.sched_getaffinity(0))),
+    )

@@ -1,5 +1,5 @@
-"""Whole state dicts and ``save_pretrained`` from a sharded run: FSDP2 or tensor parallelism (DTensor parameters), DeepSpeed ZeRO-3
-(partitioned parameters) or an unsharded model, with one call on every rank.
+"""Whole state dicts and ``save_pretrained`` from a sharded run: FSDP2 or tensor parallelism (DTensor parameters),
+DeepSpeed ZeRO-3 (partitioned parameters) or an unsharded model, with one call on every rank.
 
 A peft model gathers only its adapter's parameters (the frozen base is never gathered, so saving the adapter of a
 70B QLoRA run costs the adapter's bytes); a full model is gathered one module at a time under ZeRO-3.
@@ -7,28 +7,27 @@ A peft model gathers only its adapter's parameters (the frozen base is never gat
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """A DeepSpeed engine or Accelerate / DDP wrapper -> the user's module."""
-    while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module):
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
 
 
 def is_fsdp2(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _has_dtensors(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -38,10 +37,9 @@ def is_zero3(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def _adapter_names(model: nn.Module) -> Optional[set[str]]:
+def _adapter_names(model: nn.Module) -> set[str] | None:
     """Names of the parameters a peft model saves (its tuner layers' adapter containers and modules_to_save); None
     for a model without peft adapters."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
     parts = set()
     for m in model.modules():
@@ -54,14 +52,17 @@ def _adapter_names(model: nn.Module) -> Optional[set[str]]:
     return {n for n, _ in model.named_parameters() if any(f".{part}." in f".{n}." for part in parts)}
 
 
-def _zero3_state(model: nn.Module, names: Optional[set[str]], rank0: bool) -> dict[str, torch.Tensor]:
+def _zero3_state(model: nn.Module, names: set[str] | None, rank0: bool) -> dict[str, torch.Tensor]:
     """Gather ZeRO-3 partitions module by module (bounded memory); rank 0 keeps CPU copies."""
     import deepspeed
 
     state: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
-        own = [(n, p) for n, p in module.named_parameters(recurse=False)
-               if names is None or f"{prefix}.{n}".lstrip(".") in names]
+        own = [
+            (n, p)
+            for n, p in module.named_parameters(recurse=False)
+            if names is None or f"{prefix}.{n}".lstrip(".") in names
+        ]
         if own:
             with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
                 if rank0:

@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput
+
+from hf_dtrain.settings import check_fields
 
 # the module names of a LLaMA-family decoder layer (LLaMA, Mistral, Qwen2 and their kin use the same)
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -42,9 +47,9 @@ NORMS = ("input_layernorm", "post_attention_layernorm")
 TP_ADAPTERS = {"lora_": ("lora_A", "lora_B"), "lorafa_": ("lorafa_A", "lorafa_B")}
 TP_REFUSED = {
     "smt_": "SMT's trainable blocks are addressed by (row block, column block) indices of the whole weight; a "
-            "tensor-parallel shard would split blocks across ranks and renumber them",
+    "tensor-parallel shard would split blocks across ranks and renumber them",
     "qbara_": "Q-BaRA's base is a quantized (4-bit) weight, which DTensor cannot shard, and its adapters act on "
-              "groups of the whole input",
+    "groups of the whole input",
     "qahr_": "QA-HiRA's Hadamard-product adapter is defined on groups of the whole (quantized) weight",
 }
 
@@ -57,21 +62,27 @@ class TensorParallelConfig:
 
     section_key: ClassVar[str] = "tensor_parallel"
 
-    sequence_parallel: bool = field(default=True, metadata={
-        "help": "Shard the norms and the residual stream over the sequence between the blocks (reduce-scatter + "
-                "all-gather instead of all-reduce; activations 1/tp per rank). Needs seq_len divisible by tp."})
-    loss_parallel: bool = field(default=True, metadata={
-        "help": "Keep the logits sharded over the vocabulary and compute the cross-entropy on the shards (no rank "
-                "holds the whole logits); forward and backward then run inside tensor_parallel_loss(model)."})
+    sequence_parallel: bool = field(
+        default=True,
+        metadata={
+            "help": "Shard the norms and the residual stream over the sequence between the blocks (reduce-scatter + "
+            "all-gather instead of all-reduce; activations 1/tp per rank). Needs seq_len divisible by tp."
+        },
+    )
+    loss_parallel: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the logits sharded over the vocabulary and compute the cross-entropy on the shards (no rank "
+            "holds the whole logits); forward and backward then run inside tensor_parallel_loss(model)."
+        },
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
 
 
 def _tuner_kind(module: nn.Module):
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
     if not isinstance(module, BaseTunerLayer):
         return None
@@ -89,14 +100,18 @@ def check_tensor_parallel(model_config, tp: int) -> None:
         raise ValueError(f"tp={tp!r}: the tensor-parallel degree must be a whole number >= 1 (--tp).")
     if tp == 1:
         return
-    dims = {"num_attention_heads": model_config.num_attention_heads,
-            "num_key_value_heads": getattr(model_config, "num_key_value_heads", None) or
-            model_config.num_attention_heads,
-            "intermediate_size": model_config.intermediate_size, "vocab_size": model_config.vocab_size}
+    dims = {
+        "num_attention_heads": model_config.num_attention_heads,
+        "num_key_value_heads": getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads,
+        "intermediate_size": model_config.intermediate_size,
+        "vocab_size": model_config.vocab_size,
+    }
     for name, value in dims.items():
         if value % tp:
-            raise ValueError(f"--tp {tp} does not divide the model's {name} ({value}): each rank holds 1/tp of "
-                             f"the {name.split('_')[-1]}; choose a tp that divides {value}.")
+            raise ValueError(
+                f"--tp {tp} does not divide the model's {name} ({value}): each rank holds 1/tp of "
+                f"the {name.split('_')[-1]}; choose a tp that divides {value}."
+            )
 
 
 class _TunerLinearParallel:
@@ -108,7 +123,6 @@ class _TunerLinearParallel:
         self.rowwise, self.sequence_parallel = rowwise, sequence_parallel
 
     def placements(self, name: str, tensor: torch.Tensor, prefix: str):
-        from torch.distributed.tensor import Replicate, Shard
 
         in_side, out_side = TP_ADAPTERS[prefix]
         if name.startswith("base_layer."):
@@ -119,8 +133,10 @@ class _TunerLinearParallel:
             return [Shard(tensor.dim() - 1)] if self.rowwise else [Replicate()]
         if name.startswith(out_side + "."):  # [out, r]: the output dim follows a column-wise base
             return [Replicate()] if self.rowwise else [Shard(0)]
-        raise ValueError(f"tensor parallelism: {name!r} of a {prefix} tuner layer has no placement rule; leave this "
-                         "module out of the adapter's target_modules or train without --tp.")
+        raise ValueError(
+            f"tensor parallelism: {name!r} of a {prefix} tuner layer has no placement rule; leave this "
+            "module out of the adapter's target_modules or train without --tp."
+        )
 
     def apply(self, module: nn.Module, mesh) -> None:
         from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -154,8 +170,6 @@ class _TunerLinearParallel:
 
 def _split_sequence():
     """Layer 0's input: the embedding's (replicated) output cut to this rank's sequence shard, no communication."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput
 
     return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
 
@@ -164,9 +178,13 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     """Shard a LLaMA-family causal LM (or a peft model around one) in place over the 1D ``mesh`` (the ``tp``
     dimension of a larger mesh). Build the optimizer after this call; with FSDP2, call ``apply_fsdp`` on the
     data-parallel dimension afterwards (2D: FSDP over TP). See the module docstring."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     config = config or TensorParallelConfig()
     if mesh.ndim != 1:
@@ -176,8 +194,10 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
     if layers is None or not hasattr(base, "lm_head") or not hasattr(decoder, "embed_tokens"):
-        raise ValueError(f"apply_tensor_parallel: {type(base).__name__} is not a LLaMA-family causal LM "
-                         "(model.embed_tokens, model.layers, model.norm, lm_head).")
+        raise ValueError(
+            f"apply_tensor_parallel: {type(base).__name__} is not a LLaMA-family causal LM "
+            "(model.embed_tokens, model.layers, model.norm, lm_head)."
+        )
     if getattr(model, "_hf_dtrain_tp", None) is not None:
         raise ValueError("apply_tensor_parallel: the model is already tensor-parallel; apply it once.")
     check_tensor_parallel(base.config, tp)
@@ -191,11 +211,15 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
         if kind is None:
             continue
         if kind in TP_REFUSED:
-            raise ValueError(f"tensor parallelism cannot shard the {kind.rstrip('_')} adapter of {name!r}: "
-                             f"{TP_REFUSED[kind]}. Train it with FSDP2 or ZeRO-3 (--dp-shard) instead of --tp.")
+            raise ValueError(
+                f"tensor parallelism cannot shard the {kind.rstrip('_')} adapter of {name!r}: "
+                f"{TP_REFUSED[kind]}. Train it with FSDP2 or ZeRO-3 (--dp-shard) instead of --tp."
+            )
         if kind not in TP_ADAPTERS:
-            raise ValueError(f"tensor parallelism has no sharding rule for the {type(module).__name__} tuner layer "
-                             f"{name!r}; LoRA and LoRA-FA are supported.")
+            raise ValueError(
+                f"tensor parallelism has no sharding rule for the {type(module).__name__} tuner layer "
+                f"{name!r}; LoRA and LoRA-FA are supported."
+            )
         tuners[name] = module
 
     # a pipeline stage (hf_dtrain.models.LlamaPipelineStage) holds some layers (a ModuleDict keyed by
@@ -206,25 +230,32 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     if has_embed:
         top["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if has_head:
-        top["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
-                                         use_local_output=not lp)
+        top["lm_head"] = ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp
+        )
         if sp:
             top["model.norm"] = SequenceParallel()
     for key in ("model.embed_tokens", "lm_head"):
         if any(n == key for n in tuners):
-            raise ValueError(f"tensor parallelism: the adapter on {key!r} is not supported; leave it out of "
-                             "target_modules.")
+            raise ValueError(
+                f"tensor parallelism: the adapter on {key!r} is not supported; leave it out of target_modules."
+            )
     frozen = {n for n, p in base.named_parameters() if not p.requires_grad}
     if top:
         parallelize_module(base, mesh, top)
     for i, layer in items:
         # the block's input stays a (replicated) DTensor: the projections' input gradients (partial sums) then add
         # up as DTensors and are reduced once per block (a reduce-scatter under SP), not once per projection
-        plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                                use_local_output=False),
-                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                          use_local_output=False)}
+        plan = {
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=False,
+            ),
+            "mlp": PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False
+            ),
+        }
         if sp:
             plan.update({n: SequenceParallel() for n in NORMS})
         prefix = f"model.layers.{i}."
@@ -236,10 +267,12 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
         for n in COLWISE + ROWWISE:
             if prefix + n in tuners:
                 _TunerLinearParallel(n in ROWWISE, sp).apply(tuners[prefix + n], mesh)
-        other = [t for t in tuners if t.startswith(prefix) and t[len(prefix):] not in COLWISE + ROWWISE]
+        other = [t for t in tuners if t.startswith(prefix) and t[len(prefix) :] not in COLWISE + ROWWISE]
         if other:
-            raise ValueError(f"tensor parallelism: no sharding rule for the adapter on {other[0]!r}; target the "
-                             f"projections {list(COLWISE + ROWWISE)} only.")
+            raise ValueError(
+                f"tensor parallelism: no sharding rule for the adapter on {other[0]!r}; target the "
+                f"projections {list(COLWISE + ROWWISE)} only."
+            )
     if sp and has_embed:  # the embedding's replicated output: the first layer takes its own sequence shard
         parallelize_module(items[0][1], mesh, _split_sequence())
     for n, p in base.named_parameters():  # torch's SequenceParallel re-creates the norm weights trainable
@@ -248,14 +281,17 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     if tied:  # both are vocabulary-sharded (Shard(0)): the tie holds on the shards
         base.lm_head.weight = decoder.embed_tokens.weight
     if sp:
+
         def check_sequence(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:
                 ids = kwargs.get("inputs_embeds")
             if ids is not None and ids.shape[1] % tp:
-                raise ValueError(f"sequence parallelism over tp={tp} ranks needs a sequence length divisible by "
-                                 f"{tp}, got {ids.shape[1]}: pad the batch to a multiple of {tp} (e.g. the "
-                                 f"tokenizer's pad_to_multiple_of={tp}) or set tp.sequence_parallel false.")
+                raise ValueError(
+                    f"sequence parallelism over tp={tp} ranks needs a sequence length divisible by "
+                    f"{tp}, got {ids.shape[1]}: pad the batch to a multiple of {tp} (e.g. the "
+                    f"tokenizer's pad_to_multiple_of={tp}) or set tp.sequence_parallel false."
+                )
 
         base.register_forward_pre_hook(check_sequence, with_kwargs=True)
     model._hf_dtrain_tp = config
@@ -279,6 +315,5 @@ def tensor_parallel_loss(model: nn.Module):
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (a loss-parallel loss is a replicated DTensor): for logging and ``.item()``."""
-    from torch.distributed.tensor import DTensor
 
     return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -16,8 +16,15 @@ _COMMON = {
 }
 PRESETS = {
     "zero2": {**_COMMON, "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}},
-    "zero3": {**_COMMON, "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                                               "stage3_gather_16bit_weights_on_model_save": True}},
+    "zero3": {
+        **_COMMON,
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    },
 }
 
 
@@ -30,11 +37,14 @@ def deepspeed_config(value: str) -> dict:
         with open(value) as f:
             cfg = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"deepspeed={value!r}: no such file and no preset; set --deepspeed to "
-                         f"{' or '.join(PRESETS)}, or to a DeepSpeed config JSON.") from None
+        raise ValueError(
+            f"deepspeed={value!r}: no such file and no preset; set --deepspeed to "
+            f"{' or '.join(PRESETS)}, or to a DeepSpeed config JSON."
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"deepspeed config {value} cannot be read as JSON: {e}; fix the file or set --deepspeed to "
-                         "another one.") from None
+        raise ValueError(
+            f"deepspeed config {value} cannot be read as JSON: {e}; fix the file or set --deepspeed to another one."
+        ) from None
     zero = cfg.get("zero_optimization", {}) if isinstance(cfg, dict) else None
     stage = zero.get("stage", 0) if isinstance(zero, dict) else None
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):

@@ -14,10 +14,11 @@ Three 4-bit formats are supported as base layers:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
+
+from hf_dtrain.quantization.int4 import Int4Linear
 
 QUANTIZE_CHOICES = ("nf4", "hqq4", "int4")
 
@@ -41,15 +42,13 @@ def _hqq_linear():
 def quantized_base_types() -> tuple[type, ...]:
     """Quantized linear classes an adapter may wrap besides ``nn.Linear`` (bitsandbytes' ``Linear4bit`` already is
     an ``nn.Linear`` subclass): ``Int4Linear`` and, when ``hqq`` is installed, ``HQQLinear``."""
-    from hf_dtrain.quantization.int4 import Int4Linear
 
     hqq = _hqq_linear()
     return (Int4Linear,) if hqq is None else (Int4Linear, hqq)
 
 
-def quantized_kind(module: nn.Module) -> Optional[str]:
+def quantized_kind(module: nn.Module) -> str | None:
     """``"nf4"`` (any bitsandbytes 4-bit layer), ``"hqq4"``, ``"int4"`` or None for a dense layer."""
-    from hf_dtrain.quantization.int4 import Int4Linear
 
     if isinstance(module, Int4Linear):
         return "int4"
@@ -92,10 +91,10 @@ def prepare_bnb_4bit_for_training(module: nn.Module) -> int:
     """Keep bitsandbytes 4-bit layers differentiable on CPU; returns how many layers were seen.
 
     bitsandbytes (checked 0.50.2) repacks a ``Linear4bit`` weight for AVX512-BF16 inference the first time the layer
-    runs in eval mode under ``no_grad`` on a CPU that has the instruction set; afterwards it uses ``gemv_4bit``, which has
-    no autograd kernel, so gradients through the layer are silently dropped (torch only warns). This turns that repack
-    off (``support_avx512bf16_for_cpu = False``), which keeps evaluation correct and training possible. A layer already
-    repacked cannot be restored: that raises a ``ValueError``.
+    runs in eval mode under ``no_grad`` on a CPU that has the instruction set; afterwards it uses ``gemv_4bit``, which
+    has no autograd kernel, so gradients through the layer are silently dropped (torch only warns). This turns that
+    repack off (``support_avx512bf16_for_cpu = False``), which keeps evaluation correct and training possible. A layer
+    already repacked cannot be restored: that raises a ``ValueError``.
     """
     bnb4 = _bnb_linear4bit()
     if bnb4 is None:
@@ -117,8 +116,9 @@ def prepare_bnb_4bit_for_training(module: nn.Module) -> int:
     return seen
 
 
-def quantize_model_hqq(model: nn.Module, group_size: int = 64, compute_dtype: torch.dtype = torch.float32,
-                       skip=("lm_head",)) -> nn.Module:
+def quantize_model_hqq(
+    model: nn.Module, group_size: int = 64, compute_dtype: torch.dtype = torch.float32, skip=("lm_head",)
+) -> nn.Module:
     """Replace (in place) every ``nn.Linear`` except those in ``skip`` by HQQ 4-bit ``HQQLinear`` layers with groups
     along ``in_features`` (``axis=1``) and unquantized floating-point zero-points: the layout QA-HiRA merges into
     exactly. (transformers 5.23's ``HqqConfig`` loader raises ``NotImplementedError``, so this calls hqq directly.)"""
@@ -135,8 +135,10 @@ def quantize_model_hqq(model: nn.Module, group_size: int = 64, compute_dtype: to
             if not isinstance(child, nn.Linear) or any(full.endswith(s) for s in skip):
                 continue
             if child.in_features % group_size:
-                raise ValueError(f"group_size={group_size} does not divide in_features={child.in_features} of "
-                                 f"{full!r}; choose a divisor of every quantized layer's input dimension.")
+                raise ValueError(
+                    f"group_size={group_size} does not divide in_features={child.in_features} of "
+                    f"{full!r}; choose a divisor of every quantized layer's input dimension."
+                )
             device = str(child.weight.device)
             setattr(parent, child_name, hqq(child, qcfg, compute_dtype=compute_dtype, device=device))
             replaced += 1
@@ -145,9 +147,14 @@ def quantize_model_hqq(model: nn.Module, group_size: int = 64, compute_dtype: to
     return model
 
 
-def load_quantized_model(path: str, quantize: Optional[str], group_size: int = 64,
-                         compute_dtype: torch.dtype = torch.float32, quant_storage: Optional[torch.dtype] = None,
-                         **from_pretrained_kwargs):
+def load_quantized_model(
+    path: str,
+    quantize: str | None,
+    group_size: int = 64,
+    compute_dtype: torch.dtype = torch.float32,
+    quant_storage: torch.dtype | None = None,
+    **from_pretrained_kwargs,
+):
     """``AutoModelForCausalLM.from_pretrained(path)`` with its linear layers (except ``lm_head``) in 4 bits.
 
     ``quantize``: None (dense), ``"nf4"`` (bitsandbytes through ``BitsAndBytesConfig``), ``"hqq4"`` or ``"int4"``
@@ -156,7 +163,6 @@ def load_quantized_model(path: str, quantize: Optional[str], group_size: int = 6
     the packed 4-bit codes are stored in; peft's FSDP-QLoRA guide sets it to the compute dtype so FSDP1's flat
     parameters have one dtype; FSDP2 shards each parameter on its own and takes the default uint8 too).
     """
-    from transformers import AutoModelForCausalLM
 
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize={quantize!r} is unknown; use one of {', '.join(QUANTIZE_CHOICES)} or None.")
@@ -165,9 +171,12 @@ def load_quantized_model(path: str, quantize: Optional[str], group_size: int = 6
 
         if _bnb_linear4bit() is None:
             raise ImportError("quantize='nf4' needs bitsandbytes>=0.46.1: pip install 'hf-dtrain[quant]'.")
-        bnb_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                        bnb_4bit_compute_dtype=compute_dtype,
-                                        bnb_4bit_quant_storage=quant_storage or torch.uint8)
+        bnb_config = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=compute_dtype,
+            bnb_4bit_quant_storage=quant_storage or torch.uint8,
+        )
         kwargs = dict(device_map="cpu") if not torch.cuda.is_available() else {}
         kwargs.update(from_pretrained_kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config, **kwargs)
@@ -189,14 +198,18 @@ def hqq_fold_group_constant_update(layer: nn.Module, update: torch.Tensor, sign:
     weight exactly by moving its zero-points: ``z -= c / s``. Needs ``axis=1`` and unquantized zero-points."""
     meta = layer.meta
     if meta.get("axis") != 1 or meta.get("quant_zero") or meta.get("quant_scale"):
-        raise ValueError("an exact merge into HQQ needs axis=1 with unquantized scales and zero-points "
-                         "(BaseQuantizeConfig(nbits=4, group_size=g, axis=1, quant_zero=False, quant_scale=False)); "
-                         f"this layer has axis={meta.get('axis')}, quant_zero={meta.get('quant_zero')}.")
+        raise ValueError(
+            "an exact merge into HQQ needs axis=1 with unquantized scales and zero-points "
+            "(BaseQuantizeConfig(nbits=4, group_size=g, axis=1, quant_zero=False, quant_scale=False)); "
+            f"this layer has axis={meta.get('axis')}, quant_zero={meta.get('quant_zero')}."
+        )
     out_f, in_f = layer.out_features, layer.in_features
     g = int(meta["group_size"])
     if tuple(update.shape) != (out_f, in_f // g):
-        raise ValueError(f"a group-constant update for this HQQ layer has shape {(out_f, in_f // g)}, got "
-                         f"{tuple(update.shape)}; pool the adapter's input by the quantization group size {g}.")
+        raise ValueError(
+            f"a group-constant update for this HQQ layer has shape {(out_f, in_f // g)}, got "
+            f"{tuple(update.shape)}; pool the adapter's input by the quantization group size {g}."
+        )
     zero, scale = meta["zero"], meta["scale"]
     c = update.reshape(zero.shape).to(torch.float32)
     meta["zero"] = (zero.float() - sign * c / scale.float()).to(zero.dtype)

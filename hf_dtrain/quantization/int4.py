@@ -63,7 +63,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return pack_int4(codes.view(out_f, in_f)), scales, zeros
 
 
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+def dequantize_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype=torch.float32
+) -> torch.Tensor:
     out_f, n_groups = scales.shape
     codes = unpack_int4(qweight).float().view(out_f, n_groups, -1)
     return (scales[..., None] * (codes - zeros[..., None])).view(out_f, -1).to(dtype)
@@ -81,8 +83,15 @@ class Int4Linear(nn.Module):
     ``state_dict()`` / safetensors round-trip it.
     """
 
-    def __init__(self, in_features: int, out_features: int, group_size: int = 64, bias: bool = True,
-                 device=None, dtype=torch.float32) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group_size: int = 64,
+        bias: bool = True,
+        device=None,
+        dtype=torch.float32,
+    ) -> None:
         super().__init__()
         _check_group(in_features, group_size)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
@@ -92,12 +101,20 @@ class Int4Linear(nn.Module):
         self.qweight = _frozen(torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.scales = _frozen(torch.ones(out_features, n_groups, dtype=torch.float32, device=device))
         self.zeros = _frozen(torch.zeros(out_features, n_groups, dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> "Int4Linear":
-        q = cls(linear.in_features, linear.out_features, group_size, bias=linear.bias is not None,
-                device=linear.weight.device, dtype=linear.weight.dtype)
+    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> Int4Linear:
+        q = cls(
+            linear.in_features,
+            linear.out_features,
+            group_size,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
         q.qweight, q.scales, q.zeros = (_frozen(t) for t in quantize_int4(linear.weight, group_size))
         if linear.bias is not None:
             q.bias.data.copy_(linear.bias.detach())
@@ -111,10 +128,15 @@ class Int4Linear(nn.Module):
     @weight.setter
     def weight(self, value: torch.Tensor) -> None:
         # peft's module swap re-assigns ``module.weight = module.weight`` when unloading; accept exactly that.
-        if not (torch.is_tensor(value) and value.shape == (self.out_features, self.in_features)
-                and torch.equal(value.to(torch.float32), self.weight)):
-            raise AttributeError("Int4Linear.weight is derived from qweight/scales/zeros; build a new layer with "
-                                 "Int4Linear.from_linear(...) to change it.")
+        if not (
+            torch.is_tensor(value)
+            and value.shape == (self.out_features, self.in_features)
+            and torch.equal(value.to(torch.float32), self.weight)
+        ):
+            raise AttributeError(
+                "Int4Linear.weight is derived from qweight/scales/zeros; build a new layer with "
+                "Int4Linear.from_linear(...) to change it."
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = dequantize_int4(self.qweight, self.scales, self.zeros, dtype=x.dtype)

@@ -9,9 +9,29 @@
 
 from .fault import stop_snapshot_processes
 from .launch import elastic_launch, free_port, gloo_group, mean_over_ranks, run_distributed, run_python
-from .models import (SavedTensorCounter, chat_llama_checkpoint, random_batch, tiny_default_base, tiny_llama,
-                     train_on_loader, train_steps)
+from .models import (
+    SavedTensorCounter,
+    chat_llama_checkpoint,
+    random_batch,
+    tiny_default_base,
+    tiny_llama,
+    train_on_loader,
+    train_steps,
+)
 
-__all__ = ["tiny_llama", "chat_llama_checkpoint", "random_batch", "SavedTensorCounter", "tiny_default_base", "train_steps", "train_on_loader",
-           "free_port", "run_python", "gloo_group", "run_distributed", "elastic_launch", "mean_over_ranks",
-           "stop_snapshot_processes"]
+__all__ = [
+    "SavedTensorCounter",
+    "chat_llama_checkpoint",
+    "elastic_launch",
+    "free_port",
+    "gloo_group",
+    "mean_over_ranks",
+    "random_batch",
+    "run_distributed",
+    "run_python",
+    "stop_snapshot_processes",
+    "tiny_default_base",
+    "tiny_llama",
+    "train_on_loader",
+    "train_steps",
+]

@@ -4,20 +4,26 @@ fault-injection worker's launcher and log reader, and snapshot-process clean-up.
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import json
 import os
+import runpy
+import signal
+import sys
+import time
+
+from hf_dtrain.fault import SnapshotEngine
+
+from .launch import elastic_launch
 
 
 def stop_snapshot_processes(directory) -> None:
     """SIGKILL every snapshot process under ``directory`` (``node*/smp.json``): test clean-up."""
-    import glob
-    import json
-    import signal
 
     for info in glob.glob(os.path.join(str(directory), "node*", "smp.json")):
-        try:
+        with contextlib.suppress(ProcessLookupError, ValueError, OSError):
             os.kill(json.load(open(info))["pid"], signal.SIGKILL)
-        except (ProcessLookupError, ValueError, OSError):
-            pass
 
 
 class FaultInjector:
@@ -59,21 +65,25 @@ class KillSchedule:
     Each kill is recorded as a ``gen:rank:step:phase`` line in ``log`` before the process SIGKILLs itself."""
 
     def __init__(self, spec: str, log: str, generation: int | None = None, rank: int | None = None):
-        self.generation = generation if generation is not None else int(os.environ.get(
-            "TORCHELASTIC_RESTART_COUNT", os.environ.get("HF_DTRAIN_FAULT_GENERATION", "0")))
+        self.generation = (
+            generation
+            if generation is not None
+            else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("HF_DTRAIN_FAULT_GENERATION", "0")))
+        )
         self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         self.log, self.count, self.entry = log, 0, None
         for item in filter(None, spec.split(",")):
             parts = item.split(":")
             if len(parts) != 4 or parts[3] not in KILL_PHASES:
-                raise ValueError(f"kill schedule entry {item!r}: expected gen:rank:when:phase with phase one of "
-                                 f"{', '.join(KILL_PHASES)}")
+                raise ValueError(
+                    f"kill schedule entry {item!r}: expected gen:rank:when:phase with phase one of "
+                    f"{', '.join(KILL_PHASES)}"
+                )
             gen, rank, when, phase = parts
             if int(gen) == self.generation and int(rank) == self.rank:
                 self.entry = (when, phase)
 
     def die(self, step, phase: str) -> None:
-        import signal
 
         with open(self.log, "a") as f:
             f.write(f"{self.generation}:{self.rank}:{step}:{phase}\n")
@@ -104,13 +114,11 @@ def main(argv=None) -> None:
     * ``python -m hf_dtrain.testing.fault RANK:STEP[:SECONDS] MODULE [ARGS...]``: a :class:`FaultInjector`;
     * ``python -m hf_dtrain.testing.fault --kills SPEC --kill-log FILE MODULE [ARGS...]``: a :class:`KillSchedule`
       (under ``torchrun --max-restarts``, a kill per generation)."""
-    import runpy
-    import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: python -m hf_dtrain.testing.fault (RANK:STEP[:SECONDS] | --kills SPEC --kill-log FILE) MODULE "
-             "[ARGS...]")
-    from hf_dtrain.fault import SnapshotEngine
+    usage = (
+        "usage: python -m hf_dtrain.testing.fault (RANK:STEP[:SECONDS] | --kills SPEC --kill-log FILE) MODULE [ARGS...]"
+    )
 
     if argv[:1] == ["--kills"]:
         if len(argv) < 5 or argv[2] != "--kill-log":
@@ -130,7 +138,6 @@ def main(argv=None) -> None:
 
 def ft_worker_command() -> list[str]:
     """The command of one rank of the fault-injection worker (:mod:`hf_dtrain.testing.ft_worker`)."""
-    import sys
 
     return [sys.executable, "-m", "hf_dtrain.testing.ft_worker"]
 
@@ -139,12 +146,10 @@ def launch_ft_workers(world: int, env: dict, timeout: float = 180) -> list[int]:
     """All ranks of the fault-injection worker at once; when one dies the others are killed (torchrun's elastic
     agent); returns the exit codes. ``env``: the worker's ``FT_*`` settings (``FT_OUT`` is also the log directory).
     A rank that outlives its peers' error exits has its stacks written to its log before it is killed."""
-    import signal
 
-    from .launch import elastic_launch
-
-    return elastic_launch(ft_worker_command(), world, env, timeout, log_dir=env["FT_OUT"],
-                          dump_signal=signal.SIGUSR1, preloaded=True)
+    return elastic_launch(
+        ft_worker_command(), world, env, timeout, log_dir=env["FT_OUT"], dump_signal=signal.SIGUSR1, preloaded=True
+    )
 
 
 def failed_outputs(out: str, codes: list[int], chars: int = 3000) -> str:
@@ -172,9 +177,6 @@ def worker_losses(out: str, rank: int = 0) -> dict[int, str]:
 
 def kill_snapshot_process(directory: str, node: int) -> None:
     """SIGKILL node ``node``'s snapshot process (a lost node's memory)."""
-    import json
-    import signal
-    import time
 
     info = json.load(open(os.path.join(directory, f"node{node}", "smp.json")))
     os.kill(info["pid"], signal.SIGKILL)
@@ -189,8 +191,12 @@ if __name__ == "__main__":
 # (kill: rank:step:phase, snapshot processes killed after it, the restore source expected, the restored step expected
 # at least). A trainer killed before its optimizer step; one killed mid-snapshot (written, not committed); a lost
 # node (trainer and snapshot process); two lost nodes with parity for one (the disk copy).
-FAILURE_CHAIN = [("1:3:before_step", (), "memory", 2), ("2:5:mid_snapshot", (), "memory", 4),
-                 ("1:7:after_snapshot", (1,), "parity", 6), ("1:9:after_snapshot", (1, 2), "disk", 8)]
+FAILURE_CHAIN = [
+    ("1:3:before_step", (), "memory", 2),
+    ("2:5:mid_snapshot", (), "memory", 4),
+    ("1:7:after_snapshot", (1,), "parity", 6),
+    ("1:9:after_snapshot", (1, 2), "disk", 8),
+]
 FAILURE_CHAIN_STEPS = 12
 
 
@@ -199,18 +205,25 @@ def run_failure_chain(world: int, env: dict, ft_dir: str) -> list[list[str]]:
     as a user would after it), then once more to the end; returns rank 0's restore records (``[step, source]`` per
     relaunch). ``env``: the worker's settings (``FT_OUT``, ``FT_ENGINE``...); the kill schedule, the disk copy under
     ``ft_dir`` and the step count are added here."""
-    import signal
 
     out = env["FT_OUT"]
-    env = {**env, "FT_DIR": ft_dir, "FT_PERSIST": os.path.join(ft_dir, "disk"), "FT_PERSIST_EVERY": "2",
-           "FT_STEPS": str(FAILURE_CHAIN_STEPS), "FT_SHUTDOWN": "1",
-           "FT_KILLS": ",".join(f"{g}:{kill}" for g, (kill, *_) in enumerate(FAILURE_CHAIN))}
+    env = {
+        **env,
+        "FT_DIR": ft_dir,
+        "FT_PERSIST": os.path.join(ft_dir, "disk"),
+        "FT_PERSIST_EVERY": "2",
+        "FT_STEPS": str(FAILURE_CHAIN_STEPS),
+        "FT_SHUTDOWN": "1",
+        "FT_KILLS": ",".join(f"{g}:{kill}" for g, (kill, *_) in enumerate(FAILURE_CHAIN)),
+    }
     try:
         for gen, (kill, lost, _, _) in enumerate(FAILURE_CHAIN):
             codes = launch_ft_workers(world, {**env, "FT_GEN": str(gen)})
             if not any(c == -signal.SIGKILL for c in codes):
-                raise AssertionError(f"generation {gen} ({kill}) did not fail as planned: {codes}; "
-                                     f"{open(os.path.join(out, 'rank0.out')).read()[-3000:]}")
+                raise AssertionError(
+                    f"generation {gen} ({kill}) did not fail as planned: {codes}; "
+                    f"{open(os.path.join(out, 'rank0.out')).read()[-3000:]}"
+                )
             for node in lost:
                 kill_snapshot_process(ft_dir, node)
         codes = launch_ft_workers(world, {**env, "FT_GEN": str(len(FAILURE_CHAIN))})

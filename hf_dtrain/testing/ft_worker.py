@@ -1,18 +1,19 @@
 """One rank of the fault-injection runs (``python -m hf_dtrain.testing.ft_worker``, launched by
 :func:`hf_dtrain.testing.fault.launch_ft_workers`): DDP over gloo (``FT_ENGINE=fsdp2``: FSDP2 shards instead),
-(``FT_ENGINE=zero1|zero2|zero3``: DeepSpeed ZeRO on its CPU accelerator), AdamW + a LambdaLR, batches drawn from every RNG (Python, NumPy, torch), a snapshot after every step, and an
-optional fault. Configured by environment variables (see the test); appends ``step loss.hex()`` per step to
-``$FT_OUT/rank{r}.log`` and the restore source to ``$FT_OUT/rank{r}.restore``. ``FT_DUMP``: a directory where the
-whole (gathered) model and optimizer state is written as ``w{world}-step{s}.safetensors`` after a restore and
-after the last step (the resharding test compares them).
+(``FT_ENGINE=zero1|zero2|zero3``: DeepSpeed ZeRO on its CPU accelerator), AdamW + a LambdaLR, batches drawn from every
+RNG (Python, NumPy, torch), a snapshot after every step, and an optional fault. Configured by environment variables (see
+the test); appends ``step loss.hex()`` per step to ``$FT_OUT/rank{r}.log`` and the restore source to
+``$FT_OUT/rank{r}.restore``. ``FT_DUMP``: a directory where the whole (gathered) model and optimizer state is written as
+``w{world}-step{s}.safetensors`` after a restore and after the last step (the resharding test compares them).
 
 ``FT_KILLS``: a kill schedule for relaunch trials, ``gen:rank:step:phase`` entries separated by commas; the
 generation is ``TORCHELASTIC_RESTART_COUNT`` under torchrun / accelerate launch, else ``FT_GEN``. Phases:
 ``startup`` (after the snapshot engine starts, before the restore), ``before_step`` (after backward and the wait for the
-previous step's snapshot, before the optimizer step), ``mid_snapshot`` (slot written, commit not sent), ``after_snapshot`` and ``after_last`` (after the
-last step, before the run closes); ``node_lost`` (the snapshot committed, then the rank and its node's snapshot
-process killed at once, wherever its parity exchange is)."""
+previous step's snapshot, before the optimizer step), ``mid_snapshot`` (slot written, commit not sent),
+``after_snapshot`` and ``after_last`` (after the last step, before the run closes); ``node_lost`` (the snapshot
+committed, then the rank and its node's snapshot process killed at once, wherever its parity exchange is)."""
 
+import faulthandler
 import os
 import random
 import signal
@@ -23,16 +24,22 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from hf_dtrain.distributed.groups import init_distributed
+from hf_dtrain.testing.models import random_batch, tiny_llama
 
 
 def dump_full_state(model, optimizer, path: str) -> None:
     """The whole model and optimizer state, gathered from every rank's shards (``get_state_dict`` with full state
     dicts), written by rank 0 as one safetensors file keyed by FQN."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                         flatten_optimizer_state_dict=True))
+    msd, osd = get_state_dict(
+        model,
+        optimizer,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True),
+    )
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tensors = {f"model.{k}": v for k, v in msd.items()}
@@ -42,7 +49,6 @@ def dump_full_state(model, optimizer, path: str) -> None:
 
 
 def main():
-    import faulthandler
 
     faulthandler.enable()  # a rank that dies on a signal (SIGSEGV, SIGABRT) leaves its Python stack in rank{r}.out
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks a hung rank where it is
@@ -57,7 +63,6 @@ def main():
         g, r, st, ph = entry.split(":")
         if g == gen and int(r) == rank:
             fault, fault_rank, fault_step, where, fault_here = entry, r, st, ph, True
-    from hf_dtrain.distributed import init_distributed
 
     def die():  # recorded first: the trials count the kills that happened
         with open(os.path.join(out, "kills"), "a") as f:
@@ -69,7 +74,6 @@ def main():
     torch.manual_seed(1234)
     random.seed(1234)
     np.random.seed(1234)
-    from hf_dtrain.testing.models import random_batch, tiny_llama
 
     model = tiny_llama(seed=0, hidden_size=int(os.environ.get("FT_HIDDEN", "64")))
     kind = os.environ.get("FT_ENGINE", "ddp")
@@ -83,9 +87,14 @@ def main():
 
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         # threshold 100: the norm weights (64 values) stay whole ("persistent"), every matrix is partitioned
-        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-                  "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-                  "zero_optimization": {"stage": int(kind[-1]), "stage3_param_persistence_threshold": 100}}
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**6,
+            "gradient_clipping": 0.0,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": int(kind[-1]), "stage3_param_persistence_threshold": 100},
+        }
         ddp, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -107,10 +116,16 @@ def main():
 
         persist = os.environ.get("FT_PERSIST") or None
         # the DeepSpeed engine (its partitions), DDP (its buckets are rebuilt after a restore), FSDP2's model
-        engine = SnapshotEngine(ddp if kind != "fsdp2" else model, ddp.optimizer if zero else opt, sched,
-                                directory=os.environ["FT_DIR"],
-                                parity=int(os.environ.get("FT_PARITY", "1")), persist_dir=persist,
-                                persist_every=int(os.environ.get("FT_PERSIST_EVERY", "0")), timeout=30)
+        engine = SnapshotEngine(
+            ddp if kind != "fsdp2" else model,
+            ddp.optimizer if zero else opt,
+            sched,
+            directory=os.environ["FT_DIR"],
+            parity=int(os.environ.get("FT_PARITY", "1")),
+            persist_dir=persist,
+            persist_every=int(os.environ.get("FT_PERSIST_EVERY", "0")),
+            timeout=30,
+        )
         if fault_here and where == "mid_snapshot":
             import hf_dtrain.fault.snapshot as snap
 
@@ -133,12 +148,12 @@ def main():
         if error is not None:
             with open(os.path.join(out, f"rank{rank}.error"), "w") as f:
                 f.write(error)
-            from hf_dtrain.distributed import release_process_group
+            from hf_dtrain.distributed.groups import release_process_group
 
             engine.close()
             # DDP (held by the engine too) freed while its gloo group exists, then the group: freed at interpreter
             # exit after the group, a rank can hang (pytorch/pytorch#56297) until the launcher kills it
-            ddp = model = opt = sched = engine = None  # noqa: F841
+            ddp = model = opt = sched = engine = None
             release_process_group()
             sys.exit(3)
         if restored is not None:
@@ -189,11 +204,11 @@ def main():
     if engine is not None:
         engine.close(shutdown=os.environ.get("FT_SHUTDOWN", "1") == "1")
     dist.barrier()
-    from hf_dtrain.distributed import release_process_group
+    from hf_dtrain.distributed.groups import release_process_group
 
     # freed while their process groups exist, then the groups: a DeepSpeed engine freed at interpreter exit aborted
     # about one run in two ("terminate called without an active exception", after the last step was logged)
-    ddp = model = opt = sched = engine = None  # noqa: F841
+    ddp = model = opt = sched = engine = None
     release_process_group()
 
 

@@ -37,21 +37,48 @@ Writes ``gpu_check.json``, ``gpu_check.md`` and ``gpu_check.png`` under ``--out/
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib.util
 import json
 import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from peft import LoraConfig, get_peft_model
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
+from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+from hf_dtrain.comm import exclude_embeddings, register
+from hf_dtrain.distributed.groups import release_process_group
+from hf_dtrain.fault import SnapshotEngine
+from hf_dtrain.fused import FusedConfig, FusedJob, FusedTrainer, fuse_adapters
+from hf_dtrain.memory import apply_delta
+from hf_dtrain.models import build_llama
+from hf_dtrain.optim.onebit_lamb import OneBitLamb
+from hf_dtrain.parallel import FSDPConfig, apply_fsdp
+from hf_dtrain.quantization import prepare_bnb_4bit_for_training, quantize_model_hqq
+from hf_dtrain.testing import random_batch, tiny_llama
+from hf_dtrain.testing.launch import free_port
+from hf_dtrain.tuners import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +91,7 @@ class Skip(Exception):
 class Step:
     name: str
     what: str
-    run: Callable[["Context"], dict]
+    run: Callable[[Context], dict]
 
 
 @dataclass
@@ -77,6 +104,7 @@ class Context:
 
 
 # ------------------------------------------------------------------------------------------------------------ steps
+
 
 def cuda_tests(ctx: Context) -> dict:
     """pytest on the tests marked ``cuda`` (they skip without a CUDA device, saying why)."""
@@ -101,34 +129,33 @@ def cuda_tests(ctx: Context) -> dict:
 
 
 def _tiny(device, dtype=torch.float32):
-    from hf_dtrain.testing import tiny_llama
 
     return tiny_llama(seed=0, hidden_size=64).to(device=device, dtype=dtype)
 
 
 def _tuner_configs():
-    from peft import LoraConfig
-
-    from hf_dtrain.tuners import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig
 
     targets = ["q_proj", "v_proj"]
     return {
         "lora": lambda: LoraConfig(r=4, target_modules=targets, init_lora_weights=False),
-        "smt": lambda: SMTConfig(block_size=16, target_modules=targets, init_weights=False, block_indices={
-            "model.layers.0.self_attn.q_proj": [[0, 1], [2, 3]], "model.layers.1.self_attn.v_proj": [[1, 0]]}),
+        "smt": lambda: SMTConfig(
+            block_size=16,
+            target_modules=targets,
+            init_weights=False,
+            block_indices={
+                "model.layers.0.self_attn.q_proj": [[0, 1], [2, 3]],
+                "model.layers.1.self_attn.v_proj": [[1, 0]],
+            },
+        ),
         "lorafa": lambda: LoraFAConfig(r=4, target_modules=targets, init_weights=False),
         "qbara": lambda: QBaRAConfig(r=4, target_modules=targets, require_quantized_base=False, init_weights=False),
-        "qahira": lambda: QAHiRAConfig(group_size=16, target_modules=targets, require_quantized_base=False,
-                                       init_weights=False),
+        "qahira": lambda: QAHiRAConfig(
+            group_size=16, target_modules=targets, require_quantized_base=False, init_weights=False
+        ),
     }
 
 
 def tuners_autocast(ctx: Context) -> dict:
-    import warnings
-
-    from peft import get_peft_model
-
-    from hf_dtrain.testing import random_batch
 
     batch = {k: v.to(ctx.device) for k, v in random_batch(batch=2, seq=16, seed=0).items()}
     out = {}
@@ -148,33 +175,31 @@ def tuners_autocast(ctx: Context) -> dict:
         cos = min(torch.nn.functional.cosine_similarity(g32[n], g16[n], dim=0).item() for n in g32 if g32[n].norm() > 0)
         rel = abs(l16 - l32) / abs(l32)
         if not (rel < 2e-2 and cos > 0.98):
-            raise AssertionError(f"{name}: bf16 autocast on {ctx.device} disagrees with fp32: loss rel {rel:.3g}, "
-                                 f"min gradient cosine {cos:.4f}")
+            raise AssertionError(
+                f"{name}: bf16 autocast on {ctx.device} disagrees with fp32: loss rel {rel:.3g}, "
+                f"min gradient cosine {cos:.4f}"
+            )
         out[name] = {"loss_rel_diff": rel, "min_grad_cosine": cos}
     return out
 
 
 def bnb_4bit(ctx: Context) -> dict:
-    import warnings
 
-    from peft import get_peft_model
-    from transformers import BitsAndBytesConfig, LlamaForCausalLM
-
-    from hf_dtrain.quantization import prepare_bnb_4bit_for_training
-    from hf_dtrain.testing import random_batch
     from hf_dtrain.tuners import QBaRAConfig
-
-    import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
         raise Skip("bitsandbytes is not installed (pip install 'hf-dtrain[quant]')")
-    import tempfile
 
     kwargs = {} if ctx.device.type == "cuda" else {"device_map": "cpu"}
     with tempfile.TemporaryDirectory() as path:
         _tiny("cpu").save_pretrained(path)
-        base = LlamaForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16), **kwargs)
+        base = LlamaForCausalLM.from_pretrained(
+            path,
+            quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+            ),
+            **kwargs,
+        )
     prepare_bnb_4bit_for_training(base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -189,20 +214,17 @@ def bnb_4bit(ctx: Context) -> dict:
     if not any(g.abs().sum() > 0 for g in grads):
         raise AssertionError("Q-BaRA on an NF4 base: every adapter gradient is zero")
     layer = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
-    return {"loss": loss.item(), "base_layer": f"{type(layer).__module__}.{type(layer).__name__}",
-            "device": str(layer.weight.device)}
+    return {
+        "loss": loss.item(),
+        "base_layer": f"{type(layer).__module__}.{type(layer).__name__}",
+        "device": str(layer.weight.device),
+    }
 
 
 def qahira_merge(ctx: Context) -> dict:
     """QA-HiRA on an HQQ 4-bit base on the device, merged into the zero-points: the merged 4-bit model's logits
     equal the adapter model's (the merge is exact up to float rounding)."""
-    import importlib.util
-    import warnings
 
-    from peft import get_peft_model
-
-    from hf_dtrain.quantization import quantize_model_hqq
-    from hf_dtrain.testing import random_batch
     from hf_dtrain.tuners import QAHiRAConfig
 
     if importlib.util.find_spec("hqq") is None:
@@ -212,8 +234,9 @@ def qahira_merge(ctx: Context) -> dict:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = get_peft_model(model, QAHiRAConfig(group_size=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                         init_weights=False))
+        peft_model = get_peft_model(
+            model, QAHiRAConfig(group_size=16, target_modules=["q_proj", "v_proj", "down_proj"], init_weights=False)
+        )
     batch = {k: v.to(ctx.device) for k, v in random_batch(batch=2, seq=16, seed=0).items()}
     peft_model.eval()
     with torch.no_grad():
@@ -228,25 +251,32 @@ def qahira_merge(ctx: Context) -> dict:
     if moved < 1e-3:
         raise AssertionError(f"the adapter changed nothing (max logit change {moved:.3g}): the check would be empty")
     if err > 1e-4 * max(1.0, adapted.abs().max().item()):
-        raise AssertionError(f"merged 4-bit logits differ from the adapter's by {err:.3g} (adapter moved them {moved:.3g})")
-    return {"max_logit_diff_after_merge": err, "adapter_logit_change": moved,
-            "merged_layer": f"{type(layer).__module__}.{type(layer).__name__}", "device": str(ctx.device)}
+        raise AssertionError(
+            f"merged 4-bit logits differ from the adapter's by {err:.3g} (adapter moved them {moved:.3g})"
+        )
+    return {
+        "max_logit_diff_after_merge": err,
+        "adapter_logit_change": moved,
+        "merged_layer": f"{type(layer).__module__}.{type(layer).__name__}",
+        "device": str(ctx.device),
+    }
 
 
 HOOKS = ["allreduce", "acp_sgd", "s2_reducer", "dear", "embrace"]
 
 
 def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from hf_dtrain.distributed import release_process_group
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60), **kwargs)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+        **kwargs,
+    )
     try:
         _hooks_run(rank, world, backend, device, out)  # its DDP models are freed when it returns
     finally:
@@ -254,10 +284,6 @@ def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: s
 
 
 def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from hf_dtrain.comm import exclude_embeddings, register
-    from hf_dtrain.testing import random_batch
 
     for method in HOOKS:
         model = _tiny(device)
@@ -273,7 +299,7 @@ def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-        ddp(**{k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=99).items()}).loss  # DeAR's last
+        _ = ddp(**{k: v.to(device) for k, v in random_batch(batch=2, seq=8, seed=99).items()}).loss  # DeAR's last
         if not _replicas_equal(model, world):
             raise AssertionError(f"{method}: non-finite or replicas differ on {backend}/{device}")
         del ddp
@@ -283,7 +309,6 @@ def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
 
 def _hooks_main(port: str, backend: str, device_type: str, out: str) -> None:
     """Entry of the 2-rank hook run (in its own process, so an NCCL refusal cannot take the checker down)."""
-    import torch.multiprocessing as mp
 
     mp.spawn(_hooks_worker, args=(2, int(port), backend, device_type, out), nprocs=2, join=True)
 
@@ -291,15 +316,17 @@ def _hooks_main(port: str, backend: str, device_type: str, out: str) -> None:
 def _spawn_two(main: str, backend: str, device_type: str) -> tuple[bool, str, dict]:
     """Run ``main`` of this module (which spawns 2 ranks) in a process of its own, so an NCCL refusal cannot take the
     checker down: (ok, its stderr's end, the JSON rank 0 wrote)."""
-    import tempfile
-
-    from hf_dtrain.testing.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         code = f"import sys, hf_dtrain.testing.gpu_check as g; g.{main}(*sys.argv[1:])"
-        proc = subprocess.run([sys.executable, "-c", code, str(free_port()), backend, device_type, out],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(free_port()), backend, device_type, out],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
         if proc.returncode == 0 and os.path.exists(out):
             return True, "", json.loads(Path(out).read_text())
         return False, proc.stderr[-3000:], {}
@@ -315,7 +342,7 @@ def comm_hooks(ctx: Context) -> dict:
     if ok:
         return {**info, "nccl": "ran"}
     if torch.cuda.device_count() < 2 and ("Duplicate GPU" in err or "duplicate" in err.lower()):
-        why = "NCCL refuses two ranks on one GPU (\"Duplicate GPU detected\"); the hooks ran over gloo with CUDA tensors"
+        why = 'NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); the hooks ran over gloo with CUDA tensors'
     elif torch.cuda.device_count() < 2:
         why = f"NCCL with two ranks on one GPU failed ({err.strip().splitlines()[-1] if err.strip() else 'no output'})"
     else:
@@ -329,7 +356,6 @@ def comm_hooks(ctx: Context) -> dict:
 def _train_losses(model, device, steps: int = 3, autocast: bool = False) -> list[float]:
     """``steps`` AdamW steps of ``model``'s trainable parameters on seeded batches (the same on every rank), under
     bf16 autocast when asked: the losses."""
-    from hf_dtrain.testing import random_batch
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     losses = []
@@ -347,18 +373,12 @@ def _train_losses(model, device, steps: int = 3, autocast: bool = False) -> list
 def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
     """One rank: FSDP2 (``apply_fsdp``, bf16 gathered parameters, activation checkpointing) on the device, for full
     fine-tuning and each tuner, against the same model unsharded under bf16 autocast."""
-    import warnings
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    from peft import get_peft_model
-
-    from hf_dtrain.parallel import FSDPConfig, apply_fsdp
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=120), **kwargs)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=120), **kwargs
+    )
     try:
         results = {}
         configs = {"full": None, **{k: v for k, v in _tuner_configs().items() if k != "lora"}}
@@ -374,12 +394,13 @@ def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
                 losses["fsdp2" if sharded else "autocast"] = _train_losses(model, device, autocast=not sharded)
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses["fsdp2"], losses["autocast"]))
             if not rel < 3e-2:
-                raise AssertionError(f"{name}: FSDP2 (bf16 parameters) on {device} disagrees with bf16 autocast: "
-                                     f"losses {losses}")
+                raise AssertionError(
+                    f"{name}: FSDP2 (bf16 parameters) on {device} disagrees with bf16 autocast: losses {losses}"
+                )
             results[name] = {"max_loss_rel_diff": rel, **losses}
         Path(out).write_text(json.dumps({"backend": backend, "device": str(device), "methods": results}))
     finally:
-        from hf_dtrain.distributed import release_process_group
+        from hf_dtrain.distributed.groups import release_process_group
 
         release_process_group()
 
@@ -387,16 +408,18 @@ def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
 def fsdp2(ctx: Context) -> dict:
     """FSDP2 on the device (its CUDA streams, bf16 gathers, activation checkpointing), one rank per GPU: NCCL with
     one rank here (two ranks on one GPU are refused by NCCL; multi-GPU runs are the tests' gloo runs scaled up)."""
-    import tempfile
-
-    from hf_dtrain.testing.launch import free_port
 
     backend, device_type = ("nccl", "cuda") if ctx.device.type == "cuda" else ("gloo", "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "fsdp2.json")
         code = "import sys, hf_dtrain.testing.gpu_check as g; g._fsdp2_worker(*sys.argv[1:])"
-        proc = subprocess.run([sys.executable, "-c", code, device_type, backend, str(free_port()), out],
-                              capture_output=True, text=True, timeout=900, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, device_type, backend, str(free_port()), out],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=ROOT,
+        )
         if proc.returncode != 0 or not os.path.exists(out):
             raise AssertionError(f"FSDP2 on {backend}/{device_type} failed:\n{proc.stderr[-3000:]}")
         return json.loads(Path(out).read_text())
@@ -405,21 +428,24 @@ def fsdp2(ctx: Context) -> dict:
 def _multi_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
     """One of 2 ranks, one per GPU (``cuda:<rank>``, NCCL), or on gloo/CPU in the dry run: every communication hook,
     1-bit LAMB, FSDP2 against the unsharded model, and a sharded snapshot restored in place."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from hf_dtrain.distributed import release_process_group
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120), **kwargs)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+        **kwargs,
+    )
     try:
-        result = {"backend": backend, "devices": [str(torch.device(device_type, r)) if device_type == "cuda"
-                                                  else "cpu" for r in range(world)]}
+        result = {
+            "backend": backend,
+            "devices": [str(torch.device(device_type, r)) if device_type == "cuda" else "cpu" for r in range(world)],
+        }
         _hooks_run(rank, world, backend, device, os.devnull)
         result["comm_hooks"] = HOOKS
         result["onebit_lamb"] = _multi_onebit_lamb(rank, world, device)
@@ -432,7 +458,6 @@ def _multi_worker(rank: int, world: int, port: int, backend: str, device_type: s
 
 
 def _replicas_equal(model, world: int) -> bool:
-    import torch.distributed as dist
 
     flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(world)]
@@ -443,10 +468,6 @@ def _replicas_equal(model, world: int) -> bool:
 def _multi_onebit_lamb(rank: int, world: int, device) -> dict:
     """1-bit LAMB on 2 ranks (its compressed exchange after a 2-step warm-up): losses finite and falling on the
     same batch, the replicas identical."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from hf_dtrain.optim.onebit_lamb import OneBitLamb
-    from hf_dtrain.testing import random_batch
 
     torch.manual_seed(0)
     model = _tiny(device)
@@ -461,7 +482,7 @@ def _multi_onebit_lamb(rank: int, world: int, device) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    if not (all(map(lambda v: v == v, losses)) and losses[-1] < losses[0]):
+    if not (all(v == v for v in losses) and losses[-1] < losses[0]):
         raise AssertionError(f"1-bit LAMB on {device}: losses {losses}")
     if not _replicas_equal(model, world):
         raise AssertionError(f"1-bit LAMB on {device}: the replicas differ")
@@ -490,11 +511,8 @@ def _multi_fsdp2(rank: int, world: int, device) -> dict:
 def _multi_snapshot(rank: int, world: int, device, tmp: str) -> dict:
     """A sharded (FSDP2) snapshot of step 2 on the device (pinned slots, the copy on a side stream), one more step,
     then ``restore()``: every rank's shards and optimizer state are back, bit for bit."""
-    from torch.distributed.tensor import DTensor
 
-    from hf_dtrain.fault import SnapshotEngine
     from hf_dtrain.parallel import apply_fsdp
-    from hf_dtrain.testing import random_batch
 
     torch.manual_seed(0)
     model = _tiny(device)
@@ -534,7 +552,6 @@ def _multi_snapshot(rank: int, world: int, device, tmp: str) -> dict:
 
 
 def _multi_main(port: str, backend: str, device_type: str, out: str) -> None:
-    import torch.multiprocessing as mp
 
     mp.spawn(_multi_worker, args=(2, int(port), backend, device_type, out), nprocs=2, join=True)
 
@@ -567,17 +584,51 @@ def throughput(ctx: Context) -> dict:
     if ctx.device.type == "cuda":
         # every method eager first, then compiled (compiling the 1B shape takes a minute per row), so a short budget
         # still gives each method's eager row and the main methods' compiled rows
-        argv = ["--preset", "llama3.2-1b", "--batch", "4", "--seq", "1024", "--steps", "3", "--warmup", "1",
-                "--methods", "lora,lorafa,smt,full,qbara,qahira,qlora,dora", "--order", "mode",
-                "--time-budget", f"{ctx.throughput_budget:g}", "--repeats", "1"]
+        argv = [
+            "--preset",
+            "llama3.2-1b",
+            "--batch",
+            "4",
+            "--seq",
+            "1024",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--methods",
+            "lora,lorafa,smt,full,qbara,qahira,qlora,dora",
+            "--order",
+            "mode",
+            "--time-budget",
+            f"{ctx.throughput_budget:g}",
+            "--repeats",
+            "1",
+        ]
     else:  # the dry run: the mechanics on the test shape
-        argv = ["--preset", "test", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1", "--repeats", "1",
-                "--methods", "lora,lorafa", "--modes", "eager"]
+        argv = [
+            "--preset",
+            "test",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--methods",
+            "lora,lorafa",
+            "--modes",
+            "eager",
+        ]
     name = f"gpu/{re.sub(r'[^A-Za-z0-9]+', '_', _device_name(ctx.device)).strip('_')}/throughput"
     if ctx.dry_run:
         name = "throughput_dry_run"
-    proc = subprocess.run([sys.executable, str(script), *argv, "--name", name], capture_output=True, text=True,
-                          timeout=540, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(script), *argv, "--name", name], capture_output=True, text=True, timeout=540, cwd=ROOT
+    )
     if proc.returncode != 0:
         raise AssertionError(f"benchmarks/throughput.py failed:\n{proc.stderr[-3000:]}")
     written = [ROOT / "benchmarks" / "results" / f"{name}.{ext}" for ext in ("json", "md", "png")]
@@ -591,24 +642,35 @@ def throughput(ctx: Context) -> dict:
         for path in written:
             if path.exists() and path.parent.resolve() != folder.resolve():
                 shutil.copy2(path, folder / path.name)
-    rows = {f"{r['method']} {r['mode']}": {k: r.get(k) for k in ("tokens_per_s", "vs_lora", "mfu", "peak_bytes",
-                                                                 "error")}
-            for r in payload["rows"]}
+    rows = {
+        f"{r['method']} {r['mode']}": {k: r.get(k) for k in ("tokens_per_s", "vs_lora", "mfu", "peak_bytes", "error")}
+        for r in payload["rows"]
+    }
     # the NF4 rows need bitsandbytes' CUDA build, which a machine may lack (it is optional): not measured, not failed
     missing = [k for k, r in rows.items() if r.get("error") and "bitsandbytes" in r["error"]]
     failed = [k for k, r in rows.items() if r.get("error") and k not in missing]
     if failed:
         raise AssertionError(f"throughput rows failed: {[(k, rows[k]['error']) for k in failed]}")
     not_measured = payload.get("not_measured", []) + [f"{k} (bitsandbytes is not installed)" for k in missing]
-    return {"preset": payload["preset"], "rows": {k: r for k, r in rows.items() if k not in missing},
-            "not_measured": not_measured}
+    return {
+        "preset": payload["preset"],
+        "rows": {k: r for k, r in rows.items() if k not in missing},
+        "not_measured": not_measured,
+    }
 
 
 def _llama_1b():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -621,13 +683,8 @@ def _fused_batches(k: int, batch: int, seq: int, vocab: int, device):
 
 def fused_sweep(ctx: Context) -> dict:
     """K LoRA jobs fused on one frozen base vs one after another with peft, on the device."""
-    import copy
-    import statistics
 
     from peft import LoraConfig, get_peft_model
-
-    from hf_dtrain.fused import FusedConfig, FusedJob, FusedTrainer, fuse_adapters
-    from hf_dtrain.models import build_llama
 
     dev = ctx.device
     cuda = dev.type == "cuda"
@@ -666,8 +723,9 @@ def fused_sweep(ctx: Context) -> dict:
         for j in range(k):
             torch.manual_seed(j)
             if peft_model is None:
-                peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, target_modules=targets),
-                                            adapter_name=f"j{j}")
+                peft_model = get_peft_model(
+                    copy.deepcopy(base), LoraConfig(r=8, target_modules=targets), adapter_name=f"j{j}"
+                )
             else:
                 peft_model.add_adapter(f"j{j}", LoraConfig(r=8, target_modules=targets))
         f = fuse_adapters(peft_model, [f"j{j}" for j in range(k)])
@@ -693,16 +751,23 @@ def fused_sweep(ctx: Context) -> dict:
     rows = {}
     for k in ks:
         _, t = fused(k, steps)
-        rows[f"K={k}"] = {"fused_step_s": t, "samples_per_s": k * batch / t, "vs_peft_one_after_another": k * t_alone / t}
-    return {"shape": f"{preset} LLaMA, LoRA r=8 on every projection, batch {batch} x {seq} per job",
-            "max_rel_loss_diff_fused_vs_alone": worst, "peft_alone_step_s": t_alone, **rows}
+        rows[f"K={k}"] = {
+            "fused_step_s": t,
+            "samples_per_s": k * batch / t,
+            "vs_peft_one_after_another": k * t_alone / t,
+        }
+    return {
+        "shape": f"{preset} LLaMA, LoRA r=8 on every projection, batch {batch} x {seq} per job",
+        "max_rel_loss_diff_fused_vs_alone": worst,
+        "peft_alone_step_s": t_alone,
+        **rows,
+    }
 
 
 def peak_memory(ctx: Context) -> dict:
     """Peak allocated memory of one training step (forward, backward, AdamW step) per method."""
     if ctx.device.type != "cuda":
         raise Skip("peak memory is torch.cuda.max_memory_allocated: needs a CUDA device")
-    import warnings
 
     from peft import LoraConfig, get_peft_model
 
@@ -714,8 +779,9 @@ def peak_memory(ctx: Context) -> dict:
         "full": None,
         "lora": lambda: LoraConfig(r=16, lora_alpha=32, target_modules=targets),
         "lorafa": lambda: LoraFAConfig(r=16, lora_alpha=32, target_modules=targets),
-        "smt": lambda: SMTConfig(block_size=256, trainable_ratio=0.01, target_modules=["q_proj", "k_proj", "v_proj"],
-                                 init_weights=False),
+        "smt": lambda: SMTConfig(
+            block_size=256, trainable_ratio=0.01, target_modules=["q_proj", "k_proj", "v_proj"], init_weights=False
+        ),
     }
     out = {}
     for name, make in methods.items():
@@ -745,8 +811,11 @@ def peak_memory(ctx: Context) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        out[name] = {"peak_bytes": torch.cuda.max_memory_allocated(), "trainable": sum(p.numel() for p in params),
-                     "seconds_per_step": (time.perf_counter() - t0) / 2}
+        out[name] = {
+            "peak_bytes": torch.cuda.max_memory_allocated(),
+            "trainable": sum(p.numel() for p in params),
+            "seconds_per_step": (time.perf_counter() - t0) / 2,
+        }
         del model, opt, params
     out["lorafa_vs_lora"] = out["lorafa"]["peak_bytes"] / out["lora"]["peak_bytes"]
     out["smt_vs_full"] = out["smt"]["peak_bytes"] / out["full"]["peak_bytes"]
@@ -758,11 +827,6 @@ def delta_memory(ctx: Context) -> dict:
     """DELTA (keep / offload / recompute per layer under a budget; on CUDA the pinned host tier with side-stream
     prefetch) against no saving, full gradient checkpointing and transformers' checkpointing with ``offload=True``:
     peak allocated memory (CUDA) and step time, steady steps after DELTA's profiling step."""
-    import statistics
-
-    from hf_dtrain.memory import apply_delta
-    from hf_dtrain.models import build_llama
-    from hf_dtrain.testing import random_batch
 
     cuda = ctx.device.type == "cuda"
     if cuda and not ctx.quick:
@@ -802,16 +866,21 @@ def delta_memory(ctx: Context) -> dict:
             if step >= 2:
                 times.append(time.perf_counter() - t0)
             losses.append(loss.item())
-        row = {"step_s": statistics.median(times), "loss": losses[-1],
-               "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+        row = {
+            "step_s": statistics.median(times),
+            "loss": losses[-1],
+            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        }
         if scheduler is not None:
             row["tier"] = type(scheduler.tier).__name__
-            row["plan"] = {a: sum(list(p.actions.values()).count(a) for p in scheduler.plans.values())
-                           for a in ("keep", "offload", "recompute")}
+            row["plan"] = {
+                a: sum(list(p.actions.values()).count(a) for p in scheduler.plans.values())
+                for a in ("keep", "offload", "recompute")
+            }
             scheduler.remove()
         out[method] = row
         del model, opt
-    for method, row in list(out.items()):
+    for row in list(out.values()):
         row["step_vs_none"] = row["step_s"] / out["none"]["step_s"]
         if cuda:
             row["peak_vs_none"] = row["peak_bytes"] / out["none"]["peak_bytes"]
@@ -827,16 +896,6 @@ def snapshot_stall(ctx: Context) -> dict:
     with its default stager (pinned host staging on CUDA, asynchronous staging and non-blocking copies): the call
     plus waiting for the previous staging before the next optimizer step and for the previous upload before the
     next save."""
-    import shutil
-    import statistics
-    import tempfile
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    from hf_dtrain.fault import SnapshotEngine
-    from hf_dtrain.models import build_llama
-    from hf_dtrain.testing import random_batch
 
     cuda = ctx.device.type == "cuda"
     steps = 5 if ctx.quick or not cuda else 8
@@ -857,8 +916,9 @@ def snapshot_stall(ctx: Context) -> dict:
             if method == "hf_dtrain_snapshot":
                 engine = SnapshotEngine(model, opt, sched, directory=os.path.join(tmp, "ft"), parity=0)
             else:
-                options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                         use_non_blocking_copy=cuda)
+                options = StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+                )
                 stager = DefaultStager(options)
             for step in range(steps + 1):
                 batch = {k: v.to(ctx.device) for k, v in random_batch(batch=4, seq=256, vocab=vocab, seed=step).items()}
@@ -882,18 +942,25 @@ def snapshot_stall(ctx: Context) -> dict:
                     if upload is not None:
                         upload.result()  # DCP's rule: one save in flight
                         shutil.rmtree(os.path.join(tmp, f"dcp{step - 2}"), ignore_errors=True)  # keep two
-                    if stager is not None and not getattr(getattr(stager, "_state_dict_stager", None),
-                                                              "_deepcopy_dispatch", True):
+                    if stager is not None and not getattr(
+                        getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", True
+                    ):
                         # torch 2.11's async_save closes the stager it is given after each save (the next save then
                         # fails with KeyError: <class 'type'>, seen on an H200); 2.13 keeps it open. A new pinned
                         # stager per save re-pins the whole state every time (minutes on the 1B shape), so from here
                         # on DCP stages with the default it creates itself for this torch
                         stager, dcp_stager = None, "DCP's own default (this torch closes a given stager per save)"
-                    response = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                                              checkpoint_id=os.path.join(tmp, f"dcp{step}"), async_stager=stager,
-                                              no_dist=True)
-                    staging, upload = ((response.staging_completion, response.upload_completion)
-                                       if hasattr(response, "staging_completion") else (None, response))
+                    response = dcp.async_save(
+                        {"model": model.state_dict(), "optimizer": opt.state_dict()},
+                        checkpoint_id=os.path.join(tmp, f"dcp{step}"),
+                        async_stager=stager,
+                        no_dist=True,
+                    )
+                    staging, upload = (
+                        (response.staging_completion, response.upload_completion)
+                        if hasattr(response, "staging_completion")
+                        else (None, response)
+                    )
                 called = time.perf_counter() - c
                 if step >= 2:  # the first saves allocate (our slot, DCP's staging buffers)
                     stalls.append(called + waited)
@@ -907,8 +974,11 @@ def snapshot_stall(ctx: Context) -> dict:
                 if stager is not None:
                     stager.close()
                 nbytes = sum(f.stat().st_size for f in Path(tmp).glob(f"dcp{steps}/*"))
-        out[method] = {"stall_median_s": statistics.median(stalls), "step_median_s": statistics.median(times),
-                       "state_bytes": nbytes}
+        out[method] = {
+            "stall_median_s": statistics.median(stalls),
+            "step_median_s": statistics.median(times),
+            "state_bytes": nbytes,
+        }
         if method == "dcp_async_save":
             out[method]["stager"] = dcp_stager
         del model, opt
@@ -919,12 +989,15 @@ def snapshot_stall(ctx: Context) -> dict:
 
 STEPS = [
     Step("cuda_tests", "the suite's CUDA tests (pytest -m cuda)", cuda_tests),
-    Step("tuners_autocast", "every tuner and peft LoRA under bf16 autocast against fp32, on the device", tuners_autocast),
+    Step(
+        "tuners_autocast", "every tuner and peft LoRA under bf16 autocast against fp32, on the device", tuners_autocast
+    ),
     Step("bnb_4bit", "Q-BaRA on a bitsandbytes NF4 base, on the device", bnb_4bit),
     Step("qahira_merge", "QA-HiRA merged exactly into an HQQ 4-bit base, on the device", qahira_merge),
     Step("comm_hooks", "every DDP comm hook on 2 ranks (NCCL where it can run)", comm_hooks),
-    Step("fsdp2", "FSDP2 with bf16 parameters and activation checkpointing, full and every tuner, on the device",
-         fsdp2),
+    Step(
+        "fsdp2", "FSDP2 with bf16 parameters and activation checkpointing, full and every tuner, on the device", fsdp2
+    ),
     Step("delta_memory", "DELTA against no saving, checkpointing and transformers' offload", delta_memory),
     Step("snapshot_stall", "stall per snapshot: hf_dtrain's in-memory snapshot vs DCP async_save", snapshot_stall),
     Step("fused_sweep", "K LoRA jobs fused (HFTA) vs one after another: exactness, then samples/s", fused_sweep),
@@ -936,6 +1009,7 @@ STEPS = [
 
 # ----------------------------------------------------------------------------------------------------------- driver
 
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
 
@@ -945,11 +1019,11 @@ def _report_folder(ctx: Context, out_dir: Path | None = None) -> Path:
     return Path(out_dir or ctx.out) / re.sub(r"[^A-Za-z0-9._-]+", "_", _device_name(ctx.device)).strip("_")
 
 
-def run(steps: list[Step], ctx: Context, progress: bool = True,
-        after_step: Callable[[list[dict]], None] | None = None) -> list[dict]:
+def run(
+    steps: list[Step], ctx: Context, progress: bool = True, after_step: Callable[[list[dict]], None] | None = None
+) -> list[dict]:
     """Run ``steps`` in order; ``after_step(results so far)`` after each one (the driver writes the report there, so
     a run stopped by a time limit keeps what it measured)."""
-    from tqdm.auto import tqdm
 
     results = []
     for step in tqdm(steps, desc="gpu_check", disable=not progress):
@@ -959,9 +1033,19 @@ def run(steps: list[Step], ctx: Context, progress: bool = True,
         except Skip as why:
             detail, status = {"reason": str(why)}, "skipped"
         except Exception as exc:  # a failed step is reported, and the others still run
-            detail, status = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}, "failed"
-        results.append({"step": step.name, "what": step.what, "status": status,
-                        "seconds": round(time.perf_counter() - t0, 1), "detail": detail})
+            detail, status = (
+                {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]},
+                "failed",
+            )
+        results.append(
+            {
+                "step": step.name,
+                "what": step.what,
+                "status": status,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "detail": detail,
+            }
+        )
         line = f"[{status}] {step.name} ({results[-1]['seconds']} s)"
         if status == "skipped":
             line += f": {detail['reason']}"
@@ -982,9 +1066,15 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
     device = _device_name(ctx.device)
     folder = _report_folder(ctx, out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    env = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device,
-           "cuda": torch.version.cuda, "torch": torch.__version__, "python": platform.python_version(),
-           "dry_run": ctx.dry_run, "command": "python -m hf_dtrain.testing.gpu_check " + " ".join(sys.argv[1:])}
+    env = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "dry_run": ctx.dry_run,
+        "command": "python -m hf_dtrain.testing.gpu_check " + " ".join(sys.argv[1:]),
+    }
     (folder / "gpu_check.json").write_text(json.dumps({"environment": env, "steps": results}, indent=1, default=str))
     lines = [f"# gpu_check on {device}", "", "| step | what | status | seconds | result |", "|---|---|---|---|---|"]
     for r in results:
@@ -993,15 +1083,31 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
         lines.append(f"| {r['step']} | {r['what']} | {r['status']} | {r['seconds']} | {str(brief).replace('|', '/')} |")
     peak = next((r["detail"] for r in results if r["step"] == "peak_memory" and r["status"] == "passed"), None)
     if peak:
-        lines += ["", f"Peak memory, {peak['shape']}:", "", "| method | trainable | peak (GiB) | s/step |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"Peak memory, {peak['shape']}:",
+            "",
+            "| method | trainable | peak (GiB) | s/step |",
+            "|---|---|---|---|",
+        ]
         for m in ("full", "lora", "lorafa", "smt"):
-            lines.append(f"| {m} | {peak[m]['trainable']:,} | {peak[m]['peak_bytes'] / 2**30:.2f} | "
-                         f"{peak[m]['seconds_per_step']:.3f} |")
-        lines += ["", f"LoRA-FA / LoRA: {peak['lorafa_vs_lora']:.2f}; SMT / full fine-tuning: {peak['smt_vs_full']:.2f}"]
+            lines.append(
+                f"| {m} | {peak[m]['trainable']:,} | {peak[m]['peak_bytes'] / 2**30:.2f} | "
+                f"{peak[m]['seconds_per_step']:.3f} |"
+            )
+        lines += [
+            "",
+            f"LoRA-FA / LoRA: {peak['lorafa_vs_lora']:.2f}; SMT / full fine-tuning: {peak['smt_vs_full']:.2f}",
+        ]
     delta = next((r["detail"] for r in results if r["step"] == "delta_memory" and r["status"] == "passed"), None)
     if delta:
-        lines += ["", f"Activation memory, {delta['shape']}:", "", "| method | peak (GiB) | peak / none | step / none |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            f"Activation memory, {delta['shape']}:",
+            "",
+            "| method | peak (GiB) | peak / none | step / none |",
+            "|---|---|---|---|",
+        ]
         for m in ("none", "checkpoint", "hf_offload", "delta_0.5", "delta_0.25"):
             r = delta[m]
             gib = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
@@ -1009,11 +1115,18 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
             lines.append(f"| {m} | {gib} | {ratio} | {r['step_vs_none']:.2f} |")
     stall = next((r["detail"] for r in results if r["step"] == "snapshot_stall" and r["status"] == "passed"), None)
     if stall:
-        lines += ["", f"Stall per snapshot, {stall['shape']}:", "", "| method | stall (s) | step (s) | state bytes |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            f"Stall per snapshot, {stall['shape']}:",
+            "",
+            "| method | stall (s) | step (s) | state bytes |",
+            "|---|---|---|---|",
+        ]
         for m in ("hf_dtrain_snapshot", "dcp_async_save"):
-            lines.append(f"| {m} | {stall[m]['stall_median_s']:.4f} | {stall[m]['step_median_s']:.3f} | "
-                         f"{stall[m]['state_bytes']:,} |")
+            lines.append(
+                f"| {m} | {stall[m]['stall_median_s']:.4f} | {stall[m]['step_median_s']:.3f} | "
+                f"{stall[m]['state_bytes']:,} |"
+            )
         lines += ["", f"stall, ours / DCP async_save: {stall['stall_ours_vs_dcp']:.2f}"]
     lines += ["", "## Environment"] + [f"- {k}: {v}" for k, v in env.items()]
     (folder / "gpu_check.md").write_text("\n".join(lines) + "\n")
@@ -1025,8 +1138,9 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
         ax.set_title(f"one training step, {device}")
     else:
         colors = {"passed": "tab:green", "skipped": "tab:gray", "failed": "tab:red"}
-        ax.barh([r["step"] for r in results], [r["seconds"] for r in results],
-                color=[colors[r["status"]] for r in results])
+        ax.barh(
+            [r["step"] for r in results], [r["seconds"] for r in results], color=[colors[r["status"]] for r in results]
+        )
         ax.set_xlabel("seconds (green passed, grey skipped, red failed)")
         ax.set_title(f"gpu_check on {device}")
     fig.tight_layout()
@@ -1036,22 +1150,38 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hf_dtrain.testing.gpu_check", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-dry-run", action="store_true", help="run every step on CPU where it can, skipping the "
-                    "CUDA-only measurements with a line each")
+    ap = argparse.ArgumentParser(
+        prog="python -m hf_dtrain.testing.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run every step on CPU where it can, skipping the CUDA-only measurements with a line each",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu"), help="results folder")
-    ap.add_argument("--only", default="", help="comma-separated steps to run, in the order given (of "
-                    f"{', '.join(s.name for s in STEPS)}); a device lease too short for every step runs the ones "
-                    "that matter first")
-    ap.add_argument("--throughput-budget", type=float, default=Context.throughput_budget,
-                    help="seconds within which the throughput step starts new (method, mode) rows (default "
-                    f"{Context.throughput_budget:g})")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated steps to run, in the order given (of "
+        f"{', '.join(s.name for s in STEPS)}); a device lease too short for every step runs the ones "
+        "that matter first",
+    )
+    ap.add_argument(
+        "--throughput-budget",
+        type=float,
+        default=Context.throughput_budget,
+        help="seconds within which the throughput step starts new (method, mode) rows (default "
+        f"{Context.throughput_budget:g})",
+    )
     ap.add_argument("--quick", action="store_true", help="smaller batches for the measurements")
     args = ap.parse_args(argv)
     if not args.cpu_dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here. Run it on a GPU machine, or add --cpu-dry-run to run every step on "
-              "CPU.", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device here. Run it on a GPU machine, or add --cpu-dry-run to run every step on CPU.",
+            file=sys.stderr,
+        )
         return 2
     steps = STEPS
     if args.only:
@@ -1064,13 +1194,21 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu_dry_run else torch.device("cpu")
     if args.throughput_budget <= 0:
         ap.error(f"--throughput-budget must be positive seconds, got {args.throughput_budget}")
-    ctx = Context(device=device, dry_run=args.cpu_dry_run, quick=args.quick, out=Path(args.out),
-                  throughput_budget=args.throughput_budget)
+    ctx = Context(
+        device=device,
+        dry_run=args.cpu_dry_run,
+        quick=args.quick,
+        out=Path(args.out),
+        throughput_budget=args.throughput_budget,
+    )
     print(f"gpu_check on {_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
     results = run(steps, ctx, after_step=lambda done: write_report(done, ctx, Path(args.out)))
     folder = write_report(results, ctx, Path(args.out))
     failed = [r["step"] for r in results if r["status"] == "failed"]
-    print(f"results in {folder}/gpu_check.{{json,md,png}}; " + (f"FAILED: {', '.join(failed)}" if failed else "no failures"))
+    print(
+        f"results in {folder}/gpu_check.{{json,md,png}}; "
+        + (f"FAILED: {', '.join(failed)}" if failed else "no failures")
+    )
     return 1 if failed else 0
 
 

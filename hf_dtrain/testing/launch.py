@@ -3,13 +3,20 @@ an elastic-agent style launcher of one process per rank."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import runpy
 import socket
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+
+from ..distributed.groups import release_process_group
 
 
 def free_port() -> int:
@@ -31,22 +38,21 @@ def run_python(code: str, timeout: float = 300, env: dict | None = None, cwd: st
 
 
 @contextmanager
-def gloo_group(rank: int, world_size: int, addr: str = "127.0.0.1", port: int | str = 29500,
-               timeout_s: float = 60):
+def gloo_group(rank: int, world_size: int, addr: str = "127.0.0.1", port: int | str = 29500, timeout_s: float = 60):
     """A gloo default process group for the block (every collective times out after ``timeout_s``), destroyed
     safely at the end. Keep DDP models inside a function called in the block, not in the block's own locals: a DDP
     freed after the group is destroyed drops the group's last reference with the GIL held, and the group's
     destructor then deadlocks with its worker threads (pytorch/pytorch#56297; one rank exits, the other never does).
     The exit collects reference cycles while the group is still registered, then destroys it."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from ..distributed import release_process_group
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     try:
         yield
     finally:
@@ -62,23 +68,27 @@ def _rank_context():
     """The multiprocessing context ranks start in: a forkserver with the heavy modules preloaded where that is safe
     (Linux, no CUDA device: a process that touched CUDA must never be forked), else ``spawn``. The forkserver is
     started once per process by its first use, imports nothing but ``_PRELOAD`` and runs no threads when it forks."""
-    import multiprocessing as mp
 
-    if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_available() \
-            or os.environ.get("HF_DTRAIN_SPAWN_RANKS"):
+    if (
+        "forkserver" not in mp.get_all_start_methods()
+        or torch.cuda.is_available()
+        or os.environ.get("HF_DTRAIN_SPAWN_RANKS")
+    ):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
-def _distributed_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout_s: float,
-                       environ: dict | None = None) -> None:
+def _distributed_entry(
+    fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout_s: float, environ: dict | None = None
+) -> None:
     if environ is not None:  # a forked rank has the forkserver's environment: take the caller's, as spawn would
         os.environ.clear()
         os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     with gloo_group(rank, world_size, port=port, timeout_s=pg_timeout_s):
         fn(rank, world_size, *args)
 
@@ -88,13 +98,14 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
     process group on a free localhost port. Every collective times out after ``pg_timeout_s``; the whole run is
     killed after ``timeout`` seconds. Raises if any rank fails or hangs. ``fn`` must be importable (a module-level
     function)."""
-    import time
 
     ctx = _rank_context()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_distributed_entry, args=(fn, r, world_size, port, args, pg_timeout_s, environ))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_distributed_entry, args=(fn, r, world_size, port, args, pg_timeout_s, environ))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -118,7 +129,6 @@ def _forked_rank(module: str, args: list[str], environ: dict, log_path: str | No
     """``python -m module *args`` in a rank forked from the preloaded forkserver: the caller's environment,
     working directory and output file, and the intra-op threads ``OMP_NUM_THREADS`` asks for (the forkserver's
     OpenMP runtime read its own environment when torch loaded)."""
-    import runpy
 
     os.environ.clear()
     os.environ.update(environ)
@@ -155,15 +165,24 @@ class _ForkedProcess:
             os.kill(self.pid, sig)
 
 
-def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, timeout: float = 300,
-                   log_dir: str | None = None, per_rank_env=None, per_rank_argv=None,
-                   master_addr: str = "127.0.0.1", grace_after_signal: float = 0.5,
-                   dump_signal: int | None = None, preloaded: bool = False) -> list[int]:
+def elastic_launch(
+    argv: list[str],
+    world_size: int,
+    env: dict | None = None,
+    timeout: float = 300,
+    log_dir: str | None = None,
+    per_rank_env=None,
+    per_rank_argv=None,
+    master_addr: str = "127.0.0.1",
+    grace_after_signal: float = 0.5,
+    dump_signal: int | None = None,
+    preloaded: bool = False,
+) -> list[int]:
     """Start ``argv`` once per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``,
     ``LOCAL_WORLD_SIZE=1`` and ``HF_DTRAIN_NODE_RANK=rank``: every rank its own emulated node) and behave as an
     elastic agent: when one rank dies the others are killed (at once after a signal; after up to 15 s for ranks
-    that exit with an error, which may be refusing the same thing). Returns the exit codes (``-9`` for SIGKILL). Output goes
-    to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers).
+    that exit with an error, which may be refusing the same thing). Returns the exit codes (``-9`` for SIGKILL). Output
+    goes to ``log_dir/rank{r}.out`` (files, not pipes: a rank blocked on a full pipe would stall its peers).
     ``per_rank_argv(rank, argv)``: the command of that rank (``Host.command`` to run it in an emulated host).
     ``grace_after_signal``: how long the others may run after a rank died of a signal (a test of what survivors
     do). ``dump_signal``: sent to a rank still running when that grace is over, a second before it is killed (the
@@ -173,7 +192,6 @@ def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, ti
     cores), for a module whose work ends with its files flushed (the rank leaves through ``os._exit``); where the
     forkserver is not used (``HF_DTRAIN_SPAWN_RANKS``, a CUDA device, ``per_rank_argv``) it is a fresh interpreter
     as without it."""
-    import time
 
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -183,9 +201,19 @@ def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, ti
         ctx = _rank_context()
         ctx = ctx if ctx.get_start_method() == "forkserver" else None
     for rank in range(world_size):
-        e = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
-                 MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1", HF_DTRAIN_NODE_RANK=str(rank), OMP_NUM_THREADS="1",
-                 PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **(env or {}))
+        e = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(port),
+            LOCAL_WORLD_SIZE="1",
+            HF_DTRAIN_NODE_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            **(env or {}),
+        )
         if per_rank_env is not None:
             e.update(per_rank_env(rank))
         if ctx is not None:
@@ -234,7 +262,6 @@ def elastic_launch(argv: list[str], world_size: int, env: dict | None = None, ti
 
 def mean_over_ranks(value: float, group=None) -> float:
     """The mean of a per-rank number over the ranks of ``group`` (one all-reduce)."""
-    import torch.distributed as dist
 
     t = torch.tensor(float(value), dtype=torch.float64)
     dist.all_reduce(t, group=group)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import torch
+import shutil
+import time
 
-from hf_dtrain.distributed import SavedTensorCounter  # noqa: F401  (re-exported for the tests)
-from hf_dtrain.models import build_llama
+import torch
+from transformers import AutoTokenizer
+
+from hf_dtrain.distributed.counters import SavedTensorCounter  # noqa: F401  (re-exported for the tests)
+from hf_dtrain.models import build_default_model, build_llama
 
 
 def tiny_llama(seed: int = 0, **overrides):
@@ -22,10 +26,17 @@ def random_batch(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 0)
 def tiny_default_base(cache_dir, steps: int = 200, seed: int = 0) -> str:
     """The embedded default base model built at test size: "test" preset, a 300 kB slice of the stdlib, ``steps``
     pretraining steps (seconds on CPU), cached under ``cache_dir``."""
-    from hf_dtrain.models import build_default_model
 
-    return build_default_model("test", cache_dir=cache_dir, steps=steps, seed=seed, progress=False,
-                               data_bytes=300_000, batch_size=8, seq_len=64)
+    return build_default_model(
+        "test",
+        cache_dir=cache_dir,
+        steps=steps,
+        seed=seed,
+        progress=False,
+        data_bytes=300_000,
+        batch_size=8,
+        seq_len=64,
+    )
 
 
 def train_steps(model, steps: int, lr: float = 1e-2, batch_seed=lambda step: 0, optimizer=None) -> list[float]:
@@ -45,7 +56,6 @@ def train_steps(model, steps: int, lr: float = 1e-2, batch_seed=lambda step: 0, 
 def train_on_loader(model, optimizer, loader, times: list | None = None) -> list[float]:
     """One pass of ``model`` over ``loader`` (batches of model kwargs with labels); returns the losses. ``times``,
     if given, receives the seconds since the start after every step."""
-    import time
 
     losses = []
     t0 = time.perf_counter()
@@ -68,15 +78,13 @@ CHAT_TEMPLATE = (
     "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
     "{% else %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
 
 def chat_llama_checkpoint(path, cache_dir, steps: int = 20) -> str:
     """A locally saved LLaMA-architecture checkpoint whose tokenizer has a chat template (the test-size default base
     with :data:`CHAT_TEMPLATE`): what a user's ``--model ./my-llama`` looks like, at test size."""
-    import shutil
-
-    from transformers import AutoTokenizer
 
     base = tiny_default_base(cache_dir, steps=steps)
     shutil.copytree(base, path, dirs_exist_ok=True)

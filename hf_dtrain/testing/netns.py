@@ -14,10 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass
@@ -58,8 +59,9 @@ def _netem_available() -> bool:
 
 
 @contextmanager
-def emulated_hosts(n: int, rate: Optional[str] = "100mbit", delay_ms: float = 0.0, subnet: int = 77,
-                   rates: Optional[list] = None):
+def emulated_hosts(
+    n: int, rate: str | None = "100mbit", delay_ms: float = 0.0, subnet: int = 77, rates: list | None = None
+):
     """Create ``n`` hosts (2 to 4) whose links to a shared bridge carry at most ``rate`` each way (``tc tbf``;
     None: unlimited); ``rates`` gives each host its own (a slowed host). ``delay_ms`` adds ``netem`` delay where the
     kernel has it (raises otherwise). Yields the hosts."""
@@ -68,10 +70,14 @@ def emulated_hosts(n: int, rate: Optional[str] = "100mbit", delay_ms: float = 0.
     if not 2 <= n <= 4:
         raise ValueError(f"emulated_hosts supports 2 to 4 hosts, got n={n}.")
     if delay_ms and not _netem_available():
-        raise ValueError("delay_ms needs the sch_netem kernel module, which this kernel does not have; use delay_ms=0 "
-                         "(rate limits with tbf still work).")
+        raise ValueError(
+            "delay_ms needs the sch_netem kernel module, which this kernel does not have; use delay_ms=0 "
+            "(rate limits with tbf still work)."
+        )
     # SIGTERM (timeout, kill) would end Python without running ``finally``: turn it into SystemExit meanwhile
-    previous = signal.signal(signal.SIGTERM, _raise_exit) if threading.current_thread() is threading.main_thread() else None
+    previous = (
+        signal.signal(signal.SIGTERM, _raise_exit) if threading.current_thread() is threading.main_thread() else None
+    )
     tag = f"hd{os.getpid() % 100000}"
     switch = f"{tag}sw"
     hosts = [Host(f"{tag}h{i}", f"{tag}a{i}", f"10.{subnet}.{os.getpid() % 250}.{i + 1}") for i in range(n)]
@@ -96,12 +102,44 @@ def emulated_hosts(n: int, rate: Optional[str] = "100mbit", delay_ms: float = 0.
             link_rate = rates[i] if rates is not None else rate
             for ns, dev in ((host.namespace, host.interface), (switch, peer)):  # both directions
                 if link_rate is not None:
-                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-                         "rate", link_rate, "burst", "64kb", "latency", "50ms")
+                    _run(
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "handle",
+                        "1:",
+                        "tbf",
+                        "rate",
+                        link_rate,
+                        "burst",
+                        "64kb",
+                        "latency",
+                        "50ms",
+                    )
                 if delay_ms:
                     parent = ["parent", "1:1"] if link_rate is not None else ["root"]
-                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *parent, "netem", "delay",
-                         f"{delay_ms / 2}ms")
+                    _run(
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        *parent,
+                        "netem",
+                        "delay",
+                        f"{delay_ms / 2}ms",
+                    )
         yield hosts
     finally:
         for ns in reversed(created):
@@ -114,7 +152,7 @@ def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def run_on_hosts(hosts: list[Host], argv, timeout: float = 300, env: Optional[dict] = None) -> list[str]:
+def run_on_hosts(hosts: list[Host], argv, timeout: float = 300, env: dict | None = None) -> list[str]:
     """Run ``argv(rank, hosts)`` (a list of strings) in every host's namespace at once, with ``GLOO_SOCKET_IFNAME``
     set to the host's interface; return each rank's stdout. Every process is killed after ``timeout`` seconds;
     a failure or a timeout raises with the failing rank's stderr."""
@@ -127,8 +165,6 @@ def run_ranks(commands: list[list[str]], envs: list[dict], timeout: float = 300)
     """Start every rank's command at once and return each stdout; kill all after ``timeout`` seconds; raise with the
     first failing rank's stderr. Output goes to files, not pipes: a rank blocked on a full pipe would stall the
     collective its peers wait in."""
-    import tempfile
-    import time
 
     procs, files = [], []
     deadline = time.monotonic() + timeout
@@ -161,6 +197,7 @@ def run_ranks(commands: list[list[str]], envs: list[dict], timeout: float = 300)
         # the cause: a rank that did not merely lose its connection to the one that failed first
         cause = next((r for r in failed if "by peer" not in errors[r]), failed[0])
         codes = {r: procs[r].returncode for r in failed}
-        raise RuntimeError(f"rank {cause} failed on the emulated network (exit codes {codes}):\n"
-                           f"{errors[cause][-4000:]}")
+        raise RuntimeError(
+            f"rank {cause} failed on the emulated network (exit codes {codes}):\n{errors[cause][-4000:]}"
+        )
     return outputs

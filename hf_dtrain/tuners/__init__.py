@@ -17,9 +17,21 @@ register("qahira", QAHiRAConfig, QAHiRAModel, prefix="qahr_")
 register("qbara", QBaRAConfig, QBaRAModel, prefix="qbara_")
 
 # each tuner pushes its fine-tuning job entry (hf_dtrain.tuners.finetune_method) when its job.py is imported
+# the order below is the order --method lists the tuners in
+# isort: off
 from .lorafa import job as _lorafa_job  # noqa: E402,F401
 from .smt import job as _smt_job  # noqa: E402,F401
 from .qbara import job as _qbara_job  # noqa: E402,F401
 from .qahira import job as _qahira_job  # noqa: E402,F401
+# isort: on
 
-__all__ = ["SMTConfig", "SMTModel", "LoraFAConfig", "LoraFAModel", "QAHiRAConfig", "QAHiRAModel", "QBaRAConfig", "QBaRAModel"]
+__all__ = [
+    "LoraFAConfig",
+    "LoraFAModel",
+    "QAHiRAConfig",
+    "QAHiRAModel",
+    "QBaRAConfig",
+    "QBaRAModel",
+    "SMTConfig",
+    "SMTModel",
+]

@@ -4,7 +4,6 @@ merge/unmerge bookkeeping, so a method only says how its delta is applied to the
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge
@@ -74,8 +73,8 @@ class MergeableLinearMixin:
     """merge/unmerge for a tuner layer that names its trainable container in ``adapter_layer_names[0]``.
 
     ``forward`` is the base output plus ``_adapter_output(x, adapter)`` of every active adapter (the only part a layer
-    writes). ``_apply_delta(weight, adapter, sign)`` adds ``sign`` times the adapter's update to ``weight`` (in place); the
-    default adds the dense ``get_delta_weight(adapter)``, layers with a sparse update (SMT) override it, and layers
+    writes). ``_apply_delta(weight, adapter, sign)`` adds ``sign`` times the adapter's update to ``weight`` (in place);
+    the default adds the dense ``get_delta_weight(adapter)``, layers with a sparse update (SMT) override it, and layers
     with a quantized base override ``_merge_one``."""
 
     def _has_adapter(self, adapter: str) -> bool:
@@ -87,13 +86,17 @@ class MergeableLinearMixin:
     def _merge_one(self, adapter: str, sign: float, safe_merge: bool = False) -> None:
         """Add ``sign`` times the adapter's update to the base weight; layers with a quantized base override this."""
         base = self.get_base_layer()
-        dense = (isinstance(base, torch.nn.Linear) and base.weight.is_floating_point()
-                 and tuple(base.weight.shape) == (base.out_features, base.in_features))
+        dense = (
+            isinstance(base, torch.nn.Linear)
+            and base.weight.is_floating_point()
+            and tuple(base.weight.shape) == (base.out_features, base.in_features)
+        )
         if not dense:
             raise ValueError(
                 f"{type(self).__module__.split('.')[-2]} adapters merge into dense floating-point nn.Linear weights; "
                 f"this base is {type(base).__name__} (quantized), where a merge would have to re-quantize and round. "
-                "Load the base in fp16/bf16/fp32 to merge, or use QA-HiRA on an HQQ or Int4Linear base for an exact merge into 4 bits."
+                "Load the base in fp16/bf16/fp32 to merge, or use QA-HiRA on an HQQ or Int4Linear base for an exact "
+                "merge into 4 bits."
             )
         weight = base.weight.data.clone() if safe_merge else base.weight.data
         merged = self._apply_delta(weight, adapter, sign)
@@ -101,7 +104,7 @@ class MergeableLinearMixin:
             raise ValueError(f"NaNs detected in the merged weights; adapter {adapter!r} seems to be broken.")
         base.weight.data = merged
 
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         for name in check_adapters_to_merge(self, adapter_names):
             if self._has_adapter(name):
                 self._merge_one(name, 1.0, safe_merge)
@@ -109,14 +112,14 @@ class MergeableLinearMixin:
 
     def unmerge(self) -> None:
         if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
             return
         while self.merged_adapters:
             name = self.merged_adapters.pop()
             if self._has_adapter(name):
                 self._merge_one(name, -1.0)
 
-    def _adapter_output(self, x: torch.Tensor, adapter: str) -> Optional[torch.Tensor]:
+    def _adapter_output(self, x: torch.Tensor, adapter: str) -> torch.Tensor | None:
         """What ``adapter`` adds to the base layer's output for input ``x`` (None: nothing)."""
         raise NotImplementedError
 

@@ -10,7 +10,12 @@ class objects), leaves exactly one enum member and one mapping entry per method,
 
 from __future__ import annotations
 
+import os
+
+from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
 from peft.utils import PeftType, register_peft_method
+
+from hf_dtrain.settings import RELEASE as release
 
 # Prefixes already used by peft; ours must be neither a substring nor a superstring of any of them, because peft
 # selects trainable parameters and saved tensors by substring match on the prefix.
@@ -37,7 +42,6 @@ def extend_peft_type(name: str) -> PeftType:
 
 
 def _check_prefix(prefix: str) -> None:
-    from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
 
     for fragment in _FORBIDDEN_FRAGMENTS:
         if fragment in prefix:
@@ -72,7 +76,6 @@ def register(name: str, config_cls: type, model_cls: type, prefix: str) -> PeftT
     return peft_type
 
 
-
 MODEL_CARD_MARK = "<!-- hf_dtrain -->"
 
 
@@ -84,19 +87,19 @@ class HfDtrainConfigMixin:
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
         super().save_pretrained(save_directory, **kwargs)
-        import os
 
-        from hf_dtrain.settings import RELEASE as release
         method = str(getattr(self.peft_type, "value", self.peft_type))
         card = os.path.join(save_directory, "README.md")
         text = open(card).read() if os.path.exists(card) else ""
         if MODEL_CARD_MARK in text:
             return
-        note = (f"\n{MODEL_CARD_MARK}\n## Loading this adapter\n\nThis is a **{method}** adapter from "
-                f"[hf_dtrain](https://pypi.org/project/hf-dtrain/) {release}. peft knows the method once hf_dtrain "
-                f"is imported:\n\n```python\nimport hf_dtrain  # registers {method} with peft (pip install "
-                f"hf-dtrain=={release})\nfrom peft import AutoPeftModelForCausalLM\nmodel = "
-                "AutoPeftModelForCausalLM.from_pretrained(\"path/to/this/adapter\")\n```\n\nWithout the import, "
-                f"peft stops with `KeyError: '{method}'`.\n")
+        note = (
+            f"\n{MODEL_CARD_MARK}\n## Loading this adapter\n\nThis is a **{method}** adapter from "
+            f"[hf_dtrain](https://pypi.org/project/hf-dtrain/) {release}. peft knows the method once hf_dtrain "
+            f"is imported:\n\n```python\nimport hf_dtrain  # registers {method} with peft (pip install "
+            f"hf-dtrain=={release})\nfrom peft import AutoPeftModelForCausalLM\nmodel = "
+            'AutoPeftModelForCausalLM.from_pretrained("path/to/this/adapter")\n```\n\nWithout the import, '
+            f"peft stops with `KeyError: '{method}'`.\n"
+        )
         with open(card, "a") as f:
             f.write(note)

@@ -16,8 +16,11 @@ import the job.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
+
+from peft import LoraConfig
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -28,8 +31,8 @@ class FinetuneMethod:
     default_lr: float
     build_config: Callable[[Any, Any], Any]  # (job config, base model) -> peft config, or None (full fine-tuning)
     quantized_bases: tuple[str, ...] = ()  # the --quantize values it trains on
-    build_optimizer: Optional[Callable[[Any, Any, float, float], Any]] = None  # (cfg, model, lr, wd) -> optimizer
-    settings: Optional[type] = None  # its own section of the job config (a dataclass), named after the method
+    build_optimizer: Callable[[Any, Any, float, float], Any] | None = None  # (cfg, model, lr, wd) -> optimizer
+    settings: type | None = None  # its own section of the job config (a dataclass), named after the method
 
 
 # name -> method, in registration order
@@ -42,8 +45,9 @@ def register_finetune_method(method: FinetuneMethod) -> FinetuneMethod:
     if not isinstance(method, FinetuneMethod):
         raise TypeError(f"register_finetune_method takes a FinetuneMethod, got {type(method).__name__}.")
     if not method.name.isidentifier() or method.name != method.name.lower():
-        raise ValueError(f"FinetuneMethod.name must be a lower-case identifier (it is a flag section), got "
-                         f"{method.name!r}.")
+        raise ValueError(
+            f"FinetuneMethod.name must be a lower-case identifier (it is a flag section), got {method.name!r}."
+        )
     FINETUNE_METHODS[method.name] = method
     return method
 
@@ -63,14 +67,20 @@ def lora_budget(rank: int, shapes) -> int:
 
 
 def _lora(cfg, model, dora=False):
-    from peft import LoraConfig
 
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.target_modules or LORA_TARGETS, use_dora=dora, task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules or LORA_TARGETS,
+        use_dora=dora,
+        task_type="CAUSAL_LM",
+    )
 
 
 # peft's own methods and full fine-tuning (hf_dtrain's tuners register from their job.py)
 register_finetune_method(FinetuneMethod("lora", 4e-3, _lora, quantized_bases=("nf4", "hqq4")))
-register_finetune_method(FinetuneMethod("dora", 4e-3, lambda cfg, model: _lora(cfg, model, dora=True),
-                                        quantized_bases=("nf4",)))
+register_finetune_method(
+    FinetuneMethod("dora", 4e-3, lambda cfg, model: _lora(cfg, model, dora=True), quantized_bases=("nf4",))
+)
 register_finetune_method(FinetuneMethod("full", 5e-4, lambda cfg, model: None))

@@ -97,13 +97,16 @@ def _acp_rank(rank, world, out_dir, rank_r):
     dense = sum(p.numel() for p in model.parameters()) * 4
     expected = [dense] * START + [counted((t - START) % 2 == 0) for t in range(START, STEPS)]
     assert state.stats.steps == expected, (state.stats.steps, expected)
-    assert expected[START:] == [acp_sgd_step_bytes(state, [(n, p.shape) for n, p in model.module.named_parameters()],
-                                                   even=(t - START) % 2 == 0) for t in range(START, STEPS)]
+    assert expected[START:] == [
+        acp_sgd_step_bytes(state, [(n, p.shape) for n, p in model.module.named_parameters()], even=(t - START) % 2 == 0)
+        for t in range(START, STEPS)
+    ]
     if rank == 0:
         with open(f"{out_dir}/bytes.json", "w") as f:
             json.dump({"steps": state.stats.steps, "dense": dense}, f)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world", [2, 3])
 def test_acp_sgd_error_feedback_identity_replicas_and_bytes(tmp_path, world):
     run_distributed(_acp_rank, world_size=world, args=(str(tmp_path), 4), timeout=240)
@@ -117,7 +120,9 @@ def _bad_rank(rank, world, case):
 
     model = _ddp_model()
     if case == "rank_too_large":
-        with pytest.raises(ValueError, match=r"ACP-SGD rank=65 exceeds min\(128, 64\) of 'model.embed_tokens.weight'.*use rank <= 64"):
+        with pytest.raises(
+            ValueError, match=r"ACP-SGD rank=65 exceeds min\(128, 64\) of 'model.embed_tokens.weight'.*use rank <= 64"
+        ):
             register(model, {"rank": 65, "min_compression_rate": 0})
     elif case == "mismatch":
         with pytest.raises(ValueError, match=r"comm hook config differs across ranks.*same recipe"):
@@ -137,8 +142,11 @@ def test_unwrapped_model_and_bad_config():
 
     with pytest.raises(TypeError, match=r"needs the DistributedDataParallel model that accelerator.prepare"):
         register(tiny_llama(), "acp_sgd")
-    with pytest.raises(ValueError, match=r"method='topk' is unknown; set comm_hook.method \(--comm-hook\) to one of "
-                                         r"allreduce, bf16, fp16, acp_sgd"):
+    with pytest.raises(
+        ValueError,
+        match=r"method='topk' is unknown; set comm_hook.method \(--comm-hook\) to one of "
+        r"allreduce, bf16, fp16, acp_sgd",
+    ):
         CommHookConfig(method="topk")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['rnak'\]"):
         CommHookConfig.from_any({"rnak": 4})
@@ -162,11 +170,30 @@ def test_accelerate_way_in_registers_on_the_prepared_model(tmp_path):
     hook_yaml = tmp_path / "hook.yaml"  # the method's settings as a YAML recipe (recipes/comm_acp_sgd.yaml's shape)
     hook_yaml.write_text("comm_hook:\n  method: acp_sgd\n  rank: 4\n  start_iter: 4\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(free_port()), "recipes/comm_hooks_accelerate.py", "--model", base,
-           "--steps", "12", "--hook-config", str(hook_yaml), "--out", str(tmp_path / "out")]
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/accelerate/cpu_2proc.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "recipes/comm_hooks_accelerate.py",
+        "--model",
+        base,
+        "--steps",
+        "12",
+        "--hook-config",
+        str(hook_yaml),
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    env = dict(
+        os.environ,
+        ACCELERATE_USE_CPU="true",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.load(open(tmp_path / "out" / f"comm_{r}.json")) for r in range(2)]

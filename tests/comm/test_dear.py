@@ -14,12 +14,13 @@ from hf_dtrain.testing import run_distributed
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 4))
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
 
 
 def _train(model, optimizer, scheduler, gen, steps, dear_state=None, check_deferred=False):
-    for step in range(steps):
+    for _step in range(steps):
         x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
         loss = (model(x) - y).pow(2).mean()
         loss.backward()
@@ -74,8 +75,9 @@ def _dear_rank(rank, world):
 def _scaled_sgd(rank):
     """A GradScaler in front of plain SGD, whose update is proportional to the gradient (AdamW's is not, and would hide
     a lost unscale): the first step overflows and is skipped, then DeAR's deferred updates equal DDP's."""
-    import hf_dtrain.comm as comm
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_dtrain.comm as comm
 
     def run(dear):
         model = DDP(_model())
@@ -146,10 +148,21 @@ def _ordering_rank(rank, world):
     state.flush()
     last = len(trace) - 1 - trace[::-1].index(("step", 2))
     first_fwd = trace.index(("fwd", 0), last)
-    steady = trace[last + 1:first_fwd + 9]  # the forward of step 2: updates of step 1, one layer at a time
-    assert steady == [("ag", 1), ("apply", 0), ("fwd", 0), ("ag", 2), ("apply", 1), ("fwd", 1), ("ag", 3),
-                      ("apply", 2), ("fwd", 2), ("apply", 3), ("fwd", 3)], steady
-    backward = trace[first_fwd + 9:]
+    steady = trace[last + 1 : first_fwd + 9]  # the forward of step 2: updates of step 1, one layer at a time
+    assert steady == [
+        ("ag", 1),
+        ("apply", 0),
+        ("fwd", 0),
+        ("ag", 2),
+        ("apply", 1),
+        ("fwd", 1),
+        ("ag", 3),
+        ("apply", 2),
+        ("fwd", 2),
+        ("apply", 3),
+        ("fwd", 3),
+    ], steady
+    backward = trace[first_fwd + 9 :]
     for i in range(1, 4):  # layer i's reduce-scatter is on the wire before layer i-1 has its gradients
         assert backward.index(("rs", i)) < backward.index(("grad", i - 1)), backward
     last_grad = max(i for i, e in enumerate(backward) if e[0] == "grad")

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
 
-from hf_dtrain.testing import random_batch, run_distributed, tiny_llama  # noqa: E402
+from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
 
 STEPS = 4
 
@@ -21,8 +21,13 @@ def _engine(stage=0, accumulation=1, clipping=0.0):
     torch.manual_seed(0)
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**6, "gradient_clipping": clipping}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**6,
+        "gradient_clipping": clipping,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
     return engine
 
@@ -62,8 +67,10 @@ def _ds_rank(rank, world, out_dir, method, accumulation):
             assert state.stats.steps[2] == acp_sgd_step_bytes(state, shapes, even=True)
             assert state.stats.steps[3] == acp_sgd_step_bytes(state, shapes, even=False)
     if rank == 0:
-        torch.save({n: p.detach().clone() for n, p in engine.module.named_parameters()},
-                   f"{out_dir}/{method}_{accumulation}.pt")
+        torch.save(
+            {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            f"{out_dir}/{method}_{accumulation}.pt",
+        )
 
 
 @pytest.mark.slow

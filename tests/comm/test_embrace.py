@@ -90,7 +90,9 @@ def _not_excluded(rank, world):
     import hf_dtrain.comm as comm
 
     model = DDP(_EmbModel(50))
-    with pytest.raises(ValueError, match=r"still inside DDP\. Call hf_dtrain\.comm\.exclude_embeddings\(model\) before"):
+    with pytest.raises(
+        ValueError, match=r"still inside DDP\. Call hf_dtrain\.comm\.exclude_embeddings\(model\) before"
+    ):
         comm.register(model, "embrace")
     with pytest.raises(ValueError, match=r"must run before the model is wrapped"):
         comm.exclude_embeddings(model)
@@ -103,8 +105,11 @@ def test_embrace_needs_embeddings_excluded_before_wrapping():
 def test_embrace_bad_config():
     from hf_dtrain.comm import CommHookConfig, exclude_embeddings
 
-    with pytest.raises(ValueError, match=r"exchange='ring' is unknown; set comm_hook.exchange to one of allgather, "
-                                         r"alltoall"):
+    with pytest.raises(
+        ValueError,
+        match=r"exchange='ring' is unknown; set comm_hook.exchange to one of allgather, "
+        r"alltoall",
+    ):
         CommHookConfig(method="embrace", exchange="ring")
     with pytest.raises(ValueError, match=r"found no trainable nn.Embedding"):
         exclude_embeddings(nn.Linear(3, 3))
@@ -159,7 +164,7 @@ def _sharded_rank(rank, world):
     tied = _EmbModel(vocab)
     tied.out = nn.Linear(8, vocab, bias=False)
     tied.out.weight = tied.emb.weight
-    with pytest.raises(ValueError, match="tied to another module.*Untie it, or use exchange='allgather'"):
+    with pytest.raises(ValueError, match=r"tied to another module.*Untie it, or use exchange='allgather'"):
         comm.shard_embeddings(tied)
     dist.barrier()
 

@@ -1,6 +1,7 @@
 """Every communication hook on a bf16 model (bf16 gradient buckets) and under fp16 autocast with a GradScaler, 2 gloo
-ranks: training stays finite and the replicas stay identical (bf16 / fp16: torch's compress hooks, half the bytes). ACP-SGD's QR has no bf16 kernel; it orthogonalizes in
-fp32 (it crashed before). ACP-SGD kept the nan of an overflowing fp16 step in its state (fixed)."""
+ranks: training stays finite and the replicas stay identical (bf16 / fp16: torch's compress hooks, half the bytes).
+ACP-SGD's QR has no bf16 kernel; it orthogonalizes in fp32 (it crashed before). ACP-SGD kept the nan of an overflowing
+fp16 step in its state (fixed)."""
 
 import pytest
 
@@ -39,7 +40,7 @@ def _check_finite_and_identical(ddp, model, method, world):
 
     from hf_dtrain.testing import random_batch
 
-    ddp(**random_batch(batch=2, seq=8, seed=99)).loss  # DeAR applies its last update in the next forward
+    _ = ddp(**random_batch(batch=2, seq=8, seed=99)).loss  # DeAR applies its last update in the next forward
     flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     assert torch.isfinite(flat).all(), method
     other = [torch.zeros_like(flat) for _ in range(world)]

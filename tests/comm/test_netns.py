@@ -34,8 +34,9 @@ def _allreduce_seconds(tmp_path, n, rate):
     port = str(free_port())
     with emulated_hosts(n, rate=rate) as hosts:
         names = [h.namespace for h in hosts]
-        out = run_on_hosts(hosts, lambda r, hs: [sys.executable, str(script), str(r), str(n), hs[0].address, port],
-                           timeout=120)
+        out = run_on_hosts(
+            hosts, lambda r, hs: [sys.executable, str(script), str(r), str(n), hs[0].address, port], timeout=120
+        )
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)  # cleaned up
     return max(float(o) for o in out)
@@ -51,6 +52,5 @@ def test_tbf_limits_gloo_bandwidth_and_cleans_up(tmp_path, n):
 
 
 def test_bad_host_count():
-    with pytest.raises(ValueError, match="2 to 4 hosts"):
-        with emulated_hosts(5):
-            pass
+    with pytest.raises(ValueError, match="2 to 4 hosts"), emulated_hosts(5):
+        pass

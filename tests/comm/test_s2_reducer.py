@@ -74,7 +74,7 @@ def _s2_rank(rank, world, kind):
     model.register_comm_hook(state, checking_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
-    for step in range(4):
+    for _step in range(4):
         if kind == "sparse":
             loss = model(torch.randint(0, 2000, (12,), generator=gen))
         else:
@@ -103,7 +103,7 @@ def test_s2_reducer_exact_where_recovered_and_dense_fallback(world, kind):
 
 
 def test_bitmap_packing_roundtrip():
-    from hf_dtrain.distributed import pack_bits, unpack_bits
+    from hf_dtrain.distributed.collectives import pack_bits, unpack_bits
 
     gen = torch.Generator().manual_seed(0)
     for n in (1, 7, 8, 9, 1000):
@@ -199,10 +199,10 @@ def _mixed_rank(rank, world):
         def check(f):
             out = f.value()
             union, exact = st.last_decode.pop(bucket.index())
-            emb_at = [i for i, p in enumerate(bucket.parameters()) if p.shape == (2000, 8)][0]
+            emb_at = next(i for i, p in enumerate(bucket.parameters()) if p.shape == (2000, 8))
             lo = sum(sizes[:emb_at])
             dense = torch.ones(out.numel(), dtype=torch.bool)
-            dense[lo:lo + 2000 * 8] = False
+            dense[lo : lo + 2000 * 8] = False
             torch.testing.assert_close(out[dense], reference[dense], atol=1e-6, rtol=1e-6)  # the dense layer: exact
             assert bool(((union >= lo) & (union < lo + 16000)).all())  # only the embedding is sketched
             torch.testing.assert_close(out[union[exact]], reference[union[exact]], atol=1e-6, rtol=1e-6)

@@ -56,9 +56,10 @@ def test_lm_proxies_are_the_logit_gradient():
     proxies = lm_gradient_proxies(model, [batch])
     # reference by autograd: per example, d(sum of token losses)/d(logits), averaged over its answer tokens
     for b in range(3):
-        logits = model(input_ids=batch["input_ids"][b:b + 1]).logits.detach().requires_grad_(True)
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][b, 1:], ignore_index=-100,
-                                                 reduction="sum")
+        logits = model(input_ids=batch["input_ids"][b : b + 1]).logits.detach().requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy(
+            logits[0, :-1], batch["labels"][b, 1:], ignore_index=-100, reduction="sum"
+        )
         loss.backward()
         count = int((batch["labels"][b, 1:] != -100).sum())
         torch.testing.assert_close(proxies[b], logits.grad[0, :-1].sum(0) / count, atol=1e-5, rtol=1e-4)

@@ -54,7 +54,7 @@ def test_sampler_iterates_this_ranks_shard_and_sizes_batches():
     assert sorted(i for s in samplers for i in s) == list(range(120))
     first = list(samplers[2])
     samplers[2].set_epoch(1)
-    assert sorted(list(samplers[2])) == sorted(first) and list(samplers[2]) != first  # reshuffled per epoch
+    assert sorted(samplers[2]) == sorted(first) and list(samplers[2]) != first  # reshuffled per epoch
     assert [s.batch_size_for(12) for s in samplers] == [2, 4, 6]  # the same steps per epoch on every rank
     assert [s.loss_scale(12) for s in samplers] == [0.5, 1.0, 1.5]
 
@@ -65,8 +65,9 @@ def test_every_rank_gets_the_same_number_of_batches():
     from torch.utils.data import DataLoader
 
     speeds = [1, 1, 1, 1 / 3]
-    samplers = [HeterogeneityAwareSampler(None, speeds, rank=r, num_samples=768, global_batch_size=64)
-                for r in range(4)]
+    samplers = [
+        HeterogeneityAwareSampler(None, speeds, rank=r, num_samples=768, global_batch_size=64) for r in range(4)
+    ]
     assert samplers[3].shard_sizes == [231, 230, 230, 77] and samplers[3].batch_size_for(64) == 7
     loaders = [DataLoader(range(768), batch_size=s.batch_size_for(64), sampler=s) for s in samplers]
     assert [len(loader) for loader in loaders] == [13] * 4

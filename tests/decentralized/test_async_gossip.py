@@ -20,7 +20,7 @@ def _engine_rank(rank, world):
     eng = AsyncGossip(1000, Topology.ring(world), max_staleness=BOUND)
     x = torch.full((1000,), float(rank))
     seen = []
-    for step in range(STEPS):
+    for _step in range(STEPS):
         if rank == SLOW:
             time.sleep(SLOW_S)
         x = eng.mix(x)
@@ -44,8 +44,10 @@ def _optimizers_rank(rank, world):
 
     from hf_dtrain.decentralized import DPSGD, DecentLaM
 
-    for build in (lambda p: DPSGD(p, topology="ring", lr=0.05, momentum=0.9, asynchronous=True, max_staleness=2),
-                  lambda p: DecentLaM(p, lr=0.05, topology="ring", asynchronous=True, max_staleness=2)):
+    for build in (
+        lambda p: DPSGD(p, topology="ring", lr=0.05, momentum=0.9, asynchronous=True, max_staleness=2),
+        lambda p: DecentLaM(p, lr=0.05, topology="ring", asynchronous=True, max_staleness=2),
+    ):
         ddp = DDP(tiny_llama(seed=0), broadcast_buffers=False)
         DPSGD.attach_ddp(ddp)
         opt = build(ddp.parameters())

@@ -19,7 +19,7 @@ def _params(model):
 
 def _diloco_rank(rank, world):
     from hf_dtrain.decentralized import DiLoCo
-    from hf_dtrain.distributed import onebit_allreduce
+    from hf_dtrain.distributed.collectives import onebit_allreduce
     from hf_dtrain.optim import onebit_lamb_step_bytes
 
     batch = lambda step: 10 * step + rank  # noqa: E731
@@ -71,7 +71,7 @@ def _diloco_rank(rank, world):
     for feedback in (True, False):
         errors = {"worker_error": torch.zeros_like(x), "server_error": torch.zeros(x.numel() // world)}
         total = torch.zeros_like(x)
-        for t in range(1, 201):
+        for _t in range(1, 201):
             if not feedback:
                 errors = {k: torch.zeros_like(v) for k, v in errors.items()}
             total += onebit_allreduce(x.clone(), errors, scale_block=64)
@@ -87,6 +87,7 @@ def _capture(step, model, gathered, world):
         out = step(*a, **k)
         dist.all_gather(gathered, _params(model))  # after the inner step, before the outer one
         return out
+
     return wrapped
 
 
@@ -108,9 +109,9 @@ def test_diloco_and_async_gossip_settings_from_yaml_and_flags():
 
     opts = ComposeOptions.from_dict({"optimizer": "diloco", "diloco": {"sync_every": 8, "outer_exchange": "1bit"}})
     assert opts.diloco.sync_every == 8 and opts.diloco.outer_exchange == "1bit"
-    with pytest.raises(ValueError, match="diloco.\\* settings are given but optimizer=adamw; set --optimizer diloco"):
+    with pytest.raises(ValueError, match=r"diloco.\* settings are given but optimizer=adamw; set --optimizer diloco"):
         ComposeOptions.from_dict({"diloco": {"sync_every": 8}})
-    with pytest.raises(ValueError, match="set diloco.outer_exchange to one of none, int8, 1bit"):
+    with pytest.raises(ValueError, match=r"set diloco.outer_exchange to one of none, int8, 1bit"):
         ComposeOptions.from_dict({"optimizer": "diloco", "diloco": {"outer_exchange": "2bit"}})
     opts = ComposeOptions.from_dict({"optimizer": "decentlam", "gossip": {"asynchronous": True, "max_staleness": 2}})
     assert opts.gossip.asynchronous and opts.gossip.max_staleness == 2

@@ -16,18 +16,38 @@ def _trainer_rank(rank, world, out_dir, port):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ACCELERATE_USE_CPU="true")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        ACCELERATE_USE_CPU="true",
+    )
     from hf_dtrain.callbacks import CommHookCallback
     from hf_dtrain.decentralized import DPSGD
 
     rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seed=1000 * rank + s % 8).items()} for s in range(64)]
     model = tiny_llama(seed=0)
-    args = TrainingArguments(output_dir=out_dir, max_steps=12, per_device_train_batch_size=4, report_to=[],
-                             use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, max_grad_norm=0,
-                             seed=0)
-    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                      optimizer_cls_and_kwargs=(DPSGD, {"topology": "ring", "lr": 0.05, "momentum": 0.9}))
+    args = TrainingArguments(
+        output_dir=out_dir,
+        max_steps=12,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        max_grad_norm=0,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        optimizer_cls_and_kwargs=(DPSGD, {"topology": "ring", "lr": 0.05, "momentum": 0.9}),
+    )
     hook = CommHookCallback.attach(trainer, "noop")
     trainer.train()
     inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
@@ -54,18 +74,37 @@ def test_dpsgd_under_the_trainer_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--method", "decentlam"],
-                                   ["--method", "dpsgd", "--nonblocking", "--straggler", "1:2"]])
+@pytest.mark.parametrize(
+    "extra", [["--method", "decentlam"], ["--method", "dpsgd", "--nonblocking", "--straggler", "1:2"]]
+)
 def test_accelerate_recipe_two_processes(tmp_path, extra):
     from hf_dtrain.testing import free_port, tiny_default_base
 
     base = tiny_default_base(tmp_path / "cache", steps=50)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(free_port()), "recipes/decentralized_accelerate.py", "--model", base,
-           "--steps", "30", "--out", str(tmp_path / "out"), *extra]
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/accelerate/cpu_2proc.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "recipes/decentralized_accelerate.py",
+        "--model",
+        base,
+        "--steps",
+        "30",
+        "--out",
+        str(tmp_path / "out"),
+        *extra,
+    ]
+    env = dict(
+        os.environ,
+        ACCELERATE_USE_CPU="true",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.load(open(tmp_path / "out" / f"decentralized_{r}.json")) for r in range(2)]

@@ -53,22 +53,26 @@ def _straggler_rank(rank, world, base, out_dir, mode):
     steps, micro, per_micro = 40, 4, 8
     data = tasks.make_task_dataset(tok, steps * micro * per_micro, seed=100 + rank, split="train", digits=2)
     batches = list(DataLoader(data, batch_size=per_micro, collate_fn=tasks.task_collator(tok)))
-    nb = NonBlockingSGD(ddp, opt, deadline="fastest" if mode == "nonblocking" else None,
-                        straggler=Straggler({1: 3.0}, rank=rank))
+    nb = NonBlockingSGD(
+        ddp, opt, deadline="fastest" if mode == "nonblocking" else None, straggler=Straggler({1: 3.0}, rank=rank)
+    )
     nb.step(batches[:micro])  # the first step measures the per-micro-batch times (no deadline yet)
     torch.distributed.barrier()
     t0 = time.perf_counter()
     for s in range(1, steps):
-        nb.step(batches[s * micro:(s + 1) * micro])
+        nb.step(batches[s * micro : (s + 1) * micro])
     seconds = time.perf_counter() - t0
     held_out = tasks.make_task_dataset(tok, 256, seed=7, split="eval", digits=2)
     model.eval()
     with torch.no_grad():
-        loss = sum(model(**b).loss.item() for b in DataLoader(held_out, batch_size=64,
-                                                               collate_fn=tasks.task_collator(tok))) / 4
+        loss = (
+            sum(
+                model(**b).loss.item() for b in DataLoader(held_out, batch_size=64, collate_fn=tasks.task_collator(tok))
+            )
+            / 4
+        )
     counts = [h["count"] for h in nb.history[1:]]
-    json.dump({"seconds": seconds, "loss": loss, "counts": counts},
-              open(f"{out_dir}/{mode}_{rank}.json", "w"))
+    json.dump({"seconds": seconds, "loss": loss, "counts": counts}, open(f"{out_dir}/{mode}_{rank}.json", "w"))
 
 
 @pytest.mark.slow

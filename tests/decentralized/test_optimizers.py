@@ -86,8 +86,17 @@ def _lsgd_rank(rank, world):
     ref_losses = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), rank, 6)
     ddp = DDP(tiny_llama(seed=0))
     LSGD.attach_ddp(ddp)
-    opt = LSGD(ddp.parameters(), model=ddp, c_local=0.0, c_global=0.0, local_period=2, global_period=3,
-               ranks_per_node=2, lr=0.05, momentum=0.9)
+    opt = LSGD(
+        ddp.parameters(),
+        model=ddp,
+        c_local=0.0,
+        c_global=0.0,
+        local_period=2,
+        global_period=3,
+        ranks_per_node=2,
+        lr=0.05,
+        momentum=0.9,
+    )
     assert _train(ddp, opt, rank, 6) == ref_losses
     assert torch.equal(_params(ddp.module), _params(ref))  # coupling 0: bit-for-bit independent SGD
     assert [kind for _, _, kind in opt.leaders] == ["local", "global", "local", "local", "global"]

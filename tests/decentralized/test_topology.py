@@ -71,7 +71,7 @@ def test_world_size_one_is_a_clear_error():
 
 def _gossip_rank(rank, world):
     from hf_dtrain.decentralized.gossip import consensus_distance, gossip
-    from hf_dtrain.distributed import WireStats
+    from hf_dtrain.distributed.counters import WireStats
 
     gen = torch.Generator().manual_seed(rank)
     for name in NAMES + ["matcha"]:

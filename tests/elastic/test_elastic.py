@@ -1,5 +1,6 @@
 """Elastic training (hf_dtrain.elastic): hosts leave and join a torchrun c10d run while it trains."""
 
+import itertools
 import os
 
 import pytest
@@ -23,9 +24,10 @@ def test_hosts_leave_and_join_and_training_continues(tmp_path):
     hosts = {}
     try:
         hosts["A"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["A"], store_host=True)
-        hosts["B"] = launch_host(ElasticConfig(**base, slowdown=3.0), endpoint, run_id, logs["B"],
-                                 store_host=False)
-        wait_for_log(out, lambda log: sum(r["world_size"] == 2 for r in log) >= 5, 120, hosts.values(), "A and B training")
+        hosts["B"] = launch_host(ElasticConfig(**base, slowdown=3.0), endpoint, run_id, logs["B"], store_host=False)
+        wait_for_log(
+            out, lambda log: sum(r["world_size"] == 2 for r in log) >= 5, 120, hosts.values(), "A and B training"
+        )
         lose_host(hosts["B"])
         wait_for_log(out, lambda log: log[-1]["world_size"] == 1, 120, hosts.values(), "A alone after B left")
         hosts["C"] = launch_host(ElasticConfig(**base), endpoint, run_id, logs["C"], store_host=False)
@@ -44,7 +46,7 @@ def test_hosts_leave_and_join_and_training_continues(tmp_path):
     # every step exactly once, in order: the timeline is continuous across the changes
     assert [r["step"] for r in log] == list(range(steps))
     worlds = [r["world_size"] for r in log]
-    changes = [worlds[0]] + [w for prev, w in zip(worlds, worlds[1:]) if w != prev]
+    changes = [worlds[0]] + [w for prev, w in itertools.pairwise(worlds) if w != prev]
     # A (the rendezvous store's host, which stays) and B start together (should B arrive after the first generation
     # formed, the run begins with A alone)
     assert changes[-3:] == [2, 1, 3] and changes[:-3] in ([], [1]), changes
@@ -58,7 +60,7 @@ def test_hosts_leave_and_join_and_training_continues(tmp_path):
             # a new generation resumed from the snapshot of the step before it, on its new world size (from the
             # survivors' snapshots when they hold every old rank's, else from the persisted copy)
             assert log[i].get("restored_from") in ("memory", "memory-resharded", "resharded", "disk"), log[i]
-            before = [r["loss"] for r in log[max(0, i - 3):i]]
+            before = [r["loss"] for r in log[max(0, i - 3) : i]]
             # the loss curve continues where it was (no restart from the initial loss)
             assert abs(log[i]["loss"] - sum(before) / len(before)) < 0.5, (before, log[i])
             assert log[i]["loss"] < log[0]["loss"] - 0.5 * (log[0]["loss"] - before[-1]), (log[0], before, log[i])

@@ -24,6 +24,8 @@ def die(phase):
     with open(os.path.join(out, "kills"), "a") as f:
         f.write(f"{gen}:{phase}\n")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
 rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seq=16, seed=s).items()} for s in range(48)]
 
 
@@ -50,9 +52,21 @@ ft = None
 if not os.environ.get("FT_NOFT"):
     ft = InMemoryFaultToleranceCallback(every_n_steps=1, directory=os.environ["FT_DIR"])
     callbacks.insert(0, ft)
-args = TrainingArguments(output_dir=os.path.join(out, "trainer"), max_steps=10, per_device_train_batch_size=4,
-                         report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
-                         learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, dataloader_num_workers=0)
+args = TrainingArguments(
+    output_dir=os.path.join(out, "trainer"),
+    max_steps=10,
+    per_device_train_batch_size=4,
+    report_to=[],
+    use_cpu=True,
+    save_strategy="no",
+    logging_steps=1,
+    disable_tqdm=True,
+    seed=0,
+    learning_rate=3e-3,
+    lr_scheduler_type="linear",
+    warmup_steps=2,
+    dataloader_num_workers=0,
+)
 trainer = Trainer(model=tiny_llama(seed=0), args=args, train_dataset=Dataset.from_list(rows), callbacks=callbacks)
 if kill and kill[1] == "startup":
     die("startup")

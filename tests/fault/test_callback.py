@@ -19,8 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(out, **env):
-    e = dict(os.environ, FT_OUT=str(out), OMP_NUM_THREADS="1",
-             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])), **env)
+    e = dict(
+        os.environ,
+        FT_OUT=str(out),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        **env,
+    )
     return subprocess.run([sys.executable, WORKER], env=e, capture_output=True, text=True, timeout=300)
 
 
@@ -70,12 +75,34 @@ def test_accelerate_recipe_killed_then_resumed(tmp_path):
     out, snaps = tmp_path / "out", tmp_path / "ft"
 
     def launch(*extra):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-               "--main_process_port", str(free_port()), "recipes/fault_tolerance_accelerate.py", "--model", base,
-               "--steps", "14", "--batch-size", "4", "--emulate-nodes", "--snapshot-dir", str(snaps), "--out",
-               str(out), *extra]
-        env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "recipes/accelerate/cpu_2proc.yaml",
+            "--main_process_port",
+            str(free_port()),
+            "recipes/fault_tolerance_accelerate.py",
+            "--model",
+            base,
+            "--steps",
+            "14",
+            "--batch-size",
+            "4",
+            "--emulate-nodes",
+            "--snapshot-dir",
+            str(snaps),
+            "--out",
+            str(out),
+            *extra,
+        ]
+        env = dict(
+            os.environ,
+            ACCELERATE_USE_CPU="true",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        )
         return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
     try:
@@ -106,11 +133,18 @@ def test_a_trainer_restart_on_another_world_size_is_refused_naming_it(tmp_path, 
 
     monkeypatch.setattr(SnapshotEngine, "restore", resharded)
     callback = InMemoryFaultToleranceCallback(directory=str(tmp_path / "ft"), parity=0)
-    trainer = SimpleNamespace(model=tiny_llama(seed=0), train_dataset=None, is_deepspeed_enabled=False,
-                              args=SimpleNamespace(device="cpu", output_dir=str(tmp_path / "out")))
+    trainer = SimpleNamespace(
+        model=tiny_llama(seed=0),
+        train_dataset=None,
+        is_deepspeed_enabled=False,
+        args=SimpleNamespace(device="cpu", output_dir=str(tmp_path / "out")),
+    )
     try:
-        with pytest.raises(ValueError, match=r"taken on another world size \(taken on 2 ranks.*relaunch with that "
-                                             r"many.*fresh-start true"):
+        with pytest.raises(
+            ValueError,
+            match=r"taken on another world size \(taken on 2 ranks.*relaunch with that "
+            r"many.*fresh-start true",
+        ):
             callback.resume_checkpoint(trainer)
     finally:
         callback.engine.close(shutdown=True)

@@ -11,8 +11,10 @@ from hf_dtrain.fault.erasure import ErasureCode, UnrecoverableError, node_groups
 
 def _group(code, seed=0):
     rng = np.random.default_rng(seed)
-    shards = {n: rng.integers(0, 256, size=int(rng.integers(1000, 5000)), dtype=np.uint8).tobytes()
-              for n in range(code.group_size)}
+    shards = {
+        n: rng.integers(0, 256, size=int(rng.integers(1000, 5000)), dtype=np.uint8).tobytes()
+        for n in range(code.group_size)
+    }
     lengths = {n: len(s) for n, s in shards.items()}
     parity = {}
     for p in range(code.group_size):
@@ -76,14 +78,13 @@ def test_bad_configurations_are_refused():
     assert node_groups(4, 2) == [[0, 1], [2, 3]]
 
 
-
 @pytest.mark.parametrize("group_size,parity", [(3, 1), (4, 2)])
 def test_unpadded_pieces_encode_and_decode_as_their_zero_padded_form(group_size, parity):
     """The exchange sends each piece at its true length (no padded copy); the parity and the decoded piece equal
     the padded code's."""
     code = ErasureCode(group_size, parity)
     rng = np.random.default_rng(3)
-    pieces = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in (700, 1000, 420)[:code.k]]
+    pieces = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in (700, 1000, 420)[: code.k]]
     block = max(len(p) for p in pieces)
     padded = [p + bytes(block - len(p)) for p in pieces]
     blocks = code.encode(pieces)
@@ -94,4 +95,3 @@ def test_unpadded_pieces_encode_and_decode_as_their_zero_padded_form(group_size,
         out = np.full(len(pieces[lost]), 7, dtype=np.uint8)
         code.decode_into(out, lost, symbols)
         assert out.tobytes() == pieces[lost]
-

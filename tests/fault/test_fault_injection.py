@@ -17,8 +17,7 @@ import signal
 import pytest
 
 from hf_dtrain.testing import stop_snapshot_processes
-from hf_dtrain.testing.fault import FAILURE_CHAIN_STEPS, check_failure_chain, run_failure_chain
-from hf_dtrain.testing.fault import failed_outputs
+from hf_dtrain.testing.fault import FAILURE_CHAIN_STEPS, check_failure_chain, failed_outputs, run_failure_chain
 from hf_dtrain.testing.fault import kill_snapshot_process as _kill_smp
 from hf_dtrain.testing.fault import launch_ft_workers as _launch
 from hf_dtrain.testing.fault import worker_losses as _losses
@@ -60,13 +59,12 @@ def _run(tmp_path, fault: str, kill_smps=(), persist_every=0, expect_first_codes
         stop_snapshot_processes(ft_dir)
 
 
-def test_lost_node_is_rebuilt_from_parity_even_right_after_its_snapshot_while_the_exchange_lags(tmp_path,
-                                                                                                reference):
+def test_lost_node_is_rebuilt_from_parity_even_right_after_its_snapshot_while_the_exchange_lags(tmp_path, reference):
     """A lost node (its trainer and snapshot process killed at once) is rebuilt from the peers' parity, checksums
-    verified, at the worst moment: every parity exchange held back 0.6 s (a loaded host; the test model's steps take a fraction of that), node 1
-    lost right after its step-7 snapshot: a step whose snapshots and parity every survivor holds still exists (a
-    snapshot slot is reused only once the previous step's parity is complete at every holder), so node 1 is rebuilt
-    from parity and every loss equals the uninterrupted run's."""
+    verified, at the worst moment: every parity exchange held back 0.6 s (a loaded host; the test model's steps take a
+    fraction of that), node 1 lost right after its step-7 snapshot: a step whose snapshots and parity every survivor
+    holds still exists (a snapshot slot is reused only once the previous step's parity is complete at every holder), so
+    node 1 is rebuilt from parity and every loss equals the uninterrupted run's."""
     out, codes = _run(tmp_path, "1:7:node_lost", extra_env={"HF_DTRAIN_FT_EXCHANGE_DELAY": "0.6"})
     assert codes == [0] * WORLD, failed_outputs(out, codes)
     step, source = open(os.path.join(out, "rank1.restore")).read().split()[:2]
@@ -83,8 +81,14 @@ def test_more_lost_nodes_than_parity_without_a_disk_copy_is_a_clear_error(tmp_pa
     the last failure of the chain below.)"""
     out, ft_dir, disk = str(tmp_path / "out"), str(tmp_path / "ft"), str(tmp_path / "disk")
     os.makedirs(out)
-    env = {"FT_OUT": out, "FT_DIR": ft_dir, "FT_FAULT": "1:5:after_snapshot", "FT_SHUTDOWN": "1",
-           "FT_PERSIST": disk, "FT_PERSIST_EVERY": "2"}
+    env = {
+        "FT_OUT": out,
+        "FT_DIR": ft_dir,
+        "FT_FAULT": "1:5:after_snapshot",
+        "FT_SHUTDOWN": "1",
+        "FT_PERSIST": disk,
+        "FT_PERSIST_EVERY": "2",
+    }
     try:
         codes = _launch(WORLD, env)
         assert any(c == -signal.SIGKILL for c in codes), codes

@@ -4,6 +4,7 @@ the run must finish with every step's loss equal (``float.hex``) to the uninterr
 process left behind. Paths: the same command again (``elastic_launch``, as a user or a scheduler would),
 ``torchrun --max-restarts``, ``accelerate launch --max_restarts`` and the Trainer's ``resume_from_checkpoint``."""
 
+import contextlib
 import json
 import os
 import random
@@ -40,8 +41,14 @@ def reference(tmp_path_factory):
 
 
 def _env(out, ft_dir, seed):
-    return {"FT_OUT": out, "FT_DIR": ft_dir, "FT_STEPS": str(STEPS), "FT_PARITY": "0", "FT_RELATIVE": "1",
-            "FT_KILLS": kill_schedule(seed)}
+    return {
+        "FT_OUT": out,
+        "FT_DIR": ft_dir,
+        "FT_STEPS": str(STEPS),
+        "FT_PARITY": "0",
+        "FT_RELATIVE": "1",
+        "FT_KILLS": kill_schedule(seed),
+    }
 
 
 def _check(out, ft_dir, reference):
@@ -58,10 +65,8 @@ def _smp_pids(ft_dir):
 
     pids = []
     for info in glob.glob(os.path.join(ft_dir, "node*", "smp.json")):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             pids.append(json.load(open(info))["pid"])
-        except (OSError, ValueError):
-            pass
     return pids
 
 
@@ -93,8 +98,12 @@ def test_same_command_relaunched_after_10_kills(tmp_path, reference):
 def _agent_run(tmp_path, reference, command, seed):
     out, ft_dir = str(tmp_path / "out"), str(tmp_path / "ft")
     os.makedirs(out)
-    env = dict(os.environ, **_env(out, ft_dir, seed), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        **_env(out, ft_dir, seed),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
     try:
         with open(os.path.join(out, "agent.out"), "w") as log:
             proc = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=400, cwd=ROOT)
@@ -105,16 +114,49 @@ def _agent_run(tmp_path, reference, command, seed):
 
 
 def test_torchrun_max_restarts_after_10_kills(tmp_path, reference):
-    _agent_run(tmp_path, reference, [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--max-restarts", str(KILLS),
-        "--monitor-interval", "0.2", "--master-port", str(free_port()), "-m", "hf_dtrain.testing.ft_worker"], seed=2)
+    _agent_run(
+        tmp_path,
+        reference,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(WORLD),
+            "--max-restarts",
+            str(KILLS),
+            "--monitor-interval",
+            "0.2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "hf_dtrain.testing.ft_worker",
+        ],
+        seed=2,
+    )
 
 
 def test_accelerate_launch_max_restarts_after_10_kills(tmp_path, reference):
-    _agent_run(tmp_path, reference, [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        os.path.join(ROOT, "recipes", "accelerate", "cpu_2proc.yaml"), "--main_process_port", str(free_port()),
-        "--max_restarts", str(KILLS), "--monitor_interval", "0.2", "-m", "hf_dtrain.testing.ft_worker"], seed=3)
+    _agent_run(
+        tmp_path,
+        reference,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            os.path.join(ROOT, "recipes", "accelerate", "cpu_2proc.yaml"),
+            "--main_process_port",
+            str(free_port()),
+            "--max_restarts",
+            str(KILLS),
+            "--monitor_interval",
+            "0.2",
+            "-m",
+            "hf_dtrain.testing.ft_worker",
+        ],
+        seed=3,
+    )
 
 
 def test_trainer_resume_from_checkpoint_after_10_kills(tmp_path):

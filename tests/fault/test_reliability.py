@@ -51,8 +51,11 @@ def test_two_jobs_with_default_settings_never_share_snapshots(ft_dir, tmp_path, 
     _train(model, opt, sched, a, 1, 3)
     a.close()
     b = SnapshotEngine(model_b, opt_b, sched_b, directory=ft_dir, parity=0, identity=job_b)
-    with pytest.raises(SnapshotMismatch, match=r"belongs to another job: .*job\.learning_rate: 0\.001 there, "
-                                               r"0\.0003 here.*job\.seed: 0 there, 1 here.*fresh-start true"):
+    with pytest.raises(
+        SnapshotMismatch,
+        match=r"belongs to another job: .*job\.learning_rate: 0\.001 there, "
+        r"0\.0003 here.*job\.seed: 0 there, 1 here.*fresh-start true",
+    ):
         b.restore()
     b.close()
     fresh = SnapshotEngine(model_b, opt_b, sched_b, directory=ft_dir, parity=0, identity=job_b, fresh_start=True)
@@ -87,8 +90,11 @@ def test_a_lost_snapshot_process_never_leads_to_a_silent_fresh_start(ft_dir):
     time.sleep(0.3)
     model, opt, sched = _setup()
     relaunched = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)
-    with pytest.raises(SnapshotError, match=r"took snapshots .* none can be restored, so it will not silently "
-                                            r"start over.*snapshot process was lost.*fresh-start true"):
+    with pytest.raises(
+        SnapshotError,
+        match=r"took snapshots .* none can be restored, so it will not silently "
+        r"start over.*snapshot process was lost.*fresh-start true",
+    ):
         relaunched.restore()
     relaunched.close()
     fresh = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0, fresh_start=True)
@@ -171,8 +177,7 @@ os.kill(os.getpid(), 9)
 
 def test_an_orphaned_snapshot_process_exits_after_the_grace_period(ft_dir):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _ORPHAN, ft_dir], capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _ORPHAN, ft_dir], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     pid = int(proc.stdout.split()[0])
     t0 = time.monotonic()
@@ -198,19 +203,42 @@ def test_interrupted_writes_leave_no_temporary_files(ft_dir, tmp_path):
     assert not stale.exists()
     _train(model, opt, sched, engine, 1, 2)
     engine.close(shutdown=True)
-    assert not [p for p in disk.rglob("*.tmp")]
+    assert not list(disk.rglob("*.tmp"))
 
 
 def test_a_killed_rank_is_named_by_the_survivor(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    argv = [sys.executable, "-m", "hf_dtrain.testing.fault", "1:3", "hf_dtrain.cli", "pretrain", "--max-steps", "6",
-            "--per-device-train-batch-size", "2", "--seq-len", "16", "--data-bytes", "100000", "--eval-blocks", "2",
-            "--output-dir", str(out / "run"), "--fault-tolerance.directory", str(tmp_path / "ft"),
-            "--progress", "false", "--save-model", "false"]
+    argv = [
+        sys.executable,
+        "-m",
+        "hf_dtrain.testing.fault",
+        "1:3",
+        "hf_dtrain.cli",
+        "pretrain",
+        "--max-steps",
+        "6",
+        "--per-device-train-batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--data-bytes",
+        "100000",
+        "--eval-blocks",
+        "2",
+        "--output-dir",
+        str(out / "run"),
+        "--fault-tolerance.directory",
+        str(tmp_path / "ft"),
+        "--progress",
+        "false",
+        "--save-model",
+        "false",
+    ]
     t0 = time.monotonic()
-    codes = elastic_launch(argv, 2, env={"ACCELERATE_USE_CPU": "true"}, log_dir=str(out), timeout=240,
-                           grace_after_signal=60)
+    codes = elastic_launch(
+        argv, 2, env={"ACCELERATE_USE_CPU": "true"}, log_dir=str(out), timeout=240, grace_after_signal=60
+    )
     try:
         text = open(out / "rank0.out").read()
         assert codes[1] == -signal.SIGKILL and codes[0] == 1, (codes, text[-3000:])

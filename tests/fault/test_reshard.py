@@ -27,8 +27,15 @@ def _equal(a: str, b: str) -> None:
 def test_restart_on_fewer_then_more_ranks_reshards_the_persisted_snapshot(tmp_path):
     out, ft_dir, disk, dump = (str(tmp_path / n) for n in ("out", "ft", "disk", "dump"))
     os.makedirs(out)
-    env = {"FT_ENGINE": "fsdp2", "FT_OUT": out, "FT_DIR": ft_dir, "FT_PERSIST": disk, "FT_PERSIST_EVERY": "4",
-           "FT_DUMP": dump, "FT_SHUTDOWN": "0"}
+    env = {
+        "FT_ENGINE": "fsdp2",
+        "FT_OUT": out,
+        "FT_DIR": ft_dir,
+        "FT_PERSIST": disk,
+        "FT_PERSIST_EVERY": "4",
+        "FT_DUMP": dump,
+        "FT_SHUTDOWN": "0",
+    }
 
     def log(rank=0):
         return open(os.path.join(out, f"rank{rank}.out")).read()[-3000:]
@@ -36,7 +43,8 @@ def test_restart_on_fewer_then_more_ranks_reshards_the_persisted_snapshot(tmp_pa
     try:
         assert launch_ft_workers(4, {**env, "FT_STEPS": "8"}) == [0] * 4, log()
         assert sorted(os.listdir(os.path.join(disk, "snapshot-8", "dcp"))) == [
-            f"shard-0000{r}-model-00001-of-00001.safetensors" for r in range(1, 5)]  # each rank its own shards
+            f"shard-0000{r}-model-00001-of-00001.safetensors" for r in range(1, 5)
+        ]  # each rank its own shards
         for node in (2, 3):  # two nodes lost for good
             kill_snapshot_process(ft_dir, node)
 
@@ -84,8 +92,12 @@ def test_a_replicated_model_round_trips_and_a_mismatch_is_named(tmp_path):
         model(**random_batch(seed=s)).loss.backward()
         opt.step()
         opt.zero_grad()
-    state = {"model": {n: p.detach() for n, p in model.named_parameters()}, "optimizer": opt.state_dict(),
-             "rng": {"torch": torch.get_rng_state()}, "extra": {"next_step": 3}}
+    state = {
+        "model": {n: p.detach() for n, p in model.named_parameters()},
+        "optimizer": opt.state_dict(),
+        "rng": {"torch": torch.get_rng_state()},
+        "extra": {"next_step": 3},
+    }
     sharded, replicated = reshard.ShardMap(state["model"], model, opt).split(state)
     directory = str(tmp_path / "dcp")
     reshard.save(directory, sharded)
@@ -105,8 +117,9 @@ def test_a_replicated_model_round_trips_and_a_mismatch_is_named(tmp_path):
     other, other_opt = build(hidden=32)
     target, _ = reshard.template(other, other_opt, keys)
     problems = reshard.differences(target, directory, keys)
-    assert any("model.model.embed_tokens.weight: shape (128, 64) in the snapshot, (128, 32) here" in p
-               for p in problems), problems
+    assert any(
+        "model.model.embed_tokens.weight: shape (128, 64) in the snapshot, (128, 32) here" in p for p in problems
+    ), problems
 
 
 def test_a_ddp_run_restarted_on_more_ranks_reshards_the_snapshot_processes_copies_losing_no_step(tmp_path):
@@ -116,8 +129,15 @@ def test_a_ddp_run_restarted_on_more_ranks_reshards_the_snapshot_processes_copie
     The gathered model and optimizer state equal the 2-rank run's at step 10 bit for bit, and training goes on."""
     out, ft_dir, disk, dump = (str(tmp_path / n) for n in ("out", "ft", "disk", "dump"))
     os.makedirs(out)
-    env = {"FT_ENGINE": "ddp", "FT_OUT": out, "FT_DIR": ft_dir, "FT_PERSIST": disk, "FT_PERSIST_EVERY": "4",
-           "FT_DUMP": dump, "FT_SHUTDOWN": "0"}
+    env = {
+        "FT_ENGINE": "ddp",
+        "FT_OUT": out,
+        "FT_DIR": ft_dir,
+        "FT_PERSIST": disk,
+        "FT_PERSIST_EVERY": "4",
+        "FT_DUMP": dump,
+        "FT_SHUTDOWN": "0",
+    }
     try:
         assert launch_ft_workers(2, {**env, "FT_STEPS": "10"}) == [0, 0]  # its state at step 10 dumped at the end
         codes = launch_ft_workers(3, {**env, "FT_STEPS": "12"})
@@ -136,15 +156,23 @@ def test_a_rank_that_cannot_write_the_survivors_copy_makes_every_rank_fall_back_
     the collective; every rank restores the persisted DCP copy of step 8 instead and names why."""
     out, ft_dir, disk = (str(tmp_path / n) for n in ("out", "ft", "disk"))
     os.makedirs(out)
-    env = {"FT_ENGINE": "ddp", "FT_OUT": out, "FT_DIR": ft_dir, "FT_PERSIST": disk, "FT_PERSIST_EVERY": "4",
-           "FT_SHUTDOWN": "0"}
+    env = {
+        "FT_ENGINE": "ddp",
+        "FT_OUT": out,
+        "FT_DIR": ft_dir,
+        "FT_PERSIST": disk,
+        "FT_PERSIST_EVERY": "4",
+        "FT_SHUTDOWN": "0",
+    }
     try:
         assert launch_ft_workers(2, {**env, "FT_STEPS": "10"}) == [0, 0]
         codes = launch_ft_workers(3, {**env, "FT_STEPS": "10", "FT_BREAK_CHUNKS": "1"})
         assert codes == [0, 0, 0], open(os.path.join(out, "rank0.out")).read()[-3000:]
         for r in range(3):
             assert open(os.path.join(out, f"rank{r}.restore")).read().split()[:2] == ["8", "resharded"]
-        assert "could not be written as a DCP file (OSError: [Errno 28] No space left on device (injected))" in \
-            open(os.path.join(out, "rank1.out")).read()
+        assert (
+            "could not be written as a DCP file (OSError: [Errno 28] No space left on device (injected))"
+            in open(os.path.join(out, "rank1.out")).read()
+        )
     finally:
         stop_snapshot_processes(ft_dir)

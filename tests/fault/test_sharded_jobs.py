@@ -18,9 +18,31 @@ from hf_dtrain.testing import elastic_launch, stop_snapshot_processes
 
 pytestmark = pytest.mark.slow
 
-JOB = ["hf_dtrain.cli", "pretrain", "--preset", "tiny", "--max-steps", "8", "--per-device-train-batch-size", "4",
-       "--seq-len", "64", "--data-bytes", "300000", "--save-model", "false", "--learning-rate", "2e-3",
-       "--warmup-steps", "2", "--progress", "false", "--fsdp", "--fault-tolerance.persist-every", "2"]
+JOB = [
+    "hf_dtrain.cli",
+    "pretrain",
+    "--preset",
+    "tiny",
+    "--max-steps",
+    "8",
+    "--per-device-train-batch-size",
+    "4",
+    "--seq-len",
+    "64",
+    "--data-bytes",
+    "300000",
+    "--save-model",
+    "false",
+    "--learning-rate",
+    "2e-3",
+    "--warmup-steps",
+    "2",
+    "--progress",
+    "false",
+    "--fsdp",
+    "--fault-tolerance.persist-every",
+    "2",
+]
 
 
 def test_fsdp_pretraining_resumes_exactly_then_reshards_onto_more_ranks(tmp_path):
@@ -29,8 +51,13 @@ def test_fsdp_pretraining_resumes_exactly_then_reshards_onto_more_ranks(tmp_path
     out.mkdir()
 
     def launch(directory, world, fault=None):
-        cli = [*JOB, "--fault-tolerance.directory", str(tmp_path / f"{directory.name}_ft"), "--output-dir",
-               str(directory)]
+        cli = [
+            *JOB,
+            "--fault-tolerance.directory",
+            str(tmp_path / f"{directory.name}_ft"),
+            "--output-dir",
+            str(directory),
+        ]
         if fault:  # the testing fault injector: rank:step killed after that step's snapshot
             cli = ["hf_dtrain.testing.fault", fault, *cli]
         return elastic_launch([sys.executable, "-m", *cli], world, timeout=600, log_dir=str(directory))

@@ -15,8 +15,13 @@ import os
 
 import pytest
 
-from hf_dtrain.testing.fault import (FAILURE_CHAIN_STEPS, check_failure_chain, launch_ft_workers, run_failure_chain,
-                                     worker_losses)
+from hf_dtrain.testing.fault import (
+    FAILURE_CHAIN_STEPS,
+    check_failure_chain,
+    launch_ft_workers,
+    run_failure_chain,
+    worker_losses,
+)
 
 pytestmark = pytest.mark.slow
 

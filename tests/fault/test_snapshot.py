@@ -73,6 +73,7 @@ def test_restore_is_exact_and_a_corrupted_byte_is_caught(ft_dir, caplog):
     engine3.close(shutdown=True)
 
 
+@pytest.mark.smoke
 def test_restored_run_continues_bit_for_bit(ft_dir):
     torch.manual_seed(0)
     model, opt, sched = _setup()
@@ -99,8 +100,11 @@ def test_another_world_size_or_model_is_refused(ft_dir):
     run_distributed(_snapshot_two_ranks, world_size=2, args=(ft_dir,), timeout=240)
     model, opt, sched = _setup()
     engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)  # world size 1, node 0's process
-    with pytest.raises(ValueError, match=r"taken on 2 ranks and this run has 1; in-memory snapshots load only "
-                                         r"into the world size and layout that took them.*persist_every"):
+    with pytest.raises(
+        ValueError,
+        match=r"taken on 2 ranks and this run has 1; in-memory snapshots load only "
+        r"into the world size and layout that took them.*persist_every",
+    ):
         engine.restore()
     engine.close()
     os.environ["HF_DTRAIN_NODE_RANK"] = "0"
@@ -125,8 +129,11 @@ def test_another_layout_is_the_same_job_resharded_or_refused_naming_the_layout(f
     _steps(model, opt, sched, engine, 1, 2)
     engine.close()
     other = SnapshotEngine(*_setup(), directory=ft_dir, parity=0, placement={"degrees": {"tp": 1}})
-    with pytest.raises(ValueError, match=r"taken on 1 ranks in another layout \(degrees\.tp: 2 there, 1 here\) and this run has "
-                                         r"1; .*world size and layout that took them.*persist_every"):
+    with pytest.raises(
+        ValueError,
+        match=r"taken on 1 ranks in another layout \(degrees\.tp: 2 there, 1 here\) and this run has "
+        r"1; .*world size and layout that took them.*persist_every",
+    ):
         other.restore()
     other.close()
     same = SnapshotEngine(*_setup(), directory=ft_dir, parity=0, placement={"degrees": {"tp": 2}})
@@ -173,22 +180,27 @@ def test_a_model_layout_is_a_module_source_loading_in_place_with_the_fingerprint
     peft = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
     adapter = source_for(peft)
     assert adapter.trainable_only and set(adapter.capture()["model"]) == {
-        n for n, p in peft.named_parameters() if p.requires_grad}
+        n for n, p in peft.named_parameters() if p.requires_grad
+    }
 
 
 def test_state_round_trip_and_the_slot_is_a_safetensors_file(tmp_path):
     from safetensors.torch import load_file
 
-    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
-                                                                          "param_groups": [{"lr": 0.1, "params": [0]}]},
-             "rng": (3, (1, 2, 3), None), "np": np.arange(4, dtype=np.uint32), "inf": float("inf"),
-             "dtype": torch.bfloat16}
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3)},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "rng": (3, (1, 2, 3), None),
+        "np": np.arange(4, dtype=np.uint32),
+        "inf": float("inf"),
+        "dtype": torch.bfloat16,
+    }
     tensors = {}
     skeleton = flatten_state(state, tensors)
     layout = Layout(tensors)
     header = layout.header({"skeleton": json.dumps(skeleton)})
     buf = bytearray(layout.total_bytes)
-    buf[:len(header)] = header
+    buf[: len(header)] = header
     meta, views = parse(buf)
     for k, t in tensors.items():
         views[k].copy_(t)
@@ -230,8 +242,10 @@ def test_an_idle_snapshot_process_exits(tmp_path):
 
     import hf_dtrain.fault.smp as smp
 
-    proc = subprocess.Popen([sys.executable, smp.__file__, "--dir", str(tmp_path / "node0"), "--node", "0",
-                             "--idle-exit", "1"], stdin=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, smp.__file__, "--dir", str(tmp_path / "node0"), "--node", "0", "--idle-exit", "1"],
+        stdin=subprocess.PIPE,
+    )
     proc.stdin.write(os.urandom(32).hex().encode() + b"\n")
     proc.stdin.close()
     assert proc.wait(timeout=30) == 0
@@ -239,11 +253,14 @@ def test_an_idle_snapshot_process_exits(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="page-locked (cudaHostRegister) slots and side-stream copies need a CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="page-locked (cudaHostRegister) slots and side-stream copies need a CUDA device",
+)
 def test_cuda_state_snapshots_through_pinned_slots_and_restores_exactly(ft_dir):
     """A CUDA model and optimizer: the slots are page-locked, the device-to-host copies run on a side stream, and
     the restored state (on the device again) equals the state that was snapshotted, bit for bit."""
+
     def steps(model, opt, sched, engine, first, last):
         for step in range(first, last + 1):
             batch = {k: v.cuda() for k, v in random_batch(batch=2, seq=16, seed=step).items()}

@@ -25,10 +25,34 @@ STEPS, KILLS, WORLD = 20, 10, 2
 
 
 def job(base, out, ft_dir=None, fsdp=True):
-    cli = ["hf_dtrain.cli", "finetune", "--model", base, "--method", "lora", "--max-steps", str(STEPS),
-           "--per-device-train-batch-size", "4", "--train-size", "200", "--eval-size", "8", "--logging-steps", "1",
-           "--learning-rate", "1e-2", "--warmup-steps", "2", "--progress", "false", "--report", "false",
-           "--output-dir", str(out)]
+    cli = [
+        "hf_dtrain.cli",
+        "finetune",
+        "--model",
+        base,
+        "--method",
+        "lora",
+        "--max-steps",
+        str(STEPS),
+        "--per-device-train-batch-size",
+        "4",
+        "--train-size",
+        "200",
+        "--eval-size",
+        "8",
+        "--logging-steps",
+        "1",
+        "--learning-rate",
+        "1e-2",
+        "--warmup-steps",
+        "2",
+        "--progress",
+        "false",
+        "--report",
+        "false",
+        "--output-dir",
+        str(out),
+    ]
     if fsdp:
         cli.append("--fsdp")
     if ft_dir is not None:
@@ -39,8 +63,12 @@ def job(base, out, ft_dir=None, fsdp=True):
 def run(cmd, out):
     import subprocess
 
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        ACCELERATE_USE_CPU="true",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "launch.out"), "w") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900)
@@ -68,8 +96,19 @@ def base(tmp_path_factory):
 def _killed(tmp_path, base, launcher, kills, fsdp=True):
     out, ft_dir, log = tmp_path / "run", tmp_path / "ft", tmp_path / "kills"
     try:
-        run([sys.executable, *launcher, "hf_dtrain.testing.fault", "--kills", kills, "--kill-log", str(log),
-             *job(base, out, ft_dir, fsdp)], out)
+        run(
+            [
+                sys.executable,
+                *launcher,
+                "hf_dtrain.testing.fault",
+                "--kills",
+                kills,
+                "--kill-log",
+                str(log),
+                *job(base, out, ft_dir, fsdp),
+            ],
+            out,
+        )
         happened = open(log).read().split()
         assert len(happened) == len(kills.split(",")), happened  # each planned kill happened
         return out, ft_dir, happened
@@ -85,14 +124,22 @@ def _smp_left(ft_dir):
 
 def test_finetune_fsdp_under_torchrun_resumes_exactly_after_10_kills(tmp_path, base):
     ref = tmp_path / "ref"
-    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--monitor-interval", "0.2",
-                "--master-port", str(free_port())]
+    torchrun = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(WORLD),
+        "--monitor-interval",
+        "0.2",
+        "--master-port",
+        str(free_port()),
+    ]
     run([sys.executable, *torchrun, "-m", *job(base, ref)], ref)
     want = losses(ref)
     assert sorted(want) == list(range(1, STEPS + 1))
     kills = kill_schedule(seed=5)
     torchrun[-1] = str(free_port())
-    out, ft_dir, happened = _killed(tmp_path, base, [*torchrun, "--max-restarts", str(KILLS), "-m"], kills)
+    out, ft_dir, _happened = _killed(tmp_path, base, [*torchrun, "--max-restarts", str(KILLS), "-m"], kills)
     assert losses(out) == want  # every step, bit for bit, none missing
     results = json.load(open(out / "results.json"))
     assert results["engine"] == "fsdp2"
@@ -101,15 +148,24 @@ def test_finetune_fsdp_under_torchrun_resumes_exactly_after_10_kills(tmp_path, b
 
 
 def test_accelerate_fsdp2_config_killed_mid_step_resumes_exactly(tmp_path, base):
-    accelerate = ["-m", "accelerate.commands.launch", "--config_file",
-                  os.path.join(ROOT, "recipes", "accelerate", "fsdp2_cpu_2proc.yaml"), "--monitor_interval", "0.2"]
+    accelerate = [
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(ROOT, "recipes", "accelerate", "fsdp2_cpu_2proc.yaml"),
+        "--monitor_interval",
+        "0.2",
+    ]
     ref = tmp_path / "ref"
-    run([sys.executable, *accelerate, "--main_process_port", str(free_port()), "-m",
-         *job(base, ref, fsdp=False)], ref)
+    run([sys.executable, *accelerate, "--main_process_port", str(free_port()), "-m", *job(base, ref, fsdp=False)], ref)
     # rank 1 dies in step 4, after its forward and backward; rank 0 after step 7's snapshot is committed
-    out, ft_dir, _ = _killed(tmp_path, base, [*accelerate, "--main_process_port", str(free_port()),
-                                              "--max_restarts", "2", "-m"], "0:1:3:mid_step,1:0:4:after_snapshot",
-                              fsdp=False)
+    out, ft_dir, _ = _killed(
+        tmp_path,
+        base,
+        [*accelerate, "--main_process_port", str(free_port()), "--max_restarts", "2", "-m"],
+        "0:1:3:mid_step,1:0:4:after_snapshot",
+        fsdp=False,
+    )
     # the launch config's FSDP2 settings were used (hf_dtrain's own sharding on CPU), and the losses are exact
     assert json.load(open(out / "results.json"))["engine"] == "fsdp2"
     assert losses(out) == losses(ref)

@@ -40,5 +40,5 @@ def test_peer_connections_send_small_messages_without_delay():
     t.join(10)
     conn.close()
     listener.close()
-    data = (bytes(range(256)) * 8)
+    data = bytes(range(256)) * 8
     assert served["array"].tobytes() == data[10:110] + data[1000:1050]

@@ -17,9 +17,15 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
 
-from hf_dtrain.testing import stop_snapshot_processes  # noqa: E402
-from hf_dtrain.testing.fault import (FAILURE_CHAIN_STEPS, check_failure_chain, launch_ft_workers,  # noqa: E402
-                                     failed_outputs, run_failure_chain, worker_losses)
+from hf_dtrain.testing import stop_snapshot_processes
+from hf_dtrain.testing.fault import (
+    FAILURE_CHAIN_STEPS,
+    check_failure_chain,
+    failed_outputs,
+    launch_ft_workers,
+    run_failure_chain,
+    worker_losses,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +54,7 @@ def test_zero1_and_zero2_killed_trainer_resumes_exactly(tmp_path, stage):
     out, ft_dir = str(tmp_path / "out"), str(tmp_path / "ft")
     os.makedirs(out)
     reference = _reference(str(tmp_path / "ref"), stage, 2, 8)
-    env = {**DS, "FT_ENGINE": stage, "FT_OUT": out, "FT_DIR": ft_dir, "FT_FAULT": "1:5:before_step",
-           "FT_SHUTDOWN": "1"}
+    env = {**DS, "FT_ENGINE": stage, "FT_OUT": out, "FT_DIR": ft_dir, "FT_FAULT": "1:5:before_step", "FT_SHUTDOWN": "1"}
     try:
         codes = launch_ft_workers(2, env)
         assert codes[1] == -signal.SIGKILL, codes

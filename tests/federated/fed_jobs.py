@@ -5,14 +5,22 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-CONFIG = dict(clients=8, per_round=6, rounds=3, local_steps=2, batch_size=4, algorithm="fedprox", prox_mu=0.1,
-              uplink="int8", dirichlet_alpha=None)
+CONFIG = dict(
+    clients=8,
+    per_round=6,
+    rounds=3,
+    local_steps=2,
+    batch_size=4,
+    algorithm="fedprox",
+    prox_mu=0.1,
+    uplink="int8",
+    dirichlet_alpha=None,
+)
 
 
 def build(state_dir):
-    from tests.federated.test_simulation import _collate, _dataset, _peft_model
-
     from hf_dtrain.federated import FederatedConfig, FederatedSimulation
+    from tests.federated.test_simulation import _collate, _dataset, _peft_model
 
     torch.set_num_threads(1)
     data = [_dataset(8, s) for s in range(CONFIG["clients"])]

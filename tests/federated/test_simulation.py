@@ -8,8 +8,16 @@ import copy
 import pytest
 import torch
 
-from hf_dtrain.federated import (ClientStateStore, FederatedConfig, FederatedSimulation, compress_delta,
-                                 dirichlet_split, flat_average, global_average, local_aggregate)
+from hf_dtrain.federated import (
+    ClientStateStore,
+    FederatedConfig,
+    FederatedSimulation,
+    compress_delta,
+    dirichlet_split,
+    flat_average,
+    global_average,
+    local_aggregate,
+)
 from hf_dtrain.testing import tiny_llama
 
 
@@ -34,8 +42,9 @@ def _peft_model():
 
 
 def test_one_client_with_full_participation_equals_centralized_training(tmp_path):
-    cfg = FederatedConfig(clients=1, per_round=1, rounds=3, local_steps=4, batch_size=4, keep_client_optimizer=True,
-                          dirichlet_alpha=None)
+    cfg = FederatedConfig(
+        clients=1, per_round=1, rounds=3, local_steps=4, batch_size=4, keep_client_optimizer=True, dirichlet_alpha=None
+    )
     data = [_dataset(10, 0)]
     model = _peft_model()
     reference = copy.deepcopy(model)
@@ -48,7 +57,7 @@ def test_one_client_with_full_participation_equals_centralized_training(tmp_path
     pos_epochs = [sim.client_order(0, e) for e in range(4)]
     for order in pos_epochs:
         for i in range(0, len(order), cfg.batch_size):
-            batches.append(order[i:i + cfg.batch_size])
+            batches.append(order[i : i + cfg.batch_size])
     losses = []
     for step in range(12):
         loss = reference(**_collate([data[0][i] for i in batches[step]])).loss
@@ -59,12 +68,16 @@ def test_one_client_with_full_participation_equals_centralized_training(tmp_path
     for (n, p), q in zip(((n, p) for n, p in model.named_parameters() if p.requires_grad), params):
         assert float((p - q).detach().norm() / q.detach().norm()) < 1e-5, n
     fed_losses = [h["train_loss"] for h in history]
-    central = [sum(losses[4 * r:4 * r + 4]) / 4 for r in range(3)]
+    central = [sum(losses[4 * r : 4 * r + 4]) / 4 for r in range(3)]
     assert max(abs(a - b) / b for a, b in zip(fed_losses, central)) < 1e-5
     # the client's state carried the optimizer state between its rounds: a fresh optimizer each round is another run
-    fresh = FederatedSimulation(_peft_model(), data, _collate,
-                                FederatedConfig(**{**cfg.__dict__, "keep_client_optimizer": False}),
-                                state_dir=str(tmp_path / "fresh"))
+    fresh = FederatedSimulation(
+        _peft_model(),
+        data,
+        _collate,
+        FederatedConfig(**{**cfg.__dict__, "keep_client_optimizer": False}),
+        state_dir=str(tmp_path / "fresh"),
+    )
     fresh.run(progress=False)
     assert max(abs(a - b) / b for a, b in zip([h["train_loss"] for h in fresh.history], central)) > 1e-4
 
@@ -84,8 +97,17 @@ def test_parrot_local_then_global_aggregation_equals_flat_aggregation():
 def test_scaffold_client_control_variates_survive_between_rounds(tmp_path):
     """Full participation from zero: the server's control variate is the mean of the clients' at every round, which
     holds only if each client's own variate is loaded back at its next round."""
-    cfg = FederatedConfig(clients=3, per_round=3, rounds=3, local_steps=2, batch_size=4, algorithm="scaffold",
-                          client_optimizer="sgd", client_lr=0.05, dirichlet_alpha=None)
+    cfg = FederatedConfig(
+        clients=3,
+        per_round=3,
+        rounds=3,
+        local_steps=2,
+        batch_size=4,
+        algorithm="scaffold",
+        client_optimizer="sgd",
+        client_lr=0.05,
+        dirichlet_alpha=None,
+    )
     data = [_dataset(8, s) for s in range(3)]
     sim = FederatedSimulation(_peft_model(), data, _collate, cfg, state_dir=str(tmp_path / "state"))
     sim.run(progress=False)
@@ -120,8 +142,12 @@ def test_uplink_compression_counts_bytes_and_error_feedback_loses_nothing():
     residual = {n: torch.zeros(s) for n, s in shape.items()}
     sent_total = {n: torch.zeros(s) for n, s in shape.items()}
     true_total = {n: torch.zeros(s) for n, s in shape.items()}
-    for method, expected in (("int8", 32 * 16 + 4 + 16 + 4), ("int4", 32 * 8 + 4 + 8 + 4), ("lowrank", 4 * 2 * (32 + 16) + 4 * 16),
-                             ("none", 4 * (32 * 16 + 16))):
+    for method, expected in (
+        ("int8", 32 * 16 + 4 + 16 + 4),
+        ("int4", 32 * 8 + 4 + 8 + 4),
+        ("lowrank", 4 * 2 * (32 + 16) + 4 * 16),
+        ("none", 4 * (32 * 16 + 16)),
+    ):
         d = {n: torch.randn(s, generator=g) for n, s in shape.items()}
         _, sent, _ = compress_delta(d, method, 2, None)
         assert sent == expected, method
@@ -189,9 +215,38 @@ def test_cli_fed_simulate_writes_the_adapter_and_the_round_table(tmp_path):
 
     base = tiny_default_base(tmp_path / "cache", steps=20)
     out = tmp_path / "fed"
-    main(["fed", "simulate", "--method", "lora", "--model", base, "--clients", "6", "--per-round", "3", "--rounds",
-          "2", "--local-steps", "2", "--task-digits", "1", "--train-size", "120", "--eval-size", "16",
-          "--uplink", "int8", "--output-dir", str(out), "--progress", "false", "--report", "false"])
+    main(
+        [
+            "fed",
+            "simulate",
+            "--method",
+            "lora",
+            "--model",
+            base,
+            "--clients",
+            "6",
+            "--per-round",
+            "3",
+            "--rounds",
+            "2",
+            "--local-steps",
+            "2",
+            "--task-digits",
+            "1",
+            "--train-size",
+            "120",
+            "--eval-size",
+            "16",
+            "--uplink",
+            "int8",
+            "--output-dir",
+            str(out),
+            "--progress",
+            "false",
+            "--report",
+            "false",
+        ]
+    )
     import json
 
     result = json.loads((out / "fed.json").read_text())
@@ -206,8 +261,13 @@ def test_cli_fed_simulate_writes_the_adapter_and_the_round_table(tmp_path):
 
 
 def test_clients_are_dealt_to_processes_by_measured_speed(tmp_path):
-    sim = FederatedSimulation(_peft_model(), [_dataset(4, s) for s in range(10)], _collate,
-                              FederatedConfig(clients=10, per_round=8, dirichlet_alpha=None), state_dir=str(tmp_path))
+    sim = FederatedSimulation(
+        _peft_model(),
+        [_dataset(4, s) for s in range(10)],
+        _collate,
+        FederatedConfig(clients=10, per_round=8, dirichlet_alpha=None),
+        state_dir=str(tmp_path),
+    )
     sim.speeds = [3.0, 1.0]  # process 0 trains clients three times as fast
     sampled = sim.sample(0)
     deal = sim.assign(sampled)
@@ -230,4 +290,6 @@ def test_the_fed_recipe_reaches_the_configs():
     # a Trainer setting the client loop would ignore is refused, not dropped (the flags are finetune's)
     with pytest.raises(ValueError, match=r"--bf16, --packing given, but hf-dtrain fed simulate runs its own"):
         FedSimulateConfig(job=FinetuneConfig.from_dict({"bf16": True, "packing": True}))
-    assert FedSimulateConfig(job=FinetuneConfig.from_dict({"learning_rate": 1e-3})).job.training["learning_rate"] == 1e-3
+    assert (
+        FedSimulateConfig(job=FinetuneConfig.from_dict({"learning_rate": 1e-3})).job.training["learning_rate"] == 1e-3
+    )

@@ -8,8 +8,7 @@ import copy
 import pytest
 import torch
 
-from hf_dtrain.fused import (FusedAdamW, FusedConfig, FusedJob, FusedTrainer, fuse_adapters, fuse_models,
-                             plan_groups)
+from hf_dtrain.fused import FusedAdamW, FusedConfig, FusedJob, FusedTrainer, fuse_adapters, fuse_models, plan_groups
 from hf_dtrain.testing import random_batch, tiny_llama
 
 
@@ -83,7 +82,7 @@ def test_fused_adamw_per_job_equals_torch_adamw_on_each_slice_bit_for_bit():
     lrs, wds = [1e-2, 3e-3, 0.0], [0.1, 0.0, 0.5]
     opt = FusedAdamW([p], 3, weight_decay=wds)
     ref_opts = [torch.optim.AdamW([r], lr=lr, weight_decay=wd) for r, lr, wd in zip(refs, lrs, wds)]
-    for step in range(4):
+    for _step in range(4):
         g = torch.randn(3, 5, 4)
         p.grad = g.clone()
         opt.step(lrs)
@@ -117,8 +116,9 @@ def test_memory_plan_splits_into_groups_that_fit_or_says_how_many_fit():
 def test_jobs_of_a_method_that_cannot_fuse_are_refused():
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True),
-                                adapter_name="a")
+    peft_model = get_peft_model(
+        tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True), adapter_name="a"
+    )
     with pytest.raises(ValueError, match="DoRA"):
         fuse_adapters(peft_model, ["a"])
     with pytest.raises(ValueError, match="architecture"):
@@ -139,8 +139,12 @@ def test_fused_lora_on_a_bf16_base_equals_peft_alone():
     torch.manual_seed(1)
     peft_model.add_adapter("b", LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     fused = fuse_adapters(peft_model, ["a", "b"])
-    history = FusedTrainer(fused, [FusedJob("a", lrs[0], _batches(0)), FusedJob("b", lrs[1], _batches(1))], 10,
-                           FusedConfig(max_grad_norm=0)).train(progress=False)
+    history = FusedTrainer(
+        fused,
+        [FusedJob("a", lrs[0], _batches(0)), FusedJob("b", lrs[1], _batches(1))],
+        10,
+        FusedConfig(max_grad_norm=0),
+    ).train(progress=False)
     for k in range(2):
         torch.manual_seed(k)
         alone = get_peft_model(copy.deepcopy(reference), LoraConfig(r=ranks[k], target_modules=["q_proj", "v_proj"]))

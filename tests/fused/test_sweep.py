@@ -24,8 +24,19 @@ def base_path(tmp_path_factory):
 
 
 def _job(base_path, method, **kw):
-    settings = dict(method=method, model=base_path, task_digits=1, train_size=400, eval_size=32, max_steps=STEPS,
-                    warmup_steps=3, per_device_train_batch_size=8, logging_steps=1, progress=False, report=False)
+    settings = dict(
+        method=method,
+        model=base_path,
+        task_digits=1,
+        train_size=400,
+        eval_size=32,
+        max_steps=STEPS,
+        warmup_steps=3,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        progress=False,
+        report=False,
+    )
     if method == "smt":
         settings.update(smt={"block_size": 16, "warmup_steps": 3})
     settings.update(kw)
@@ -34,8 +45,10 @@ def _job(base_path, method, **kw):
 
 def _two_jobs(base_path, method, **kw):
     """Two jobs that differ in rank, learning rate and seed (so in init, data and data order)."""
-    return [_job(base_path, method, lora_r=4, learning_rate=3e-3, seed=0, **kw),
-            _job(base_path, method, lora_r=8, learning_rate=1e-2, seed=1, weight_decay=0.1, **kw)]
+    return [
+        _job(base_path, method, lora_r=4, learning_rate=3e-3, seed=0, **kw),
+        _job(base_path, method, lora_r=8, learning_rate=1e-2, seed=1, weight_decay=0.1, **kw),
+    ]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,8 +57,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _weights(path):
-    name = "adapter_model.safetensors" if os.path.exists(os.path.join(path, "adapter_model.safetensors")) \
+    name = (
+        "adapter_model.safetensors"
+        if os.path.exists(os.path.join(path, "adapter_model.safetensors"))
         else "model.safetensors"
+    )
     return load_file(os.path.join(path, name))
 
 
@@ -78,10 +94,12 @@ def test_each_fused_job_equals_the_job_run_alone(base_path, tmp_path, method, mo
     for i, job in enumerate(jobs):
         row = res["jobs"][i]
         assert row["status"] == "ok"
-        alone = run_finetune(dataclasses.replace(job, training={**job.training,
-                                                                "output_dir": str(tmp_path / f"alone{i}")}))
-        _assert_same(row["output_dir"], {int(k): v for k, v in row["losses"].items()}, alone["output_dir"],
-                     alone["losses"])
+        alone = run_finetune(
+            dataclasses.replace(job, training={**job.training, "output_dir": str(tmp_path / f"alone{i}")})
+        )
+        _assert_same(
+            row["output_dir"], {int(k): v for k, v in row["losses"].items()}, alone["output_dir"], alone["losses"]
+        )
 
 
 def _trainer_reference(base_path, job: FinetuneConfig, peft_config, out):
@@ -97,11 +115,24 @@ def _trainer_reference(base_path, job: FinetuneConfig, peft_config, out):
     set_seed(job.seed)
     model = get_peft_model(model, peft_config)
     a = job.training_args()
-    args = TrainingArguments(output_dir=str(out), max_steps=a.max_steps, learning_rate=a.learning_rate,
-                             per_device_train_batch_size=a.per_device_train_batch_size,
-                             warmup_steps=a.warmup_steps, weight_decay=a.weight_decay, lr_scheduler_type="linear",
-                             seed=a.seed, data_seed=a.seed, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_steps=1, disable_tqdm=True, remove_unused_columns=False, max_grad_norm=1.0)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=a.max_steps,
+        learning_rate=a.learning_rate,
+        per_device_train_batch_size=a.per_device_train_batch_size,
+        warmup_steps=a.warmup_steps,
+        weight_decay=a.weight_decay,
+        lr_scheduler_type="linear",
+        seed=a.seed,
+        data_seed=a.seed,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        max_grad_norm=1.0,
+    )
     trainer = Trainer(model=model, args=args, data_collator=tasks.task_collator(tok), train_dataset=train)
     trainer.train()
     model.save_pretrained(str(out))
@@ -130,15 +161,29 @@ def test_fused_smt_jobs_equal_the_trainer_on_their_own_blocks(base_path, tmp_pat
 def test_groups_split_by_the_memory_guard_train_the_same_jobs(base_path, tmp_path):
     jobs = expand_grid(_job(base_path, "lora", max_steps=6), lora_r=[4, 8], seed=[0, 1])[:3]
     one = run_sweep(SweepConfig(jobs=jobs, output_dir=str(tmp_path / "one"), progress=False, report=False))
-    split = run_sweep(SweepConfig(jobs=jobs, fused=dict(max_jobs_per_group=2), output_dir=str(tmp_path / "split"),
-                                  progress=False, report=False))
+    split = run_sweep(
+        SweepConfig(
+            jobs=jobs,
+            fused=dict(max_jobs_per_group=2),
+            output_dir=str(tmp_path / "split"),
+            progress=False,
+            report=False,
+        )
+    )
     assert one["groups"] == [[0, 1, 2]] and split["groups"] == [[0, 1], [2]]
     for a, b in zip(one["jobs"], split["jobs"]):
         wa, wb = _weights(a["output_dir"]), _weights(b["output_dir"])
         assert max(_rel(wa[k], wb[k]) for k in wa if wb[k].norm() > 0) < TOL  # other padding: rounding only
     with pytest.raises(ValueError, match="not even one job fits"):
-        run_sweep(SweepConfig(jobs=jobs, fused=dict(memory_budget="64KB"), output_dir=str(tmp_path / "x"),
-                              progress=False, report=False))
+        run_sweep(
+            SweepConfig(
+                jobs=jobs,
+                fused=dict(memory_budget="64KB"),
+                output_dir=str(tmp_path / "x"),
+                progress=False,
+                report=False,
+            )
+        )
 
 
 def test_a_diverging_job_is_stopped_and_reported_and_the_others_are_untouched(base_path, tmp_path):
@@ -163,9 +208,37 @@ def test_cli_sweep_writes_a_peft_adapter_card_and_row_per_job_and_the_sweep_tabl
     from hf_dtrain.models import load_model_and_tokenizer
 
     out = tmp_path / "cli"
-    main(["sweep", "--method", "lorafa", "--model", base_path, "--lr", "1e-3,3e-3", "--r", "4,8", "--seed", "0",
-          "--max-steps", "5", "--train-size", "200", "--eval-size", "16", "--task-digits", "1",
-          "--per-device-train-batch-size", "8", "--output-dir", str(out), "--progress", "false", "--report", "false"])
+    main(
+        [
+            "sweep",
+            "--method",
+            "lorafa",
+            "--model",
+            base_path,
+            "--lr",
+            "1e-3,3e-3",
+            "--r",
+            "4,8",
+            "--seed",
+            "0",
+            "--max-steps",
+            "5",
+            "--train-size",
+            "200",
+            "--eval-size",
+            "16",
+            "--task-digits",
+            "1",
+            "--per-device-train-batch-size",
+            "8",
+            "--output-dir",
+            str(out),
+            "--progress",
+            "false",
+            "--report",
+            "false",
+        ]
+    )
     with open(out / "sweep.json") as f:
         sweep = json.load(f)
     names = [r["job"] for r in sweep["jobs"]]
@@ -181,14 +254,17 @@ def test_cli_sweep_writes_a_peft_adapter_card_and_row_per_job_and_the_sweep_tabl
     assert len(sweep["losses"][names[0]]) == 5
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(method="dora"), "cannot be fused: DoRA"),
-    (dict(method="qahira"), "cannot be fused: QA-HiRA"),
-    (dict(max_steps=7), "a different max_steps"),
-    (dict(base_preset="small", model=None), "different base models"),
-    (dict(comm_hook="acp_sgd"), "comm_hook is set"),
-    (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(method="dora"), "cannot be fused: DoRA"),
+        (dict(method="qahira"), "cannot be fused: QA-HiRA"),
+        (dict(max_steps=7), "a different max_steps"),
+        (dict(base_preset="small", model=None), "different base models"),
+        (dict(comm_hook="acp_sgd"), "comm_hook is set"),
+        (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
+    ],
+)
 def test_incompatible_jobs_are_refused_naming_the_job_and_the_reason(base_path, change, message):
     other = {"method": "lora", "seed": 3, **change}
     jobs = [_job(base_path, "lora"), _job(base_path, other.pop("method"), **other)]
@@ -207,8 +283,25 @@ def test_grid_flags_are_checked_before_any_work(base_path):
     with pytest.raises(SystemExit):
         main(["sweep", "--method", "lora", "--r", "4,x"])
     with pytest.raises(SystemExit, match="not even one job fits"):  # the memory guard, before any training step
-        main(["sweep", "--method", "lora", "--model", base_path, "--r", "4,8", "--task-digits", "1",
-              "--train-size", "64", "--fused.memory-budget", "64KB", "--progress", "false"])
+        main(
+            [
+                "sweep",
+                "--method",
+                "lora",
+                "--model",
+                base_path,
+                "--r",
+                "4,8",
+                "--task-digits",
+                "1",
+                "--train-size",
+                "64",
+                "--fused.memory-budget",
+                "64KB",
+                "--progress",
+                "false",
+            ]
+        )
 
 
 def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(base_path, tmp_path):
@@ -219,15 +312,47 @@ def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(bas
 
     from hf_dtrain.testing import free_port
 
-    common = ["--model", base_path, "--task-digits", "1", "--train-size", "400", "--eval-size", "16",
-              "--max-steps", "12", "--warmup-steps", "2", "--per-device-train-batch-size", "4", "--progress", "false",
-              "--report", "false", "--logging-steps", "1", "--method", "lora"]
+    common = [
+        "--model",
+        base_path,
+        "--task-digits",
+        "1",
+        "--train-size",
+        "400",
+        "--eval-size",
+        "16",
+        "--max-steps",
+        "12",
+        "--warmup-steps",
+        "2",
+        "--per-device-train-batch-size",
+        "4",
+        "--progress",
+        "false",
+        "--report",
+        "false",
+        "--logging-steps",
+        "1",
+        "--method",
+        "lora",
+    ]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def launch(*args):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-               "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", *args, *common]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "recipes/accelerate/cpu_2proc.yaml",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "hf_dtrain.cli",
+            *args,
+            *common,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -250,14 +375,27 @@ def test_the_sweep_recipe_and_flags_reach_the_configs_unchanged():
     from hf_dtrain.cli import build_parser, sweep_config_from_args
     from hf_dtrain.fused import FusedConfig
 
-    ns = build_parser().parse_args(["sweep", "--recipe", "recipes/sweep_lorafa.yaml", "--seed", "5",
-                                    "--fused.memory-budget", "2GiB", "--fused.max-grad-norm", "0.5",
-                                    "--max-steps", "7"])
+    ns = build_parser().parse_args(
+        [
+            "sweep",
+            "--recipe",
+            "recipes/sweep_lorafa.yaml",
+            "--seed",
+            "5",
+            "--fused.memory-budget",
+            "2GiB",
+            "--fused.max-grad-norm",
+            "0.5",
+            "--max-steps",
+            "7",
+        ]
+    )
     cfg = sweep_config_from_args(ns)
     assert len(cfg.jobs) == 4  # lr 2 x r 2; the --seed flag replaced the recipe's seed axis
     args = [j.training_args() for j in cfg.jobs]
     assert {(a.learning_rate, j.lora_r, a.seed, a.max_steps, j.method) for a, j in zip(args, cfg.jobs)} == {
-        (lr, r, 5, 7, "lorafa") for lr in (1e-3, 4e-3) for r in (8, 16)}
+        (lr, r, 5, 7, "lorafa") for lr in (1e-3, 4e-3) for r in (8, 16)
+    }
     assert cfg.fused == FusedConfig(memory_budget="2GiB", max_grad_norm=0.5, on_overflow="split")
     assert cfg.output_dir == "outputs/sweep-lorafa"
     flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions}

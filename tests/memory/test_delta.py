@@ -39,7 +39,7 @@ def _no_saving_bytes(seq=32) -> int:
     batch = random_batch(batch=4, seq=seq, seed=0)
     batch["attention_mask"][0, :5] = 0
     with SavedTensorCounter(exclude=list(model.parameters()))() as counter:
-        model(**batch).loss
+        _ = model(**batch).loss
     return counter.nbytes
 
 
@@ -111,8 +111,12 @@ def test_submodule_granularity_is_exact_finer_and_under_the_budget(budget):
         assert all(torch.equal(g[n], rg[n]) for n in rg)
     plan = scheduler.plans[(4, 32)]
     names = [g.name for g in plan.profile.groups]
-    assert names[:4] == ["model.layers.0.input_layernorm", "model.layers.0.self_attn",
-                         "model.layers.0.post_attention_layernorm", "model.layers.0.mlp"]
+    assert names[:4] == [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.self_attn",
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.0.mlp",
+    ]
     assert [n for n, _ in scheduler.layers] == names  # the prefetch walks this order backwards
     per_layer = {}
     for name, action in plan.actions.items():
@@ -121,8 +125,11 @@ def test_submodule_granularity_is_exact_finer_and_under_the_budget(budget):
     limit = _budget_bytes(budget)
     assert all(h["saved_bytes"] <= limit for h in scheduler.executor.stats.history if not h["profiling"])
     scheduler.remove()
-    with pytest.raises(ValueError, match=r"granularity='op' is unknown; set delta.granularity to one of layer, "
-                                         r"submodule"):
+    with pytest.raises(
+        ValueError,
+        match=r"granularity='op' is unknown; set delta.granularity to one of layer, "
+        r"submodule",
+    ):
         DeltaCallback(budget=0.5, granularity="op")
 
 
@@ -137,7 +144,7 @@ def test_a_tensor_every_layer_saves_is_charged_to_no_layer(granularity):
     profile = profile_step(model, _padded_batch(), FileTier(), layers=plan_units(model, granularity))
     per_layer = {}
     for g in profile.groups:
-        layer, _, part = g.name.partition(".layers.")[2].partition(".")
+        _layer, _, part = g.name.partition(".layers.")[2].partition(".")
         per_layer.setdefault(part, set()).add(g.saved_bytes)
     assert all(len(sizes) == 1 for sizes in per_layer.values()), per_layer
     assert profile.other_bytes + profile.groups_saved_bytes == profile.total_saved_bytes
@@ -163,7 +170,9 @@ def test_plan_changes_with_the_sequence_length():
     short, long = scheduler.plans[(4, 16)], scheduler.plans[(4, 64)]
     assert short.profile.total_saved_bytes < long.profile.total_saved_bytes
     assert list(short.actions.values()).count("keep") > list(long.actions.values()).count("keep"), (
-        short.actions, long.actions)
+        short.actions,
+        long.actions,
+    )
     assert all(h["saved_bytes"] <= budget for h in scheduler.executor.stats.history if not h["profiling"])
     assert sum(h["profiling"] for h in scheduler.executor.stats.history) == 2  # one profiling step per shape
     scheduler.remove()
@@ -199,9 +208,18 @@ def test_trainer_callback_trains_exactly_as_the_plain_trainer(tmp_path):
 
     def run(callbacks):
         model = _deep()
-        args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, report_to=[],
-                                 use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
-                                 learning_rate=1e-3)
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=6,
+            per_device_train_batch_size=4,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+            learning_rate=1e-3,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), callbacks=callbacks)
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
@@ -226,11 +244,32 @@ def test_accelerate_recipe_two_processes(tmp_path):
 
     base = tiny_default_base(tmp_path / "cache", steps=50)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(free_port()), "recipes/delta_accelerate.py", "--model", base, "--budget", "0.4",
-           "--steps", "20", "--batch-size", "8", "--out", str(tmp_path / "out")]
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/accelerate/cpu_2proc.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "recipes/delta_accelerate.py",
+        "--model",
+        base,
+        "--budget",
+        "0.4",
+        "--steps",
+        "20",
+        "--batch-size",
+        "8",
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    env = dict(
+        os.environ,
+        ACCELERATE_USE_CPU="true",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
@@ -243,20 +282,21 @@ def test_accelerate_recipe_two_processes(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="the pinned-memory tier, its side stream and the prefetch need a CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned-memory tier, its side stream and the prefetch need a CUDA device"
+)
 def test_cuda_pinned_tier_with_prefetch_is_exact():
     # eager attention: SDPA's memory-efficient backward on CUDA adds with atomics, so two plain runs already differ
     # in the last bits and "exact" could not be asserted against any reference
     def deep():
         return tiny_llama(seed=0, num_hidden_layers=4, use_cache=True, attn_implementation="eager").cuda()
 
-    ref_losses, ref_grads, ref_params = _train(deep())
+    ref_losses, _ref_grads, ref_params = _train(deep())
     again, _, _ = _train(deep())
     assert again == ref_losses, "the reference itself is not reproducible on this device"
     model = deep()
     scheduler = apply_delta(model, 0.3)
-    losses, grads, params = _train(model)
+    losses, _grads, params = _train(model)
     assert type(scheduler.tier).__name__ == "PinnedTier"
     assert losses == ref_losses
     assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
@@ -338,11 +378,19 @@ def _sharded_runs(rank, engine, budget):
             os.environ["DS_ACCELERATOR"] = "cpu"
             import deepspeed
 
-            config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "steps_per_print": 10**9,
-                      "zero_allow_untested_optimizer": True,
-                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-            model, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                             config=config, dist_init_required=False)
+            config = {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_clipping": 0.0,
+                "steps_per_print": 10**9,
+                "zero_allow_untested_optimizer": True,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            }
+            model, *_ = deepspeed.initialize(
+                model=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                config=config,
+                dist_init_required=False,
+            )
         losses = []
         for step in range(4):
             loss = model(**_padded_batch(seed=10 * step + rank)).loss

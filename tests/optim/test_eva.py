@@ -15,8 +15,17 @@ def _one_layer_step(method):
     layer = nn.Linear(5, 3)
     x, target = torch.randn(4, 7, 5), torch.randn(4, 7, 3)
     w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
-    opt = Eva(layer.parameters(), model=layer, base_optimizer="sgd", lr=0.1, damping=0.03, kl_clip=1e9,
-              factor_decay=1.0, method=method, exclude=())
+    opt = Eva(
+        layer.parameters(),
+        model=layer,
+        base_optimizer="sgd",
+        lr=0.1,
+        damping=0.03,
+        kl_clip=1e9,
+        factor_decay=1.0,
+        method=method,
+        exclude=(),
+    )
     out = layer(x)
     out.retain_grad()
     ((out - target) ** 2).mean().backward()
@@ -63,7 +72,7 @@ def test_kl_clip_bounds_the_update():
     nu = float((applied * v).sum() / (v * v).sum())
     torch.testing.assert_close(applied, nu * v, atol=1e-7, rtol=1e-4)  # a scaled copy of V
     assert 0 < nu < 1  # clipping active
-    assert abs(lr ** 2 * nu ** 2 * float((v * grad).sum()) - kappa) < 1e-3 * kappa
+    assert abs(lr**2 * nu**2 * float((v * grad).sum()) - kappa) < 1e-3 * kappa
 
 
 @pytest.mark.parametrize("base, kwargs", [("sgd", {"lr": 0.05, "momentum": 0.9}), ("adamw", {"lr": 1e-3})])
@@ -113,8 +122,9 @@ def test_preconditions_peft_adapter_layers():
     """peft's LoRA adapters are nn.Linear layers: Eva preconditions them and leaves the frozen base alone."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tiny_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                          init_lora_weights=False))
+    model = get_peft_model(
+        tiny_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     opt = Eva([p for p in model.parameters() if p.requires_grad], model=model, lr=0.1)
     names = [layer.name for layer in opt.layers]
     assert len(names) == 2 * 2 * 2 and all("lora_A" in n or "lora_B" in n for n in names), names
@@ -149,10 +159,8 @@ def test_preconditions_lorafa_adapters_with_their_own_input():
 
     from hf_dtrain import LoraFAConfig
 
-    model = get_peft_model(tiny_llama(seed=0), LoraFAConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                                                            init_seed=0))
-    opt = Eva([p for p in model.parameters() if p.requires_grad], model=model, lr=0.1, kl_clip=1e9,
-              factor_decay=1.0)
+    model = get_peft_model(tiny_llama(seed=0), LoraFAConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_seed=0))
+    opt = Eva([p for p in model.parameters() if p.requires_grad], model=model, lr=0.1, kl_clip=1e9, factor_decay=1.0)
     assert len(opt.layers) == 2 and all("lorafa_B" in layer.name for layer in opt.layers)
     layer = opt.layers[0]
     module = layer.module
@@ -162,7 +170,7 @@ def test_preconditions_lorafa_adapters_with_their_own_input():
     b0, grad = b.detach().clone().double(), b.grad.detach().clone().double()
     opt.step()
     s = module.scaling["default"]
-    a = (module.lorafa_A["default"].double() @ seen["x"].reshape(-1, seen["x"].shape[-1]).double().mean(0))
+    a = module.lorafa_A["default"].double() @ seen["x"].reshape(-1, seen["x"].shape[-1]).double().mean(0)
     torch.testing.assert_close(layer.a.double(), a, atol=1e-6, rtol=1e-5)
     g = s * seen["out"].grad.reshape(-1, seen["out"].shape[-1]).double().mean(0)  # s x the mean output gradient
     torch.testing.assert_close(layer.g.double(), g, atol=1e-7, rtol=1e-5)
@@ -195,11 +203,19 @@ def test_preconditions_smt_blocks_with_the_restricted_curvature(method):
     from hf_dtrain import SMTConfig, set_smt_block_indices
 
     key = "model.layers.0.self_attn.q_proj"
-    model = get_peft_model(tiny_llama(seed=0), SMTConfig(block_size=16, target_modules=["q_proj"],
-                                                         block_indices={key: [[0, 0]]}))
+    model = get_peft_model(
+        tiny_llama(seed=0), SMTConfig(block_size=16, target_modules=["q_proj"], block_indices={key: [[0, 0]]})
+    )
     gamma = 0.03  # the paper's damping
-    opt = Eva([p for p in model.parameters() if p.requires_grad], model=model, lr=0.1, kl_clip=1e9,
-              factor_decay=1.0, method=method, damping=gamma)
+    opt = Eva(
+        [p for p in model.parameters() if p.requires_grad],
+        model=model,
+        lr=0.1,
+        kl_clip=1e9,
+        factor_decay=1.0,
+        method=method,
+        damping=gamma,
+    )
     assert [layer.name.endswith("smt_weight.default") for layer in opt.layers] == [True, True]
     # the selection replaces the block parameters; Eva (through the optimizer swap) follows them
     set_smt_block_indices(model, {key: [[0, 0], [0, 2], [3, 1]]}, optimizer=opt)
@@ -217,8 +233,9 @@ def test_preconditions_smt_blocks_with_the_restricted_curvature(method):
     opt.step()
     a = seen["x"].reshape(-1, seen["x"].shape[-1]).double().mean(0)
     g = seen["out"].grad.reshape(-1, seen["out"].shape[-1]).double().mean(0)
-    v = _smt_dense_reference(method, grad, module.smt_indices["default"], 16, a, g, module.out_features,
-                             module.in_features, gamma)
+    v = _smt_dense_reference(
+        method, grad, module.smt_indices["default"], 16, a, g, module.out_features, module.in_features, gamma
+    )
     step = b0 - blocks.detach().double()
     torch.testing.assert_close(step, 0.1 * v, atol=1e-5 * float(step.abs().max()), rtol=1e-5)
     # the curvature term is not negligible: the step is far from plain gradient / damping
@@ -301,8 +318,14 @@ def _fsdp_rank(rank, world, out, methods, replicate):
         if rank == 0:
             err = max(float((fsdp_state[k] - v).abs().max()) for k, v in ddp_state.items())
             results[method] = {"ddp": ddp_losses, "fsdp2": fsdp_losses, "max_param_diff": err}
-    smt = get_peft_model(tiny_llama(seed=0), SMTConfig(block_size=16, target_modules=["q_proj"], block_indices={
-        "model.layers.0.self_attn.q_proj": [[0, 0], [0, 1]]}))
+    smt = get_peft_model(
+        tiny_llama(seed=0),
+        SMTConfig(
+            block_size=16,
+            target_modules=["q_proj"],
+            block_indices={"model.layers.0.self_attn.q_proj": [[0, 0], [0, 1]]},
+        ),
+    )
     apply_fsdp(smt, FSDPConfig(replicate=replicate))
     try:
         Eva(smt.parameters(), model=smt)

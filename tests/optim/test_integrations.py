@@ -17,11 +17,24 @@ def test_eva_from_trainer_optimizer_cls_and_kwargs(tmp_path):
 
     rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seed=s % 4).items()} for s in range(64)]
     model = tiny_llama(seed=0)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4, report_to=[],
-                             use_cpu=True, save_strategy="no", logging_steps=1000, disable_tqdm=True,
-                             learning_rate=1e-3, max_grad_norm=0)
-    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                      optimizer_cls_and_kwargs=(Eva, {"model": model, "base_optimizer": "adamw", "lr": 1e-3}))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=30,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1000,
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        max_grad_norm=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        optimizer_cls_and_kwargs=(Eva, {"model": model, "base_optimizer": "adamw", "lr": 1e-3}),
+    )
     before = trainer.evaluate(Dataset.from_list(rows[:8]))["eval_loss"]
     trainer.train()
     inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
@@ -71,8 +84,12 @@ def _zero1_eva_rank(rank, world, out):
 
     model = tiny_llama(seed=0)
     opt = Eva(model.parameters(), model=model, base_optimizer="adamw", lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
-              "zero_allow_untested_optimizer": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**6,
+        "zero_allow_untested_optimizer": True,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
     engine.backward(engine(**random_batch(seed=rank)).loss)
     try:
@@ -115,17 +132,40 @@ def test_accelerate_recipe_two_processes(tmp_path, optimizer):
 
     base = tiny_default_base(tmp_path / "cache", steps=50)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(free_port()), "recipes/optimizers_accelerate.py", "--model", base,
-           "--optimizer", optimizer, "--steps", "40", "--freeze-fraction", "0.25", "--out", str(tmp_path / "out"),
-           "--save-state", str(tmp_path / "state")]
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/accelerate/cpu_2proc.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "recipes/optimizers_accelerate.py",
+        "--model",
+        base,
+        "--optimizer",
+        optimizer,
+        "--steps",
+        "40",
+        "--freeze-fraction",
+        "0.25",
+        "--out",
+        str(tmp_path / "out"),
+        "--save-state",
+        str(tmp_path / "state"),
+    ]
+    env = dict(
+        os.environ,
+        ACCELERATE_USE_CPU="true",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.load(open(tmp_path / "out" / f"optim_{r}.json")) for r in range(2)]
-    summary = [{k: r[k] for k in ("world_size", "steps", "param_checksum", "loss_first10", "loss_last10")}
-               for r in reports]
+    summary = [
+        {k: r[k] for k in ("world_size", "steps", "param_checksum", "loss_first10", "loss_last10")} for r in reports
+    ]
     assert all(r["world_size"] == 2 and r["steps"] == 40 for r in reports), summary
     assert reports[0]["param_checksum"] == reports[1]["param_checksum"], summary
     assert reports[0]["loss_last10"] < reports[0]["loss_first10"], summary

@@ -14,13 +14,15 @@ def _worker(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hf_dtrain.decentralized import DPSGD, DecentLaM
-    from hf_dtrain.distributed import keep_gradients_local
+    from hf_dtrain.distributed.engines import keep_gradients_local
     from hf_dtrain.optim import OneBitLamb
     from hf_dtrain.testing import random_batch, tiny_llama
 
-    makers = {"onebit_lamb": lambda ps: OneBitLamb(ps, lr=1e-3, freeze_step=2),
-              "dpsgd": lambda ps: DPSGD(ps, topology="ring", base_optimizer="adamw", lr=1e-3),
-              "decentlam": lambda ps: DecentLaM(ps, lr=1e-3, momentum=0.9, topology="ring")}
+    makers = {
+        "onebit_lamb": lambda ps: OneBitLamb(ps, lr=1e-3, freeze_step=2),
+        "dpsgd": lambda ps: DPSGD(ps, topology="ring", base_optimizer="adamw", lr=1e-3),
+        "decentlam": lambda ps: DecentLaM(ps, lr=1e-3, momentum=0.9, topology="ring"),
+    }
     for name, make in makers.items():
         model = tiny_llama(seed=0, hidden_size=64).to(torch.bfloat16)
         start = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])

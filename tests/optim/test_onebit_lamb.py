@@ -41,6 +41,7 @@ def _allreduce_rank(rank, world, out_dir, scale_block):
         json.dump({"bytes": opt.stats.steps[-1], "padded": opt.padded}, open(f"{out_dir}/bytes.json", "w"))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world, scale_block", [(2, None), (3, None), (2, 96)])
 def test_compressed_allreduce_bytes_identity_and_error_feedback(tmp_path, world, scale_block):
     """96 does not divide the chunk (504 on 2 ranks): 6 blocks per chunk, the last one shorter."""
@@ -60,7 +61,7 @@ def test_compressed_allreduce_bytes_identity_and_error_feedback(tmp_path, world,
 
 def test_block_compression_keeps_each_block_norm():
     """sign x per-block RMS keeps each block's L2 norm, and the returned error is exactly what is not sent."""
-    from hf_dtrain.distributed import onebit_compress, onebit_decompress
+    from hf_dtrain.distributed.collectives import onebit_compress, onebit_decompress
 
     x = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
     sign, scales, err = onebit_compress(x, 4)
@@ -94,8 +95,12 @@ def _train_rank(rank, world, base, out_dir, steps, freeze):
     held_out = tasks.make_task_dataset(tok, 256, seed=7, split="eval", digits=2)
     model.eval()
     with torch.no_grad():
-        loss = sum(model(**b).loss.item() for b in DataLoader(held_out, batch_size=64,
-                                                               collate_fn=tasks.task_collator(tok))) / 4
+        loss = (
+            sum(
+                model(**b).loss.item() for b in DataLoader(held_out, batch_size=64, collate_fn=tasks.task_collator(tok))
+            )
+            / 4
+        )
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     torch.distributed.all_gather(gathered, flat)
@@ -115,11 +120,14 @@ def test_onebit_lamb_trains_close_to_lamb(tmp_path):
     base = tiny_default_base(tmp_path / "cache", steps=200)
     steps = 150
     for freeze in (FREEZE, steps + 1):  # steps + 1: never compresses, i.e. LAMB with the same code
-        run_distributed(_train_rank, world_size=2, args=(base, str(tmp_path), steps, freeze), timeout=600,
-                        pg_timeout_s=300)
+        run_distributed(
+            _train_rank, world_size=2, args=(base, str(tmp_path), steps, freeze), timeout=600, pg_timeout_s=300
+        )
     onebit, lamb = (json.load(open(tmp_path / f"{f}.json")) for f in (FREEZE, steps + 1))
-    print(f"1-bit LAMB loss {onebit['loss']:.4f} vs LAMB {lamb['loss']:.4f}; bytes per step "
-          f"{onebit['bytes'][-1]} vs {lamb['bytes'][-1]}")
+    print(
+        f"1-bit LAMB loss {onebit['loss']:.4f} vs LAMB {lamb['loss']:.4f}; bytes per step "
+        f"{onebit['bytes'][-1]} vs {lamb['bytes'][-1]}"
+    )
     assert onebit["loss"] <= 1.05 * lamb["loss"], (onebit["loss"], lamb["loss"])
     assert max(onebit["bytes"][FREEZE:]) * 16 <= lamb["bytes"][-1]  # at most 1/16 of LAMB's bytes after warm-up
 

@@ -22,13 +22,24 @@ def _trainer(out_dir, optimizer_cls_and_kwargs, rank=0, callbacks_for=None):
     from transformers import Trainer, TrainingArguments
 
     model = tiny_llama(seed=0)
-    args = TrainingArguments(output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=4, report_to=[],
-                             use_cpu=True, save_strategy="steps", save_steps=SAVE_AT, logging_steps=1,
-                             disable_tqdm=True, max_grad_norm=0, seed=0)
+    args = TrainingArguments(
+        output_dir=str(out_dir),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        logging_steps=1,
+        disable_tqdm=True,
+        max_grad_norm=0,
+        seed=0,
+    )
     cls, kwargs = optimizer_cls_and_kwargs
     kwargs = dict(kwargs, model=model) if "model" in kwargs else kwargs
-    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(_rows(rank)),
-                      optimizer_cls_and_kwargs=(cls, kwargs))
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Dataset.from_list(_rows(rank)), optimizer_cls_and_kwargs=(cls, kwargs)
+    )
     if callbacks_for is not None:
         callbacks_for(trainer)
     return trainer
@@ -49,8 +60,9 @@ def _straight_and_resumed(out_dir, optimizer_cls_and_kwargs, rank=0, callbacks_f
 def test_eva_resumes_exactly_from_trainer_checkpoints(tmp_path):
     from hf_dtrain.optim import Eva
 
-    a, b, straight, resumed = _straight_and_resumed(
-        tmp_path, (Eva, {"model": None, "base_optimizer": "adamw", "lr": 1e-3}))
+    a, b, _straight, resumed = _straight_and_resumed(
+        tmp_path, (Eva, {"model": None, "base_optimizer": "adamw", "lr": 1e-3})
+    )
     after = range(SAVE_AT + 1, STEPS + 1)  # the resumed log starts with the checkpoint's history (steps 1-5)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     assert [a[s] for s in after] == [b[s] for s in after], (a, b)  # the same losses after the resume, exactly
@@ -64,25 +76,46 @@ def test_eva_resumes_exactly_from_trainer_checkpoints(tmp_path):
 def _onebit_rank(rank, world, out_dir, port):
     import pathlib
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ACCELERATE_USE_CPU="true")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        ACCELERATE_USE_CPU="true",
+    )
     from hf_dtrain.comm.trainer import CommHookCallback
     from hf_dtrain.optim import OneBitLamb
 
     hooks = []
     a, b, straight, _ = _straight_and_resumed(
-        pathlib.Path(out_dir), (OneBitLamb, {"lr": 2e-3, "freeze_step": 3}), rank,
-        callbacks_for=lambda t: hooks.append(CommHookCallback.attach(t, "noop")))
+        pathlib.Path(out_dir),
+        (OneBitLamb, {"lr": 2e-3, "freeze_step": 3}),
+        rank,
+        callbacks_for=lambda t: hooks.append(CommHookCallback.attach(t, "noop")),
+    )
     assert straight.args.world_size == world
-    clipped = _trainer(pathlib.Path(out_dir) / "clipped", (OneBitLamb, {"lr": 2e-3, "freeze_step": 3}), rank,
-                       callbacks_for=lambda t: CommHookCallback.attach(t, "noop"))
+    clipped = _trainer(
+        pathlib.Path(out_dir) / "clipped",
+        (OneBitLamb, {"lr": 2e-3, "freeze_step": 3}),
+        rank,
+        callbacks_for=lambda t: CommHookCallback.attach(t, "noop"),
+    )
     clipped.args.max_grad_norm = 1.0
     with pytest.raises(ValueError, match=r"max_grad_norm=1.0\) would clip each rank's local gradient"):
         clipped.train()
     inner = straight.optimizer.optimizer if hasattr(straight.optimizer, "optimizer") else straight.optimizer
     if rank == 0:
-        json.dump({"straight": a, "resumed": b, "bytes": inner.stats.steps,
-                   "hooked": [h.summary() is not None for h in hooks]}, open(f"{out_dir}/onebit.json", "w"))
+        json.dump(
+            {
+                "straight": a,
+                "resumed": b,
+                "bytes": inner.stats.steps,
+                "hooked": [h.summary() is not None for h in hooks],
+            },
+            open(f"{out_dir}/onebit.json", "w"),
+        )
 
 
 @pytest.mark.slow

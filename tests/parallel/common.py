@@ -155,12 +155,14 @@ def hetero_batches(rank):
     """This rank's ``(batch, loss_scale)`` per step, from ``HeterogeneityAwareSampler``."""
     from hf_dtrain.data import HeterogeneityAwareSampler
 
-    sampler = HeterogeneityAwareSampler(None, HETERO_SPEEDS, rank=rank, num_samples=HETERO_BATCH * HETERO_STEPS,
-                                        seed=0, global_batch_size=HETERO_BATCH)
+    sampler = HeterogeneityAwareSampler(
+        None, HETERO_SPEEDS, rank=rank, num_samples=HETERO_BATCH * HETERO_STEPS, seed=0, global_batch_size=HETERO_BATCH
+    )
     size, order = sampler.batch_size_for(HETERO_BATCH), list(sampler)
     scale = sampler.loss_scale(HETERO_BATCH)
-    return [({k: v[order[i * size:(i + 1) * size]] for k, v in _HETERO_POOL.items()}, scale)
-            for i in range(HETERO_STEPS)]
+    return [
+        ({k: v[order[i * size : (i + 1) * size]] for k, v in _HETERO_POOL.items()}, scale) for i in range(HETERO_STEPS)
+    ]
 
 
 def hetero_reference():

@@ -12,9 +12,23 @@ from hf_dtrain import LoraFAConfig, create_lorafa_optimizer, smt_warmup
 from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_dict, save_pretrained
 from hf_dtrain.testing import mean_over_ranks, random_batch, tiny_llama
 
-from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference, batch,
-                     build_model, hetero_batches, hetero_reference, reference, run_ranks, trainable, uneven_model,
-                     uneven_reference)
+from .common import (
+    CONFIGS,
+    LR,
+    METHODS,
+    STEPS,
+    assert_reloads_and_merges,
+    assert_trains_like_reference,
+    batch,
+    build_model,
+    hetero_batches,
+    hetero_reference,
+    reference,
+    run_ranks,
+    trainable,
+    uneven_model,
+    uneven_reference,
+)
 
 
 def _steps(model, opt, rank, world, steps):
@@ -75,8 +89,9 @@ def _fsdp_rank(rank, world, out):
     for method in ("full", "lorafa"):
         model = uneven_model(method)
         apply_fsdp(model)
-        results[f"uneven_{method}"] = _steps(model, torch.optim.AdamW(trainable(model), lr=LR), rank, world,
-                                             range(STEPS))
+        results[f"uneven_{method}"] = _steps(
+            model, torch.optim.AdamW(trainable(model), lr=LR), rank, world, range(STEPS)
+        )
 
     # the heterogeneity-aware partitioner: batches of 2 and 6, each rank's loss scaled by the sampler
     model = build_model("full", [])
@@ -106,11 +121,13 @@ def _fsdp_rank(rank, world, out):
     from hf_dtrain.optim import OneBitLamb
 
     sharded = apply_fsdp(build_model("full", []))
-    for name, make in {"onebit_lamb": lambda: OneBitLamb(sharded.parameters()),
-                       "dpsgd": lambda: DPSGD(sharded.parameters(), lr=0.1),
-                       "decentlam": lambda: DecentLaM(sharded.parameters(), lr=0.1),
-                       "lsgd": lambda: LSGD(sharded.parameters(), lr=0.1),
-                       "aldsgd": lambda: ALDSGD(sharded.parameters(), lr=0.1)}.items():
+    for name, make in {
+        "onebit_lamb": lambda: OneBitLamb(sharded.parameters()),
+        "dpsgd": lambda: DPSGD(sharded.parameters(), lr=0.1),
+        "decentlam": lambda: DecentLaM(sharded.parameters(), lr=0.1),
+        "lsgd": lambda: LSGD(sharded.parameters(), lr=0.1),
+        "aldsgd": lambda: ALDSGD(sharded.parameters(), lr=0.1),
+    }.items():
         try:
             make()
         except ValueError as e:
@@ -126,6 +143,7 @@ def fsdp_run(tmp_path_factory):
     return run_ranks(_fsdp_rank, tmp_path_factory, "fsdp")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("method", METHODS)
 def test_fsdp2_trains_like_one_process(fsdp_run, references, method):
     out, results = fsdp_run
@@ -148,7 +166,7 @@ def test_lorafa_optimizer_corrects_row_shards_of_b_like_one_process(fsdp_run):
 def test_resume_from_a_sharded_checkpoint_repeats_the_steps_exactly(fsdp_run, method):
     _, results = fsdp_run
     got = results[method]
-    assert [x.hex() for x in got["resumed"]] == [x.hex() for x in got["losses"][STEPS // 2:]]
+    assert [x.hex() for x in got["resumed"]] == [x.hex() for x in got["losses"][STEPS // 2 :]]
 
 
 @pytest.mark.parametrize("method", list(CONFIGS))
@@ -192,12 +210,15 @@ def test_a_wrap_that_splits_a_tuner_layer_is_refused():
     assert len(fsdp_units(model, FSDPConfig())) == 2  # the decoder layers, from _no_split_modules
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"replicate": 0}, "replicate must be a whole number"),
-    ({"param_dtype": "int8"}, "param_dtype='int8' is unknown"),
-    ({"layer_classes": []}, "layer_classes must be a non-empty list"),
-    ({"cpu_offload": True, "param_dtype": "fp16"}, "use param_dtype=bf16"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"replicate": 0}, "replicate must be a whole number"),
+        ({"param_dtype": "int8"}, "param_dtype='int8' is unknown"),
+        ({"layer_classes": []}, "layer_classes must be a non-empty list"),
+        ({"cpu_offload": True, "param_dtype": "fp16"}, "use param_dtype=bf16"),
+    ],
+)
 def test_bad_fsdp_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FSDPConfig(**kwargs)

@@ -14,13 +14,18 @@ import torch
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the test extra; install hf-dtrain[test]")
 pytest.importorskip("hqq", reason="hqq is in the test extra; install hf-dtrain[test]")
 
-from peft import get_peft_model  # noqa: E402
+from peft import get_peft_model
 
-from hf_dtrain import QAHiRAConfig, QBaRAConfig  # noqa: E402
-from hf_dtrain.testing import mean_over_ranks, run_distributed, tiny_llama  # noqa: E402
+from hf_dtrain import QAHiRAConfig, QBaRAConfig
+from hf_dtrain.testing import mean_over_ranks, run_distributed, tiny_llama
 
-CASES = [("nf4", None, "qbara"), ("nf4", "bf16", "qbara"), ("hqq4", None, "qbara"), ("hqq4", None, "qahira"),
-         ("int4", None, "qahira")]
+CASES = [
+    ("nf4", None, "qbara"),
+    ("nf4", "bf16", "qbara"),
+    ("hqq4", None, "qbara"),
+    ("hqq4", None, "qahira"),
+    ("int4", None, "qahira"),
+]
 STEPS = 10
 
 
@@ -30,10 +35,14 @@ def _model(base, quant, storage, method):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = load_quantized_model(base, quant, group_size=16,
-                                     quant_storage=torch.bfloat16 if storage == "bf16" else None)
-        config = (QBaRAConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]) if method == "qbara" else
-                  QAHiRAConfig(group_size=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+        model = load_quantized_model(
+            base, quant, group_size=16, quant_storage=torch.bfloat16 if storage == "bf16" else None
+        )
+        config = (
+            QBaRAConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"])
+            if method == "qbara"
+            else QAHiRAConfig(group_size=16, target_modules=["q_proj", "v_proj", "down_proj"])
+        )
         return get_peft_model(model, config)
 
 
@@ -65,11 +74,17 @@ def _shard(model, engine):
         return model, model, opt
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": int(engine[-1]), "stage3_param_persistence_threshold": 0}}
-    ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(opt_params, lr=1e-2), config=config,
-                                  dist_init_required=False)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": int(engine[-1]), "stage3_param_persistence_threshold": 0},
+    }
+    ds, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(opt_params, lr=1e-2), config=config, dist_init_required=False
+    )
     return ds, ds.module, None
 
 
@@ -110,7 +125,7 @@ def run(tmp_path_factory):
     return str(base), json.loads(out.read_text())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(base, quant, storage, method):
     """One process on both ranks' batches."""
     model = _model(base, quant, storage, method)

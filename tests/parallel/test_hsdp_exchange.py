@@ -18,6 +18,7 @@ def _model(name):
     """The tiny LLaMA, fully trainable; ``*_uneven``: with dims the 2 shards do not divide (uneven row shards)."""
     return uneven_model("full") if name.endswith("_uneven") else build_model("full", [])
 
+
 STEPS = 10
 LR = 1e-2
 ACP = {"method": "acp_sgd", "rank": 2, "start_iter": 2}
@@ -34,8 +35,9 @@ def _hsdp_rank(rank, world, out):
     results = {}
     for name, exchange in RUNS.items():
         model = _model(name)
-        state = shard_with_fsdp(model, FSDPConfig(replicate=2),
-                                CommHookConfig(**exchange) if isinstance(exchange, dict) else exchange)
+        state = shard_with_fsdp(
+            model, FSDPConfig(replicate=2), CommHookConfig(**exchange) if isinstance(exchange, dict) else exchange
+        )
         opt = torch.optim.AdamW(trainable(model), lr=LR)
         losses = []
         for step in range(STEPS):
@@ -111,8 +113,14 @@ def _simulate_acp(name):
                     st.iter = step
                     ts = None
                     if mats[j].dim() >= 2 and st.compresses(mats[j].shape):
-                        ts = tensor_state(st, name, mats[j].shape[0], mats[j].numel() // mats[j].shape[0],
-                                          mats[j].device, mats[j].dtype)
+                        ts = tensor_state(
+                            st,
+                            name,
+                            mats[j].shape[0],
+                            mats[j].numel() // mats[j].shape[0],
+                            mats[j].device,
+                            mats[j].dtype,
+                        )
                     flat, orth, errors = encode(st, [mats[j]], [ts], st.even)
                     flats.append(flat)
                     kept.append((ts, orth, errors))
@@ -182,12 +190,46 @@ def test_finetune_with_hsdp_compresses_the_replica_exchange(tmp_path):
 
     # the embedded default base at test size (building the full default here took ~4 minutes of the suite)
     base = tiny_default_base(tmp_path / "cache", steps=200)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
-           "-m", "hf_dtrain.cli", "finetune", "--method", "lorafa", "--model", base, "--output-dir", str(tmp_path / "out"),
-           "--task-digits",
-           "1", "--train-size", "500", "--eval-size", "10", "--max-steps", "8", "--learning-rate", "3e-3",
-           "--progress", "false", "--logging-steps", "1", "--fsdp.replicate", "2", "--comm-hook", "acp_sgd",
-           "--comm-hook.start-iter", "2", "--comm-hook.rank", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "4",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "hf_dtrain.cli",
+        "finetune",
+        "--method",
+        "lorafa",
+        "--model",
+        base,
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--task-digits",
+        "1",
+        "--train-size",
+        "500",
+        "--eval-size",
+        "10",
+        "--max-steps",
+        "8",
+        "--learning-rate",
+        "3e-3",
+        "--progress",
+        "false",
+        "--logging-steps",
+        "1",
+        "--fsdp.replicate",
+        "2",
+        "--comm-hook",
+        "acp_sgd",
+        "--comm-hook.start-iter",
+        "2",
+        "--comm-hook.rank",
+        "2",
+    ]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

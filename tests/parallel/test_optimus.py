@@ -22,8 +22,12 @@ def _batch(step):
 def _reference():
     from hf_dtrain.testing import tiny_llama
 
-    return one_process_run(tiny_llama(seed=0), lambda m, step: m(input_ids=_batch(step)["input_ids"],
-                                                                 labels=_batch(step)["labels"]).loss, STEPS, LR)
+    return one_process_run(
+        tiny_llama(seed=0),
+        lambda m, step: m(input_ids=_batch(step)["input_ids"], labels=_batch(step)["labels"]).loss,
+        STEPS,
+        LR,
+    )
 
 
 def _rank(rank, world, out):
@@ -45,8 +49,10 @@ def _rank(rank, world, out):
         loss = model(input_ids=b["input_ids"][part], labels=b["labels"][part]).loss
         (loss * optimus_loss_scale(model)).backward()
         if step == 0:
-            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).tolist()
-                     for n, p in model.named_parameters()}
+            grads = {
+                n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).tolist()
+                for n, p in model.named_parameters()
+            }
         opt.step()
         opt.zero_grad()
         value = loss.detach().clone()

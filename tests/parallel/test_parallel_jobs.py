@@ -14,8 +14,25 @@ import torch
 from hf_dtrain.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = ["pretrain", "--preset", "tiny", "--max-steps", "5", "--per-device-train-batch-size", "8", "--seq-len", "64",
-       "--progress", "false", "--logging-steps", "0", "--data-bytes", "200000", "--eval-blocks", "8"]
+JOB = [
+    "pretrain",
+    "--preset",
+    "tiny",
+    "--max-steps",
+    "5",
+    "--per-device-train-batch-size",
+    "8",
+    "--seq-len",
+    "64",
+    "--progress",
+    "false",
+    "--logging-steps",
+    "0",
+    "--data-bytes",
+    "200000",
+    "--eval-blocks",
+    "8",
+]
 
 
 def _run(cmd, env=None):
@@ -33,10 +50,32 @@ def mesh_run(tmp_path_factory):
 
     mesh = tmp_path_factory.mktemp("tp2pp2")
     try:
-        _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
-              "--main_process_port", str(free_port()), "-m", "hf_dtrain.cli", *JOB, "--tp", "2", "--pp", "2",
-              "--output-dir", str(mesh), "--fault-tolerance.directory", str(mesh / "ft"),
-              "--fault-tolerance.persist-dir", str(mesh / "disk"), "--fault-tolerance.persist-every", "5"])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                "recipes/accelerate/cpu_4proc.yaml",
+                "--main_process_port",
+                str(free_port()),
+                "-m",
+                "hf_dtrain.cli",
+                *JOB,
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--output-dir",
+                str(mesh),
+                "--fault-tolerance.directory",
+                str(mesh / "ft"),
+                "--fault-tolerance.persist-dir",
+                str(mesh / "disk"),
+                "--fault-tolerance.persist-every",
+                "5",
+            ]
+        )
     finally:
         stop_snapshot_processes(str(mesh / "ft"))
     return mesh
@@ -55,11 +94,37 @@ def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
 
     out, ft = tmp_path / "run", tmp_path / "ft"
     try:
-        _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "2",
-              "--monitor-interval", "0.2", "--master-port", str(free_port()), "-m", "hf_dtrain.testing.fault",
-              "--kills", "0:1:2:after_snapshot,1:3:2:mid_step", "--kill-log", str(tmp_path / "kills"),
-              "hf_dtrain.cli", *JOB, "--tp", "2", "--pp", "2", "--fault-tolerance.directory", str(ft),
-              "--output-dir", str(out)])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "4",
+                "--max-restarts",
+                "2",
+                "--monitor-interval",
+                "0.2",
+                "--master-port",
+                str(free_port()),
+                "-m",
+                "hf_dtrain.testing.fault",
+                "--kills",
+                "0:1:2:after_snapshot,1:3:2:mid_step",
+                "--kill-log",
+                str(tmp_path / "kills"),
+                "hf_dtrain.cli",
+                *JOB,
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--fault-tolerance.directory",
+                str(ft),
+                "--output-dir",
+                str(out),
+            ]
+        )
     finally:
         stop_snapshot_processes(ft)
     assert len(open(tmp_path / "kills").read().split()) == 2
@@ -81,10 +146,30 @@ def test_a_tp_pp_run_restarts_as_dp_shard_4_from_its_dcp_copy_with_the_state_equ
 
     out, ft = tmp_path / "dp4", tmp_path / "ft"
     try:
-        _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-              str(free_port()), "-m", "hf_dtrain.cli", *JOB, "--dp-shard", "4", "--output-dir", str(out),
-              "--fault-tolerance.directory", str(ft), "--fault-tolerance.persist-dir", str(mesh_run / "disk"),
-              "--fault-tolerance.persist-every", "5"])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "4",
+                "--master-port",
+                str(free_port()),
+                "-m",
+                "hf_dtrain.cli",
+                *JOB,
+                "--dp-shard",
+                "4",
+                "--output-dir",
+                str(out),
+                "--fault-tolerance.directory",
+                str(ft),
+                "--fault-tolerance.persist-dir",
+                str(mesh_run / "disk"),
+                "--fault-tolerance.persist-every",
+                "5",
+            ]
+        )
     finally:
         stop_snapshot_processes(str(ft))
     got = json.loads((out / "results.json").read_text())
@@ -102,17 +187,38 @@ def test_a_tp_pp_run_restarts_as_dp_shard_4_from_its_dcp_copy_with_the_state_equ
 @pytest.mark.slow
 def test_pretrain_on_a_tp_pp_mesh_equals_one_process(tmp_path, mesh_run):
     ref, mesh = tmp_path / "one", mesh_run
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-          "-m", "hf_dtrain.cli", *JOB, "--parallel", "--output-dir", str(ref)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "1",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "hf_dtrain.cli",
+            *JOB,
+            "--parallel",
+            "--output-dir",
+            str(ref),
+        ]
+    )
     want, got = (json.loads((d / "results.json").read_text()) for d in (ref, mesh))
     assert got["engine"] == "mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 2"
     assert len(got["pipeline"]["bounds"]) == 2
-    torch.testing.assert_close(torch.tensor([h["loss"] for h in got["history"]]),
-                               torch.tensor([h["loss"] for h in want["history"]]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([h["loss"] for h in got["history"]]),
+        torch.tensor([h["loss"] for h in want["history"]]),
+        rtol=1e-5,
+        atol=0,
+    )
     assert got["held_out_loss"] == pytest.approx(want["held_out_loss"], rel=1e-5)
     index = json.loads((mesh / "model.safetensors.index.json").read_text())
-    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
-                                                         "model-00002-of-00002.safetensors"]
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     from transformers import LlamaForCausalLM
 
     a, b = (LlamaForCausalLM.from_pretrained(str(d)).state_dict() for d in (ref, mesh))
@@ -121,14 +227,17 @@ def test_pretrain_on_a_tp_pp_mesh_equals_one_process(tmp_path, mesh_run):
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("world, flags, match", [
-    (4, ["--tp", "3"], r"--tp 3 x --pp 1 x --dp-replicate 1 = 3 does not divide the 4 processes"),
-    (4, ["--tp", "2", "--dp-shard", "4"], r"= 8, but there are 4 processes"),
-    (8, ["--tp", "8"], r"--tp 8 does not divide the model's num_attention_heads \(4\)"),
-    (8, ["--pp", "8"], r"8 stages, but the model has 4 decoder layers"),
-    (4, ["--tp", "2", "--delta", "0.5"], r"delta with --tp/--pp"),
-    (4, ["--pipeline.schedule", "GPipe"], r"pipeline.\* settings are given but --pp is 1"),
-])
+@pytest.mark.parametrize(
+    "world, flags, match",
+    [
+        (4, ["--tp", "3"], r"--tp 3 x --pp 1 x --dp-replicate 1 = 3 does not divide the 4 processes"),
+        (4, ["--tp", "2", "--dp-shard", "4"], r"= 8, but there are 4 processes"),
+        (8, ["--tp", "8"], r"--tp 8 does not divide the model's num_attention_heads \(4\)"),
+        (8, ["--pp", "8"], r"8 stages, but the model has 4 decoder layers"),
+        (4, ["--tp", "2", "--delta", "0.5"], r"delta with --tp/--pp"),
+        (4, ["--pipeline.schedule", "GPipe"], r"pipeline.\* settings are given but --pp is 1"),
+    ],
+)
 def test_bad_degrees_are_refused_before_any_process_group(monkeypatch, world, flags, match):
     from hf_dtrain.cli import main
 

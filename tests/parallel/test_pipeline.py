@@ -18,8 +18,14 @@ pytestmark = pytest.mark.slow
 
 STEPS, LR, LAYERS, BATCH, SEQ = 6, 1e-2, 8, 8, 16
 # (pp, dp_shard, tp, schedule, stages_per_rank, microbatches)
-CASES = [(4, 1, 1, "GPipe", 1, 4), (4, 1, 1, "1F1B", 1, 8), (4, 1, 1, "Interleaved1F1B", 2, 8),
-         (4, 1, 1, "InterleavedZeroBubble", 2, 4), (2, 1, 2, "1F1B", 1, 4), (2, 2, 1, "1F1B", 1, 2)]
+CASES = [
+    (4, 1, 1, "GPipe", 1, 4),
+    (4, 1, 1, "1F1B", 1, 8),
+    (4, 1, 1, "Interleaved1F1B", 2, 8),
+    (4, 1, 1, "InterleavedZeroBubble", 2, 4),
+    (2, 1, 2, "1F1B", 1, 4),
+    (2, 2, 1, "1F1B", 1, 2),
+]
 
 
 def _model():
@@ -33,15 +39,22 @@ def _batch(step):
 
 
 def _reference():
-    return one_process_run(_model(), lambda m, step: m(input_ids=_batch(step)["input_ids"],
-                                                       labels=_batch(step)["labels"]).loss, STEPS, LR)
+    return one_process_run(
+        _model(), lambda m, step: m(input_ids=_batch(step)["input_ids"], labels=_batch(step)["labels"]).loss, STEPS, LR
+    )
 
 
 def _pp_rank(rank, world, cases, out):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hf_dtrain.parallel import (FSDPConfig, PipelineConfig, TensorParallelConfig, apply_fsdp, apply_pipeline,
-                                    apply_tensor_parallel)
+    from hf_dtrain.parallel import (
+        FSDPConfig,
+        PipelineConfig,
+        TensorParallelConfig,
+        apply_fsdp,
+        apply_pipeline,
+        apply_tensor_parallel,
+    )
 
     for c, (pp, dp, tp, schedule, v, micro) in enumerate(cases):
         mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
@@ -59,10 +72,18 @@ def _pp_rank(rank, world, cases, out):
         real_profile = pipeline_module.profile_costs
         if tp > 1:  # timings differ between ranks (noise): a cut of each rank's own would differ between tp peers
             pipeline_module.profile_costs = lambda model, example: {
-                "embed": 0.0, "layer": 1.0, "head": 0.1 if rank % 2 == 0 else 3.0}
-        pipe = apply_pipeline(_model(), mesh["pp"], PipelineConfig(schedule=schedule, stages_per_rank=v,
-                                                                   microbatches=micro),
-                              batch_size=per_replica, seq_len=SEQ, after_split=shard)
+                "embed": 0.0,
+                "layer": 1.0,
+                "head": 0.1 if rank % 2 == 0 else 3.0,
+            }
+        pipe = apply_pipeline(
+            _model(),
+            mesh["pp"],
+            PipelineConfig(schedule=schedule, stages_per_rank=v, microbatches=micro),
+            batch_size=per_replica,
+            seq_len=SEQ,
+            after_split=shard,
+        )
         pipeline_module.profile_costs = real_profile
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=LR)
         d = mesh["dp_shard"].get_local_rank()
@@ -95,6 +116,7 @@ def reference():
     return _reference()
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["pp{}-dp{}-tp{}-{}-v{}-m{}".format(*c) for c in CASES])
 def test_pipeline_trains_like_one_process(pp_run, reference, case):
     want_losses, want_grads = reference
@@ -127,22 +149,27 @@ def test_balance_minimizes_the_slowest_stage():
         head, emb = rng.uniform(0, 3), rng.uniform(0, 1)
 
         def worst(bounds):
-            return max(sum(costs[a:b]) + (emb if s == 0 else 0) + (head if s == k - 1 else 0)
-                       for s, (a, b) in enumerate(bounds))
+            return max(
+                sum(costs[a:b]) + (emb if s == 0 else 0) + (head if s == k - 1 else 0)
+                for s, (a, b) in enumerate(bounds)
+            )
 
         best = min(worst(list(zip((0, *cuts), (*cuts, n)))) for cuts in itertools.combinations(range(1, n), k - 1))
         got = balance_layers(costs, k, emb, head)
-        assert [a for a, _ in got][0] == 0 and got[-1][1] == n and all(b > a for a, b in got)
+        assert next(a for a, _ in got) == 0 and got[-1][1] == n and all(b > a for a, b in got)
         assert worst(got) == pytest.approx(best)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(schedule="zigzag"), "PipelineConfig.schedule='zigzag' is not one of"),
-    (dict(schedule="Interleaved1F1B"), "set pipeline.stages_per_rank >= 2"),
-    (dict(schedule="1F1B", stages_per_rank=2), "runs one stage per rank"),
-    (dict(balance="even"), "pipeline.balance"),
-    (dict(microbatches=0), "microbatches"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(schedule="zigzag"), "PipelineConfig.schedule='zigzag' is not one of"),
+        (dict(schedule="Interleaved1F1B"), "set pipeline.stages_per_rank >= 2"),
+        (dict(schedule="1F1B", stages_per_rank=2), "runs one stage per rank"),
+        (dict(balance="even"), "pipeline.balance"),
+        (dict(microbatches=0), "microbatches"),
+    ],
+)
 def test_bad_pipeline_config_is_refused(kwargs, match):
     from hf_dtrain.parallel import PipelineConfig
 
@@ -155,7 +182,9 @@ def test_pipeline_degree_and_micro_batches_are_checked_before_any_group():
     from hf_dtrain.parallel import PipelineConfig
     from hf_dtrain.parallel.pipeline import check_pipeline
 
-    with pytest.raises(ValueError, match=r"--pp 4 x pipeline.stages_per_rank 1 = 4 stages, but the model has 2 decoder"):
+    with pytest.raises(
+        ValueError, match=r"--pp 4 x pipeline.stages_per_rank 1 = 4 stages, but the model has 2 decoder"
+    ):
         check_pipeline(llama_config("test"), 4)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         check_pipeline(llama_config("test", tie_word_embeddings=True), 2)
@@ -179,13 +208,19 @@ def _disagreeing_and_silent_rank(rank, world, out, phase):
     record = {}
     if phase == "disagree":
         try:
-            apply_pipeline(_model(), mesh["pp"], PipelineConfig(balance="uniform", microbatches=2 if rank else 4),
-                           batch_size=BATCH, seq_len=SEQ)
+            apply_pipeline(
+                _model(),
+                mesh["pp"],
+                PipelineConfig(balance="uniform", microbatches=2 if rank else 4),
+                batch_size=BATCH,
+                seq_len=SEQ,
+            )
         except ValueError as e:
             record["error"] = str(e)
     else:
-        pipe = apply_pipeline(_model(), mesh["pp"], PipelineConfig(balance="uniform", microbatches=2),
-                              batch_size=BATCH, seq_len=SEQ)
+        pipe = apply_pipeline(
+            _model(), mesh["pp"], PipelineConfig(balance="uniform", microbatches=2), batch_size=BATCH, seq_len=SEQ
+        )
         flag = os.path.join(out, "rank0-failed")
         if rank == 0:
             b = _batch(0)
@@ -212,8 +247,9 @@ def test_a_pipeline_whose_ranks_disagree_or_whose_neighbour_is_silent_or_dead_fa
     from hf_dtrain.testing import run_distributed
 
     for phase in ("disagree", "silent", "dead"):
-        run_distributed(_disagreeing_and_silent_rank, world_size=2, args=(str(tmp_path), phase), timeout=180,
-                        pg_timeout_s=6)
+        run_distributed(
+            _disagreeing_and_silent_rank, world_size=2, args=(str(tmp_path), phase), timeout=180, pg_timeout_s=6
+        )
     for rank in range(2):
         error = json.loads((tmp_path / f"disagree-rank{rank}.json").read_text())["error"]
         assert "pipeline rank 1 has microbatches 2, pipeline rank 0 has 4" in error, error

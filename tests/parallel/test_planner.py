@@ -22,10 +22,14 @@ def test_legal_plans_are_what_the_runtime_accepts():
     assert plans and len({p.key for p in plans}) == len(plans)
     for p in plans:
         assert p.pp * p.dp_replicate * p.dp_shard * p.tp == 8
-        pipeline = PipelineConfig(schedule=p.schedule, stages_per_rank=p.stages_per_rank,
-                                  microbatches=p.microbatches) if p.pp > 1 else PipelineConfig()
-        check_parallel(ParallelConfig(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard), 8,
-                       config, pipeline)
+        pipeline = (
+            PipelineConfig(schedule=p.schedule, stages_per_rank=p.stages_per_rank, microbatches=p.microbatches)
+            if p.pp > 1
+            else PipelineConfig()
+        )
+        check_parallel(
+            ParallelConfig(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard), 8, config, pipeline
+        )
         if p.pp > 1:
             pipeline.n_microbatches(p.pp, 16 // (p.dp_replicate * p.dp_shard))
     # tp 3 divides nothing here, tp 16 > heads: never offered; every divisor pattern of 8 is
@@ -53,8 +57,10 @@ def test_the_cost_model_moves_the_way_the_system_does():
     import dataclasses
 
     inter = dataclasses.replace(profile, ranks_per_node=2)
-    assert predict(Plan(pp=1, dp_replicate=1, dp_shard=2, tp=4, microbatches=1), config, inter, 32, 4096).step_time > \
-        predict(Plan(pp=1, dp_replicate=1, dp_shard=2, tp=4, microbatches=1), config, profile, 32, 4096).step_time
+    assert (
+        predict(Plan(pp=1, dp_replicate=1, dp_shard=2, tp=4, microbatches=1), config, inter, 32, 4096).step_time
+        > predict(Plan(pp=1, dp_replicate=1, dp_shard=2, tp=4, microbatches=1), config, profile, 32, 4096).step_time
+    )
 
 
 def test_a_plan_that_does_not_fit_names_the_buffer():
@@ -87,16 +93,45 @@ def test_pretrain_plan_auto_runs_the_plan_it_chose(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "auto"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "hf_dtrain.cli", "pretrain", "--preset", "tiny", "--max-steps", "3",
-           "--per-device-train-batch-size", "4", "--seq-len", "64", "--progress", "false", "--data-bytes", "300000",
-           "--eval-blocks", "8", "--plan", "auto", "--output-dir", str(out), "--save-model", "false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=400,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "hf_dtrain.cli",
+        "pretrain",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "3",
+        "--per-device-train-batch-size",
+        "4",
+        "--seq-len",
+        "64",
+        "--progress",
+        "false",
+        "--data-bytes",
+        "300000",
+        "--eval-blocks",
+        "8",
+        "--plan",
+        "auto",
+        "--output-dir",
+        str(out),
+        "--save-model",
+        "false",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=root, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "--plan auto chose" in proc.stdout
     results = json.loads((out / "results.json").read_text())
     chosen = proc.stdout.split("--plan auto chose ")[1].split()[0]
-    pp, dpr, dps, tp = (int(chosen.split("-")[i][len(k):]) for i, k in enumerate(("pp", "dpr", "dps", "tp")))
+    pp, dpr, dps, tp = (int(chosen.split("-")[i][len(k) :]) for i, k in enumerate(("pp", "dpr", "dps", "tp")))
     assert results["engine"] == f"mesh pp {pp} x dp_replicate {dpr} x dp_shard {dps} x tp {tp}"
     assert len(results["history"]) == 3

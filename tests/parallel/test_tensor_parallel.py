@@ -15,8 +15,14 @@ from .common import LR, STEPS, batch, build_model, full_grads, one_process_run, 
 pytestmark = pytest.mark.slow
 
 # (dp_shard, tp, sequence_parallel, loss_parallel, method)
-CASES = [(1, 4, True, True, "full"), (1, 4, False, False, "lorafa"), (1, 4, True, True, "lora"),
-         (2, 2, True, True, "full"), (2, 2, True, True, "lorafa"), (2, 2, False, True, "lora")]
+CASES = [
+    (1, 4, True, True, "full"),
+    (1, 4, False, False, "lorafa"),
+    (1, 4, True, True, "lora"),
+    (2, 2, True, True, "full"),
+    (2, 2, True, True, "lorafa"),
+    (2, 2, False, True, "lora"),
+]
 
 
 def _model(method):
@@ -39,8 +45,9 @@ def _model(method):
 
 
 def _reference(method, dp):
-    return one_process_run(_model(method), lambda m, step: sum(m(**batch(step, d)).loss for d in range(dp)) / dp,
-                           STEPS, LR)
+    return one_process_run(
+        _model(method), lambda m, step: sum(m(**batch(step, d)).loss for d in range(dp)) / dp, STEPS, LR
+    )
 
 
 def _tp_rank(rank, world, cases, out):
@@ -85,6 +92,7 @@ def tp_run(mesh_runs):  # the shared 4-rank run (conftest.py)
     return json.loads(open(os.path.join(mesh_runs, "tp.json")).read())
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
 def test_tensor_parallel_trains_like_one_process(tp_run, case):
     dp, _, _, _, method = CASES[case]
@@ -109,9 +117,10 @@ class _Mesh:  # what apply_tensor_parallel reads of a 1D mesh before it shards a
 
 @pytest.mark.parametrize("method", ["smt", "qbara", "qahira"])
 def test_tuners_tp_cannot_shard_are_refused_with_the_reason(method):
-    from .common import build_model as build
     from hf_dtrain.parallel import apply_tensor_parallel
     from hf_dtrain.testing import random_batch
+
+    from .common import build_model as build
 
     model = build(method, [random_batch(seed=0)])
     with pytest.raises(ValueError, match=r"cannot shard the .* adapter .* FSDP2 or ZeRO-3"):

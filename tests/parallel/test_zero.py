@@ -10,11 +10,23 @@ import torch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
 
-from hf_dtrain.parallel import full_state_dict, is_zero3, save_pretrained  # noqa: E402
-from hf_dtrain.testing import mean_over_ranks, random_batch  # noqa: E402
+from hf_dtrain.parallel import full_state_dict, is_zero3, save_pretrained
+from hf_dtrain.testing import mean_over_ranks, random_batch
 
-from .common import (CONFIGS, LR, METHODS, STEPS, assert_reloads_and_merges, assert_trains_like_reference,  # noqa: E402
-                     batch, build_model, hetero_batches, hetero_reference, run_ranks, trainable)
+from .common import (
+    CONFIGS,
+    LR,
+    METHODS,
+    STEPS,
+    assert_reloads_and_merges,
+    assert_trains_like_reference,
+    batch,
+    build_model,
+    hetero_batches,
+    hetero_reference,
+    run_ranks,
+    trainable,
+)
 
 STAGES = [2, 3]
 
@@ -27,10 +39,15 @@ def _engine(model, stage, optimizer=None):
         model.enable_input_require_grads()
     opt = optimizer if optimizer is not None else torch.optim.AdamW(trainable(model), lr=LR)
     # DeepSpeed 0.19 clips gradients at norm 1.0 unless told otherwise; the reference does not clip
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-              # threshold 0: every parameter is partitioned (the tiny model's would all stay whole by default)
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        # threshold 0: every parameter is partitioned (the tiny model's would all stay whole by default)
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
     return engine
 
@@ -69,8 +86,12 @@ def _zero_rank(rank, world, out):
                     torch.save(state, f"{out}/full_{stage}.pt")
             else:
                 save_pretrained(engine, f"{out}/{stage}_{method}")
-            results[f"{stage}_{method}"] = {"losses": losses, "selection": selection, "resumed": resumed,
-                                            "partitioned": partitioned}
+            results[f"{stage}_{method}"] = {
+                "losses": losses,
+                "selection": selection,
+                "resumed": resumed,
+                "partitioned": partitioned,
+            }
     # the heterogeneity-aware partitioner under ZeRO-3: batches of 2 and 6, each rank's loss scaled by the sampler
     engine = _engine(build_model("full", []), 3)
     results["hetero"] = []
@@ -90,7 +111,10 @@ def _zero_rank(rank, world, out):
     from hf_dtrain.optim import OneBitLamb
 
     results["refusals"] = {"snapshots": snapshot_refusal}
-    for stage, name, make in [(1, "onebit_lamb", lambda ps: OneBitLamb(ps)), (3, "dpsgd", lambda ps: DPSGD(ps, lr=0.1))]:
+    for stage, name, make in [
+        (1, "onebit_lamb", lambda ps: OneBitLamb(ps)),
+        (3, "dpsgd", lambda ps: DPSGD(ps, lr=0.1)),
+    ]:
         model = build_model("full", [])
         engine = _engine(model, stage, optimizer=make(list(model.parameters())))
         try:
@@ -124,7 +148,7 @@ def test_zero_trains_like_one_process(zero_run, references, stage, method):
 def test_resume_from_a_deepspeed_checkpoint_repeats_the_steps_exactly(zero_run, stage, method):
     _, results = zero_run
     got = results[f"{stage}_{method}"]
-    assert [x.hex() for x in got["resumed"]] == [x.hex() for x in got["losses"][STEPS // 2:]]
+    assert [x.hex() for x in got["resumed"]] == [x.hex() for x in got["losses"][STEPS // 2 :]]
 
 
 @pytest.mark.parametrize("method", list(CONFIGS))

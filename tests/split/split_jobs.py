@@ -15,8 +15,9 @@ def model_and_batches():
     from hf_dtrain.testing import random_batch, tiny_llama
 
     torch.manual_seed(0)
-    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                    init_lora_weights=False))
+    model = get_peft_model(
+        tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    )
     batches = [random_batch(batch=2, seq=12, seed=s) for s in range(STEPS)]
     return model, batches
 
@@ -37,7 +38,10 @@ def split_run(rank: int, world: int, cut: int, compress_rank, out: str) -> None:
             losses.append(side.step())
         opt.step()
         opt.zero_grad()
-    state = {n: p.detach().tolist() for n, p in model.named_parameters() if p.requires_grad and
-             any(p is q for q in side.parameters())}
+    state = {
+        n: p.detach().tolist()
+        for n, p in model.named_parameters()
+        if p.requires_grad and any(p is q for q in side.parameters())
+    }
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(dict(losses=losses, state=state, sent=side.bytes_sent, received=side.bytes_received), f)

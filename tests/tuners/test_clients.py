@@ -21,10 +21,12 @@ TARGETS = ["q_proj", "v_proj"]
 def _configs():
     from hf_dtrain.tuners import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig
 
-    return {"lorafa": LoraFAConfig(r=4, target_modules=TARGETS),
-            "smt": SMTConfig(block_size=16, num_blocks=4, target_modules=TARGETS, warmup_steps=2),
-            "qbara": QBaRAConfig(r=4, target_modules=TARGETS, require_quantized_base=False),
-            "qahira": QAHiRAConfig(group_size=16, target_modules=TARGETS, require_quantized_base=False)}
+    return {
+        "lorafa": LoraFAConfig(r=4, target_modules=TARGETS),
+        "smt": SMTConfig(block_size=16, num_blocks=4, target_modules=TARGETS, warmup_steps=2),
+        "qbara": QBaRAConfig(r=4, target_modules=TARGETS, require_quantized_base=False),
+        "qahira": QAHiRAConfig(group_size=16, target_modules=TARGETS, require_quantized_base=False),
+    }
 
 
 _RELOAD = """
@@ -48,6 +50,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.smoke
 def test_trl_sft_trainer_then_reload_in_a_fresh_process(tmp_path):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -60,24 +63,45 @@ def test_trl_sft_trainer_then_reload_in_a_fresh_process(tmp_path):
     saved, trained = {}, {}
     for name, config in _configs().items():
         model, tokenizer = load_model_and_tokenizer(None, progress=False)
-        args = SFTConfig(output_dir=str(tmp_path / name), max_steps=4, per_device_train_batch_size=4, use_cpu=True,
-                         report_to=[], save_strategy="no", max_length=32, disable_tqdm=True, learning_rate=1e-2)
+        args = SFTConfig(
+            output_dir=str(tmp_path / name),
+            max_steps=4,
+            per_device_train_batch_size=4,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            max_length=32,
+            disable_tqdm=True,
+            learning_rate=1e-2,
+        )
         assert args.bf16  # TRL's default: the run below is a bf16 autocast run
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                                 peft_config=config, callbacks=[SMTSelectionCallback()] if name == "smt" else None)
+            trainer = SFTTrainer(
+                model=model,
+                args=args,
+                train_dataset=data,
+                processing_class=tokenizer,
+                peft_config=config,
+                callbacks=[SMTSelectionCallback()] if name == "smt" else None,
+            )
             result = trainer.train()
         assert torch.isfinite(torch.tensor(result.training_loss)), name
         adapter = [p for n, p in trainer.model.named_parameters() if p.requires_grad]
         assert adapter and any(p.abs().sum() > 0 for p in adapter), f"{name}: nothing was trained"
         trainer.save_model(str(tmp_path / name / "adapter"))
         saved[name] = str(tmp_path / name / "adapter")
-        trained[name] = {n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters()
-                         if p.requires_grad}
+        trained[name] = {
+            n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters() if p.requires_grad
+        }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _RELOAD, json.dumps(saved), json.dumps(ids)], capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RELOAD, json.dumps(saved), json.dumps(ids)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, result in got.items():

@@ -1,7 +1,7 @@
-"""Every hf_dtrain layer compiles under ``torch.compile``'s default backend (inductor, generated C++ on CPU) as one graph:
-no graph break inside the layer (``torch._dynamo.explain`` counts none, and ``fullgraph=True`` would raise on one),
-and the compiled forward and backward give the eager numbers. The tuners' layers (LoRA-FA, SMT's block-sparse delta,
-Q-BaRA, QA-HiRA; the last two also on hf_dtrain's INT4 base) and the fused sweep's layers (low-rank adapters,
+"""Every hf_dtrain layer compiles under ``torch.compile``'s default backend (inductor, generated C++ on CPU) as one
+graph: no graph break inside the layer (``torch._dynamo.explain`` counts none, and ``fullgraph=True`` would raise on
+one), and the compiled forward and backward give the eager numbers. The tuners' layers (LoRA-FA, SMT's block-sparse
+delta, Q-BaRA, QA-HiRA; the last two also on hf_dtrain's INT4 base) and the fused sweep's layers (low-rank adapters,
 block-sparse adapters, full linear / embedding / RMSNorm copies). The Trainer's ``torch_compile=True`` with each
 tuner: ``test_trainer_torch_compile``."""
 
@@ -30,8 +30,9 @@ def _peft(config, base=None, adapter_name="default"):
     config.init_weights = False  # a random non-zero adapter: its output and gradients are not trivially zero
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return get_peft_model(base if base is not None else tiny_llama(seed=0, hidden_size=HIDDEN), config,
-                              adapter_name=adapter_name)
+        return get_peft_model(
+            base if base is not None else tiny_llama(seed=0, hidden_size=HIDDEN), config, adapter_name=adapter_name
+        )
 
 
 def _tuner_layer(model):
@@ -53,10 +54,17 @@ def _fused(kind):
         if kind == "lowrank":
             configs = [LoraConfig(r=r, target_modules=["q_proj"], init_lora_weights=False) for r in (4, 8)]
         else:
-            configs = [SMTConfig(block_size=16, target_modules=["q_proj"], block_indices=SMT_BLOCKS),
-                       SMTConfig(block_size=16, target_modules=["q_proj"], block_indices={
-                           "model.layers.0.self_attn.q_proj": [[1, 1]],
-                           "model.layers.1.self_attn.q_proj": [[0, 0], [3, 3]]})]
+            configs = [
+                SMTConfig(block_size=16, target_modules=["q_proj"], block_indices=SMT_BLOCKS),
+                SMTConfig(
+                    block_size=16,
+                    target_modules=["q_proj"],
+                    block_indices={
+                        "model.layers.0.self_attn.q_proj": [[1, 1]],
+                        "model.layers.1.self_attn.q_proj": [[0, 0], [3, 3]],
+                    },
+                ),
+            ]
         torch.manual_seed(0)
         model = _peft(configs[0], adapter_name="a")
         configs[1].init_weights = False
@@ -72,8 +80,10 @@ CASES = {
     **{name: (lambda f=f: _tuner_layer(_peft(f()))) for name, f in TUNERS.items()},
     "qbara-int4": lambda: _tuner_layer(_peft(TUNERS["qbara"](), base=_int4_base())),
     "qahira-int4": lambda: _tuner_layer(_peft(TUNERS["qahira"](), base=_int4_base())),
-    **{f"fused-{kind}": (lambda k=kind: _fused(k)) for kind in ("lowrank", "blocksparse", "linear", "embedding",
-                                                                  "rmsnorm")},
+    **{
+        f"fused-{kind}": (lambda k=kind: _fused(k))
+        for kind in ("lowrank", "blocksparse", "linear", "embedding", "rmsnorm")
+    },
 }
 
 
@@ -135,9 +145,19 @@ def test_trainer_torch_compile(name):
         # one decoder layer: the compiled graph (and its compile time) is half the two-layer model's
         model = _peft(TUNERS[name](), base=tiny_llama(seed=0, hidden_size=HIDDEN, num_hidden_layers=1))
         with tempfile.TemporaryDirectory() as out:
-            args = TrainingArguments(out, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
-                                     torch_compile=compile_, report_to=[], logging_steps=1, use_cpu=True,
-                                     save_strategy="no", disable_tqdm=True, seed=0)
+            args = TrainingArguments(
+                out,
+                max_steps=2,
+                per_device_train_batch_size=4,
+                learning_rate=1e-2,
+                torch_compile=compile_,
+                report_to=[],
+                logging_steps=1,
+                use_cpu=True,
+                save_strategy="no",
+                disable_tqdm=True,
+                seed=0,
+            )
             trainer = Trainer(model=model, args=args, train_dataset=data)
             trainer.train()
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -80,6 +80,7 @@ def test_model_attributes_and_trainable_parameters(name):
     assert n_trainable == sum(p.numel() for p in model.parameters() if p.requires_grad) and n_all > n_trainable
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", NAMES)
 def test_save_load_and_selected_adapters(name, tmp_path, base_logits):
     model = _peft(name)
@@ -104,6 +105,7 @@ def test_save_load_and_selected_adapters(name, tmp_path, base_logits):
     assert strip(again.to_dict()) == strip(model.peft_config["default"].to_dict())
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", NAMES)
 def test_merge_unmerge_and_safe_merge(name):
     model = _peft(name)
@@ -174,8 +176,11 @@ def test_inject_adapter_in_model_and_state_dict_helpers(name, base_logits):
 
 
 def _grads(model):
-    return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()
-            if p.requires_grad and p.numel()}  # (an SMT target with no block selected holds an empty parameter)
+    return {
+        n.removeprefix("_orig_mod."): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad and p.numel()
+    }  # (an SMT target with no block selected holds an empty parameter)
 
 
 def _train_grads(model):

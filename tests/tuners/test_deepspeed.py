@@ -8,10 +8,10 @@ import torch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; install hf-dtrain[test]")
 
-from peft import get_peft_model  # noqa: E402
+from peft import get_peft_model
 
-from hf_dtrain import LoraFAConfig, SMTConfig, smt_warmup  # noqa: E402
-from hf_dtrain.testing import random_batch, run_distributed, tiny_llama  # noqa: E402
+from hf_dtrain import LoraFAConfig, SMTConfig, smt_warmup
+from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
 
 STEPS = 4
 
@@ -20,8 +20,10 @@ def _model(method, warmup_batches):
     model = tiny_llama()
     if method == "lorafa":
         return get_peft_model(model, LoraFAConfig(r=4, target_modules=["q_proj", "v_proj"], init_seed=0))
-    model = get_peft_model(model, SMTConfig(block_size=16, num_blocks=4, warmup_steps=len(warmup_batches),
-                                            target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        model,
+        SMTConfig(block_size=16, num_blocks=4, warmup_steps=len(warmup_batches), target_modules=["q_proj", "v_proj"]),
+    )
     smt_warmup(model, warmup_batches, progress=False)  # scores all-reduced across ranks when distributed
     return model
 
@@ -36,8 +38,12 @@ def _deepspeed_rank(rank, world_size, out_dir, method, stage):
 
     model = _model(method, [random_batch(seed=rank)])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**6,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
     for step in range(STEPS):
         loss = engine(**_batch(step, rank)).loss

@@ -41,8 +41,14 @@ def test_saved_bytes_per_adapted_layer_at_most_r_over_d_in_of_lora(r):
 
 
 def test_in_a_llama_every_adapted_layer_keeps_no_input_copy():
-    model = get_peft_model(tiny_llama(), LoraFAConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    lora = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model = get_peft_model(
+        tiny_llama(),
+        LoraFAConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    )
+    lora = get_peft_model(
+        tiny_llama(),
+        LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    )
     batch = random_batch(batch=4, seq=32)
     counts = {}
     for name, m in (("fa", model), ("lora", lora)):
@@ -82,7 +88,9 @@ def test_init_seed_makes_A_reproducible():
 
 
 def test_create_lorafa_optimizer_applies_projected_gradient_and_keeps_A():
-    model = get_peft_model(tiny_llama(), LoraFAConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_seed=0))
+    model = get_peft_model(
+        tiny_llama(), LoraFAConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_seed=0)
+    )
     for n, p in model.named_parameters():
         if "lorafa_B" in n:
             p.data.normal_(0, 0.01)

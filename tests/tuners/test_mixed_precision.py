@@ -13,8 +13,14 @@ from hf_dtrain.tuners import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig
 
 TARGETS = ["q_proj", "v_proj"]
 CONFIGS = {
-    "smt": lambda: SMTConfig(block_size=16, target_modules=TARGETS, block_indices={
-        "model.layers.0.self_attn.q_proj": [[0, 1], [2, 3]], "model.layers.1.self_attn.v_proj": [[1, 0]]}),
+    "smt": lambda: SMTConfig(
+        block_size=16,
+        target_modules=TARGETS,
+        block_indices={
+            "model.layers.0.self_attn.q_proj": [[0, 1], [2, 3]],
+            "model.layers.1.self_attn.v_proj": [[1, 0]],
+        },
+    ),
     "lorafa": lambda: LoraFAConfig(r=4, target_modules=TARGETS),
     "qbara": lambda: QBaRAConfig(r=4, target_modules=TARGETS, require_quantized_base=False),
     "qahira": lambda: QAHiRAConfig(group_size=16, target_modules=TARGETS, require_quantized_base=False),
@@ -59,9 +65,9 @@ def test_fp16_with_a_grad_scaler_trains(name):
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     losses = []
-    for step in range(4):
+    for _step in range(4):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(**random_batch(batch=2, seq=8, seed=0)).loss
         scaler.scale(loss).backward()
@@ -89,9 +95,18 @@ def test_trainer_with_bf16_trains_smt(tmp_path):
 
     rows = [{k: v[0].tolist() for k, v in random_batch(batch=1, seq=16, seed=s).items()} for s in range(16)]
     model = _model("smt")
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, bf16=True,
-                             use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
-                             learning_rate=1e-2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        bf16=True,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        learning_rate=1e-2,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     out = trainer.train()

@@ -28,7 +28,9 @@ def make_config(method, seed=0):
         return QAHiRAConfig(group_size=16, lambda_out=4, target_modules=["q_proj", "v_proj", "down_proj"])
     if method == "qa-lora":
         return QAHiRAConfig(group_size=16, lambda_out=1, r=3, target_modules=["q_proj", "v_proj", "down_proj"])
-    return SMTConfig(block_size=16, num_blocks=6, warmup_steps=2, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
+    return SMTConfig(
+        block_size=16, num_blocks=6, warmup_steps=2, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]
+    )
 
 
 def adapted(base, method, adapter_name="default", seed=0):
@@ -84,21 +86,27 @@ def test_save_and_load_in_fresh_process_gives_identical_logits(method, tiny_base
     peft_type = "QAHIRA" if method == "qa-lora" else method.upper()  # QA-LoRA is QA-HiRA with a rank
     assert cfg["peft_type"] == peft_type and cfg["base_model_name_or_path"] == base_dir
     keys = load_file(adapter_dir / "adapter_model.safetensors").keys()
-    assert keys and all(k.split(".")[-1] in {"lorafa_A", "lorafa_B", "smt_weight", "smt_indices", "qbara_A", "qbara_B", "qahr_A", "qahr_B"} for k in keys)
+    assert keys and all(
+        k.split(".")[-1]
+        in {"lorafa_A", "lorafa_B", "smt_weight", "smt_indices", "qbara_A", "qbara_B", "qahr_A", "qahr_B"}
+        for k in keys
+    )
     assert any(k.endswith("qahr_B") for k in keys) == (method == "qa-lora")
     if method == "smt":
         assert any(k.endswith("smt_indices") for k in keys) and sum(len(v) for v in cfg["block_indices"].values()) == 6
-    save_file({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, tmp_path / "batch.safetensors")
+    save_file(
+        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, tmp_path / "batch.safetensors"
+    )
     code = f"""
 import torch, hf_dtrain
 from peft import PeftModel, AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM
 from safetensors.torch import load_file, save_file
-b = load_file({str(tmp_path / 'batch.safetensors')!r})
+b = load_file({str(tmp_path / "batch.safetensors")!r})
 m1 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base_dir!r}), {str(adapter_dir)!r}).eval()
 m2 = AutoPeftModelForCausalLM.from_pretrained({str(adapter_dir)!r}).eval()
 with torch.no_grad():
-    save_file({{"peft": m1(**b).logits, "auto": m2(**b).logits}}, {str(tmp_path / 'out.safetensors')!r})
+    save_file({{"peft": m1(**b).logits, "auto": m2(**b).logits}}, {str(tmp_path / "out.safetensors")!r})
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -65,13 +65,13 @@ def test_training_smt_with_no_blocks_selected_warns(recwarn):
     smt_layer._WARNED.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(tiny_llama(seed=0, hidden_size=64), SMTConfig(block_size=16, num_blocks=4,
-                                                                            target_modules=["q_proj"]))
+        model = get_peft_model(
+            tiny_llama(seed=0, hidden_size=64), SMTConfig(block_size=16, num_blocks=4, target_modules=["q_proj"])
+        )
     loss = model(**random_batch(batch=2, seq=8, seed=0)).loss
     with pytest.raises(RuntimeError, match="does not require grad"):
         loss.backward()
-    assert any("no blocks selected" in str(w.message) and "SMTSelectionCallback()" in str(w.message)
-               for w in recwarn)
+    assert any("no blocks selected" in str(w.message) and "SMTSelectionCallback()" in str(w.message) for w in recwarn)
     recwarn.clear()
     smt_layer._WARNED.clear()
     model = _peft("smt")  # explicit blocks: no warning

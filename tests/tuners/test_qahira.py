@@ -92,17 +92,19 @@ def test_save_and_load_in_fresh_process_gives_identical_logits(tmp_path):
     batch = random_batch(seed=4)
     ref = logits(model, batch)
     model.save_pretrained(tmp_path / "adapter")
-    save_file({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, tmp_path / "batch.safetensors")
+    save_file(
+        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, tmp_path / "batch.safetensors"
+    )
     code = f"""
 import torch, hf_dtrain
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from hf_dtrain.testing import tiny_llama
 from hf_dtrain.quantization.int4 import quantize_model_int4
-b = load_file({str(tmp_path / 'batch.safetensors')!r})
-m = PeftModel.from_pretrained(quantize_model_int4(tiny_llama(), group_size=16), {str(tmp_path / 'adapter')!r}).eval()
+b = load_file({str(tmp_path / "batch.safetensors")!r})
+m = PeftModel.from_pretrained(quantize_model_int4(tiny_llama(), group_size=16), {str(tmp_path / "adapter")!r}).eval()
 with torch.no_grad():
-    save_file({{"logits": m(**b).logits}}, {str(tmp_path / 'out.safetensors')!r})
+    save_file({{"logits": m(**b).logits}}, {str(tmp_path / "out.safetensors")!r})
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -114,7 +116,11 @@ with torch.no_grad():
     [
         (tiny_llama, dict(group_size=24, lambda_out=4), r"group_size=24 does not divide in_features=64 .*divisor"),
         (tiny_llama, dict(group_size=16, lambda_out=5), r"lambda_out=5 does not divide out_features=64"),
-        (int4_base, dict(group_size=32, lambda_out=4), r"group_size=32 differs from the quantization group size 16 .*set group_size=16"),
+        (
+            int4_base,
+            dict(group_size=32, lambda_out=4),
+            r"group_size=32 differs from the quantization group size 16 .*set group_size=16",
+        ),
         (tiny_llama, dict(group_size=0), r"group_size must be a positive integer"),
     ],
 )

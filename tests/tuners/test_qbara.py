@@ -15,7 +15,7 @@ from hf_dtrain.tuners.qbara import QBaRALayer
 
 def _randomise(model, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    for n, p in model.named_parameters():
+    for _n, p in model.named_parameters():
         if p.requires_grad:
             p.data = torch.randn(p.shape, generator=gen) * 0.2
     return model
@@ -65,8 +65,10 @@ def test_trains_on_a_bitsandbytes_4bit_base_and_refuses_a_rounding_merge(tmp_pat
 
     def load_4bit():
         model = AutoModelForCausalLM.from_pretrained(
-            tmp_path, device_map="cpu",
-            quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32))
+            tmp_path,
+            device_map="cpu",
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+        )
         prepare_bnb_4bit_for_training(model)  # the same CPU kernel path as the peft model (get_peft_model does it)
         return model
 
@@ -84,10 +86,13 @@ def test_trains_on_a_bitsandbytes_4bit_base_and_refuses_a_rounding_merge(tmp_pat
         model.merge_and_unload()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(r=4, pool=3), r"pool=3 does not divide in_features=64 .*choose a pooling factor"),
-    (dict(r=0), r"QBaRAConfig.r must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(r=4, pool=3), r"pool=3 does not divide in_features=64 .*choose a pooling factor"),
+        (dict(r=0), r"QBaRAConfig.r must be a positive integer"),
+    ],
+)
 def test_bad_input_raises_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         get_peft_model(tiny_llama(), QBaRAConfig(target_modules=["q_proj"], **kwargs))

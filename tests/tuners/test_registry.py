@@ -24,7 +24,10 @@ def _state():
 
 
 def test_registered_with_expected_prefixes():
-    assert _state() == {"SMT": (1, "smt_", "SMTConfig", "SMTModel"), "LORAFA": (1, "lorafa_", "LoraFAConfig", "LoraFAModel")}
+    assert _state() == {
+        "SMT": (1, "smt_", "SMTConfig", "SMTModel"),
+        "LORAFA": (1, "lorafa_", "LoraFAConfig", "LoraFAModel"),
+    }
     assert PeftType("SMT") is PeftType.SMT is PeftType["SMT"]
     assert PEFT_TYPE_TO_PREFIX_MAPPING[PeftType.QAHIRA] == "qahr_"
     for prefix in ("smt_", "lorafa_", "qahr_"):

@@ -21,7 +21,11 @@ def dense_grads(model_or_base, batches, targets):
     """Reference: the summed dense gradient of each target weight, from a plain model with W requiring grad."""
     ref = copy.deepcopy(model_or_base)
     ref.requires_grad_(False)
-    weights = {n.removesuffix(".weight"): p for n, p in ref.named_parameters() if n.removesuffix(".weight").split(".")[-1] in targets}
+    weights = {
+        n.removesuffix(".weight"): p
+        for n, p in ref.named_parameters()
+        if n.removesuffix(".weight").split(".")[-1] in targets
+    }
     for p in weights.values():
         p.requires_grad_(True)
     for b in batches:
@@ -31,8 +35,11 @@ def dense_grads(model_or_base, batches, targets):
 
 def test_block_gradients_equal_dense_gradient_blocks():
     base = tiny_llama()
-    indices = {"model.layers.0.self_attn.q_proj": [[0, 0], [2, 3]], "model.layers.0.mlp.down_proj": [[1, 0], [1, 7], [3, 5]],
-               "model.layers.1.self_attn.v_proj": [[3, 3]]}
+    indices = {
+        "model.layers.0.self_attn.q_proj": [[0, 0], [2, 3]],
+        "model.layers.0.mlp.down_proj": [[1, 0], [1, 7], [3, 5]],
+        "model.layers.1.self_attn.v_proj": [[3, 3]],
+    }
     model = get_peft_model(copy.deepcopy(base), SMTConfig(block_size=16, block_indices=indices, target_modules=TARGETS))
     gen = torch.Generator().manual_seed(0)
     for p in model.parameters():
@@ -111,11 +118,14 @@ def test_block_sparse_delta_saves_only_needed_input_columns_as_copies():
     # and the function is right: it equals the dense product with the blocks scattered into a zero matrix
     dense = torch.zeros(d_out, d_in)
     for k, (r, c) in enumerate(zip(rows.tolist(), cols.tolist())):
-        dense[r * bs:(r + 1) * bs, c * bs:(c + 1) * bs] = blocks[k].detach()
+        dense[r * bs : (r + 1) * bs, c * bs : (c + 1) * bs] = blocks[k].detach()
     torch.testing.assert_close(y, x.detach() @ dense.T, atol=1e-4, rtol=1e-5)
     assert torch.autograd.gradcheck(
         lambda a, b: BlockSparseDelta.apply(a, b, rows[:2], cols[:2], 4 * 4),
-        (torch.randn(3, 4 * 8, dtype=torch.double, requires_grad=True), torch.randn(2, 4, 4, dtype=torch.double, requires_grad=True)),
+        (
+            torch.randn(3, 4 * 8, dtype=torch.double, requires_grad=True),
+            torch.randn(2, 4, 4, dtype=torch.double, requires_grad=True),
+        ),
     )
 
 
@@ -123,7 +133,9 @@ def test_block_sparse_delta_saves_only_needed_input_columns_as_copies():
 def test_warmup_scores_and_global_top_n_match_reference(score):
     base = tiny_llama()
     batches = [random_batch(seed=s) for s in range(3)]
-    model = get_peft_model(copy.deepcopy(base), SMTConfig(block_size=16, num_blocks=7, warmup_steps=3, score=score, target_modules=TARGETS))
+    model = get_peft_model(
+        copy.deepcopy(base), SMTConfig(block_size=16, num_blocks=7, warmup_steps=3, score=score, target_modules=TARGETS)
+    )
     frozen = {n: p.clone() for n, p in model.named_parameters()}
     selection = smt_warmup(model, batches, progress=False)
     # the warm-up changes no weight
@@ -132,9 +144,16 @@ def test_warmup_scores_and_global_top_n_match_reference(score):
     all_scores = []
     for key in sorted(ref):
         g = ref[key].view(ref[key].shape[0] // 16, 16, ref[key].shape[1] // 16, 16)
-        s = {"abs_mean": g.abs().mean((1, 3)), "mean_abs": g.mean((1, 3)).abs(), "l1": g.abs().sum((1, 3)),
-             "l2": g.pow(2).sum((1, 3)).sqrt()}[score]
-        all_scores += [(v, key, r, c) for (r, c), v in zip([(r, c) for r in range(s.shape[0]) for c in range(s.shape[1])], s.flatten().tolist())]
+        s = {
+            "abs_mean": g.abs().mean((1, 3)),
+            "mean_abs": g.mean((1, 3)).abs(),
+            "l1": g.abs().sum((1, 3)),
+            "l2": g.pow(2).sum((1, 3)).sqrt(),
+        }[score]
+        all_scores += [
+            (v, key, r, c)
+            for (r, c), v in zip([(r, c) for r in range(s.shape[0]) for c in range(s.shape[1])], s.flatten().tolist())
+        ]
     top = sorted(all_scores, key=lambda t: -t[0])[:7]
     expected = {}
     for _, key, r, c in top:
@@ -145,7 +164,9 @@ def test_warmup_scores_and_global_top_n_match_reference(score):
 
 def test_after_training_only_selected_blocks_differ():
     base = tiny_llama()
-    model = get_peft_model(copy.deepcopy(base), SMTConfig(block_size=16, num_blocks=5, warmup_steps=2, target_modules=TARGETS))
+    model = get_peft_model(
+        copy.deepcopy(base), SMTConfig(block_size=16, num_blocks=5, warmup_steps=2, target_modules=TARGETS)
+    )
     smt_warmup(model, [random_batch(seed=0)], progress=False)
     train_steps(model, 5, batch_seed=lambda step: 10 + step)
     selected = {k: set(map(tuple, v)) for k, v in model.peft_config["default"].block_indices.items()}
@@ -179,15 +200,26 @@ class _Batches(torch.utils.data.Dataset):
 
 def test_trainer_callback_warms_up_then_trains_selected_blocks(tmp_path):
     base = tiny_llama()
-    model = get_peft_model(copy.deepcopy(base), SMTConfig(block_size=16, num_blocks=4, warmup_steps=3, target_modules=TARGETS))
+    model = get_peft_model(
+        copy.deepcopy(base), SMTConfig(block_size=16, num_blocks=4, warmup_steps=3, target_modules=TARGETS)
+    )
     seen = {}
 
     class Spy(SMTSelectionCallback.__mro__[1]):  # a plain TrainerCallback recording the state around the switch
         def on_step_end(self, args, state, control, model=None, **kw):
             seen[state.global_step] = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4, learning_rate=1e-2,
-                             report_to=[], save_strategy="no", use_cpu=True, logging_steps=100, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=100,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=_Batches(), callbacks=[SMTSelectionCallback(), Spy()])
     trainer.train()
     # warm-up: no trainable element; from step 3 on: the 4 selected blocks (the spy runs after the switch)
@@ -224,12 +256,20 @@ def test_trainable_ratio_resolves_to_block_count():
     [
         (dict(block_size=24, num_blocks=1), ValueError, r"block_size=24 does not divide .*choose a block_size"),
         (dict(block_size=16, num_blocks=1, target_modules=["nope_proj"]), ValueError, r"not found in the base model"),
-        (dict(block_size=16, num_blocks=10_000), ValueError, r"asks for 10000 blocks but the targets hold only 96 .*lower"),
+        (
+            dict(block_size=16, num_blocks=10_000),
+            ValueError,
+            r"asks for 10000 blocks but the targets hold only 96 .*lower",
+        ),
         (dict(block_size=16, num_blocks=1, score="max"), ValueError, r"score='max' is unknown; use one of"),
         (dict(block_size=16), ValueError, r"needs a budget: set num_blocks"),
         (dict(block_size=0, num_blocks=1), ValueError, r"block_size must be a positive integer"),
         (dict(block_size=16, num_blocks=1, trainable_ratio=0.1), ValueError, r"either SMTConfig.num_blocks or"),
-        (dict(block_size=16, block_indices={"model.layers.9.self_attn.q_proj": [[0, 0]]}), ValueError, r"not SMT targets"),
+        (
+            dict(block_size=16, block_indices={"model.layers.9.self_attn.q_proj": [[0, 0]]}),
+            ValueError,
+            r"not SMT targets",
+        ),
         (dict(block_size=16, block_indices={"model.layers.0.self_attn.q_proj": [[9, 0]]}), ValueError, r"out of range"),
         (dict(block_size=16, num_blocks=1, target_modules=["embed_tokens"]), TypeError, r"nn.Linear layers only"),
     ],
@@ -260,6 +300,8 @@ def test_smt_warmup_under_torch_distributed_selects_the_same_blocks_on_every_ran
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     # the all-reduced scores equal a single process scoring all ranks' batches
-    single = get_peft_model(tiny_llama(), SMTConfig(block_size=16, num_blocks=6, warmup_steps=4, target_modules=TARGETS))
+    single = get_peft_model(
+        tiny_llama(), SMTConfig(block_size=16, num_blocks=6, warmup_steps=4, target_modules=TARGETS)
+    )
     expected = smt_warmup(single, [random_batch(seed=10 * r + s) for r in range(2) for s in range(2)], progress=False)
     assert {k: sorted(v) for k, v in ranks[0].items()} == {k: sorted(v) for k, v in expected.items()}

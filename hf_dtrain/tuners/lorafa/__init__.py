@@ -5,4 +5,4 @@ from .layer import Linear, LoraFALayer
 from .model import LoraFAModel
 from .optimizer import create_lorafa_optimizer
 
-__all__ = ["LoraFAConfig", "LoraFALayer", "LoraFAModel", "Linear", "create_lorafa_optimizer"]
+__all__ = ["Linear", "LoraFAConfig", "LoraFALayer", "LoraFAModel", "create_lorafa_optimizer"]

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from peft.config import PeftConfig
 from peft.utils import PeftType
+
+from hf_dtrain.settings import check_number
 
 from .._registry import HfDtrainConfigMixin
 
@@ -21,14 +22,15 @@ class LoraFAConfig(HfDtrainConfigMixin, PeftConfig):
 
     r: int = field(default=8, metadata={"help": "Rank of the adapter: rows of the frozen A, columns of B."})
     lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator: the update is (lora_alpha / r) * B A."})
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
         metadata={
-            "help": "Module names (suffix match) or a regex of the nn.Linear layers to adapt, e.g. ['q_proj', 'v_proj']. "
-            "If None, the attention and MLP projections of known architectures (LLaMA: q,k,v,o,gate,up,down) are used."
+            "help": "Module names (suffix match) or a regex of the nn.Linear layers to adapt, e.g. ['q_proj', "
+            "'v_proj']. If None, the attention and MLP projections of known architectures (LLaMA: "
+            "q,k,v,o,gate,up,down) are used."
         },
     )
-    exclude_modules: Optional[Union[list[str], str]] = field(
+    exclude_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
     )
     lora_dropout: float = field(
@@ -38,37 +40,38 @@ class LoraFAConfig(HfDtrainConfigMixin, PeftConfig):
             "a full-size mask back into the saved activations)."
         },
     )
-    init_seed: Optional[int] = field(
+    init_seed: int | None = field(
         default=None,
         metadata={
             "help": "Seed for drawing the frozen A (per layer, offset by a hash of the module name). None uses torch's "
             "global RNG. A is saved with the adapter either way."
         },
     )
-    use_rslora: bool = field(default=False, metadata={"help": "Scale by lora_alpha / sqrt(r) instead of lora_alpha / r."})
+    use_rslora: bool = field(
+        default=False, metadata={"help": "Scale by lora_alpha / sqrt(r) instead of lora_alpha / r."}
+    )
     bias: str = field(default="none", metadata={"help": "Bias training: 'none', 'all' or 'lorafa_only'."})
-    layers_to_transform: Optional[Union[list[int], int]] = field(
+    layers_to_transform: list[int] | int | None = field(
         default=None, metadata={"help": "Only adapt these layer indices (as in peft's LoraConfig)."}
     )
-    layers_pattern: Optional[Union[list[str], str]] = field(
+    layers_pattern: list[str] | str | None = field(
         default=None, metadata={"help": "Name of the layer list when layers_to_transform is used, e.g. 'layers'."}
     )
-    modules_to_save: Optional[list[str]] = field(
+    modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
     )
 
     init_weights: bool = field(
         default=True,
         metadata={
-            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero start, "
-            "as peft's own methods take it (for testing merges and save/load round trips)."
+            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
+            "start, as peft's own methods take it (for testing merges and save/load round trips)."
         },
     )
 
     def __post_init__(self):
         super().__post_init__()
         self.peft_type = PeftType.LORAFA
-        from hf_dtrain.settings import check_number
 
         check_number(self, "lora_alpha", gt=0)
         check_number(self, "lora_dropout", low=0)

@@ -3,7 +3,11 @@ it off (``--lorafa.optimizer false``)."""
 
 from dataclasses import dataclass, field
 
+from hf_dtrain.settings import check_fields
+
 from ..finetune_method import LORA_TARGETS, FinetuneMethod, register_finetune_method
+from .config import LoraFAConfig
+from .optimizer import create_lorafa_optimizer
 
 
 @dataclass
@@ -12,29 +16,32 @@ class LoraFAJobSettings:
 
     section_key = "lorafa"
 
-    optimizer: bool = field(default=True, metadata={
-        "help": "Use hf_dtrain's create_lorafa_optimizer instead of the Trainer's optimizer (--optim)."})
+    optimizer: bool = field(
+        default=True,
+        metadata={"help": "Use hf_dtrain's create_lorafa_optimizer instead of the Trainer's optimizer (--optim)."},
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
 
 
 def _config(cfg, model):
-    from .config import LoraFAConfig
 
-    return LoraFAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules or LORA_TARGETS,
-                        lora_dropout=0.0)
+    return LoraFAConfig(
+        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules or LORA_TARGETS, lora_dropout=0.0
+    )
 
 
 def _optimizer(cfg, model, lr, weight_decay):
     if not cfg.lorafa.optimizer:
         return None
-    from .optimizer import create_lorafa_optimizer
 
     return create_lorafa_optimizer(model, lr=lr, weight_decay=weight_decay)
 
 
-METHOD = register_finetune_method(FinetuneMethod("lorafa", 4e-3, _config, quantized_bases=("nf4",),
-                                                 build_optimizer=_optimizer, settings=LoraFAJobSettings))
+METHOD = register_finetune_method(
+    FinetuneMethod(
+        "lorafa", 4e-3, _config, quantized_bases=("nf4",), build_optimizer=_optimizer, settings=LoraFAJobSettings
+    )
+)

@@ -45,7 +45,9 @@ class LoraFALayer(BaseTunerLayer):
         self.r[adapter_name] = r
         self.lora_alpha[adapter_name] = config.lora_alpha
         self.scaling[adapter_name] = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
-        self.lorafa_dropout[adapter_name] = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
+        self.lorafa_dropout[adapter_name] = (
+            nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
+        )
 
         dtype, device = adapter_dtype_and_device(self.get_base_layer())
         a = torch.empty(r, self.in_features, dtype=torch.float32)

@@ -9,8 +9,8 @@ from .layer import Linear, LoraFALayer
 class LoraFAModel(LinearTunerModel):
     """Injects LoRA-FA layers into the ``nn.Linear`` targets of a model. Use through ``get_peft_model``::
 
-        import hf_dtrain  # registers LORAFA with peft
-        model = get_peft_model(base, LoraFAConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    import hf_dtrain  # registers LORAFA with peft
+    model = get_peft_model(base, LoraFAConfig(r=8, target_modules=["q_proj", "v_proj"]))
     """
 
     prefix: str = "lorafa_"

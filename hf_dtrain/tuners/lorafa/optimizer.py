@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 from peft.optimizers.lorafa import LoraFAOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from .layer import LoraFALayer
 
@@ -24,8 +26,6 @@ class ShardAwareLoraFAOptimizer(LoraFAOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.experimental import implicit_replication
 
         sharded = any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"])
         if not sharded:
@@ -34,7 +34,9 @@ class ShardAwareLoraFAOptimizer(LoraFAOptimizer):
             return super().step(closure)
 
 
-def create_lorafa_optimizer(model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0, **kwargs) -> ShardAwareLoraFAOptimizer:
+def create_lorafa_optimizer(
+    model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0, **kwargs
+) -> ShardAwareLoraFAOptimizer:
     """Return peft's ``LoraFAOptimizer`` for the active LoRA-FA adapters of ``model`` (plus any other trainable
     parameter, e.g. ``modules_to_save``, which it updates with plain AdamW).
 

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from peft.config import PeftConfig
 from peft.utils import PeftType
@@ -21,35 +20,43 @@ class QAHiRAConfig(HfDtrainConfigMixin, PeftConfig):
     the untrained adapter leaves the model unchanged (the published code's Kaiming init does not).
     """
 
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
-        metadata={"help": "Module names (suffix match) or a regex of the linear layers to adapt; None: all seven "
-                          "LLaMA projections."},
+        metadata={
+            "help": "Module names (suffix match) or a regex of the linear layers to adapt; None: all seven "
+            "LLaMA projections."
+        },
     )
-    exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules not to adapt."})
+    exclude_modules: list[str] | str | None = field(default=None, metadata={"help": "Modules not to adapt."})
     group_size: int = field(
         default=64,
-        metadata={"help": "Input pooling factor; must equal the quantization group size of an HQQ or Int4Linear base (for "
-                          "the exact merge) and divide in_features."},
+        metadata={
+            "help": "Input pooling factor; must equal the quantization group size of an HQQ or Int4Linear base (for "
+            "the exact merge) and divide in_features."
+        },
     )
     lambda_out: int = field(default=8, metadata={"help": "Output repeat factor; must divide out_features."})
-    r: Optional[int] = field(
+    r: int | None = field(
         default=None,
-        metadata={"help": "None: QA-HiRA's single full-rank matrix. An integer factorises it as qahr_B @ qahr_A of this "
-                          "rank (QA-LoRA, Xu et al., arXiv 2309.14717, with lambda_out=1); B starts at zero."},
+        metadata={
+            "help": "None: QA-HiRA's single full-rank matrix. An integer factorises it as qahr_B @ qahr_A of this "
+            "rank (QA-LoRA, Xu et al., arXiv 2309.14717, with lambda_out=1); B starts at zero."
+        },
     )
     scaling: float = field(default=1.0, metadata={"help": "Multiplier of the adapter's output."})
     require_quantized_base: bool = field(
         default=False,
-        metadata={"help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."},
+        metadata={
+            "help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."
+        },
     )
-    modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Extra modules to train and save."})
+    modules_to_save: list[str] | None = field(default=None, metadata={"help": "Extra modules to train and save."})
 
     init_weights: bool = field(
         default=True,
         metadata={
-            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero start, "
-            "as peft's own methods take it (for testing merges and save/load round trips)."
+            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
+            "start, as peft's own methods take it (for testing merges and save/load round trips)."
         },
     )
 

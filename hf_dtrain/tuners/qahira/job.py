@@ -3,9 +3,11 @@ needs much larger steps than LoRA (benchmarks/results/quantized_adapters_lr_swee
 chosen so the trainable count is closest to LoRA's at the job's rank."""
 
 from dataclasses import dataclass, field
-from typing import Optional
+
+from hf_dtrain.settings import check_fields
 
 from ..finetune_method import LORA_TARGETS, FinetuneMethod, linear_shapes, lora_budget, register_finetune_method
+from .config import QAHiRAConfig
 
 
 @dataclass
@@ -15,18 +17,21 @@ class QAHiRAJobSettings:
 
     section_key = "qahira"
 
-    lambda_out: Optional[int] = field(default=None, metadata={
-        "min": 1, "help": "Output repeat factor; default the divisor of every target's out_features whose parameter "
-                          "count is closest to lora's at lora_r."})
+    lambda_out: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "help": "Output repeat factor; default the divisor of every target's out_features whose parameter "
+            "count is closest to lora's at lora_r.",
+        },
+    )
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
 
 
 def _config(cfg, model):
-    from .config import QAHiRAConfig
 
     targets = cfg.target_modules or LORA_TARGETS
     g, lam = cfg.quant_group_size, cfg.qahira.lambda_out
@@ -38,5 +43,6 @@ def _config(cfg, model):
     return QAHiRAConfig(group_size=g, lambda_out=lam, target_modules=targets)
 
 
-METHOD = register_finetune_method(FinetuneMethod("qahira", 8e-2, _config, quantized_bases=("nf4", "hqq4", "int4"),
-                                                 settings=QAHiRAJobSettings))
+METHOD = register_finetune_method(
+    FinetuneMethod("qahira", 8e-2, _config, quantized_bases=("nf4", "hqq4", "int4"), settings=QAHiRAJobSettings)
+)

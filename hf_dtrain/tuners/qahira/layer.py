@@ -7,8 +7,13 @@ import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from ...quantization import (adapter_dtype_and_device, check_quantized_base, hqq_fold_group_constant_update,
-                             quantized_base_types, quantized_kind)
+from ...quantization import (
+    adapter_dtype_and_device,
+    check_quantized_base,
+    hqq_fold_group_constant_update,
+    quantized_base_types,
+    quantized_kind,
+)
 from .._base import MergeableLinearMixin
 
 
@@ -27,28 +32,36 @@ class QAHiRALayer(BaseTunerLayer):
         self.merged_adapters = []
         base = self.get_base_layer()
         if not isinstance(base, (nn.Linear, *quantized_base_types())):
-            raise TypeError(f"QA-HiRA adapts nn.Linear, bitsandbytes 4-bit, HQQLinear or Int4Linear layers, got "
-                            f"{type(base).__name__}.")
+            raise TypeError(
+                f"QA-HiRA adapts nn.Linear, bitsandbytes 4-bit, HQQLinear or Int4Linear layers, got "
+                f"{type(base).__name__}."
+            )
         self.in_features, self.out_features = base.in_features, base.out_features
         self.kwargs = kwargs
 
     def update_layer(self, adapter_name: str, config, layer_key: str = "", inference_mode: bool = False) -> None:
         g, lam = config.group_size, config.lambda_out
         if self.in_features % g:
-            raise ValueError(f"QAHiRAConfig.group_size={g} does not divide in_features={self.in_features} of "
-                             f"{layer_key!r}; use the base's quantization group size (a divisor of in_features).")
+            raise ValueError(
+                f"QAHiRAConfig.group_size={g} does not divide in_features={self.in_features} of "
+                f"{layer_key!r}; use the base's quantization group size (a divisor of in_features)."
+            )
         if self.out_features % lam:
-            raise ValueError(f"QAHiRAConfig.lambda_out={lam} does not divide out_features={self.out_features} of "
-                             f"{layer_key!r}; choose a divisor of out_features.")
+            raise ValueError(
+                f"QAHiRAConfig.lambda_out={lam} does not divide out_features={self.out_features} of "
+                f"{layer_key!r}; choose a divisor of out_features."
+            )
         base = self.get_base_layer()
         kind = quantized_kind(base)
         if config.require_quantized_base:
             check_quantized_base(base, "QAHiRAConfig", layer_key)
         base_group = {"int4": lambda: base.group_size, "hqq4": lambda: int(base.meta["group_size"])}.get(kind)
         if base_group is not None and base_group() != g:
-            raise ValueError(f"QAHiRAConfig.group_size={g} differs from the quantization group size "
-                             f"{base_group()} of {layer_key!r}; set group_size={base_group()} so the update "
-                             "is constant within each quantization group (needed for the exact merge).")
+            raise ValueError(
+                f"QAHiRAConfig.group_size={g} differs from the quantization group size "
+                f"{base_group()} of {layer_key!r}; set group_size={base_group()} so the update "
+                "is constant within each quantization group (needed for the exact merge)."
+            )
         self.group_size[adapter_name], self.lambda_out[adapter_name] = g, lam
         self.scaling[adapter_name] = float(config.scaling)
         dtype, device = adapter_dtype_and_device(base)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
 from .._base import LinearTunerModel
 from .layer import Linear, QAHiRALayer
 

@@ -4,4 +4,4 @@ from .config import QBaRAConfig
 from .layer import Linear, QBaRALayer
 from .model import QBaRAModel
 
-__all__ = ["QBaRAConfig", "QBaRAModel", "QBaRALayer", "Linear"]
+__all__ = ["Linear", "QBaRAConfig", "QBaRALayer", "QBaRAModel"]

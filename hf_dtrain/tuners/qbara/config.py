@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from peft.config import PeftConfig
 from peft.utils import PeftType
+
+from hf_dtrain.settings import check_number
 
 from .._registry import HfDtrainConfigMixin
 
@@ -21,28 +22,30 @@ class QBaRAConfig(HfDtrainConfigMixin, PeftConfig):
     r: int = field(default=8, metadata={"help": "LoRA-equivalent rank: the adapter has lambda * r inner dimensions."})
     lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator: the update is scaled by lora_alpha / r."})
     pool: int = field(default=2, metadata={"help": "lambda: input pooling and output repeat factor (paper: 2)."})
-    target_modules: Optional[Union[list[str], str]] = field(
-        default=None, metadata={"help": "Module names or a regex of the linear layers to adapt; None: all seven "
-                                        "LLaMA projections."})
-    exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules not to adapt."})
-    modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Extra modules to train and save."})
+    target_modules: list[str] | str | None = field(
+        default=None,
+        metadata={"help": "Module names or a regex of the linear layers to adapt; None: all seven LLaMA projections."},
+    )
+    exclude_modules: list[str] | str | None = field(default=None, metadata={"help": "Modules not to adapt."})
+    modules_to_save: list[str] | None = field(default=None, metadata={"help": "Extra modules to train and save."})
     require_quantized_base: bool = field(
         default=False,
-        metadata={"help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."},
+        metadata={
+            "help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."
+        },
     )
 
     init_weights: bool = field(
         default=True,
         metadata={
-            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero start, "
-            "as peft's own methods take it (for testing merges and save/load round trips)."
+            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
+            "start, as peft's own methods take it (for testing merges and save/load round trips)."
         },
     )
 
     def __post_init__(self):
         super().__post_init__()
         self.peft_type = PeftType.QBARA
-        from hf_dtrain.settings import check_number
 
         check_number(self, "lora_alpha", gt=0)
         if isinstance(self.target_modules, list):

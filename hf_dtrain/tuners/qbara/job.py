@@ -2,7 +2,10 @@
 
 from dataclasses import dataclass, field
 
+from hf_dtrain.settings import check_fields
+
 from ..finetune_method import LORA_TARGETS, FinetuneMethod, register_finetune_method
+from .config import QBaRAConfig
 
 
 @dataclass
@@ -14,17 +17,17 @@ class QBaRAJobSettings:
     pool: int = field(default=2, metadata={"min": 1, "help": "Pooling/repeat factor lambda (rank lambda * lora_r)."})
 
     def __post_init__(self):
-        from hf_dtrain.settings import check_fields
 
         check_fields(self)
 
 
 def _config(cfg, model):
-    from .config import QBaRAConfig
 
-    return QBaRAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, pool=cfg.qbara.pool,
-                       target_modules=cfg.target_modules or LORA_TARGETS)
+    return QBaRAConfig(
+        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, pool=cfg.qbara.pool, target_modules=cfg.target_modules or LORA_TARGETS
+    )
 
 
-METHOD = register_finetune_method(FinetuneMethod("qbara", 4e-3, _config, quantized_bases=("nf4", "hqq4", "int4"),
-                                                 settings=QBaRAJobSettings))
+METHOD = register_finetune_method(
+    FinetuneMethod("qbara", 4e-3, _config, quantized_bases=("nf4", "hqq4", "int4"), settings=QBaRAJobSettings)
+)

@@ -32,8 +32,10 @@ class QBaRALayer(BaseTunerLayer):
         lam, r = config.pool, config.r
         for dim, name in ((self.in_features, "in_features"), (self.out_features, "out_features")):
             if dim % lam:
-                raise ValueError(f"QBaRAConfig.pool={lam} does not divide {name}={dim} of {layer_key!r}; choose a "
-                                 "pooling factor that divides both dimensions of every target (the paper uses 2).")
+                raise ValueError(
+                    f"QBaRAConfig.pool={lam} does not divide {name}={dim} of {layer_key!r}; choose a "
+                    "pooling factor that divides both dimensions of every target (the paper uses 2)."
+                )
         self.r[adapter_name], self.pool[adapter_name] = r, lam
         self.scaling[adapter_name] = config.lora_alpha / r
         base = self.get_base_layer()
@@ -43,13 +45,15 @@ class QBaRALayer(BaseTunerLayer):
         a = torch.empty(lam * r, self.in_features // lam, device=device, dtype=dtype)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as LoRA's A
         self.qbara_A[adapter_name] = nn.Parameter(a)
-        self.qbara_B[adapter_name] = nn.Parameter(torch.zeros(self.out_features // lam, lam * r, device=device, dtype=dtype))
+        self.qbara_B[adapter_name] = nn.Parameter(
+            torch.zeros(self.out_features // lam, lam * r, device=device, dtype=dtype)
+        )
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        """Delta W = (s / lambda) * expand(B A): pooling averages lambda inputs (the 1/lambda) and the output is repeated;
-        rows and columns of B A are each repeated lambda times. (The published merge script hard-codes 0.25 here,
-        i.e. s / lambda with s = 0.5: the constant depends on lora_alpha, r and lambda.)"""
+        """Delta W = (s / lambda) * expand(B A): pooling averages lambda inputs (the 1/lambda) and the output is
+        repeated; rows and columns of B A are each repeated lambda times. (The published merge script hard-codes 0.25
+        here, i.e. s / lambda with s = 0.5: the constant depends on lora_alpha, r and lambda.)"""
         lam = self.pool[adapter]
         ba = self.qbara_B[adapter].float() @ self.qbara_A[adapter].float()
         ba = torch.repeat_interleave(torch.repeat_interleave(ba, lam, dim=0), lam, dim=1)

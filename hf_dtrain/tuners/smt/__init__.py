@@ -12,6 +12,16 @@ from .selection import (
 )
 
 __all__ = [
-    "SMTConfig", "SMTModel", "SMTLayer", "Linear", "BlockSparseDelta", "SMT_SCORES", "resolve_num_blocks",
-    "SMTSelectionCallback", "smt_warmup", "start_smt_scoring", "select_smt_blocks", "set_smt_block_indices",
+    "SMT_SCORES",
+    "BlockSparseDelta",
+    "Linear",
+    "SMTConfig",
+    "SMTLayer",
+    "SMTModel",
+    "SMTSelectionCallback",
+    "resolve_num_blocks",
+    "select_smt_blocks",
+    "set_smt_block_indices",
+    "smt_warmup",
+    "start_smt_scoring",
 ]

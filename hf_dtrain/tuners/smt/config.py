@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from peft.config import PeftConfig
 from peft.utils import PeftType
@@ -25,25 +24,25 @@ class SMTConfig(HfDtrainConfigMixin, PeftConfig):
     so they are saved in ``adapter_config.json`` (and again as the ``smt_indices`` buffers in the weights file).
     """
 
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
         metadata={
             "help": "Module names (suffix match) or a regex of the nn.Linear layers SMT may select blocks from. "
             "None: the attention Q, K, V projections (the paper's default; V benefits most)."
         },
     )
-    exclude_modules: Optional[Union[list[str], str]] = field(
+    exclude_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
     )
     block_size: int = field(
         default=256,
         metadata={"help": "Side of the square blocks (the paper uses 256). Must divide both dims of every target."},
     )
-    num_blocks: Optional[int] = field(
+    num_blocks: int | None = field(
         default=None,
         metadata={"help": "Number of blocks to train, selected globally across all targets. Or set trainable_ratio."},
     )
-    trainable_ratio: Optional[float] = field(
+    trainable_ratio: float | None = field(
         default=None,
         metadata={
             "help": "Trainable parameters as a fraction of all model parameters (e.g. 0.0084 for the paper's 0.84%); "
@@ -65,22 +64,22 @@ class SMTConfig(HfDtrainConfigMixin, PeftConfig):
             "docs/smt.md compares them on real data."
         },
     )
-    block_indices: Optional[dict[str, list[list[int]]]] = field(
+    block_indices: dict[str, list[list[int]]] | None = field(
         default=None,
         metadata={
             "help": "Explicit blocks per target module: {module_name: [[row_block, col_block], ...]}, module names as "
             "in base_model.named_modules(). Filled in by the selection; set it to skip the warm-up."
         },
     )
-    modules_to_save: Optional[list[str]] = field(
+    modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
     )
 
     init_weights: bool = field(
         default=True,
         metadata={
-            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero start, "
-            "as peft's own methods take it (for testing merges and save/load round trips)."
+            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
+            "start, as peft's own methods take it (for testing merges and save/load round trips)."
         },
     )
 

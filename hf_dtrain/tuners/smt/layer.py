@@ -1,8 +1,7 @@
 from __future__ import annotations
 
+import math
 import warnings
-
-from typing import Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
@@ -27,8 +26,15 @@ def _block_products(x2: torch.Tensor, blocks: torch.Tensor, ucols: torch.Tensor,
     return xs, torch.einsum("nkb,kob->nko", xs[:, pos], blocks.to(x2.dtype))
 
 
-def _block_gradients(g: torch.Tensor, xs: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
-                     need_blocks: bool, need_input: bool):
+def _block_gradients(
+    g: torch.Tensor,
+    xs: torch.Tensor,
+    blocks: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    need_blocks: bool,
+    need_input: bool,
+):
     """``(grad_blocks, gx_u)`` for the 2-D output gradient ``g`` (in the compute dtype): the blocks' gradients in
     their own dtype, and the input gradient of the column blocks ``xs`` holds, ``(n, u, b)``, in ``g``'s dtype."""
     n, bs = g.shape[0], blocks.shape[-1]
@@ -76,8 +82,7 @@ class BlockSparseDelta(torch.autograd.Function):
         xs, blocks, rows, pos, ucols = ctx.saved_tensors
         bs = blocks.shape[-1]
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.compute)
-        grad_blocks, gx_u = _block_gradients(g, xs, blocks, rows, pos, ctx.needs_input_grad[1],
-                                             ctx.needs_input_grad[0])
+        grad_blocks, gx_u = _block_gradients(g, xs, blocks, rows, pos, ctx.needs_input_grad[1], ctx.needs_input_grad[0])
         grad_x = None
         if gx_u is not None:
             grad_x = g.new_zeros(g.shape[0], ctx.in_features // bs, bs).index_add_(1, ucols, gx_u)
@@ -120,8 +125,9 @@ class BlockSparseLinear(torch.autograd.Function):
         xs, w, blocks, rows, cpos, ucols = ctx.saved_tensors
         bs = blocks.shape[-1]
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.compute)
-        grad_blocks, gx_u = _block_gradients(g, xs, blocks, rows, cpos, ctx.needs_input_grad[3],
-                                             ctx.needs_input_grad[0])
+        grad_blocks, gx_u = _block_gradients(
+            g, xs, blocks, rows, cpos, ctx.needs_input_grad[3], ctx.needs_input_grad[0]
+        )
         grad_x = None
         if gx_u is not None:
             grad_x = (g @ w).to(ctx.x_dtype)  # the base's input gradient, as a Linear's backward gives it
@@ -156,10 +162,14 @@ def _warn_unselected() -> None:
     """Training an SMT adapter whose blocks were never selected changes nothing: say so, once per process."""
     if not _WARNED:
         _WARNED.append(True)
-        warnings.warn("SMT is training with no blocks selected and no warm-up scoring running, so nothing is "
-                      "trained. Add SMTSelectionCallback() to the Trainer's callbacks (TRL: SFTTrainer(..., "
-                      "callbacks=[SMTSelectionCallback()])), call smt_warmup before training, or set "
-                      "SMTConfig.block_indices.", UserWarning, stacklevel=3)
+        warnings.warn(
+            "SMT is training with no blocks selected and no warm-up scoring running, so nothing is "
+            "trained. Add SMTSelectionCallback() to the Trainer's callbacks (TRL: SFTTrainer(..., "
+            "callbacks=[SMTSelectionCallback()])), call smt_warmup before training, or set "
+            "SMTConfig.block_indices.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class SMTLayer(BaseTunerLayer):
@@ -168,8 +178,15 @@ class SMTLayer(BaseTunerLayer):
     parameter at all (empty parameters break FSDP2's reduce-scatter and ZeRO-3's gathering)."""
 
     adapter_layer_names = ("smt_weight",)
-    other_param_names = ("smt_indices", "smt_col_ids", "smt_col_pos", "smt_row_ids", "smt_row_pos", "block_size",
-                         "smt_layer_key")
+    other_param_names = (
+        "smt_indices",
+        "smt_col_ids",
+        "smt_col_pos",
+        "smt_row_ids",
+        "smt_row_pos",
+        "block_size",
+        "smt_layer_key",
+    )
 
     def __init__(self, base_layer: nn.Module, **kwargs) -> None:
         self.base_layer = base_layer
@@ -216,9 +233,7 @@ class SMTLayer(BaseTunerLayer):
         self._smt_unselected[adapter_name] = False
         indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1, 2)
         n_rows, n_cols = self.out_features // bs, self.in_features // bs
-        if len(indices) and (
-            indices[:, 0].max() >= n_rows or indices[:, 1].max() >= n_cols or indices.min() < 0
-        ):
+        if len(indices) and (indices[:, 0].max() >= n_rows or indices[:, 1].max() >= n_cols or indices.min() < 0):
             raise ValueError(
                 f"SMT block indices for {self.smt_layer_key.get(adapter_name)!r} are out of range: the layer has "
                 f"{n_rows} x {n_cols} blocks of size {bs}."
@@ -233,8 +248,10 @@ class SMTLayer(BaseTunerLayer):
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         param = None
         if len(indices):
-            param = nn.Parameter(torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype),
-                                 requires_grad=self._smt_wants_grad.get(adapter_name, True))
+            param = nn.Parameter(
+                torch.zeros(len(indices), bs, bs, device=weight.device, dtype=dtype),
+                requires_grad=self._smt_wants_grad.get(adapter_name, True),
+            )
             self.smt_weight[adapter_name] = param
             if self._smt_random_start.get(adapter_name):  # init_weights=False: blocks installed later start random
                 random_start(self, adapter_name)
@@ -263,16 +280,20 @@ class SMTLayer(BaseTunerLayer):
             return torch.zeros(self.out_features, self.in_features, dtype=dtype, device=weight.device)
         blocks = self.smt_weight[adapter]
         idx = self.smt_indices[adapter]
-        delta = torch.zeros(self.out_features // bs, self.in_features // bs, bs, bs, dtype=blocks.dtype, device=blocks.device)
+        delta = torch.zeros(
+            self.out_features // bs, self.in_features // bs, bs, bs, dtype=blocks.dtype, device=blocks.device
+        )
         delta[idx[:, 0], idx[:, 1]] = blocks
         return delta.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
 
     # --- warm-up scoring -----------------------------------------------------------------------------------------
     def start_scoring(self, adapter_name: str) -> None:
         weight = self.get_base_layer().weight
-        self._smt_grad_sum[adapter_name] = torch.zeros(self.out_features, self.in_features, dtype=torch.float32, device=weight.device)
+        self._smt_grad_sum[adapter_name] = torch.zeros(
+            self.out_features, self.in_features, dtype=torch.float32, device=weight.device
+        )
 
-    def stop_scoring(self, adapter_name: str) -> Optional[torch.Tensor]:
+    def stop_scoring(self, adapter_name: str) -> torch.Tensor | None:
         return self._smt_grad_sum.pop(adapter_name, None)
 
     def block_scores(self, adapter_name: str, score: str) -> torch.Tensor:
@@ -292,7 +313,6 @@ class SMTLayer(BaseTunerLayer):
 
 
 def _largest_common_block(a: int, b: int, upper: int) -> int:
-    import math
 
     g = math.gcd(a, b)
     return max(d for d in range(1, min(g, upper) + 1) if g % d == 0)
@@ -322,7 +342,7 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
             view[r, :, c, :] += sign * blk
         return w
 
-    def _fusable(self, x: torch.Tensor, args, kwargs) -> Optional[str]:
+    def _fusable(self, x: torch.Tensor, args, kwargs) -> str | None:
         """The adapter whose blocks can run inside the base product (:class:`BlockSparseLinear`), or None where the
         separate path must run: a base that is not a plain frozen ``nn.Linear`` of plain tensors (a quantized,
         tensor-parallel or hooked layer, e.g. ZeRO-3's parameter gathering), several adapters, warm-up scoring, or
@@ -333,8 +353,12 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
         base = self.base_layer
         if name not in self.smt_weight or name in self._smt_grad_sum or type(base) is not nn.Linear:
             return None
-        if base._forward_hooks or base._forward_pre_hooks or nn.modules.module._global_forward_hooks or \
-                nn.modules.module._global_forward_pre_hooks:
+        if (
+            base._forward_hooks
+            or base._forward_pre_hooks
+            or nn.modules.module._global_forward_hooks
+            or nn.modules.module._global_forward_pre_hooks
+        ):
             return None
         weight, bias = base.weight, base.bias
         if weight.requires_grad or (bias is not None and bias.requires_grad):
@@ -352,11 +376,18 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
             return super().forward(x, *args, **kwargs)
         base = self.base_layer
         idx = self.smt_indices[name]
-        return BlockSparseLinear.apply(x, base.weight, base.bias, self.smt_weight[name], idx[:, 0],
-                                       (self.smt_row_ids[name], self.smt_row_pos[name]),
-                                       (self.smt_col_ids[name], self.smt_col_pos[name]), self.out_features)
+        return BlockSparseLinear.apply(
+            x,
+            base.weight,
+            base.bias,
+            self.smt_weight[name],
+            idx[:, 0],
+            (self.smt_row_ids[name], self.smt_row_pos[name]),
+            (self.smt_col_ids[name], self.smt_col_pos[name]),
+            self.out_features,
+        )
 
-    def _adapter_output(self, x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+    def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor | None:
         out = None
         if name in self._smt_grad_sum and torch.is_grad_enabled():  # warm-up: sum the dense gradient
             anchor = torch.zeros((), device=x.device, requires_grad=True)

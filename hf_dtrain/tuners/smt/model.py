@@ -7,9 +7,23 @@ from .layer import Linear, SMTLayer
 
 # The paper's default candidates: the attention Q, K, V projections.
 _QKV = ["q_proj", "k_proj", "v_proj"]
-TRANSFORMERS_MODELS_TO_SMT_TARGET_MODULES_MAPPING = {
-    t: _QKV for t in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo", "olmo2", "granite")
-}
+TRANSFORMERS_MODELS_TO_SMT_TARGET_MODULES_MAPPING = dict.fromkeys(
+    (
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "phi3",
+        "olmo",
+        "olmo2",
+        "granite",
+    ),
+    _QKV,
+)
 
 
 class SMTModel(LinearTunerModel):
@@ -31,7 +45,10 @@ class SMTModel(LinearTunerModel):
 
     def _post_injection_hook(self, model, config, adapter_name) -> None:
         layers = [m for m in model.modules() if isinstance(m, SMTLayer) and adapter_name in m.block_size]
-        total = sum((m.out_features // m.block_size[adapter_name]) * (m.in_features // m.block_size[adapter_name]) for m in layers)
+        total = sum(
+            (m.out_features // m.block_size[adapter_name]) * (m.in_features // m.block_size[adapter_name])
+            for m in layers
+        )
         if config.block_indices is not None:
             known = {m.smt_layer_key[adapter_name] for m in layers}
             unknown = sorted(set(config.block_indices) - known)

@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Callable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
@@ -25,7 +25,7 @@ from .model import resolve_num_blocks
 logger = logging.getLogger(__name__)
 
 
-def _adapter_and_config(model, adapter_name: Optional[str]):
+def _adapter_and_config(model, adapter_name: str | None):
     peft_configs = getattr(model, "peft_config", None)
     if not peft_configs:
         raise ValueError("The model has no peft config; build it with get_peft_model(model, SMTConfig(...)).")
@@ -33,8 +33,10 @@ def _adapter_and_config(model, adapter_name: Optional[str]):
         active = getattr(model, "active_adapter", None)
         adapter_name = active if isinstance(active, str) else next(iter(peft_configs))
     if adapter_name not in peft_configs or peft_configs[adapter_name].peft_type != "SMT":
-        raise ValueError(f"Adapter {adapter_name!r} is not an SMT adapter; SMT adapters: "
-                         f"{[k for k, c in peft_configs.items() if c.peft_type == 'SMT']}.")
+        raise ValueError(
+            f"Adapter {adapter_name!r} is not an SMT adapter; SMT adapters: "
+            f"{[k for k, c in peft_configs.items() if c.peft_type == 'SMT']}."
+        )
     return adapter_name, peft_configs[adapter_name]
 
 
@@ -63,7 +65,6 @@ def _swap_in_optimizer(optimizer, mapping: dict, old_params: dict, added: list) 
 
 def _refuse_sharded(model) -> None:
     """Selection installs new block parameters; an engine that has already sharded the model cannot take them in."""
-    from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         engine = "FSDP2 (fully_shard)"
@@ -71,13 +72,15 @@ def _refuse_sharded(model) -> None:
         engine = "DeepSpeed ZeRO-3"
     else:
         return
-    raise ValueError(f"SMT block selection on a model already sharded by {engine}: selection installs new block "
-                     "parameters, which the engine cannot take in after sharding. Run smt_warmup before sharding "
-                     "(hf-dtrain finetune does), or pass the blocks of an earlier selection as "
-                     "SMTConfig(block_indices=...).")
+    raise ValueError(
+        f"SMT block selection on a model already sharded by {engine}: selection installs new block "
+        "parameters, which the engine cannot take in after sharding. Run smt_warmup before sharding "
+        "(hf-dtrain finetune does), or pass the blocks of an earlier selection as "
+        "SMTConfig(block_indices=...)."
+    )
 
 
-def start_smt_scoring(model, adapter_name: Optional[str] = None) -> None:
+def start_smt_scoring(model, adapter_name: str | None = None) -> None:
     """Start summing the dense gradient of every SMT target; run backward passes, then ``select_smt_blocks``."""
     adapter_name, _ = _adapter_and_config(model, adapter_name)
     _refuse_sharded(model)
@@ -85,7 +88,9 @@ def start_smt_scoring(model, adapter_name: Optional[str] = None) -> None:
         layer.start_scoring(adapter_name)
 
 
-def set_smt_block_indices(model, indices: dict[str, torch.Tensor | list], adapter_name: Optional[str] = None, optimizer=None) -> None:
+def set_smt_block_indices(
+    model, indices: dict[str, torch.Tensor | list], adapter_name: str | None = None, optimizer=None
+) -> None:
     """Install explicit blocks ``{module_name: (k, 2) [row_block, col_block]}`` (modules not named get none).
 
     The new delta blocks start at zero. If ``optimizer`` is given, the new block parameters replace the old ones in
@@ -101,7 +106,7 @@ def set_smt_block_indices(model, indices: dict[str, torch.Tensor | list], adapte
     mapping, old_params = {}, {}
     added = []
     for key, layer in by_key.items():
-        old = layer.smt_weight[adapter_name] if adapter_name in layer.smt_weight else None
+        old = layer.smt_weight.get(adapter_name, None)
         new = layer.set_block_indices(adapter_name, torch.as_tensor(indices.get(key, []), dtype=torch.long))
         if old is not None:
             mapping[id(old)] = new
@@ -109,13 +114,18 @@ def set_smt_block_indices(model, indices: dict[str, torch.Tensor | list], adapte
         elif new is not None:
             added.append(new)
         layer.stop_scoring(adapter_name)
-    config.block_indices = {k: layer.smt_indices[adapter_name].tolist() for k, layer in by_key.items()
-                            if len(layer.smt_indices[adapter_name])}
+    config.block_indices = {
+        k: layer.smt_indices[adapter_name].tolist()
+        for k, layer in by_key.items()
+        if len(layer.smt_indices[adapter_name])
+    }
     if optimizer is not None:
         _swap_in_optimizer(optimizer, mapping, old_params, added)
 
 
-def select_smt_blocks(model, adapter_name: Optional[str] = None, optimizer=None, num_blocks: Optional[int] = None) -> dict[str, list[list[int]]]:
+def select_smt_blocks(
+    model, adapter_name: str | None = None, optimizer=None, num_blocks: int | None = None
+) -> dict[str, list[list[int]]]:
     """Select the globally top-scoring blocks from the gradients summed since ``start_smt_scoring`` and install them.
 
     Scores are all-reduced (summed) across ranks first when torch.distributed is initialised, so every rank selects
@@ -125,8 +135,10 @@ def select_smt_blocks(model, adapter_name: Optional[str] = None, optimizer=None,
     layers = _layers(model, adapter_name)
     missing = [layer.smt_layer_key[adapter_name] for layer in layers if adapter_name not in layer._smt_grad_sum]
     if missing:
-        raise RuntimeError("select_smt_blocks needs a warm-up: call start_smt_scoring(model) and run backward passes "
-                           f"first (no gradient was summed for {missing[:3]}).")
+        raise RuntimeError(
+            "select_smt_blocks needs a warm-up: call start_smt_scoring(model) and run backward passes "
+            f"first (no gradient was summed for {missing[:3]})."
+        )
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     scores, shapes = [], []
     for layer in layers:
@@ -154,9 +166,9 @@ def select_smt_blocks(model, adapter_name: Optional[str] = None, optimizer=None,
 def smt_warmup(
     model,
     batches: Iterable,
-    num_steps: Optional[int] = None,
-    adapter_name: Optional[str] = None,
-    loss_fn: Optional[Callable] = None,
+    num_steps: int | None = None,
+    adapter_name: str | None = None,
+    loss_fn: Callable | None = None,
     optimizer=None,
     progress: bool = True,
 ) -> dict[str, list[list[int]]]:
@@ -200,11 +212,11 @@ class SMTSelectionCallback(TrainerCallback):
     Adapters that already have blocks (``SMTConfig.block_indices``, or a resumed run) are left as they are.
     """
 
-    def __init__(self, warmup_steps: Optional[int] = None, adapter_name: Optional[str] = None):
+    def __init__(self, warmup_steps: int | None = None, adapter_name: str | None = None):
         self.warmup_steps = warmup_steps
         self.adapter_name = adapter_name
         self._active = False
-        self._switch_at: Optional[int] = None
+        self._switch_at: int | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         adapter_name, config = _adapter_and_config(model, self.adapter_name)

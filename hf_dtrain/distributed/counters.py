@@ -1,0 +1,70 @@
+"""Byte and memory counters: what a rank hands to collectives (:class:`WireStats`) and what autograd saves
+for backward (:class:`SavedTensorCounter`)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class WireStats:
+    """Bytes this rank hands to collectives, per optimizer step.
+
+    Counted as the payload of each collective call (``numel * element_size`` of the tensor this rank contributes),
+    the same way for every method and for the dense baseline, so ratios between methods are exact. (A ring all-reduce
+    moves ``2 (N - 1) / N`` times its payload over each link; that factor is common to all all-reduce methods.)
+    """
+
+    steps: list[int] = field(default_factory=list)  # payload bytes of every finished step
+    current: int = 0
+    collectives: int = 0  # collective calls in the current step
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.add_bytes(tensor.numel() * tensor.element_size())
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.current += int(nbytes)
+        self.collectives += 1
+
+    def end_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = 0
+        self.collectives = 0
+
+    @property
+    def last_step_bytes(self) -> int | None:
+        return self.steps[-1] if self.steps else None
+
+
+class SavedTensorCounter:
+    """Counts the bytes autograd saves for backward, as unique storages (``saved_tensors_hooks``).
+
+    ``exclude`` takes tensors (for example parameters) whose storages are not activations and should not count.
+    """
+
+    def __init__(self, exclude=()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self._exclude:
+            self._storages[ptr] = max(self._storages.get(ptr, 0), st.nbytes())
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._storages.values())
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self

@@ -1,0 +1,222 @@
+"""Process groups and the rank monitor: starting the default group so a restarted generation does not read the
+dead one's addresses, ending it cleanly, and naming the rank that died when a collective fails."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout  # what init_process_group uses
+
+
+def release_process_group() -> None:
+    """End a distributed run cleanly: collect what still references DDP models, then destroy the default process
+    group. Freeing a DDP model after its gloo group is gone (or at interpreter exit) can abort or hang the process
+    (pytorch/pytorch#56297); call this after the last collective, once the DDP model's own references are dropped
+    (``del model`` in the caller)."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def init_distributed(backend: str | None = None) -> bool:
+    """Initialize the default process group before Accelerate / the Trainer do, when torchrun's or accelerate's
+    elastic agent launched this process and shares its store with the workers (``TORCHELASTIC_USE_AGENT_STORE``).
+
+    That store outlives a failed generation, and torch puts no per-attempt prefix on the keys gloo and NCCL
+    publish their addresses under: a restarted generation (``--max-restarts``) reads the dead one's addresses and
+    fails in ``connectFullMesh`` (``Connection refused``) or hangs. Here the keys are prefixed with
+    ``TORCHELASTIC_RESTART_COUNT``. Returns whether it initialized the group (Accelerate and the Trainer then use
+    it as it is)."""
+    if not dist.is_available() or dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=default_pg_timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"hf_dtrain/attempt_{attempt}", store)
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=default_pg_timeout,
+    )
+    return True
+
+
+class RankFailure(RuntimeError):
+    """Another rank stopped (killed, crashed, its host lost) while this one was in a collective with it."""
+
+
+class CommFailure(RuntimeError):
+    """A collective or transfer failed, said with what this rank was doing (a layer's own wording, such as the
+    pipeline stage that waited): :meth:`RankMonitor.guard` keeps that wording after the dead rank's name."""
+
+
+class RankMonitor:
+    """Names the rank that died when a collective fails, instead of a raw gloo/NCCL traceback.
+
+    Each rank publishes a heartbeat (a counter, its host, pid and the step it is on) every ``interval`` seconds
+    in the rendezvous store (``MASTER_ADDR:MASTER_PORT``, which torchrun's agent or rank 0 hosts). When a collective
+    inside :meth:`guard` fails, the survivor reads the heartbeats twice, ``3 * interval`` apart: a rank whose
+    counter stood still is dead, and :class:`RankFailure` says which, on which host, at which step, and how to
+    resume. ``monitor.step = n`` as training goes."""
+
+    def __init__(self, interval: float = 1.0, resume_hint: str = "relaunch the same command to resume"):
+
+        self.interval, self.resume_hint = interval, resume_hint
+        self._step = 0
+        self.step_of = None  # or a callable giving the current step (a Trainer's state.global_step)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"hf_dtrain/heartbeat/{attempt}/"
+        self.store = None
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            try:
+                self.store = dist.TCPStore(
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    self.world,
+                    is_master=False,
+                    timeout=timedelta(seconds=max(5.0, 3 * interval)),
+                )
+            except Exception:  # no TCP store there (a file:// rendezvous): failures pass through unnamed
+                self.store = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._beats = 0
+        self._beat()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="hf_dtrain-heartbeat")
+        self._thread.start()
+
+    def _beat(self) -> None:
+        if self.store is None:
+            return
+        if self.step_of is not None:
+            self._step = self.step_of()
+        self._beats += 1
+        self.store.set(
+            self.prefix + str(self.rank),
+            json.dumps({"n": self._beats, "host": self.host, "pid": self.pid, "step": self.step}),
+        )
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:  # published by the heartbeat thread at once (the loop never waits on it)
+        self._step = value
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._beat()
+            except Exception:  # the store is gone (its host died): diagnose() says so
+                return
+
+    def _read(self) -> dict:
+        out = {}
+        for r in range(self.world):
+            key = self.prefix + str(r)
+            if self.store.check([key]):
+                out[r] = json.loads(self.store.get(key))
+        return out
+
+    def diagnose(self) -> str | None:
+        """A message naming the dead ranks, or None when every rank's heartbeat still moves."""
+        if self.store is None:
+            return None
+        if self.step_of is not None:
+            self._step = self.step_of()
+        try:
+            first = self._read()
+            time.sleep(3 * self.interval)
+            second = self._read()
+        except Exception:
+            return (
+                f"hf_dtrain: the rendezvous store at {self.address} is unreachable, so rank 0 (or the launcher "
+                f"that hosted it) is gone; rank {self.rank} (host {self.host}) stops at step {self.step}. "
+                f"{self.resume_hint[0].upper()}{self.resume_hint[1:]}."
+            )
+        dead = [
+            r
+            for r in range(self.world)
+            if r != self.rank and (r not in second or second[r]["n"] == first.get(r, {}).get("n"))
+        ]
+        if not dead:
+            return None
+        beats = {r: second.get(r, {}) for r in dead}
+        named = ", ".join(
+            f"rank {r} (host {b.get('host', '?')}, pid {b.get('pid', '?')}, last at step {b.get('step', '?')})"
+            for r, b in beats.items()
+        )
+        return (
+            f"hf_dtrain: {named} stopped responding while rank {self.rank} (host {self.host}) was in a "
+            f"collective at step {self.step}; rank {self.rank} stops too. {self.resume_hint[0].upper()}"
+            f"{self.resume_hint[1:]}."
+        )
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Context manager: a failing collective inside becomes a :class:`RankFailure` naming the dead rank (the
+        original error chained); any other error, or one no dead rank explains, passes through unchanged."""
+        try:
+            yield self
+        except Exception as e:
+            message = self.diagnose() if is_comm_error(e) and not isinstance(e, RankFailure) else None
+            if message is None:
+                raise
+            if isinstance(e, CommFailure):
+                message = f"{message} ({e})"
+            raise RankFailure(message) from e
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+
+def is_comm_error(e: BaseException) -> bool:
+    """``e`` is a failed collective or transfer (torch's ``DistError``, or a backend's runtime error)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text
+        for s in (
+            "Gloo",
+            "gloo",
+            "NCCL",
+            "Connection reset",
+            "Connection closed",
+            "Broken pipe",
+            "connectFullMesh",
+            "Timed out",
+            "timed out",
+        )
+    )
