@@ -409,6 +409,7 @@ def summarize(payload: dict) -> list[dict]:
                         "seconds_to_target": got[1] if got else None,
                         "steps_to_target": got[0] if got else None,
                         "final": final_loss(run),
+                        "final_basis": "held-out" if run.get("evals") else "training",
                         "identical": run["replicas_identical"],
                     }
                 )
@@ -428,6 +429,7 @@ def summarize(payload: dict) -> list[dict]:
                 "per_seed": per_seed,
                 "reached": sum(p["time_vs_dense"] is not None for p in per_seed),
                 "replicas_identical": all(p["identical"] for p in per_seed),
+                "final_basis": per_seed[0]["final_basis"],
             }
             for key in (
                 "step_time_vs_dense",
@@ -456,6 +458,13 @@ def _fmt(row, key, spec):
     return f"{v:{spec}} ({lo:{spec}}-{hi:{spec}})"
 
 
+def final_mark(row: dict, rows: list[dict]) -> str:
+    """`` (training)`` on a final loss that is a training loss in a table whose other final losses are held-out (a
+    run that was not evaluated), so the column never compares the two bases unmarked."""
+    mixed = len({r.get("final_basis", "held-out") for r in rows}) > 1
+    return " (training)" if mixed and row.get("final_basis") == "training" else ""
+
+
 def render(payload: dict):
     rows = summarize(payload)
     args = payload["args"]
@@ -469,7 +478,7 @@ def render(payload: dict):
             f"| {r['link']} | {r['method']} | {_fmt(r, 'bytes_vs_dense', '.4f')} | "
             f"{_fmt(r, 'step_time_vs_dense', '.2f')} | {_fmt(r, 'seconds_to_target', '.1f')} | "
             f"{_fmt(r, 'time_vs_dense', '.2f')} | {_fmt(r, 'bytes_to_target_vs_dense', '.4f')} | "
-            f"{_fmt(r, 'final', '.3f')} | {r['replicas_identical']} |"
+            f"{_fmt(r, 'final', '.3f')}{final_mark(r, rows)} | {r['replicas_identical']} |"
         )
     for f in payload.get("failures", []):
         lines.append(
@@ -493,7 +502,8 @@ def render(payload: dict):
         f"{EVAL_EVERY} steps, outside the timed steps and the byte counts, of the model the ranks hold together "
         "(DiLoCo between syncs: the average of the ranks' weights); DeAR is not evaluated (its weights are the "
         "all-reduce run's, tested; the evaluation would move its deferred update out of the timed steps) and is "
-        "compared on the rank-mean training loss (trailing mean of 10). Target: the all-reduce run's final loss x "
+        "compared on the rank-mean training loss (trailing mean of 10); its final loss is marked (training). "
+        "Target: the all-reduce run's final loss x "
         f"{1 + args.get('tolerance', 0.01):.2f}, same link and seed; time and bytes to target are cumulative up to the "
         "first evaluation (step) that reaches it, as ratios to all-reduce's own. Bytes: what each rank hands to "
         "collectives (ours counted by hf_dtrain.distributed.WireStats; torch's fp16 and PowerSGD by their compression "
