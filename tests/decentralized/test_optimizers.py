@@ -70,6 +70,7 @@ def _quadratic_rank(rank, world, out_dir, lr, beta, steps):
         json.dump(errors, open(f"{out_dir}/quadratic.json", "w"))
 
 
+@pytest.mark.slow
 def test_decentlam_removes_the_momentum_bias_of_dmsgd(tmp_path):
     run_distributed(_quadratic_rank, world_size=4, args=(str(tmp_path), 0.05, 0.9, 1500), timeout=300)
     errors = json.load(open(tmp_path / "quadratic.json"))

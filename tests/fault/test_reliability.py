@@ -206,6 +206,7 @@ def test_interrupted_writes_leave_no_temporary_files(ft_dir, tmp_path):
     assert not list(disk.rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_by_the_survivor(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -304,6 +304,7 @@ def test_grid_flags_are_checked_before_any_work(base_path):
         )
 
 
+@pytest.mark.slow
 def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(base_path, tmp_path):
     """Two gloo ranks, each feeding its shard of every job's batches into one DDP-wrapped fused model: a job equals
     the same job under hf-dtrain finetune on the same two ranks (the Trainer's DDP)."""

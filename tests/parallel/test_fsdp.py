@@ -143,6 +143,7 @@ def fsdp_run(tmp_path_factory):
     return run_ranks(_fsdp_rank, tmp_path_factory, "fsdp")
 
 
+@pytest.mark.slow
 @pytest.mark.smoke
 @pytest.mark.parametrize("method", METHODS)
 def test_fsdp2_trains_like_one_process(fsdp_run, references, method):
@@ -152,6 +153,7 @@ def test_fsdp2_trains_like_one_process(fsdp_run, references, method):
     assert_trains_like_reference(method, results[method], refs[method], saved, ref_dir / method)
 
 
+@pytest.mark.slow
 def test_lorafa_optimizer_corrects_row_shards_of_b_like_one_process(fsdp_run):
     """The correction ``g_B (A Aᵀ)⁻¹`` acts on each row of B's gradient alone: on FSDP2's row shards (DTensor's
     implicit replication of the whole ``(A Aᵀ)⁻¹``) it equals one process. peft runs the product under bf16
@@ -162,6 +164,7 @@ def test_lorafa_optimizer_corrects_row_shards_of_b_like_one_process(fsdp_run):
     assert losses[-2] < losses[0] - 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_resume_from_a_sharded_checkpoint_repeats_the_steps_exactly(fsdp_run, method):
     _, results = fsdp_run
@@ -169,12 +172,14 @@ def test_resume_from_a_sharded_checkpoint_repeats_the_steps_exactly(fsdp_run, me
     assert [x.hex() for x in got["resumed"]] == [x.hex() for x in got["losses"][STEPS // 2 :]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(CONFIGS))
 def test_adapter_from_a_sharded_run_reloads_and_merges(fsdp_run, method):
     out, _ = fsdp_run
     assert_reloads_and_merges(out / method)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lorafa"])
 def test_dims_that_do_not_divide_the_shard_count_train_like_one_process(fsdp_run, method):
     """129 vocabulary rows and 75 MLP rows on 2 ranks: FSDP2 pads the last row shard (torch.chunk's split), so
@@ -183,6 +188,7 @@ def test_dims_that_do_not_divide_the_shard_count_train_like_one_process(fsdp_run
     torch.testing.assert_close(torch.tensor(got), torch.tensor(uneven_reference(method)), rtol=2e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_heterogeneity_aware_partitioner_under_fsdp2_weighs_every_sample_alike(fsdp_run):
     """Ranks with batches of 2 and 6 (speeds 1:3), each loss scaled by the sampler: every step equals one process
     on the union of the two batches."""
@@ -191,6 +197,7 @@ def test_heterogeneity_aware_partitioner_under_fsdp2_weighs_every_sample_alike(f
     torch.testing.assert_close(torch.tensor(fsdp_run[1]["hetero"]), torch.tensor(want), rtol=2e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_sharding_refusals_name_the_fix(fsdp_run):
     _, results = fsdp_run
     refusals = results["refusals"]

@@ -140,6 +140,7 @@ def _reference(base, quant, storage, method):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant, storage, method", CASES)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_4bit_base_is_sharded_and_trains_like_one_process(run, engine, quant, storage, method):

@@ -132,6 +132,7 @@ def zero_run(tmp_path_factory):
     return run_ranks(_zero_rank, tmp_path_factory, "zero", timeout=500)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_trains_like_one_process(zero_run, references, stage, method):
@@ -143,6 +144,7 @@ def test_zero_trains_like_one_process(zero_run, references, stage, method):
     assert_trains_like_reference(method, got, refs[method], saved, ref_dir / method)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("stage", STAGES)
 def test_resume_from_a_deepspeed_checkpoint_repeats_the_steps_exactly(zero_run, stage, method):
@@ -151,12 +153,14 @@ def test_resume_from_a_deepspeed_checkpoint_repeats_the_steps_exactly(zero_run, 
     assert [x.hex() for x in got["resumed"]] == [x.hex() for x in got["losses"][STEPS // 2 :]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(CONFIGS))
 def test_adapter_from_a_zero3_run_reloads_and_merges(zero_run, method):
     out, _ = zero_run
     assert_reloads_and_merges(out / f"3_{method}")
 
 
+@pytest.mark.slow
 def test_heterogeneity_aware_partitioner_under_zero3_weighs_every_sample_alike(zero_run):
     """Ranks with batches of 2 and 6 (speeds 1:3), each loss scaled by the sampler: every step equals one process
     on the union of the two batches."""
@@ -165,6 +169,7 @@ def test_heterogeneity_aware_partitioner_under_zero3_weighs_every_sample_alike(z
     torch.testing.assert_close(torch.tensor(zero_run[1]["hetero"]), torch.tensor(want), rtol=2e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_optimizers_that_exchange_whole_replicas_are_refused_under_zero(zero_run):
     refusals = zero_run[1]["refusals"]
     assert set(refusals) == {"1_onebit_lamb", "3_dpsgd", "snapshots"}
