@@ -204,7 +204,7 @@ def read_replicated(path: str) -> tuple[dict[str, str], dict]:
 
     with safe_open(path, framework="pt") as f:
         metadata = dict(f.metadata() or {})
-        tensors = {k: f.get_tensor(k) for k in f}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     return metadata, unflatten_state(json.loads(metadata["skeleton"]), tensors)
 
 
