@@ -458,10 +458,9 @@ def _fmt(row, key, spec):
     return f"{v:{spec}} ({lo:{spec}}-{hi:{spec}})"
 
 
-def final_mark(row: dict, rows: list[dict]) -> str:
-    """`` (training)`` on a final loss that is a training loss in a table whose other final losses are held-out (a
-    run that was not evaluated), so the column never compares the two bases unmarked."""
-    mixed = len({r.get("final_basis", "held-out") for r in rows}) > 1
+def final_mark(row: dict, mixed: bool) -> str:
+    """`` (training)`` on a final loss that is a training loss in a table whose other final losses are held-out
+    (``mixed``: a run that was not evaluated), so the column never compares the two bases unmarked."""
     return " (training)" if mixed and row.get("final_basis") == "training" else ""
 
 
@@ -473,12 +472,13 @@ def render(payload: dict):
         "dense | bytes to target / dense | final loss | replicas identical |",
         "|" + "---|" * 9,
     ]
+    mixed = len({r.get("final_basis", "held-out") for r in rows}) > 1
     for r in rows:
         lines.append(
             f"| {r['link']} | {r['method']} | {_fmt(r, 'bytes_vs_dense', '.4f')} | "
             f"{_fmt(r, 'step_time_vs_dense', '.2f')} | {_fmt(r, 'seconds_to_target', '.1f')} | "
             f"{_fmt(r, 'time_vs_dense', '.2f')} | {_fmt(r, 'bytes_to_target_vs_dense', '.4f')} | "
-            f"{_fmt(r, 'final', '.3f')}{final_mark(r, rows)} | {r['replicas_identical']} |"
+            f"{_fmt(r, 'final', '.3f')}{final_mark(r, mixed)} | {r['replicas_identical']} |"
         )
     for f in payload.get("failures", []):
         lines.append(

@@ -14,16 +14,14 @@ Writes ``benchmarks/results/quantized_adapters_lr_sweep.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from _report import parse_result, rerender, write
-from quantized_adapters import METHODS
+from _report import rerender, run_worker, write
+from quantized_adapters import LR, METHODS
 from tqdm import tqdm
 
 from hf_dtrain.models import build_default_model
@@ -95,8 +93,6 @@ def main() -> None:
     if args.from_json:
         rerender(args.from_json, args.name, render)
         return
-    from quantized_adapters import LR
-
     build_default_model("tiny", progress=True)  # built and cached once, before the workers
     methods = args.methods.split(",")
     grid = sorted(float(x) for x in args.grid.split(","))
@@ -106,12 +102,16 @@ def main() -> None:
         for method in methods:
             if method in stopped:
                 continue
-            cmd = [sys.executable, script, "--worker", f"{args.base}:{method}", "--steps", str(args.steps)]
-            cmd += ["--batch-size", str(args.batch_size), "--seed", str(args.seed), "--lr", f"{method}={lr}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-            if proc.returncode != 0:
-                raise SystemExit(f"{method} at lr {lr:g} failed:\n{proc.stderr[-4000:]}")
-            r = dict(parse_result(proc.stdout), lr=lr)
+            argv = [
+                "--worker",
+                f"{args.base}:{method}",
+                "--steps",
+                str(args.steps),
+                "--batch-size",
+                str(args.batch_size),
+            ]
+            argv += ["--seed", str(args.seed), "--lr", f"{method}={lr}"]
+            r = dict(run_worker(script, argv, timeout=3600, what=f"{method} at lr {lr:g}"), lr=lr)
             runs.append({k: r[k] for k in ("method", "lr", "eval_loss", "eval_accuracy", "train_loss_last50")})
             best = min(x["eval_loss"] for x in runs if x["method"] == method)
             if r["eval_loss"] > DIVERGED * best:

@@ -69,19 +69,17 @@ TRAINER_BOUNDS = (
 )
 
 
-# transformers 5.23 renamed TrainingArguments' gradient_checkpointing to activation_checkpointing: the field this
-# release has, found on the dataclass, not from a version string
-CHECKPOINTING_FIELD = (
-    "activation_checkpointing"
-    if "activation_checkpointing" in {f.name for f in dataclasses.fields(SFTConfig)}
-    else "gradient_checkpointing"
-)
-
-
 def sft_fields() -> dict:
     """The fields of TRL's ``SFTConfig`` (so of ``TrainingArguments``) by name."""
 
     return {f.name: f for f in dataclasses.fields(SFTConfig) if f.init}
+
+
+# transformers 5.23 renamed TrainingArguments' gradient_checkpointing to activation_checkpointing: the field this
+# release has, found on the dataclass, not from a version string
+CHECKPOINTING_FIELD = (
+    "activation_checkpointing" if "activation_checkpointing" in sft_fields() else "gradient_checkpointing"
+)
 
 
 @dataclass
