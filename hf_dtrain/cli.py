@@ -18,6 +18,9 @@ fine-tuning method's own section (--smt.*, --lorafa.*, --qbara.*, --qahira.*), a
 SFTConfig and transformers' TrainingArguments at the top level (--bf16, --gradient-checkpointing, --learning-rate,
 --lr-scheduler-type, --num-train-epochs, --eval-steps, --save-steps, --resume-from-checkpoint, --packing,
 --assistant-only-loss, --report-to ...). A recipe YAML gives the same, sections as nested mappings.
+
+Errors in the input or the run are printed as one line naming the flag, key, file or rank and the fix, with exit
+status 1; --debug (anywhere on the line) or HF_DTRAIN_DEBUG=1 adds the traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import sys
 import typing
 
@@ -34,12 +38,13 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 from trl import SFTConfig
 
+from hf_dtrain.errors import is_user_error, report_and_exit
 from hf_dtrain.fed import FedSimulateConfig
 from hf_dtrain.federated import FederatedConfig
 from hf_dtrain.finetune import METHODS, FinetuneConfig
 from hf_dtrain.fused import FusedConfig
 from hf_dtrain.pretrain import PretrainConfig
-from hf_dtrain.settings import build, help_of, merge, section_type, unwrap_optional, walk_fields
+from hf_dtrain.settings import SettingsError, build, help_of, merge, section_type, unwrap_optional, walk_fields
 from hf_dtrain.sweep import AXIS_TYPES, GRID_AXES
 
 
@@ -400,8 +405,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _job_name(args: list[str]) -> str:
+    """``finetune``, ``fed simulate``, ...: how the one-line errors name the job."""
+    words = [a for a in args[:2] if not a.startswith("-")]
+    if words[:1] == ["fed"]:
+        return " ".join(words)
+    return words[0] if words else ""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``hf-dtrain``: every job runs inside one error boundary. An error hf_dtrain raised about the input or the run
+    (:mod:`hf_dtrain.errors`) is printed as one line, ``hf-dtrain <job>: <what and the fix>``, and the status is 1;
+    ``--debug`` (anywhere on the line) or ``HF_DTRAIN_DEBUG=1`` prints the traceback too. Any other exception is a bug
+    and keeps its traceback."""
     args = sys.argv[1:] if argv is None else list(argv)
+    if "--debug" in args:
+        args = [a for a in args if a != "--debug"]
+        os.environ["HF_DTRAIN_DEBUG"] = "1"
+    job = _job_name(args)
+    try:
+        return _dispatch(args)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        print(f"hf-dtrain {job}: interrupted; relaunch the same command to resume.", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        report_and_exit(job, e)
+    finally:  # the DDP model (the Trainer's, the loop's) freed while its gloo group exists, then the group: freed at
+        # interpreter exit instead, a rank could abort ("terminate called without an active exception") after the
+        # run had saved everything
+        from hf_dtrain.distributed.groups import release_process_group
+
+        release_process_group()
+    return 1
+
+
+def _settings(parse, *args):
+    """A job's typed config from the parsed flags and recipe: any error building it is a settings error (the
+    message names the flag or the YAML key)."""
+    try:
+        return parse(*args)
+    except (ValueError, TypeError, OSError) as e:
+        if isinstance(e, SettingsError):
+            raise
+        raise SettingsError(str(e)) from e
+
+
+def _dispatch(args: list[str]) -> int:
     if args[:1] == ["elastic"]:  # its own parser (hf-dtrain elastic --help): runs torchrun for this host
         from hf_dtrain.elastic import main as elastic_main
 
@@ -418,14 +471,14 @@ def main(argv: list[str] | None = None) -> int:
             or a.startswith(("--parallel", "--pipeline.", "--tensor-parallel."))
         ]
         if mesh_flags:
-            raise SystemExit(
-                f"hf-dtrain finetune: {mesh_flags[0]} is a pretrain flag: the Trainer cannot drive a "
+            raise SettingsError(
+                f"{mesh_flags[0]} is a pretrain flag: the Trainer cannot drive a "
                 "pipeline (it calls model(**batch) once per step on every rank) and does not lay a "
                 "model out on a tp / pp mesh. Use hf-dtrain pretrain --tp/--pp, or the Accelerate loop "
                 "in docs/parallel.md; for sharded fine-tuning use --fsdp or --deepspeed zero3."
             )
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(args)
     if ns.command == "build-base":
         from hf_dtrain.models import build_default_model
 
@@ -434,34 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "fed":
         from hf_dtrain.fed import run_fed_simulate
 
-        try:
-            cfg = fed_config_from_args(ns)
-        except (ValueError, TypeError, OSError) as e:
-            raise SystemExit(f"hf-dtrain fed {ns.action}: {e}") from None
-        try:
-            run_fed_simulate(cfg)
-        finally:
-            from hf_dtrain.distributed.groups import release_process_group
-
-            release_process_group()
+        run_fed_simulate(_settings(fed_config_from_args, ns))
         return 0
     if ns.command == "sweep":
         from hf_dtrain.sweep import run_sweep
 
-        try:
-            cfg = sweep_config_from_args(ns)
-        except (ValueError, TypeError, OSError) as e:
-            raise SystemExit(f"hf-dtrain sweep: {e}") from None
-        from hf_dtrain.fused import FusedMemoryError
-
-        try:
-            run_sweep(cfg)
-        except FusedMemoryError as e:  # the memory guard: how many jobs fit, and what to change
-            raise SystemExit(f"hf-dtrain sweep: {e}") from None
-        finally:
-            from hf_dtrain.distributed.groups import release_process_group
-
-            release_process_group()
+        run_sweep(_settings(sweep_config_from_args, ns))
         return 0
     if ns.command in ("finetune", "pretrain"):
         if ns.command == "finetune":
@@ -471,33 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from hf_dtrain.pretrain import PretrainConfig as cls
             from hf_dtrain.pretrain import run_pretrain as run
-        try:
-            cfg = job_config_from_args(ns, cls)
-        except (ValueError, TypeError, OSError) as e:
-            raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
-        from hf_dtrain.distributed.groups import RankFailure
-        from hf_dtrain.fault.snapshot import SnapshotError, SnapshotMismatch
-        from hf_dtrain.settings import SettingsError
-
-        try:
-            run(cfg)
-        except (
-            RankFailure,
-            SnapshotError,
-            SnapshotMismatch,
-            SettingsError,
-        ) as e:  # a dead rank named, or snapshots that cannot be resumed
-            raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
-        except ValueError as e:
-            if "cannot be combined" in str(e):  # ComposeOptions.check: the clash, named, before any training
-                raise SystemExit(f"hf-dtrain {ns.command}: {e}") from None
-            raise
-        finally:  # the DDP model (the Trainer's, the loop's) freed while its gloo group exists, then the group: freed
-            # at interpreter exit instead, a rank could abort ("terminate called without an active exception") after
-            # the run had saved everything
-            from hf_dtrain.distributed.groups import release_process_group
-
-            release_process_group()
+        run(_settings(job_config_from_args, ns, cls))
         return 0
     parser.error(f"unknown command {ns.command!r}")
     return 2

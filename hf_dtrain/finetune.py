@@ -29,6 +29,7 @@ from trl import SFTConfig, SFTTrainer
 
 from hf_dtrain import tasks
 from hf_dtrain.compose import EXCHANGING, ComposeOptions, check_local_path, run_identity, wire_bytes
+from hf_dtrain.datafile import check_enough
 from hf_dtrain.distributed.groups import init_distributed
 from hf_dtrain.model_card import write_model_card
 from hf_dtrain.models import load_model_and_tokenizer
@@ -446,9 +447,6 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
     if not progress:
         datasets.disable_progress_bars()
     args = cfg.training_args()
-    base_path = cfg.model or build_default_model(cfg.base_preset, steps=cfg.base_steps, progress=progress)
-    _, tokenizer = load_model_and_tokenizer(base_path, load_model=False, trust_remote_code=bool(args.trust_remote_code))
-    model = load_base_model(cfg, base_path) if load_model else None
     if cfg.dataset is None:
         digits = cfg.task_digits or tasks.TASK_DIGITS
         train = tasks.addition_dataset(
@@ -465,6 +463,19 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
             text_field=args.dataset_text_field,
         )
     kind = tasks.dataset_format(train, args.dataset_text_field)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    check_enough(
+        len(train),
+        args.per_device_train_batch_size * world * args.gradient_accumulation_steps,
+        "training examples",
+        cfg.dataset or f"(the default task, --train-size {cfg.train_size or DEFAULT_TASK_TRAIN_SIZE})",
+        "lower --per-device-train-batch-size or --gradient-accumulation-steps, or give more rows",
+        flag="--dataset" if cfg.dataset else "--train-size",
+    )
+    # the data is checked before the base model is built or loaded: a bad file fails in seconds
+    base_path = cfg.model or build_default_model(cfg.base_preset, steps=cfg.base_steps, progress=progress)
+    _, tokenizer = load_model_and_tokenizer(base_path, load_model=False, trust_remote_code=bool(args.trust_remote_code))
+    model = load_base_model(cfg, base_path) if load_model else None
     if kind == "conversational" and tokenizer.chat_template is None and args.chat_template_path is None:
         raise ValueError(
             f"--dataset {cfg.dataset} is conversational (messages), but the tokenizer of {base_path} has "

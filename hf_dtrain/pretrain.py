@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
-from datasets import load_dataset
+from datasets import Dataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -35,7 +35,9 @@ from hf_dtrain.compose import (
     snapshot_config_for,
     wire_bytes,
 )
+from hf_dtrain.datafile import check_enough, check_text_columns, load_file, load_hub
 from hf_dtrain.distributed.engines import unwrap_optimizer
+from hf_dtrain.errors import DataError
 from hf_dtrain.fault import SnapshotEngine
 from hf_dtrain.fault.snapshot import job_key_for
 from hf_dtrain.models import PRESETS, cache_root, llama_config, stdlib_text, train_tokenizer
@@ -189,8 +191,11 @@ def _pack(tokenizer, texts, seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int):
-    """(train, held-out): tensors of token blocks, or for ``streaming`` an iterable of this rank's blocks and None."""
+def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int, replicas: int | None = None):
+    """(train, held-out): tensors of token blocks, or for ``streaming`` an iterable of this rank's blocks and None.
+    Fewer training blocks than one global batch (``replicas`` data-parallel replicas, default ``world``, each
+    ``per_device_train_batch_size``) is a ``DataError``."""
+    replicas = replicas or world
     if cfg.dataset is None:
         from hf_dtrain.models import stdlib_text
 
@@ -198,14 +203,22 @@ def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int):
         g = torch.Generator().manual_seed(1234)
         blocks = blocks[torch.randperm(len(blocks), generator=g)]
         held = min(cfg.eval_blocks, len(blocks) // 10)
+        check_enough(
+            len(blocks) - held,
+            cfg.per_device_train_batch_size * replicas,
+            f"training blocks of {cfg.seq_len} tokens ({held} more held out)",
+            f"(the default corpus, {cfg.data_bytes} bytes)",
+            "lower --per-device-train-batch-size or --seq-len, or raise --data-bytes",
+            flag="--data-bytes",
+        )
         return blocks[held:], blocks[:held]
 
     path = cfg.dataset
-    if os.path.exists(path):
-        kind = "text" if path.endswith(".txt") else "json"
-        ds = load_dataset(kind, data_files=path, split="train", streaming=cfg.streaming)
+    local = os.path.exists(path)
+    if local:
+        ds = load_file(path, split="train", streaming=cfg.streaming)
     else:
-        ds = load_dataset(path, cfg.dataset_config, split="train", streaming=cfg.streaming)
+        ds = load_hub(path, cfg.dataset_config, split="train", streaming=cfg.streaming)
     if cfg.streaming:
         from datasets.distributed import split_dataset_by_node
 
@@ -213,8 +226,11 @@ def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int):
 
         def stream():
             buf: list[str] = []
-            for row in ds:
-                buf.append(row[cfg.text_column])
+            for i, row in enumerate(ds):
+                text = row.get(cfg.text_column)
+                if not isinstance(text, str):
+                    check_text_columns(Dataset.from_list([row]), [cfg.text_column], f"{path} (streamed row {i})")
+                buf.append(text)
                 if len(buf) == 256:
                     yield from _pack(tokenizer, buf, cfg.seq_len)
                     buf = []
@@ -223,11 +239,19 @@ def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int):
 
         return stream, None
     if cfg.text_column not in ds.column_names:
-        raise ValueError(
-            f"dataset {path} has no column {cfg.text_column!r} (columns: {ds.column_names}); set --text-column."
+        raise DataError(
+            f"--dataset {path} has no column {cfg.text_column!r} (columns: {ds.column_names}); set --text-column."
         )
+    check_text_columns(ds, [cfg.text_column], path, path if local else None)
     blocks = _pack(tokenizer, ds[cfg.text_column], cfg.seq_len)
     held = min(cfg.eval_blocks, len(blocks) // 10)
+    check_enough(
+        len(blocks) - held,
+        cfg.per_device_train_batch_size * replicas,
+        f"training blocks of {cfg.seq_len} tokens ({held} more held out)",
+        path,
+        "lower --per-device-train-batch-size or --seq-len, or give more text",
+    )
     return blocks[held:], blocks[:held]
 
 
@@ -351,8 +375,8 @@ def _batches(loader, start: int, streaming: bool):
     """Blocks from the step ``start``: whole epochs skipped by count, then the rest of the epoch skipped; epoch e's
     order depends on (seed, e) only, so a resumed run skips into the same order."""
     if not streaming and len(loader) == 0:
-        raise ValueError(
-            "the training data gives no full batch: lower --per-device-train-batch-size or give more data."
+        raise DataError(
+            "the training data gives no full batch on this rank: lower --per-device-train-batch-size or give more data."
         )
     done = start - 1
     epoch, skip = (0, done) if streaming else divmod(done, len(loader))
@@ -360,9 +384,16 @@ def _batches(loader, start: int, streaming: bool):
         for owner in (loader, getattr(loader, "sampler", None)):
             if hasattr(owner, "set_epoch"):
                 owner.set_epoch(epoch)
+        batches = 0
         for i, b in enumerate(loader):
+            batches += 1
             if i >= skip:
                 yield b
+        if batches == 0:  # a stream that gives no full batch would spin here for ever
+            raise DataError(
+                "the training data gives no full batch on this rank: lower --per-device-train-batch-size or "
+                "--seq-len, or give more data."
+            )
         skip = 0
         epoch += 1
 
@@ -491,7 +522,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     cfg.check(world, engine="accelerate")
     with run.main_first():
         tokenizer = default_tokenizer(cfg.preset)
-        train, held_out = load_blocks(cfg, tokenizer, rank, world)
+        replicas = degrees["dp_replicate"] * degrees["dp_shard"] if degrees else world
+        train, held_out = load_blocks(cfg, tokenizer, rank, world, replicas)
     set_seed(cfg.seed)
     model = build_llama(cfg.preset, seed=cfg.seed, vocab_size=max(len(tokenizer), PRESETS[cfg.preset]["vocab_size"]))
     model.train()

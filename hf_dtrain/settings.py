@@ -24,6 +24,8 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from hf_dtrain.errors import UserError
+
 # The release (``hf_dtrain.__version__``; pyproject.toml reads it from here): recorded in snapshots' run identity
 # and in the README saved with an adapter.
 RELEASE = "0.1.0"
@@ -149,7 +151,7 @@ def check_choice(config: Any, name: str, choices, key: str | None = None) -> Non
         )
 
 
-class SettingsError(ValueError):
+class SettingsError(UserError, ValueError):
     """Bad settings found before any training step (a job's checks against the world and the model): the CLI
     prints the message, which names the flag and the fix, without a traceback."""
 

@@ -13,11 +13,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict
 from transformers import DataCollatorForSeq2Seq
 from trl import SFTTrainer
 from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from hf_dtrain.datafile import check_text_columns, load_file, load_hub
+from hf_dtrain.errors import DataError
 
 IGNORE_INDEX = -100
 # Operand range of the default task: both operands have 1 to TASK_DIGITS digits. The tiny base learns a lot of it in
@@ -99,13 +102,10 @@ def addition_dataset(n: int, seed: int = 0, split: str = "train", digits: int = 
     return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
 
 
-DATA_FILE_TYPES = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "txt": "text"}
-
-
-def dataset_format(dataset, text_field: str = "text") -> str:
+def dataset_format(dataset, text_field: str = "text", source: str = "the dataset") -> str:
     """Which of TRL's formats ``dataset`` is in: ``conversational`` (a ``messages`` column, or prompt / completion
-    holding lists of messages), ``prompt-completion`` or ``language modeling`` (``text_field``); a ``ValueError``
-    naming the columns and the formats otherwise."""
+    holding lists of messages), ``prompt-completion`` or ``language modeling`` (``text_field``); a ``DataError``
+    naming ``source``, its columns and the formats otherwise."""
     columns = list(dataset.column_names)
     if "messages" in columns:
         return "conversational"
@@ -114,8 +114,8 @@ def dataset_format(dataset, text_field: str = "text") -> str:
         return "conversational" if isinstance(first, list) else "prompt-completion"
     if text_field in columns:
         return "language modeling"
-    raise ValueError(
-        f"the dataset has columns {columns}, none of TRL's formats: a 'messages' column (chat, rendered "
+    raise DataError(
+        f"{source} has columns {columns}, none of TRL's formats: a 'messages' column (chat, rendered "
         "with the tokenizer's chat template), 'prompt' and 'completion' columns, or a text column (set "
         f"--dataset-text-field, now {text_field!r})."
     )
@@ -135,26 +135,26 @@ def load_sft_dataset(
     split when it has one (its first ``eval_size`` rows), else ``eval_size`` rows (at most a fifth) held out from
     train with ``seed``; ``train_size`` caps the training rows (None: all)."""
 
-    if os.path.exists(name_or_path):
-        ext = os.path.splitext(name_or_path)[1].lower().lstrip(".")
-        kind = DATA_FILE_TYPES.get(ext)
-        if kind is None:
-            raise ValueError(
-                f"--dataset {name_or_path!r}: unsupported file type {ext!r}; use {', '.join(DATA_FILE_TYPES)}."
-            )
-        ds = load_dataset(kind, data_files=name_or_path)
-    else:
-        ds = load_dataset(name_or_path, config)
+    path = name_or_path if os.path.exists(name_or_path) else None
+    ds = load_file(path) if path else load_hub(name_or_path, config)
     if not isinstance(ds, DatasetDict):
         ds = DatasetDict({"train": ds})
     if "train" not in ds:
-        raise ValueError(f"--dataset {name_or_path!r} has no train split (splits: {list(ds)}).")
+        raise DataError(f"--dataset {name_or_path!r} has no train split (splits: {list(ds)}).")
     train = ds["train"]
-    dataset_format(train, text_field)  # a clear error before any split or tokenization
+    kind = dataset_format(
+        train, text_field, f"--dataset {name_or_path}"
+    )  # a clear error before any split or tokenization
+    columns = {"conversational": ["messages"], "language modeling": [text_field]}.get(kind, ["prompt", "completion"])
+    if kind == "conversational" and "messages" not in train.column_names:
+        columns = ["prompt", "completion"]
+    check_text_columns(train, columns, name_or_path, path)
     held = next((ds[s] for s in ("validation", "test", "eval") if s in ds), None)
+    if held is not None:
+        check_text_columns(held, columns, f"{name_or_path} (its evaluation split)", None)
     if held is None:
         if len(train) < 2:
-            raise ValueError(
+            raise DataError(
                 f"--dataset {name_or_path!r} has {len(train)} row(s): at least 2 are needed (one to "
                 "hold out for evaluation), or give a validation split."
             )

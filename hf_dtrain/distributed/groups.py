@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout  # what init_process_group uses
 
+from hf_dtrain.errors import UserError
+
 
 def release_process_group() -> None:
     """End a distributed run cleanly: collect what still references DDP models, then destroy the default process
@@ -62,11 +64,11 @@ def init_distributed(backend: str | None = None) -> bool:
     return True
 
 
-class RankFailure(RuntimeError):
+class RankFailure(UserError, RuntimeError):
     """Another rank stopped (killed, crashed, its host lost) while this one was in a collective with it."""
 
 
-class CommFailure(RuntimeError):
+class CommFailure(UserError, RuntimeError):
     """A collective or transfer failed, said with what this rank was doing (a layer's own wording, such as the
     pipeline stage that waited): :meth:`RankMonitor.guard` keeps that wording after the dead rank's name."""
 

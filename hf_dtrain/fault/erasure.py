@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import zfec
 
+from hf_dtrain.errors import UserError
 
-class UnrecoverableError(RuntimeError):
+
+class UnrecoverableError(UserError, RuntimeError):
     """More nodes of a group were lost than its parity covers."""
 
 

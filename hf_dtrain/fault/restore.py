@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_dtrain.errors import UserError
+
 from . import reshard
 from .state import parse, set_rng_state, unflatten_state
 from .wire import checksum
@@ -30,11 +32,11 @@ from .wire import checksum
 logger = logging.getLogger("hf_dtrain.fault.snapshot")
 
 
-class SnapshotError(RuntimeError):
+class SnapshotError(UserError, RuntimeError):
     """A run whose snapshots exist but cannot be restored (and no disk copy to fall back to)."""
 
 
-class SnapshotMismatch(ValueError):
+class SnapshotMismatch(UserError, ValueError):
     """A snapshot of another job or world size: not resumed (the message names what differs and the way out)."""
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from hf_dtrain.distributed.counters import SavedTensorCounter
+from hf_dtrain.errors import UserError
 from hf_dtrain.settings import check_fields
 from hf_dtrain.tasks import exact_match
 
@@ -35,7 +36,7 @@ IGNORE_INDEX = -100
 OVERFLOW = ("split", "error")
 
 
-class FusedMemoryError(ValueError):
+class FusedMemoryError(UserError, ValueError):
     """The fused jobs do not fit the memory budget (the message says how many fit and what to change)."""
 
 

@@ -1,0 +1,110 @@
+"""What hf_dtrain raises when the input, or the run, is wrong, and how a job's error boundary tells those apart from
+bugs.
+
+Every class here is a :class:`UserError`: its message names the input (a flag, a YAML key, a file and, for data, the
+row or the column) and says what to do. ``hf-dtrain`` prints such an error as one line and exits with status 1; any
+other exception is a bug and keeps its traceback. Each class also derives from the builtin a caller would catch
+(``ValueError`` for bad input, ``RuntimeError`` for a run that failed), so ``except ValueError`` keeps working.
+
+Library errors met while hf_dtrain loads a user's file (``datasets``, ``transformers``, ``peft``, ``safetensors``)
+are caught where it loads them and re-raised as one of these, naming the file; the original is chained.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import traceback
+
+PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+class UserError(Exception):
+    """An error the user can fix: the message names the input and the fix. The CLI prints it without a traceback."""
+
+
+class DataError(UserError, ValueError):
+    """A dataset that cannot be trained on as given: empty, undecodable, malformed rows, missing or null values, or
+    fewer examples than one batch. Names the file and the row or the column."""
+
+
+class ModelLoadError(UserError, ValueError):
+    """A model directory that does not load: no weights, a config that does not build, damaged files."""
+
+
+class AdapterMismatch(UserError, ValueError):
+    """An adapter saved on another base model (architecture, layer count or target shapes differ)."""
+
+
+class EndpointError(UserError, ValueError):
+    """A rendezvous endpoint that is malformed, or where nothing answers within the timeout."""
+
+
+class RunFailure(UserError, RuntimeError):
+    """The run started but cannot be trusted: a background write that failed, a loss that is not finite."""
+
+
+class WriteFailure(RunFailure):
+    """A file the run had to write (a persisted snapshot, a checkpoint, results) could not be written."""
+
+
+class NonFiniteLoss(RunFailure):
+    """The training or held-out loss became NaN or infinite."""
+
+
+NON_FINITE_CAUSES = (
+    "usual causes: a learning rate too high (lower --learning-rate or add --warmup-steps), fp16 overflow (use bf16 "
+    "or fp32), or rows with no supervised token"
+)
+
+
+def non_finite_loss(what: str, value: float, step: int | None, opt_out: str) -> NonFiniteLoss:
+    """The error for a ``what`` loss (``"training"``, ``"held-out"``) of ``value`` at ``step``."""
+    at = f" at step {step}" if step is not None else ""
+    return NonFiniteLoss(
+        f"the {what} loss is {value}{at}: the run stopped ({NON_FINITE_CAUSES}). To train on anyway, set {opt_out}."
+    )
+
+
+def _raised_here(e: BaseException) -> bool:
+    """``e`` was raised by a ``raise`` statement in hf_dtrain's own source (not by a library, not by the
+    interpreter inside our code: a torch shape error there is a bug and keeps its traceback)."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    if not path.startswith(PACKAGE + os.sep) or path.startswith(os.path.join(PACKAGE, "testing") + os.sep):
+        return False
+    return linecache.getline(path, tb.tb_lineno).lstrip().startswith("raise ")
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Whether the CLI prints ``e`` as one line: a :class:`UserError`, or a ``ValueError`` / ``TypeError`` /
+    ``OSError`` / ``RuntimeError`` that hf_dtrain raised itself with its own message."""
+    if isinstance(e, UserError):
+        return True
+    return isinstance(e, (ValueError, TypeError, OSError, RuntimeError)) and _raised_here(e)
+
+
+def debug_requested() -> bool:
+    """``HF_DTRAIN_DEBUG=1`` (or ``--debug``, which sets it): errors keep their tracebacks."""
+    return os.environ.get("HF_DTRAIN_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+def one_line(job: str, e: BaseException) -> str:
+    """``hf-dtrain <job>[ rank r]: <message>``: the rank is named when the launcher started several."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = f" [rank {os.environ.get('RANK', '?')}]" if world > 1 else ""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"hf-dtrain {job}{rank}: {text}"
+
+
+def report_and_exit(job: str, e: BaseException) -> None:
+    """Print ``e`` as one line on stderr and exit 1; with :func:`debug_requested`, the traceback first."""
+    if debug_requested():
+        traceback.print_exception(e, file=sys.stderr)
+    print(one_line(job, e), file=sys.stderr, flush=True)
+    raise SystemExit(1)
