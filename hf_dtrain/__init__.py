@@ -2,9 +2,11 @@
 
 ``import hf_dtrain`` registers its peft methods (SMT, LoRA-FA, Q-BaRA, QA-HiRA) with peft, so ``get_peft_model``,
 ``PeftModel.from_pretrained`` and ``AutoPeftModelForCausalLM.from_pretrained`` work with them. Import it before
-loading a saved hf_dtrain adapter.
+loading a saved hf_dtrain adapter. ``hf_dtrain.load_adapter(base, path)`` is ``PeftModel.from_pretrained`` that first
+checks the adapter fits the base (peft drops what does not fit without a word).
 """
 
+from .adapters import check_adapter_fits, load_adapter
 from .settings import RELEASE as __version__
 from .tuners import LoraFAConfig, LoraFAModel, QAHiRAConfig, QAHiRAModel, QBaRAConfig, QBaRAModel, SMTConfig, SMTModel
 from .tuners.lorafa import create_lorafa_optimizer
@@ -21,7 +23,9 @@ __all__ = [
     "SMTModel",
     "SMTSelectionCallback",
     "__version__",
+    "check_adapter_fits",
     "create_lorafa_optimizer",
+    "load_adapter",
     "select_smt_blocks",
     "set_smt_block_indices",
     "smt_warmup",

@@ -22,9 +22,17 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 from transformers.masking_utils import create_causal_mask
 
+from hf_dtrain.errors import ModelLoadError
 from hf_dtrain.tasks import pretraining_task_texts
 
 # transformers 5.24 renamed create_causal_mask's ``past_key_values`` to ``cache``: the signature says which
@@ -397,7 +405,7 @@ def check_weight_files(path: str) -> None:
                 if keys:
                     f.get_slice(keys[-1])  # the last tensor's bytes lie within the file
         except Exception as e:  # SafetensorError, OSError: truncated, empty, not safetensors
-            raise ValueError(
+            raise ModelLoadError(
                 f"{name} is damaged or truncated ({type(e).__name__}: {e}); replace it (save the "
                 "model or adapter again) or point --model elsewhere."
             ) from None
@@ -417,16 +425,62 @@ def load_model_and_tokenizer(
     without pad token gets its eos as pad."""
 
     path = build_default_model(preset, steps=base_steps, progress=progress) if model is None else model
-    check_weight_files(path)
-    tokenizer = AutoTokenizer.from_pretrained(
-        path, trust_remote_code=bool(from_pretrained_kwargs.get("trust_remote_code", False))
-    )
+    check_model_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=bool(from_pretrained_kwargs.get("trust_remote_code", False))
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(
+            f"--model {path}: its tokenizer does not load ({type(e).__name__}: {_first_line(e)}); save the "
+            "tokenizer beside the model (tokenizer.save_pretrained)."
+        ) from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not load_model:
         return None, tokenizer
-    lm = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(
+            f"--model {path} does not load as a causal LM ({type(e).__name__}: {_first_line(e)}); check its "
+            "config.json and weights, or save it again with save_pretrained."
+        ) from e
     return lm, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:300]
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_model_dir(path: str) -> None:
+    """A local model directory has a ``config.json`` that parses and builds a config, and weight files that open
+    (:func:`check_weight_files`); a ``ModelLoadError`` naming the directory and what is missing otherwise. A hub id
+    (no such directory) is left to ``from_pretrained``."""
+    if not os.path.isdir(path):
+        return
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ModelLoadError(
+            f"--model {path} holds no config.json: it is not a saved model directory (save_pretrained writes "
+            "config.json and the weights)."
+        )
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(
+            f"--model {path}: config.json does not build a config ({type(e).__name__}: {_first_line(e)}); fix or "
+            "replace it."
+        ) from e
+    if not any(glob.glob(os.path.join(path, p)) for p in WEIGHT_PATTERNS):
+        raise ModelLoadError(
+            f"--model {path} holds no weights (no model.safetensors or pytorch_model.bin): save the model with "
+            "save_pretrained, or point --model at the directory that has them."
+        )
+    check_weight_files(path)
 
 
 class LlamaPipelineStage(torch.nn.Module):

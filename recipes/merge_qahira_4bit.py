@@ -25,11 +25,10 @@ def main(argv=None):
     ap.add_argument("--eval-size", type=int, default=200)
     args = ap.parse_args(argv)
 
-    from peft import PeftModel
     from torch.utils.data import DataLoader
 
     import hf_dtrain  # noqa: F401  (registers QA-HiRA with peft)
-    from hf_dtrain import tasks
+    from hf_dtrain import load_adapter, tasks
     from hf_dtrain.models import build_default_model, load_model_and_tokenizer
     from hf_dtrain.quantization import load_quantized_model
 
@@ -44,7 +43,7 @@ def main(argv=None):
     base_path = cfg["model"] or build_default_model(cfg["base_preset"], steps=cfg["base_steps"], progress=False)
     _, tokenizer = load_model_and_tokenizer(base_path, load_model=False)
     base = load_quantized_model(base_path, quantize, group_size=cfg["quant_group_size"])
-    model = PeftModel.from_pretrained(base, args.adapter).eval()
+    model = load_adapter(base, args.adapter).eval()  # PeftModel.from_pretrained after a check that it fits
 
     digits = cfg["task_digits"] or tasks.TASK_DIGITS
     seed = cfg.get("training", {}).get("seed", 0)  # the Trainer settings the job was given (FinetuneConfig.training)

@@ -13,7 +13,20 @@ PACKAGE = os.path.join(ROOT, "hf_dtrain")
 
 # lowest first; a module may import its own unit and any unit of a lower layer
 LAYERS = [
-    ("base", {"distributed", "quantization", "models", "tasks", "settings", "optimizer_wrapper", "errors", "datafile"}),
+    (
+        "base",
+        {
+            "distributed",
+            "quantization",
+            "models",
+            "tasks",
+            "settings",
+            "optimizer_wrapper",
+            "errors",
+            "datafile",
+            "adapters",
+        },
+    ),
     (
         "engines",
         {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault", "parallel", "federated", "split"},
