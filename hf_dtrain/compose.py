@@ -99,6 +99,13 @@ class ComposeOptions:
             "Trainer fills), or the path of your own JSON; checked against the other switches."
         },
     )
+    stop_on_nonfinite_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Stop the run with an error naming the step when the training or held-out loss becomes NaN or "
+            "infinite (false: train on, as the Trainer does)."
+        },
+    )
     fsdp: FSDPConfig | None = field(
         default=None,
         metadata={

@@ -53,6 +53,7 @@ class NonFiniteLoss(RunFailure):
     """The training or held-out loss became NaN or infinite."""
 
 
+NONFINITE_OPT_OUT = "--stop-on-nonfinite-loss false (YAML stop_on_nonfinite_loss: false)"
 NON_FINITE_CAUSES = (
     "usual causes: a learning rate too high (lower --learning-rate or add --warmup-steps), fp16 overflow (use bf16 "
     "or fp32), or rows with no supervised token"
@@ -65,6 +66,21 @@ def non_finite_loss(what: str, value: float, step: int | None, opt_out: str) -> 
     return NonFiniteLoss(
         f"the {what} loss is {value}{at}: the run stopped ({NON_FINITE_CAUSES}). To train on anyway, set {opt_out}."
     )
+
+
+def check_writable(path: str, key: str, mode: int = 0o755) -> None:
+    """Create the directory ``path`` and write a file into it, before any step: a :class:`WriteFailure` naming
+    ``key`` (the flag or YAML key that sets it) otherwise, instead of a run that fails or loses its output later."""
+    probe = os.path.join(path, f".hf_dtrain-probe.{os.getpid()}.tmp")
+    try:
+        os.makedirs(path, mode=mode, exist_ok=True)
+        with open(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise WriteFailure(
+            f"{key} {path} cannot be written ({e.strerror or e}); set {key} to a writable directory of your own."
+        ) from None
 
 
 def _raised_here(e: BaseException) -> bool:

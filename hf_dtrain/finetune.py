@@ -28,9 +28,11 @@ from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
 
 from hf_dtrain import tasks
+from hf_dtrain.callbacks import NonFiniteLossCallback
 from hf_dtrain.compose import EXCHANGING, ComposeOptions, check_local_path, run_identity, wire_bytes
 from hf_dtrain.datafile import check_enough
 from hf_dtrain.distributed.groups import init_distributed
+from hf_dtrain.errors import check_writable
 from hf_dtrain.model_card import write_model_card
 from hf_dtrain.models import load_model_and_tokenizer
 from hf_dtrain.parallel import local_param_bytes
@@ -625,6 +627,7 @@ def run_finetune(cfg) -> dict:
         cfg, engine="trainer", lorafa_optimizer=own is not None and cfg.method == "lorafa" and cfg.lorafa.optimizer
     )
     args = cfg.training_args(**_engine_settings(cfg, run))
+    check_writable(args.output_dir, "--output-dir")
     with run.main_first():  # rank 0 builds the default base once; the others read the cache
         data = load_base_and_data(cfg, progress=cfg.progress and run.is_main)
     set_seed(args.seed)
@@ -643,6 +646,8 @@ def run_finetune(cfg) -> dict:
         optimizer = own(cfg, model, args.learning_rate, args.weight_decay) or optimizer
     delta_cb, ft = engine_callbacks(cfg, args.output_dir)
     callbacks += [cb for cb in (delta_cb, ft) if cb is not None]
+    if cfg.stop_on_nonfinite_loss:
+        callbacks.append(NonFiniteLossCallback())
     trainer = _sft_trainer(cfg, run, data, model, args, callbacks, (optimizer, None))
     comm = None
     if (cfg.comm_hook is not None and cfg.fsdp is None) or cfg.optimizer in EXCHANGING:

@@ -37,7 +37,7 @@ from hf_dtrain.compose import (
 )
 from hf_dtrain.datafile import check_enough, check_text_columns, load_file, load_hub
 from hf_dtrain.distributed.engines import unwrap_optimizer
-from hf_dtrain.errors import DataError
+from hf_dtrain.errors import NONFINITE_OPT_OUT, DataError, check_writable, non_finite_loss
 from hf_dtrain.fault import SnapshotEngine
 from hf_dtrain.fault.snapshot import job_key_for
 from hf_dtrain.models import PRESETS, cache_root, llama_config, stdlib_text, train_tokenizer
@@ -505,6 +505,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     from hf_dtrain.models import PRESETS, build_llama
 
     degrees = _checked_layout(cfg)
+    check_writable(cfg.output_dir, "--output-dir")
     run = JobRun(cfg, engine="accelerate", check=False)
     handlers = []
     if cfg.asynchronous_gossip:  # a buffer broadcast in every forward would make every step a synchronisation point
@@ -619,7 +620,10 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            history.append({"step": step, "loss": loss.item(), "seconds": time.perf_counter() - t0})
+            value = loss.item()
+            if cfg.stop_on_nonfinite_loss and not math.isfinite(value):
+                raise non_finite_loss("training", value, step, NONFINITE_OPT_OUT)
+            history.append({"step": step, "loss": value, "seconds": time.perf_counter() - t0})
             step_log.write(json.dumps({**history[-1], "time": time.time()}) + "\n")
             step_log.flush()
             if engine is not None and step % cfg.fault_tolerance.every_n_steps == 0:
@@ -637,6 +641,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         unwrap_optimizer(optimizer).finish()
     unwrapped = accelerator.unwrap_model(model) if degrees is None else model
     held_loss = _held_out_loss(held_out, trained, unwrapped, pipe, batch, accelerator.device)
+    if cfg.stop_on_nonfinite_loss and held_loss is not None and not math.isfinite(held_loss):
+        raise non_finite_loss("held-out", held_loss, step, NONFINITE_OPT_OUT)
     results = dict(
         preset=cfg.preset,
         world_size=world,

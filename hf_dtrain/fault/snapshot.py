@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_dtrain.errors import WriteFailure, check_writable
 from hf_dtrain.settings import RELEASE
 
 from . import reshard
@@ -168,6 +169,9 @@ class SnapshotEngine(RestorePolicy):
         self._in_flight = False
         self._error: BaseException | None = None
         self._persist: threading.Thread | None = None
+        self._persist_error: WriteFailure | None = None
+        if persist_dir:  # before any step: a directory that cannot be written fails now, not in the background
+            check_writable(persist_dir, "--fault-tolerance.persist-dir", mode=0o700)
         self.stats = {"snapshots": 0, "stall_seconds": [], "copy_seconds": [], "wait_seconds": [], "bytes": 0}
         self.base = private_dir(directory or default_directory(job_key or f"job-{self.identity_hash}"))
         self.dir = private_dir(os.path.join(self.base, f"node{self.node}"))
@@ -607,32 +611,43 @@ class SnapshotEngine(RestorePolicy):
                 e, self._error = self._error, None
             raise SnapshotError(f"snapshot failed on rank {self.rank}: {type(e).__name__}: {e}") from e
         self._pending = None
+        if self._persist is not None and not self._persist.is_alive():
+            self._raise_persist_error()
 
     # ---------------------------------------------------------------- disk persistence
     def _start_persist(self, step: int, data: bytes, manifest: dict) -> None:
         if self._persist is not None:
             self._persist.join()
 
+        self._raise_persist_error()
+
         def write():
             d = os.path.join(self.persist_dir, f"snapshot-{step}")
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            self._write_private(os.path.join(d, f"rank{self.rank}.safetensors"), data)  # the slot is safetensors
-            self._write_private(os.path.join(d, f"rank{self.rank}.json"), json.dumps(manifest).encode())
-            if self._shards is not None:
-                try:
+            what = "persisted snapshot"
+            try:
+                os.makedirs(d, mode=0o700, exist_ok=True)
+                self._write_private(os.path.join(d, f"rank{self.rank}.safetensors"), data)  # the slot's bytes
+                self._write_private(os.path.join(d, f"rank{self.rank}.json"), json.dumps(manifest).encode())
+                if self._shards is not None:
+                    what = "resharding (DCP) copy"
                     self._persist_resharding(d, step, data)
-                except Exception as e:  # the exact per-rank copy is written; only the resharding copy is missing
-                    logger.error(
-                        "rank %d: the DCP copy of step %d failed (%s: %s); a restart on another world size "
-                        "cannot use it",
-                        self.rank,
-                        step,
-                        type(e).__name__,
-                        e,
-                    )
+            except Exception as e:  # raised on the training thread by the next wait(), snapshot or close()
+                self._persist_error = WriteFailure(
+                    f"rank {self.rank}: the {what} of step {step} could not be written to {d} "
+                    f"({type(e).__name__}: {e}). Set fault_tolerance.persist_dir to a writable directory with "
+                    "room, or persist_every 0 to keep snapshots in memory only; relaunch the same command to "
+                    "resume from the snapshots in memory."
+                )
+                self._persist_error.__cause__ = e
 
         self._persist = threading.Thread(target=write, daemon=True)
         self._persist.start()
+
+    def _raise_persist_error(self) -> None:
+        """A persisted write that failed in the background fails the run on the training thread."""
+        if self._persist_error is not None:
+            e, self._persist_error = self._persist_error, None
+            raise e
 
     def _persist_resharding(self, d: str, step: int, data) -> None:
         """The snapshot in ``data`` (this rank's slot bytes) as a DCP checkpoint under ``d/dcp`` (each rank its own
@@ -674,6 +689,7 @@ class SnapshotEngine(RestorePolicy):
             self._worker = None
         if self._persist is not None:
             self._persist.join()
+            self._persist = None
         for slot, (_, m) in self._maps.items():
             self._unregister(slot)
             m.close()
@@ -696,3 +712,4 @@ class SnapshotEngine(RestorePolicy):
             if self.rank == self.local_ranks[0]:
                 self.client.call({"op": "shutdown"})
         self.client.close()
+        self._raise_persist_error()  # the last persisted write failed: the run fails, after its cleanup
