@@ -23,10 +23,12 @@ launcher sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so each generation publis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_dtrain.data.partition import HeterogeneityAwareSampler
 from hf_dtrain.distributed.groups import release_process_group
+from hf_dtrain.errors import EndpointError
 from hf_dtrain.fault import SnapshotConfig, SnapshotEngine
 from hf_dtrain.models import PRESETS, build_llama
 from hf_dtrain.settings import check_fields
@@ -304,6 +307,83 @@ def run_worker(config: ElasticConfig) -> None:
     release_process_group()
 
 
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (``[v6-address]:port``) of ``--endpoint``, checked: an :class:`~hf_dtrain.errors.EndpointError`
+    naming it when the port is missing or out of range or the host does not resolve."""
+    text = endpoint.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise EndpointError(
+            f"--endpoint {endpoint!r} is not host:port (e.g. 10.0.0.1:29400, [fd00::1]:29400): give the first host's "
+            "address and the rendezvous port."
+        )
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise EndpointError(f"--endpoint {endpoint!r}: the port {port!r} is not a number from 1 to 65535.")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise EndpointError(
+            f"--endpoint {endpoint!r}: the host {host!r} does not resolve ({e.strerror or e})."
+        ) from None
+    return host, int(port)
+
+
+def is_local(host: str) -> bool:
+    """``host`` is an address of this machine (a socket binds to it)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        with contextlib.suppress(OSError), socket.socket(family, kind, proto) as probe:
+            probe.bind((address[0], 0))
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 sent to /dev/null for the block (C++ logging writes there, not to ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def wait_for_endpoint(endpoint: str, timeout: float) -> None:
+    """Reach the rendezvous store at ``endpoint`` (a TCP connection and the store's own handshake: a bare accept by
+    a proxy or another service is not enough) within ``timeout`` seconds: an ``EndpointError`` naming the endpoint
+    and what to check when it does not answer (torchrun would retry for minutes, printing C++ frames)."""
+    host, port = parse_endpoint(endpoint)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))):
+                pass
+            with _quiet_stderr():  # the store client logs each failed handshake with C++ frames
+                store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=max(1.0, left)))
+            del store
+            return
+        except (OSError, RuntimeError, ValueError) as e:  # refused, unreachable, or no store's handshake
+            last = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
+        if time.monotonic() >= deadline:
+            raise EndpointError(
+                f"no rendezvous store answers at --endpoint {endpoint} after {timeout:g} s ({last[:160]}): start the "
+                "host that serves it (--store-host true) first, check the address, the port and the firewall, or "
+                "wait longer with --connect-timeout."
+            )
+        time.sleep(0.5)
+
+
 def _bool(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
@@ -336,6 +416,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=None,
         help="This host's address as the other hosts reach it (default: what its hostname resolves to).",
     )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        help="Seconds a host that does not serve the rendezvous waits for --endpoint to answer before it stops "
+        "with an error naming it.",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     hints = typing.get_type_hints(ElasticConfig)
     for f in dataclasses.fields(ElasticConfig):
@@ -363,6 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.worker:
         run_worker(config)
         return 0
+    if not ns.connect_timeout > 0:
+        raise EndpointError(f"--connect-timeout must be a positive number of seconds, got {ns.connect_timeout}.")
+    host, _ = parse_endpoint(ns.endpoint)
+    if ns.store_host is False or (ns.store_host is None and not is_local(host)):
+        wait_for_endpoint(ns.endpoint, ns.connect_timeout)  # this host joins: the store must answer
     cmd, env = torchrun_command(config, ns.endpoint, ns.run_id, ns.nproc_per_node, ns.local_addr, ns.store_host)
     return subprocess.call(cmd, env={**os.environ, **env})
 

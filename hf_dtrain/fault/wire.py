@@ -108,8 +108,10 @@ def private_dir(path: str) -> str:
         os.chmod(path, 0o700)
     elif st.st_mode & 0o077:  # others could have written into it: nothing in it can be trusted
         raise PermissionError(
-            f"{path} has mode {oct(st.st_mode & 0o777)}; the snapshot service needs it private "
-            f"(0700): run chmod 700 {path}, or set fault_tolerance.directory elsewhere."
+            f"{path} has mode {oct(st.st_mode & 0o7777)}: other users can write into it, and the snapshot service "
+            "needs a directory only you can reach. Set --fault-tolerance.directory to a new directory, e.g. "
+            f"{os.path.join(path, f'hf_dtrain_ft_{os.getuid()}')} (hf_dtrain creates it 0700), or leave it unset "
+            "for the per-user default. Do not change the mode of a shared directory such as /tmp."
         )
     return path
 
