@@ -7,7 +7,9 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -150,7 +152,7 @@ class RankMonitor:
                 out[r] = json.loads(self.store.get(key))
         return out
 
-    def diagnose(self) -> str | None:
+    def diagnose(self, doing: str = "was in a collective") -> str | None:
         """A message naming the dead ranks, or None when every rank's heartbeat still moves."""
         if self.store is None:
             return None
@@ -179,24 +181,74 @@ class RankMonitor:
             for r, b in beats.items()
         )
         return (
-            f"hf_dtrain: {named} stopped responding while rank {self.rank} (host {self.host}) was in a "
-            f"collective at step {self.step}; rank {self.rank} stops too. {self.resume_hint[0].upper()}"
+            f"hf_dtrain: {named} stopped responding while rank {self.rank} (host {self.host}) {doing} "
+            f"at step {self.step}; rank {self.rank} stops too. {self.resume_hint[0].upper()}"
             f"{self.resume_hint[1:]}."
         )
+
+    def _on_launcher_stop(self, read_fd: int) -> None:
+        """The thread that wakes when SIGTERM arrives: a launcher (torchrun's agent) stops the survivors at once
+        when a rank dies, before any collective could fail. It names the dead rank (the heartbeats are still in the
+        agent's store) or says the launcher stopped this rank, with the resume hint, then exits as SIGTERM would."""
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                break
+        message = None
+        with contextlib.suppress(Exception):
+            message = self.diagnose(doing="was stopped by the launcher")
+        if message is None:
+            message = (
+                f"hf_dtrain: rank {self.rank} (host {self.host}) was stopped by the launcher (SIGTERM) at step "
+                f"{self.step}. {self.resume_hint[0].upper()}{self.resume_hint[1:]}."
+            )
+        print(message, file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def _launcher_stop(self):
+        """Under a launcher (torchrun, accelerate launch), SIGTERM prints the resume hint (:meth:`_on_launcher_stop`)
+        instead of ending the rank without a word. Only from the main thread, where signal handlers are set."""
+        launched = "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
+        if not launched or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)  # the wake-up thread acts, even while the main
+        # thread is inside a collective (a Python handler would wait for it to return)
+        waker = threading.Thread(target=self._on_launcher_stop, args=(read_fd,), daemon=True, name="hf_dtrain-sigterm")
+        waker.start()
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            signal.set_wakeup_fd(previous_fd)
+            os.close(write_fd)  # the thread reads EOF and ends
+            waker.join(timeout=5)
+            os.close(read_fd)
 
     @contextlib.contextmanager
     def guard(self):
         """Context manager: a failing collective inside becomes a :class:`RankFailure` naming the dead rank (the
-        original error chained); any other error, or one no dead rank explains, passes through unchanged."""
-        try:
-            yield self
-        except Exception as e:
-            message = self.diagnose() if is_comm_error(e) and not isinstance(e, RankFailure) else None
-            if message is None:
-                raise
-            if isinstance(e, CommFailure):
-                message = f"{message} ({e})"
-            raise RankFailure(message) from e
+        original error chained); any other error, or one no dead rank explains, passes through unchanged. Under a
+        launcher, a SIGTERM sent because a peer died prints the same, with the resume hint, before the rank exits."""
+        with self._launcher_stop():  # also while a failed collective is diagnosed: the launcher's SIGTERM comes then
+            try:
+                yield self
+            except Exception as e:
+                message = self.diagnose() if is_comm_error(e) and not isinstance(e, RankFailure) else None
+                if message is None:
+                    raise
+                if isinstance(e, CommFailure):
+                    message = f"{message} ({e})"
+                raise RankFailure(message) from e
 
     def close(self) -> None:
         self._stop.set()
