@@ -119,8 +119,8 @@ def one_line(job: str, e: BaseException) -> str:
 
 
 def report_and_exit(job: str, e: BaseException) -> None:
-    """Print ``e`` as one line on stderr and exit 1; with :func:`debug_requested`, the traceback first."""
+    """Exit with ``e`` as one line: ``SystemExit(line)``, which the interpreter prints on stderr with status 1;
+    with :func:`debug_requested`, the traceback is printed first."""
     if debug_requested():
         traceback.print_exception(e, file=sys.stderr)
-    print(one_line(job, e), file=sys.stderr, flush=True)
-    raise SystemExit(1)
+    raise SystemExit(one_line(job, e)) from None

@@ -122,9 +122,12 @@ class PretrainConfig(ComposeOptions):
         tp = self.parallel.tp if self.parallel is not None else 1
         pp = self.parallel.pp if self.parallel is not None else 1
         for section, degree, flag in (("tensor_parallel", tp, "--tp"), ("pipeline", pp, "--pp")):
-            if getattr(self, section) != type(getattr(self, section))() and degree == 1:
-                raise ValueError(
-                    f"{section}.* settings are given but {flag} is 1; set {flag} N (N >= 2) or drop "
+            value = getattr(self, section)
+            given = getattr(value, "given_keys", ()) or (() if value == type(value)() else ("",))
+            if given and degree == 1:
+                named = ", ".join(f"{section}.{k}" for k in sorted(given) if k) or f"{section}.*"
+                raise SettingsError(
+                    f"{named} given but {flag} is 1 (the dimension is off); set {flag} N (N >= 2) or drop "
                     f"the {section} settings."
                 )
 

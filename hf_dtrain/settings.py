@@ -122,6 +122,8 @@ def build(cls: type, data: dict | None, where: str | None = None):
             if plain is None and not optional:
                 raise ValueError(f"{where}.{name} cannot be switched off; give a mapping of {inner.__name__} fields.")
             kwargs[name] = None if plain is None else build(inner, plain, f"{where}.{name}")
+            if plain:  # which fields the user set, even to their defaults (a setting of a dimension that is off)
+                kwargs[name].given_keys = frozenset(plain)
         else:
             kwargs[name] = value
     return cls(**kwargs)
