@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import tempfile
@@ -22,7 +23,7 @@ from hf_dtrain.parallel.planner import (
     measure_profile,
     rank_plans,
 )
-from hf_dtrain.settings import parse_bytes
+from hf_dtrain.settings import SettingsError, parse_bytes
 
 
 def _calibrate(rank: int, world: int, port: int, out: str) -> None:
@@ -88,17 +89,35 @@ def plan_main(argv=None) -> int:
     ap.add_argument("--activation", default="none,checkpoint", help="activation policies to consider")
     ap.add_argument("--top", type=int, default=15, help="rows of the table")
     ns = ap.parse_args(argv)
+    for flag, value in (
+        ("--world-size", ns.world_size),
+        ("--seq-len", ns.seq_len),
+        ("--global-batch", ns.global_batch),
+        ("--calibrate-ranks", ns.calibrate_ranks),
+        ("--ranks-per-node", ns.ranks_per_node),
+        ("--top", ns.top),
+    ):
+        if value is not None and value < 1:
+            raise SettingsError(f"{flag} must be a whole number >= 1, got {value}.")
+    for flag, value in (("--intra-bandwidth", ns.intra_bandwidth), ("--inter-bandwidth", ns.inter_bandwidth)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise SettingsError(f"{flag} must be a positive number of GB/s, got {value}.")
 
     try:
         if ns.model_config:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(ns.model_config)
+            try:
+                config = AutoConfig.from_pretrained(ns.model_config)
+            except (OSError, ValueError) as e:
+                raise SettingsError(f"--model-config {ns.model_config} does not load as a config: {e}") from None
         else:
             config = llama_config(ns.preset)
         if ns.calibrate:
             profile = calibrate(ns.calibrate_ranks or min(ns.world_size, 8))
         elif ns.profile.endswith(".json"):
+            if not os.path.isfile(ns.profile):
+                raise SettingsError(f"--profile {ns.profile}: no such file; give h100 or a JSON from --save-profile.")
             profile = MachineProfile.from_json(open(ns.profile).read())
         else:
             profile = MachineProfile.preset(ns.profile)
