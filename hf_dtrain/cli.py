@@ -29,7 +29,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import sys
 import typing
 
@@ -38,7 +37,7 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 from trl import SFTConfig
 
-from hf_dtrain.errors import is_user_error, report_and_exit
+from hf_dtrain.errors import debug_requested, is_user_error, report_and_exit
 from hf_dtrain.fed import FedSimulateConfig
 from hf_dtrain.federated import FederatedConfig
 from hf_dtrain.finetune import METHODS, FinetuneConfig
@@ -419,9 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     ``--debug`` (anywhere on the line) or ``HF_DTRAIN_DEBUG=1`` prints the traceback too. Any other exception is a bug
     and keeps its traceback."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if "--debug" in args:
-        args = [a for a in args if a != "--debug"]
-        os.environ["HF_DTRAIN_DEBUG"] = "1"
+    debug = "--debug" in args or debug_requested()
+    args = [a for a in args if a != "--debug"]
     job = _job_name(args)
     try:
         return _dispatch(args)
@@ -433,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not is_user_error(e):
             raise
-        report_and_exit(job, e)
+        report_and_exit(job, e, debug)
     finally:  # the DDP model (the Trainer's, the loop's) freed while its gloo group exists, then the group: freed at
         # interpreter exit instead, a rank could abort ("terminate called without an active exception") after the
         # run had saved everything

@@ -110,9 +110,9 @@ def _check_csv(path: str, flag: str) -> None:
 
 def check_file(path: str, flag: str = "--dataset") -> str:
     """Check a local data file before it is loaded; return its ``datasets`` builder (json, csv, parquet, text)."""
-    kind = file_type(path, flag)
     if os.path.isdir(path):
         raise DataError(f"{flag} {path} is a directory; give a .{' / .'.join(FILE_TYPES)} file or a hub dataset id.")
+    kind = file_type(path, flag)
     try:
         size = os.path.getsize(path)
         if kind != "parquet":
@@ -180,6 +180,11 @@ def check_text_columns(dataset, columns, source: str, path: str | None = None, f
                 raise DataError(
                     f"{flag} {source}: {_where(path, i)} has no value in column {column!r} (null or missing): "
                     "fill it or drop the row; hf_dtrain does not train on a missing value."
+                )
+            if column == "messages" and not isinstance(v, list):
+                raise DataError(
+                    f"{flag} {source}: {_where(path, i)} column 'messages' holds {type(v).__name__} {v!r:.40}, not "
+                    'a list of {"role": ..., "content": "..."} messages.'
                 )
             if isinstance(v, list):
                 bad = next(

@@ -118,9 +118,9 @@ def one_line(job: str, e: BaseException) -> str:
     return f"hf-dtrain {job}{rank}: {text}"
 
 
-def report_and_exit(job: str, e: BaseException) -> None:
+def report_and_exit(job: str, e: BaseException, debug: bool = False) -> None:
     """Exit with ``e`` as one line: ``SystemExit(line)``, which the interpreter prints on stderr with status 1;
-    with :func:`debug_requested`, the traceback is printed first."""
-    if debug_requested():
+    with ``debug`` (or :func:`debug_requested`), the traceback is printed first."""
+    if debug or debug_requested():
         traceback.print_exception(e, file=sys.stderr)
     raise SystemExit(one_line(job, e)) from None

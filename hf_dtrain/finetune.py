@@ -253,6 +253,17 @@ class FinetuneJob(ComposeOptions):
             raise ValueError(
                 "max_steps=0 trains nothing; set --max-steps N (N >= 1), or -1 to train --num-train-epochs epochs."
             )
+        if args.chat_template_path is not None and not os.path.isfile(args.chat_template_path):
+            raise ValueError(
+                f"chat_template_path: {args.chat_template_path} is not a file; set --chat-template-path to a Jinja "
+                "template file."
+            )
+        resume = args.resume_from_checkpoint
+        if isinstance(resume, str) and resume.lower() not in ("true", "false") and not os.path.isdir(resume):
+            raise ValueError(
+                f"resume_from_checkpoint: {resume} is not a checkpoint directory; set --resume-from-checkpoint to a "
+                "checkpoint-N directory the Trainer saved (or true for the newest in --output-dir)."
+            )
 
     @classmethod
     def from_dict(cls, data: dict | None, where: str | None = None):
