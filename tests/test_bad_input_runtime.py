@@ -245,8 +245,12 @@ def _free_port() -> int:
 @pytest.mark.parametrize("argv, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_refused_at_run_time(place, tmp_path, capfd, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id fails at once, not after network retries
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import datasets.config
+    import huggingface_hub.constants
+
+    # a hub id fails at once, not after network retries (the libraries read HF_HUB_OFFLINE when imported)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     out_dir = str(tmp_path / "out")
     argv = [a.replace("{d}", str(place)) for a in argv]
     if argv[0] in ("pretrain", "finetune", "sweep", "fed"):

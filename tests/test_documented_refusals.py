@@ -1,0 +1,164 @@
+"""Every clash docs/compose.md promises to refuse ("Clashes refused, and why") is refused: the test reads the table
+from the page, and each row must have at least one concrete combination here that the job refuses before any process
+group (from its flags, on the world size given) with a message naming the settings. A row added to the docs without
+a check here fails, as does a check that stops refusing."""
+
+import os
+import re
+
+import pytest
+
+from hf_dtrain import cli
+from hf_dtrain.compose import fsdp_from_launcher
+from hf_dtrain.finetune import FinetuneConfig
+from hf_dtrain.pretrain import PretrainConfig, _checked_layout
+
+pytestmark = pytest.mark.timeout(60)
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "compose.md")
+
+
+def documented_clashes() -> list[str]:
+    """The first cell of each row of the "Clashes refused, and why" table."""
+    text = open(DOC).read()
+    section = text.split("## Clashes refused, and why", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| combination")]
+    return [re.split(r"(?<!\\)\|", row)[1].strip() for row in rows]
+
+
+# documented row -> [(job, flags, world size, environment, regex the refusal must match)]
+EXAMPLES = {
+    "`--comm-hook` with `--optimizer onebit_lamb\\|dpsgd\\|decentlam\\|diloco`": [
+        ("pretrain", ["--comm-hook", "acp_sgd", "--optimizer", "dpsgd"], 2, {}, r"second exchange"),
+        ("finetune", ["--comm-hook", "s2_reducer", "--optimizer", "onebit_lamb"], 2, {}, r"second exchange"),
+    ],
+    "`--comm-hook` or an exchanging optimizer in one process": [
+        ("pretrain", ["--comm-hook", "acp_sgd"], 1, {}, r"needs >= 2 processes"),
+        ("finetune", ["--optimizer", "diloco"], 1, {}, r"optimizer=diloco needs >= 2 processes"),
+    ],
+    "`--method lorafa` (its own optimizer) with `--optimizer` other than adamw": [
+        ("finetune", ["--method", "lorafa", "--optimizer", "eva"], 2, {}, r"two optimizers.*--lorafa.optimizer false"),
+    ],
+    "`--fault-tolerance` with `--comm-hook dear`": [
+        ("pretrain", ["--fault-tolerance", "true", "--comm-hook", "dear"], 2, {}, r"comm_hook=dear defers"),
+    ],
+    "`--hetero-speeds` with the Trainer (finetune)": [
+        ("finetune", ["--hetero-speeds", "1", "2"], 2, {}, r"hetero.speeds"),
+    ],
+    "`--hetero-speeds` with a count other than the processes": [
+        ("pretrain", ["--hetero-speeds", "1", "2", "3"], 2, {}, r"hetero.speeds.*3.*2|one per process"),
+    ],
+    "`--deepspeed` with a comm hook or an exchanging optimizer": [
+        ("finetune", ["--deepspeed", "zero2", "--comm-hook", "acp_sgd"], 2, {}, r"deepspeed"),
+        ("finetune", ["--deepspeed", "zero2", "--optimizer", "dpsgd"], 2, {}, r"deepspeed"),
+    ],
+    "`--deepspeed` ZeRO ≥ 1 with Eva": [
+        ("finetune", ["--deepspeed", "zero2", "--optimizer", "eva"], 2, {}, r"optimizer=eva keeps per-layer"),
+    ],
+    "`--deepspeed` ZeRO ≥ 1 with `--fault-tolerance`": [
+        ("finetune", ["--deepspeed", "zero3", "--fault-tolerance", "true"], 2, {}, r"fault.tolerance"),
+    ],
+    "`--deepspeed` with `pretrain`": [
+        ("pretrain", ["--deepspeed", "zero2"], 2, {}, r"deepspeed"),
+    ],
+    "`--fsdp` with `--deepspeed`": [
+        ("finetune", ["--fsdp", "true", "--deepspeed", "zero2"], 2, {}, r"fsdp.*deepspeed|deepspeed.*fsdp"),
+    ],
+    "`--fsdp` with a comm hook and `fsdp.replicate` 1": [
+        ("pretrain", ["--fsdp", "true", "--comm-hook", "acp_sgd"], 2, {}, r"--fsdp.replicate"),
+    ],
+    "`--fsdp.replicate N` with `--comm-hook dear\\|embrace\\|s2_reducer\\|noop`": [
+        ("pretrain", ["--fsdp.replicate", "2", "--comm-hook", "dear"], 4, {}, r"dear"),
+        ("pretrain", ["--fsdp.replicate", "2", "--comm-hook", "s2_reducer"], 4, {}, r"s2_reducer"),
+    ],
+    "`--fsdp` with an exchanging optimizer": [
+        ("pretrain", ["--fsdp", "true", "--optimizer", "dpsgd"], 2, {}, r"shard|replica"),
+    ],
+    "`--fsdp` with an Accelerate FSDP launch config": [
+        ("finetune", ["--fsdp", "true"], 2, {"ACCELERATE_USE_FSDP": "true"}, r"launch|Accelerate"),
+    ],
+    "`--tp/--pp/--dp-*` with `--comm-hook`": [
+        ("pretrain", ["--tp", "2", "--comm-hook", "acp_sgd"], 2, {}, r"comm_hook with --tp"),
+    ],
+    "`--tp/--pp/--dp-*` with `--delta`": [
+        ("pretrain", ["--pp", "2", "--delta", "0.5"], 2, {}, r"delta with --tp"),
+    ],
+    "`--tp/--pp/--dp-*` with `--hetero-speeds`": [
+        ("pretrain", ["--tp", "2", "--hetero-speeds", "1", "1"], 2, {}, r"hetero_speeds with --tp"),
+    ],
+    "`--tp/--pp/--dp-*` with `--optimizer` other than adamw": [
+        ("pretrain", ["--tp", "2", "--optimizer", "eva"], 2, {}, r"optimizer=eva with --tp"),
+    ],
+    "`--tp/--pp/--dp-*` with `--fsdp.replicate`": [
+        ("pretrain", ["--dp-shard", "2", "--fsdp.replicate", "2"], 2, {}, r"fsdp.replicate and --tp"),
+    ],
+    "`--tensor-parallel.*` / `--pipeline.*` with `--tp 1` / `--pp 1`": [
+        ("pretrain", ["--tensor-parallel.sequence-parallel", "true"], 1, {}, r"sequence_parallel given but --tp is 1"),
+        ("pretrain", ["--tensor-parallel.loss-parallel", "false"], 1, {}, r"loss_parallel given but --tp is 1"),
+        ("pretrain", ["--pipeline.microbatches", "4"], 1, {}, r"pipeline.microbatches given but --pp is 1"),
+        ("pretrain", ["--tp", "2", "--pipeline.schedule", "gpipe"], 2, {}, r"pipeline.schedule given but --pp is 1"),
+    ],
+    "`--plan auto` with `--tp/--pp/--dp-*`": [
+        ("pretrain", ["--plan", "auto", "--tp", "2"], 2, {}, r"plan"),
+    ],
+    "degrees whose product is not the process count, a `--tp` not dividing the heads / KV heads / MLP / vocabulary, "
+    "more stages than layers": [
+        ("pretrain", ["--tp", "2"], 3, {}, r"--tp"),
+        ("pretrain", ["--tp", "3"], 3, {}, r"--tp 3|heads"),
+        ("pretrain", ["--pp", "64"], 64, {}, r"--pp|layers"),
+    ],
+}
+
+
+def refusal(job: str, flags: list[str], world: int, env: dict, monkeypatch) -> str | None:
+    """The message with which ``job`` refuses ``flags`` on ``world`` processes before any process group, or None.
+    What the jobs check before they start: the typed config, the mesh layout, the clash rules, the launch config."""
+    if job == "pretrain":  # its layout check reads the launcher's WORLD_SIZE (SFTConfig would start a group on it)
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    ns = cli.build_parser().parse_args([job, *flags])
+    try:
+        cfg = cli._settings(cli.job_config_from_args, ns, PretrainConfig if job == "pretrain" else FinetuneConfig)
+        cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
+        if job == "pretrain":
+            _checked_layout(cfg)
+            cfg.check(world, engine="accelerate")
+        else:
+            lorafa = cfg.method == "lorafa" and cfg.lorafa.optimizer
+            cfg.check(world, engine="trainer", lorafa_optimizer=lorafa)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_every_documented_clash_has_a_check():
+    rows = documented_clashes()
+    assert len(rows) >= 20, rows  # the table was read
+    assert sorted(rows) == sorted(EXAMPLES), set(rows) ^ set(EXAMPLES)
+
+
+@pytest.mark.parametrize(
+    "job, flags, world, env, message",
+    [example for row in EXAMPLES.values() for example in row],
+    ids=[f"{e[0]}-{' '.join(e[1])}-world{e[2]}" for row in EXAMPLES.values() for e in row],
+)
+def test_a_documented_clash_is_refused(monkeypatch, job, flags, world, env, message):
+    text = refusal(job, flags, world, env, monkeypatch)
+    assert text is not None, f"hf-dtrain {job} {' '.join(flags)} on {world} processes was not refused"
+    assert re.search(message, text, re.S | re.I), text
+
+
+def test_the_same_settings_alone_are_taken(monkeypatch):
+    """The refusals are about the combinations: each side alone (on a world it fits) passes the same checks."""
+    for job, flags, world in (
+        ("pretrain", ["--comm-hook", "acp_sgd"], 2),
+        ("pretrain", ["--optimizer", "dpsgd"], 2),
+        ("pretrain", ["--tp", "2", "--tensor-parallel.sequence-parallel", "true"], 2),
+        ("pretrain", ["--pp", "2", "--pipeline.microbatches", "4"], 2),
+        ("finetune", ["--method", "lora", "--optimizer", "eva"], 2),
+        ("finetune", ["--fsdp", "true"], 2),
+        ("pretrain", ["--fault-tolerance", "true", "--comm-hook", "acp_sgd"], 2),
+    ):
+        assert refusal(job, flags, world, {}, monkeypatch) is None, (job, flags)
