@@ -417,3 +417,93 @@ def test_peft_alone_drops_what_does_not_fit(saved_adapters):
     from hf_dtrain.testing import tiny_llama
 
     PeftModel.from_pretrained(tiny_llama(seed=0, hidden_size=32, num_hidden_layers=1), str(saved_adapters / "lora"))
+
+
+def test_a_persisted_snapshot_that_cannot_be_written_fails_the_run(tmp_path):
+    """The disk fills or the directory goes away mid-run: the background write's error reaches the training thread
+    (the next wait) as a WriteFailure naming the path, instead of a thread traceback and a run that exits 0."""
+    import contextlib
+    import shutil
+
+    from hf_dtrain.errors import WriteFailure
+    from hf_dtrain.fault import SnapshotEngine
+    from hf_dtrain.testing import random_batch, stop_snapshot_processes, tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0, hidden_size=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    disk, ft_dir = tmp_path / "disk", str(tmp_path / "ft")
+    engine = SnapshotEngine(model, opt, directory=ft_dir, parity=0, persist_dir=str(disk), persist_every=1)
+    failed_at, message = None, ""
+    try:
+        for step in range(1, 7):
+            try:  # any call on the training thread may surface it: the wait before the step, or the snapshot
+                model(**random_batch(batch=2, seq=8, seed=step)).loss.backward()
+                engine.wait()
+                opt.step()
+                opt.zero_grad()
+                engine.snapshot(step, extra={"next_step": step + 1})
+            except WriteFailure as e:
+                failed_at, message = step, str(e)
+                break
+            if step == 2:  # the persisted copies of steps 1-2 are written; then the directory is gone
+                engine.wait()
+                engine._persist.join()
+                shutil.rmtree(disk)
+                disk.write_text("a file where the directory was")
+        assert failed_at in (3, 4, 5), failed_at  # within two steps of the failed write
+        assert f"{disk}/snapshot-3" in message and "persist_dir" in message, message
+    finally:
+        with contextlib.suppress(WriteFailure):
+            engine.close(shutdown=True)
+        stop_snapshot_processes(ft_dir)
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_survivor_names_the_dead_rank_and_how_to_resume(tmp_path):
+    """``torchrun --max-restarts 0``: when a rank dies, the agent SIGTERMs the others at once. The survivor still
+    prints which rank died and "relaunch the same command to resume" before it exits (before, only torchrun's
+    ChildFailedError table)."""
+    out = tmp_path / "out"
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.5",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "hf_dtrain.testing.fault",
+        "1:3",
+        "hf_dtrain.cli",
+        "pretrain",
+        "--max-steps",
+        "6",
+        *PRETRAIN,
+        "--output-dir",
+        str(out),
+        "--fault-tolerance.directory",
+        str(tmp_path / "ft"),
+        "--progress",
+        "false",
+        "--save-model",
+        "false",
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        from hf_dtrain.testing import stop_snapshot_processes
+
+        stop_snapshot_processes(tmp_path / "ft")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    hints = [line for line in text.splitlines() if "Relaunch the same command to resume" in line]
+    assert len(hints) == 1, text[-4000:]  # the survivor's line, once
+    assert re.search(r"hf_dtrain: rank 1 \(host .*last at step 3\) stopped responding while rank 0", hints[0])
+    assert "exitcode  : 143" in text  # it exited on its own, after saying so (not killed by the signal)

@@ -609,6 +609,8 @@ class SnapshotEngine(RestorePolicy):
                     self._pending = None
                     return
                 e, self._error = self._error, None
+            if isinstance(e, WriteFailure):  # a persisted copy that could not be written: named as it is
+                raise e
             raise SnapshotError(f"snapshot failed on rank {self.rank}: {type(e).__name__}: {e}") from e
         self._pending = None
         if self._persist is not None and not self._persist.is_alive():
