@@ -29,6 +29,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import sys
 import typing
 
@@ -37,7 +38,7 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 from trl import SFTConfig
 
-from hf_dtrain.errors import debug_requested, is_user_error, report_and_exit
+from hf_dtrain.errors import RunFailure, debug_requested, is_user_error, report_and_exit
 from hf_dtrain.fed import FedSimulateConfig
 from hf_dtrain.federated import FederatedConfig
 from hf_dtrain.finetune import METHODS, FinetuneConfig
@@ -490,7 +491,14 @@ def _dispatch(args: list[str]) -> int:
     if ns.command == "sweep":
         from hf_dtrain.sweep import run_sweep
 
-        run_sweep(_settings(sweep_config_from_args, ns))
+        cfg = _settings(sweep_config_from_args, ns)
+        stopped = [r for r in run_sweep(cfg)["jobs"] if r["status"] != "ok"]
+        if stopped:  # the others trained and were saved; the run still says it is not all right, at the end
+            raise RunFailure(
+                f"{len(stopped)} of {len(cfg.jobs)} jobs did not finish: "
+                + "; ".join(f"{os.path.basename(r['output_dir'])} {r['status']}" for r in stopped)
+                + f". The other jobs trained and were saved under {cfg.output_dir} (sweep.md has every row)."
+            )
         return 0
     if ns.command in ("finetune", "pretrain"):
         if ns.command == "finetune":

@@ -511,3 +511,16 @@ def test_under_torchrun_the_survivor_names_the_dead_rank_and_how_to_resume(tmp_p
     assert len(hints) == 1, text[-4000:]  # the survivor's line, once
     assert re.search(r"hf_dtrain: rank 1 \(host .*last at step 3\) stopped responding while rank 0", hints[0])
     assert "exitcode  : 143" in text  # it exited on its own, after saying so (not killed by the signal)
+
+
+def test_a_sweep_with_a_diverged_job_saves_the_others_and_exits_1(tmp_path, capfd):
+    """The fused sweep stops a diverged job alone (docs/fused.md) and trains the rest: it says so at the end, as one
+    line, and exits 1; the job that finished is saved."""
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--lr", "1e-3,1e30", "--warmup-steps", "0", "--max-steps", "4", "--train-size", "64"]
+    code, text, seconds = _run([*argv, "--progress", "false", "--output-dir", str(out)], capfd)
+    assert code == 1 and "Traceback" not in text and seconds < 60, text[-3000:]
+    line = next(line for line in text.splitlines() if line.startswith("hf-dtrain sweep:"))
+    assert re.search(r"1 of 2 jobs did not finish: \S+ stopped at step \d+: .*non-finite", line), line
+    saved = [d for d in os.listdir(out) if os.path.exists(out / d / "adapter_model.safetensors")]
+    assert len(saved) == 1, os.listdir(out)

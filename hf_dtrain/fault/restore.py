@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from hf_dtrain.errors import UserError
 
@@ -370,7 +371,8 @@ class RestorePolicy:
         if os.path.exists(path):
             try:
                 metadata, state = reshard.read_replicated(path)
-            except Exception as e:  # a damaged file: the step is not used
+            except (OSError, ValueError, KeyError, SafetensorError) as e:  # a damaged file: the step is not used
+                # (only file and format errors: a programming error reading an intact file must not look like one)
                 why = f"{path} cannot be read ({type(e).__name__}: {e})"
         other = metadata is not None and self._moved(metadata)
         if not self._any(other):
