@@ -15,6 +15,7 @@ import csv
 import json
 import os
 
+import pyarrow as pa
 from datasets import load_dataset
 
 from hf_dtrain.errors import DataError
@@ -174,6 +175,11 @@ def check_text_columns(dataset, columns, source: str, path: str | None = None, f
     for column in columns:
         if column not in names:
             raise DataError(f"{flag} {source} has no column {column!r} (columns: {names}).")
+        arrow = getattr(getattr(dataset, "data", None), "column", None)
+        if arrow is not None and column != "messages":
+            chunked = arrow(column)
+            if (pa.types.is_string(chunked.type) or pa.types.is_large_string(chunked.type)) and not chunked.null_count:
+                continue  # all text, no nulls: known from the arrow column without reading a row into Python
         values = dataset[column]
         for i, v in enumerate(values):
             if v is None:
