@@ -6,7 +6,6 @@ loading a saved hf_dtrain adapter. ``hf_dtrain.load_adapter(base, path)`` is ``P
 checks the adapter fits the base (peft drops what does not fit without a word).
 """
 
-from .adapters import check_adapter_fits, load_adapter
 from .settings import RELEASE as __version__
 from .tuners import LoraFAConfig, LoraFAModel, QAHiRAConfig, QAHiRAModel, QBaRAConfig, QBaRAModel, SMTConfig, SMTModel
 from .tuners.lorafa import create_lorafa_optimizer
@@ -30,3 +29,13 @@ __all__ = [
     "set_smt_block_indices",
     "smt_warmup",
 ]
+
+
+def __getattr__(name: str):
+    """``hf_dtrain.load_adapter`` / ``check_adapter_fits`` on first use: they import transformers' model loading,
+    which the snapshot processes and ``hf-dtrain --help`` do not need."""
+    if name in ("load_adapter", "check_adapter_fits"):
+        from . import adapters
+
+        return getattr(adapters, name)
+    raise AttributeError(f"module 'hf_dtrain' has no attribute {name!r}")

@@ -113,7 +113,7 @@ def debug_requested() -> bool:
 def one_line(job: str, e: BaseException) -> str:
     """``hf-dtrain <job>[ rank r]: <message>``: the rank is named when the launcher started several."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    rank = f" [rank {os.environ.get('RANK', '?')}]" if world > 1 else ""
+    rank = f" [rank {os.environ['RANK']}]" if world > 1 and "RANK" in os.environ else ""
     text = " ".join(str(e).split()) or type(e).__name__
     return f"hf-dtrain {job}{rank}: {text}"
 

@@ -253,17 +253,6 @@ class FinetuneJob(ComposeOptions):
             raise ValueError(
                 "max_steps=0 trains nothing; set --max-steps N (N >= 1), or -1 to train --num-train-epochs epochs."
             )
-        if args.chat_template_path is not None and not os.path.isfile(args.chat_template_path):
-            raise ValueError(
-                f"chat_template_path: {args.chat_template_path} is not a file; set --chat-template-path to a Jinja "
-                "template file."
-            )
-        resume = args.resume_from_checkpoint
-        if isinstance(resume, str) and resume.lower() not in ("true", "false") and not os.path.isdir(resume):
-            raise ValueError(
-                f"resume_from_checkpoint: {resume} is not a checkpoint directory; set --resume-from-checkpoint to a "
-                "checkpoint-N directory the Trainer saved (or true for the newest in --output-dir)."
-            )
 
     @classmethod
     def from_dict(cls, data: dict | None, where: str | None = None):
@@ -460,6 +449,7 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
     if not progress:
         datasets.disable_progress_bars()
     args = cfg.training_args()
+    check_paths(args)  # also for sweep and fed, which load through here
     if cfg.dataset is None:
         digits = cfg.task_digits or tasks.TASK_DIGITS
         train = tasks.addition_dataset(
@@ -622,6 +612,22 @@ def _select_smt_blocks(cfg, run, model, data, args, callbacks) -> None:
     smt_warmup(model, loader, num_steps=warmup)
 
 
+def check_paths(args) -> None:
+    """The files the Trainer's settings name exist, before anything is loaded (the Trainer would fail on them after
+    the base model and the data)."""
+    if args.chat_template_path is not None and not os.path.isfile(args.chat_template_path):
+        raise SettingsError(
+            f"chat_template_path: {args.chat_template_path} is not a file; set --chat-template-path to a Jinja "
+            "template file."
+        )
+    resume = args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() not in ("true", "false") and not os.path.isdir(resume):
+        raise SettingsError(
+            f"resume_from_checkpoint: {resume} is not a checkpoint directory; set --resume-from-checkpoint to a "
+            "checkpoint-N directory the Trainer saved (or true for the newest in --output-dir)."
+        )
+
+
 def run_finetune(cfg) -> dict:
     """Run one fine-tuning job; return the measured figures (also written to ``<output_dir>/results.json``)."""
 
@@ -639,6 +645,7 @@ def run_finetune(cfg) -> dict:
     )
     args = cfg.training_args(**_engine_settings(cfg, run))
     check_writable(args.output_dir, "--output-dir")
+    check_paths(args)
     with run.main_first():  # rank 0 builds the default base once; the others read the cache
         data = load_base_and_data(cfg, progress=cfg.progress and run.is_main)
     set_seed(args.seed)

@@ -152,7 +152,7 @@ class RankMonitor:
                 out[r] = json.loads(self.store.get(key))
         return out
 
-    def diagnose(self, doing: str = "was in a collective") -> str | None:
+    def diagnose(self) -> str | None:
         """A message naming the dead ranks, or None when every rank's heartbeat still moves."""
         if self.store is None:
             return None
@@ -181,15 +181,16 @@ class RankMonitor:
             for r, b in beats.items()
         )
         return (
-            f"hf_dtrain: {named} stopped responding while rank {self.rank} (host {self.host}) {doing} "
-            f"at step {self.step}; rank {self.rank} stops too. {self.resume_hint[0].upper()}"
+            f"hf_dtrain: {named} stopped responding while rank {self.rank} (host {self.host}) was in a "
+            f"collective at step {self.step}; rank {self.rank} stops too. {self.resume_hint[0].upper()}"
             f"{self.resume_hint[1:]}."
         )
 
     def _on_launcher_stop(self, read_fd: int) -> None:
         """The thread that wakes when SIGTERM arrives: a launcher (torchrun's agent) stops the survivors at once
-        when a rank dies, before any collective could fail. It names the dead rank (the heartbeats are still in the
-        agent's store) or says the launcher stopped this rank, with the resume hint, then exits as SIGTERM would."""
+        when a rank dies, before any collective could fail. It says so, with the step and the resume hint, and exits
+        as SIGTERM would, at once: the heartbeats could name the dead rank only after ``3 * interval`` (the
+        launcher's table names it), and every restart would wait that long."""
         while True:
             try:
                 data = os.read(read_fd, 64)
@@ -199,15 +200,16 @@ class RankMonitor:
                 return
             if signal.SIGTERM in data:
                 break
-        message = None
-        with contextlib.suppress(Exception):
-            message = self.diagnose(doing="was stopped by the launcher")
-        if message is None:
-            message = (
-                f"hf_dtrain: rank {self.rank} (host {self.host}) was stopped by the launcher (SIGTERM) at step "
-                f"{self.step}. {self.resume_hint[0].upper()}{self.resume_hint[1:]}."
-            )
-        print(message, file=sys.stderr, flush=True)
+        if self.step_of is not None:
+            with contextlib.suppress(Exception):
+                self._step = self.step_of()
+        print(
+            f"hf_dtrain: rank {self.rank} (host {self.host}) was stopped by the launcher (SIGTERM) at step "
+            f"{self.step}, most likely because another rank failed (the launcher's summary names it). "
+            f"{self.resume_hint[0].upper()}{self.resume_hint[1:]}.",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(128 + signal.SIGTERM)
 
     @contextlib.contextmanager
