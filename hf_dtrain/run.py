@@ -24,6 +24,7 @@ from accelerate import PartialState
 
 from hf_dtrain.compose import build_optimizer, fsdp_from_launcher, keep_sharded, shard_with_fsdp
 from hf_dtrain.distributed.groups import RankMonitor, init_distributed
+from hf_dtrain.fault.wire import private_dir
 
 
 class JobRun:
@@ -42,6 +43,9 @@ class JobRun:
         self.monitor = None
         if check:
             self.check(lorafa_optimizer)
+        ft = getattr(cfg, "fault_tolerance", None)
+        if ft is not None and ft.directory:  # a shared or foreign directory refused now, not after the model loads
+            private_dir(ft.directory)
 
     def check(self, lorafa_optimizer: bool = False) -> None:
         """Refuse switches that clash on this world (before the base model is built or loaded)."""
