@@ -12,9 +12,12 @@ are caught where it loads them and re-raised as one of these, naming the file; t
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
+import socket
 import sys
+import threading
 import traceback
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -71,12 +74,14 @@ def non_finite_loss(what: str, value: float, step: int | None, opt_out: str) -> 
 def check_writable(path: str, key: str, mode: int = 0o755) -> None:
     """Create the directory ``path`` and write a file into it, before any step: a :class:`WriteFailure` naming
     ``key`` (the flag or YAML key that sets it) otherwise, instead of a run that fails or loses its output later."""
-    probe = os.path.join(path, f".hf_dtrain-probe.{os.getpid()}.tmp")
+    # not *.tmp: the snapshot engine's cleaner removes those, and another rank may be cleaning this directory
+    probe = os.path.join(path, f".hf_dtrain-probe-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
     try:
         os.makedirs(path, mode=mode, exist_ok=True)
         with open(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb"):
             pass
-        os.unlink(probe)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe)
     except OSError as e:
         raise WriteFailure(
             f"{key} {path} cannot be written ({e.strerror or e}); set {key} to a writable directory of your own."
