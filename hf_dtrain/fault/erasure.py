@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import zfec
 
-from hf_dtrain.errors import UserError
 
-
-class UnrecoverableError(UserError, RuntimeError):
-    """More nodes of a group were lost than its parity covers."""
+class UnrecoverableError(RuntimeError):
+    """More nodes of a group were lost than its parity covers. (Not a ``UserError`` subclass: this module runs in
+    the snapshot process, which is started by path and must not import the ``hf_dtrain`` package, torch or
+    transformers; the CLI still prints it as one line, since hf_dtrain raises it itself.)"""
 
 
 def _as_array(buf) -> np.ndarray:

@@ -251,3 +251,22 @@ def test_a_killed_rank_is_named_by_the_survivor(tmp_path):
         assert time.monotonic() - t0 < 120
     finally:
         stop_snapshot_processes(tmp_path / "ft")
+
+
+def test_the_snapshot_process_imports_neither_torch_nor_the_package(tmp_path):
+    """The snapshot process is started by path so it stays light (it starts in a second and exits fast when its job
+    is gone): none of its modules may import ``hf_dtrain``, torch or transformers. (An import of
+    ``hf_dtrain.errors`` in ``erasure.py`` once pulled all three in, and an orphan took 2 s longer to exit.)"""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import smp; "
+        "print(sorted(m for m in ('hf_dtrain', 'torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.path.join(ROOT, "hf_dtrain", "fault")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
