@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except KeyboardInterrupt:
-        print(f"hf-dtrain {job}: interrupted; relaunch the same command to resume.", file=sys.stderr, flush=True)
+        print(f"hf-dtrain {job}: interrupted.", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     except Exception as e:
         if not is_user_error(e):

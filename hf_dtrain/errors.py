@@ -111,7 +111,7 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def debug_requested() -> bool:
-    """``HF_DTRAIN_DEBUG=1`` (or ``--debug``, which sets it): errors keep their tracebacks."""
+    """``HF_DTRAIN_DEBUG=1``: errors keep their tracebacks (``--debug`` does the same for one command)."""
     return os.environ.get("HF_DTRAIN_DEBUG", "").lower() in ("1", "true", "yes")
 
 

@@ -645,7 +645,6 @@ def run_finetune(cfg) -> dict:
     )
     args = cfg.training_args(**_engine_settings(cfg, run))
     check_writable(args.output_dir, "--output-dir")
-    check_paths(args)
     with run.main_first():  # rank 0 builds the default base once; the others read the cache
         data = load_base_and_data(cfg, progress=cfg.progress and run.is_main)
     set_seed(args.seed)

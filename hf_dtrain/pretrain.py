@@ -123,9 +123,9 @@ class PretrainConfig(ComposeOptions):
         pp = self.parallel.pp if self.parallel is not None else 1
         for section, degree, flag in (("tensor_parallel", tp, "--tp"), ("pipeline", pp, "--pp")):
             value = getattr(self, section)
-            given = getattr(value, "given_keys", ()) or (() if value == type(value)() else ("",))
-            if given and degree == 1:
-                named = ", ".join(f"{section}.{k}" for k in sorted(given) if k) or f"{section}.*"
+            given = sorted(getattr(value, "given_keys", ()))  # from the flags / YAML, even at a default value
+            if degree == 1 and (given or value != type(value)()):
+                named = ", ".join(f"{section}.{k}" for k in given) or f"{section}.*"
                 raise SettingsError(
                     f"{named} given but {flag} is 1 (the dimension is off); set {flag} N (N >= 2) or drop "
                     f"the {section} settings."
@@ -205,16 +205,14 @@ def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int, replicas:
         blocks = _pack(tokenizer, stdlib_text(cfg.data_bytes), cfg.seq_len)
         g = torch.Generator().manual_seed(1234)
         blocks = blocks[torch.randperm(len(blocks), generator=g)]
-        held = min(cfg.eval_blocks, len(blocks) // 10)
-        check_enough(
-            len(blocks) - held,
-            cfg.per_device_train_batch_size * replicas,
-            f"training blocks of {cfg.seq_len} tokens ({held} more held out)",
+        return _split_blocks(
+            cfg,
+            blocks,
+            replicas,
             f"(the default corpus, {cfg.data_bytes} bytes)",
-            "lower --per-device-train-batch-size or --seq-len, or raise --data-bytes",
+            "raise --data-bytes",
             flag="--data-bytes",
         )
-        return blocks[held:], blocks[:held]
 
     path = cfg.dataset
     local = os.path.exists(path)
@@ -246,14 +244,20 @@ def load_blocks(cfg: PretrainConfig, tokenizer, rank: int, world: int, replicas:
             f"--dataset {path} has no column {cfg.text_column!r} (columns: {ds.column_names}); set --text-column."
         )
     check_text_columns(ds, [cfg.text_column], path, path if local else None)
-    blocks = _pack(tokenizer, ds[cfg.text_column], cfg.seq_len)
+    return _split_blocks(cfg, _pack(tokenizer, ds[cfg.text_column], cfg.seq_len), replicas, path, "give more text")
+
+
+def _split_blocks(cfg: PretrainConfig, blocks, replicas: int, source: str, more: str, flag: str = "--dataset"):
+    """(train, held-out) blocks: up to ``eval_blocks`` (a tenth at most) held out; fewer training blocks than one
+    global batch (``replicas`` x ``per_device_train_batch_size``) is a ``DataError``."""
     held = min(cfg.eval_blocks, len(blocks) // 10)
     check_enough(
         len(blocks) - held,
         cfg.per_device_train_batch_size * replicas,
         f"training blocks of {cfg.seq_len} tokens ({held} more held out)",
-        path,
-        "lower --per-device-train-batch-size or --seq-len, or give more text",
+        source,
+        f"lower --per-device-train-batch-size or --seq-len, or {more}",
+        flag=flag,
     )
     return blocks[held:], blocks[:held]
 

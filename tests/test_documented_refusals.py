@@ -42,39 +42,75 @@ EXAMPLES = {
         ("pretrain", ["--fault-tolerance", "true", "--comm-hook", "dear"], 2, {}, r"comm_hook=dear defers"),
     ],
     "`--hetero-speeds` with the Trainer (finetune)": [
-        ("finetune", ["--hetero-speeds", "1", "2"], 2, {}, r"hetero.speeds"),
+        ("finetune", ["--hetero-speeds", "1", "2"], 2, {}, r"hetero_speeds: the Trainer shards its loader again"),
     ],
     "`--hetero-speeds` with a count other than the processes": [
-        ("pretrain", ["--hetero-speeds", "1", "2", "3"], 2, {}, r"hetero.speeds.*3.*2|one per process"),
+        ("pretrain", ["--hetero-speeds", "1", "2", "3"], 2, {}, r"hetero_speeds has 3 values for 2 processes"),
     ],
     "`--deepspeed` with a comm hook or an exchanging optimizer": [
-        ("finetune", ["--deepspeed", "zero2", "--comm-hook", "acp_sgd"], 2, {}, r"deepspeed"),
-        ("finetune", ["--deepspeed", "zero2", "--optimizer", "dpsgd"], 2, {}, r"deepspeed"),
+        ("finetune", ["--deepspeed", "zero2", "--comm-hook", "acp_sgd"], 2, {}, r"ZeRO-2 replaces DDP"),
+        (
+            "finetune",
+            ["--method", "lora", "--deepspeed", "zero2", "--optimizer", "dpsgd"],
+            2,
+            {},
+            r"dpsgd.*ZeRO-2",
+        ),
     ],
     "`--deepspeed` ZeRO ≥ 1 with Eva": [
         ("finetune", ["--deepspeed", "zero2", "--optimizer", "eva"], 2, {}, r"optimizer=eva keeps per-layer"),
     ],
     "`--deepspeed` ZeRO ≥ 1 with `--fault-tolerance`": [
-        ("finetune", ["--deepspeed", "zero3", "--fault-tolerance", "true"], 2, {}, r"fault.tolerance"),
+        (
+            "finetune",
+            ["--deepspeed", "zero3", "--fault-tolerance", "true"],
+            2,
+            {},
+            r"fault_tolerance with DeepSpeed ZeRO-3",
+        ),
     ],
     "`--deepspeed` with `pretrain`": [
-        ("pretrain", ["--deepspeed", "zero2"], 2, {}, r"deepspeed"),
+        ("pretrain", ["--deepspeed", "zero2"], 2, {}, r"hf-dtrain pretrain runs DDP through Accelerate"),
     ],
     "`--fsdp` with `--deepspeed`": [
-        ("finetune", ["--fsdp", "true", "--deepspeed", "zero2"], 2, {}, r"fsdp.*deepspeed|deepspeed.*fsdp"),
+        ("finetune", ["--fsdp", "true", "--deepspeed", "zero2"], 2, {}, r"fsdp and deepspeed are two sharding engines"),
     ],
     "`--fsdp` with a comm hook and `fsdp.replicate` 1": [
         ("pretrain", ["--fsdp", "true", "--comm-hook", "acp_sgd"], 2, {}, r"--fsdp.replicate"),
     ],
     "`--fsdp.replicate N` with `--comm-hook dear\\|embrace\\|s2_reducer\\|noop`": [
-        ("pretrain", ["--fsdp.replicate", "2", "--comm-hook", "dear"], 4, {}, r"dear"),
-        ("pretrain", ["--fsdp.replicate", "2", "--comm-hook", "s2_reducer"], 4, {}, r"s2_reducer"),
+        (
+            "pretrain",
+            ["--fsdp.replicate", "2", "--comm-hook", "dear"],
+            4,
+            {},
+            r"dear cannot carry FSDP2",
+        ),
+        (
+            "pretrain",
+            ["--fsdp.replicate", "2", "--comm-hook", "s2_reducer"],
+            4,
+            {},
+            r"s2_reducer cannot carry",
+        ),
     ],
     "`--fsdp` with an exchanging optimizer": [
-        ("pretrain", ["--fsdp", "true", "--optimizer", "dpsgd"], 2, {}, r"shard|replica"),
+        (
+            "pretrain",
+            ["--fsdp", "true", "--optimizer", "dpsgd"],
+            2,
+            {},
+            r"each rank holds a shard, not a",
+        ),
     ],
     "`--fsdp` with an Accelerate FSDP launch config": [
-        ("finetune", ["--fsdp", "true"], 2, {"ACCELERATE_USE_FSDP": "true"}, r"launch|Accelerate"),
+        (
+            "finetune",
+            ["--fsdp", "true"],
+            2,
+            {"ACCELERATE_USE_FSDP": "true"},
+            r"--fsdp and an Accelerate FSDP",
+        ),
     ],
     "`--tp/--pp/--dp-*` with `--comm-hook`": [
         ("pretrain", ["--tp", "2", "--comm-hook", "acp_sgd"], 2, {}, r"comm_hook with --tp"),
@@ -98,13 +134,13 @@ EXAMPLES = {
         ("pretrain", ["--tp", "2", "--pipeline.schedule", "gpipe"], 2, {}, r"pipeline.schedule given but --pp is 1"),
     ],
     "`--plan auto` with `--tp/--pp/--dp-*`": [
-        ("pretrain", ["--plan", "auto", "--tp", "2"], 2, {}, r"plan"),
+        ("pretrain", ["--plan", "auto", "--tp", "2"], 2, {}, r"--plan auto chooses --tp"),
     ],
     "degrees whose product is not the process count, a `--tp` not dividing the heads / KV heads / MLP / vocabulary, "
     "more stages than layers": [
-        ("pretrain", ["--tp", "2"], 3, {}, r"--tp"),
-        ("pretrain", ["--tp", "3"], 3, {}, r"--tp 3|heads"),
-        ("pretrain", ["--pp", "64"], 64, {}, r"--pp|layers"),
+        ("pretrain", ["--tp", "2"], 3, {}, r"= 2 does not divide the 3 processes"),
+        ("pretrain", ["--tp", "3"], 3, {}, r"--tp 3 does not divide the model's num_attention_heads"),
+        ("pretrain", ["--pp", "64"], 64, {}, r"64 stages, but the model has 4 decoder layers"),
     ],
 }
 
