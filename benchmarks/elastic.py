@@ -23,7 +23,7 @@ from _report import markdown_table, write
 
 
 def run(hosts, out, steps, scenario, rate_note):
-    from hf_dtrain.elastic import ElasticConfig
+    from hf_dtrain.jobs.elastic import ElasticConfig
     from hf_dtrain.testing import free_port
     from hf_dtrain.testing.elastic_hosts import kill_strays, launch_host, lose_host, wait_for_log
 

@@ -30,15 +30,15 @@ UPLINKS = [("none", None), ("int8", None), ("int4", None), ("lowrank", 2), ("low
 
 
 def fed_run(base_path, out, rounds, uplink="none", rank=4):
-    from hf_dtrain.fed import run_fed_simulate
+    from hf_dtrain.jobs.fed import run_fed_simulate
 
     return run_fed_simulate(_config(base_path, out, rounds, uplink=uplink, rank=rank))
 
 
 def _config(base_path, out, rounds, clients=100, per_round=10, local_steps=5, uplink="none", rank=4):
-    from hf_dtrain.fed import FedSimulateConfig
     from hf_dtrain.federated import FederatedConfig
-    from hf_dtrain.finetune import FinetuneConfig
+    from hf_dtrain.jobs.fed import FedSimulateConfig
+    from hf_dtrain.jobs.sft.config import FinetuneConfig
 
     job = FinetuneConfig.from_dict(
         dict(
@@ -72,8 +72,8 @@ def client_process(argv):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from hf_dtrain.fed import build_federation, client_config
     from hf_dtrain.federated import FederatedSimulation
+    from hf_dtrain.jobs.fed import build_federation, client_config
 
     base_path, global_path, client, out, state_dir = argv
     torch.set_num_threads(1)
@@ -96,8 +96,8 @@ def per_client_processes(base_path, rounds, tmp, concurrency=2) -> float:
     """Wall seconds of ``rounds`` rounds simulated with one fresh process per client (``concurrency`` at a time)."""
     from safetensors.torch import load_file, save_file
 
-    from hf_dtrain.fed import build_federation, client_config
     from hf_dtrain.federated import FederatedSimulation, global_average, local_aggregate
+    from hf_dtrain.jobs.fed import build_federation, client_config
 
     cfg = _config(base_path, None, rounds)
     model, _, clients, collator, _, _ = build_federation(cfg)
@@ -199,8 +199,8 @@ def _flower_sim(base_path, state_dir):
     if "sim" not in _FLOWER_SIM:
         import torch
 
-        from hf_dtrain.fed import build_federation, client_config
         from hf_dtrain.federated import FederatedSimulation
+        from hf_dtrain.jobs.fed import build_federation, client_config
 
         torch.set_num_threads(1)
         cfg = _config(base_path, None, 1)
@@ -221,8 +221,8 @@ def flower_simulation(base_path, rounds, tmp, workers=2) -> float:
     from flwr.server.strategy import FedAvg
     from flwr.simulation import run_simulation
 
-    from hf_dtrain.fed import build_federation, client_config
     from hf_dtrain.federated import FederatedSimulation
+    from hf_dtrain.jobs.fed import build_federation, client_config
 
     state_dir = os.path.join(tmp, "flower-states")
     cfg = _config(base_path, None, rounds)
@@ -275,17 +275,16 @@ def split_worker(argv):
     from peft import get_peft_model
 
     from hf_dtrain import tasks
-    from hf_dtrain.finetune import FinetuneConfig
+    from hf_dtrain.jobs.sft.config import FinetuneConfig
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.split import SplitCloud, SplitConfig, SplitEdge
-    from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
     rank, base_path, spec, out = int(argv[0]), argv[1], argv[2], argv[3]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=120))
     model, tok = load_model_and_tokenizer(base_path)
     torch.manual_seed(0)
-    model = get_peft_model(model, FINETUNE_METHODS["lorafa"].build_config(FinetuneConfig(method="lorafa"), model))
+    model = get_peft_model(model, FinetuneConfig(method="lorafa").build_peft_config(model))
     cfg = SplitConfig(cut_layer=2, rank=None if spec == "full" else int(spec))
     side = (SplitEdge if rank == 0 else SplitCloud)(model.get_base_model(), cfg)
     opt = torch.optim.AdamW(side.parameters(), lr=4e-3)
@@ -328,13 +327,12 @@ def unsplit_reference(base_path) -> float:
     from peft import get_peft_model
 
     from hf_dtrain import tasks
-    from hf_dtrain.finetune import FinetuneConfig
+    from hf_dtrain.jobs.sft.config import FinetuneConfig
     from hf_dtrain.models import load_model_and_tokenizer
-    from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
     model, tok = load_model_and_tokenizer(base_path)
     torch.manual_seed(0)
-    model = get_peft_model(model, FINETUNE_METHODS["lorafa"].build_config(FinetuneConfig(method="lorafa"), model))
+    model = get_peft_model(model, FinetuneConfig(method="lorafa").build_peft_config(model))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=4e-3)
     collate = tasks.task_collator(tok)
     train = tasks.make_task_dataset(tok, SPLIT_STEPS * 16, seed=0, split="train")

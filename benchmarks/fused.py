@@ -30,8 +30,8 @@ SEEDS = [0, 1]
 
 
 def jobs_for(method: str, k: int, batch: int, steps: int):
-    from hf_dtrain.finetune import FinetuneConfig
-    from hf_dtrain.sweep import expand_grid
+    from hf_dtrain.jobs.sft.config import FinetuneConfig
+    from hf_dtrain.jobs.sweep import expand_grid
 
     base = FinetuneConfig.from_dict(
         dict(
@@ -57,19 +57,18 @@ def time_trainer(job, base_path, warm: int) -> float:
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
     from hf_dtrain import tasks
-    from hf_dtrain.finetune import build_peft_config
     from hf_dtrain.models import load_model_and_tokenizer
-    from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
     model, tok = load_model_and_tokenizer(base_path)
     a = job.training_args()
     train = tasks.make_task_dataset(tok, job.train_size, seed=a.seed, split="train")
     set_seed(a.seed)
-    cfg = build_peft_config(job, model)
+    cfg = job.build_peft_config(model)
     if cfg is not None:
         model = get_peft_model(model, cfg)
-    own = FINETUNE_METHODS[job.method].build_optimizer
-    opt = own(job, model, a.learning_rate, 0.0) if own is not None else None
+    method = job.method_entry
+    own = method.owns_optimizer(job.method_settings)
+    opt = method.build_optimizer(job.method_settings, model, a.learning_rate, 0.0) if own else None
     times = []
 
     class Clock(TrainerCallback):
@@ -119,9 +118,8 @@ def time_fused(jobs, base_path, warm: int, profile: bool = False):
 
     from hf_dtrain import tasks
     from hf_dtrain.fused import FusedConfig, FusedJob, FusedTrainer, fuse_adapters, fuse_models
+    from hf_dtrain.jobs.sweep import _job_loader, job_name
     from hf_dtrain.models import load_model_and_tokenizer
-    from hf_dtrain.sweep import _job_loader, job_name
-    from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
     base, tok = load_model_and_tokenizer(base_path)
     names = [job_name(j, jobs, i) for i, j in enumerate(jobs)]
@@ -131,7 +129,7 @@ def time_fused(jobs, base_path, warm: int, profile: bool = False):
         peft_model = None
         for name, job in zip(names, jobs):
             set_seed(job.seed)
-            cfg = FINETUNE_METHODS[job.method].build_config(job, base)
+            cfg = job.build_peft_config(base)
             if peft_model is None:
                 peft_model = get_peft_model(base, cfg, adapter_name=name)
             else:
@@ -148,7 +146,8 @@ def time_fused(jobs, base_path, warm: int, profile: bool = False):
         )
         for n, j, a in zip(names, jobs, args)
     ]
-    rule = "lorafa" if jobs[0].method == "lorafa" and jobs[0].lorafa.optimizer else "adamw"
+    method = jobs[0].method_entry
+    rule = method.fused.optimizer_rule if method.owns_optimizer(jobs[0].method_settings) else "adamw"
     steps = args[0].max_steps
     trainer = FusedTrainer(fused, fjobs, steps, FusedConfig(), pad_id=tok.pad_token_id or 0, optimizer_rule=rule)
     prof = None
@@ -386,14 +385,13 @@ def _per_job_bytes(method, base_path, batch) -> int:
     from peft import get_peft_model
 
     from hf_dtrain.fused import fuse_adapters, fuse_models
-    from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
     base, _ = load_model_and_tokenizer(base_path)
     if method == "full":
         fused = fuse_models([copy.deepcopy(base)])
     else:
         fused = fuse_adapters(
-            get_peft_model(base, FINETUNE_METHODS[method].build_config(jobs[0], base), adapter_name="a"), ["a"]
+            get_peft_model(base, jobs[0].build_peft_config(base), adapter_name="a"), ["a"]
         )
     ds = tasks.make_task_dataset(tok, batch, seed=0, split="train")
     batch_ = tasks.task_collator(tok)([ds[i] for i in range(batch)])

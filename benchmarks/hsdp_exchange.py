@@ -47,16 +47,16 @@ def _train(rank: int, method: str, steps: int, batch: int, lr: float) -> dict:
 
     from hf_dtrain import tasks
     from hf_dtrain.comm import CommHookConfig, fsdp_exchange_step_bytes
-    from hf_dtrain.compose import shard_with_fsdp
     from hf_dtrain.models import load_model_and_tokenizer
     from hf_dtrain.parallel import FSDPConfig
+    from hf_dtrain.testing.models import shard_like_the_jobs
 
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(None, progress=False)
     exchange = None if method == "native" else CommHookConfig(method=method, rank=RANK, start_iter=START)
     # native: FSDP2's own HSDP all-reduce; the others: the hook on the dp_shard mesh (dense bytes counted for native
     # by the same formula as the "allreduce" hook, which sends exactly what native HSDP sends)
-    state = shard_with_fsdp(model, FSDPConfig(replicate=2), exchange)
+    state = shard_like_the_jobs(model, FSDPConfig(replicate=2), exchange)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     data = tasks.make_task_dataset(tok, steps * batch, seed=100 + rank, split="train")
     loader = DataLoader(data, batch_size=batch, collate_fn=tasks.task_collator(tok))

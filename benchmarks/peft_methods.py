@@ -24,7 +24,7 @@ from _report import emit_result, parse_result, timed_steps
 
 METHODS = ["full", "lora", "dora", "lora+peft_lorafa_opt", "lorafa", "smt"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# The learning rates of `hf-dtrain finetune` (hf_dtrain.finetune.DEFAULT_LR), tuned on this task.
+# The learning rates of `hf-dtrain finetune` (each method's registered default_lr), tuned on this task.
 LR = {"full": 5e-4, "lora": 4e-3, "dora": 4e-3, "lora+peft_lorafa_opt": 4e-3, "lorafa": 4e-3, "smt": 2e-3}
 RANK = 8
 BLOCK = 64

@@ -13,18 +13,24 @@ are caught where it loads them and re-raised as one of these, naming the file; t
 from __future__ import annotations
 
 import contextlib
-import linecache
 import os
 import socket
 import sys
 import threading
 import traceback
 
-PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
 
 class UserError(Exception):
     """An error the user can fix: the message names the input and the fix. The CLI prints it without a traceback."""
+
+
+class SettingsError(UserError, ValueError):
+    """Settings that cannot run: a flag or key out of range, a combination the sections refuse, settings that do not
+    fit the model or the launched world. Found before any training step; names the flag and the fix."""
+
+
+class UnsupportedTarget(UserError, TypeError):
+    """A module a method cannot adapt (``--target-modules`` names a layer of a kind it does not take)."""
 
 
 class DataError(UserError, ValueError):
@@ -86,28 +92,6 @@ def check_writable(path: str, key: str, mode: int = 0o755) -> None:
         raise WriteFailure(
             f"{key} {path} cannot be written ({e.strerror or e}); set {key} to a writable directory of your own."
         ) from None
-
-
-def _raised_here(e: BaseException) -> bool:
-    """``e`` was raised by a ``raise`` statement in hf_dtrain's own source (not by a library, not by the
-    interpreter inside our code: a torch shape error there is a bug and keeps its traceback)."""
-    tb = e.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    if not path.startswith(PACKAGE + os.sep) or path.startswith(os.path.join(PACKAGE, "testing") + os.sep):
-        return False
-    return linecache.getline(path, tb.tb_lineno).lstrip().startswith("raise ")
-
-
-def is_user_error(e: BaseException) -> bool:
-    """Whether the CLI prints ``e`` as one line: a :class:`UserError`, or a ``ValueError`` / ``TypeError`` /
-    ``OSError`` / ``RuntimeError`` that hf_dtrain raised itself with its own message."""
-    if isinstance(e, UserError):
-        return True
-    return isinstance(e, (ValueError, TypeError, OSError, RuntimeError)) and _raised_here(e)
 
 
 def debug_requested() -> bool:

@@ -32,7 +32,7 @@ from transformers import (
 )
 from transformers.masking_utils import create_causal_mask
 
-from hf_dtrain.errors import ModelLoadError
+from hf_dtrain.errors import ModelLoadError, SettingsError
 from hf_dtrain.tasks import pretraining_task_texts
 
 # transformers 5.24 renamed create_causal_mask's ``past_key_values`` to ``cache``: the signature says which
@@ -138,7 +138,7 @@ PRESETS: dict[str, dict] = {
 def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
     """A ``LlamaConfig`` for a named preset; keyword arguments override single fields."""
     if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+        raise SettingsError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
     kwargs = dict(PRESETS[preset])
     kwargs.setdefault("tie_word_embeddings", False)
     kwargs.update(overrides)
@@ -181,7 +181,6 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def stdlib_source_files() -> list[Path]:
     """The standard library's own ``.py`` files, sorted (site-packages and the test suites excluded)."""
-
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
@@ -210,7 +209,6 @@ def train_tokenizer(texts, vocab_size: int):
 
     Adds ``<s>`` in front of every encoded text (like LLaMA); ``</s>`` is the eos and ``<pad>`` the pad token.
     """
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -260,7 +258,7 @@ def default_model_dir(preset: str = "tiny", cache_dir=None, steps: int | None = 
 
 def _resolve(preset, steps, seed, seq_len=128, batch_size=16, data_bytes=4_000_000, task_share=0.25, lr=2e-3):
     if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+        raise SettingsError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
     steps = DEFAULT_BASE_STEPS.get(preset, 300) if steps is None else int(steps)
     return steps, seed, seq_len, batch_size, data_bytes, task_share, lr
 
@@ -395,7 +393,6 @@ def build_default_model(
 def check_weight_files(path: str) -> None:
     """Every ``*.safetensors`` file of a local model or adapter directory opens (its header parses and its data is
     all there): a ``ValueError`` naming the damaged file otherwise, instead of a loader error that names none."""
-
     if not os.path.isdir(path):
         return
     for name in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
@@ -423,7 +420,6 @@ def load_model_and_tokenizer(
     """``(model, tokenizer)``: the embedded default base (built and cached if needed) when ``model`` is None, else
     ``from_pretrained(model)`` (a local path or a hub id); ``load_model=False`` gives ``(None, tokenizer)``. A tokenizer
     without pad token gets its eos as pad."""
-
     path = build_default_model(preset, steps=base_steps, progress=progress) if model is None else model
     check_model_dir(path)
     try:
@@ -503,7 +499,6 @@ class LlamaPipelineStage(torch.nn.Module):
         self.lm_head = causal_lm.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-
         m = self.model
         h = m.embed_tokens(x) if self.first else x
         # under sequence parallelism a later stage receives this rank's 1/tp of the sequence (apply_tensor_parallel

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 BASE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
@@ -17,7 +19,7 @@ def build_base_optimizer(base_optimizer: str | Callable, params, owner: str, **k
     """``"sgd"``/``"adamw"``/``"adam"`` or a ``torch.optim.Optimizer`` class, built on ``params`` with ``kwargs``."""
     if isinstance(base_optimizer, str):
         if base_optimizer.lower() not in BASE_OPTIMIZERS:
-            raise ValueError(
+            raise SettingsError(
                 f"{owner} base_optimizer={base_optimizer!r} is unknown; use one of "
                 f"{', '.join(BASE_OPTIMIZERS)} or a torch.optim.Optimizer class."
             )

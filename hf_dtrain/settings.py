@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from collections.abc import Iterator
 from typing import Any
 
-from hf_dtrain.errors import UserError
+from hf_dtrain.errors import SettingsError
 
 # The release (``hf_dtrain.__version__``; pyproject.toml reads it from here): recorded in snapshots' run identity
 # and in the README saved with an adapter.
@@ -86,7 +87,7 @@ def section_value(cls: type, value: Any, where: str) -> dict | None:
         return dict(value)
     short = getattr(cls, "shorthand", None)
     if short is None:
-        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields or true/false, got {value!r}.")
+        raise SettingsError(f"{where}: expected a mapping of {cls.__name__} fields or true/false, got {value!r}.")
     return {short: value}
 
 
@@ -112,7 +113,7 @@ def build(cls: type, data: dict | None, where: str | None = None):
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {', '.join(sorted(fields))}.")
+        raise SettingsError(f"{where}: unknown key(s) {unknown}; valid keys are {', '.join(sorted(fields))}.")
     kwargs = {}
     for name, value in data.items():
         sec = section_type(cls, name)
@@ -120,7 +121,9 @@ def build(cls: type, data: dict | None, where: str | None = None):
             inner, optional = sec
             plain = section_value(inner, value, f"{where}.{name}")
             if plain is None and not optional:
-                raise ValueError(f"{where}.{name} cannot be switched off; give a mapping of {inner.__name__} fields.")
+                raise SettingsError(
+                    f"{where}.{name} cannot be switched off; give a mapping of {inner.__name__} fields."
+                )
             kwargs[name] = None if plain is None else build(inner, plain, f"{where}.{name}")
             if plain:  # which fields the user set, even to their defaults (a setting of a dimension that is off)
                 kwargs[name].given_keys = frozenset(plain)
@@ -147,15 +150,10 @@ def check_choice(config: Any, name: str, choices, key: str | None = None) -> Non
     ``key``: how the user sets it (default ``<section>.<name>`` is left to the caller; plain ``name`` otherwise)."""
     value = getattr(config, name)
     if value not in choices:
-        raise ValueError(
+        raise SettingsError(
             f"{type(config).__name__}.{name}={value!r} is unknown; set {key or name} to one of "
             f"{', '.join(map(str, choices))}."
         )
-
-
-class SettingsError(UserError, ValueError):
-    """Bad settings found before any training step (a job's checks against the world and the model): the CLI
-    prints the message, which names the flag and the fix, without a traceback."""
 
 
 def help_of(f: dataclasses.Field) -> str:
@@ -218,39 +216,39 @@ def check_fields(config: Any) -> None:
         if value is None:
             if optional:
                 continue
-            raise ValueError(f"{where} cannot be None; {fix}.")
+            raise SettingsError(f"{where} cannot be None; {fix}.")
         origin = typing.get_origin(tp)
         if origin in (list, tuple):
             inner = [a for a in typing.get_args(tp) if a is not Ellipsis]
             inner = inner[0] if inner else Any
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-                raise ValueError(f"{where} must be a list, got {value!r}; {fix}.")
+                raise SettingsError(f"{where} must be a list, got {value!r}; {fix}.")
             if inner in (int, float):
                 try:
                     value = [_number(v, inner) for v in value]
                 except (TypeError, ValueError):
-                    raise ValueError(
+                    raise SettingsError(
                         f"{where} must be a list of {inner.__name__} values, got {value!r}; {fix}."
                     ) from None
                 bad = [v for v in value if isinstance(v, float) and not math.isfinite(v)]
                 if bad:
-                    raise ValueError(f"{where} must hold finite numbers, got {value!r}; {fix}.")
+                    raise SettingsError(f"{where} must hold finite numbers, got {value!r}; {fix}.")
             elif inner is str and not all(isinstance(v, str) for v in value):
-                raise ValueError(f"{where} must be a list of strings, got {value!r}; {fix}.")
+                raise SettingsError(f"{where} must be a list of strings, got {value!r}; {fix}.")
             object.__setattr__(config, f.name, list(value))
             continue
         if tp is bool:
             if not isinstance(value, bool):
-                raise ValueError(f"{where} must be true or false, got {value!r}; {fix}.")
+                raise SettingsError(f"{where} must be true or false, got {value!r}; {fix}.")
             continue
         if tp in (int, float):
             try:
                 value = _number(value, tp)
             except (TypeError, ValueError):
                 kind = "a whole number" if tp is int else "a number"
-                raise ValueError(f"{where} must be {kind}, got {value!r}; {fix}.") from None
+                raise SettingsError(f"{where} must be {kind}, got {value!r}; {fix}.") from None
             if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{where} must be a finite number, got {value!r}; {fix}.")
+                raise SettingsError(f"{where} must be a finite number, got {value!r}; {fix}.")
             why = f" ({f.metadata['why']})" if "why" in f.metadata else ""
             for key, ok, text in (
                 ("min", lambda v, b: v >= b, ">="),
@@ -261,11 +259,11 @@ def check_fields(config: Any) -> None:
                 limit = f.metadata.get(key)
                 if limit is not None and not ok(value, limit):
                     kind = "an integer" if tp is int else "a number"
-                    raise ValueError(f"{where} must be {kind} {text} {limit}{why}, got {value!r}; {fix}.")
+                    raise SettingsError(f"{where} must be {kind} {text} {limit}{why}, got {value!r}; {fix}.")
             object.__setattr__(config, f.name, value)
             continue
         if tp is str and not isinstance(value, str):
-            raise ValueError(f"{where} must be a string, got {value!r}; {fix}.")
+            raise SettingsError(f"{where} must be a string, got {value!r}; {fix}.")
 
 
 def check_number(
@@ -278,8 +276,24 @@ def check_number(
     ok = ok and (gt is None or value > gt) and (low is None or value >= low)
     if not ok:
         bound = f" > {gt}" if gt is not None else (f" >= {low}" if low is not None else "")
-        raise ValueError(
+        raise SettingsError(
             f"{type(config).__name__}.{name} must be a finite number{bound}, got {value!r}; set {key or name}."
+        )
+
+
+def check_local_path(config, name: str, kinds: tuple = (".json", ".jsonl", ".txt", ".csv", ".parquet")) -> None:
+    """``config.name`` names a local file or directory (a path separator, ``./``, or a data-file extension) that
+    does not exist: a ``SettingsError`` naming the field and the path, before anything starts (otherwise it would be
+    taken for a hub id and fetched)."""
+    value = getattr(config, name)
+    if value is None:
+        return
+    # a hub id is "name" or "org/name"; anything else path-like is a local path
+    looks_local = value.startswith(("/", "./", "../", "~")) or value.count("/") > 1 or value.lower().endswith(kinds)
+    if looks_local and not os.path.exists(os.path.expanduser(value)):
+        raise SettingsError(
+            f"{type(config).__name__}.{name}: {value} does not exist; set --{name.replace('_', '-')} to an existing "
+            "local path or a hub id."
         )
 
 
@@ -297,4 +311,4 @@ def parse_bytes(text) -> float:
     try:
         return float(t)
     except ValueError:
-        raise ValueError(f"{text!r} is not a size: give e.g. 80GB, 512MB or a number of bytes.") from None
+        raise SettingsError(f"{text!r} is not a size: give e.g. 80GB, 512MB or a number of bytes.") from None

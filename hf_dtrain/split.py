@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hf_dtrain.distributed.counters import WireStats
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.models import LlamaPipelineStage
 from hf_dtrain.settings import check_fields
 
@@ -39,13 +40,12 @@ class SplitConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
 
     def check(self, causal_lm) -> None:
         layers = causal_lm.config.num_hidden_layers
         if not 1 <= self.cut_layer < layers:
-            raise ValueError(
+            raise SettingsError(
                 f"SplitConfig.cut_layer={self.cut_layer} is outside the model: it has {layers} decoder "
                 f"layers, so the cut must be in 1..{layers - 1} (the edge keeps at least one layer, the "
                 "cloud at least one)."

@@ -20,7 +20,7 @@ from trl.chat_template_utils import get_training_chat_template, has_generation_m
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from hf_dtrain.datafile import check_text_columns, load_file, load_hub
-from hf_dtrain.errors import DataError
+from hf_dtrain.errors import DataError, SettingsError
 
 IGNORE_INDEX = -100
 # Operand range of the default task: both operands have 1 to TASK_DIGITS digits. The tiny base learns a lot of it in
@@ -36,7 +36,7 @@ EVAL_FRACTION = 0.1
 def _pair_pool(digits: int, split: str) -> np.ndarray:
     """The operand pairs (as ``a * 10**digits + b``) that belong to ``split``, a fixed permutation of all pairs."""
     if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
+        raise SettingsError(f"split must be 'train' or 'eval', got {split!r}.")
     space = 10 ** (2 * digits)
     perm = np.random.default_rng(_SPLIT_SEED).permutation(space)
     n_eval = max(1, int(space * EVAL_FRACTION))
@@ -83,7 +83,6 @@ def tokenize_example(tokenizer, prompt: str, completion: str, max_length: int | 
 
 
 def _to_dataset(tokenizer, pairs, max_length=None):
-
     rows = [tokenize_example(tokenizer, p, c, max_length) for p, c in pairs]
     return Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "attention_mask", "labels")})
 
@@ -97,7 +96,6 @@ def addition_dataset(n: int, seed: int = 0, split: str = "train", digits: int = 
     """The default task in TRL's prompt-completion format: a ``datasets.Dataset`` with ``prompt`` (``"12+345="``) and
     ``completion`` (``"357"``) columns; ``hf-dtrain finetune`` with no ``--dataset`` trains on it through the same
     path as a user's file (the eos and the completion-only labels are added by TRL's preparation)."""
-
     pairs = addition_examples(n, seed=seed, split=split, digits=digits)
     return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
 
@@ -134,7 +132,6 @@ def load_sft_dataset(
     a hub dataset (``config``: its configuration name). The eval split is the dataset's ``validation`` / ``test``
     split when it has one (its first ``eval_size`` rows), else ``eval_size`` rows (at most a fifth) held out from
     train with ``seed``; ``train_size`` caps the training rows (None: all)."""
-
     path = name_or_path if os.path.exists(name_or_path) else None
     ds = load_file(path) if path else load_hub(name_or_path, config)
     if not isinstance(ds, DatasetDict):
@@ -173,7 +170,6 @@ def prepare_sft_dataset(dataset, tokenizer, args, packing: bool | None = None):
     not run the ``SFTTrainer`` (the fused sweep, the federated simulation): they train on the same tokens as
     ``hf-dtrain finetune``. Uses TRL's own ``SFTTrainer._prepare_dataset`` (trl is pinned to a tested range; a test
     checks the result against the trainer's). ``packing``: None for ``args.packing``."""
-
     sample = dataset[0]
     completion_only = args.completion_only_loss
     if completion_only is None:
@@ -192,7 +188,6 @@ def sft_collator(tokenizer, args=None):
     """TRL's collator for prepared datasets, as the ``SFTTrainer`` builds it for ``args`` (an ``SFTConfig``): pads
     input_ids with the pad token and labels with -100 and gives the attention mask, or, padding-free (``padding_free``,
     or best-fit packing), position ids that keep attention within each packed example."""
-
     padding_free = args is not None and (
         args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
     )
@@ -202,7 +197,6 @@ def sft_collator(tokenizer, args=None):
 
 def task_collator(tokenizer):
     """Pads input_ids with the pad token, attention_mask with 0 and labels with -100 (right padding)."""
-
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 
 
@@ -221,7 +215,9 @@ def exact_match(pred_ids, labels) -> float:
     """
     pred_ids, labels = np.asarray(pred_ids), np.asarray(labels)
     if pred_ids.ndim != 2 or pred_ids.shape != labels.shape:
-        raise ValueError(f"expected 2-D predictions and labels of one shape, got {pred_ids.shape} and {labels.shape}")
+        raise SettingsError(
+            f"expected 2-D predictions and labels of one shape, got {pred_ids.shape} and {labels.shape}"
+        )
     target = labels[:, 1:]
     mask = target != IGNORE_INDEX
     ok = (pred_ids[:, :-1] == target) | ~mask

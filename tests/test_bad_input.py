@@ -12,10 +12,10 @@ from hf_dtrain import cli
 from hf_dtrain.comm.config import CommHookConfig
 from hf_dtrain.decentralized.config import GossipConfig
 from hf_dtrain.fault import InMemoryFaultToleranceCallback, SnapshotConfig
-from hf_dtrain.finetune import FinetuneConfig
+from hf_dtrain.jobs.pretrain import PretrainConfig
+from hf_dtrain.jobs.sft.config import FinetuneConfig
 from hf_dtrain.memory.config import DeltaConfig
 from hf_dtrain.optim.config import EvaConfig, OneBitLambConfig
-from hf_dtrain.pretrain import PretrainConfig
 from hf_dtrain.tuners import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -259,17 +259,17 @@ def test_deepspeed_presets_and_the_recipe_are_one_config(tmp_path):
     import json
     from pathlib import Path
 
-    from hf_dtrain.compose import ComposeOptions
-    from hf_dtrain.parallel.zero import deepspeed_config
+    from hf_dtrain.parallel.zero import deepspeed_config, zero_stage
+    from hf_dtrain.run.job import JobRun
 
-    assert ComposeOptions(deepspeed="zero2").deepspeed_stage() == 2
-    assert ComposeOptions(deepspeed="zero3").deepspeed_stage() == 3
+    assert zero_stage(deepspeed_config("zero2")) == 2
+    assert zero_stage(deepspeed_config("zero3")) == 3
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "deepspeed" / "zero3.json"
     assert json.loads(recipe.read_text()) == deepspeed_config("zero3")
     with pytest.raises(ValueError, match=r"no such file and no preset; set --deepspeed to zero2 or zero3"):
         FinetuneConfig(deepspeed="zero4")
     with pytest.raises(ValueError, match=r"optimizer=eva keeps per-layer vectors"):
-        ComposeOptions(deepspeed="zero3", optimizer="eva").check(2, "trainer")
+        JobRun(FinetuneConfig(method="lora", deepspeed="zero3", optimizer="eva"), world_size=2, start=False)
 
 
 def test_trainer_deepspeed_without_cuda_is_refused_not_silently_ddp(tmp_path):
@@ -277,7 +277,7 @@ def test_trainer_deepspeed_without_cuda_is_refused_not_silently_ddp(tmp_path):
     with DDP while the user asked for ZeRO."""
     import torch
 
-    from hf_dtrain.finetune import run_finetune
+    from hf_dtrain.jobs.finetune import run_finetune
 
     if torch.cuda.is_available():
         pytest.skip("on a CUDA machine the Trainer takes the DeepSpeed config")

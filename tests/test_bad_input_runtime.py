@@ -229,9 +229,17 @@ CASES = [
     ("fed-per-round", ["fed", "simulate", "--clients", "2", "--per-round", "5"], r"per.round"),
     ("fed-chat-template", ["fed", "simulate", "--chat-template-path", "{d}/none.jinja"], r"none.jinja is not a file"),
     # plan
-    ("plan-world-0", ["plan", "--world-size", "0"], r"--world-size must be a whole number >= 1, got 0"),
-    ("plan-seq-len-0", ["plan", "--world-size", "8", "--seq-len", "0"], r"--seq-len must be .* got 0"),
-    ("plan-batch-0", ["plan", "--world-size", "8", "--global-batch", "0"], r"--global-batch must be"),
+    (
+        "plan-world-0",
+        ["plan", "--world-size", "0"],
+        r"world_size must be an integer >= 1, got 0; set world_size \(--world-size\)",
+    ),
+    (
+        "plan-seq-len-0",
+        ["plan", "--world-size", "8", "--seq-len", "0"],
+        r"seq_len must be .* got 0; set seq_len \(--seq-len\)",
+    ),
+    ("plan-batch-0", ["plan", "--world-size", "8", "--global-batch", "0"], r"global_batch must be .*--global-batch"),
     ("plan-profile", ["plan", "--world-size", "8", "--profile", "{d}/none.json"], r"--profile .*none.json: no such"),
     ("plan-model-config", ["plan", "--world-size", "8", "--model-config", "{d}/no_config"], r"--model-config"),
     # elastic
@@ -294,7 +302,7 @@ def test_debug_shows_the_traceback(place, tmp_path, capfd, monkeypatch):
 def test_a_bug_keeps_its_traceback(monkeypatch):
     """An error hf_dtrain did not raise on purpose (here a torch error inside our code) is not dressed up as bad
     input: it reaches the user with its traceback."""
-    from hf_dtrain import pretrain
+    from hf_dtrain.jobs import pretrain
 
     def broken(*args, **kwargs):
         return torch.zeros(2) @ torch.zeros(3)  # a shape error raised by torch, not by a raise statement of ours
@@ -454,7 +462,7 @@ def test_a_persisted_snapshot_that_cannot_be_written_fails_the_run(tmp_path):
                 break
             if step == 2:  # the persisted copies of steps 1-2 are written; then the directory is gone
                 engine.wait()
-                engine._persist.join()
+                engine.persister.join()
                 shutil.rmtree(disk)
                 disk.write_text("a file where the directory was")
         assert failed_at in (3, 4, 5), failed_at  # within two steps of the failed write

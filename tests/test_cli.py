@@ -6,13 +6,15 @@ import sys
 import pytest
 import torch
 
-from hf_dtrain.cli import build_parser, job_config_from_args, main
-from hf_dtrain.finetune import FinetuneConfig, run_finetune
+from hf_dtrain.cli import build_parser, main
+from hf_dtrain.jobs.finetune import FinetuneConfig, run_finetune
+from hf_dtrain.run.flags import job_config_from_args
+from hf_dtrain.run.job import JobRun
 from hf_dtrain.testing import tiny_default_base
 
 
 def _cfg(argv):
-    return job_config_from_args(build_parser().parse_args(["finetune", *argv]))
+    return job_config_from_args(build_parser("finetune").parse_args(argv), FinetuneConfig)
 
 
 def test_defaults_and_flags():
@@ -541,24 +543,20 @@ def test_every_committed_recipe_loads():
     for path in comm:
         data = yaml.safe_load(open(path))["comm_hook"]
         assert CommHookConfig.from_any(data) == CommHookConfig(**data)
-    from hf_dtrain.cli import build_parser
-    from hf_dtrain.pretrain import PretrainConfig
+    from hf_dtrain.jobs.pretrain import PretrainConfig
 
     pretrain = sorted(glob.glob(os.path.join(root, "recipes", "pretrain_*.yaml")))
     assert pretrain
     pretrain.append(os.path.join(root, "recipes", "fault_tolerance_fsdp2.yaml"))
     for path in pretrain:
-        cfg = job_config_from_args(build_parser().parse_args(["pretrain", "--recipe", path]), PretrainConfig)
+        cfg = job_config_from_args(build_parser("pretrain").parse_args(["--recipe", path]), PretrainConfig)
         data = yaml.safe_load(open(path))
         assert cfg.comm_hook == (CommHookConfig(**data["comm_hook"]) if data.get("comm_hook") else None)
-        cfg.check(2, "accelerate")  # the committed combination composes
+        world = 2
+        if cfg.parallel is not None:  # the recipe's degrees fit its model on the processes it names
+            p = cfg.parallel
+            world = p.tp * p.pp * p.dp_replicate * (p.dp_shard or 1)
+        JobRun(cfg, world_size=world, start=False)  # the committed combination composes, its layout fits
         assert (cfg.fsdp is not None) == ("fsdp" in data) and (cfg.fault_tolerance is not None) == (
             "fault_tolerance" in data
         )
-        if cfg.parallel is not None:  # the recipe's degrees fit its model on the processes it names
-            from hf_dtrain.models import llama_config
-            from hf_dtrain.parallel.mesh import check_parallel
-
-            p = cfg.parallel
-            world = p.tp * p.pp * p.dp_replicate * (p.dp_shard or 1)
-            check_parallel(p, world, llama_config(cfg.preset), cfg.pipeline)

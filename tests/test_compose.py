@@ -1,73 +1,88 @@
-"""Composition switches: clashing combinations are refused with a message naming both sides and the fix; the CLI
-turns them into an exit with that message."""
+"""Composition: clashing combinations of sections are refused before anything starts, with a message naming both
+sides and the fix; each side alone is taken. Checked through the run a job starts (``JobRun(..., start=False)``
+stops before the process group)."""
 
 import json
 
 import pytest
 
-from hf_dtrain.compose import ComposeOptions
+from hf_dtrain.jobs.pretrain import PretrainConfig
+from hf_dtrain.jobs.sft.config import FinetuneConfig
+from hf_dtrain.run.job import JobRun
+
+
+def preflight(cfg, world: int) -> JobRun:
+    return JobRun(cfg, world_size=world, start=False)
 
 
 @pytest.mark.parametrize(
-    "kwargs,world,engine,expected",
+    "kwargs,world,job,expected",
     [
         (
             dict(comm_hook="acp_sgd", optimizer="onebit_lamb"),
             2,
-            "accelerate",
+            PretrainConfig,
             r"optimizer=onebit_lamb exchanges .* comm_hook=acp_sgd would be a second exchange: drop --comm-hook",
         ),
-        (dict(comm_hook="acp_sgd"), 1, "accelerate", r"comm_hook=acp_sgd needs >= 2 processes; this run has 1"),
-        (dict(optimizer="decentlam"), 1, "trainer", r"optimizer=decentlam needs >= 2 processes"),
-        (dict(fault_tolerance=True, comm_hook="dear"), 2, "trainer", r"comm_hook=dear defers each update"),
-        (dict(hetero_speeds=[1.0, 2.0]), 2, "trainer", r"Trainer shards its loader again"),
-        (dict(hetero_speeds=[1.0, 2.0, 3.0]), 2, "accelerate", r"hetero_speeds has 3 values for 2 processes"),
+        (dict(comm_hook="acp_sgd"), 1, PretrainConfig, r"comm_hook=acp_sgd needs >= 2 processes; this run has 1"),
+        (dict(optimizer="decentlam"), 1, FinetuneConfig, r"optimizer=decentlam needs >= 2 processes"),
+        (dict(fault_tolerance=True, comm_hook="dear"), 2, FinetuneConfig, r"comm_hook=dear defers each update"),
+        (dict(hetero_speeds=[1.0, 2.0]), 2, FinetuneConfig, r"Trainer shards its loader again"),
+        (dict(hetero_speeds=[1.0, 2.0, 3.0]), 2, PretrainConfig, r"hetero_speeds has 3 values for 2 processes"),
     ],
 )
-def test_clashes_are_refused_naming_both_sides(kwargs, world, engine, expected):
+def test_clashes_are_refused_naming_both_sides(kwargs, world, job, expected):
     with pytest.raises(ValueError, match=r"cannot be combined: .*" + expected):
-        ComposeOptions(**kwargs).check(world, engine)
+        preflight(job(**kwargs), world)
 
 
 def test_two_optimizers_and_deepspeed_clashes(tmp_path):
     with pytest.raises(ValueError, match=r"two optimizers: --method lorafa builds its own .* --lorafa.optimizer false"):
-        ComposeOptions(optimizer="eva").check(2, "trainer", lorafa_optimizer=True)
+        preflight(FinetuneConfig(optimizer="eva"), 2)
     zero3 = tmp_path / "ds.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with pytest.raises(ValueError) as err:
-        ComposeOptions(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, deepspeed=str(zero3)).check(2, "trainer")
+        preflight(
+            FinetuneConfig(method="lora", comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, deepspeed=str(zero3)),
+            2,
+        )
     message = str(err.value)
     assert "comm_hook=acp_sgd is a DDP communication hook and DeepSpeed ZeRO-3 replaces DDP" in message
     assert "delta" not in message and "fault_tolerance with DeepSpeed ZeRO-3" in message  # DELTA works on ZeRO-3
     with pytest.raises(ValueError, match=r"hf-dtrain pretrain runs DDP through Accelerate"):
-        ComposeOptions(deepspeed=str(zero3)).check(2, "accelerate")
-    ComposeOptions(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, optimizer="eva").check(2, "accelerate")
+        preflight(PretrainConfig(deepspeed=str(zero3)), 2)
+    preflight(PretrainConfig(comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, optimizer="eva"), 2)
 
 
 def test_fsdp_clashes_name_the_reason(tmp_path):
     zero3 = tmp_path / "ds.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with pytest.raises(ValueError) as err:
-        ComposeOptions(fsdp=True, comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, deepspeed=str(zero3)).check(
-            2, "trainer"
+        preflight(
+            FinetuneConfig(
+                method="lora", fsdp=True, comm_hook="acp_sgd", delta=0.5, fault_tolerance=True, deepspeed=str(zero3)
+            ),
+            2,
         )
     message = str(err.value)
     assert "fsdp and deepspeed are two sharding engines" in message
     assert "FSDP2 has no DDP hooks" in message and "set --fsdp.replicate N" in message
     assert "delta" not in message and "fault_tolerance with fsdp" not in message  # both work on FSDP2
     with pytest.raises(ValueError, match="each rank holds a shard, not a replica"):
-        ComposeOptions(fsdp=True, optimizer="onebit_lamb").check(2, "trainer")
-    ComposeOptions(fsdp={"replicate": 2, "activation_checkpointing": True}, optimizer="eva").check(4, "trainer")
+        preflight(FinetuneConfig(method="lora", fsdp=True, optimizer="onebit_lamb"), 2)
+    preflight(
+        FinetuneConfig(method="lora", fsdp={"replicate": 2, "activation_checkpointing": True}, optimizer="eva"), 4
+    )
     # HSDP: the hooks that can carry the replica exchange are taken, the others refused with their reason
     for method in ("allreduce", "bf16", "fp16", "acp_sgd"):
-        ComposeOptions(fsdp={"replicate": 2}, comm_hook=method).check(4, "accelerate")
+        preflight(PretrainConfig(fsdp={"replicate": 2}, comm_hook=method), 4)
     for method, why in [
         ("dear", "FSDP2 already does exactly that"),
         ("embrace", "FSDP2 shards the tables"),
         ("s2_reducer", "dense row shards"),
     ]:
         with pytest.raises(ValueError, match=f"comm_hook={method} cannot carry FSDP2's replica exchange: .*{why}"):
-            ComposeOptions(fsdp={"replicate": 2}, comm_hook=method).check(4, "accelerate")
+            preflight(PretrainConfig(fsdp={"replicate": 2}, comm_hook=method), 4)
 
 
 def test_accelerate_fsdp_configs_that_fsdp2_cannot_honour_are_refused():
@@ -103,21 +118,21 @@ def test_accelerate_fsdp_configs_that_fsdp2_cannot_honour_are_refused():
 
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match=r"optimizer='sgd2' is unknown; set --optimizer to one of adamw, eva"):
-        ComposeOptions(optimizer="sgd2").validate()
+        PretrainConfig(optimizer="sgd2")
     with pytest.raises(ValueError, match=r"method='powersgd' is unknown; set comm_hook.method"):
-        ComposeOptions(comm_hook="powersgd")
+        PretrainConfig(comm_hook="powersgd")
     with pytest.raises(ValueError, match=r"DeltaConfig.budget must be a fraction in \(0, 1\] or bytes"):
-        ComposeOptions(delta=0)
+        PretrainConfig(delta=0)
     with pytest.raises(ValueError, match=r"granularity='op' is unknown; set delta.granularity to one of layer"):
-        ComposeOptions(delta={"budget": 0.5, "granularity": "op"})
+        PretrainConfig(delta={"budget": 0.5, "granularity": "op"})
     with pytest.raises(ValueError, match=r"eva.\* settings are given but optimizer=adamw; set --optimizer eva"):
-        ComposeOptions(eva={"damping": 0.1})
+        PretrainConfig(eva={"damping": 0.1})
     with pytest.raises(
         ValueError,
-        match=r"ComposeOptions.delta: unknown key\(s\) \['budgett'\]; valid keys are "
+        match=r"PretrainConfig.delta: unknown key\(s\) \['budgett'\]; valid keys are "
         r"allow_offload, budget, granularity",
     ):
-        ComposeOptions.from_dict({"delta": {"budgett": 0.5}})
+        PretrainConfig.from_dict({"delta": {"budgett": 0.5}})
 
 
 def test_cli_refuses_a_clash_before_training(capsys):

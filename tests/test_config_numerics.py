@@ -99,7 +99,7 @@ def test_every_delta_field_reaches_the_planner(monkeypatch):
     """Each DeltaConfig field reaches what uses it: the budget and planner settings the plan is made with (recorded
     at the planner's door: plans themselves depend on measured times, so comparing them would be flaky), and the
     planning units."""
-    import hf_dtrain.memory as memory
+    import hf_dtrain.memory.scheduler as memory  # where the scheduler calls the planner
     from hf_dtrain.memory import apply_delta
 
     seen = []

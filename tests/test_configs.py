@@ -9,18 +9,19 @@ import warnings
 import pytest
 import torch
 
-from hf_dtrain.cli import build_parser, job_config_from_args
+from hf_dtrain.cli import build_parser
 from hf_dtrain.comm import CommHookConfig
-from hf_dtrain.compose import ComposeOptions
 from hf_dtrain.decentralized import GossipConfig
 from hf_dtrain.fault import SnapshotConfig
-from hf_dtrain.finetune import FinetuneConfig
+from hf_dtrain.jobs.pretrain import PretrainConfig
+from hf_dtrain.jobs.sft.config import FinetuneConfig
 from hf_dtrain.memory import DeltaConfig
 from hf_dtrain.optim import EvaConfig, OneBitLambConfig
-from hf_dtrain.pretrain import PretrainConfig
+from hf_dtrain.run.flags import job_config_from_args
+from hf_dtrain.run.job import JobRun
 
-# every engine config, found in hf_dtrain's packages independently of ComposeOptions: a new engine config must be
-# listed here and held by ComposeOptions (the assertion below names it otherwise)
+# every engine config, found in hf_dtrain's packages independently of the sections' registry: a new engine config
+# must be listed here and held by the job configs (the assertion below names it otherwise)
 ENGINE_CONFIGS = [CommHookConfig, DeltaConfig, SnapshotConfig, EvaConfig, OneBitLambConfig, GossipConfig]
 
 
@@ -82,9 +83,8 @@ def test_every_engine_field_is_a_flag_that_reaches_the_engine_config(job, comman
     sections = _sections(job)
     missing = [c.__name__ for c in ENGINE_CONFIGS if c not in sections]
     assert not missing, f"engine configs not held by {job.__name__}: {missing}"
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
-    flags = {s for a in sub._actions for s in a.option_strings}
+    parser = build_parser(command)
+    flags = {s for a in parser._actions for s in a.option_strings}
     checked = 0
     for cls in ENGINE_CONFIGS:
         section = sections[cls]
@@ -103,7 +103,7 @@ def test_every_engine_field_is_a_flag_that_reaches_the_engine_config(job, comman
             extra = SELECTOR.get(section, [])
             if section == "delta" and f.name != "budget":
                 extra = ["--delta", "0.5"]
-            ns = parser.parse_args([command, *extra, flag, *argv])
+            ns = parser.parse_args([*extra, flag, *argv])
             cfg = job_config_from_args(ns, job)
             built = getattr(cfg, section)
             assert isinstance(built, cls)
@@ -122,8 +122,8 @@ def test_every_engine_field_is_a_flag_that_reaches_the_engine_config(job, comman
 def test_the_config_reaches_the_engine_unchanged(tmp_path):
     """The object the job holds is the object its engine uses, not rebuilt from a subset of its fields (what
     hf-dtrain finetune builds), and the snapshot engine takes its config as given."""
-    from hf_dtrain.fault import SnapshotEngine
-    from hf_dtrain.finetune import engine_callbacks
+    from hf_dtrain.fault import InMemoryFaultToleranceCallback, SnapshotEngine
+    from hf_dtrain.memory import DeltaCallback
     from hf_dtrain.testing import stop_snapshot_processes, tiny_llama
 
     cfg = FinetuneConfig.from_dict(
@@ -132,10 +132,18 @@ def test_the_config_reaches_the_engine_unchanged(tmp_path):
             "fault_tolerance": {"parity": 0, "idle_exit": 5.0, "directory": str(tmp_path)},
         }
     )
-    delta_cb, ft = engine_callbacks(cfg, str(tmp_path / "out"))
+
+    def callbacks(cfg):
+        run = JobRun(cfg, output_dir=str(tmp_path / "out"), start=False)
+        found = run.callbacks()
+        return tuple(
+            next(cb for cb in found if isinstance(cb, kind)) for kind in (DeltaCallback, InMemoryFaultToleranceCallback)
+        )
+
+    delta_cb, ft = callbacks(cfg)
     assert delta_cb.config is cfg.delta and ft.config is cfg.fault_tolerance
     persisting = dataclasses.replace(cfg.fault_tolerance, persist_every=5)
-    _, ft = engine_callbacks(dataclasses.replace(cfg, fault_tolerance=persisting), str(tmp_path / "out"))
+    _, ft = callbacks(dataclasses.replace(cfg, fault_tolerance=persisting))
     assert ft.config == dataclasses.replace(persisting, persist_dir=str(tmp_path / "out" / "snapshots"))
     model = tiny_llama()
     try:
@@ -249,9 +257,8 @@ def test_every_sft_config_field_is_a_flag_and_a_yaml_key_that_reaches_the_traine
     from trl import SFTConfig
 
     hints = typing.get_type_hints(SFTConfig)
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices["finetune"]
-    flags = {s for a in sub._actions for s in a.option_strings}
+    parser = build_parser("finetune")
+    flags = {s for a in parser._actions for s in a.option_strings}
     default = FinetuneConfig().training_args()
     checked, refused = 0, set()
     with warnings.catch_warnings():
@@ -262,7 +269,7 @@ def test_every_sft_config_field_is_a_flag_and_a_yaml_key_that_reaches_the_traine
                 continue
             value = _trainer_sample(f.name, hints[f.name], getattr(default, f.name))
             extra = TRAINER_NEEDS.get(f.name, {})
-            argv = ["finetune", f"--{f.name.replace('_', '-')}", *_words(value)]
+            argv = [f"--{f.name.replace('_', '-')}", *_words(value)]
             for k, v in extra.items():
                 argv += [f"--{k}", *_words(v)]
             data = {f.name: value, **extra}
@@ -284,16 +291,16 @@ def test_every_sft_config_field_is_a_flag_and_a_yaml_key_that_reaches_the_traine
     assert checked == len([f for f in dataclasses.fields(SFTConfig) if f.init]) - len(OWNED | OBJECT_FIELDS | refused)
 
 
-def test_importing_a_tuner_job_module_first_works_and_registers_it():
-    """Each tuner pushes its fine-tuning entry when its job.py is imported; the registry imports no tuner, so a
-    fresh interpreter can import any job.py first."""
+def test_importing_a_tuner_method_module_first_works_and_registers_it():
+    """Each tuner pushes its fine-tuning entry when its method.py is imported; the registry imports no tuner, so a
+    fresh interpreter can import any method.py first."""
     import subprocess
     import sys
 
     procs = {}
     for name in ("smt", "lorafa", "qbara", "qahira"):
         code = (
-            f"import hf_dtrain.tuners.{name}.job as job; from hf_dtrain.tuners.finetune_method import "
+            f"import hf_dtrain.tuners.{name}.method as job; from hf_dtrain.tuners.finetune_method import "
             f"FINETUNE_METHODS; assert FINETUNE_METHODS[{name!r}] is job.METHOD; print('ok')"
         )
         procs[name] = subprocess.Popen(
@@ -305,11 +312,11 @@ def test_importing_a_tuner_job_module_first_works_and_registers_it():
 
 
 def test_short_forms_and_off():
-    cfg = ComposeOptions.from_dict({"comm_hook": "dear", "delta": 2e8, "fault_tolerance": True})
+    cfg = PretrainConfig.from_dict({"comm_hook": "dear", "delta": 2e8, "fault_tolerance": True})
     assert (
         cfg.comm_hook.method == "dear" and cfg.delta.budget == 200_000_000 and cfg.fault_tolerance == SnapshotConfig()
     )
-    cfg = ComposeOptions.from_dict({"comm_hook": None, "delta": None, "fault_tolerance": False})
+    cfg = PretrainConfig.from_dict({"comm_hook": None, "delta": None, "fault_tolerance": False})
     assert cfg.comm_hook is None and cfg.delta is None and cfg.fault_tolerance is None
-    with pytest.raises(ValueError, match=r"ComposeOptions.eva cannot be switched off"):
-        ComposeOptions.from_dict({"eva": None})
+    with pytest.raises(ValueError, match=r"PretrainConfig.eva cannot be switched off"):
+        PretrainConfig.from_dict({"eva": None})

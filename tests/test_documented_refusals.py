@@ -1,7 +1,8 @@
-"""Every clash docs/compose.md promises to refuse ("Clashes refused, and why") is refused: the test reads the table
-from the page, and each row must have at least one concrete combination here that the job refuses before any process
-group (from its flags, on the world size given) with a message naming the settings. A row added to the docs without
-a check here fails, as does a check that stops refusing."""
+"""Every clash the sections declare (one table, :func:`hf_dtrain.run.section.clash_table`) is the table docs/compose.md
+shows ("Clashes refused, and why"), and is refused: each row must have at least one concrete combination here that
+the job refuses before any process group (its flags parsed as the command line parses them, its config built, the run
+started as the job starts it, on the world size given) with a message naming the settings. A row added to a section
+without a check here fails, as does a check that stops refusing, and a docs table that differs from the sections'."""
 
 import os
 import re
@@ -9,9 +10,9 @@ import re
 import pytest
 
 from hf_dtrain import cli
-from hf_dtrain.compose import fsdp_from_launcher
-from hf_dtrain.finetune import FinetuneConfig
-from hf_dtrain.pretrain import PretrainConfig, _checked_layout
+from hf_dtrain.run.flags import job_config_from_args
+from hf_dtrain.run.job import JobRun
+from hf_dtrain.run.section import clash_table
 
 pytestmark = pytest.mark.timeout(60)
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "compose.md")
@@ -35,7 +36,7 @@ EXAMPLES = {
         ("pretrain", ["--comm-hook", "acp_sgd"], 1, {}, r"needs >= 2 processes"),
         ("finetune", ["--optimizer", "diloco"], 1, {}, r"optimizer=diloco needs >= 2 processes"),
     ],
-    "`--method lorafa` (its own optimizer) with `--optimizer` other than adamw": [
+    "a `--method` that builds its own optimizer (`--method lorafa`) with `--optimizer` other than adamw": [
         ("finetune", ["--method", "lorafa", "--optimizer", "eva"], 2, {}, r"two optimizers.*--lorafa.optimizer false"),
     ],
     "`--fault-tolerance` with `--comm-hook dear`": [
@@ -146,27 +147,31 @@ EXAMPLES = {
 
 
 def refusal(job: str, flags: list[str], world: int, env: dict, monkeypatch) -> str | None:
-    """The message with which ``job`` refuses ``flags`` on ``world`` processes before any process group, or None.
-    What the jobs check before they start: the typed config, the mesh layout, the clash rules, the launch config."""
-    if job == "pretrain":  # its layout check reads the launcher's WORLD_SIZE (SFTConfig would start a group on it)
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-    else:
-        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    """The message with which ``job`` refuses ``flags`` on ``world`` processes before any process group, or None:
+    the command line parsed, the config built, and the job's run started up to the process group (the launch
+    environment resolved, the clashes, each section's checks)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # the world is given: SFTConfig would start a group on it
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    ns = cli.build_parser().parse_args([job, *flags])
     try:
-        cfg = cli._settings(cli.job_config_from_args, ns, PretrainConfig if job == "pretrain" else FinetuneConfig)
-        cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
-        if job == "pretrain":
-            _checked_layout(cfg)
-            cfg.check(world, engine="accelerate")
-        else:
-            lorafa = cfg.method == "lorafa" and cfg.lorafa.optimizer
-            cfg.check(world, engine="trainer", lorafa_optimizer=lorafa)
+        name, ns = cli.parse([job, *flags])
+        cfg = job_config_from_args(ns, cli.config_class(cli.JOBS[name]))
+        JobRun(cfg, world_size=world, start=False)
     except ValueError as e:
         return str(e)
     return None
+
+
+def documented_table() -> str:
+    text = open(DOC).read()
+    section = text.split("## Clashes refused, and why", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line for line in section.splitlines() if line.startswith("|"))
+
+
+def test_the_docs_table_is_the_sections_table():
+    """docs/compose.md shows the refusals the sections declare (regenerate it with ``python -m
+    hf_dtrain.run.section``)."""
+    assert documented_table() == clash_table()
 
 
 def test_every_documented_clash_has_a_check():

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hf_dtrain.cli import main
-from hf_dtrain.finetune import FinetuneConfig, load_base_and_data
+from hf_dtrain.jobs.sft.config import FinetuneConfig
+from hf_dtrain.jobs.sft.data import load_base_and_data
 from hf_dtrain.testing import chat_llama_checkpoint
 
 ROWS = 48
@@ -336,12 +337,12 @@ def test_the_qlora_qahira_recipe_trains_on_int4_and_merges_exactly(setup, merge_
 
 
 def test_settings_an_engine_would_override_are_refused_before_any_step(setup):
-    from hf_dtrain.finetune import run_finetune
+    from hf_dtrain.jobs.finetune import run_finetune
     from hf_dtrain.settings import SettingsError
 
     model, files, _ = setup
     for data, message in (
-        ({"method": "lorafa", "optim": "sgd"}, r"--optim sgd .*LoRA-FA's own optimizer"),
+        ({"method": "lorafa", "optim": "sgd"}, r"--optim sgd .*lorafa's own optimizer"),
         ({"method": "lora", "optim": "sgd", "optimizer": "eva"}, r"--optim sgd .*--optimizer eva"),
         ({"method": "lora", "fsdp": True, "save_strategy": "steps"}, r"save_strategy=steps with fsdp"),
     ):

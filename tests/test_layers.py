@@ -25,15 +25,30 @@ LAYERS = [
             "errors",
             "datafile",
             "adapters",
+            "optimizers",  # the registry of --optimizer choices the engines fill
+            "run",  # sections, job configs, flags and JobRun: it names no section and imports no engine
         },
     ),
     (
         "engines",
-        {"tuners", "comm", "optim", "decentralized", "data", "memory", "fault", "parallel", "federated", "split"},
+        {
+            "tuners",
+            "comm",
+            "optim",
+            "decentralized",
+            "data",
+            "memory",
+            "fault",
+            "parallel",
+            "federated",
+            "split",
+            "health",
+        },
     ),
-    ("engines over the tuners", {"fused"}),  # it fuses the tuners' adapters, so it knows their layers
-    ("composition", {"compose", "run", "callbacks", "model_card"}),
-    ("jobs", {"finetune", "pretrain", "plan", "sweep", "fed", "elastic"}),
+    # it fuses the tuners' adapters by the forms they register: of the tuners it imports the registry alone
+    ("engines over the tuners", {"fused"}),
+    ("the callbacks in one place", {"callbacks"}),
+    ("jobs", {"jobs"}),  # each job under jobs/, none importing another (what the fine-tuning jobs share: jobs/sft)
     ("cli", {"cli"}),
 ]
 LEVEL = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
@@ -44,6 +59,12 @@ def _unit(module: str) -> str:
     """``hf_dtrain.comm.acp_sgd`` -> ``comm``; ``hf_dtrain`` itself -> ``""``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def _job(module: str) -> str | None:
+    """``hf_dtrain.jobs.sweep`` -> ``sweep``; ``hf_dtrain.jobs.finetune.trainer`` -> ``finetune``; the package -> None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else None
 
 
 def _imports(path: str, module: str):
@@ -90,12 +111,29 @@ def violations() -> list[str]:
             if other == "testing":
                 found.append(f"{where}: the package never imports its testing helpers")
             elif other == "":
-                if target == "hf_dtrain" and LEVEL[unit] < LEVEL["finetune"]:
+                if target == "hf_dtrain" and LEVEL[unit] < LEVEL["jobs"]:
                     found.append(f"{where}: the top-level package (everything) from the {NAME[LEVEL[unit]]} layer")
             elif other != unit and LEVEL[other] > LEVEL[unit]:
                 found.append(f"{where}: {NAME[LEVEL[other]]} from the {NAME[LEVEL[unit]]} layer")
             elif other != unit and LEVEL[other] == LEVEL[unit] == LEVEL["comm"]:
                 found.append(f"{where}: one engine imports another (move what they share to the base layer)")
+    for path, module in _modules(PACKAGE, "hf_dtrain"):
+        if not module.startswith("hf_dtrain.jobs."):
+            continue
+        job = _job(module)
+        for line, target in _imports(path, module):
+            other = _job(target) if target.startswith("hf_dtrain.jobs.") else None
+            if job not in (None, "sft") and other not in (None, job, "sft"):
+                found.append(f"{os.path.relpath(path, ROOT)}:{line} imports {target}: a job never imports another job")
+    for path, module in _modules(PACKAGE, "hf_dtrain"):
+        if not module.startswith("hf_dtrain.fused"):
+            continue
+        for line, target in _imports(path, module):
+            if target.startswith("hf_dtrain.tuners") and target != "hf_dtrain.tuners.finetune_method":
+                found.append(
+                    f"{os.path.relpath(path, ROOT)}:{line} imports {target}: fused/ imports no tuner (their fused "
+                    "forms come through hf_dtrain.tuners.finetune_method)"
+                )
     for path, module in _modules(os.path.join(ROOT, "benchmarks"), "benchmarks"):
         for line, text in enumerate(open(path), 1):
             if "sys.path" in text and '"tests"' in text:

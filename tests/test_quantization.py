@@ -13,8 +13,9 @@ from hf_dtrain.quantization import (
     quantize_model_hqq,
     quantized_kind,
 )
+from hf_dtrain.quantization.int4 import quantize_model_int4
 from hf_dtrain.testing import random_batch, tiny_llama, train_steps
-from hf_dtrain.tuners.qahira import QAHiRALayer, quantize_model_int4
+from hf_dtrain.tuners.qahira import QAHiRALayer
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 

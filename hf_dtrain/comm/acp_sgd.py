@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import world_size_of
 from ..distributed.counters import WireStats
 
@@ -61,14 +63,14 @@ class ACPSGDState:
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"ACPSGDState.rank must be a positive integer, got {self.rank!r}.")
+            raise SettingsError(f"ACPSGDState.rank must be a positive integer, got {self.rank!r}.")
         if not isinstance(self.start_iter, int) or self.start_iter < 2:
-            raise ValueError(
+            raise SettingsError(
                 f"ACPSGDState.start_iter must be an integer >= 2 (DDP rebuilds its buckets after the "
                 f"first step), got {self.start_iter!r}."
             )
         if self.min_compression_rate < 0:
-            raise ValueError(f"ACPSGDState.min_compression_rate must be >= 0, got {self.min_compression_rate!r}.")
+            raise SettingsError(f"ACPSGDState.min_compression_rate must be >= 0, got {self.min_compression_rate!r}.")
 
     def state_dict(self) -> dict:
         """The step count and every tensor's factors and error feedback, as copies (the hook changes them in the
@@ -108,7 +110,7 @@ class ACPSGDState:
                 continue
             n, m = shape[0], int(torch.Size(shape).numel()) // shape[0]
             if self.rank > min(n, m) and self.min_compression_rate * (n + m) * self.rank <= n * m:
-                raise ValueError(
+                raise SettingsError(
                     f"ACP-SGD rank={self.rank} exceeds min{(n, m)} of {name!r} (its gradient as a "
                     f"matrix); use rank <= {min(n, m)}."
                 )

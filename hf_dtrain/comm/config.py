@@ -9,7 +9,21 @@ from typing import ClassVar
 
 from hf_dtrain.settings import build, check_choice, check_fields
 
-from .embrace import EXCHANGES
+# EmbRace's ways of exchanging embedding rows
+EXCHANGES = ("allgather", "alltoall", "sharded")
+# the methods that carry FSDP2's exchange across HSDP replica groups (comm/fsdp.py), and why the others do not
+FSDP_METHODS = ("allreduce", "bf16", "fp16", "acp_sgd")
+FSDP_REFUSALS = {
+    "dear": "DeAR splits the all-reduce into a reduce-scatter in backward and an all-gather before the next forward; "
+    "FSDP2 already does exactly that for every unit",
+    "embrace": "EmbRace exchanges the rows of replicated embedding tables; FSDP2 shards the tables and "
+    "reduce-scatters their gradients densely",
+    "s2_reducer": "the S2 Reducer sketches sparse whole-tensor gradients; FSDP2's replica exchange carries dense row "
+    "shards (not built)",
+    "noop": "noop leaves gradients local for optimizers that exchange themselves; under FSDP2 a rank holds a shard, "
+    "not a replica",
+}
+
 
 METHODS = ("allreduce", "bf16", "fp16", "acp_sgd", "s2_reducer", "dear", "embrace", "noop")
 
@@ -88,7 +102,6 @@ class CommHookConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
 
         check_choice(self, "method", METHODS, "comm_hook.method (--comm-hook)")
@@ -97,7 +110,6 @@ class CommHookConfig:
     @classmethod
     def from_any(cls, config: CommHookConfig | dict | str | None) -> CommHookConfig:
         """A config from itself, a method name, or a dict of fields (unknown keys refused, naming the valid ones)."""
-
         if config is None:
             return cls()
         if isinstance(config, cls):

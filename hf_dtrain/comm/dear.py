@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import all_gather_single, reduce_scatter_single, world_size_of
 from ..distributed.counters import WireStats
 from ..distributed.engines import keep_gradients_local
@@ -183,7 +185,7 @@ class DeARState:
         """The optimizer's ``step``: records the hyperparameters and starts the first group's all-gather; each group's
         update runs just before its first use in the next forward (or at :meth:`flush`)."""
         if closure is not None:
-            raise ValueError("DeAR defers the optimizer update to the next forward; step(closure) is not supported.")
+            raise SettingsError("DeAR defers the optimizer update to the next forward; step(closure) is not supported.")
         if self._due:  # a step() without a forward in between: apply what is still pending first
             self.flush()
         if not self.launched:  # no synchronised backward (one process, or gradients accumulated locally)

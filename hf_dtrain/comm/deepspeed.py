@@ -23,9 +23,12 @@ import math
 
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import world_size_of
-from . import CommHookConfig, DenseState, dense_allreduce_hook
 from .acp_sgd import ACPSGDState, acp_sgd_hook
+from .config import CommHookConfig
+from .hooks import DenseState, dense_allreduce_hook
 from .s2_reducer import S2ReducerState, s2_reducer_hook
 
 DEEPSPEED_METHODS = ("allreduce", "acp_sgd", "s2_reducer")
@@ -89,26 +92,26 @@ def register_deepspeed(engine, config=None, bucket_cap_mb: float = 25.0):
     config = CommHookConfig.from_any(config)
     stage = engine.zero_optimization_stage()
     if stage != 0:
-        raise ValueError(
+        raise SettingsError(
             f"hf_dtrain communication methods replace the gradient all-reduce of ZeRO stage 0; this engine "
             f"runs ZeRO stage {stage}, whose optimizer reduces gradients into its partitions itself. Set "
             "zero_optimization.stage to 0, or use DDP (Accelerate / Trainer without DeepSpeed)."
         )
     if config.method not in DEEPSPEED_METHODS:
-        raise ValueError(
+        raise SettingsError(
             f"comm method {config.method!r} needs DDP's bucket schedule (forward pre-hooks or parameters "
             f"ignored by DDP); with DeepSpeed use one of {', '.join(DEEPSPEED_METHODS)}."
         )
     if engine.gradient_clipping():
-        raise ValueError(
+        raise SettingsError(
             f"DeepSpeed's gradient_clipping={engine.gradient_clipping()} runs before the optimizer step, "
             "that is before this method averages the gradients; set gradient_clipping to 0."
         )
     if not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}.")
+        raise SettingsError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}.")
 
     if world_size_of() < 2:
-        raise ValueError(
+        raise SettingsError(
             "communication methods need a world of >= 2 processes; this one has 1 (launch with deepspeed "
             "/ torchrun --nproc_per_node >= 2)."
         )

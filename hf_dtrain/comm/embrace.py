@@ -35,10 +35,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import all_gather_single, world_size_of
 from ..distributed.counters import WireStats
-
-EXCHANGES = ("allgather", "alltoall", "sharded")
+from .config import EXCHANGES
 
 
 def embedding_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -49,15 +50,14 @@ def embedding_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def exclude_embeddings(model: nn.Module) -> list[str]:
     """Keep the embedding weights out of DDP (call before wrapping); returns their names."""
-
     if isinstance(model, DistributedDataParallel):
-        raise ValueError(
+        raise SettingsError(
             "exclude_embeddings() must run before the model is wrapped in DDP (before "
             "accelerator.prepare / trainer.train); it got the wrapped model."
         )
     names = sorted(embedding_parameters(model))
     if not names:
-        raise ValueError(
+        raise SettingsError(
             "EmbRace found no trainable nn.Embedding in the model; use a dense method (allreduce, "
             "acp_sgd) for models without trainable embeddings."
         )
@@ -89,7 +89,7 @@ class EmbRaceState:
 
     def __post_init__(self):
         if self.exchange not in EXCHANGES:
-            raise ValueError(f"EmbRaceState.exchange={self.exchange!r}; use one of {', '.join(EXCHANGES)}.")
+            raise SettingsError(f"EmbRaceState.exchange={self.exchange!r}; use one of {', '.join(EXCHANGES)}.")
 
     # -- dense parameters: DDP's all-reduce, counted ----------------------------------------------------------------
     def _queue_end(self):
@@ -214,7 +214,7 @@ class EmbRaceState:
 
             shards = sharded_embeddings(ddp_model.module)
             if not shards:
-                raise ValueError(
+                raise SettingsError(
                     "EmbRace exchange='sharded' found no sharded embedding. Call "
                     "hf_dtrain.comm.shard_embeddings(model) before DDP(model) / accelerator.prepare(model) "
                     "(CommHookCallback.attach does it for the Trainer)."
@@ -227,7 +227,7 @@ class EmbRaceState:
         params = embedding_parameters(ddp_model.module)
         missing = sorted(set(params) - ignored)
         if missing:
-            raise ValueError(
+            raise SettingsError(
                 f"EmbRace: the embedding parameter(s) {missing} are still inside DDP. Call "
                 "hf_dtrain.comm.exclude_embeddings(model) before DDP(model) / accelerator.prepare(model) "
                 "(CommHookCallback.attach does it for the Trainer)."
@@ -242,7 +242,6 @@ class EmbRaceState:
 
 def embrace_dense_hook(state: EmbRaceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook for the dense parameters: torch's averaged all-reduce, counted in the EmbRace step."""
-
     state._queue_end()
     state.stats.add(bucket.buffer())
     return allreduce_hook(state.process_group, bucket)

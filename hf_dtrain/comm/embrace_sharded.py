@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import all_gather_single, world_size_of
 from ..distributed.counters import WireStats
 
@@ -94,7 +96,7 @@ class ColumnShardedEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, group=None):
         super().__init__()
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
-            raise ValueError(
+            raise SettingsError(
                 "ColumnShardedEmbedding shards plain embeddings only (no max_norm, scale_grad_by_freq "
                 "or sparse gradients)."
             )
@@ -139,23 +141,22 @@ def shard_embeddings(model: nn.Module, group=None) -> list[str]:
     out of DDP (call before ``DDP(model)`` / ``accelerator.prepare``; every rank, same model). Returns the names of
     the replaced modules. A table tied to the output projection is refused (its gradient is dense: keep it
     replicated with ``exchange="allgather"``, or untie it)."""
-
     if isinstance(model, DistributedDataParallel):
-        raise ValueError(
+        raise SettingsError(
             "shard_embeddings() must run before the model is wrapped in DDP (before accelerator.prepare "
             "/ trainer.train); it got the wrapped model."
         )
     if world_size_of(group) < 2:
-        raise ValueError("sharded embeddings need a world of >= 2 processes (torchrun / accelerate launch).")
+        raise SettingsError("sharded embeddings need a world of >= 2 processes (torchrun / accelerate launch).")
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m.weight.requires_grad]
     if not targets:
-        raise ValueError(
+        raise SettingsError(
             "EmbRace found no trainable nn.Embedding in the model; use a dense method (allreduce, "
             "acp_sgd) for models without trainable embeddings."
         )
     for name, m in targets:
         if _tied(model, m.weight):
-            raise ValueError(
+            raise SettingsError(
                 f"EmbRace exchange='sharded': the embedding {name!r} is tied to another module (the "
                 "output projection, tie_word_embeddings=True), whose gradient is dense. Untie it, or use "
                 "exchange='allgather' / 'alltoall' (replicated tables)."
@@ -191,7 +192,7 @@ def clip_sharded_grad_norm_(parameters, max_norm: float, model: nn.Module, norm_
     counted once, and every gradient is scaled by the same factor. Returns the total norm (the same on every rank).
     Every rank calls it."""
     if float(norm_type) != 2.0:
-        raise ValueError(
+        raise SettingsError(
             f"clip_sharded_grad_norm_ with sharded embeddings supports norm_type=2 only, got "
             f"{norm_type}; use the Euclidean norm (the default)."
         )

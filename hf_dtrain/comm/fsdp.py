@@ -31,22 +31,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import check_same_across_ranks, world_size_of
 from ..distributed.counters import WireStats
 from .acp_sgd import ACPSGDState, decode, encode, tensor_state
-from .config import CommHookConfig
+from .config import FSDP_METHODS, FSDP_REFUSALS, CommHookConfig
 
-FSDP_METHODS = ("allreduce", "bf16", "fp16", "acp_sgd")
-FSDP_REFUSALS = {
-    "dear": "DeAR splits the all-reduce into a reduce-scatter in backward and an all-gather before the next forward; "
-    "FSDP2 already does exactly that for every unit",
-    "embrace": "EmbRace exchanges the rows of replicated embedding tables; FSDP2 shards the tables and "
-    "reduce-scatters their gradients densely",
-    "s2_reducer": "the S2 Reducer sketches sparse whole-tensor gradients; FSDP2's replica exchange carries dense row "
-    "shards (not built)",
-    "noop": "noop leaves gradients local for optimizers that exchange themselves; under FSDP2 a rank holds a shard, "
-    "not a replica",
-}
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -165,7 +156,7 @@ def _check_layout(units) -> None:
     for name, _, group in units:
         for fp in group.fsdp_params:
             if fp.fsdp_placement.dim != 0:
-                raise ValueError(
+                raise SettingsError(
                     f"the FSDP replica exchange needs row shards (Shard(0)); {fp._param_fqn!r} in unit "
                     f"{name!r} is sharded on dim {fp.fsdp_placement.dim}: drop shard_placement_fn."
                 )
@@ -182,17 +173,16 @@ def register_fsdp(model, config: CommHookConfig | dict | str | None, replica_gro
            apply_fsdp(model, config, mesh=mesh["dp_shard"])
            state = register_fsdp(model, "acp_sgd", mesh["dp_replicate"].get_group())
     Call before the first backward. Returns the state (``state.stats``: bytes per step)."""
-
     config = CommHookConfig.from_any(config)
     if config.method not in FSDP_METHODS:
         why = FSDP_REFUSALS.get(config.method, "not built")
-        raise ValueError(
+        raise SettingsError(
             f"comm_hook.method={config.method!r} cannot compress FSDP2's replica exchange: {why}. Use "
             f"one of {', '.join(FSDP_METHODS)}."
         )
     replicas = world_size_of(replica_group)
     if replicas < 2:
-        raise ValueError(
+        raise SettingsError(
             "the FSDP replica exchange needs >= 2 replica groups (HSDP: fsdp.replicate >= 2); with one "
             "group there is nothing to exchange across groups: drop the comm hook."
         )
@@ -201,7 +191,7 @@ def register_fsdp(model, config: CommHookConfig | dict | str | None, replica_gro
         if isinstance(module, FSDPModule):
             for group in _param_groups(module):
                 if getattr(group, "_is_hsdp", False):
-                    raise ValueError(
+                    raise SettingsError(
                         "the model is sharded on a 2D (HSDP) mesh, so FSDP2 already all-reduces across "
                         "replicas before any hook: shard it on the dp_shard mesh dimension only "
                         "(apply_fsdp(model, config, mesh=fsdp_mesh(config)['dp_shard']))."
@@ -235,7 +225,7 @@ def register_fsdp(model, config: CommHookConfig | dict | str | None, replica_gro
         )
     for name, module, group in units:
         if len(_param_groups(module)) != 1:
-            raise ValueError(
+            raise SettingsError(
                 f"FSDP unit {name!r} has several parameter groups (per-parameter meshes); the replica "
                 "exchange needs one per unit."
             )
@@ -245,7 +235,6 @@ def register_fsdp(model, config: CommHookConfig | dict | str | None, replica_gro
 
 def fsdp_exchange_step_bytes(state: FSDPExchangeState, model, element_size: int = 4, even: bool = True) -> int:
     """Payload bytes one rank sends in one compressed step of ``state``'s method (the formula the tests check)."""
-
     shapes = []
     for _, module in model.named_modules():
         if isinstance(module, FSDPModule):

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import pack_bits, unpack_bits, world_size_of
 from ..distributed.counters import WireStats
 
@@ -75,9 +77,9 @@ class S2ReducerState:
 
     def __post_init__(self):
         if not isinstance(self.rows, int) or self.rows < 1 or self.rows % 2 == 0:
-            raise ValueError(f"S2ReducerState.rows must be an odd positive integer, got {self.rows!r}.")
+            raise SettingsError(f"S2ReducerState.rows must be an odd positive integer, got {self.rows!r}.")
         if self.width_factor < 1:
-            raise ValueError(f"S2ReducerState.width_factor must be >= 1, got {self.width_factor!r}.")
+            raise SettingsError(f"S2ReducerState.width_factor must be >= 1, got {self.width_factor!r}.")
 
 
 def _hashes(state: S2ReducerState, n: int, width: int, bucket_index: int, device):

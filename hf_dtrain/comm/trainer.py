@@ -10,15 +10,19 @@ writes rank 0's optimizer state only."""
 
 from transformers import TrainerCallback
 
-from . import CommHookConfig, exclude_embeddings, register, shard_embeddings, unshard_embeddings, unwrap_optimizer
-from .embrace_sharded import clip_sharded_grad_norm_
+from hf_dtrain.errors import SettingsError
+
+from ..distributed.engines import unwrap_optimizer
+from .config import CommHookConfig
+from .embrace import exclude_embeddings
+from .embrace_sharded import clip_sharded_grad_norm_, shard_embeddings, unshard_embeddings
+from .hooks import register
 
 
 def _clip_across_shards(trainer) -> None:
     """The Trainer clips with ``accelerator.clip_grad_norm_``, whose norm is each rank's own: with sharded tables
     the ranks would scale their dense gradients differently and drift apart. This accelerator clips with the norm
     summed over the shards instead (the Trainer also logs that norm as ``grad_norm``)."""
-
     accelerator, model = trainer.accelerator, trainer.model
 
     def clip(parameters, max_norm, norm_type=2):
@@ -48,7 +52,7 @@ class CommHookCallback(TrainerCallback):
         callback.trainer = trainer
         if callback.config.method == "embrace" and callback.config.exchange == "sharded":
             if trainer.args.save_strategy != "no":
-                raise ValueError(
+                raise SettingsError(
                     "EmbRace exchange='sharded' holds a column slice of each embedding table per rank, "
                     "which a mid-training checkpoint would save as is; set save_strategy='no' (the "
                     "callback puts the full tables back at the end of training, before you save), or "
@@ -63,21 +67,21 @@ class CommHookCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer is None:
-            raise ValueError(
+            raise SettingsError(
                 "CommHookCallback needs its trainer (the DDP model is trainer.model_wrapped): use "
                 "CommHookCallback.attach(trainer, config) instead of callbacks=[CommHookCallback()]."
             )
         if self.state is not None:  # a second train() on the same wrapped model: the hook is already in place
             return
         if self.config.method == "dear" and args.max_grad_norm:
-            raise ValueError(
+            raise SettingsError(
                 f"DeAR averages gradients after optimizer.step() is called, so the Trainer's gradient "
                 f"clipping (max_grad_norm={args.max_grad_norm}) would clip local gradients; set "
                 "TrainingArguments(max_grad_norm=0) (--max_grad_norm 0)."
             )
         inner = unwrap_optimizer(self.trainer.optimizer) if self.trainer.optimizer is not None else None
         if getattr(inner, "exchanges_gradients_itself", False) and args.max_grad_norm:
-            raise ValueError(
+            raise SettingsError(
                 f"{type(inner).__name__} averages the gradients inside its step(), so the Trainer's "
                 f"gradient clipping (max_grad_norm={args.max_grad_norm}) would clip each rank's local "
                 "gradient; set TrainingArguments(max_grad_norm=0) (--max_grad_norm 0)."

@@ -1,13 +1,11 @@
 """Data: the default task, heterogeneity-aware partitioning and CRAIG coresets."""
 
-from .coreset import craig_select, craig_subset, lm_gradient_proxies
-from .partition import HeterogeneityAwareSampler, partition_indices, speed_quotas
+import lazy_loader as lazy
 
-__all__ = [
-    "HeterogeneityAwareSampler",
-    "craig_select",
-    "craig_subset",
-    "lm_gradient_proxies",
-    "partition_indices",
-    "speed_quotas",
-]
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    submod_attrs={
+        "coreset": ["craig_select", "craig_subset", "lm_gradient_proxies"],
+        "partition": ["HeterogeneityAwareSampler", "partition_indices", "speed_quotas"],
+    },
+)

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 from .partition import speed_quotas
 
 
@@ -63,12 +65,12 @@ def craig_select(
     n = proxies.shape[0]
     k = round(size * n) if isinstance(size, float) else int(size)
     if isinstance(size, float) and not 0 < size <= 1:
-        raise ValueError(f"size as a fraction must be in (0, 1], got {size!r}.")
+        raise SettingsError(f"size as a fraction must be in (0, 1], got {size!r}.")
     if not 1 <= k <= n:
-        raise ValueError(f"size must select between 1 and {n} examples, got {size!r} ({k} examples).")
+        raise SettingsError(f"size must select between 1 and {n} examples, got {size!r} ({k} examples).")
     labels = list(labels) if labels is not None else [0] * n
     if len(labels) != n:
-        raise ValueError(f"labels has {len(labels)} entries for {n} proxies; give one label per example.")
+        raise SettingsError(f"labels has {len(labels)} entries for {n} proxies; give one label per example.")
     classes = sorted(set(labels))
     members = {c: [i for i, y in enumerate(labels) if y == c] for c in classes}
     budgets = speed_quotas(k, [len(members[c]) for c in classes])  # each class keeps its share of the subset
@@ -99,7 +101,9 @@ def craig_subset(
     """The CRAIG subset of a ``datasets.Dataset`` as a ``datasets.Dataset`` with a ``weight`` column (use it to
     weigh each example's loss; the weights sum to ``len(dataset)``)."""
     if len(dataset) != proxies.shape[0]:
-        raise ValueError(f"proxies has {proxies.shape[0]} rows for a dataset of {len(dataset)}; compute one per row.")
+        raise SettingsError(
+            f"proxies has {proxies.shape[0]} rows for a dataset of {len(dataset)}; compute one per row."
+        )
     indices, weights = craig_select(proxies, size, labels)
     subset = dataset.select(indices)
     return subset.add_column(weight_column, weights.tolist())

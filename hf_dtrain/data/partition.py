@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Sampler
 
 from hf_dtrain.distributed.quotas import speed_quotas
+from hf_dtrain.errors import SettingsError
 
 EXACT_GREEDY_MAX = 512  # classes up to this size: exact greedy; above: stochastic greedy
 STOCHASTIC_CANDIDATES = 64
@@ -105,23 +106,23 @@ def partition_indices(
 ) -> list[list[int]]:
     """The shards (dataset indices per worker); the same on every rank for the same arguments."""
     if labels is None and n is None:
-        raise ValueError("partition_indices needs labels= (one per sample) or n= (the number of samples).")
+        raise SettingsError("partition_indices needs labels= (one per sample) or n= (the number of samples).")
     labels = list(labels) if labels is not None else [0] * int(n)
     n = len(labels)
     speeds = [float(s) for s in speeds]
     if len(speeds) < 1 or any(not (s > 0 and math.isfinite(s)) for s in speeds):
-        raise ValueError(f"speeds must be positive finite numbers, one per worker, got {speeds!r}.")
+        raise SettingsError(f"speeds must be positive finite numbers, one per worker, got {speeds!r}.")
     if len(speeds) > n:
-        raise ValueError(
+        raise SettingsError(
             f"A partition of {n} samples over {len(speeds)} workers would leave workers empty: use at "
             "most as many workers as samples (or more data)."
         )
     if features is not None and features.shape[0] != n:
-        raise ValueError(f"features has {features.shape[0]} rows for {n} samples; give one feature row per sample.")
+        raise SettingsError(f"features has {features.shape[0]} rows for {n} samples; give one feature row per sample.")
     quotas = speed_quotas(n, speeds)
     if min(quotas) == 0:
         slow = [i for i, q in enumerate(quotas) if q == 0]
-        raise ValueError(
+        raise SettingsError(
             f"Workers {slow} get no sample ({n} samples for speeds {speeds}); give more data or drop "
             "the slowest workers."
         )
@@ -169,7 +170,7 @@ class HeterogeneityAwareSampler(Sampler[int]):
 
             rank = dist.get_rank() if dist.is_initialized() else 0
         if not 0 <= rank < len(speeds):
-            raise ValueError(f"rank {rank} has no speed: speeds has {len(speeds)} entries (one per worker).")
+            raise SettingsError(f"rank {rank} has no speed: speeds has {len(speeds)} entries (one per worker).")
         self.shards = partition_indices(labels, speeds, num_samples, features, seed)
         self.rank, self.speeds, self.shuffle, self.seed, self.epoch = rank, list(speeds), shuffle, seed, 0
         self.indices = self.shards[rank]
@@ -180,7 +181,7 @@ class HeterogeneityAwareSampler(Sampler[int]):
         self.steps_per_epoch: int | None = None
         if global_batch_size is not None:
             if not isinstance(global_batch_size, int) or global_batch_size < len(speeds):
-                raise ValueError(
+                raise SettingsError(
                     f"global_batch_size must be an integer >= the number of workers ({len(speeds)}), "
                     f"got {global_batch_size!r}."
                 )

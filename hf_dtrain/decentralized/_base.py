@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.counters import WireStats
 from ..distributed.engines import WholeReplicaGuard, keep_gradients_local
 from .gossip import AsyncGossip, check_world, consensus_distance, flatten, gossip, require_world, unflatten_into
@@ -75,7 +77,7 @@ class GossipMixin:
 
     def _current_loss(self) -> float:
         if self._last_loss is None:
-            raise ValueError(
+            raise SettingsError(
                 f"{type(self).__name__} picks leaders by the current loss: pass model= (a model whose "
                 "forward returns .loss, as transformers models do) or call optimizer.set_loss(loss) "
                 "before optimizer.step()."

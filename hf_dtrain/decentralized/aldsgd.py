@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hf_dtrain.errors import SettingsError
+
 from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
 from .gossip import exchange
@@ -74,9 +76,9 @@ class ALDSGD(GossipMixin, WrappedOptimizer):
         **base_kwargs,
     ):
         if not (c1 >= 0 and c2 >= 0 and c1 + c2 <= 1):
-            raise ValueError(f"ALDSGD needs c1, c2 >= 0 with c1 + c2 <= 1, got c1={c1!r}, c2={c2!r}.")
+            raise SettingsError(f"ALDSGD needs c1, c2 >= 0 with c1 + c2 <= 1, got c1={c1!r}, c2={c2!r}.")
         if not (p1 >= 0 and p2 >= 0 and p1 + p2 <= 1):
-            raise ValueError(f"ALDSGD needs p1, p2 >= 0 with p1 + p2 <= 1, got p1={p1!r}, p2={p2!r}.")
+            raise SettingsError(f"ALDSGD needs p1, p2 >= 0 with p1 + p2 <= 1, got p1={p1!r}, p2={p2!r}.")
         self._init_wrapper()
         self.base = build_base_optimizer(base_optimizer, params, "ALDSGD", **base_kwargs)
         kwargs = {"budget": budget, "seed": seed} if topology == "matcha" else {}

@@ -8,7 +8,8 @@ from typing import ClassVar
 
 from hf_dtrain.settings import check_choice, check_fields
 
-from .diloco import OUTER_EXCHANGES
+OUTER_EXCHANGES = ("none", "int8", "1bit")  # DiLoCo's outer exchange (diloco.py)
+
 
 TOPOLOGIES = ("ring", "torus", "exponential", "fully_connected", "matcha")
 MODES = ("atc", "cta")
@@ -50,7 +51,6 @@ class GossipConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
         check_choice(self, "topology", TOPOLOGIES, "gossip.topology")
         check_choice(self, "mode", MODES, "gossip.mode")
@@ -85,6 +85,5 @@ class DiLoCoConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
         check_choice(self, "outer_exchange", OUTER_EXCHANGES, "diloco.outer_exchange")

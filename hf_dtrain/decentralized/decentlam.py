@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch._utils import _flatten_dense_tensors
 
+from hf_dtrain.errors import SettingsError
+
 from ._base import GossipMixin
 from .topology import Topology
 
@@ -42,11 +44,11 @@ class DecentLaM(GossipMixin, torch.optim.Optimizer):
         max_staleness: int = 4,
     ):
         if not lr > 0:
-            raise ValueError(f"DecentLaM lr must be > 0, got {lr!r}.")
+            raise SettingsError(f"DecentLaM lr must be > 0, got {lr!r}.")
         if not 0 <= momentum < 1:
-            raise ValueError(f"DecentLaM momentum must be in [0, 1), got {momentum!r}.")
+            raise SettingsError(f"DecentLaM momentum must be in [0, 1), got {momentum!r}.")
         if not weight_decay >= 0:
-            raise ValueError(f"DecentLaM weight_decay must be >= 0, got {weight_decay!r}.")
+            raise SettingsError(f"DecentLaM weight_decay must be >= 0, got {weight_decay!r}.")
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
         self._init_gossip(topology, process_group)
         self._init_async(asynchronous, max_staleness)

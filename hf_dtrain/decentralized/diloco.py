@@ -29,12 +29,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import int8_allreduce, onebit_allreduce
 from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
+from .config import OUTER_EXCHANGES
 from .topology import Topology
-
-OUTER_EXCHANGES = ("none", "int8", "1bit")
 
 
 class DiLoCo(GossipMixin, WrappedOptimizer):
@@ -56,15 +57,17 @@ class DiLoCo(GossipMixin, WrappedOptimizer):
         **base_kwargs,
     ):
         if not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(
+            raise SettingsError(
                 f"DiLoCo sync_every must be an integer >= 1 (inner steps per outer step), got {sync_every!r}."
             )
         if not outer_lr > 0:
-            raise ValueError(f"DiLoCo outer_lr must be > 0 (the paper uses 0.7), got {outer_lr!r}.")
+            raise SettingsError(f"DiLoCo outer_lr must be > 0 (the paper uses 0.7), got {outer_lr!r}.")
         if not 0 <= outer_momentum < 1:
-            raise ValueError(f"DiLoCo outer_momentum must be in [0, 1) (the paper uses 0.9), got {outer_momentum!r}.")
+            raise SettingsError(
+                f"DiLoCo outer_momentum must be in [0, 1) (the paper uses 0.9), got {outer_momentum!r}."
+            )
         if outer_exchange not in OUTER_EXCHANGES:
-            raise ValueError(
+            raise SettingsError(
                 f"DiLoCo outer_exchange must be one of {', '.join(OUTER_EXCHANGES)}, got {outer_exchange!r}."
             )
         self._init_wrapper()

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
 from .topology import Topology
@@ -46,7 +48,7 @@ class DPSGD(GossipMixin, WrappedOptimizer):
         **base_kwargs,
     ):
         if mode not in ("atc", "cta"):
-            raise ValueError(
+            raise SettingsError(
                 f"DPSGD mode must be 'atc' (adapt then combine) or 'cta' (combine then adapt), got {mode!r}."
             )
         self._init_wrapper()

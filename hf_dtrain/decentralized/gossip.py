@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from hf_dtrain.distributed.groups import CommFailure
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.counters import WireStats
 from .topology import Topology
 
@@ -27,7 +30,7 @@ def _global(rank: int, group) -> int:
 def require_world(group=None) -> int:
     """The size of ``group``; a clear error unless torch.distributed runs with >= 2 processes."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
-        raise ValueError(
+        raise SettingsError(
             "Decentralized training needs torch.distributed initialised with >= 2 processes; world size 1 "
             "has nobody to gossip with (launch with torchrun --nproc_per_node >= 2 or accelerate launch "
             "--num_processes >= 2)."
@@ -39,7 +42,7 @@ def check_world(topology: Topology, group=None) -> int:
     """This rank in ``group``; a clear error unless the topology has one node per rank of the group."""
     world = require_world(group)
     if topology.n != world:
-        raise ValueError(
+        raise SettingsError(
             f"The topology has {topology.n} nodes but the process group has {world} ranks; build it for "
             f"the world size, e.g. Topology.ring({world})."
         )
@@ -141,14 +144,13 @@ class AsyncGossip:
         dtype: torch.dtype = torch.float32,
         timeout_s: float = 600.0,
     ):
-
         if not isinstance(max_staleness, int) or max_staleness < 1:
-            raise ValueError(
+            raise SettingsError(
                 f"max_staleness must be an integer >= 1 (steps of this rank a neighbour's value may "
                 f"be old), got {max_staleness!r}."
             )
         if type(topology).mixing is not Topology.mixing:
-            raise ValueError(
+            raise SettingsError(
                 f"asynchronous gossip needs a static topology (ring, torus, exponential, "
                 f"fully_connected); {topology.name!r} changes with the step."
             )
@@ -224,7 +226,7 @@ class AsyncGossip:
 
     def _check_errors(self) -> None:
         if self._errors:
-            raise RuntimeError(
+            raise CommFailure(
                 f"asynchronous gossip on rank {self.rank}: a neighbour's exchange failed (did a rank "
                 f"die?): {self._errors[0]}"
             ) from self._errors[0]
@@ -253,7 +255,7 @@ class AsyncGossip:
                 if not fresh(j):
                     self.waits += 1
                     if not self._cond.wait_for(lambda: fresh(j) or bool(self._errors), timeout=self.timeout_s):
-                        raise RuntimeError(
+                        raise CommFailure(
                             f"asynchronous gossip on rank {self.rank}: no value from rank {j} for "
                             f"{self.timeout_s:.0f} s (max_staleness={self.max_staleness}); did it "
                             "die or stop without finish()?"
@@ -281,7 +283,7 @@ class AsyncGossip:
         for t in self._threads:
             t.join(self.timeout_s)
             if t.is_alive():
-                raise RuntimeError(
+                raise CommFailure(
                     f"asynchronous gossip on rank {self.rank}: {t.name} did not finish within "
                     f"{self.timeout_s:.0f} s (a neighbour did not call finish()?)."
                 )

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import all_gather_single
 from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from ._base import GossipMixin
@@ -49,10 +51,10 @@ class LSGD(GossipMixin, WrappedOptimizer):
     ):
         for name, c in (("c_local", c_local), ("c_global", c_global)):
             if not 0 <= c <= 1:
-                raise ValueError(f"LSGD {name} (the pull toward the leader) must be in [0, 1], got {c!r}.")
+                raise SettingsError(f"LSGD {name} (the pull toward the leader) must be in [0, 1], got {c!r}.")
         for name, period in (("local_period", local_period), ("global_period", global_period)):
             if not isinstance(period, int) or period < 1:
-                raise ValueError(f"LSGD {name} must be an integer >= 1 (steps between pulls), got {period!r}.")
+                raise SettingsError(f"LSGD {name} must be an integer >= 1 (steps between pulls), got {period!r}.")
         self._init_wrapper()
         self.base = build_base_optimizer(base_optimizer, params, "LSGD", **base_kwargs)
         world = dist.get_world_size(process_group) if dist.is_initialized() else 1
@@ -61,7 +63,7 @@ class LSGD(GossipMixin, WrappedOptimizer):
         self.local_period, self.global_period = local_period, global_period
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if per_node < 1 or world % per_node:
-            raise ValueError(f"LSGD ranks_per_node={per_node} must divide the world size {world}.")
+            raise SettingsError(f"LSGD ranks_per_node={per_node} must divide the world size {world}.")
         self.ranks_per_node = per_node
         self.node = self.rank // per_node
         self.node_ranks = [list(range(k * per_node, (k + 1) * per_node)) for k in range(world // per_node)]

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.counters import WireStats
 
 
@@ -43,11 +45,11 @@ class Straggler:
         slowdown = dict(slowdown or {})
         for r, f in slowdown.items():
             if not f >= 1:
-                raise ValueError(
+                raise SettingsError(
                     f"Straggler slowdown for rank {r} must be >= 1 (a factor on its compute time), got {f!r}."
                 )
         if not random_delay_s >= 0:
-            raise ValueError(f"Straggler random_delay_s must be >= 0, got {random_delay_s!r}.")
+            raise SettingsError(f"Straggler random_delay_s must be >= 0, got {random_delay_s!r}.")
         self.factor = float(slowdown.get(rank, 1.0))
         self.random_delay_s = random_delay_s
         self.rng = random.Random(seed * 7919 + rank)
@@ -80,19 +82,19 @@ class NonBlockingSGD:
         ema: float = 0.5,
     ):
         if average not in ("allreduce", "local"):
-            raise ValueError(
+            raise SettingsError(
                 f"NonBlockingSGD average must be 'allreduce' (one all-reduce of the gradient sums) or "
                 f"'local' (a decentralized optimizer gossips), got {average!r}."
             )
         if not (deadline is None or deadline == "fastest" or (isinstance(deadline, (int, float)) and deadline > 0)):
-            raise ValueError(
+            raise SettingsError(
                 f"NonBlockingSGD deadline must be 'fastest', a positive number of seconds or None "
                 f"(blocking), got {deadline!r}."
             )
         if not isinstance(min_micro_batches, int) or min_micro_batches < 1:
-            raise ValueError(f"NonBlockingSGD min_micro_batches must be an integer >= 1, got {min_micro_batches!r}.")
+            raise SettingsError(f"NonBlockingSGD min_micro_batches must be an integer >= 1, got {min_micro_batches!r}.")
         if not dist.is_initialized() or dist.get_world_size(process_group) < 2:
-            raise ValueError(
+            raise SettingsError(
                 "NonBlockingSGD needs torch.distributed with >= 2 processes (world size 1 has no "
                 "stragglers to wait for)."
             )

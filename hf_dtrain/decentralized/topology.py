@@ -21,6 +21,8 @@ import random
 import networkx as nx
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 _TOL = 1e-9
 
 
@@ -42,10 +44,10 @@ class Topology:
     def __init__(self, weights: torch.Tensor, name: str = "custom"):
         weights = torch.as_tensor(weights, dtype=torch.float64)
         if weights.dim() != 2 or weights.shape[0] != weights.shape[1]:
-            raise ValueError(f"Topology weights must be a square n x n matrix, got shape {tuple(weights.shape)}.")
+            raise SettingsError(f"Topology weights must be a square n x n matrix, got shape {tuple(weights.shape)}.")
         n = weights.shape[0]
         if n < 2:
-            raise ValueError(
+            raise SettingsError(
                 "Decentralized training needs at least 2 ranks (a world of one process has nobody to "
                 "gossip with); launch with torchrun / accelerate launch --num_processes >= 2."
             )
@@ -90,13 +92,13 @@ class Topology:
         """Metropolis-Hastings weights on a connected undirected networkx graph with nodes ``0..n-1``."""
         n = graph.number_of_nodes()
         if sorted(graph.nodes()) != list(range(n)):
-            raise ValueError(
+            raise SettingsError(
                 f"Topology.from_graph needs nodes 0..{n - 1} (the ranks), got {sorted(graph.nodes())[:8]}"
                 "...; relabel with networkx.convert_node_labels_to_integers(graph)."
             )
         if n >= 2 and not nx.is_connected(graph):
             parts = [sorted(c) for c in nx.connected_components(graph)]
-            raise ValueError(
+            raise SettingsError(
                 f"The communication graph is not connected (components {parts}): the ranks of one "
                 "component would never learn from the others. Add edges between the components."
             )
@@ -114,7 +116,7 @@ class Topology:
         if rows is None:
             rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
         if n % rows:
-            raise ValueError(f"Topology.torus: rows={rows} does not divide n={n}; choose a divisor of {n}.")
+            raise SettingsError(f"Topology.torus: rows={rows} does not divide n={n}; choose a divisor of {n}.")
         grid = nx.Graph(nx.grid_2d_graph(rows, n // rows, periodic=True))  # Graph: no duplicate edges on short sides
         grid.remove_edges_from(nx.selfloop_edges(grid))
         return cls.from_graph(nx.convert_node_labels_to_integers(grid, ordering="sorted"), "torus")
@@ -151,7 +153,7 @@ class Topology:
             "fully_connected": cls.fully_connected,
         }
         if name not in builders:
-            raise ValueError(f"Unknown topology {name!r}; use one of {', '.join(list(builders) + ['matcha'])}.")
+            raise SettingsError(f"Unknown topology {name!r}; use one of {', '.join(list(builders) + ['matcha'])}.")
         return builders[name](n, **kwargs)
 
 
@@ -164,7 +166,7 @@ class MatchaTopology(Topology):
 
     def __init__(self, base: Topology, budget: float = 0.5, seed: int = 0):
         if not 0 < budget <= 1:
-            raise ValueError(
+            raise SettingsError(
                 f"MatchaTopology budget must be in (0, 1] (share of the base graph's matchings active per "
                 f"step), got {budget!r}."
             )
@@ -207,12 +209,12 @@ class MatchaTopology(Topology):
 
 def _check_n(n) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 2:
-        raise ValueError(f"A topology needs n >= 2 ranks (world size 1 has nobody to gossip with), got n={n!r}.")
+        raise SettingsError(f"A topology needs n >= 2 ranks (world size 1 has nobody to gossip with), got n={n!r}.")
 
 
 def _check_doubly_stochastic(w: torch.Tensor, name: str) -> None:
     if (w < -_TOL).any():
-        raise ValueError(f"Topology {name!r}: mixing weights must be >= 0, got a minimum of {float(w.min()):.3g}.")
+        raise SettingsError(f"Topology {name!r}: mixing weights must be >= 0, got a minimum of {float(w.min()):.3g}.")
     rows, cols = w.sum(1), w.sum(0)
     bad_rows = [i for i, s in enumerate(rows.tolist()) if abs(s - 1) > 1e-6]
     bad_cols = [j for j, s in enumerate(cols.tolist()) if abs(s - 1) > 1e-6]
@@ -222,7 +224,7 @@ def _check_doubly_stochastic(w: torch.Tensor, name: str) -> None:
             for what, bad, sums in (("rows", bad_rows, rows), ("columns", bad_cols, cols))
             if bad
         ]
-        raise ValueError(
+        raise SettingsError(
             f"Topology {name!r}: the mixing matrix must be doubly stochastic (every row and every column sums to 1, "
             f"so gossip keeps the average); {' and '.join(found)}. Use Topology.from_graph(graph) for "
             "Metropolis-Hastings weights."
@@ -236,7 +238,7 @@ def _check_connected(w: torch.Tensor, name: str) -> None:
     graph.add_edges_from((j, i) for i in range(n) for j in range(n) if i != j and w[i, j] > _TOL)
     if not nx.is_strongly_connected(graph):
         parts = [sorted(c) for c in nx.strongly_connected_components(graph)]
-        raise ValueError(
+        raise SettingsError(
             f"Topology {name!r}: the communication graph is not connected (components {parts}); the "
             "ranks of one component would never learn from the others."
         )

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_dtrain.errors import SettingsError
+
 from .counters import WireStats
 
 
@@ -30,7 +32,7 @@ def check_same_across_ranks(value: Any, what: str, process_group=None) -> None:
     dist.all_gather_object(gathered, (digest, value), group=process_group)
     if len({d for d, _ in gathered}) > 1:
         per_rank = {r: v for r, (_, v) in enumerate(gathered)}
-        raise ValueError(
+        raise SettingsError(
             f"{what} differs across ranks: {per_rank}. Give every rank the same {what} (the same recipe "
             "or config file on every host)."
         )

@@ -38,6 +38,25 @@ class WireStats:
     def last_step_bytes(self) -> int | None:
         return self.steps[-1] if self.steps else None
 
+    def summary(self) -> dict:
+        """``{steps, bytes_per_step_mean, bytes_last_step}``: what the jobs report."""
+        steps = list(self.steps)
+        return {
+            "steps": len(steps),
+            "bytes_per_step_mean": sum(steps) / max(1, len(steps)),
+            "bytes_last_step": steps[-1] if steps else None,
+        }
+
+
+def wire_summary(*owners) -> dict | None:
+    """The :meth:`WireStats.summary` of the first of ``owners`` (a hook's state, an optimizer) that counts its
+    bytes (``.stats``), or None."""
+    for owner in owners:
+        stats = getattr(owner, "stats", None)
+        if stats is not None:
+            return stats.summary()
+    return None
+
 
 class SavedTensorCounter:
     """Counts the bytes autograd saves for backward, as unique storages (``saved_tensors_hooks``).

@@ -9,6 +9,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_dtrain.errors import SettingsError
+
 
 def sharded_engine_of(p) -> str | None:
     """Which sharded engine holds ``p``, if any: an FSDP2 DTensor shard, or a DeepSpeed ZeRO-3 partition."""
@@ -32,7 +34,7 @@ class WholeReplicaGuard:
             for p in g["params"]:
                 engine = sharded_engine_of(p)
                 if engine is not None:
-                    raise ValueError(self._message(engine))
+                    raise SettingsError(self._message(engine))
 
     def _message(self, engine: str) -> str:
         return (
@@ -43,7 +45,7 @@ class WholeReplicaGuard:
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> None:
         if [id(p) for g in optimizer.param_groups for p in g["params"]] != self.ids:
-            raise ValueError(
+            raise SettingsError(
                 self._message(
                     "an engine that replaced them after construction (DeepSpeed ZeRO stage "
                     ">= 1 hands its client optimizer flat fp32 partitions)"

@@ -85,7 +85,6 @@ class RankMonitor:
     resume. ``monitor.step = n`` as training goes."""
 
     def __init__(self, interval: float = 1.0, resume_hint: str = "relaunch the same command to resume"):
-
         self.interval, self.resume_hint = interval, resume_hint
         self._step = 0
         self.step_of = None  # or a callable giving the current step (a Trainer's state.global_step)

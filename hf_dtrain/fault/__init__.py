@@ -10,17 +10,14 @@ them (``reshard.py``; ZeRO partitions in ``zero.py``).
 * ``python -m hf_dtrain.fault.smp`` runs a node's snapshot process by hand (the engine starts one otherwise).
 """
 
-from .callback import InMemoryFaultToleranceCallback
-from .config import SnapshotConfig
-from .erasure import ErasureCode, UnrecoverableError
-from .snapshot import Restored, SnapshotEngine, SnapshotError
+import lazy_loader as lazy
 
-__all__ = [
-    "ErasureCode",
-    "InMemoryFaultToleranceCallback",
-    "Restored",
-    "SnapshotConfig",
-    "SnapshotEngine",
-    "SnapshotError",
-    "UnrecoverableError",
-]
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    submod_attrs={
+        "callback": ["InMemoryFaultToleranceCallback"],
+        "config": ["SnapshotConfig"],
+        "erasure": ["ErasureCode", "UnrecoverableError"],
+        "snapshot": ["Restored", "SnapshotEngine", "SnapshotError"],
+    },
+)

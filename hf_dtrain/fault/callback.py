@@ -13,6 +13,8 @@ import shutil
 import torch
 from transformers import TrainerCallback
 
+from hf_dtrain.errors import RunFailure, SettingsError
+
 from .config import SnapshotConfig
 from .snapshot import Restored, SnapshotEngine, SnapshotError, SnapshotMismatch, job_key_for
 
@@ -99,7 +101,7 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
     def resume_checkpoint(self, trainer) -> str | None:
         """Restore before ``trainer.train``; returns the checkpoint directory to resume from, or ``None``."""
         if getattr(trainer, "is_deepspeed_enabled", False):  # before any snapshot process or collective
-            raise ValueError(
+            raise SettingsError(
                 "InMemoryFaultToleranceCallback with DeepSpeed under the Trainer: the Trainer resumes "
                 "DeepSpeed from DeepSpeed's own checkpoint, which the in-memory snapshot does not write; "
                 "use SnapshotEngine(engine, engine.optimizer) in your own DeepSpeed loop (ZeRO-1/2/3), "
@@ -164,7 +166,7 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         (``on_train_begin`` puts the Trainer's back)."""
         missing = [name for name in self.TRAINER_LOADERS if not callable(getattr(type(trainer), name, None))]
         if missing:
-            raise RuntimeError(
+            raise RunFailure(
                 f"this transformers release's Trainer has no {', '.join(missing)}, where the callback "
                 "loads the restored state; use the transformers release hf_dtrain supports "
                 "(pyproject.toml)"

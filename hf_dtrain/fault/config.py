@@ -83,7 +83,6 @@ class SnapshotConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
 
     @classmethod

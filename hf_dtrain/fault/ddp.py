@@ -37,7 +37,6 @@ def rebuild_ddp_buckets(ddp) -> bool:
     buckets were not rebuilt yet, with no communication hook and no module hooks (the extra forward and backward
     would change the state they keep: error feedback, DELTA's schedule). It runs in training mode and puts each
     module's mode back."""
-
     if not isinstance(ddp, DistributedDataParallel) or getattr(ddp, "_has_rebuilt_buckets", True):
         return False
     if getattr(ddp, "static_graph", False) or getattr(ddp, "find_unused_parameters", False):

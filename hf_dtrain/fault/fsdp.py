@@ -11,7 +11,6 @@ from hf_dtrain.distributed.engines import unwrap_optimizer
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: the local shard of an FSDP2 DTensor (a view that writes through), else ``t``."""
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -19,7 +18,6 @@ def as_shards(optimizer, state: dict) -> dict:
     """A restored optimizer state dict with each DTensor parameter's state tensors (stored as this rank's local
     shards) made DTensors again, with the parameter's mesh and placements: what the optimizer held when it was
     snapshotted. Scalars (AdamW's ``step``) stay as they are."""
-
     params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
     out = dict(state)
     out["state"] = {}

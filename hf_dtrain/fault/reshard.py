@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from hf_dtrain.errors import SettingsError
+
 from .state import flatten_state, unflatten_state
 
 DCP_DIR = "dcp"
@@ -50,7 +52,6 @@ def canonical_fqn(name: str) -> str:
 
 
 def _meta(t: torch.Tensor) -> tuple | None:
-
     if isinstance(t, DTensor):
         return (t.device_mesh, tuple(t.placements), t.shape, t.stride(), tuple(t.to_local().shape))
     return None
@@ -67,7 +68,6 @@ def _as_global(local: torch.Tensor, meta: tuple | None) -> torch.Tensor:
 
 def _global_offset(t: torch.Tensor) -> list[int] | None:
     """Where this rank's shard of a DTensor starts in the global tensor; None for a tensor every rank holds whole."""
-
     if not isinstance(t, DTensor):
         return None
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -92,7 +92,7 @@ class ShardMap:
             for g in optimizer.param_groups:
                 for p in g["params"]:
                     if id(p) not in names:
-                        raise ValueError(
+                        raise SettingsError(
                             "SnapshotConfig.persist_every: the optimizer holds a parameter that is not "
                             "the model's, so its state has no name to be resharded by; build the "
                             "optimizer on the model's parameters"
@@ -179,7 +179,6 @@ def write_chunks(path: str, chunks: dict[str, tuple], write) -> None:
 
 def save(directory: str, sharded: dict, process_group=None) -> None:
     """Write ``sharded`` (from :meth:`ShardMap.split`) as a DCP checkpoint in ``directory`` (owner-only)."""
-
     os.makedirs(directory, mode=0o700, exist_ok=True)
     dcp.save(
         sharded, storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True), process_group=process_group
@@ -201,7 +200,6 @@ def write_replicated(path: str, replicated: dict, metadata: dict[str, str], writ
 
 def read_replicated(path: str) -> tuple[dict[str, str], dict]:
     """Metadata and state of a ``replicated.safetensors``."""
-
     with safe_open(path, framework="pt") as f:
         metadata = dict(f.metadata() or {})
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
@@ -212,7 +210,6 @@ def template(model: nn.Module, optimizer, model_keys: list[str]) -> tuple[dict, 
     """What DCP loads into: this run's model and optimizer state (``get_state_dict``: its own sharding, the
     optimizer's state initialised if empty) restricted to the snapshot's model keys; and the optimizer state dict
     whose ``state`` it fills."""
-
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
     target: dict[str, Any] = {"model": {k: msd[k] for k in model_keys if k in msd}}
     if optimizer is not None:
@@ -223,7 +220,6 @@ def template(model: nn.Module, optimizer, model_keys: list[str]) -> tuple[dict, 
 def stored_model_keys(directory: str) -> list[str]:
     """The model's names in the DCP checkpoint in ``directory``, every rank's (the stages of a pipeline each wrote
     their own)."""
-
     stored = HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata
     return sorted(k[len("model.") :] for k in stored if k.startswith("model."))
 
@@ -231,7 +227,6 @@ def stored_model_keys(directory: str) -> list[str]:
 def differences(target: dict, directory: str, model_keys: list[str]) -> list[str]:
     """What keeps the checkpoint in ``directory`` from loading into ``target``: names it lacks or holds beyond this
     run's, and global shapes that differ (a sharding DCP cannot map)."""
-
     stored = HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata
     flat, _ = flatten_state_dict(target)
     out = [f"model.{k}: in the snapshot, not in this model" for k in model_keys if f"model.{k}" not in flat]
@@ -247,7 +242,6 @@ def differences(target: dict, directory: str, model_keys: list[str]) -> list[str
 def load(model: nn.Module, optimizer, directory: str, target: dict, osd: dict, replicated: dict) -> None:
     """Load the DCP checkpoint in ``directory`` into ``target`` (any sharding: DCP reads the overlapping parts of
     each rank's file), then into the model and the optimizer (param groups by FQN from ``replicated``)."""
-
     dcp.load(target, storage_reader=HuggingFaceStorageReader(directory))
     optim_sd = None
     if optimizer is not None:
@@ -258,7 +252,7 @@ def load(model: nn.Module, optimizer, directory: str, target: dict, osd: dict, r
         # groups, and a pipeline's rank 0 holds only its own stages' parameters
         stored = replicated.get("optimizer", {}).get("param_groups") or []
         if stored and len(stored) != len(osd["param_groups"]):
-            raise ValueError(
+            raise SettingsError(
                 f"the snapshot's optimizer has {len(stored)} parameter groups and this run's has "
                 f"{len(osd['param_groups'])}: build the optimizer as the run that took it did"
             )

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.engines import sharded_engine_of, unwrap_optimizer
 from . import reshard
 from .ddp import rebuild_ddp_buckets, unwrap
@@ -119,7 +121,6 @@ class ModuleSource:
             state["optimizer"] = optimizer.state_dict()
 
     def shard_map(self, optimizer):
-
         return ShardMap(
             self.tensors(local=False), unwrap(self.model), None if optimizer is None else unwrap_optimizer(optimizer)
         )
@@ -144,14 +145,12 @@ class ModuleSource:
             optimizer.load_state_dict(as_shards(optimizer, state["optimizer"]))
 
     def reshard_plan(self, directory: str, optimizer) -> tuple[Any, list[str]]:
-
         model_keys = reshard.stored_model_keys(directory)  # every rank's (a pipeline's stages each wrote theirs)
         opt = None if optimizer is None else unwrap_optimizer(optimizer)
         target, osd = reshard.template(unwrap(self.model), opt, model_keys)
         return (target, osd), reshard.differences(target, directory, model_keys)
 
     def load_resharded(self, plan: Any, directory: str, replicated: dict, optimizer) -> None:
-
         target, osd = plan
         reshard.load(
             unwrap(self.model),
@@ -173,18 +172,17 @@ def source_for(model: nn.Module, optimizer=None, trainable_only: bool | None = N
     """The snapshot source of this model and optimizer: DeepSpeed ZeRO's partitions when ``optimizer`` (or the
     engine ``model``) wraps a ZeRO optimizer, else the model's own tensors. Refuses a model whose parameters another
     engine holds with no way to read them."""
-
     zero = find_zero_optimizer(model, optimizer)
     if zero is not None:
         if trainable_only is False:
-            raise ValueError(
+            raise SettingsError(
                 "SnapshotConfig.trainable_only=False with DeepSpeed ZeRO: the snapshot holds the ZeRO "
                 "optimizer's partitions, which are the trainable parameters; leave trainable_only unset."
             )
         return ZeroSource(zero, model)
     sharded = next(filter(None, map(sharded_engine_of, unwrap(model).parameters())), None)
     if sharded is not None and not sharded.startswith("FSDP2"):
-        raise ValueError(
+        raise SettingsError(
             f"This model's parameters are held by {sharded}, and no ZeRO optimizer was given: its "
             "partitions live in the DeepSpeed optimizer, with the fp32 master weights. Pass the "
             "DeepSpeed engine as the model (SnapshotEngine(engine, engine.optimizer, ...))."

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -163,10 +165,10 @@ def parse(buf) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Metadata and tensors (views into ``buf``, not copies) of a slot in the safetensors layout."""
     mv = memoryview(buf)
     if len(mv) < 8:
-        raise ValueError("snapshot slot is shorter than a safetensors header")
+        raise SettingsError("snapshot slot is shorter than a safetensors header")
     (n,) = struct.unpack("<Q", mv[:8])
     if n > len(mv) - 8:
-        raise ValueError(f"snapshot slot header claims {n} bytes but the slot has {len(mv) - 8}")
+        raise SettingsError(f"snapshot slot header claims {n} bytes but the slot has {len(mv) - 8}")
     head = json.loads(bytes(mv[8 : 8 + n]))
     metadata = head.pop("__metadata__", {})
     base = 8 + n

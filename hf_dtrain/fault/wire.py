@@ -25,7 +25,6 @@ import xxhash
 
 def checksum(buf) -> str:
     """xxh3-64 of ``buf`` (hex): GB/s, so it runs on every snapshot; strong enough to catch corruption."""
-
     return xxhash.xxh3_64_hexdigest(memoryview(buf))
 
 
@@ -73,7 +72,6 @@ def send_ranges(conn: Connection, ranges: list) -> None:
 def recv_array(conn: Connection):
     """One message (framed by ``conn.send_bytes``) received straight into a fresh uint8 NumPy array: no
     intermediate buffer (``recv_bytes`` grows one in Python, several times slower for megabytes)."""
-
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         head = bytearray(4)

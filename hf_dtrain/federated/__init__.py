@@ -8,21 +8,16 @@
 * :class:`ClientStateStore`: the client state manager (safetensors, owner-only).
 """
 
-from .aggregate import flat_average, global_average, local_aggregate
-from .compress import compress, compress_delta
-from .config import FederatedConfig
-from .data import dirichlet_split
-from .simulate import FederatedSimulation
-from .state import ClientStateStore
+import lazy_loader as lazy
 
-__all__ = [
-    "ClientStateStore",
-    "FederatedConfig",
-    "FederatedSimulation",
-    "compress",
-    "compress_delta",
-    "dirichlet_split",
-    "flat_average",
-    "global_average",
-    "local_aggregate",
-]
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    submod_attrs={
+        "aggregate": ["flat_average", "global_average", "local_aggregate"],
+        "compress": ["compress", "compress_delta"],
+        "config": ["FederatedConfig"],
+        "data": ["dirichlet_split"],
+        "simulate": ["FederatedSimulation"],
+        "state": ["ClientStateStore"],
+    },
+)

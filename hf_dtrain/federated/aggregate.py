@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 
 def local_aggregate(deltas: list[dict[str, torch.Tensor]], weights: list[float], names=None):
     """``(sum_i w_i delta_i in float64, sum_i w_i)`` over one process's clients."""
@@ -24,7 +26,9 @@ def global_average(partials: list[tuple[dict, float]]) -> dict[str, torch.Tensor
     """The weighted average from the processes' ``local_aggregate`` results (in one process: the list of them)."""
     weight = sum(w for _, w in partials)
     if weight <= 0:
-        raise ValueError("no client update reached the aggregation (every sampled client failed or none was sampled).")
+        raise SettingsError(
+            "no client update reached the aggregation (every sampled client failed or none was sampled)."
+        )
     names = [n for n, v in partials[0][0].items()]
     out = {}
     for n in names:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 
 def compress(delta: torch.Tensor, method: str, rank: int = 4) -> tuple[torch.Tensor, int]:
     """``(what the server receives, bytes sent)`` for one tensor."""
@@ -31,7 +33,7 @@ def compress(delta: torch.Tensor, method: str, rank: int = 4) -> tuple[torch.Ten
         u, s, vh = torch.linalg.svd(x, full_matrices=False)
         approx = (u[:, :rank] * s[:rank]) @ vh[:rank]
         return approx, 4 * rank * (x.shape[0] + x.shape[1])
-    raise ValueError(f"uplink {method!r} is unknown; use none, int8, int4 or lowrank.")
+    raise SettingsError(f"uplink {method!r} is unknown; use none, int8, int4 or lowrank.")
 
 
 def compress_delta(delta: dict[str, torch.Tensor], method: str, rank: int, residual: dict | None):

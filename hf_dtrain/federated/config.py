@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.settings import check_choice, check_fields
 
 ALGORITHMS = ("fedavg", "fedprox", "scaffold")
@@ -67,18 +68,17 @@ class FederatedConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
         check_choice(self, "algorithm", ALGORITHMS)
         check_choice(self, "uplink", UPLINKS)
         check_choice(self, "client_optimizer", CLIENT_OPTIMIZERS)
         if self.per_round > self.clients:
-            raise ValueError(
+            raise SettingsError(
                 f"FederatedConfig.per_round={self.per_round} is more than clients={self.clients}; "
                 "sample at most every client each round (lower --fed.per-round)."
             )
         if self.algorithm == "scaffold" and self.client_optimizer != "sgd":
-            raise ValueError(
+            raise SettingsError(
                 "FederatedConfig.algorithm='scaffold' corrects SGD steps with control variates; set "
                 "--fed.client-optimizer sgd (or use fedavg / fedprox with adamw)."
             )

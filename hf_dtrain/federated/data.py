@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 
 def dirichlet_split(labels: Sequence, num_clients: int, alpha: float | None, seed: int = 0) -> list[list[int]]:
     """Indices per client. ``alpha`` None: an IID split (a seeded permutation dealt round robin). Otherwise each
@@ -14,7 +16,9 @@ def dirichlet_split(labels: Sequence, num_clients: int, alpha: float | None, see
     Every client gets at least one sample: an empty client takes one from the largest."""
     n = len(labels)
     if num_clients > n:
-        raise ValueError(f"{num_clients} clients for {n} samples: every client needs at least one; lower the clients.")
+        raise SettingsError(
+            f"{num_clients} clients for {n} samples: every client needs at least one; lower the clients."
+        )
     gen = torch.Generator().manual_seed(seed)
     clients: list[list[int]] = [[] for _ in range(num_clients)]
     if alpha is None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from hf_dtrain.distributed.quotas import speed_quotas
+from hf_dtrain.errors import SettingsError
 
 from .aggregate import global_average, local_aggregate
 from .compress import compress_delta
@@ -45,17 +46,17 @@ class FederatedSimulation:
         eval_fn: Callable | None = None,
     ) -> None:
         if len(client_data) != config.clients:
-            raise ValueError(f"{len(client_data)} client datasets for FederatedConfig.clients={config.clients}.")
+            raise SettingsError(f"{len(client_data)} client datasets for FederatedConfig.clients={config.clients}.")
         self.model, self.data, self.collator, self.cfg = model, client_data, collator, config
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.params:
-            raise ValueError("the model has no trainable parameter: wrap it with get_peft_model first.")
+            raise SettingsError("the model has no trainable parameter: wrap it with get_peft_model first.")
         self.global_state = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.control = {n: torch.zeros_like(v) for n, v in self.global_state.items()}  # SCAFFOLD's server c
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.world > 1 and state_dir is None:
-            raise ValueError(
+            raise SettingsError(
                 "a multi-process simulation needs state_dir: a directory all processes share, where each "
                 "client's state lives between rounds (any process may train a client next)."
             )
@@ -71,7 +72,6 @@ class FederatedSimulation:
 
     def assign(self, clients: list[int]) -> list[list[int]]:
         """The round's clients dealt to the processes in proportion to their measured speeds."""
-
         quotas = speed_quotas(len(clients), self.speeds)
         out, start = [], 0
         for q in quotas:
@@ -247,7 +247,6 @@ class FederatedSimulation:
                 p.copy_(self.global_state[n].to(p.dtype))
 
     def run(self, progress: bool = True) -> list[dict]:
-
         with tqdm(total=self.cfg.rounds, desc="federated rounds", disable=not progress or self.rank != 0) as bar:
             for r in range(self.cfg.rounds):
                 rec = self.round(r)

@@ -8,49 +8,23 @@
 * ``hf-dtrain sweep`` (:mod:`hf_dtrain.sweep`) runs a grid of ``hf-dtrain finetune`` jobs this way.
 """
 
-from .engine import (
-    FusedConfig,
-    FusedJob,
-    FusedMemoryError,
-    FusedTrainer,
-    measure_job_bytes,
-    per_job_loss,
-    plan_groups,
-    stack_batches,
-)
-from .fuse import (
-    FUSABLE_ADAPTERS,
-    NOT_FUSABLE,
-    FusedAdapters,
-    FusedModels,
-    check_fusable_adapter,
-    fuse_adapters,
-    fuse_models,
-)
-from .layers import FusedBlockSparse, FusedEmbedding, FusedLinear, FusedLowRank, FusedRMSNorm
-from .optim import FusedAdamW, JobSchedules
+import lazy_loader as lazy
 
-__all__ = [
-    "FUSABLE_ADAPTERS",
-    "NOT_FUSABLE",
-    "FusedAdamW",
-    "FusedAdapters",
-    "FusedBlockSparse",
-    "FusedConfig",
-    "FusedEmbedding",
-    "FusedJob",
-    "FusedLinear",
-    "FusedLowRank",
-    "FusedMemoryError",
-    "FusedModels",
-    "FusedRMSNorm",
-    "FusedTrainer",
-    "JobSchedules",
-    "check_fusable_adapter",
-    "fuse_adapters",
-    "fuse_models",
-    "measure_job_bytes",
-    "per_job_loss",
-    "plan_groups",
-    "stack_batches",
-]
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    submod_attrs={
+        "config": ["FusedConfig"],
+        "engine": [
+            "FusedJob",
+            "FusedMemoryError",
+            "FusedTrainer",
+            "measure_job_bytes",
+            "per_job_loss",
+            "plan_groups",
+            "stack_batches",
+        ],
+        "fuse": ["FusedAdapters", "FusedModels", "fuse_adapters", "fuse_models"],
+        "layers": ["FusedBlockSparse", "FusedEmbedding", "FusedLinear", "FusedLowRank", "FusedRMSNorm"],
+        "optim": ["FusedAdamW", "JobSchedules"],
+    },
+)

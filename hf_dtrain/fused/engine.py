@@ -18,82 +18,24 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import psutil
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from hf_dtrain.distributed.counters import SavedTensorCounter
-from hf_dtrain.errors import UserError
-from hf_dtrain.settings import check_fields
+from hf_dtrain.errors import SettingsError, UserError
 from hf_dtrain.tasks import exact_match
 
+from .config import FusedConfig
 from .optim import FusedAdamW, JobSchedules
 
 IGNORE_INDEX = -100
-OVERFLOW = ("split", "error")
 
 
 class FusedMemoryError(UserError, ValueError):
     """The fused jobs do not fit the memory budget (the message says how many fit and what to change)."""
-
-
-@dataclass
-class FusedConfig:
-    """How K jobs are trained fused (``hf-dtrain sweep --fused.*``)."""
-
-    max_grad_norm: float = field(
-        default=1.0,
-        metadata={"min": 0, "help": "Per-job gradient-norm clip (the Trainer's max_grad_norm); 0 turns it off."},
-    )
-    memory_budget: str | None = field(
-        default=None,
-        metadata={
-            "help": "Memory the fused step may use, e.g. '20GiB'; None: the free GPU memory, or on CPU the available "
-            "RAM, less a tenth."
-        },
-    )
-    on_overflow: str = field(
-        default="split",
-        metadata={
-            "help": "When K jobs would not fit the budget: 'split' into fused groups that fit (run one after another), "
-            "or 'error'."
-        },
-    )
-    max_jobs_per_group: int | None = field(
-        default=None, metadata={"min": 1, "help": "At most this many jobs in one fused group (None: as many as fit)."}
-    )
-    lr_scheduler_type: str = field(
-        default="linear",
-        metadata={
-            "help": "Each job's schedule (transformers' get_scheduler names: linear, cosine, constant_with_warmup, "
-            "...)."
-        },
-    )
-
-    def __post_init__(self):
-
-        check_fields(self)
-        if self.on_overflow not in OVERFLOW:
-            raise ValueError(f"FusedConfig.on_overflow={self.on_overflow!r}: use one of {OVERFLOW}.")
-        if self.memory_budget is not None:
-            self.budget_bytes()  # parse now: a bad value is refused before any step
-
-    def budget_bytes(self) -> int:
-        if self.memory_budget is not None:
-            from hf_dtrain.settings import parse_bytes
-
-            try:
-                return int(parse_bytes(self.memory_budget))
-            except ValueError as e:
-                raise ValueError(f"FusedConfig.memory_budget={self.memory_budget!r}: {e}") from None
-        if torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info()
-            return int(0.9 * free)
-
-        return int(0.9 * psutil.virtual_memory().available)
 
 
 @dataclass
@@ -112,7 +54,7 @@ def stack_batches(batches: list[dict], pad_id: int) -> dict:
     """K micro-batches of equal row count -> one batch, job-major, right-padded to the longest."""
     rows = {b["input_ids"].shape[0] for b in batches}
     if len(rows) > 1:
-        raise ValueError(
+        raise SettingsError(
             f"fused jobs got micro-batches of different sizes {sorted(rows)}; fused jobs need one "
             "per_device_train_batch_size and datasets of one length."
         )
@@ -167,7 +109,7 @@ class FusedTrainer:
     ) -> None:
         self.fused, self.jobs, self.config = fused, list(jobs), config or FusedConfig()
         if len(self.jobs) != fused.num_jobs:
-            raise ValueError(f"{len(self.jobs)} jobs given for a fused model of {fused.num_jobs}.")
+            raise SettingsError(f"{len(self.jobs)} jobs given for a fused model of {fused.num_jobs}.")
         self.max_steps, self.pad_id = max_steps, pad_id
         self.num_jobs = fused.num_jobs
         named = fused.named_parameters()
@@ -251,7 +193,6 @@ class FusedTrainer:
         return row
 
     def train(self, progress: bool = True, desc: str = "fused jobs") -> list[list[float]]:
-
         with tqdm(total=self.max_steps, desc=desc, disable=not progress) as bar:
             while self.global_step < self.max_steps:
                 row = self.step()
@@ -269,7 +210,6 @@ class FusedTrainer:
     def evaluate(self, batches_per_job: list[list[dict]]) -> list[dict]:
         """Each job's eval loss (the mean over its batches of the per-batch loss, weighted by rows, as the Trainer
         averages) and exact-match accuracy, on its own eval batches (lists of equal length)."""
-
         self.model.eval()
         k = self.num_jobs
         sums, rows, correct = [0.0] * k, [0] * k, [0.0] * k
@@ -293,7 +233,6 @@ def measure_job_bytes(fused, batch: dict) -> dict:
     """Memory of one job in a fused step, measured on a one-job fused model: the bytes its step saves for backward
     (logits included) plus its trainable state (parameter, gradient and AdamW's two moments), and the shared frozen
     bytes. On CUDA the step's peak allocation is measured too and the larger figure is kept."""
-
     model = fused.model
     trainable = sum(p.numel() * p.element_size() for p in fused.parameters())
     seen, frozen = set(), 0

@@ -13,25 +13,14 @@
 from __future__ import annotations
 
 import torch
-from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.func import stack_module_state
 
-from hf_dtrain.tuners.lorafa.layer import LoraFALayer
-from hf_dtrain.tuners.qahira.layer import QAHiRALayer
-from hf_dtrain.tuners.qbara.layer import QBaRALayer
-from hf_dtrain.tuners.smt.layer import SMTLayer
+from hf_dtrain.errors import SettingsError
+from hf_dtrain.tuners.finetune_method import BlockSparseForm, fused_form_of
 
 from .layers import FusedBlockSparse, FusedEmbedding, FusedLinear, FusedLowRank, FusedRMSNorm
-
-# peft type -> how its layers fuse; anything else is refused with the reason
-FUSABLE_ADAPTERS = ("LORA", "LORAFA", "QBARA", "SMT")
-NOT_FUSABLE = {
-    "DORA": "DoRA rescales each weight column by its norm, so its base is not shared between jobs",
-    "QAHIRA": "QA-HiRA multiplies its adapter into the base weight elementwise (a Hadamard product), so the frozen "
-    "base cannot run once for all jobs",
-}
 
 
 def _set_child(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -47,99 +36,33 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def _peft_type(layer) -> str:
-
-    for cls, name in (
-        (LoraFALayer, "LORAFA"),
-        (QBaRALayer, "QBARA"),
-        (SMTLayer, "SMT"),
-        (QAHiRALayer, "QAHIRA"),
-        (LoraLayer, "LORA"),
-    ):
-        if isinstance(layer, cls):
-            return name
-    return type(layer).__name__
-
-
-def check_fusable_adapter(peft_type: str, layer=None, names=()) -> None:
-    """Raise ``ValueError`` with the reason when adapters of ``peft_type`` (on ``layer``) cannot be fused."""
-    if peft_type in NOT_FUSABLE:
-        raise ValueError(
-            f"{peft_type.lower()} cannot be trained fused: {NOT_FUSABLE[peft_type]}. Run its jobs one "
-            f"at a time (hf-dtrain finetune), or fuse one of {', '.join(m.lower() for m in FUSABLE_ADAPTERS)}."
-        )
-    if peft_type not in FUSABLE_ADAPTERS:
-        raise ValueError(
-            f"adapters of type {peft_type} cannot be trained fused; fusable: {', '.join(FUSABLE_ADAPTERS)}."
-        )
-    if peft_type == "LORA" and layer is not None:
-        for n in names:
-            if layer.use_dora.get(n):
-                raise ValueError(f"adapter {n!r}: {NOT_FUSABLE['DORA']}; use plain LoRA in a fused sweep.")
-            if getattr(layer, "lora_bias", {}).get(n):
-                raise ValueError(f"adapter {n!r}: lora_bias=True is not supported fused; leave it False.")
-            if not isinstance(layer.get_base_layer(), nn.Linear) and not hasattr(layer.get_base_layer(), "quant_state"):
-                raise ValueError(
-                    f"adapter {n!r}: LoRA on {type(layer.get_base_layer()).__name__} cannot be fused; "
-                    "only linear (dense or 4-bit) targets fuse."
-                )
-
-
-def _dropout_p(module) -> float:
-    return float(module.p) if isinstance(module, nn.Dropout) else 0.0
-
-
-def _fuse_layer(layer, names: list[str]) -> nn.Module:
-    kind = _peft_type(layer)
-    check_fusable_adapter(kind, layer, names)
+def _fuse_layer(layer, names: list[str], form) -> nn.Module:
+    """The fused module of ``layer``'s adapters ``names``, by the form their method registered."""
+    if form.check is not None:
+        form.check(layer, names)
     base = layer.get_base_layer()
-    if kind == "SMT":
-        missing = [n for n in names if n not in layer.block_size]
-        if missing:
-            raise ValueError(f"SMT layer has no adapter {missing}")
-        unselected = [n for n in names if layer._smt_unselected.get(n)]
-        if unselected:
-            raise ValueError(
-                f"SMT adapters {unselected} have no block selection yet: run smt_warmup (or give "
-                "block_indices) before fusing."
-            )
-        sizes = {layer.block_size[n] for n in names}
-        if len(sizes) > 1:
-            raise ValueError(
-                f"SMT jobs with different block sizes {sorted(sizes)} cannot be fused; use one block_size."
-            )
-        bs = sizes.pop()
-        indices = [layer.smt_indices[n].cpu() for n in names]
+    if isinstance(form, BlockSparseForm):
+        parts = [form.blocks(layer, n) for n in names]
+        bs = parts[0][2]
+        indices = [p[0] for p in parts]
         m = max(1, max(len(i) for i in indices))
         w = base.weight
         dtype = w.dtype if w.dtype.is_floating_point else torch.float32
         blocks = torch.zeros(len(names), m, bs, bs, dtype=dtype, device=w.device)
-        for k, n in enumerate(names):
-            if n in layer.smt_weight:
-                blocks[k, : len(indices[k])] = layer.smt_weight[n].detach()
-        return FusedBlockSparse(base, blocks, indices, layer.in_features, layer.out_features)
-    if kind == "LORA":
-        a = [layer.lora_A[n].weight.detach() for n in names]
-        b = [layer.lora_B[n].weight.detach() for n in names]
-        drop = [_dropout_p(layer.lora_dropout[n]) for n in names]
-        pool, a_trainable = 1, True
-    elif kind == "LORAFA":
-        a = [layer.lorafa_A[n].detach() for n in names]
-        b = [layer.lorafa_B[n].detach() for n in names]
-        drop = [_dropout_p(layer.lorafa_dropout[n]) for n in names]
-        pool, a_trainable = 1, False
-    else:  # QBARA
-        pools = {layer.pool[n] for n in names}
-        if len(pools) > 1:
-            raise ValueError(f"Q-BaRA jobs with different pool factors {sorted(pools)} cannot be fused; use one pool.")
-        a = [layer.qbara_A[n].detach() for n in names]
-        b = [layer.qbara_B[n].detach() for n in names]
-        drop, pool, a_trainable = [0.0] * len(names), pools.pop(), True
+        for k, (idx, weight, _) in enumerate(parts):
+            if weight is not None:
+                blocks[k, : len(idx)] = weight.detach()
+        return FusedBlockSparse(base, blocks, indices, layer.in_features, layer.out_features, delta=form.delta())
+    factors = [form.factors(layer, n) for n in names]
+    a = [f[0].detach() for f in factors]
+    b = [f[1].detach() for f in factors]
+    drop = [form.dropout(layer, n) for n in names]
+    pool = form.pool(layer, names[0])
     r = max(t.shape[0] for t in a)
     a = torch.stack([_pad_to(t, 0, r) for t in a]).clone()
     b = torch.stack([_pad_to(t, 1, r) for t in b]).clone()
     scaling = [float(layer.scaling[n]) for n in names]
-    return FusedLowRank(base, a, b, scaling, drop, pool=pool, a_trainable=a_trainable)
+    return FusedLowRank(base, a, b, scaling, drop, pool=pool, a_trainable=form.a_trainable)
 
 
 class FusedAdapters:
@@ -151,24 +74,31 @@ class FusedAdapters:
         self.model = peft_model.get_base_model()
         self.layers: dict[str, tuple[nn.Module, nn.Module]] = {}  # module name -> (peft layer, fused layer)
         self.unfused = False
+        types = {
+            str(getattr(peft_model.peft_config[n].peft_type, "value", peft_model.peft_config[n].peft_type))
+            for n in self.names
+        }
+        if len(types) > 1:
+            raise SettingsError(f"fuse_adapters: the adapters {self.names} are of different types {sorted(types)}.")
+        self.form = fused_form_of(types.pop())  # how their method trains them fused (or why it cannot)
 
         targets = [(n, m) for n, m in self.model.named_modules() if isinstance(m, BaseTunerLayer)]
         if not targets:
-            raise ValueError("fuse_adapters found no peft tuner layer; build the model with get_peft_model first.")
+            raise SettingsError("fuse_adapters found no peft tuner layer; build the model with get_peft_model first.")
         for name, layer in targets:
             have = [n for n in self.names if n in _adapters_of(layer)]
             if len(have) != len(self.names):
-                raise ValueError(
+                raise SettingsError(
                     f"layer {name!r} holds adapters {sorted(_adapters_of(layer))}, not all of "
                     f"{self.names}: fused jobs need the same target modules."
                 )
-            fused = _fuse_layer(layer, self.names)
+            fused = _fuse_layer(layer, self.names, self.form)
             self.layers[name] = (layer, fused)
             _set_child(self.model, name, fused)
         # anything else trainable (modules_to_save) is not fused
         for n, p in self.model.named_parameters():
             if p.requires_grad and not any(n.startswith(t + ".") for t in self.layers):
-                raise ValueError(
+                raise SettingsError(
                     f"parameter {n!r} is trainable but is not a fused adapter (modules_to_save is not "
                     "supported fused); freeze it or leave modules_to_save unset."
                 )
@@ -190,19 +120,12 @@ class FusedAdapters:
         """Copy the fused values of ``jobs`` (indices; default all) into their peft adapters."""
         jobs = range(self.num_jobs) if jobs is None else jobs
         for layer, fused in self.layers.values():
-            kind = _peft_type(layer)
             for k in jobs:
                 n = self.names[k]
-                if kind == "SMT":
-                    if n in layer.smt_weight:
-                        layer.smt_weight[n].copy_(fused.smt_weight[k, : fused.counts[k]])
+                if isinstance(self.form, BlockSparseForm):
+                    self.form.write_back(layer, n, fused.smt_weight[k, : fused.counts[k]])
                     continue
-                if kind == "LORA":
-                    a, b = layer.lora_A[n].weight, layer.lora_B[n].weight
-                elif kind == "LORAFA":
-                    a, b = layer.lorafa_A[n], layer.lorafa_B[n]
-                else:
-                    a, b = layer.qbara_A[n], layer.qbara_B[n]
+                a, b = self.form.factors(layer, n)
                 r = a.shape[0]
                 a.copy_(fused.lora_A[k, :r])
                 b.copy_(fused.lora_B[k, :, :r])
@@ -247,14 +170,13 @@ class FusedModels:
     ``torch.func.stack_module_state``)."""
 
     def __init__(self, models: list[nn.Module]) -> None:
-
         if len(models) < 1:
-            raise ValueError("fuse_models needs at least one model.")
+            raise SettingsError("fuse_models needs at least one model.")
         configs = {
             m.config.to_json_string(use_diff=False) if hasattr(m, "config") else type(m).__name__ for m in models
         }
         if len(configs) > 1:
-            raise ValueError(
+            raise SettingsError(
                 "fuse_models: the models differ in architecture (their configs differ); only copies of "
                 "one architecture fuse. Split the sweep by model."
             )
@@ -279,7 +201,7 @@ class FusedModels:
             else:
                 own = [n for n, _ in mod.named_parameters(recurse=False)]
                 if own:
-                    raise ValueError(
+                    raise SettingsError(
                         f"fuse_models: module {name!r} ({type(mod).__name__}) has parameters {own} and no "
                         "fused form (linear, embedding and RMSNorm fuse)."
                     )

@@ -9,7 +9,8 @@ job's product one slice of a batched matmul (``torch.bmm``), so a step launches 
   to the largest rank with zero rows of A and zero columns of B: those entries get exactly zero gradient and stay
   zero under AdamW, so each job computes what it would alone.
 * :class:`FusedBlockSparse`: K SMT adapters (each job its own block selection). The K jobs' delta matrices are one
-  block-diagonal block-sparse matrix over the jobs' concatenated features, run by SMT's own ``BlockSparseDelta``.
+  block-diagonal block-sparse matrix over the jobs' concatenated features, run by the method's own block product
+  (SMT's ``BlockSparseDelta``, handed over by its registered fused form).
 * :class:`FusedLinear`, :class:`FusedEmbedding`, :class:`FusedRMSNorm`: K full copies of a model's layers (stacked
   weights ``[K, ...]``), for fused full fine-tuning and pretraining sweeps.
 """
@@ -19,8 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from hf_dtrain.tuners.smt.layer import BlockSparseDelta
 
 
 def _per_job(x: torch.Tensor, num_jobs: int) -> torch.Tensor:
@@ -88,9 +87,11 @@ class FusedBlockSparse(nn.Module):
         indices: list[torch.Tensor],
         in_features: int,
         out_features: int,
+        delta,
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
+        self.delta = delta  # the block-sparse product (the method's own: SMT's BlockSparseDelta.apply)
         self.num_jobs, m, bs = blocks.shape[0], blocks.shape[1], blocks.shape[-1]
         self.smt_weight = nn.Parameter(blocks)
         self.in_features, self.out_features, self.block_size = in_features, out_features, bs
@@ -118,7 +119,7 @@ class FusedBlockSparse(nn.Module):
         n = xs.shape[1]
         x_cat = xs.transpose(0, 1).reshape(n, k * self.in_features)  # each row: the K jobs' features side by side
         blocks = self.smt_weight.reshape(-1, bs, bs).index_select(0, self.pick)
-        d = BlockSparseDelta.apply(x_cat, blocks, self.rows, self.cols, k * self.out_features, (self.ucols, self.pos))
+        d = self.delta(x_cat, blocks, self.rows, self.cols, k * self.out_features, (self.ucols, self.pos))
         d = d.view(n, k, self.out_features).transpose(0, 1)
         return (out + d.reshape(out.shape)).to(out.dtype)
 

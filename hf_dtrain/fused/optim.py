@@ -15,6 +15,8 @@ import math
 import torch
 from transformers import get_scheduler
 
+from hf_dtrain.errors import SettingsError
+
 
 def _per_job(values, like: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
     """``(K,)`` float64 values -> ``(K, 1, ..., 1)`` in ``like``'s dtype and device (cast once, as a Python float
@@ -48,12 +50,14 @@ class FusedAdamW:
         pairs=None,
     ) -> None:
         if rule not in ("adamw", "lorafa"):
-            raise ValueError(f"FusedAdamW rule={rule!r}: use 'adamw' or 'lorafa'.")
+            raise SettingsError(f"FusedAdamW rule={rule!r}: use 'adamw' or 'lorafa'.")
         self.params = list(params)
         self.num_jobs = num_jobs
         for p in self.params:
             if p.shape[0] != num_jobs:
-                raise ValueError(f"fused parameter of shape {tuple(p.shape)} does not lead with the {num_jobs} jobs.")
+                raise SettingsError(
+                    f"fused parameter of shape {tuple(p.shape)} does not lead with the {num_jobs} jobs."
+                )
         self.weight_decay = [float(w) for w in weight_decay]
         self.betas, self.eps, self.rule = betas, eps, rule
         self.decay = list(decay) if decay is not None else [True] * len(self.params)
@@ -161,7 +165,6 @@ class JobSchedules:
     holding the job's peak rate): :meth:`lrs` is what the Trainer's scheduler would give each job this step."""
 
     def __init__(self, peak_lrs, warmup_steps, total_steps: int, name: str = "linear") -> None:
-
         self._opts = [torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr) for lr in peak_lrs]
         self._scheds = [
             get_scheduler(name, o, num_warmup_steps=w, num_training_steps=total_steps)

@@ -8,10 +8,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.settings import check_choice, check_fields
 
-from .planner import OBJECTIVES
-from .profiler import GRANULARITIES
+OBJECTIVES = ("time", "memory")  # what the planner minimises (planner.py)
+GRANULARITIES = ("layer", "submodule")  # what one plan unit is (profiler.py)
+
 
 PLANNERS = ("exact", "delta")
 
@@ -59,20 +61,19 @@ class DeltaConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
         b = self.budget
         if b is None:
-            raise ValueError(
+            raise SettingsError(
                 "DeltaConfig.budget is required: set delta.budget (--delta.budget) to a fraction in "
                 "(0, 1] of the no-saving activation bytes, or to bytes (> 1)."
             )
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
-            raise ValueError(
+            raise SettingsError(
                 f"DeltaConfig.budget must be a fraction in (0, 1] or bytes (> 1), got {b!r}; set delta.budget."
             )
         if b > 1 and b != int(b):
-            raise ValueError(
+            raise SettingsError(
                 f"DeltaConfig.budget={b!r}: above 1 the budget is a number of bytes and must be whole; "
                 "a fraction of the no-saving activation bytes is in (0, 1]."
             )

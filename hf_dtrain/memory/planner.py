@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hf_dtrain.errors import SettingsError
+
+from .config import OBJECTIVES
 from .profiler import Profile
 
 ACTIONS = ("keep", "offload", "recompute")
@@ -61,9 +64,6 @@ def minimum_budget(profile: Profile, allow_offload: bool = True) -> int:
     return profile.other_bytes + sum(per_group)
 
 
-OBJECTIVES = ("time", "memory")
-
-
 def make_plan(
     profile: Profile,
     budget: int,
@@ -79,14 +79,16 @@ def make_plan(
     the plans within the budget predicted no slower than recomputing every unit (full gradient checkpointing), for
     users who would otherwise checkpoint everything (exact solver only)."""
     if method not in ("exact", "delta"):
-        raise ValueError(f"DELTA planner method must be 'exact' or 'delta', got {method!r}.")
+        raise SettingsError(f"DELTA planner method must be 'exact' or 'delta', got {method!r}.")
     if objective not in OBJECTIVES:
-        raise ValueError(f"DELTA planner objective must be one of {OBJECTIVES}, got {objective!r}.")
+        raise SettingsError(f"DELTA planner objective must be one of {OBJECTIVES}, got {objective!r}.")
     if objective == "memory" and method != "exact":
-        raise ValueError("objective='memory' needs method='exact' (it picks from the exact solver's Pareto frontier).")
+        raise SettingsError(
+            "objective='memory' needs method='exact' (it picks from the exact solver's Pareto frontier)."
+        )
     floor = minimum_budget(profile, allow_offload)
     if budget < floor:
-        raise ValueError(
+        raise SettingsError(
             f"A budget of {budget:,} bytes cannot be met: the minimum feasible budget for this model and "
             f"batch shape {profile.shape} is {floor:,} bytes (everything outside the decoder layers, "
             f"{profile.other_bytes:,} bytes, stays, and every layer is "

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hf_dtrain.errors import SettingsError
+
+from .config import GRANULARITIES
+
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks of a transformers model (``...layers.N``: the ModuleList the decoder iterates)."""
@@ -23,14 +27,11 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         ):
             best = [(f"{name}.{i}", m) for i, m in enumerate(module)]
     if not best:
-        raise ValueError(
+        raise SettingsError(
             f"No decoder layers found in {type(model).__name__} (a ModuleList named layers / h / blocks); "
             "DELTA plans per decoder layer."
         )
     return best
-
-
-GRANULARITIES = ("layer", "submodule")
 
 
 def plan_units(model: nn.Module, granularity: str = "layer") -> list[tuple[str, nn.Module]]:
@@ -38,7 +39,7 @@ def plan_units(model: nn.Module, granularity: str = "layer") -> list[tuple[str, 
     hold parameters (for LLaMA: ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``), in
     registration order (the scheduler reorders them by execution order after its profiling step)."""
     if granularity not in GRANULARITIES:
-        raise ValueError(f"DELTA granularity must be one of {GRANULARITIES}, got {granularity!r}.")
+        raise SettingsError(f"DELTA granularity must be one of {GRANULARITIES}, got {granularity!r}.")
     layers = decoder_layers(model)
     if granularity == "layer":
         return layers
@@ -48,7 +49,7 @@ def plan_units(model: nn.Module, granularity: str = "layer") -> list[tuple[str, 
             (f"{name}.{child}", m) for child, m in layer.named_children() if next(m.parameters(), None) is not None
         ]
         if not children:
-            raise ValueError(
+            raise SettingsError(
                 f"Decoder layer {name} ({type(layer).__name__}) has no sub-modules with parameters; use "
                 "granularity='layer'."
             )

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.settings import check_choice, check_fields
 
 EVA_METHODS = ("eva", "foof")
@@ -57,7 +58,6 @@ class EvaConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
         check_choice(self, "method", EVA_METHODS, "eva.method")
         self.exclude = list(self.exclude)
@@ -101,15 +101,14 @@ class OneBitLambConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
         self.betas = tuple(self.betas)
         if len(self.betas) != 2 or not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
-            raise ValueError(
+            raise SettingsError(
                 f"OneBitLamb betas must be two numbers in [0, 1), got {self.betas!r}; set onebit_lamb.betas."
             )
         if not 0 < self.min_coeff <= self.max_coeff:
-            raise ValueError(
+            raise SettingsError(
                 f"OneBitLamb needs 0 < min_coeff <= max_coeff, got {self.min_coeff!r}, "
                 f"{self.max_coeff!r}; set onebit_lamb.min_coeff / max_coeff."
             )

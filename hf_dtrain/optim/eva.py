@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import world_size_of
 from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
 from .config import EVA_METHODS, EvaConfig, config_kwargs
@@ -128,12 +130,11 @@ def _row_shard(grad: torch.Tensor, name: str):
     """``(rows, group)`` of an FSDP2 gradient: the slice of the matrix's rows this rank holds and the process group
     of the mesh dimension that shards them; ``(None, None)`` for a whole gradient. HSDP's replicate dimension holds
     copies, so only the shard dimension's group sums."""
-
     if not isinstance(grad, DTensor):
         return None, None
     dims = [i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate)]
     if len(dims) != 1 or grad.placements[dims[0]] != Shard(0):
-        raise ValueError(
+        raise SettingsError(
             f"Eva: the gradient of {name} is sharded as {grad.placements}; Eva preconditions whole "
             "matrices or FSDP2's row shards (Shard(0) on one mesh dimension)."
         )
@@ -228,7 +229,7 @@ class Eva(WrappedOptimizer):
                 continue
             for layer in targets:
                 if layer.smt_adapter is not None and hasattr(layer.weight, "device_mesh"):
-                    raise ValueError(
+                    raise SettingsError(
                         f"Eva: {layer.name} holds SMT blocks sharded by FSDP2; Eva's block curvature "
                         "couples the blocks of one block row, which sit on other ranks. Precondition "
                         "SMT under DDP, or use another optimizer with --fsdp."
@@ -241,7 +242,7 @@ class Eva(WrappedOptimizer):
                 self.layers.append(layer)
                 self._handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
         if not self.layers:
-            raise ValueError(
+            raise SettingsError(
                 "Eva found no trainable nn.Linear (or LoRA-FA / SMT adapter) in the model among the optimized "
                 "parameters; nothing to precondition (check model= and exclude=)."
             )
@@ -361,7 +362,7 @@ class Eva(WrappedOptimizer):
             and all(l.a is None for l in self.layers)
             and any(l.weight is not None and l.weight.grad is not None for l in self.layers)
         ):
-            raise ValueError(
+            raise SettingsError(
                 "Eva saw no forward pass of the model's Linear layers with gradients enabled before its "
                 "first step(): pass model= the module that is trained (the same object, not a copy)."
             )
@@ -372,7 +373,7 @@ class Eva(WrappedOptimizer):
             and any(p.grad is not None for group in self.base.param_groups for p in group["params"])
         ):
             # DeepSpeed ZeRO >= 1 hands the client optimizer flat partitions of all parameters, not the layers
-            raise ValueError(
+            raise SettingsError(
                 "Eva found gradients on the optimizer's parameters but none on the model's layers: an "
                 "engine keeps them elsewhere (DeepSpeed ZeRO stage >= 1 hands its client optimizer flat "
                 "fp32 partitions with no layer boundaries, so no matrix can be preconditioned). Use Eva "

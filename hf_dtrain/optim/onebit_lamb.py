@@ -38,6 +38,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from hf_dtrain.errors import SettingsError
+
 from ..distributed.collectives import check_same_across_ranks, onebit_allreduce, world_size_of
 from ..distributed.counters import WireStats
 from ..distributed.engines import WholeReplicaGuard, keep_gradients_local
@@ -68,7 +70,7 @@ class OneBitLamb(torch.optim.Optimizer):
         process_group=None,
     ):
         if not lr > 0:
-            raise ValueError(f"OneBitLamb lr must be > 0, got {lr!r}.")
+            raise SettingsError(f"OneBitLamb lr must be > 0, got {lr!r}.")
         self.config = OneBitLambConfig(
             freeze_step=freeze_step,
             betas=betas,
@@ -84,7 +86,7 @@ class OneBitLamb(torch.optim.Optimizer):
         )
         self.world = world_size_of(process_group)
         if self.world < 2:
-            raise ValueError(
+            raise SettingsError(
                 "OneBitLamb compresses the gradient exchange between processes and needs a world of >= 2 "
                 "(launch with accelerate launch / torchrun / deepspeed); for one process use LAMB."
             )
@@ -291,7 +293,7 @@ class OneBitLamb(torch.optim.Optimizer):
         saved_rank, saved_world = onebit.pop("rank", None), onebit.pop("world", self.world)
         me = dist.get_rank(self.process_group)
         if saved_world != self.world:
-            raise ValueError(
+            raise SettingsError(
                 f"This OneBitLamb state was saved with {saved_world} ranks and is loaded on {self.world}; "
                 "the compressed chunks (and their error feedback) depend on the world size: resume "
                 f"with {saved_world} processes."

@@ -2,25 +2,15 @@
 ``save_pretrained`` from FSDP2 or ZeRO-3 runs (``state``), tensor + sequence parallelism (``tensor``),
 pipeline parallelism (``pipeline``)."""
 
-from .fsdp import FSDPConfig, apply_fsdp, fsdp_mesh, fsdp_units
-from .pipeline import Pipeline, PipelineConfig, apply_pipeline
-from .state import full_state_dict, is_fsdp2, is_zero3, local_param_bytes, save_pretrained
-from .tensor import TensorParallelConfig, apply_tensor_parallel, tensor_parallel_loss
+import lazy_loader as lazy
 
-__all__ = [
-    "FSDPConfig",
-    "Pipeline",
-    "PipelineConfig",
-    "TensorParallelConfig",
-    "apply_fsdp",
-    "apply_pipeline",
-    "apply_tensor_parallel",
-    "fsdp_mesh",
-    "fsdp_units",
-    "full_state_dict",
-    "is_fsdp2",
-    "is_zero3",
-    "local_param_bytes",
-    "save_pretrained",
-    "tensor_parallel_loss",
-]
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    submod_attrs={
+        "config": ["FSDPConfig", "ParallelConfig", "PipelineConfig", "TensorParallelConfig"],
+        "fsdp": ["apply_fsdp", "fsdp_mesh", "fsdp_units"],
+        "pipeline": ["Pipeline", "apply_pipeline"],
+        "state": ["full_state_dict", "is_fsdp2", "is_zero3", "local_param_bytes", "save_pretrained"],
+        "tensor": ["apply_tensor_parallel", "tensor_parallel_loss"],
+    },
+)

@@ -13,10 +13,6 @@ included); resume from sharded checkpoints with ``torch.distributed.checkpoint``
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
 import torch.distributed as dist
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -24,138 +20,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from hf_dtrain.settings import check_choice, check_fields
+from hf_dtrain.errors import RunFailure, SettingsError
 
-PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .config import FSDPConfig
 
-
-@dataclass
-class FSDPConfig:
-    """FSDP2 settings (validated on construction). Every field is a ``--fsdp.<field>`` flag of ``hf-dtrain
-    finetune`` / ``pretrain`` and a key of the ``fsdp:`` YAML section; ``apply_fsdp(model, config)`` takes it
-    unchanged."""
-
-    section_key: ClassVar[str] = "fsdp"
-
-    replicate: int = field(
-        default=1,
-        metadata={
-            "help": "HSDP replicas (dp_replicate): the processes form `replicate` groups that each shard the model, "
-            "and gradients are all-reduced across groups. 1: plain FSDP, one shard per process."
-        },
-    )
-    reshard_after_forward: bool = field(
-        default=True,
-        metadata={
-            "help": "Free each layer's gathered parameters after its forward and gather them again for backward "
-            "(ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, one all-gather less)."
-        },
-    )
-    param_dtype: str = field(
-        default="fp32",
-        metadata={
-            "help": "Dtype of the gathered parameters in forward and backward (MixedPrecisionPolicy.param_dtype): "
-            "fp32, bf16 or fp16. Gradients are reduced in fp32 and the sharded master weights stay fp32."
-        },
-    )
-    cpu_offload: bool = field(
-        default=False,
-        metadata={
-            "help": "Keep the sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy); "
-            "the optimizer step runs on the CPU."
-        },
-    )
-    layer_classes: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Class names of the modules that become FSDP units, e.g. [LlamaDecoderLayer]. Default: the "
-            "model's _no_split_modules (its decoder layer). A class inside a peft tuner layer is refused."
-        },
-    )
-    activation_checkpointing: bool = field(
-        default=False,
-        metadata={
-            "help": "Recompute each decoder layer in backward (transformers' gradient checkpointing, non-reentrant); "
-            "the recomputation runs after FSDP2 has gathered the layer again."
-        },
-    )
-
-    def __post_init__(self):
-
-        check_fields(self)
-        if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
-            raise ValueError(
-                f"FSDPConfig.replicate must be a whole number >= 1, got {self.replicate!r}; set "
-                "fsdp.replicate (1 for plain FSDP)."
-            )
-        check_choice(self, "param_dtype", tuple(PARAM_DTYPES), "fsdp.param_dtype")
-        if self.layer_classes is not None:
-            if isinstance(self.layer_classes, str):
-                self.layer_classes = [self.layer_classes]
-            if not self.layer_classes or not all(isinstance(c, str) and c for c in self.layer_classes):
-                raise ValueError(
-                    f"FSDPConfig.layer_classes must be a non-empty list of class names, got "
-                    f"{self.layer_classes!r}; e.g. [LlamaDecoderLayer], or leave it unset."
-                )
-        if self.cpu_offload and self.param_dtype == "fp16":
-            raise ValueError(
-                "FSDPConfig: cpu_offload with param_dtype=fp16 is refused: the CPU optimizer step "
-                "has no loss scaling for fp16; use param_dtype=bf16."
-            )
-
-    @classmethod
-    def from_accelerate(cls, plugin=None, mixed_precision: str | None = None) -> FSDPConfig:
-        """The settings of an Accelerate FSDP config (``accelerate launch --config_file`` with ``distributed_type:
-        FSDP`` sets them in the environment; ``plugin`` defaults to ``FullyShardedDataParallelPlugin()`` read from
-        there). Only what FSDP2 and this engine can honour is taken; anything else is a ``ValueError`` naming the
-        key to change."""
-
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        if plugin is None:
-            from accelerate.utils import FullyShardedDataParallelPlugin
-
-            plugin = FullyShardedDataParallelPlugin()
-        if plugin.fsdp_version != 2:
-            raise ValueError(
-                f"The Accelerate FSDP config has fsdp_version: {plugin.fsdp_version}; hf_dtrain shards "
-                "with FSDP2 only: set fsdp_config.fsdp_version: 2."
-            )
-        reshard = plugin.reshard_after_forward
-        if not isinstance(reshard, bool):
-            raise ValueError(f"fsdp_config.fsdp_reshard_after_forward={reshard!r}: hf_dtrain takes true or false.")
-        policy = plugin.auto_wrap_policy
-        policy_name = policy if isinstance(policy, str) or policy is None else getattr(policy, "__name__", str(policy))
-        layer_classes = plugin.transformer_cls_names_to_wrap or None
-        if policy_name and "transformer" not in str(policy_name).lower():
-            raise ValueError(
-                f"fsdp_config.fsdp_auto_wrap_policy={policy_name}: hf_dtrain wraps whole decoder "
-                "layers; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP (and "
-                "fsdp_transformer_layer_cls_to_wrap, or leave it out for the model's own)."
-            )
-        precision = (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower()
-        dtypes = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
-        if precision not in dtypes:
-            raise ValueError(f"mixed_precision={precision}: FSDP2 here takes no, bf16 or fp16.")
-        replicate = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1") or 1)
-        return cls(
-            replicate=replicate,
-            reshard_after_forward=reshard,
-            param_dtype=dtypes[precision],
-            cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy),
-            layer_classes=layer_classes,
-            activation_checkpointing=bool(plugin.activation_checkpointing),
-        )
-
-    @staticmethod
-    def requested_by_accelerate() -> bool:
-        """Whether ``accelerate launch`` was given an FSDP config (it exports ``ACCELERATE_USE_FSDP=true``)."""
-
-        return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1", "yes")
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # FSDPConfig.param_dtype
 
 
 def _tuner_layers(model: nn.Module) -> dict[str, nn.Module]:
-
     return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
 
 
@@ -167,13 +39,13 @@ def fsdp_units(model: nn.Module, config: FSDPConfig) -> list[tuple[str, nn.Modul
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         classes = list(getattr(base, "_no_split_modules", None) or [])
         if not classes:
-            raise ValueError(
+            raise SettingsError(
                 f"{type(base).__name__} names no decoder layer (_no_split_modules is empty): set "
                 "FSDPConfig.layer_classes (fsdp.layer_classes) to the class of its repeated blocks."
             )
     units = [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes and n]
     if not units:
-        raise ValueError(
+        raise SettingsError(
             f"FSDPConfig.layer_classes={classes} matches no module of {type(model).__name__}; name "
             "the class of its decoder layers (e.g. LlamaDecoderLayer)."
         )
@@ -181,7 +53,7 @@ def fsdp_units(model: nn.Module, config: FSDPConfig) -> list[tuple[str, nn.Modul
     for name, _ in units:
         for tname in tuners:
             if name.startswith(tname + "."):
-                raise ValueError(
+                raise SettingsError(
                     f"FSDPConfig.layer_classes={classes} would make {name!r} an FSDP unit of its own, apart from the "
                     f"adapter of the peft tuner layer {tname!r} that wraps it: the adapter would be gathered and "
                     "reduced in another unit than its base weight. Wrap whole decoder layers (e.g. "
@@ -193,15 +65,14 @@ def fsdp_units(model: nn.Module, config: FSDPConfig) -> list[tuple[str, nn.Modul
 def fsdp_mesh(config: FSDPConfig, device_type: str | None = None):
     """The data-parallel ``DeviceMesh``: 1D (``dp_shard``) or, with ``replicate > 1``, 2D (``dp_replicate``,
     ``dp_shard``)."""
-
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise RunFailure(
             "apply_fsdp needs torch.distributed: launch with torchrun / accelerate launch (or call "
             "torch.distributed.init_process_group) first."
         )
     world = dist.get_world_size()
     if world % config.replicate:
-        raise ValueError(
+        raise SettingsError(
             f"FSDPConfig.replicate={config.replicate} does not divide the {world} processes: HSDP "
             "needs replicate x shards = processes; set fsdp.replicate to a divisor of the process count."
         )
@@ -228,15 +99,14 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, mesh=None) ->
     peft adapters must be in place first (``get_peft_model`` before ``apply_fsdp``), and SMT's blocks selected
     (``smt_warmup`` or ``SMTConfig(block_indices=...)``): selection installs new parameters, which FSDP2 cannot
     take in after sharding."""
-
     config = config or FSDPConfig()
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise ValueError("apply_fsdp: the model is already sharded with fully_shard; apply it once.")
+        raise SettingsError("apply_fsdp: the model is already sharded with fully_shard; apply it once.")
     units = fsdp_units(model, config)
     mesh = mesh if mesh is not None else fsdp_mesh(config)
     if config.activation_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):
-            raise ValueError(
+            raise SettingsError(
                 f"FSDPConfig.activation_checkpointing: {type(model).__name__} has no "
                 "gradient_checkpointing_enable; checkpoint its layers yourself or set it false."
             )

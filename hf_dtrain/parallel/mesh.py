@@ -7,98 +7,22 @@ then FSDP2 (HSDP when ``dp_replicate > 1``) on the data dimensions, per pipeline
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from hf_dtrain.settings import check_fields
-
-from .fsdp import FSDPConfig, apply_fsdp
-from .pipeline import PipelineConfig, apply_pipeline, check_pipeline
+from .config import FSDPConfig, ParallelConfig, PipelineConfig
+from .fsdp import apply_fsdp
+from .pipeline import apply_pipeline, check_pipeline
 from .tensor import apply_tensor_parallel, check_tensor_parallel
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-@dataclass
-class ParallelConfig:
-    """Parallelism degrees (validated on construction; checked against the world size and the model by
-    :func:`check_parallel`). Every field is a ``--parallel.<field>`` flag of ``hf-dtrain pretrain`` (short forms
-    ``--tp``, ``--pp``, ``--dp-shard``, ``--dp-replicate``) and a key of the ``parallel:`` YAML section.
-    tp x pp x dp_replicate x dp_shard must equal the number of processes."""
-
-    section_key: ClassVar[str] = "parallel"
-
-    tp: int = field(
-        default=1,
-        metadata={
-            "min": 1,
-            "help": "Tensor-parallel degree (hf_dtrain.parallel.apply_tensor_parallel); the innermost mesh dim.",
-        },
-    )
-    pp: int = field(
-        default=1,
-        metadata={"min": 1, "help": "Pipeline stages (hf_dtrain.parallel.apply_pipeline); the outermost mesh dim."},
-    )
-    dp_replicate: int = field(
-        default=1,
-        metadata={"min": 1, "help": "Data-parallel replica groups (HSDP's replicate dim; gradients all-reduced)."},
-    )
-    dp_shard: int | None = field(
-        default=None, metadata={"min": 1, "help": "Data-parallel shards (FSDP2). None: the processes left over."}
-    )
-    plan: str | None = field(
-        default=None,
-        metadata={
-            "help": "auto: measure this machine (hf_dtrain.parallel.planner.measure_profile, a few seconds on the "
-            "launched ranks), rank every legal plan with the planner's cost model and run the best that fits "
-            "(the degrees above must then be left at their defaults; the global batch is "
-            "per_device_train_batch_size x processes)."
-        },
-    )
-
-    def __post_init__(self):
-
-        check_fields(self)
-        if self.plan is not None:
-            if self.plan != "auto":
-                raise ValueError(f"parallel.plan={self.plan!r}: the one value is auto (--plan auto).")
-            if (self.tp, self.pp, self.dp_replicate, self.dp_shard) != (1, 1, 1, None):
-                raise ValueError(
-                    "--plan auto chooses --tp, --pp, --dp-replicate and --dp-shard itself: leave them "
-                    "out, or drop --plan auto to set them by hand."
-                )
-
-    def degrees(self, world: int) -> dict[str, int]:
-        """{pp, dp_replicate, dp_shard, tp} for ``world`` processes; a product that is not ``world`` is a
-        ``ValueError`` naming the flags."""
-        others = self.tp * self.pp * self.dp_replicate
-        if self.dp_shard is None:
-            if world % others:
-                raise ValueError(
-                    f"--tp {self.tp} x --pp {self.pp} x --dp-replicate {self.dp_replicate} = {others} "
-                    f"does not divide the {world} processes: choose degrees whose product divides the "
-                    "process count (dp_shard takes the rest)."
-                )
-            shard = world // others
-        else:
-            shard = self.dp_shard
-            if others * shard != world:
-                raise ValueError(
-                    f"--tp {self.tp} x --pp {self.pp} x --dp-replicate {self.dp_replicate} x --dp-shard "
-                    f"{shard} = {others * shard}, but there are {world} processes: the degrees' product "
-                    "must equal the process count (leave --dp-shard out to take the rest)."
-                )
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": shard, "tp": self.tp}
-
-
 def check_parallel(config: ParallelConfig, world: int, model_config, pipeline=None) -> dict[str, int]:
     """Every check that needs no process group: the degrees' product, tp against the heads / MLP / vocabulary, the
     stages against the layers. Returns the degrees."""
-
     degrees = config.degrees(world)
     pipeline = pipeline or PipelineConfig()
     check_tensor_parallel(model_config, degrees["tp"])
@@ -109,7 +33,6 @@ def check_parallel(config: ParallelConfig, world: int, model_config, pipeline=No
 def build_mesh(degrees: dict[str, int], device_type: str | None = None):
     """The 4D ``DeviceMesh`` (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``); dims of size 1 are kept, so every
     name exists. Needs the default process group."""
-
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     return init_device_mesh(device_type, tuple(degrees[d] for d in DIMS), mesh_dim_names=DIMS)
 
@@ -135,7 +58,6 @@ def data_mesh(mesh):
 def layout(module: nn.Module, mesh, tensor_parallel=None, fsdp=None) -> nn.Module:
     """Tensor parallelism on ``mesh['tp']`` (when > 1), then FSDP2 on the data dimensions (when > 1): the model, or
     one pipeline stage of it (``apply_pipeline(..., after_split=lambda s: layout(s, mesh, ...))``)."""
-
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(module, mesh["tp"], tensor_parallel)
     dp = data_mesh(mesh)
@@ -161,7 +83,6 @@ def apply_parallelism(
     layers it does not run are dropped), so its parameters keep the whole model's names: a snapshot or checkpoint
     of it lines up with any other layout's. ``fsdp.activation_checkpointing`` recomputes each decoder layer (set on
     the whole model before the split). ``batch_size``: one data-parallel replica's sequences per step."""
-
     from .fsdp import FSDPConfig
 
     fsdp = fsdp or FSDPConfig()

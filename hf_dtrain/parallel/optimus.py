@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hf_dtrain.errors import SettingsError
+
 LINEARS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -57,14 +59,13 @@ def check_2d(model_config, q: int, batch_size: int) -> None:
     }
     for name, value in dims.items():
         if value % q:
-            raise ValueError(
+            raise SettingsError(
                 f"2D tensor parallelism on a {q} x {q} mesh splits the {name} ({value}) {q} ways; choose q dividing it."
             )
 
 
 def _linear_forward(self, x):
     """x: local [b / q, s, in / q] -> local [b / q, s, out / q]."""
-
     mesh = self.weight.device_mesh
     w = self.weight.redistribute(mesh, [Replicate(), Shard(1)])  # all-gather over row: [out, in / q]
     xd = DTensor.from_local(x, mesh, [Shard(0), Shard(x.dim() - 1)], run_check=False)
@@ -74,8 +75,6 @@ def _linear_forward(self, x):
 
 def _norm_forward(self, x):
     """RMSNorm of local [b / q, s, h / q]: the sum of squares all-reduced over col."""
-    from torch.distributed.tensor import DTensor, Shard
-
     mesh = self.weight.device_mesh
     xd = DTensor.from_local(x, mesh, [Shard(0), Shard(x.dim() - 1)], run_check=False)
     dtype = x.dtype
@@ -87,7 +86,7 @@ def _norm_forward(self, x):
 
 def _embed_forward(self, ids):
     """ids: this row's batch shard -> local [b / q, s, h / q] (the weight's hidden shard; no communication)."""
-    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor import Partial
 
     w = self.weight.to_local(grad_placements=[Partial(), Shard(1)])  # row ranks see other batches: sum their grads
     return F.embedding(ids, w, self.padding_idx)
@@ -95,7 +94,6 @@ def _embed_forward(self, ids):
 
 def _head_forward(self, x):
     """The head on local [b / q, s, h / q] -> the logits of this row's batch shard, gathered over col."""
-
     y = _linear_forward(self, x)
     mesh = self.weight.device_mesh
     return (
@@ -109,19 +107,19 @@ def apply_2d_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     """Lay a LLaMA-family causal LM out on the 2D ``mesh`` (``row`` x ``col``, q x q) in place, Optimus-style (see
     the module docstring). Each rank then takes its row's batch shard: ``model(input_ids=ids[row_shard], ...)``;
     the loss it returns is its shard's; :func:`optimus_loss_scale` makes their gradients sum to the batch mean's."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     if mesh.ndim != 2 or mesh.size(0) != mesh.size(1):
-        raise ValueError(f"2D tensor parallelism takes a q x q mesh (row, col), got {tuple(mesh.shape)}.")
+        raise SettingsError(f"2D tensor parallelism takes a q x q mesh (row, col), got {tuple(mesh.shape)}.")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(model, "peft_config"):
-        raise ValueError(
+        raise SettingsError(
             "2D tensor parallelism is built for full models; peft adapters are not laid out on the "
             "q x q mesh (use apply_tensor_parallel, which shards LoRA and LoRA-FA)."
         )
     decoder = base.model
     if getattr(base.config, "tie_word_embeddings", False):
-        raise ValueError("2D tensor parallelism: untie lm_head from the embedding (tie_word_embeddings=False).")
+        raise SettingsError("2D tensor parallelism: untie lm_head from the embedding (tie_word_embeddings=False).")
 
     def place(module, placements, forward):
         w = module.weight
@@ -132,7 +130,7 @@ def apply_2d_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
         for name in LINEARS:
             module = layer.get_submodule(name)
             if module.bias is not None:
-                raise ValueError(f"2D tensor parallelism: {name} has a bias, which this layout does not place.")
+                raise SettingsError(f"2D tensor parallelism: {name} has a bias, which this layout does not place.")
             place(module, [Shard(0), Shard(1)], _linear_forward)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             place(norm, [Replicate(), Shard(0)], _norm_forward)

@@ -26,8 +26,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,9 +37,10 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
 from hf_dtrain.distributed.groups import CommFailure, is_comm_error
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.models import LlamaPipelineStage, causal_mask
-from hf_dtrain.settings import check_choice, check_fields
 
+from .config import SINGLE_STAGE, PipelineConfig
 from .tensor import local_loss, tensor_parallel_loss
 
 
@@ -50,102 +49,20 @@ class PipelineStageError(CommFailure):
     silent past the group's timeout): names this rank's stages, their layers and their neighbours."""
 
 
-SINGLE_STAGE = ("GPipe", "1F1B")
-MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
-
-
-@dataclass
-class PipelineConfig:
-    """Pipeline settings (validated on construction). Every field is a ``--pipeline.<field>`` flag of ``hf-dtrain
-    pretrain`` and a key of the ``pipeline:`` YAML section; ``apply_pipeline(model, mesh, config)`` takes it
-    unchanged. The degree itself is ``ParallelConfig.pp`` (``--pp N``)."""
-
-    section_key: ClassVar[str] = "pipeline"
-
-    schedule: str = field(
-        default="1F1B",
-        metadata={
-            "help": "torch.distributed.pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B or "
-            "InterleavedZeroBubble (stages_per_rank >= 2)."
-        },
-    )
-    microbatches: int | None = field(
-        default=None,
-        metadata={
-            "help": "Micro-batches per step (the batch is split into this many along dim 0; it must divide the "
-            "batch). Default: 2 x the number of stages, at most the batch size."
-        },
-    )
-    stages_per_rank: int = field(
-        default=1,
-        metadata={
-            "min": 1,
-            "help": "Virtual stages per rank (interleaved schedules take >= 2: fewer bubbles, more "
-            "point-to-point messages).",
-        },
-    )
-    balance: str = field(
-        default="profile",
-        metadata={
-            "help": "How layers are cut into stages: profile (Merak: measured forward+backward time of the "
-            "embedding, a decoder layer and the head on this machine) or uniform (equal layer counts)."
-        },
-    )
-
-    def __post_init__(self):
-
-        check_fields(self)
-        names = {n.lower(): n for n in SINGLE_STAGE + MULTI_STAGE}
-        if not isinstance(self.schedule, str) or self.schedule.lower() not in names:
-            raise ValueError(
-                f"PipelineConfig.schedule={self.schedule!r} is not one of {list(names.values())}; set "
-                "pipeline.schedule (--pipeline.schedule)."
-            )
-        self.schedule = names[self.schedule.lower()]
-        check_choice(self, "balance", ("profile", "uniform"), "pipeline.balance")
-        if self.schedule in SINGLE_STAGE and self.stages_per_rank != 1:
-            raise ValueError(
-                f"pipeline.schedule={self.schedule} runs one stage per rank, but pipeline.stages_per_rank="
-                f"{self.stages_per_rank}; use Interleaved1F1B for several, or stages_per_rank 1."
-            )
-        if self.schedule in MULTI_STAGE and self.stages_per_rank < 2:
-            raise ValueError(
-                f"pipeline.schedule={self.schedule} interleaves several stages per rank: set "
-                "pipeline.stages_per_rank >= 2 (or use 1F1B)."
-            )
-        if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
-            raise ValueError(f"PipelineConfig.microbatches={self.microbatches!r}: a whole number >= 1, or unset.")
-
-    def n_microbatches(self, pp: int, batch_size: int) -> int:
-        """The micro-batch count for a ``batch_size`` batch on ``pp`` ranks, checked."""
-        n = self.microbatches or min(batch_size, 2 * pp * self.stages_per_rank)
-        if batch_size % n:
-            raise ValueError(
-                f"pipeline.microbatches={n} does not divide the batch of {batch_size}: choose a divisor of "
-                "the per-replica batch size (--pipeline.microbatches)."
-            )
-        if self.schedule in MULTI_STAGE and n % pp:
-            raise ValueError(
-                f"pipeline.schedule={self.schedule} needs the micro-batch count ({n}) to be a multiple of "
-                f"the pipeline degree {pp}: set --pipeline.microbatches."
-            )
-        return n
-
-
 def check_pipeline(model_config, pp: int, stages_per_rank: int = 1) -> None:
     """Refuse a pipeline degree the model cannot take, naming the flag (before any process group exists)."""
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        raise ValueError(f"pp={pp!r}: the pipeline degree must be a whole number >= 1 (--pp).")
+        raise SettingsError(f"pp={pp!r}: the pipeline degree must be a whole number >= 1 (--pp).")
     stages = pp * stages_per_rank
     layers = model_config.num_hidden_layers
     if stages > layers:
-        raise ValueError(
+        raise SettingsError(
             f"--pp {pp} x pipeline.stages_per_rank {stages_per_rank} = {stages} stages, but the model has "
             f"{layers} decoder layers: every stage needs at least one; lower --pp or "
             "pipeline.stages_per_rank."
         )
     if pp > 1 and getattr(model_config, "tie_word_embeddings", False):
-        raise ValueError(
+        raise SettingsError(
             "pipeline parallelism: the model ties lm_head to the embedding (tie_word_embeddings), "
             "which would sit on the first and the last stage; untie them (tie_word_embeddings=False) "
             "or train without --pp."
@@ -161,7 +78,7 @@ def balance_layers(
     O(stages x layers^2)."""
     n = len(layer_costs)
     if not 1 <= stages <= n:
-        raise ValueError(f"{stages} stages for {n} layers: every stage needs at least one layer.")
+        raise SettingsError(f"{stages} stages for {n} layers: every stage needs at least one layer.")
     prefix = [0.0]
     for c in layer_costs:
         prefix.append(prefix[-1] + c)
@@ -196,7 +113,7 @@ def _causal_lm(model: nn.Module) -> nn.Module:
         or not hasattr(decoder, "embed_tokens")
         or not hasattr(decoder, "rotary_emb")
     ):
-        raise ValueError(
+        raise SettingsError(
             f"apply_pipeline: {type(base).__name__} is not a LLaMA-family causal LM "
             "(model.embed_tokens, model.layers, model.rotary_emb, model.norm, lm_head)."
         )
@@ -223,7 +140,6 @@ def median_seconds(fn, repeats: int = 5, barrier: bool = False) -> float:
 def profile_costs(model: nn.Module, example: torch.Tensor) -> dict[str, float]:
     """Forward + backward seconds of the model's pieces at ``example``'s (micro-batch) shape, measured here: the
     embedding, one decoder layer (Merak's proxy: every LLaMA layer is alike) and the norm + head + loss."""
-
     base = _causal_lm(model)
     decoder = base.model
     layer = decoder.layers[0]
@@ -291,7 +207,6 @@ class Pipeline:
         return self
 
     def _broadcast_loss(self, losses: list, device) -> torch.Tensor:
-
         if self.has_last:
             loss = torch.stack([local_loss(v).detach().float() for v in losses]).mean().to(device)
         else:
@@ -318,9 +233,8 @@ class Pipeline:
 
     def _run(self, run, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``run`` (the schedule's ``step`` or ``eval``) over the micro-batches; the batch's mean loss on every rank."""
-
         if input_ids.shape[0] % self.n_microbatches:
-            raise ValueError(
+            raise SettingsError(
                 f"a batch of {input_ids.shape[0]} sequences does not split into "
                 f"{self.n_microbatches} micro-batches (pipeline.microbatches)."
             )
@@ -349,7 +263,6 @@ class Pipeline:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' whole (gathered over tp / data shards) parameters and buffers, on the CPU, under
         Hugging Face's names. Every rank of the stage's tp and data groups must call it (it gathers)."""
-
         out: dict[str, torch.Tensor] = {}
         for m in self.modules:
             if any(isinstance(p, DTensor) for p in m.parameters()):
@@ -365,7 +278,6 @@ class Pipeline:
         """A Hugging Face sharded checkpoint, one safetensors file per pipeline rank (its stages' weights) and the
         index, loadable with ``from_pretrained``: every rank calls it; ``writer``: this rank writes its pipeline
         rank's file (one rank per pipeline rank: the first of its tp and data groups)."""
-
         state = self.state_dict()
         pp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         name = f"model-{rank + 1:05d}-of-{pp:05d}.safetensors"
@@ -394,7 +306,7 @@ class Pipeline:
         self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
+            raise SettingsError(
                 "pipeline parallelism takes unpadded batches (the stages carry no attention mask): "
                 "pack the sequences to a fixed length, as hf-dtrain pretrain does."
             )
@@ -412,7 +324,7 @@ def _check_agreement(group, pp_rank: int, plan: dict) -> None:
         said = "; ".join(
             f"pipeline rank {r} has {k} {plans[r][k]!r}, pipeline rank 0 has {plans[0][k]!r}" for r, k in differ[:6]
         )
-        raise ValueError(
+        raise SettingsError(
             f"the pipeline's ranks build different pipelines: {said}. Every rank must run the same "
             "command (pipeline.*, the batch size and the sequence length) on the same model."
         )
@@ -434,10 +346,9 @@ def apply_pipeline(
     the micro-batch's shape). ``after_split(stage_module)``: applied to each stage module before the schedule is
     built (tensor parallelism, FSDP2: ``apply_tensor_parallel``, ``apply_fsdp``). Build the optimizer from
     :meth:`Pipeline.parameters` afterwards."""
-
     config = config or PipelineConfig()
     if mesh.ndim != 1:
-        raise ValueError(f"apply_pipeline takes the 1D pp mesh (mesh['pp']), got a {mesh.ndim}D mesh.")
+        raise SettingsError(f"apply_pipeline takes the 1D pp mesh (mesh['pp']), got a {mesh.ndim}D mesh.")
     base = _causal_lm(model)
     pp, rank = mesh.size(), mesh.get_local_rank()
     check_pipeline(base.config, pp, config.stages_per_rank)

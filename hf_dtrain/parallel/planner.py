@@ -33,13 +33,14 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from hf_dtrain.distributed.collectives import all_gather_single, reduce_scatter_single
 from hf_dtrain.distributed.counters import SavedTensorCounter
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.models import causal_mask, llama_config
 
-from .pipeline import PipelineConfig, balance_layers, check_pipeline, median_seconds
+from .config import ACTIVATION_POLICIES, PipelineConfig
+from .pipeline import balance_layers, check_pipeline, median_seconds
 from .tensor import check_tensor_parallel
 
 GiB = 1024**3
-ACTIVATION_POLICIES = ("none", "checkpoint")
 
 
 @dataclass
@@ -82,7 +83,7 @@ class MachineProfile:
                 ranks_per_node=8,
                 activation_bytes_per_token={"hidden": 17.0, "intermediate": 6.0},
             )
-        raise ValueError(
+        raise SettingsError(
             f"unknown machine profile {name!r}: use 'h100', or --profile FILE.json from "
             "hf-dtrain plan --calibrate --save-profile FILE.json."
         )
@@ -96,7 +97,7 @@ class MachineProfile:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"machine profile: unknown keys {unknown}; the keys are {sorted(known)}.")
+            raise SettingsError(f"machine profile: unknown keys {unknown}; the keys are {sorted(known)}.")
         return cls(**data)
 
 
@@ -198,7 +199,6 @@ def predict(
     plan: Plan, config, profile: MachineProfile, global_batch: int, seq_len: int, sequence_parallel: bool = True
 ) -> Plan:
     """Fill ``plan``'s predicted step time (seconds), per-rank memory (bytes, by buffer) and whether it fits."""
-
     d = _dims(config)
     pp, tp, dpr, dps, m, v = plan.pp, plan.tp, plan.dp_replicate, plan.dp_shard, plan.microbatches, plan.stages_per_rank
     dp = dpr * dps
@@ -328,7 +328,6 @@ def legal_plans(
     on ``world`` ranks with ``global_batch`` sequences per step: degrees whose product is ``world``, tp dividing the
     heads, KV heads, MLP and vocabulary, at most one stage per layer, micro-batch counts that divide the replica's
     batch (1 without a pipeline)."""
-
     plans = []
     divisors = [k for k in range(1, world + 1) if world % k == 0]
     for tp in divisors:
@@ -400,7 +399,7 @@ def rank_plans(
         for p in legal_plans(config, world, global_batch, activations=activations, interleave=interleave)
     ]
     if not plans:
-        raise ValueError(
+        raise SettingsError(
             f"no legal plan for {world} ranks and a global batch of {global_batch}: the batch must "
             "split over the data-parallel replicas (try a multiple of the world size)."
         )
@@ -419,7 +418,6 @@ def format_table(plans: list[Plan], top: int | None = None) -> str:
 
 
 def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
-
     a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
     return [max(float(x), 0.0) for x in torch.linalg.lstsq(a, b).solution.squeeze(1)]
 
@@ -435,7 +433,6 @@ def measure_profile(
     token counts (fit: seconds per FLOP and a fixed cost per call), all-gather / reduce-scatter / all-reduce at two
     sizes over the whole group and over pairs (fit: latency and seconds per byte moved), an AdamW step per
     parameter and the bytes autograd saves per token of a layer. Timings are the slowest rank's medians."""
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     rows, ys, act_rows, act_ys = [], [], [], []

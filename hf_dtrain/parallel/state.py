@@ -23,12 +23,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_fsdp2(model: nn.Module) -> bool:
-
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _has_dtensors(model: nn.Module) -> bool:
-
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
@@ -40,7 +38,6 @@ def is_zero3(model: nn.Module) -> bool:
 def _adapter_names(model: nn.Module) -> set[str] | None:
     """Names of the parameters a peft model saves (its tuner layers' adapter containers and modules_to_save); None
     for a model without peft adapters."""
-
     parts = set()
     for m in model.modules():
         if isinstance(m, BaseTunerLayer):

@@ -25,8 +25,6 @@ the same batch.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -34,7 +32,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from hf_dtrain.settings import check_fields
+from hf_dtrain.errors import SettingsError
+
+from .config import TensorParallelConfig
 
 # the module names of a LLaMA-family decoder layer (LLaMA, Mistral, Qwen2 and their kin use the same)
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -54,36 +54,7 @@ TP_REFUSED = {
 }
 
 
-@dataclass
-class TensorParallelConfig:
-    """Tensor-parallel settings (validated on construction). Every field is a ``--tensor-parallel.<field>`` flag of
-    ``hf-dtrain pretrain`` and a key of the ``tensor_parallel:`` YAML section; ``apply_tensor_parallel(model, mesh,
-    config)`` takes it unchanged. The degree itself is ``ParallelConfig.tp`` (``--tp N``)."""
-
-    section_key: ClassVar[str] = "tensor_parallel"
-
-    sequence_parallel: bool = field(
-        default=True,
-        metadata={
-            "help": "Shard the norms and the residual stream over the sequence between the blocks (reduce-scatter + "
-            "all-gather instead of all-reduce; activations 1/tp per rank). Needs seq_len divisible by tp."
-        },
-    )
-    loss_parallel: bool = field(
-        default=True,
-        metadata={
-            "help": "Keep the logits sharded over the vocabulary and compute the cross-entropy on the shards (no rank "
-            "holds the whole logits); forward and backward then run inside tensor_parallel_loss(model)."
-        },
-    )
-
-    def __post_init__(self):
-
-        check_fields(self)
-
-
 def _tuner_kind(module: nn.Module):
-
     if not isinstance(module, BaseTunerLayer):
         return None
     first = module.adapter_layer_names[0] if module.adapter_layer_names else type(module).__name__
@@ -97,7 +68,7 @@ def check_tensor_parallel(model_config, tp: int) -> None:
     """Refuse a ``tp`` degree the model's shapes do not allow, naming the dim and the fix (before any process group
     exists: the planner and the CLI call this first)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp={tp!r}: the tensor-parallel degree must be a whole number >= 1 (--tp).")
+        raise SettingsError(f"tp={tp!r}: the tensor-parallel degree must be a whole number >= 1 (--tp).")
     if tp == 1:
         return
     dims = {
@@ -108,7 +79,7 @@ def check_tensor_parallel(model_config, tp: int) -> None:
     }
     for name, value in dims.items():
         if value % tp:
-            raise ValueError(
+            raise SettingsError(
                 f"--tp {tp} does not divide the model's {name} ({value}): each rank holds 1/tp of "
                 f"the {name.split('_')[-1]}; choose a tp that divides {value}."
             )
@@ -123,7 +94,6 @@ class _TunerLinearParallel:
         self.rowwise, self.sequence_parallel = rowwise, sequence_parallel
 
     def placements(self, name: str, tensor: torch.Tensor, prefix: str):
-
         in_side, out_side = TP_ADAPTERS[prefix]
         if name.startswith("base_layer."):
             if name.endswith("bias"):
@@ -133,13 +103,13 @@ class _TunerLinearParallel:
             return [Shard(tensor.dim() - 1)] if self.rowwise else [Replicate()]
         if name.startswith(out_side + "."):  # [out, r]: the output dim follows a column-wise base
             return [Replicate()] if self.rowwise else [Shard(0)]
-        raise ValueError(
+        raise SettingsError(
             f"tensor parallelism: {name!r} of a {prefix} tuner layer has no placement rule; leave this "
             "module out of the adapter's target_modules or train without --tp."
         )
 
     def apply(self, module: nn.Module, mesh) -> None:
-        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+        from torch.distributed.tensor import distribute_module, distribute_tensor
 
         prefix = _tuner_kind(module)
 
@@ -170,7 +140,6 @@ class _TunerLinearParallel:
 
 def _split_sequence():
     """Layer 0's input: the embedding's (replicated) output cut to this rank's sequence shard, no communication."""
-
     return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
 
 
@@ -178,28 +147,22 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     """Shard a LLaMA-family causal LM (or a peft model around one) in place over the 1D ``mesh`` (the ``tp``
     dimension of a larger mesh). Build the optimizer after this call; with FSDP2, call ``apply_fsdp`` on the
     data-parallel dimension afterwards (2D: FSDP over TP). See the module docstring."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     config = config or TensorParallelConfig()
     if mesh.ndim != 1:
-        raise ValueError(f"apply_tensor_parallel takes the 1D tp mesh (mesh['tp']), got a {mesh.ndim}D mesh.")
+        raise SettingsError(f"apply_tensor_parallel takes the 1D tp mesh (mesh['tp']), got a {mesh.ndim}D mesh.")
     tp = mesh.size()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
     if layers is None or not hasattr(base, "lm_head") or not hasattr(decoder, "embed_tokens"):
-        raise ValueError(
+        raise SettingsError(
             f"apply_tensor_parallel: {type(base).__name__} is not a LLaMA-family causal LM "
             "(model.embed_tokens, model.layers, model.norm, lm_head)."
         )
     if getattr(model, "_hf_dtrain_tp", None) is not None:
-        raise ValueError("apply_tensor_parallel: the model is already tensor-parallel; apply it once.")
+        raise SettingsError("apply_tensor_parallel: the model is already tensor-parallel; apply it once.")
     check_tensor_parallel(base.config, tp)
     tied = base.config.tie_word_embeddings if hasattr(base.config, "tie_word_embeddings") else False
     sp, lp = config.sequence_parallel, config.loss_parallel
@@ -211,12 +174,12 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
         if kind is None:
             continue
         if kind in TP_REFUSED:
-            raise ValueError(
+            raise SettingsError(
                 f"tensor parallelism cannot shard the {kind.rstrip('_')} adapter of {name!r}: "
                 f"{TP_REFUSED[kind]}. Train it with FSDP2 or ZeRO-3 (--dp-shard) instead of --tp."
             )
         if kind not in TP_ADAPTERS:
-            raise ValueError(
+            raise SettingsError(
                 f"tensor parallelism has no sharding rule for the {type(module).__name__} tuner layer "
                 f"{name!r}; LoRA and LoRA-FA are supported."
             )
@@ -237,7 +200,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
             top["model.norm"] = SequenceParallel()
     for key in ("model.embed_tokens", "lm_head"):
         if any(n == key for n in tuners):
-            raise ValueError(
+            raise SettingsError(
                 f"tensor parallelism: the adapter on {key!r} is not supported; leave it out of target_modules."
             )
     frozen = {n for n, p in base.named_parameters() if not p.requires_grad}
@@ -269,7 +232,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
                 _TunerLinearParallel(n in ROWWISE, sp).apply(tuners[prefix + n], mesh)
         other = [t for t in tuners if t.startswith(prefix) and t[len(prefix) :] not in COLWISE + ROWWISE]
         if other:
-            raise ValueError(
+            raise SettingsError(
                 f"tensor parallelism: no sharding rule for the adapter on {other[0]!r}; target the "
                 f"projections {list(COLWISE + ROWWISE)} only."
             )
@@ -287,7 +250,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
             if ids is None:
                 ids = kwargs.get("inputs_embeds")
             if ids is not None and ids.shape[1] % tp:
-                raise ValueError(
+                raise SettingsError(
                     f"sequence parallelism over tp={tp} ranks needs a sequence length divisible by "
                     f"{tp}, got {ids.shape[1]}: pad the batch to a multiple of {tp} (e.g. the "
                     f"tokenizer's pad_to_multiple_of={tp}) or set tp.sequence_parallel false."
@@ -315,5 +278,4 @@ def tensor_parallel_loss(model: nn.Module):
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (a loss-parallel loss is a replicated DTensor): for logging and ``.item()``."""
-
     return loss.full_tensor() if isinstance(loss, DTensor) else loss

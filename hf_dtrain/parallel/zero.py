@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import json
 
+from hf_dtrain.errors import SettingsError
+
 _COMMON = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
@@ -37,18 +39,18 @@ def deepspeed_config(value: str) -> dict:
         with open(value) as f:
             cfg = json.load(f)
     except FileNotFoundError:
-        raise ValueError(
+        raise SettingsError(
             f"deepspeed={value!r}: no such file and no preset; set --deepspeed to "
             f"{' or '.join(PRESETS)}, or to a DeepSpeed config JSON."
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(
+        raise SettingsError(
             f"deepspeed config {value} cannot be read as JSON: {e}; fix the file or set --deepspeed to another one."
         ) from None
     zero = cfg.get("zero_optimization", {}) if isinstance(cfg, dict) else None
     stage = zero.get("stage", 0) if isinstance(zero, dict) else None
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"deepspeed config {value}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}.")
+        raise SettingsError(f"deepspeed config {value}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}.")
     return cfg
 
 

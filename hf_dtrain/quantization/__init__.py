@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.quantization.int4 import Int4Linear
 
 QUANTIZE_CHOICES = ("nf4", "hqq4", "int4")
@@ -42,14 +43,12 @@ def _hqq_linear():
 def quantized_base_types() -> tuple[type, ...]:
     """Quantized linear classes an adapter may wrap besides ``nn.Linear`` (bitsandbytes' ``Linear4bit`` already is
     an ``nn.Linear`` subclass): ``Int4Linear`` and, when ``hqq`` is installed, ``HQQLinear``."""
-
     hqq = _hqq_linear()
     return (Int4Linear,) if hqq is None else (Int4Linear, hqq)
 
 
 def quantized_kind(module: nn.Module) -> str | None:
     """``"nf4"`` (any bitsandbytes 4-bit layer), ``"hqq4"``, ``"int4"`` or None for a dense layer."""
-
     if isinstance(module, Int4Linear):
         return "int4"
     hqq = _hqq_linear()
@@ -79,7 +78,7 @@ def adapter_dtype_and_device(base: nn.Module) -> tuple[torch.dtype, torch.device
 def check_quantized_base(base: nn.Module, config_name: str, layer_key: str) -> None:
     """The ``ValueError`` for ``require_quantized_base=True`` on a dense target."""
     if quantized_kind(base) is None:
-        raise ValueError(
+        raise SettingsError(
             f"{config_name}.require_quantized_base=True but {layer_key!r} is a dense {type(base).__name__}. Load the "
             "base in 4 bits first (hf_dtrain.quantization.load_quantized_model(path, 'nf4' | 'hqq4' | 'int4'), "
             "transformers' BitsAndBytesConfig(load_in_4bit=True), or quantize_model_int4(model, group_size)), or set "
@@ -105,7 +104,7 @@ def prepare_bnb_4bit_for_training(module: nn.Module) -> int:
             continue
         state = getattr(m.weight, "quant_state", None)
         if state is not None and getattr(state, "packing_format_for_cpu", False):
-            raise ValueError(
+            raise SettingsError(
                 f"bitsandbytes layer {name or type(m).__name__} was already repacked for CPU inference (it ran in "
                 "eval mode under no_grad); gradients through it would be silently dropped. Load the 4-bit model again "
                 "and call hf_dtrain.quantization.prepare_bnb_4bit_for_training(model) (get_peft_model with an "
@@ -135,7 +134,7 @@ def quantize_model_hqq(
             if not isinstance(child, nn.Linear) or any(full.endswith(s) for s in skip):
                 continue
             if child.in_features % group_size:
-                raise ValueError(
+                raise SettingsError(
                     f"group_size={group_size} does not divide in_features={child.in_features} of "
                     f"{full!r}; choose a divisor of every quantized layer's input dimension."
                 )
@@ -143,7 +142,7 @@ def quantize_model_hqq(
             setattr(parent, child_name, hqq(child, qcfg, compute_dtype=compute_dtype, device=device))
             replaced += 1
     if replaced == 0:
-        raise ValueError("quantize_model_hqq found no nn.Linear to quantize.")
+        raise SettingsError("quantize_model_hqq found no nn.Linear to quantize.")
     return model
 
 
@@ -163,9 +162,8 @@ def load_quantized_model(
     the packed 4-bit codes are stored in; peft's FSDP-QLoRA guide sets it to the compute dtype so FSDP1's flat
     parameters have one dtype; FSDP2 shards each parameter on its own and takes the default uint8 too).
     """
-
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize={quantize!r} is unknown; use one of {', '.join(QUANTIZE_CHOICES)} or None.")
+        raise SettingsError(f"quantize={quantize!r} is unknown; use one of {', '.join(QUANTIZE_CHOICES)} or None.")
     if quantize == "nf4":
         from transformers import BitsAndBytesConfig
 
@@ -198,7 +196,7 @@ def hqq_fold_group_constant_update(layer: nn.Module, update: torch.Tensor, sign:
     weight exactly by moving its zero-points: ``z -= c / s``. Needs ``axis=1`` and unquantized zero-points."""
     meta = layer.meta
     if meta.get("axis") != 1 or meta.get("quant_zero") or meta.get("quant_scale"):
-        raise ValueError(
+        raise SettingsError(
             "an exact merge into HQQ needs axis=1 with unquantized scales and zero-points "
             "(BaseQuantizeConfig(nbits=4, group_size=g, axis=1, quant_zero=False, quant_scale=False)); "
             f"this layer has axis={meta.get('axis')}, quant_zero={meta.get('quant_zero')}."
@@ -206,7 +204,7 @@ def hqq_fold_group_constant_update(layer: nn.Module, update: torch.Tensor, sign:
     out_f, in_f = layer.out_features, layer.in_features
     g = int(meta["group_size"])
     if tuple(update.shape) != (out_f, in_f // g):
-        raise ValueError(
+        raise SettingsError(
             f"a group-constant update for this HQQ layer has shape {(out_f, in_f // g)}, got "
             f"{tuple(update.shape)}; pool the adapter's input by the quantization group size {g}."
         )

@@ -21,14 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_dtrain.errors import SettingsError
+
 QMAX = 15
 
 
 def _check_group(in_features: int, group_size: int) -> None:
     if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size must be an even integer >= 2, got {group_size!r}.")
+        raise SettingsError(f"group_size must be an even integer >= 2, got {group_size!r}.")
     if in_features % group_size:
-        raise ValueError(
+        raise SettingsError(
             f"group_size={group_size} does not divide in_features={in_features}; choose a group size that divides "
             "the input dimension of every quantized layer (e.g. 32, 64 or 128 for LLaMA)."
         )
@@ -148,7 +150,7 @@ class Int4Linear(nn.Module):
         quantization group, constant over the group's columns. Only the zero-points change: ``z -= c / s``."""
         expected = (self.out_features, self.in_features // self.group_size)
         if tuple(update.shape) != expected:
-            raise ValueError(
+            raise SettingsError(
                 f"a group-constant update for this layer has shape {expected} (out, in / group_size), got "
                 f"{tuple(update.shape)}; pool the adapter's input by the quantization group size."
             )
@@ -174,5 +176,5 @@ def quantize_model_int4(model: nn.Module, group_size: int = 64, target_modules=N
             setattr(module, child_name, Int4Linear.from_linear(child, group_size))
             replaced += 1
     if replaced == 0:
-        raise ValueError(f"quantize_model_int4 found no nn.Linear to quantize (target_modules={target_modules}).")
+        raise SettingsError(f"quantize_model_int4 found no nn.Linear to quantize (target_modules={target_modules}).")
     return model

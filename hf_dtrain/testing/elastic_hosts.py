@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
-from hf_dtrain.elastic import read_log, torchrun_command
+from hf_dtrain.jobs.elastic import read_log, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,7 +31,6 @@ def launch_host(
     """This host's torchrun agent for ``config`` (an ``ElasticConfig``), its output to the file ``log``; ``wrap``
     turns the command into one that runs elsewhere (``Host.command`` of a network namespace), ``env`` adds to its
     environment (``GLOO_SOCKET_IFNAME`` there)."""
-
     cmd, extra = torchrun_command(config, endpoint, run_id, local_addr=local_addr, store_host=store_host)
     env = dict(
         os.environ,
@@ -71,7 +70,6 @@ def wait_for_log(
 ) -> list[dict]:
     """The run's log once ``until(log)`` holds; ``AssertionError`` naming ``what`` after ``timeout`` seconds or when
     every host has exited."""
-
     hosts = list(hosts)
     deadline = time.monotonic() + timeout
     log: list = []

@@ -20,7 +20,6 @@ from .launch import elastic_launch
 
 def stop_snapshot_processes(directory) -> None:
     """SIGKILL every snapshot process under ``directory`` (``node*/smp.json``): test clean-up."""
-
     for info in glob.glob(os.path.join(str(directory), "node*", "smp.json")):
         with contextlib.suppress(ProcessLookupError, ValueError, OSError):
             os.kill(json.load(open(info))["pid"], signal.SIGKILL)
@@ -39,9 +38,6 @@ class FaultInjector:
 
     def __call__(self, engine, step: int) -> None:
         if engine.rank == self.rank and step == self.step:
-            import signal
-            import time
-
             engine.wait()
             time.sleep(self.delay)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -84,7 +80,6 @@ class KillSchedule:
                 self.entry = (when, phase)
 
     def die(self, step, phase: str) -> None:
-
         with open(self.log, "a") as f:
             f.write(f"{self.generation}:{self.rank}:{step}:{phase}\n")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -114,7 +109,6 @@ def main(argv=None) -> None:
     * ``python -m hf_dtrain.testing.fault RANK:STEP[:SECONDS] MODULE [ARGS...]``: a :class:`FaultInjector`;
     * ``python -m hf_dtrain.testing.fault --kills SPEC --kill-log FILE MODULE [ARGS...]``: a :class:`KillSchedule`
       (under ``torchrun --max-restarts``, a kill per generation)."""
-
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = (
         "usage: python -m hf_dtrain.testing.fault (RANK:STEP[:SECONDS] | --kills SPEC --kill-log FILE) MODULE [ARGS...]"
@@ -138,7 +132,6 @@ def main(argv=None) -> None:
 
 def ft_worker_command() -> list[str]:
     """The command of one rank of the fault-injection worker (:mod:`hf_dtrain.testing.ft_worker`)."""
-
     return [sys.executable, "-m", "hf_dtrain.testing.ft_worker"]
 
 
@@ -146,7 +139,6 @@ def launch_ft_workers(world: int, env: dict, timeout: float = 180) -> list[int]:
     """All ranks of the fault-injection worker at once; when one dies the others are killed (torchrun's elastic
     agent); returns the exit codes. ``env``: the worker's ``FT_*`` settings (``FT_OUT`` is also the log directory).
     A rank that outlives its peers' error exits has its stacks written to its log before it is killed."""
-
     return elastic_launch(
         ft_worker_command(), world, env, timeout, log_dir=env["FT_OUT"], dump_signal=signal.SIGUSR1, preloaded=True
     )
@@ -177,7 +169,6 @@ def worker_losses(out: str, rank: int = 0) -> dict[int, str]:
 
 def kill_snapshot_process(directory: str, node: int) -> None:
     """SIGKILL node ``node``'s snapshot process (a lost node's memory)."""
-
     info = json.load(open(os.path.join(directory, f"node{node}", "smp.json")))
     os.kill(info["pid"], signal.SIGKILL)
     time.sleep(0.3)
@@ -205,7 +196,6 @@ def run_failure_chain(world: int, env: dict, ft_dir: str) -> list[list[str]]:
     as a user would after it), then once more to the end; returns rank 0's restore records (``[step, source]`` per
     relaunch). ``env``: the worker's settings (``FT_OUT``, ``FT_ENGINE``...); the kill schedule, the disk copy under
     ``ft_dir`` and the step count are added here."""
-
     out = env["FT_OUT"]
     env = {
         **env,

@@ -34,7 +34,6 @@ from hf_dtrain.testing.models import random_batch, tiny_llama
 def dump_full_state(model, optimizer, path: str) -> None:
     """The whole model and optimizer state, gathered from every rank's shards (``get_state_dict`` with full state
     dicts), written by rank 0 as one safetensors file keyed by FQN."""
-
     msd, osd = get_state_dict(
         model,
         optimizer,
@@ -49,7 +48,6 @@ def dump_full_state(model, optimizer, path: str) -> None:
 
 
 def main():
-
     faulthandler.enable()  # a rank that dies on a signal (SIGSEGV, SIGABRT) leaves its Python stack in rank{r}.out
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks a hung rank where it is
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

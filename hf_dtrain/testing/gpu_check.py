@@ -129,12 +129,10 @@ def cuda_tests(ctx: Context) -> dict:
 
 
 def _tiny(device, dtype=torch.float32):
-
     return tiny_llama(seed=0, hidden_size=64).to(device=device, dtype=dtype)
 
 
 def _tuner_configs():
-
     targets = ["q_proj", "v_proj"]
     return {
         "lora": lambda: LoraConfig(r=4, target_modules=targets, init_lora_weights=False),
@@ -156,7 +154,6 @@ def _tuner_configs():
 
 
 def tuners_autocast(ctx: Context) -> dict:
-
     batch = {k: v.to(ctx.device) for k, v in random_batch(batch=2, seq=16, seed=0).items()}
     out = {}
     for name, make in _tuner_configs().items():
@@ -184,9 +181,6 @@ def tuners_autocast(ctx: Context) -> dict:
 
 
 def bnb_4bit(ctx: Context) -> dict:
-
-    from hf_dtrain.tuners import QBaRAConfig
-
     if importlib.util.find_spec("bitsandbytes") is None:
         raise Skip("bitsandbytes is not installed (pip install 'hf-dtrain[quant]')")
 
@@ -224,9 +218,6 @@ def bnb_4bit(ctx: Context) -> dict:
 def qahira_merge(ctx: Context) -> dict:
     """QA-HiRA on an HQQ 4-bit base on the device, merged into the zero-points: the merged 4-bit model's logits
     equal the adapter model's (the merge is exact up to float rounding)."""
-
-    from hf_dtrain.tuners import QAHiRAConfig
-
     if importlib.util.find_spec("hqq") is None:
         raise Skip("hqq is not installed (pip install 'hf-dtrain[quant]')")
     model = _tiny(ctx.device)
@@ -266,7 +257,6 @@ HOOKS = ["allreduce", "acp_sgd", "s2_reducer", "dear", "embrace"]
 
 
 def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
-
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(
@@ -284,7 +274,6 @@ def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: s
 
 
 def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
-
     for method in HOOKS:
         model = _tiny(device)
         if method == "embrace":
@@ -309,14 +298,12 @@ def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
 
 def _hooks_main(port: str, backend: str, device_type: str, out: str) -> None:
     """Entry of the 2-rank hook run (in its own process, so an NCCL refusal cannot take the checker down)."""
-
     mp.spawn(_hooks_worker, args=(2, int(port), backend, device_type, out), nprocs=2, join=True)
 
 
 def _spawn_two(main: str, backend: str, device_type: str) -> tuple[bool, str, dict]:
     """Run ``main`` of this module (which spawns 2 ranks) in a process of its own, so an NCCL refusal cannot take the
     checker down: (ok, its stderr's end, the JSON rank 0 wrote)."""
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         code = f"import sys, hf_dtrain.testing.gpu_check as g; g.{main}(*sys.argv[1:])"
@@ -356,7 +343,6 @@ def comm_hooks(ctx: Context) -> dict:
 def _train_losses(model, device, steps: int = 3, autocast: bool = False) -> list[float]:
     """``steps`` AdamW steps of ``model``'s trainable parameters on seeded batches (the same on every rank), under
     bf16 autocast when asked: the losses."""
-
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     losses = []
     for step in range(steps):
@@ -373,7 +359,6 @@ def _train_losses(model, device, steps: int = 3, autocast: bool = False) -> list
 def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
     """One rank: FSDP2 (``apply_fsdp``, bf16 gathered parameters, activation checkpointing) on the device, for full
     fine-tuning and each tuner, against the same model unsharded under bf16 autocast."""
-
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(
@@ -400,15 +385,12 @@ def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
             results[name] = {"max_loss_rel_diff": rel, **losses}
         Path(out).write_text(json.dumps({"backend": backend, "device": str(device), "methods": results}))
     finally:
-        from hf_dtrain.distributed.groups import release_process_group
-
         release_process_group()
 
 
 def fsdp2(ctx: Context) -> dict:
     """FSDP2 on the device (its CUDA streams, bf16 gathers, activation checkpointing), one rank per GPU: NCCL with
     one rank here (two ranks on one GPU are refused by NCCL; multi-GPU runs are the tests' gloo runs scaled up)."""
-
     backend, device_type = ("nccl", "cuda") if ctx.device.type == "cuda" else ("gloo", "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "fsdp2.json")
@@ -428,7 +410,6 @@ def fsdp2(ctx: Context) -> dict:
 def _multi_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
     """One of 2 ranks, one per GPU (``cuda:<rank>``, NCCL), or on gloo/CPU in the dry run: every communication hook,
     1-bit LAMB, FSDP2 against the unsharded model, and a sharded snapshot restored in place."""
-
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -458,7 +439,6 @@ def _multi_worker(rank: int, world: int, port: int, backend: str, device_type: s
 
 
 def _replicas_equal(model, world: int) -> bool:
-
     flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
@@ -468,7 +448,6 @@ def _replicas_equal(model, world: int) -> bool:
 def _multi_onebit_lamb(rank: int, world: int, device) -> dict:
     """1-bit LAMB on 2 ranks (its compressed exchange after a 2-step warm-up): losses finite and falling on the
     same batch, the replicas identical."""
-
     torch.manual_seed(0)
     model = _tiny(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -493,8 +472,6 @@ def _multi_onebit_lamb(rank: int, world: int, device) -> dict:
 def _multi_fsdp2(rank: int, world: int, device) -> dict:
     """FSDP2 on 2 ranks (fp32), 3 AdamW steps on the same batch on every rank: the losses equal the unsharded
     model's within fp32 reduction-order rounding."""
-    from hf_dtrain.parallel import apply_fsdp
-
     losses = {}
     for sharded in (False, True):
         torch.manual_seed(0)
@@ -511,9 +488,6 @@ def _multi_fsdp2(rank: int, world: int, device) -> dict:
 def _multi_snapshot(rank: int, world: int, device, tmp: str) -> dict:
     """A sharded (FSDP2) snapshot of step 2 on the device (pinned slots, the copy on a side stream), one more step,
     then ``restore()``: every rank's shards and optimizer state are back, bit for bit."""
-
-    from hf_dtrain.parallel import apply_fsdp
-
     torch.manual_seed(0)
     model = _tiny(device)
     apply_fsdp(model)
@@ -552,7 +526,6 @@ def _multi_snapshot(rank: int, world: int, device, tmp: str) -> dict:
 
 
 def _multi_main(port: str, backend: str, device_type: str, out: str) -> None:
-
     mp.spawn(_multi_worker, args=(2, int(port), backend, device_type, out), nprocs=2, join=True)
 
 
@@ -660,7 +633,7 @@ def throughput(ctx: Context) -> dict:
 
 
 def _llama_1b():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         hidden_size=2048,
@@ -683,9 +656,6 @@ def _fused_batches(k: int, batch: int, seq: int, vocab: int, device):
 
 def fused_sweep(ctx: Context) -> dict:
     """K LoRA jobs fused on one frozen base vs one after another with peft, on the device."""
-
-    from peft import LoraConfig, get_peft_model
-
     dev = ctx.device
     cuda = dev.type == "cuda"
     preset, batch, seq = ("test", 4, 32) if (ctx.dry_run or ctx.quick) else ("tiny", 16, 128)
@@ -769,10 +739,6 @@ def peak_memory(ctx: Context) -> dict:
     if ctx.device.type != "cuda":
         raise Skip("peak memory is torch.cuda.max_memory_allocated: needs a CUDA device")
 
-    from peft import LoraConfig, get_peft_model
-
-    from hf_dtrain.tuners import LoraFAConfig, SMTConfig
-
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     batch, seq = (2, 256) if ctx.quick else (4, 1024)
     methods = {
@@ -827,7 +793,6 @@ def delta_memory(ctx: Context) -> dict:
     """DELTA (keep / offload / recompute per layer under a budget; on CUDA the pinned host tier with side-stream
     prefetch) against no saving, full gradient checkpointing and transformers' checkpointing with ``offload=True``:
     peak allocated memory (CUDA) and step time, steady steps after DELTA's profiling step."""
-
     cuda = ctx.device.type == "cuda"
     if cuda and not ctx.quick:
         make, batch, seq = (lambda: _llama_1b().to(ctx.device, dtype=torch.bfloat16)), 4, 1024
@@ -896,7 +861,6 @@ def snapshot_stall(ctx: Context) -> dict:
     with its default stager (pinned host staging on CUDA, asynchronous staging and non-blocking copies): the call
     plus waiting for the previous staging before the next optimizer step and for the previous upload before the
     next save."""
-
     cuda = ctx.device.type == "cuda"
     steps = 5 if ctx.quick or not cuda else 8
     out = {}
@@ -1024,7 +988,6 @@ def run(
 ) -> list[dict]:
     """Run ``steps`` in order; ``after_step(results so far)`` after each one (the driver writes the report there, so
     a run stopped by a time limit keeps what it measured)."""
-
     results = []
     for step in tqdm(steps, desc="gpu_check", disable=not progress):
         t0 = time.perf_counter()

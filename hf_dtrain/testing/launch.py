@@ -44,7 +44,6 @@ def gloo_group(rank: int, world_size: int, addr: str = "127.0.0.1", port: int | 
     freed after the group is destroyed drops the group's last reference with the GIL held, and the group's
     destructor then deadlocks with its worker threads (pytorch/pytorch#56297; one rank exits, the other never does).
     The exit collects reference cycles while the group is still registered, then destroys it."""
-
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -68,7 +67,6 @@ def _rank_context():
     """The multiprocessing context ranks start in: a forkserver with the heavy modules preloaded where that is safe
     (Linux, no CUDA device: a process that touched CUDA must never be forked), else ``spawn``. The forkserver is
     started once per process by its first use, imports nothing but ``_PRELOAD`` and runs no threads when it forks."""
-
     if (
         "forkserver" not in mp.get_all_start_methods()
         or torch.cuda.is_available()
@@ -98,7 +96,6 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
     process group on a free localhost port. Every collective times out after ``pg_timeout_s``; the whole run is
     killed after ``timeout`` seconds. Raises if any rank fails or hangs. ``fn`` must be importable (a module-level
     function)."""
-
     ctx = _rank_context()
     port = free_port()
     environ = dict(os.environ)
@@ -129,7 +126,6 @@ def _forked_rank(module: str, args: list[str], environ: dict, log_path: str | No
     """``python -m module *args`` in a rank forked from the preloaded forkserver: the caller's environment,
     working directory and output file, and the intra-op threads ``OMP_NUM_THREADS`` asks for (the forkserver's
     OpenMP runtime read its own environment when torch loaded)."""
-
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -192,7 +188,6 @@ def elastic_launch(
     cores), for a module whose work ends with its files flushed (the rank leaves through ``os._exit``); where the
     forkserver is not used (``HF_DTRAIN_SPAWN_RANKS``, a CUDA device, ``per_rank_argv``) it is a fresh interpreter
     as without it."""
-
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs, logs = [], []
@@ -262,7 +257,6 @@ def elastic_launch(
 
 def mean_over_ranks(value: float, group=None) -> float:
     """The mean of a per-rank number over the ranks of ``group`` (one all-reduce)."""
-
     t = torch.tensor(float(value), dtype=torch.float64)
     dist.all_reduce(t, group=group)
     return float(t) / dist.get_world_size(group)

@@ -26,7 +26,6 @@ def random_batch(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 0)
 def tiny_default_base(cache_dir, steps: int = 200, seed: int = 0) -> str:
     """The embedded default base model built at test size: "test" preset, a 300 kB slice of the stdlib, ``steps``
     pretraining steps (seconds on CPU), cached under ``cache_dir``."""
-
     return build_default_model(
         "test",
         cache_dir=cache_dir,
@@ -56,7 +55,6 @@ def train_steps(model, steps: int, lr: float = 1e-2, batch_seed=lambda step: 0, 
 def train_on_loader(model, optimizer, loader, times: list | None = None) -> list[float]:
     """One pass of ``model`` over ``loader`` (batches of model kwargs with labels); returns the losses. ``times``,
     if given, receives the seconds since the start after every step."""
-
     losses = []
     t0 = time.perf_counter()
     for batch in loader:
@@ -85,10 +83,24 @@ CHAT_TEMPLATE = (
 def chat_llama_checkpoint(path, cache_dir, steps: int = 20) -> str:
     """A locally saved LLaMA-architecture checkpoint whose tokenizer has a chat template (the test-size default base
     with :data:`CHAT_TEMPLATE`): what a user's ``--model ./my-llama`` looks like, at test size."""
-
     base = tiny_default_base(cache_dir, steps=steps)
     shutil.copytree(base, path, dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def shard_like_the_jobs(model, fsdp, comm_hook=None):
+    """What ``hf-dtrain pretrain --fsdp.* --comm-hook ...`` does to ``model`` on the launched ranks: the sections'
+    preparation (FSDP2, within HSDP's replica groups when a comm hook carries the exchange across them), run by the
+    job's own run machinery. Returns the exchange's state (bytes per step in ``.stats``), or None."""
+    import torch.distributed as dist
+
+    from hf_dtrain.jobs.pretrain.config import pretrain_config_class
+    from hf_dtrain.run.job import JobRun
+
+    cfg = pretrain_config_class()(fsdp=fsdp, comm_hook=comm_hook)
+    run = JobRun(cfg, world_size=dist.get_world_size(), start=False)
+    run.prepare(model)
+    return run.stateful().get("comm_hook")

@@ -165,7 +165,6 @@ def run_ranks(commands: list[list[str]], envs: list[dict], timeout: float = 300)
     """Start every rank's command at once and return each stdout; kill all after ``timeout`` seconds; raise with the
     first failing rank's stderr. Output goes to files, not pipes: a rank blocked on a full pipe would stall the
     collective its peers wait in."""
-
     procs, files = [], []
     deadline = time.monotonic() + timeout
     try:

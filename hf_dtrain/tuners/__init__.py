@@ -1,37 +1,47 @@
-"""hf_dtrain's peft tuners. Importing this package registers every method with peft (idempotently)."""
+"""hf_dtrain's peft tuners, one folder per method (``config.py``, ``layer.py``, ``model.py`` and ``method.py``).
 
-from ._registry import extend_peft_type, register
+Importing this package is light: it imports every folder, whose ``method.py`` registers the method with the jobs
+(:mod:`hf_dtrain.tuners.finetune_method`). The peft classes load on first use, and each folder registers itself with
+peft as its modules load (:mod:`hf_dtrain.tuners._registry`); :func:`register_with_peft` loads every folder, which
+``import hf_dtrain`` runs as soon as peft is imported. A folder added here is found without any edit elsewhere.
+"""
 
-# The PeftType members must exist before the config classes are instantiated (their __post_init__ uses them).
-for _name in ("SMT", "LORAFA", "QAHIRA", "QBARA"):
-    extend_peft_type(_name)
+import importlib
+import pkgutil
+import sys
 
-from .lorafa import LoraFAConfig, LoraFAModel  # noqa: E402
-from .qahira import QAHiRAConfig, QAHiRAModel  # noqa: E402
-from .qbara import QBaRAConfig, QBaRAModel  # noqa: E402
-from .smt import SMTConfig, SMTModel  # noqa: E402
+FOLDERS = tuple(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg)
+_folders = {name: importlib.import_module(f"{__name__}.{name}") for name in FOLDERS}
 
-register("smt", SMTConfig, SMTModel, prefix="smt_")
-register("lorafa", LoraFAConfig, LoraFAModel, prefix="lorafa_")
-register("qahira", QAHiRAConfig, QAHiRAModel, prefix="qahr_")
-register("qbara", QBaRAConfig, QBaRAModel, prefix="qbara_")
 
-# each tuner pushes its fine-tuning job entry (hf_dtrain.tuners.finetune_method) when its job.py is imported
-# the order below is the order --method lists the tuners in
-# isort: off
-from .lorafa import job as _lorafa_job  # noqa: E402,F401
-from .smt import job as _smt_job  # noqa: E402,F401
-from .qbara import job as _qbara_job  # noqa: E402,F401
-from .qahira import job as _qahira_job  # noqa: E402,F401
-# isort: on
+def importing(prefix: str, skip: str | None = None) -> bool:
+    """Whether a module whose name starts with ``prefix`` (other than ``skip``) is still being imported: it is in
+    ``sys.modules`` but partially initialised, so its names cannot be used yet."""
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        if name.startswith(prefix) and name != skip and getattr(spec, "_initializing", False):
+            return True
+    return False
 
-__all__ = [
-    "LoraFAConfig",
-    "LoraFAModel",
-    "QAHiRAConfig",
-    "QAHiRAModel",
-    "QBaRAConfig",
-    "QBaRAModel",
-    "SMTConfig",
-    "SMTModel",
-]
+
+def register_with_peft(caller: str | None = None) -> None:
+    """Load every tuner folder's peft classes, which registers each with peft. Run when peft is imported, and at the
+    end of the tuners' shared modules (``caller``): while one of those is still being imported nothing can load (its
+    own end runs this again), and a folder still being imported registers itself when it finishes."""
+    if importing(f"{__name__}._", skip=caller):
+        return
+    for name in FOLDERS:
+        package = f"{__name__}.{name}"
+        if not importing(package + "."):
+            importlib.import_module(f"{package}.model")
+
+
+def __getattr__(name: str):
+    """The folders' public names (``hf_dtrain.tuners.LoraFAConfig``), loaded on first use."""
+    for folder in _folders.values():
+        if name in getattr(folder, "__all__", ()):
+            return getattr(folder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted({n for folder in _folders.values() for n in getattr(folder, "__all__", ())})

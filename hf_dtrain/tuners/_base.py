@@ -8,7 +8,10 @@ import warnings
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge
 
+from hf_dtrain.errors import SettingsError, UnsupportedTarget
+
 from ..quantization import prepare_bnb_4bit_for_training, quantized_base_types
+from . import register_with_peft
 
 
 class LinearTunerModel(BaseTuner):
@@ -36,7 +39,7 @@ class LinearTunerModel(BaseTuner):
 
     def _create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, **kwargs):
         if current_key is None:
-            raise ValueError("current_key must not be None")
+            raise SettingsError("current_key must not be None")
         if isinstance(target, self.linear_cls):
             target.update_layer(adapter_name, config, layer_key=current_key)
             if getattr(config, "init_weights", True) is False:
@@ -45,7 +48,7 @@ class LinearTunerModel(BaseTuner):
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         accepted = (torch.nn.Linear, *quantized_base_types()) if self.quantized_bases else (torch.nn.Linear,)
         if not isinstance(base, accepted):
-            raise TypeError(
+            raise UnsupportedTarget(
                 f"{self.method_name} can adapt nn.Linear layers only; {current_key!r} is {type(base).__name__}. "
                 f"Narrow {self.config_name}.target_modules to linear projections."
             )
@@ -92,7 +95,7 @@ class MergeableLinearMixin:
             and tuple(base.weight.shape) == (base.out_features, base.in_features)
         )
         if not dense:
-            raise ValueError(
+            raise SettingsError(
                 f"{type(self).__module__.split('.')[-2]} adapters merge into dense floating-point nn.Linear weights; "
                 f"this base is {type(base).__name__} (quantized), where a merge would have to re-quantize and round. "
                 "Load the base in fp16/bf16/fp32 to merge, or use QA-HiRA on an HQQ or Int4Linear base for an exact "
@@ -101,7 +104,7 @@ class MergeableLinearMixin:
         weight = base.weight.data.clone() if safe_merge else base.weight.data
         merged = self._apply_delta(weight, adapter, sign)
         if safe_merge and not torch.isfinite(merged).all():
-            raise ValueError(f"NaNs detected in the merged weights; adapter {adapter!r} seems to be broken.")
+            raise SettingsError(f"NaNs detected in the merged weights; adapter {adapter!r} seems to be broken.")
         base.weight.data = merged
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
@@ -137,3 +140,6 @@ class MergeableLinearMixin:
                 if delta is not None:
                     result = result + delta.to(result.dtype)
         return result
+
+
+register_with_peft(caller=__name__)  # peft may have been imported by this module: the folders load now

@@ -105,15 +105,15 @@ def test_diloco_bad_settings_are_clear_errors():
 
 
 def test_diloco_and_async_gossip_settings_from_yaml_and_flags():
-    from hf_dtrain.compose import ComposeOptions
+    from hf_dtrain.jobs.pretrain import PretrainConfig
 
-    opts = ComposeOptions.from_dict({"optimizer": "diloco", "diloco": {"sync_every": 8, "outer_exchange": "1bit"}})
+    opts = PretrainConfig.from_dict({"optimizer": "diloco", "diloco": {"sync_every": 8, "outer_exchange": "1bit"}})
     assert opts.diloco.sync_every == 8 and opts.diloco.outer_exchange == "1bit"
     with pytest.raises(ValueError, match=r"diloco.\* settings are given but optimizer=adamw; set --optimizer diloco"):
-        ComposeOptions.from_dict({"diloco": {"sync_every": 8}})
+        PretrainConfig.from_dict({"diloco": {"sync_every": 8}})
     with pytest.raises(ValueError, match=r"set diloco.outer_exchange to one of none, int8, 1bit"):
-        ComposeOptions.from_dict({"optimizer": "diloco", "diloco": {"outer_exchange": "2bit"}})
-    opts = ComposeOptions.from_dict({"optimizer": "decentlam", "gossip": {"asynchronous": True, "max_staleness": 2}})
+        PretrainConfig.from_dict({"optimizer": "diloco", "diloco": {"outer_exchange": "2bit"}})
+    opts = PretrainConfig.from_dict({"optimizer": "decentlam", "gossip": {"asynchronous": True, "max_staleness": 2}})
     assert opts.gossip.asynchronous and opts.gossip.max_staleness == 2
     with pytest.raises(ValueError, match="max_staleness"):
-        ComposeOptions.from_dict({"optimizer": "dpsgd", "gossip": {"max_staleness": 0}})
+        PretrainConfig.from_dict({"optimizer": "dpsgd", "gossip": {"max_staleness": 0}})

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from hf_dtrain.elastic import ElasticConfig
-from hf_dtrain.elastic import main as elastic_main
+from hf_dtrain.cli import main as cli_main
+from hf_dtrain.jobs.elastic import ElasticConfig
 from hf_dtrain.testing import free_port
 from hf_dtrain.testing.elastic_hosts import kill_strays, launch_host, lose_host, wait_for_log
 
@@ -76,4 +76,4 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="preset"):
         ElasticConfig(preset="huge")
     with pytest.raises(SystemExit, match="min_nodes"):  # the command says what to change, before any launch
-        elastic_main(["--min-nodes", "0"])
+        cli_main(["elastic", "--min-nodes", "0"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_dtrain.fault import SnapshotEngine
+from hf_dtrain.fault.ranks import Ranks
 from hf_dtrain.fault.state import Layout, flatten_state, parse, unflatten_state
 from hf_dtrain.testing import random_batch, run_distributed, tiny_llama
 
@@ -279,7 +280,7 @@ def test_cuda_state_snapshots_through_pinned_slots_and_restores_exactly(ft_dir):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
     engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)
     steps(model, opt, sched, engine, 1, 3)
-    assert engine._registered, "the slots were not page-locked"
+    assert engine.copier.registered, "the slots were not page-locked"
     want = {n: p.detach().clone() for n, p in model.named_parameters()}
     want_opt = opt.state_dict()["state"]
     engine.close()
@@ -306,9 +307,9 @@ def test_the_engine_talks_over_gloo_when_the_job_group_is_nccl_only(monkeypatch)
     from hf_dtrain.testing import free_port, gloo_group
 
     with gloo_group(0, 1, port=free_port()):
-        assert SnapshotEngine._control_group(None, 5.0) is None  # gloo already: the default group
+        assert Ranks.control_group(None, 5.0) is None  # gloo already: the default group
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-        group = SnapshotEngine._control_group(None, 5.0)
+        group = Ranks.control_group(None, 5.0)
         monkeypatch.undo()
         assert group is not None and dist.get_backend(group) == "gloo"
         t = torch.ones(1)

@@ -276,15 +276,16 @@ def test_clients_are_dealt_to_processes_by_measured_speed(tmp_path):
 
 
 def test_the_fed_recipe_reaches_the_configs():
-    from hf_dtrain.cli import build_parser, fed_config_from_args
+    from hf_dtrain.cli import build_parser
+    from hf_dtrain.jobs.fed import config_from_args
 
-    ns = build_parser().parse_args(["fed", "simulate", "--recipe", "recipes/fed_simulate.yaml", "--rounds", "3"])
-    cfg = fed_config_from_args(ns)
+    ns = build_parser("fed").parse_args(["simulate", "--recipe", "recipes/fed_simulate.yaml", "--rounds", "3"])
+    cfg = config_from_args(ns)
     assert cfg.job.method == "lorafa" and cfg.fed.clients == 100 and cfg.fed.uplink == "int4"
     assert cfg.fed.rounds == 3  # the flag wins over the recipe
     with pytest.raises(ValueError, match="comm_hook is set"):
-        from hf_dtrain.fed import FedSimulateConfig
-        from hf_dtrain.finetune import FinetuneConfig
+        from hf_dtrain.jobs.fed import FedSimulateConfig
+        from hf_dtrain.jobs.sft.config import FinetuneConfig
 
         FedSimulateConfig(job=FinetuneConfig(comm_hook="acp_sgd"))
     # a Trainer setting the client loop would ignore is refused, not dropped (the flags are finetune's)

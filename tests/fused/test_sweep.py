@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_dtrain.finetune import FinetuneConfig, run_finetune
-from hf_dtrain.sweep import SweepConfig, expand_grid, run_sweep
+from hf_dtrain.jobs.finetune import FinetuneConfig, run_finetune
+from hf_dtrain.jobs.sweep import SweepConfig, expand_grid, run_sweep
 from hf_dtrain.testing import tiny_default_base
 
 STEPS = 20
@@ -373,12 +373,12 @@ def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(bas
 def test_the_sweep_recipe_and_flags_reach_the_configs_unchanged():
     import dataclasses
 
-    from hf_dtrain.cli import build_parser, sweep_config_from_args
+    from hf_dtrain.cli import build_parser
     from hf_dtrain.fused import FusedConfig
+    from hf_dtrain.jobs.sweep import config_from_args
 
-    ns = build_parser().parse_args(
+    ns = build_parser("sweep").parse_args(
         [
-            "sweep",
             "--recipe",
             "recipes/sweep_lorafa.yaml",
             "--seed",
@@ -391,7 +391,7 @@ def test_the_sweep_recipe_and_flags_reach_the_configs_unchanged():
             "7",
         ]
     )
-    cfg = sweep_config_from_args(ns)
+    cfg = config_from_args(ns)
     assert len(cfg.jobs) == 4  # lr 2 x r 2; the --seed flag replaced the recipe's seed axis
     args = [j.training_args() for j in cfg.jobs]
     assert {(a.learning_rate, j.lora_r, a.seed, a.max_steps, j.method) for a, j in zip(args, cfg.jobs)} == {
@@ -399,5 +399,5 @@ def test_the_sweep_recipe_and_flags_reach_the_configs_unchanged():
     }
     assert cfg.fused == FusedConfig(memory_budget="2GiB", max_grad_norm=0.5, on_overflow="split")
     assert cfg.output_dir == "outputs/sweep-lorafa"
-    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions}
+    flags = {a.dest for a in build_parser("sweep")._actions}
     assert {f"fused.{f.name}" for f in dataclasses.fields(FusedConfig)} <= flags  # every engine field is a flag

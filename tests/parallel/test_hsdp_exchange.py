@@ -29,13 +29,13 @@ def _hsdp_rank(rank, world, out):
     import torch.distributed as dist
 
     from hf_dtrain.comm import fsdp_exchange_step_bytes, register_fsdp
-    from hf_dtrain.compose import shard_with_fsdp
     from hf_dtrain.parallel import FSDPConfig, apply_fsdp
+    from hf_dtrain.testing.models import shard_like_the_jobs
 
     results = {}
     for name, exchange in RUNS.items():
         model = _model(name)
-        state = shard_with_fsdp(
+        state = shard_like_the_jobs(
             model, FSDPConfig(replicate=2), CommHookConfig(**exchange) if isinstance(exchange, dict) else exchange
         )
         opt = torch.optim.AdamW(trainable(model), lr=LR)
@@ -66,7 +66,7 @@ def _hsdp_rank(rank, world, out):
         except ValueError as e:
             refusals[key] = str(e)
     try:
-        shard_with_fsdp(build_model("full", []), FSDPConfig(replicate=1), "acp_sgd")
+        shard_like_the_jobs(build_model("full", []), FSDPConfig(replicate=1), "acp_sgd")
     except ValueError as e:
         refusals["no_replicas"] = str(e)
     results["refusals"] = refusals
@@ -174,7 +174,7 @@ def test_replica_exchange_refusals_name_the_fix(hsdp_run):
     refusals = hsdp_run["refusals"]
     assert "shard it on the dp_shard mesh dimension only" in refusals["native_mesh"]
     assert "FSDP2 already does exactly that" in refusals["dear"]
-    assert "set fsdp.replicate (--fsdp.replicate) >= 2" in refusals["no_replicas"]
+    assert "set --fsdp.replicate N" in refusals["no_replicas"]
 
 
 @pytest.mark.slow

@@ -10,8 +10,9 @@ from peft import get_peft_model
 from safetensors.torch import load_file, save_file
 
 from hf_dtrain import QAHiRAConfig
+from hf_dtrain.quantization.int4 import Int4Linear, quantize_model_int4
 from hf_dtrain.testing import random_batch, tiny_llama, train_steps
-from hf_dtrain.tuners.qahira import Int4Linear, QAHiRALayer, quantize_model_int4
+from hf_dtrain.tuners.qahira import QAHiRALayer
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 

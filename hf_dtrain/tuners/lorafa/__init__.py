@@ -1,8 +1,16 @@
-"""LoRA-FA: LoRA with a frozen random down-projection A; only B trains, and only x @ A.T is kept for backward."""
+"""LoRA-FA: LoRA with a frozen random down-projection (arXiv 2308.03303). Importing the folder registers its
+fine-tuning entry (``method.py``); the peft classes load on first use and register with peft."""
 
-from .config import LoraFAConfig
-from .layer import Linear, LoraFALayer
-from .model import LoraFAModel
-from .optimizer import create_lorafa_optimizer
+import lazy_loader as lazy
 
-__all__ = ["Linear", "LoraFAConfig", "LoraFALayer", "LoraFAModel", "create_lorafa_optimizer"]
+from . import method  # noqa: F401
+
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    submod_attrs={
+        "config": ["LoraFAConfig"],
+        "layer": ["Linear", "LoraFALayer"],
+        "model": ["LoraFAModel"],
+        "optimizer": ["create_lorafa_optimizer"],
+    },
+)

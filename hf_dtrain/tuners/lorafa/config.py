@@ -2,16 +2,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from peft.config import PeftConfig
-from peft.utils import PeftType
-
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.settings import check_number
 
-from .._registry import HfDtrainConfigMixin
+from .._registry import HfDtrainPeftConfig, register_folder
 
 
 @dataclass
-class LoraFAConfig(HfDtrainConfigMixin, PeftConfig):
+class LoraFAConfig(HfDtrainPeftConfig):
     """Configuration of a LoRA-FA adapter (LoRA with a frozen down-projection, arXiv 2308.03303).
 
     ``A`` is drawn once (Kaiming-uniform, seeded by ``init_seed``) and never trains; only ``B`` (initialised to zero)
@@ -19,6 +17,8 @@ class LoraFAConfig(HfDtrainConfigMixin, PeftConfig):
     the layer input ``x``: that is the activation-memory saving of the method. Dropout, if any, is applied to the
     ``r``-dimensional projection ``x @ A.T``, so its mask is ``r`` values per token too.
     """
+
+    peft_type_name = "LORAFA"
 
     r: int = field(default=8, metadata={"help": "Rank of the adapter: rows of the frozen A, columns of B."})
     lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator: the update is (lora_alpha / r) * B A."})
@@ -29,9 +29,6 @@ class LoraFAConfig(HfDtrainConfigMixin, PeftConfig):
             "'v_proj']. If None, the attention and MLP projections of known architectures (LLaMA: "
             "q,k,v,o,gate,up,down) are used."
         },
-    )
-    exclude_modules: list[str] | str | None = field(
-        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
     )
     lora_dropout: float = field(
         default=0.0,
@@ -57,33 +54,18 @@ class LoraFAConfig(HfDtrainConfigMixin, PeftConfig):
     layers_pattern: list[str] | str | None = field(
         default=None, metadata={"help": "Name of the layer list when layers_to_transform is used, e.g. 'layers'."}
     )
-    modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
-    )
-
-    init_weights: bool = field(
-        default=True,
-        metadata={
-            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
-            "start, as peft's own methods take it (for testing merges and save/load round trips)."
-        },
-    )
 
     def __post_init__(self):
         super().__post_init__()
-        self.peft_type = PeftType.LORAFA
-
         check_number(self, "lora_alpha", gt=0)
         check_number(self, "lora_dropout", low=0)
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
-            raise ValueError(f"LoraFAConfig.r must be a positive integer, got {self.r!r}.")
+        self.positive_ints("r")
         if not 0.0 <= float(self.lora_dropout) < 1.0:
-            raise ValueError(f"LoraFAConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
+            raise SettingsError(f"LoraFAConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
         if self.bias not in ("none", "all", "lorafa_only"):
-            raise ValueError(f"LoraFAConfig.bias must be 'none', 'all' or 'lorafa_only', got {self.bias!r}.")
+            raise SettingsError(f"LoraFAConfig.bias must be 'none', 'all' or 'lorafa_only', got {self.bias!r}.")
         if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("LoraFAConfig.layers_pattern needs layers_to_transform; set both or neither.")
+            raise SettingsError("LoraFAConfig.layers_pattern needs layers_to_transform; set both or neither.")
+
+
+register_folder(__name__)

@@ -9,8 +9,11 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from torch import nn
 
+from hf_dtrain.errors import SettingsError, UnsupportedTarget
+
 from ...quantization import adapter_dtype_and_device
 from .._base import MergeableLinearMixin
+from .._registry import register_folder
 
 
 class LoraFALayer(BaseTunerLayer):
@@ -32,13 +35,15 @@ class LoraFALayer(BaseTunerLayer):
         self.merged_adapters = []
         self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
         if self.in_features is None:
-            raise TypeError(f"LoRA-FA supports nn.Linear targets only, got {type(self.get_base_layer()).__name__}.")
+            raise UnsupportedTarget(
+                f"LoRA-FA supports nn.Linear targets only, got {type(self.get_base_layer()).__name__}."
+            )
         self.kwargs = kwargs
 
     def update_layer(self, adapter_name: str, config, layer_key: str = "", inference_mode: bool = False) -> None:
         r = config.r
         if r > min(self.in_features, self.out_features):
-            raise ValueError(
+            raise SettingsError(
                 f"LoraFAConfig.r={r} exceeds min(in_features, out_features)={min(self.in_features, self.out_features)} "
                 f"of {layer_key or 'a target layer'}; lower r."
             )
@@ -87,3 +92,6 @@ class Linear(MergeableLinearMixin, nn.Module, LoraFALayer):
 
     def __repr__(self) -> str:
         return "lorafa." + super().__repr__()
+
+
+register_folder(__name__)

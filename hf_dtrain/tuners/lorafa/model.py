@@ -3,6 +3,8 @@ from __future__ import annotations
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
 from .._base import LinearTunerModel
+from .._registry import register, register_folder
+from . import config
 from .layer import Linear, LoraFALayer
 
 
@@ -19,3 +21,11 @@ class LoraFAModel(LinearTunerModel):
     linear_cls = Linear
     method_name = "LoRA-FA"
     config_name = "LoraFAConfig"
+
+
+def register_with_peft() -> None:
+    """Make lorafa known to peft (idempotent: a reloaded config module's class replaces the old one)."""
+    register("lorafa", config.LoraFAConfig, LoraFAModel, prefix="lorafa_")
+
+
+register_folder(__name__)

@@ -18,6 +18,9 @@ from peft.optimizers.lorafa import LoraFAOptimizer
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from hf_dtrain.errors import SettingsError
+
+from .._registry import register_folder
 from .layer import LoraFALayer
 
 
@@ -26,7 +29,6 @@ class ShardAwareLoraFAOptimizer(LoraFAOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-
         sharded = any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"])
         if not sharded:
             return super().step(closure)
@@ -56,14 +58,14 @@ def create_lorafa_optimizer(
             scalings += [module.scaling[adapter]] * 2
             seen.add(id(b))
     if not params:
-        raise ValueError(
+        raise SettingsError(
             "create_lorafa_optimizer found no trainable LoRA-FA adapter; build the model with "
             "get_peft_model(model, LoraFAConfig(...)) after `import hf_dtrain`."
         )
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in seen:
             if "lora" in name:
-                raise ValueError(
+                raise SettingsError(
                     f"Trainable parameter {name!r} has 'lora' in its name but is not a LoRA-FA adapter; peft's "
                     "LoraFAOptimizer pairs parameters by that substring, so it cannot be mixed in."
                 )
@@ -72,3 +74,6 @@ def create_lorafa_optimizer(
             scalings.append(1.0)
     group = {"params": params, "names": names, "scaling_factors": scalings, "lr": lr, "weight_decay": weight_decay}
     return ShardAwareLoraFAOptimizer([group], lr=lr, weight_decay=weight_decay, **kwargs)
+
+
+register_folder(__name__)

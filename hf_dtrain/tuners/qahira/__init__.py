@@ -2,23 +2,16 @@
 zero-points.
 
 With ``QAHiRAConfig(r=...)`` the matrix is factorised as in QA-LoRA (Xu et al., arXiv 2309.14717), which merges the
-same way. Bases: dense ``nn.Linear``, bitsandbytes 4-bit, HQQ ``HQQLinear`` and hf_dtrain's ``Int4Linear``.
+same way. Bases: dense ``nn.Linear``, bitsandbytes 4-bit, HQQ ``HQQLinear`` and hf_dtrain's ``Int4Linear``
+(:mod:`hf_dtrain.quantization.int4`). Importing the folder registers its fine-tuning entry; the peft classes load on
+first use.
 """
 
-from ...quantization.int4 import Int4Linear, dequantize_int4, pack_int4, quantize_int4, quantize_model_int4, unpack_int4
-from .config import QAHiRAConfig
-from .layer import Linear, QAHiRALayer
-from .model import QAHiRAModel
+import lazy_loader as lazy
 
-__all__ = [
-    "Int4Linear",
-    "Linear",
-    "QAHiRAConfig",
-    "QAHiRALayer",
-    "QAHiRAModel",
-    "dequantize_int4",
-    "pack_int4",
-    "quantize_int4",
-    "quantize_model_int4",
-    "unpack_int4",
-]
+from . import method  # noqa: F401
+
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    submod_attrs={"config": ["QAHiRAConfig"], "layer": ["Linear", "QAHiRALayer"], "model": ["QAHiRAModel"]},
+)

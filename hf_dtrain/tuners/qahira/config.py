@@ -2,23 +2,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from peft.config import PeftConfig
-from peft.utils import PeftType
-
-from .._registry import HfDtrainConfigMixin
+from .._registry import HfDtrainPeftConfig, register_folder
 
 
 @dataclass
-class QAHiRAConfig(HfDtrainConfigMixin, PeftConfig):
+class QAHiRAConfig(HfDtrainPeftConfig):
     """Configuration of QA-HiRA (Shen et al., arXiv 2407.17029, TACL 2025; "QA-BLoRA" in the final version).
 
     One matrix per layer, no B: the input is average-pooled by ``group_size`` along ``in_features`` (the base's
     quantization group size), multiplied by ``qahr_A`` of shape ``(out / lambda_out, in / group_size)``, and the
     output repeated ``lambda_out`` times. The update is constant within every quantization group, so it merges exactly
     into the zero-points of a group-wise 4-bit base with zero-points (HQQ ``HQQLinear`` with ``axis=1``, or
-    ``hf_dtrain.tuners.qahira.Int4Linear``). ``qahr_A`` starts at zero:
+    ``hf_dtrain.quantization.int4.Int4Linear``). ``qahr_A`` starts at zero:
     the untrained adapter leaves the model unchanged (the published code's Kaiming init does not).
     """
+
+    peft_type_name = "QAHIRA"
 
     target_modules: list[str] | str | None = field(
         default=None,
@@ -27,7 +26,6 @@ class QAHiRAConfig(HfDtrainConfigMixin, PeftConfig):
             "LLaMA projections."
         },
     )
-    exclude_modules: list[str] | str | None = field(default=None, metadata={"help": "Modules not to adapt."})
     group_size: int = field(
         default=64,
         metadata={
@@ -50,26 +48,10 @@ class QAHiRAConfig(HfDtrainConfigMixin, PeftConfig):
             "help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."
         },
     )
-    modules_to_save: list[str] | None = field(default=None, metadata={"help": "Extra modules to train and save."})
-
-    init_weights: bool = field(
-        default=True,
-        metadata={
-            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
-            "start, as peft's own methods take it (for testing merges and save/load round trips)."
-        },
-    )
 
     def __post_init__(self):
         super().__post_init__()
-        self.peft_type = PeftType.QAHIRA
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        for name in ("group_size", "lambda_out", "r"):
-            value = getattr(self, name)
-            if name == "r" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"QAHiRAConfig.{name} must be a positive integer, got {value!r}.")
+        self.positive_ints("group_size", "lambda_out", "r")
+
+
+register_folder(__name__)

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from hf_dtrain.errors import SettingsError, UnsupportedTarget
+
 from ...quantization import (
     adapter_dtype_and_device,
     check_quantized_base,
@@ -15,6 +17,7 @@ from ...quantization import (
     quantized_kind,
 )
 from .._base import MergeableLinearMixin
+from .._registry import register_folder
 
 
 class QAHiRALayer(BaseTunerLayer):
@@ -32,7 +35,7 @@ class QAHiRALayer(BaseTunerLayer):
         self.merged_adapters = []
         base = self.get_base_layer()
         if not isinstance(base, (nn.Linear, *quantized_base_types())):
-            raise TypeError(
+            raise UnsupportedTarget(
                 f"QA-HiRA adapts nn.Linear, bitsandbytes 4-bit, HQQLinear or Int4Linear layers, got "
                 f"{type(base).__name__}."
             )
@@ -42,12 +45,12 @@ class QAHiRALayer(BaseTunerLayer):
     def update_layer(self, adapter_name: str, config, layer_key: str = "", inference_mode: bool = False) -> None:
         g, lam = config.group_size, config.lambda_out
         if self.in_features % g:
-            raise ValueError(
+            raise SettingsError(
                 f"QAHiRAConfig.group_size={g} does not divide in_features={self.in_features} of "
                 f"{layer_key!r}; use the base's quantization group size (a divisor of in_features)."
             )
         if self.out_features % lam:
-            raise ValueError(
+            raise SettingsError(
                 f"QAHiRAConfig.lambda_out={lam} does not divide out_features={self.out_features} of "
                 f"{layer_key!r}; choose a divisor of out_features."
             )
@@ -57,7 +60,7 @@ class QAHiRALayer(BaseTunerLayer):
             check_quantized_base(base, "QAHiRAConfig", layer_key)
         base_group = {"int4": lambda: base.group_size, "hqq4": lambda: int(base.meta["group_size"])}.get(kind)
         if base_group is not None and base_group() != g:
-            raise ValueError(
+            raise SettingsError(
                 f"QAHiRAConfig.group_size={g} differs from the quantization group size "
                 f"{base_group()} of {layer_key!r}; set group_size={base_group()} so the update "
                 "is constant within each quantization group (needed for the exact merge)."
@@ -105,7 +108,7 @@ class Linear(MergeableLinearMixin, nn.Module, QAHiRALayer):
         if kind in ("int4", "hqq4"):  # exact: only the zero-points move
             update = self.group_update(adapter)
             if safe_merge and not torch.isfinite(update).all():
-                raise ValueError(f"NaNs in adapter {adapter!r}; refusing to merge.")
+                raise SettingsError(f"NaNs in adapter {adapter!r}; refusing to merge.")
             if kind == "int4":
                 base.fold_group_constant_update(update, sign=sign)
             else:
@@ -122,3 +125,6 @@ class Linear(MergeableLinearMixin, nn.Module, QAHiRALayer):
 
     def __repr__(self) -> str:
         return "qahira." + super().__repr__()
+
+
+register_folder(__name__)

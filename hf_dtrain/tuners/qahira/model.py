@@ -3,6 +3,8 @@ from __future__ import annotations
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
 from .._base import LinearTunerModel
+from .._registry import register, register_folder
+from . import config
 from .layer import Linear, QAHiRALayer
 
 
@@ -18,3 +20,11 @@ class QAHiRAModel(LinearTunerModel):
     method_name = "QA-HiRA"
     config_name = "QAHiRAConfig"
     quantized_bases = True
+
+
+def register_with_peft() -> None:
+    """Make qahira known to peft (idempotent: a reloaded config module's class replaces the old one)."""
+    register("qahira", config.QAHiRAConfig, QAHiRAModel, prefix="qahr_")
+
+
+register_folder(__name__)

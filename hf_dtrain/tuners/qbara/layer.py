@@ -7,8 +7,11 @@ import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from hf_dtrain.errors import SettingsError
+
 from ...quantization import adapter_dtype_and_device, check_quantized_base
 from .._base import MergeableLinearMixin
+from .._registry import register_folder
 
 
 class QBaRALayer(BaseTunerLayer):
@@ -32,7 +35,7 @@ class QBaRALayer(BaseTunerLayer):
         lam, r = config.pool, config.r
         for dim, name in ((self.in_features, "in_features"), (self.out_features, "out_features")):
             if dim % lam:
-                raise ValueError(
+                raise SettingsError(
                     f"QBaRAConfig.pool={lam} does not divide {name}={dim} of {layer_key!r}; choose a "
                     "pooling factor that divides both dimensions of every target (the paper uses 2)."
                 )
@@ -83,3 +86,6 @@ class Linear(MergeableLinearMixin, nn.Module, QBaRALayer):
 
     def __repr__(self) -> str:
         return "qbara." + super().__repr__()
+
+
+register_folder(__name__)

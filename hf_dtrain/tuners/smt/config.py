@@ -2,16 +2,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from peft.config import PeftConfig
-from peft.utils import PeftType
+from hf_dtrain.errors import SettingsError
 
-from .._registry import HfDtrainConfigMixin
+from .._registry import HfDtrainPeftConfig, register_folder
 
 SMT_SCORES = ("abs_mean", "mean_abs", "l1", "l2")
 
 
 @dataclass
-class SMTConfig(HfDtrainConfigMixin, PeftConfig):
+class SMTConfig(HfDtrainPeftConfig):
     """Configuration of Sparse Matrix Tuning (SMT; He et al., arXiv 2405.15525, ICLR 2025).
 
     The target weight matrices are cut into ``block_size x block_size`` blocks. A warm-up of ``warmup_steps``
@@ -24,15 +23,14 @@ class SMTConfig(HfDtrainConfigMixin, PeftConfig):
     so they are saved in ``adapter_config.json`` (and again as the ``smt_indices`` buffers in the weights file).
     """
 
+    peft_type_name = "SMT"
+
     target_modules: list[str] | str | None = field(
         default=None,
         metadata={
             "help": "Module names (suffix match) or a regex of the nn.Linear layers SMT may select blocks from. "
             "None: the attention Q, K, V projections (the paper's default; V benefits most)."
         },
-    )
-    exclude_modules: list[str] | str | None = field(
-        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
     )
     block_size: int = field(
         default=256,
@@ -71,54 +69,38 @@ class SMTConfig(HfDtrainConfigMixin, PeftConfig):
             "in base_model.named_modules(). Filled in by the selection; set it to skip the warm-up."
         },
     )
-    modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
-    )
-
-    init_weights: bool = field(
-        default=True,
-        metadata={
-            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
-            "start, as peft's own methods take it (for testing merges and save/load round trips)."
-        },
-    )
 
     def __post_init__(self):
         super().__post_init__()
-        self.peft_type = PeftType.SMT
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
-            raise ValueError(f"SMTConfig.block_size must be a positive integer, got {self.block_size!r}.")
+        self.positive_ints("block_size", "num_blocks")
         if self.score not in SMT_SCORES:
-            raise ValueError(f"SMTConfig.score={self.score!r} is unknown; use one of {list(SMT_SCORES)}.")
+            raise SettingsError(f"SMTConfig.score={self.score!r} is unknown; use one of {list(SMT_SCORES)}.")
         if self.num_blocks is not None and self.trainable_ratio is not None:
-            raise ValueError("Set either SMTConfig.num_blocks or SMTConfig.trainable_ratio, not both.")
+            raise SettingsError("Set either SMTConfig.num_blocks or SMTConfig.trainable_ratio, not both.")
         if self.block_indices is None and self.num_blocks is None and self.trainable_ratio is None:
-            raise ValueError(
+            raise SettingsError(
                 "SMTConfig needs a budget: set num_blocks (e.g. num_blocks=16), trainable_ratio (e.g. 0.01) or "
                 "explicit block_indices."
             )
-        if self.num_blocks is not None and (
-            not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks <= 0
-        ):
-            raise ValueError(f"SMTConfig.num_blocks must be a positive integer, got {self.num_blocks!r}.")
         if self.trainable_ratio is not None and not 0.0 < float(self.trainable_ratio) <= 1.0:
-            raise ValueError(f"SMTConfig.trainable_ratio must be in (0, 1], got {self.trainable_ratio!r}.")
+            raise SettingsError(f"SMTConfig.trainable_ratio must be in (0, 1], got {self.trainable_ratio!r}.")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
-            raise ValueError(f"SMTConfig.warmup_steps must be an integer >= 1, got {self.warmup_steps!r}.")
+            raise SettingsError(f"SMTConfig.warmup_steps must be an integer >= 1, got {self.warmup_steps!r}.")
         if self.block_indices is not None:
             if not isinstance(self.block_indices, dict):
-                raise TypeError("SMTConfig.block_indices must be a dict {module_name: [[row_block, col_block], ...]}.")
+                raise SettingsError(
+                    "SMTConfig.block_indices must be a dict {module_name: [[row_block, col_block], ...]}."
+                )
             cleaned = {}
             for key, pairs in self.block_indices.items():
                 pairs = [list(map(int, p)) for p in (pairs.tolist() if hasattr(pairs, "tolist") else pairs)]
                 if any(len(p) != 2 or min(p) < 0 for p in pairs):
-                    raise ValueError(
+                    raise SettingsError(
                         f"SMTConfig.block_indices[{key!r}] must be a list of [row_block, col_block] pairs of "
                         "non-negative integers."
                     )
                 cleaned[key] = pairs
             self.block_indices = cleaned
+
+
+register_folder(__name__)

@@ -8,7 +8,10 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from torch import nn
 
+from hf_dtrain.errors import SettingsError, UnsupportedTarget
+
 from .._base import MergeableLinearMixin, random_start
+from .._registry import register_folder
 
 
 def _compute_dtype(x: torch.Tensor, blocks: torch.Tensor) -> torch.dtype:
@@ -208,13 +211,13 @@ class SMTLayer(BaseTunerLayer):
         self.merged_adapters = []
         self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
         if self.in_features is None:
-            raise TypeError(f"SMT supports nn.Linear targets only, got {type(self.get_base_layer()).__name__}.")
+            raise UnsupportedTarget(f"SMT supports nn.Linear targets only, got {type(self.get_base_layer()).__name__}.")
         self.kwargs = kwargs
 
     def update_layer(self, adapter_name: str, config, layer_key: str = "", inference_mode: bool = False) -> None:
         bs = config.block_size
         if self.in_features % bs or self.out_features % bs:
-            raise ValueError(
+            raise SettingsError(
                 f"SMTConfig.block_size={bs} does not divide the shape (out={self.out_features}, in={self.in_features}) "
                 f"of target {layer_key!r}; choose a block_size that divides both (e.g. "
                 f"{_largest_common_block(self.out_features, self.in_features, bs)}) or exclude this module."
@@ -234,12 +237,12 @@ class SMTLayer(BaseTunerLayer):
         indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1, 2)
         n_rows, n_cols = self.out_features // bs, self.in_features // bs
         if len(indices) and (indices[:, 0].max() >= n_rows or indices[:, 1].max() >= n_cols or indices.min() < 0):
-            raise ValueError(
+            raise SettingsError(
                 f"SMT block indices for {self.smt_layer_key.get(adapter_name)!r} are out of range: the layer has "
                 f"{n_rows} x {n_cols} blocks of size {bs}."
             )
         if len(torch.unique(indices, dim=0)) != len(indices):
-            raise ValueError(f"SMT block indices for {self.smt_layer_key.get(adapter_name)!r} contain duplicates.")
+            raise SettingsError(f"SMT block indices for {self.smt_layer_key.get(adapter_name)!r} contain duplicates.")
         # Sort by (row, col) so the layout is canonical whatever order the selection produced.
         if len(indices):
             order = torch.argsort(indices[:, 0] * n_cols + indices[:, 1])
@@ -309,11 +312,10 @@ class SMTLayer(BaseTunerLayer):
             return g.abs().sum(dim=(1, 3))
         if score == "l2":
             return g.pow(2).sum(dim=(1, 3)).sqrt()
-        raise ValueError(f"Unknown SMT score {score!r}.")
+        raise SettingsError(f"Unknown SMT score {score!r}.")
 
 
 def _largest_common_block(a: int, b: int, upper: int) -> int:
-
     g = math.gcd(a, b)
     return max(d for d in range(1, min(g, upper) + 1) if g % d == 0)
 
@@ -404,3 +406,6 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
 
     def __repr__(self) -> str:
         return "smt." + super().__repr__()
+
+
+register_folder(__name__)

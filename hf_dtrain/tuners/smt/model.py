@@ -2,7 +2,11 @@ from __future__ import annotations
 
 import torch
 
+from hf_dtrain.errors import SettingsError
+
 from .._base import LinearTunerModel
+from .._registry import register, register_folder
+from . import config
 from .layer import Linear, SMTLayer
 
 # The paper's default candidates: the attention Q, K, V projections.
@@ -53,14 +57,14 @@ class SMTModel(LinearTunerModel):
             known = {m.smt_layer_key[adapter_name] for m in layers}
             unknown = sorted(set(config.block_indices) - known)
             if unknown:
-                raise ValueError(
+                raise SettingsError(
                     f"SMTConfig.block_indices names modules that are not SMT targets: {unknown[:5]}; use module names "
                     f"as in base_model.named_modules(), e.g. {sorted(known)[:3]}."
                 )
             return
         n = resolve_num_blocks(config, model)
         if n > total:
-            raise ValueError(
+            raise SettingsError(
                 f"SMTConfig asks for {n} blocks but the targets hold only {total} blocks of size {config.block_size}; "
                 "lower num_blocks/trainable_ratio, add target_modules, or use a smaller block_size."
             )
@@ -72,3 +76,11 @@ def resolve_num_blocks(config, model: torch.nn.Module) -> int:
         return int(config.num_blocks)
     n_params = sum(p.numel() for n, p in model.named_parameters() if "smt_" not in n)
     return max(1, int(config.trainable_ratio * n_params // config.block_size**2))
+
+
+def register_with_peft() -> None:
+    """Make smt known to peft (idempotent: a reloaded config module's class replaces the old one)."""
+    register("smt", config.SMTConfig, SMTModel, prefix="smt_")
+
+
+register_folder(__name__)

@@ -19,6 +19,9 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from hf_dtrain.errors import RunFailure, SettingsError
+
+from .._registry import register_folder
 from .layer import SMTLayer
 from .model import resolve_num_blocks
 
@@ -28,12 +31,12 @@ logger = logging.getLogger(__name__)
 def _adapter_and_config(model, adapter_name: str | None):
     peft_configs = getattr(model, "peft_config", None)
     if not peft_configs:
-        raise ValueError("The model has no peft config; build it with get_peft_model(model, SMTConfig(...)).")
+        raise SettingsError("The model has no peft config; build it with get_peft_model(model, SMTConfig(...)).")
     if adapter_name is None:
         active = getattr(model, "active_adapter", None)
         adapter_name = active if isinstance(active, str) else next(iter(peft_configs))
     if adapter_name not in peft_configs or peft_configs[adapter_name].peft_type != "SMT":
-        raise ValueError(
+        raise SettingsError(
             f"Adapter {adapter_name!r} is not an SMT adapter; SMT adapters: "
             f"{[k for k, c in peft_configs.items() if c.peft_type == 'SMT']}."
         )
@@ -43,7 +46,7 @@ def _adapter_and_config(model, adapter_name: str | None):
 def _layers(model, adapter_name: str) -> list[SMTLayer]:
     layers = [m for m in model.modules() if isinstance(m, SMTLayer) and adapter_name in m.block_size]
     if not layers:
-        raise ValueError(f"No SMT layer holds adapter {adapter_name!r}.")
+        raise SettingsError(f"No SMT layer holds adapter {adapter_name!r}.")
     return layers
 
 
@@ -65,14 +68,13 @@ def _swap_in_optimizer(optimizer, mapping: dict, old_params: dict, added: list) 
 
 def _refuse_sharded(model) -> None:
     """Selection installs new block parameters; an engine that has already sharded the model cannot take them in."""
-
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         engine = "FSDP2 (fully_shard)"
     elif any(hasattr(p, "ds_id") for p in model.parameters()):
         engine = "DeepSpeed ZeRO-3"
     else:
         return
-    raise ValueError(
+    raise SettingsError(
         f"SMT block selection on a model already sharded by {engine}: selection installs new block "
         "parameters, which the engine cannot take in after sharding. Run smt_warmup before sharding "
         "(hf-dtrain finetune does), or pass the blocks of an earlier selection as "
@@ -102,7 +104,9 @@ def set_smt_block_indices(
     by_key = {layer.smt_layer_key[adapter_name]: layer for layer in layers}
     unknown = sorted(set(indices) - set(by_key))
     if unknown:
-        raise ValueError(f"Not SMT targets of adapter {adapter_name!r}: {unknown[:5]}; known: {sorted(by_key)[:3]}...")
+        raise SettingsError(
+            f"Not SMT targets of adapter {adapter_name!r}: {unknown[:5]}; known: {sorted(by_key)[:3]}..."
+        )
     mapping, old_params = {}, {}
     added = []
     for key, layer in by_key.items():
@@ -135,7 +139,7 @@ def select_smt_blocks(
     layers = _layers(model, adapter_name)
     missing = [layer.smt_layer_key[adapter_name] for layer in layers if adapter_name not in layer._smt_grad_sum]
     if missing:
-        raise RuntimeError(
+        raise RunFailure(
             "select_smt_blocks needs a warm-up: call start_smt_scoring(model) and run backward passes "
             f"first (no gradient was summed for {missing[:3]})."
         )
@@ -150,7 +154,7 @@ def select_smt_blocks(
     flat = torch.cat(scores)
     n = num_blocks if num_blocks is not None else resolve_num_blocks(config, model)
     if n > flat.numel():
-        raise ValueError(f"Asked for {n} SMT blocks but the targets hold only {flat.numel()}; lower num_blocks.")
+        raise SettingsError(f"Asked for {n} SMT blocks but the targets hold only {flat.numel()}; lower num_blocks.")
     # Stable descending sort: ties go to the earlier layer / block, identically on every rank.
     chosen = torch.sort(flat, descending=True, stable=True).indices[:n]
     offsets = torch.tensor([0] + [s[0] * s[1] for s in shapes]).cumsum(0)
@@ -199,7 +203,7 @@ def smt_warmup(
                 if done >= num_steps:
                     break
             if not progressed:
-                raise ValueError("smt_warmup got an empty batches iterable.")
+                raise SettingsError("smt_warmup got an empty batches iterable.")
     model.train(was_training)
     return select_smt_blocks(model, adapter_name=adapter_name, optimizer=optimizer)
 
@@ -224,14 +228,14 @@ class SMTSelectionCallback(TrainerCallback):
         if config.block_indices:
             return
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError(
+            raise RunFailure(
                 "SMTSelectionCallback cannot switch blocks after DDP has wrapped the model (parameter shapes change). "
                 "Under a multi-process launch call hf_dtrain.tuners.smt.smt_warmup(model, dataloader) before "
                 "creating the Trainer, or pass precomputed SMTConfig(block_indices=...)."
             )
         steps = self.warmup_steps if self.warmup_steps is not None else config.warmup_steps
         if args.max_steps > 0 and steps >= args.max_steps:
-            raise ValueError(
+            raise SettingsError(
                 f"SMT warm-up ({steps} steps) would use all of max_steps={args.max_steps}; lower "
                 "SMTConfig.warmup_steps or raise max_steps."
             )
@@ -243,3 +247,6 @@ class SMTSelectionCallback(TrainerCallback):
         if self._active and state.global_step >= self._switch_at:
             select_smt_blocks(model, adapter_name=self.adapter_name, optimizer=optimizer)
             self._active = False
+
+
+register_folder(__name__)

@@ -12,6 +12,7 @@ Under ``torchrun`` / ``accelerate launch`` the processes share the clients; the 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -23,21 +24,26 @@ from peft import get_peft_model
 from transformers import set_seed
 
 from hf_dtrain import tasks
-from hf_dtrain.compose import ComposeOptions
 from hf_dtrain.federated import FederatedConfig, FederatedSimulation, dirichlet_split
-from hf_dtrain.finetune import DEFAULT_TASK_TRAIN_SIZE, FinetuneConfig, load_base_and_data
-from hf_dtrain.run import JobRun
+from hf_dtrain.jobs.sft.config import DEFAULT_TASK_TRAIN_SIZE, FinetuneJob, finetune_config_class
+from hf_dtrain.jobs.sft.data import load_base_and_data
+from hf_dtrain.run.flags import add_config_arguments, add_job_arguments, args_to_data, load_recipe
+from hf_dtrain.run.job import JobRun
+from hf_dtrain.settings import SettingsError, build, merge
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
-FED_METHODS = ("lora", "lorafa", "qbara", "smt", "dora", "qahira")  # peft adapters: the payload
+
+def fed_methods() -> list[str]:
+    """The methods whose adapter can be the payload: every registered one that trains a peft adapter."""
+    return [name for name, m in FINETUNE_METHODS.items() if m.peft_type is not None]
 
 
 @dataclass
 class FedSimulateConfig:
     """A federated simulation: the model / method / data settings of a finetune job, and the federation."""
 
-    job: FinetuneConfig = field(
-        default_factory=FinetuneConfig,
+    job: FinetuneJob = field(
+        default_factory=lambda: finetune_config_class()(),
         metadata={
             "help": "Base model, method, rank and data, as hf-dtrain finetune takes them (its engine sections are "
             "refused)."
@@ -46,22 +52,19 @@ class FedSimulateConfig:
     fed: FederatedConfig = field(default_factory=FederatedConfig, metadata={"help": "The federation."})
 
     def __post_init__(self):
-
-        if self.job.method not in FED_METHODS:
-            raise ValueError(
+        if self.job.method not in fed_methods():
+            raise SettingsError(
                 f"method={self.job.method!r}: the federated payload is a peft adapter; use one of "
-                f"{', '.join(FED_METHODS)}."
+                f"{', '.join(fed_methods())}."
             )
-        defaults = dataclasses.asdict(ComposeOptions())
-        for name, value in defaults.items():
-            if dataclasses.asdict(self.job).get(name) != value:
-                raise ValueError(
-                    f"{name} is set, but hf-dtrain fed simulate runs its own loop (clients trained one "
-                    f"after another, Parrot's aggregation); leave {name} at its default."
-                )
+        for name in self.job.engine_settings_given():
+            raise SettingsError(
+                f"{name} is set, but hf-dtrain fed simulate runs its own loop (clients trained one after another, "
+                f"Parrot's aggregation); leave {name} at its default."
+            )
         unsupported = sorted(set(self.job.training) - FED_TRAINER_SETTINGS)
         if unsupported:
-            raise ValueError(
+            raise SettingsError(
                 f"{', '.join('--' + k.replace('_', '-') for k in unsupported)} given, but hf-dtrain fed "
                 "simulate runs its own client loop (--fed.* sets it) and takes only these Trainer "
                 f"settings: {', '.join(sorted(FED_TRAINER_SETTINGS))}."
@@ -87,10 +90,8 @@ FED_TRAINER_SETTINGS = {
 }
 
 
-def _labels(job: FinetuneConfig, dataset) -> list | None:
+def _labels(job: FinetuneJob, dataset) -> list | None:
     if job.dataset is None:
-        from hf_dtrain import tasks
-
         pairs = tasks.addition_examples(
             job.train_size or DEFAULT_TASK_TRAIN_SIZE,
             seed=job.seed,
@@ -107,7 +108,6 @@ def _labels(job: FinetuneConfig, dataset) -> list | None:
 def build_federation(cfg: FedSimulateConfig, run: JobRun | None = None):
     """``(peft model, tokenizer, client datasets, collator, eval function, base path)`` as the job builds them (with
     ``run``, rank 0 first: it builds the embedded default base; the others read the cache)."""
-
     job, fed = cfg.job, cfg.fed
     with run.main_first() if run is not None else contextlib.nullcontext():
         data = load_base_and_data(job, progress=job.progress and (run is None or run.is_main))
@@ -122,7 +122,7 @@ def build_federation(cfg: FedSimulateConfig, run: JobRun | None = None):
     clients = [train.select(idx) for idx in split]
     collator = tasks.sft_collator(tokenizer)
     set_seed(job.seed)
-    model = get_peft_model(model, FINETUNE_METHODS[job.method].build_config(job, model))
+    model = get_peft_model(model, job.build_peft_config(model))
     eval_batches = [
         collator([evalset[i] for i in range(s, min(s + 64, len(evalset)))]) for s in range(0, len(evalset), 64)
     ]
@@ -149,7 +149,7 @@ def client_config(cfg: FedSimulateConfig) -> FederatedConfig:
 
 def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
     job = cfg.job
-    run = JobRun(job, engine="trainer", check=False)  # the process group under a launcher; its own loop, no engine
+    run = JobRun(job)  # the process group under a launcher (its own loop: the engine sections are refused)
     rank = run.rank
     out_dir = job.training.get("output_dir") or os.path.join("outputs", f"fed-{job.method}")
     model, tokenizer, clients, collator, evaluate, _base_path = build_federation(cfg, run)
@@ -206,3 +206,44 @@ def _write_report(out_dir: str, history: list[dict], report: bool) -> None:
     plt.close(fig)
     if report:
         print(table, flush=True)
+
+
+# ---- hf-dtrain fed simulate's command line ---------------------------------------------------------------------------
+
+FED_SHORT = {
+    "clients": "clients",
+    "per-round": "per_round",
+    "rounds": "rounds",
+    "local-steps": "local_steps",
+    "algorithm": "algorithm",
+    "uplink": "uplink",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``hf-dtrain fed simulate``: finetune's model / method / data flags, ``--fed.*`` (FederatedConfig) and the
+    short forms ``--clients --per-round --rounds --local-steps --algorithm --uplink``."""
+    add_job_arguments(parser, finetune_config_class())
+    title = f"fed (FederatedConfig, {FederatedConfig.__module__})"
+    add_config_arguments(parser, FederatedConfig, "fed", title, short=FED_SHORT)
+
+
+def config_from_args(ns: argparse.Namespace) -> FedSimulateConfig:
+    FinetuneConfig = finetune_config_class()
+    given = vars(ns)
+    fed = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("fed.")}
+    data = load_recipe(ns.recipe) if getattr(ns, "recipe", None) else {}
+    fed = {**(data.pop("fed", None) or {}), **fed}
+    shared = argparse.Namespace(
+        **{k: v for k, v in given.items() if not k.startswith("fed.") and k not in ("recipe", "action")}
+    )
+    job = FinetuneConfig.from_dict(
+        merge(data, args_to_data(shared, FinetuneConfig), FinetuneConfig),
+        where=f"recipe {ns.recipe}" if getattr(ns, "recipe", None) else "FinetuneConfig",
+    )
+    return FedSimulateConfig(job=job, fed=build(FederatedConfig, fed, where="fed"))
+
+
+def main(ns: argparse.Namespace) -> int:
+    run_fed_simulate(config_from_args(ns))
+    return 0

@@ -41,7 +41,6 @@ import hf_dtrain  # registers hf_dtrain's peft methods (needed to load its adapt
 
 def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
     """Write ``README.md`` (a ``huggingface_hub.ModelCard`` with YAML metadata) into ``output_dir``; return its path."""
-
     full = results["method"] == "full"
     data = ModelCardData(
         base_model=base_model,

@@ -22,7 +22,6 @@ launcher sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so each generation publis
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -32,7 +31,6 @@ import socket
 import subprocess
 import sys
 import time
-import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -41,9 +39,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_dtrain.data.partition import HeterogeneityAwareSampler
 from hf_dtrain.distributed.groups import release_process_group
-from hf_dtrain.errors import EndpointError
+from hf_dtrain.errors import EndpointError, SettingsError
 from hf_dtrain.fault import SnapshotConfig, SnapshotEngine
 from hf_dtrain.models import PRESETS, build_llama
+from hf_dtrain.run.config import JobConfig
 from hf_dtrain.settings import check_fields
 
 LOG = "elastic.jsonl"
@@ -98,17 +97,18 @@ class ElasticConfig:
     )
 
     def __post_init__(self):
-
         check_fields(self)
         if self.min_nodes > self.max_nodes:
-            raise ValueError(
+            raise SettingsError(
                 f"ElasticConfig.min_nodes={self.min_nodes} is more than max_nodes={self.max_nodes}; "
                 "set --min-nodes <= --max-nodes."
             )
         if self.preset not in PRESETS:
-            raise ValueError(f"ElasticConfig.preset={self.preset!r} is not a preset; choose one of {sorted(PRESETS)}.")
+            raise SettingsError(
+                f"ElasticConfig.preset={self.preset!r} is not a preset; choose one of {sorted(PRESETS)}."
+            )
         if self.global_batch_size < self.max_nodes:
-            raise ValueError(
+            raise SettingsError(
                 f"ElasticConfig.global_batch_size={self.global_batch_size} cannot give each of up to "
                 f"max_nodes={self.max_nodes} workers a sequence; raise --global-batch-size or lower "
                 "--max-nodes."
@@ -153,15 +153,16 @@ def torchrun_command(
             "close_timeout=5" + ("" if store_host is None else f",is_host={str(store_host).lower()}"),
         ]
         + (["--local-addr", local_addr] if local_addr else [])
-        + ["-m", "hf_dtrain.elastic", "--worker"]
+        + ["-m", "hf_dtrain.cli", "elastic", "--worker", "true"]
         + to_argv(config)
     )
     return args, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def to_argv(config: ElasticConfig) -> list[str]:
+    """The flags of ``config``'s run settings (the ones every host and worker shares)."""
     out = []
-    for f in dataclasses.fields(config):
+    for f in dataclasses.fields(ElasticConfig):
         out += [f"--{f.name.replace('_', '-')}", str(getattr(config, f.name))]
     return out
 
@@ -215,7 +216,6 @@ def read_log(output_dir: str) -> list[dict]:
 
 def run_worker(config: ElasticConfig) -> None:
     """One worker of one generation (what torchrun runs on each host)."""
-
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.seed)
@@ -384,80 +384,54 @@ def wait_for_endpoint(endpoint: str, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def _bool(text: str) -> bool:
-    if text.lower() not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() == "true"
+@dataclass
+class ElasticJob(ElasticConfig, JobConfig):
+    """``hf-dtrain elastic``: this host's share of an elastic run (:class:`ElasticConfig`, the same on every host) and
+    how it joins (``--endpoint``, ``--store-host``...), every field a flag."""
 
+    job = "elastic"
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-
-    parser = parser or argparse.ArgumentParser(
-        prog="hf-dtrain elastic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--endpoint",
+    endpoint: str = field(
         default="127.0.0.1:29400",
-        help="host:port of the rendezvous (the first host's address; every host passes the same).",
+        metadata={"help": "host:port of the rendezvous (the first host's address; every host passes the same)."},
     )
-    parser.add_argument("--run-id", default="hf-dtrain-elastic", help="The rendezvous id (the same on every host).")
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="Workers on this host.")
-    parser.add_argument(
-        "--store-host",
-        type=_bool,
+    run_id: str = field(default="hf-dtrain-elastic", metadata={"help": "The rendezvous id (the same on every host)."})
+    nproc_per_node: int = field(default=1, metadata={"min": 1, "help": "Workers on this host."})
+    store_host: bool | None = field(
         default=None,
-        help="true: this host serves the rendezvous "
-        "store at --endpoint; false: it connects to it. Default: torchrun decides by the hostname's "
-        "addresses. The run lives as long as the store's host does: set true on the host that stays, "
-        "false on the others.",
+        metadata={
+            "help": "true: this host serves the rendezvous store at --endpoint; false: it connects to it. Default: "
+            "torchrun decides by the hostname's addresses. The run lives as long as the store's host does: set true "
+            "on the host that stays, false on the others."
+        },
     )
-    parser.add_argument(
-        "--local-addr",
+    local_addr: str | None = field(
         default=None,
-        help="This host's address as the other hosts reach it (default: what its hostname resolves to).",
+        metadata={"help": "This host's address as the other hosts reach it (default: what its hostname resolves to)."},
     )
-    parser.add_argument(
-        "--connect-timeout",
-        type=float,
+    connect_timeout: float = field(
         default=60.0,
-        help="Seconds a host that does not serve the rendezvous waits for --endpoint to answer before it stops "
-        "with an error naming it.",
+        metadata={
+            "help": "Seconds a host that does not serve the rendezvous waits for --endpoint to answer before it stops "
+            "with an error naming it."
+        },
     )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    hints = typing.get_type_hints(ElasticConfig)
-    for f in dataclasses.fields(ElasticConfig):
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            dest=f.name,
-            type=hints[f.name],
-            default=f.default,
-            help=f.metadata.get("help"),
-        )
-    return parser
+    worker: bool = field(default=False, metadata={"hidden": True, "help": "Run as one of torchrun's workers."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.connect_timeout, (int, float)) and self.connect_timeout > 0):
+            raise EndpointError(f"--connect-timeout must be a positive number of seconds, got {self.connect_timeout}.")
 
 
-def config_from_args(ns: argparse.Namespace) -> ElasticConfig:
-    return ElasticConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ElasticConfig)})
-
-
-def main(argv: list[str] | None = None) -> int:
-
-    ns = build_parser().parse_args(argv)
-    try:
-        config = config_from_args(ns)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"hf-dtrain elastic: {e}") from None
-    if ns.worker:
-        run_worker(config)
+def run_elastic(cfg: ElasticJob) -> int:
+    """A worker (``--worker``, started by torchrun) trains; otherwise this host's torchrun agent is started, after
+    checking that the rendezvous store answers when this host joins one that another serves."""
+    if cfg.worker:
+        run_worker(cfg)
         return 0
-    if not ns.connect_timeout > 0:
-        raise EndpointError(f"--connect-timeout must be a positive number of seconds, got {ns.connect_timeout}.")
-    host, _ = parse_endpoint(ns.endpoint)
-    if ns.store_host is False or (ns.store_host is None and not is_local(host)):
-        wait_for_endpoint(ns.endpoint, ns.connect_timeout)  # this host joins: the store must answer
-    cmd, env = torchrun_command(config, ns.endpoint, ns.run_id, ns.nproc_per_node, ns.local_addr, ns.store_host)
+    host, _ = parse_endpoint(cfg.endpoint)
+    if cfg.store_host is False or (cfg.store_host is None and not is_local(host)):
+        wait_for_endpoint(cfg.endpoint, cfg.connect_timeout)  # this host joins: the store must answer
+    cmd, env = torchrun_command(cfg, cfg.endpoint, cfg.run_id, cfg.nproc_per_node, cfg.local_addr, cfg.store_host)
     return subprocess.call(cmd, env={**os.environ, **env})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

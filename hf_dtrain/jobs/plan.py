@@ -1,0 +1,186 @@
+"""``hf-dtrain plan``: every legal parallelism plan of a model on a machine, ranked by the planner of
+:mod:`hf_dtrain.parallel.planner`, with the best plan's ``pretrain`` flags and ``accelerate launch`` config."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from hf_dtrain.parallel.config import ACTIVATION_POLICIES
+from hf_dtrain.run.config import JobConfig
+from hf_dtrain.settings import SettingsError, parse_bytes
+
+
+def _calibrate(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of ``hf-dtrain plan --calibrate`` (``torch.multiprocessing.spawn``): a process group on this host,
+    the machine profile measured with every rank at once, written by rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_dtrain.parallel.planner import measure_profile
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+    try:
+        profile = measure_profile(name=f"this machine, {world} ranks")
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(profile.to_json())
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(ranks: int):
+    """The machine profile measured by ``ranks`` local processes (``hf-dtrain plan --calibrate``)."""
+    import torch.multiprocessing as mp
+
+    from hf_dtrain.parallel.planner import MachineProfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(), "profile.json")
+    mp.spawn(_calibrate, args=(ranks, port, out), nprocs=ranks, join=True)
+    return MachineProfile.from_json(open(out).read())
+
+
+@dataclass
+class PlanConfig(JobConfig):
+    """``hf-dtrain plan``: the model, the machine and the batch to plan for; every field is a flag."""
+
+    job = "plan"
+
+    world_size: int | None = field(default=None, metadata={"min": 1, "help": "Devices (processes) of the run."})
+    preset: str = field(default="tiny", metadata={"help": "LlamaConfig preset (hf_dtrain.models.PRESETS)."})
+    model_config: str | None = field(
+        default=None, metadata={"help": "A Hugging Face config.json (or its directory) instead of a preset."}
+    )
+    global_batch: int | None = field(
+        default=None, metadata={"min": 1, "help": "Sequences per optimizer step (default 8 x world size)."}
+    )
+    seq_len: int = field(default=4096, metadata={"min": 1, "help": "Tokens per sequence."})
+    profile: str = field(default="h100", metadata={"help": "h100 (datasheet figures) or a JSON from --save-profile."})
+    calibrate: bool = field(
+        default=False,
+        metadata={
+            "help": "Measure this machine's profile first (spawns --calibrate-ranks gloo / NCCL processes here) and "
+            "plan with it."
+        },
+    )
+    calibrate_ranks: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "help": "Processes for --calibrate: as many as the run puts on one node (default: --world-size, at most "
+            "8), so the cores or GPUs are shared as in training.",
+        },
+    )
+    save_profile: str | None = field(default=None, metadata={"help": "Write the profile used to this JSON."})
+    device_memory: str | None = field(
+        default=None, metadata={"help": "Per-device memory, e.g. 80GB (overrides the profile's)."}
+    )
+    ranks_per_node: int | None = field(
+        default=None, metadata={"min": 1, "help": "Devices per node (overrides the profile's)."}
+    )
+    intra_bandwidth: float | None = field(
+        default=None, metadata={"gt": 0, "help": "GB/s per device inside a node (overrides the profile's)."}
+    )
+    inter_bandwidth: float | None = field(
+        default=None, metadata={"gt": 0, "help": "GB/s per device across nodes (overrides the profile's)."}
+    )
+    activation: str = field(default="none,checkpoint", metadata={"help": "Activation policies to consider."})
+    top: int = field(default=15, metadata={"min": 1, "help": "Rows of the table."})
+
+    def check_own(self) -> None:
+        if self.world_size is None:
+            raise SettingsError("--world-size is required: the devices (processes) of the run to plan.")
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory)
+        policies = self.policies()
+        bad = [p for p in policies if p not in ACTIVATION_POLICIES]
+        if bad or not policies:
+            raise SettingsError(f"--activation {bad}: choose from {ACTIVATION_POLICIES}.")
+
+    def policies(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.activation.split(",") if p.strip())
+
+
+def run_plan(cfg: PlanConfig) -> int:
+    """Rank every legal plan of a model on a machine and print the best's flags."""
+    from hf_dtrain.parallel.planner import GiB, format_table, rank_plans
+
+    config = _model_config(cfg)
+    profile = _profile(cfg)
+    batch = cfg.global_batch or 8 * cfg.world_size
+    try:
+        plans = rank_plans(config, cfg.world_size, profile, batch, cfg.seq_len, activations=cfg.policies())
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
+    if cfg.save_profile:
+        with open(cfg.save_profile, "w") as f:
+            f.write(profile.to_json())
+    print(
+        f"{len(plans)} legal plans for {cfg.model_config or cfg.preset} on {cfg.world_size} devices "
+        f"({profile.name}), global batch {batch} x {cfg.seq_len} tokens:\n"
+    )
+    print(format_table(plans, cfg.top))
+    best = plans[0]
+    if not best.fits:
+        raise SettingsError(
+            f"no plan fits in {profile.device_memory / GiB:.1f} GiB per device: the smallest needs "
+            f"{min(sum(p.memory.values()) for p in plans) / GiB:.1f} GiB ({best.overflow}). Add devices, shorten "
+            "--seq-len or lower --global-batch."
+        )
+    print(
+        f"\nbest: {best.key}, predicted {best.step_time:.4g} s per step, "
+        f"{sum(best.memory.values()) / GiB:.2f} GiB per device"
+    )
+    print(f"  hf-dtrain pretrain {best.flags()}")
+    print("  accelerate config:\n    " + best.accelerate_config(cfg.world_size).replace("\n", "\n    "))
+    return 0
+
+
+def _model_config(cfg: PlanConfig):
+    if not cfg.model_config:
+        from hf_dtrain.models import llama_config
+
+        return llama_config(cfg.preset)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model_config)
+    except (OSError, ValueError) as e:
+        raise SettingsError(f"--model-config {cfg.model_config} does not load as a config: {e}") from None
+
+
+def _profile(cfg: PlanConfig):
+    """The machine profile: measured (--calibrate), read from a JSON, or a preset; with the flags' overrides."""
+    from hf_dtrain.parallel.planner import MachineProfile
+
+    if cfg.calibrate:
+        profile = calibrate(cfg.calibrate_ranks or min(cfg.world_size, 8))
+    elif cfg.profile.endswith(".json"):
+        if not os.path.isfile(cfg.profile):
+            raise SettingsError(f"--profile {cfg.profile}: no such file; give h100 or a JSON from --save-profile.")
+        profile = MachineProfile.from_json(open(cfg.profile).read())
+    else:
+        try:
+            profile = MachineProfile.preset(cfg.profile)
+        except ValueError as e:
+            raise SettingsError(f"--profile {cfg.profile}: {e}") from None
+    if cfg.device_memory:
+        profile.device_memory = parse_bytes(cfg.device_memory)
+    if cfg.ranks_per_node:
+        profile.ranks_per_node = cfg.ranks_per_node
+    if cfg.intra_bandwidth:
+        profile.intra_sec_per_byte = 1 / (cfg.intra_bandwidth * 1e9)
+    if cfg.inter_bandwidth:
+        profile.inter_sec_per_byte = 1 / (cfg.inter_bandwidth * 1e9)
+    return profile

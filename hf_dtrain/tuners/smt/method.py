@@ -1,0 +1,118 @@
+"""SMT in the jobs: ``smt.block_size`` blocks on the attention projections, as many as LoRA's trainable count at the
+job's rank unless ``smt.num_blocks`` says otherwise; its prepare step selects the blocks from warm-up gradients
+(``SMTSelectionCallback`` in one unwrapped process, ``smt_warmup`` before DDP / FSDP2 / DeepSpeed or the fused sweep
+wrap the model, since they cannot change parameter shapes afterwards); fused, each job keeps its own blocks."""
+
+from dataclasses import dataclass, field
+
+from hf_dtrain.errors import SettingsError
+from hf_dtrain.settings import check_fields
+
+from ..finetune_method import BlockSparseForm, FinetuneMethod, linear_shapes, lora_budget, register_finetune_method
+
+SMT_TARGETS = ["q_proj", "k_proj", "v_proj"]
+
+
+@dataclass
+class SMTJobSettings:
+    """SMT's settings in the fine-tuning job (``--smt.*``; YAML ``smt:``)."""
+
+    section_key = "smt"
+
+    block_size: int = field(default=64, metadata={"min": 1, "help": "Side of the square sub-matrices."})
+    num_blocks: int | None = field(
+        default=None,
+        metadata={"min": 1, "help": "Blocks to train; default matches the trainable budget of lora at lora_r."},
+    )
+    warmup_steps: int = field(default=20, metadata={"min": 1, "help": "Gradient-scoring steps before selection."})
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+def _config(adapter, settings, model):
+    from .config import SMTConfig
+
+    targets = adapter.targets(SMT_TARGETS)
+    b = settings.block_size
+    shapes = linear_shapes(model, targets)
+    available = sum((o // b) * (i // b) for o, i in shapes)
+    if available == 0:
+        raise SettingsError(
+            f"smt.block_size={b} does not fit any of {targets} (shapes {sorted(set(shapes))}); "
+            "set --smt.block-size to a divisor of the hidden size."
+        )
+    num_blocks = settings.num_blocks
+    if num_blocks is None:  # the lora budget at the same rank on the same targets
+        num_blocks = max(1, round(lora_budget(adapter.r, shapes) / (b * b)))
+    num_blocks = min(num_blocks, available)
+    return SMTConfig(target_modules=targets, block_size=b, num_blocks=num_blocks, warmup_steps=settings.warmup_steps)
+
+
+def _prepare(model, settings, data) -> list:
+    """Select the blocks: by a callback in one unwrapped process; before the model is wrapped otherwise, on this
+    rank's share of the data (the summed gradients are all-reduced, so every rank selects the same blocks)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from .selection import SMTSelectionCallback, smt_warmup
+
+    if not data.wrapped:
+        return [SMTSelectionCallback()]
+    sampler = DistributedSampler(data.train, num_replicas=data.world_size, rank=data.rank, shuffle=True, seed=data.seed)
+    loader = DataLoader(data.train, batch_size=data.batch_size, sampler=sampler, collate_fn=data.collator)
+    if data.adapter_name is not None:
+        model.set_adapter(data.adapter_name)
+    adapter = data.adapter_name or model.active_adapter
+    steps = model.peft_config[adapter].warmup_steps
+    smt_warmup(model, loader, num_steps=steps, adapter_name=data.adapter_name, progress=data.progress)
+    return []
+
+
+def _blocks(layer, name):
+    return (
+        layer.smt_indices[name].cpu(),
+        layer.smt_weight.get(name),
+        layer.block_size[name],
+    )
+
+
+def _write_back(layer, name, weight) -> None:
+    if name in layer.smt_weight:
+        layer.smt_weight[name].copy_(weight)
+
+
+def _check_fusable(layer, names) -> None:
+    missing = [n for n in names if n not in layer.block_size]
+    if missing:
+        raise SettingsError(f"SMT layer has no adapter {missing}")
+    unselected = [n for n in names if layer._smt_unselected.get(n)]
+    if unselected:
+        raise SettingsError(
+            f"SMT adapters {unselected} have no block selection yet: run smt_warmup (or give block_indices) before "
+            "fusing."
+        )
+    sizes = {layer.block_size[n] for n in names}
+    if len(sizes) > 1:
+        raise SettingsError(f"SMT jobs with different block sizes {sorted(sizes)} cannot be fused; use one block_size.")
+
+
+def _delta():
+    from .layer import BlockSparseDelta
+
+    return BlockSparseDelta.apply
+
+
+METHOD = register_finetune_method(
+    FinetuneMethod(
+        "smt",
+        2e-3,
+        _config,
+        settings=SMTJobSettings,
+        peft_type="SMT",
+        prepare=_prepare,
+        fused=BlockSparseForm(blocks=_blocks, delta=_delta, write_back=_write_back, check=_check_fusable),
+        sweep_settings=("num_blocks", "warmup_steps"),
+        sweep_axes={"num_blocks": (int, "blocks")},
+        order=20,
+    )
+)
