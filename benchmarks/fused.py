@@ -390,9 +390,7 @@ def _per_job_bytes(method, base_path, batch) -> int:
     if method == "full":
         fused = fuse_models([copy.deepcopy(base)])
     else:
-        fused = fuse_adapters(
-            get_peft_model(base, jobs[0].build_peft_config(base), adapter_name="a"), ["a"]
-        )
+        fused = fuse_adapters(get_peft_model(base, jobs[0].build_peft_config(base), adapter_name="a"), ["a"])
     ds = tasks.make_task_dataset(tok, batch, seed=0, split="train")
     batch_ = tasks.task_collator(tok)([ds[i] for i in range(batch)])
     return measure_job_bytes(fused, stack_batches([batch_], tok.pad_token_id or 0))["per_job_bytes"]

@@ -32,6 +32,17 @@ from hf_dtrain.errors import SettingsError
 RELEASE = "0.1.0"
 
 
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING, **bounds):
+    """A config field with its help text (the flag's help, the YAML key's doc) and the bounds :func:`check_fields`
+    enforces (``min`` / ``max`` inclusive, ``gt`` / ``lt`` exclusive, ``why`` said with a bound's error; other keys
+    are kept in the metadata: ``choices``, ``hidden``, ``flatten``): ``lr: float = setting(1e-3, "Peak learning
+    rate.", gt=0)``; ``factory`` for a mutable default."""
+    metadata = {"help": help, **bounds}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 def is_config(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 

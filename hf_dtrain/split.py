@@ -15,7 +15,7 @@ unsplit training (tested).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,21 +23,18 @@ import torch.distributed as dist
 from hf_dtrain.distributed.counters import WireStats
 from hf_dtrain.errors import SettingsError
 from hf_dtrain.models import LlamaPipelineStage
-from hf_dtrain.settings import check_fields
+from hf_dtrain.settings import check_fields, setting
 
 
 @dataclass
 class SplitConfig:
     """Where the model is cut and how the link is compressed."""
 
-    cut_layer: int = field(default=1, metadata={"min": 1, "help": "The edge runs decoder layers [0, cut_layer)."})
-    rank: int | None = field(
-        default=None,
-        metadata={"min": 1, "help": "Rank of the activations and gradients sent over the link; None: uncompressed."},
+    cut_layer: int = setting(1, "The edge runs decoder layers [0, cut_layer).", min=1)
+    rank: int | None = setting(
+        None, "Rank of the activations and gradients sent over the link; None: uncompressed.", min=1
     )
-    error_feedback: bool = field(
-        default=True, metadata={"help": "Carry the gradient's truncation error into the next step (compressed links)."}
-    )
+    error_feedback: bool = setting(True, "Carry the gradient's truncation error into the next step (compressed links).")
 
     def __post_init__(self):
         check_fields(self)

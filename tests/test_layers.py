@@ -62,7 +62,7 @@ def _unit(module: str) -> str:
 
 
 def _job(module: str) -> str | None:
-    """``hf_dtrain.jobs.sweep`` -> ``sweep``; ``hf_dtrain.jobs.finetune.trainer`` -> ``finetune``; the package -> None."""
+    """``hf_dtrain.jobs.sweep`` -> ``sweep``; ``hf_dtrain.jobs.finetune.trainer`` -> ``finetune``; the package: None."""
     parts = module.split(".")
     return parts[2] if len(parts) > 2 else None
 

@@ -4,10 +4,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-from hf_dtrain.settings import build, check_choice, check_fields
+from hf_dtrain.settings import build, check_choice, check_fields, setting
 
 # EmbRace's ways of exchanging embedding rows
 EXCHANGES = ("allgather", "alltoall", "sharded")
@@ -36,69 +36,47 @@ class CommHookConfig:
 
     shorthand: ClassVar[str] = "method"
 
-    method: str = field(
-        default="acp_sgd",
-        metadata={
-            "help": "allreduce (DDP's dense all-reduce, counted), bf16 / fp16 (the same in half precision: torch's "
-            "bf16_compress_hook / fp16_compress_hook, counted), acp_sgd (alternating PowerSGD factors, error "
-            "feedback), s2_reducer (sparse bitmap + count sketch), dear (reduce-scatter in backward, all-gather in the "
-            "next forward; exact), embrace (embedding rows as index/row pairs; exact), noop (nothing: for optimizers "
-            "that exchange themselves)."
-        },
+    method: str = setting(
+        "acp_sgd",
+        "allreduce (DDP's dense all-reduce, counted), bf16 / fp16 (the same in half precision: torch's "
+        "bf16_compress_hook / fp16_compress_hook, counted), acp_sgd (alternating PowerSGD factors, error "
+        "feedback), s2_reducer (sparse bitmap + count sketch), dear (reduce-scatter in backward, all-gather in the "
+        "next forward; exact), embrace (embedding rows as index/row pairs; exact), noop (nothing: for optimizers "
+        "that exchange themselves).",
     )
-    rank: int = field(default=4, metadata={"min": 1, "help": "acp_sgd: rank r of the P (n x r) and Q (m x r) factors."})
-    start_iter: int = field(
-        default=10,
-        metadata={
-            "min": 2,
-            "why": "DDP rebuilds its buckets after the first step",
-            "help": "acp_sgd: steps of plain all-reduce before compressing (>= 2: DDP rebuilds its buckets after step "
-            "1).",
-        },
+    rank: int = setting(4, "acp_sgd: rank r of the P (n x r) and Q (m x r) factors.", min=1)
+    start_iter: int = setting(
+        10,
+        "acp_sgd: steps of plain all-reduce before compressing (>= 2: DDP rebuilds its buckets after step 1).",
+        min=2,
+        why="DDP rebuilds its buckets after the first step",
     )
-    min_compression_rate: float = field(
-        default=2.0,
-        metadata={
-            "min": 0,
-            "help": "acp_sgd: compress an n x m gradient only if n*m >= this * (n + m) * rank; smaller ones go dense.",
-        },
+    min_compression_rate: float = setting(
+        2.0, "acp_sgd: compress an n x m gradient only if n*m >= this * (n + m) * rank; smaller ones go dense.", min=0
     )
-    use_error_feedback: bool = field(
-        default=True,
-        metadata={"help": "acp_sgd, s2_reducer: add the local compression error to the next step's gradient."},
+    use_error_feedback: bool = setting(
+        True, "acp_sgd, s2_reducer: add the local compression error to the next step's gradient."
     )
-    seed: int = field(
-        default=0,
-        metadata={
-            "help": "acp_sgd: seed of the initial Q factors; s2_reducer: seed of the sketch hashes (same on all ranks)."
-        },
+    seed: int = setting(
+        0, "acp_sgd: seed of the initial Q factors; s2_reducer: seed of the sketch hashes (same on all ranks)."
     )
-    sketch_rows: int = field(
-        default=3,
-        metadata={"min": 1, "help": "s2_reducer: count-sketch rows d (odd, so the median is one of the estimates)."},
+    sketch_rows: int = setting(
+        3, "s2_reducer: count-sketch rows d (odd, so the median is one of the estimates).", min=1
     )
-    sketch_width_factor: float = field(
-        default=4.0,
-        metadata={
-            "gt": 0,
-            "help": "s2_reducer: counters per row per nonzero position of the union of the ranks' nonzeros.",
-        },
+    sketch_width_factor: float = setting(
+        4.0, "s2_reducer: counters per row per nonzero position of the union of the ranks' nonzeros.", gt=0
     )
-    fusion_mb: float = field(
-        default=1.0,
-        metadata={
-            "min": 0,
-            "help": "dear: MB of gradients per fusion group (consecutive layers merged until a group holds this much; "
-            "0 = one group per module). Each group's reduce-scatter starts in backward as soon as its gradients are "
-            "ready, its all-gather just before its layer's forward.",
-        },
+    fusion_mb: float = setting(
+        1.0,
+        "dear: MB of gradients per fusion group (consecutive layers merged until a group holds this much; "
+        "0 = one group per module). Each group's reduce-scatter starts in backward as soon as its gradients are "
+        "ready, its all-gather just before its layer's forward.",
+        min=0,
     )
-    exchange: str = field(
-        default="allgather",
-        metadata={
-            "help": "embrace: allgather or alltoall (replicated tables, the touched rows' gradients travel), or "
-            "sharded (the paper's column-sharded tables: lookups and gradients by all-to-all, no table-sized exchange)."
-        },
+    exchange: str = setting(
+        "allgather",
+        "embrace: allgather or alltoall (replicated tables, the touched rows' gradients travel), or "
+        "sharded (the paper's column-sharded tables: lookups and gradients by all-to-all, no table-sized exchange).",
     )
 
     def __post_init__(self):

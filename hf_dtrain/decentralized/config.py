@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-from hf_dtrain.settings import check_choice, check_fields
+from hf_dtrain.settings import check_choice, check_fields, setting
 
 OUTER_EXCHANGES = ("none", "int8", "1bit")  # DiLoCo's outer exchange (diloco.py)
 
@@ -21,33 +21,22 @@ class GossipConfig:
 
     section_key: ClassVar[str] = "gossip"  # flags --gossip.<field>, YAML gossip:
 
-    topology: str = field(
-        default="ring",
-        metadata={
-            "help": "Communication graph: ring, torus, exponential, fully_connected, or matcha (time-varying matchings "
-            "of a torus)."
-        },
+    topology: str = setting(
+        "ring",
+        "Communication graph: ring, torus, exponential, fully_connected, or matcha (time-varying matchings "
+        "of a torus).",
     )
-    momentum: float = field(default=0.9, metadata={"min": 0, "lt": 1, "help": "decentlam: momentum beta in [0, 1)."})
-    mode: str = field(
-        default="atc",
-        metadata={"help": "dpsgd: atc (adapt, then combine with the neighbours) or cta (combine, then adapt)."},
-    )
+    momentum: float = setting(0.9, "decentlam: momentum beta in [0, 1).", min=0, lt=1)
+    mode: str = setting("atc", "dpsgd: atc (adapt, then combine with the neighbours) or cta (combine, then adapt).")
 
-    asynchronous: bool = field(
-        default=False,
-        metadata={
-            "help": "dpsgd / decentlam: asynchronous gossip (AD-PSGD style): each rank mixes the newest values its "
-            "neighbours have sent and waits only for one older than max_staleness of its own steps, so a "
-            "straggler slows only itself (static topologies)."
-        },
+    asynchronous: bool = setting(
+        False,
+        "dpsgd / decentlam: asynchronous gossip (AD-PSGD style): each rank mixes the newest values its "
+        "neighbours have sent and waits only for one older than max_staleness of its own steps, so a "
+        "straggler slows only itself (static topologies).",
     )
-    max_staleness: int = field(
-        default=4,
-        metadata={
-            "min": 1,
-            "help": "asynchronous gossip: the most steps of this rank a neighbour's value may be old before it waits.",
-        },
+    max_staleness: int = setting(
+        4, "asynchronous gossip: the most steps of this rank a neighbour's value may be old before it waits.", min=1
     )
 
     def __post_init__(self):
@@ -63,25 +52,17 @@ class DiLoCoConfig:
 
     section_key: ClassVar[str] = "diloco"
 
-    sync_every: int = field(
-        default=16,
-        metadata={"min": 1, "help": "H: inner steps between two outer steps (one model-sized exchange per H steps)."},
+    sync_every: int = setting(
+        16, "H: inner steps between two outer steps (one model-sized exchange per H steps).", min=1
     )
-    outer_lr: float = field(default=0.7, metadata={"gt": 0, "help": "The outer SGD's learning rate (the paper's 0.7)."})
-    outer_momentum: float = field(
-        default=0.9,
-        metadata={
-            "min": 0,
-            "lt": 1,
-            "help": "The outer SGD's Nesterov momentum (the paper's 0.9; 0: plain averaging step).",
-        },
+    outer_lr: float = setting(0.7, "The outer SGD's learning rate (the paper's 0.7).", gt=0)
+    outer_momentum: float = setting(
+        0.9, "The outer SGD's Nesterov momentum (the paper's 0.9; 0: plain averaging step).", min=0, lt=1
     )
-    outer_exchange: str = field(
-        default="none",
-        metadata={
-            "help": "none (fp32 all-reduce of the pseudo-gradient: DiLoCo as published), int8 (int8 with a scale per "
-            "2048 values, error feedback) or 1bit (1-bit LAMB's compressed all-reduce, error feedback)."
-        },
+    outer_exchange: str = setting(
+        "none",
+        "none (fp32 all-reduce of the pseudo-gradient: DiLoCo as published), int8 (int8 with a scale per "
+        "2048 values, error feedback) or 1bit (1-bit LAMB's compressed all-reduce, error feedback).",
     )
 
     def __post_init__(self):

@@ -6,10 +6,10 @@ YAML section (``fault_tolerance: true`` turns it on with these defaults); ``Snap
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-from hf_dtrain.settings import check_fields
+from hf_dtrain.settings import check_fields, setting
 
 
 @dataclass
@@ -18,68 +18,42 @@ class SnapshotConfig:
 
     section_key: ClassVar[str] = "fault_tolerance"  # flags --fault-tolerance.<field>, YAML fault_tolerance:
 
-    every_n_steps: int = field(default=1, metadata={"min": 1, "help": "Snapshot every N optimizer steps."})
-    parity: int = field(
-        default=1,
-        metadata={
-            "min": 0,
-            "help": "Lost nodes to survive: erasure coding across nodes (XOR for 1, Reed-Solomon above; 0: off).",
-        },
+    every_n_steps: int = setting(1, "Snapshot every N optimizer steps.", min=1)
+    parity: int = setting(
+        1, "Lost nodes to survive: erasure coding across nodes (XOR for 1, Reed-Solomon above; 0: off).", min=0
     )
-    group_size: int | None = field(
-        default=None,
-        metadata={
-            "min": 1,
-            "help": "Nodes per erasure-coding group (more than parity); default all nodes in one group.",
-        },
+    group_size: int | None = setting(
+        None, "Nodes per erasure-coding group (more than parity); default all nodes in one group.", min=1
     )
-    persist_every: int = field(
-        default=0,
-        metadata={
-            "min": 0,
-            "help": "Also write every N-th snapshot to disk as safetensors, in the background (0: never).",
-        },
+    persist_every: int = setting(
+        0, "Also write every N-th snapshot to disk as safetensors, in the background (0: never).", min=0
     )
-    persist_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "Where the disk snapshots go (the jobs default to <output_dir>/snapshots when persist_every > 0)."
-        },
+    persist_dir: str | None = setting(
+        None, "Where the disk snapshots go (the jobs default to <output_dir>/snapshots when persist_every > 0)."
     )
-    directory: str | None = field(
-        default=None,
-        metadata={
-            "help": "Private directory of the snapshot processes (sockets, key, logs); default a per-user, per-job "
-            "directory under the system's temporary directory."
-        },
+    directory: str | None = setting(
+        None,
+        "Private directory of the snapshot processes (sockets, key, logs); default a per-user, per-job "
+        "directory under the system's temporary directory.",
     )
-    timeout: float = field(
-        default=60.0,
-        metadata={
-            "gt": 0,
-            "help": "Seconds to wait for the snapshot process and for the other ranks before failing with a message.",
-        },
+    timeout: float = setting(
+        60.0, "Seconds to wait for the snapshot process and for the other ranks before failing with a message.", gt=0
     )
-    idle_exit: float = field(
-        default=300.0,
-        metadata={
-            "gt": 0,
-            "help": "Grace period: a snapshot process exits once no trainer and no launcher of its job (torchrun's or "
-            "accelerate's elastic agent, which may restart them) has been alive for this many seconds, so a "
-            "crashed job does not hold memory; relaunch by hand within it to resume from memory.",
-        },
+    idle_exit: float = setting(
+        300.0,
+        "Grace period: a snapshot process exits once no trainer and no launcher of its job (torchrun's or "
+        "accelerate's elastic agent, which may restart them) has been alive for this many seconds, so a "
+        "crashed job does not hold memory; relaunch by hand within it to resume from memory.",
+        gt=0,
     )
-    fresh_start: bool = field(
-        default=False,
-        metadata={
-            "help": "Train from step 0 although this job has snapshots: they are discarded (disk snapshots are moved "
-            "aside to <persist_dir>.discarded-<time>). Without it, a job whose snapshots are lost or belong to "
-            "another job stops with a message instead of starting over."
-        },
+    fresh_start: bool = setting(
+        False,
+        "Train from step 0 although this job has snapshots: they are discarded (disk snapshots are moved "
+        "aside to <persist_dir>.discarded-<time>). Without it, a job whose snapshots are lost or belong to "
+        "another job stops with a message instead of starting over.",
     )
-    trainable_only: bool | None = field(
-        default=None,
-        metadata={"help": "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."},
+    trainable_only: bool | None = setting(
+        None, "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."
     )
 
     def __post_init__(self):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hf_dtrain.errors import SettingsError
-from hf_dtrain.settings import check_choice, check_fields
+from hf_dtrain.settings import check_choice, check_fields, setting
 
 ALGORITHMS = ("fedavg", "fedprox", "scaffold")
 UPLINKS = ("none", "int8", "int4", "lowrank")
@@ -17,55 +17,43 @@ class FederatedConfig:
     """A FedML-Parrot-style simulation of ``clients`` clients on the launched processes, with peft adapters as the
     payload. Every field is a ``--fed.*`` flag."""
 
-    clients: int = field(default=100, metadata={"min": 1, "help": "Clients in the federation."})
-    per_round: int = field(default=10, metadata={"min": 1, "help": "Clients sampled each round (<= clients)."})
-    rounds: int = field(default=20, metadata={"min": 1, "help": "Communication rounds."})
-    local_steps: int = field(default=10, metadata={"min": 1, "help": "Optimizer steps of a client per round."})
-    batch_size: int = field(default=8, metadata={"min": 1, "help": "A client's micro-batch."})
-    client_lr: float = field(default=4e-3, metadata={"gt": 0, "help": "A client's learning rate."})
-    client_optimizer: str = field(
-        default="adamw",
-        metadata={"help": "A client's optimizer: 'adamw' or 'sgd' (SCAFFOLD's control variates assume SGD)."},
+    clients: int = setting(100, "Clients in the federation.", min=1)
+    per_round: int = setting(10, "Clients sampled each round (<= clients).", min=1)
+    rounds: int = setting(20, "Communication rounds.", min=1)
+    local_steps: int = setting(10, "Optimizer steps of a client per round.", min=1)
+    batch_size: int = setting(8, "A client's micro-batch.", min=1)
+    client_lr: float = setting(4e-3, "A client's learning rate.", gt=0)
+    client_optimizer: str = setting(
+        "adamw", "A client's optimizer: 'adamw' or 'sgd' (SCAFFOLD's control variates assume SGD)."
     )
-    keep_client_optimizer: bool = field(
-        default=False,
-        metadata={
-            "help": "Keep each client's optimizer state between its rounds (in the client state store); False: a "
-            "fresh optimizer each round, as most federated fine-tuning does."
-        },
+    keep_client_optimizer: bool = setting(
+        False,
+        "Keep each client's optimizer state between its rounds (in the client state store); False: a "
+        "fresh optimizer each round, as most federated fine-tuning does.",
     )
-    algorithm: str = field(
-        default="fedavg",
-        metadata={
-            "help": "'fedavg' (weighted average of the clients' deltas), 'fedprox' (a proximal term mu/2 ||w - "
-            "w_global||^2 in each client's loss), 'scaffold' (control variates, kept per client between rounds)."
-        },
+    algorithm: str = setting(
+        "fedavg",
+        "'fedavg' (weighted average of the clients' deltas), 'fedprox' (a proximal term mu/2 ||w - "
+        "w_global||^2 in each client's loss), 'scaffold' (control variates, kept per client between rounds).",
     )
-    prox_mu: float = field(default=0.01, metadata={"min": 0, "help": "FedProx's mu."})
-    server_lr: float = field(default=1.0, metadata={"gt": 0, "help": "The server's step on the averaged delta."})
-    dirichlet_alpha: float | None = field(
-        default=0.5,
-        metadata={
-            "gt": 0,
-            "help": "Non-IID split: each label's (or source's) samples dealt to clients by Dirichlet(alpha) "
-            "proportions; smaller is more skewed. None: an IID split.",
-        },
+    prox_mu: float = setting(0.01, "FedProx's mu.", min=0)
+    server_lr: float = setting(1.0, "The server's step on the averaged delta.", gt=0)
+    dirichlet_alpha: float | None = setting(
+        0.5,
+        "Non-IID split: each label's (or source's) samples dealt to clients by Dirichlet(alpha) "
+        "proportions; smaller is more skewed. None: an IID split.",
+        gt=0,
     )
-    uplink: str = field(
-        default="none",
-        metadata={
-            "help": "Compression of a client's adapter delta: 'none' (fp32), 'int8' / 'int4' (per-tensor scale), "
-            "'lowrank' (rank uplink_rank factors of every matrix)."
-        },
+    uplink: str = setting(
+        "none",
+        "Compression of a client's adapter delta: 'none' (fp32), 'int8' / 'int4' (per-tensor scale), "
+        "'lowrank' (rank uplink_rank factors of every matrix).",
     )
-    uplink_rank: int = field(default=4, metadata={"min": 1, "help": "Rank of the 'lowrank' uplink."})
-    error_feedback: bool = field(
-        default=True,
-        metadata={"help": "Add each client's compression error to its next delta (kept in the client state store)."},
+    uplink_rank: int = setting(4, "Rank of the 'lowrank' uplink.", min=1)
+    error_feedback: bool = setting(
+        True, "Add each client's compression error to its next delta (kept in the client state store)."
     )
-    seed: int = field(
-        default=0, metadata={"min": 0, "help": "Seed of the split, the client sampling and the data order."}
-    )
+    seed: int = setting(0, "Seed of the split, the client sampling and the data order.", min=0)
 
     def __post_init__(self):
         check_fields(self)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hf_dtrain.errors import SettingsError
-from hf_dtrain.settings import check_fields, parse_bytes
+from hf_dtrain.settings import check_fields, parse_bytes, setting
 
 OVERFLOW = ("split", "error")  # what the memory guard does when the jobs do not fit
 
@@ -14,33 +14,23 @@ OVERFLOW = ("split", "error")  # what the memory guard does when the jobs do not
 class FusedConfig:
     """How K jobs are trained fused (``hf-dtrain sweep --fused.*``)."""
 
-    max_grad_norm: float = field(
-        default=1.0,
-        metadata={"min": 0, "help": "Per-job gradient-norm clip (the Trainer's max_grad_norm); 0 turns it off."},
+    max_grad_norm: float = setting(
+        1.0, "Per-job gradient-norm clip (the Trainer's max_grad_norm); 0 turns it off.", min=0
     )
-    memory_budget: str | None = field(
-        default=None,
-        metadata={
-            "help": "Memory the fused step may use, e.g. '20GiB'; None: the free GPU memory, or on CPU the available "
-            "RAM, less a tenth."
-        },
+    memory_budget: str | None = setting(
+        None,
+        "Memory the fused step may use, e.g. '20GiB'; None: the free GPU memory, or on CPU the available "
+        "RAM, less a tenth.",
     )
-    on_overflow: str = field(
-        default="split",
-        metadata={
-            "help": "When K jobs would not fit the budget: 'split' into fused groups that fit (run one after another), "
-            "or 'error'."
-        },
+    on_overflow: str = setting(
+        "split",
+        "When K jobs would not fit the budget: 'split' into fused groups that fit (run one after another), or 'error'.",
     )
-    max_jobs_per_group: int | None = field(
-        default=None, metadata={"min": 1, "help": "At most this many jobs in one fused group (None: as many as fit)."}
+    max_jobs_per_group: int | None = setting(
+        None, "At most this many jobs in one fused group (None: as many as fit).", min=1
     )
-    lr_scheduler_type: str = field(
-        default="linear",
-        metadata={
-            "help": "Each job's schedule (transformers' get_scheduler names: linear, cosine, constant_with_warmup, "
-            "...)."
-        },
+    lr_scheduler_type: str = setting(
+        "linear", "Each job's schedule (transformers' get_scheduler names: linear, cosine, constant_with_warmup, ...)."
     )
 
     def __post_init__(self):

@@ -31,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from hf_dtrain.errors import EndpointError, SettingsError
 from hf_dtrain.fault import SnapshotConfig, SnapshotEngine
 from hf_dtrain.models import PRESETS, build_llama
 from hf_dtrain.run.config import JobConfig
-from hf_dtrain.settings import check_fields
+from hf_dtrain.settings import check_fields, setting
 
 LOG = "elastic.jsonl"
 
@@ -53,47 +53,33 @@ class ElasticConfig:
     """One elastic run. Every field is a flag of ``hf-dtrain elastic`` (``--steps``, ``--min-nodes`` ...); every
     host passes the same values, except ``slowdown`` (this host's own)."""
 
-    output_dir: str = field(
-        default="runs/elastic",
-        metadata={
-            "help": "Where the log, the snapshots' persisted copies and the final model go: storage every host reads."
-        },
+    output_dir: str = setting(
+        "runs/elastic",
+        "Where the log, the snapshots' persisted copies and the final model go: storage every host reads.",
     )
-    steps: int = field(default=60, metadata={"min": 1, "help": "Optimizer steps of the whole run."})
-    global_batch_size: int = field(
-        default=16, metadata={"min": 1, "help": "Sequences per step over all workers, dealt by measured speed."}
+    steps: int = setting(60, "Optimizer steps of the whole run.", min=1)
+    global_batch_size: int = setting(16, "Sequences per step over all workers, dealt by measured speed.", min=1)
+    seq_len: int = setting(32, "Tokens per sequence.", min=2)
+    samples: int = setting(2048, "Size of the synthetic training set.", min=1)
+    preset: str = setting("test", "LlamaConfig preset of the model (hf_dtrain.models).")
+    lr: float = setting(3e-3, "AdamW's learning rate.", gt=0)
+    seed: int = setting(0, "Seed of the model and the data.", min=0)
+    min_nodes: int = setting(1, "Fewest hosts the run trains with.", min=1)
+    max_nodes: int = setting(4, "Most hosts that may join.", min=1)
+    persist_every: int = setting(
+        1,
+        "Steps between persisted (resharding) snapshot copies: a membership change resumes from "
+        "the newest one, so at most this many steps are recomputed.",
+        min=1,
     )
-    seq_len: int = field(default=32, metadata={"min": 2, "help": "Tokens per sequence."})
-    samples: int = field(default=2048, metadata={"min": 1, "help": "Size of the synthetic training set."})
-    preset: str = field(default="test", metadata={"help": "LlamaConfig preset of the model (hf_dtrain.models)."})
-    lr: float = field(default=3e-3, metadata={"gt": 0, "help": "AdamW's learning rate."})
-    seed: int = field(default=0, metadata={"min": 0, "help": "Seed of the model and the data."})
-    min_nodes: int = field(default=1, metadata={"min": 1, "help": "Fewest hosts the run trains with."})
-    max_nodes: int = field(default=4, metadata={"min": 1, "help": "Most hosts that may join."})
-    persist_every: int = field(
-        default=1,
-        metadata={
-            "min": 1,
-            "help": "Steps between persisted (resharding) snapshot copies: a membership change resumes from "
-            "the newest one, so at most this many steps are recomputed.",
-        },
+    probe_steps: int = setting(
+        2, "Timed forward/backward steps per worker at the start of each generation (its speed).", min=1
     )
-    probe_steps: int = field(
-        default=2,
-        metadata={
-            "min": 1,
-            "help": "Timed forward/backward steps per worker at the start of each generation (its speed).",
-        },
+    collective_timeout: float = setting(
+        30.0, "Seconds a collective waits for a rank before the generation fails.", gt=0
     )
-    collective_timeout: float = field(
-        default=30.0, metadata={"gt": 0, "help": "Seconds a collective waits for a rank before the generation fails."}
-    )
-    slowdown: float = field(
-        default=1.0,
-        metadata={
-            "min": 1,
-            "help": "This host only: emulate a slower host (each step's compute takes this many times longer).",
-        },
+    slowdown: float = setting(
+        1.0, "This host only: emulate a slower host (each step's compute takes this many times longer).", min=1
     )
 
     def __post_init__(self):
@@ -391,32 +377,26 @@ class ElasticJob(ElasticConfig, JobConfig):
 
     job = "elastic"
 
-    endpoint: str = field(
-        default="127.0.0.1:29400",
-        metadata={"help": "host:port of the rendezvous (the first host's address; every host passes the same)."},
+    endpoint: str = setting(
+        "127.0.0.1:29400", "host:port of the rendezvous (the first host's address; every host passes the same)."
     )
-    run_id: str = field(default="hf-dtrain-elastic", metadata={"help": "The rendezvous id (the same on every host)."})
-    nproc_per_node: int = field(default=1, metadata={"min": 1, "help": "Workers on this host."})
-    store_host: bool | None = field(
-        default=None,
-        metadata={
-            "help": "true: this host serves the rendezvous store at --endpoint; false: it connects to it. Default: "
-            "torchrun decides by the hostname's addresses. The run lives as long as the store's host does: set true "
-            "on the host that stays, false on the others."
-        },
+    run_id: str = setting("hf-dtrain-elastic", "The rendezvous id (the same on every host).")
+    nproc_per_node: int = setting(1, "Workers on this host.", min=1)
+    store_host: bool | None = setting(
+        None,
+        "true: this host serves the rendezvous store at --endpoint; false: it connects to it. Default: "
+        "torchrun decides by the hostname's addresses. The run lives as long as the store's host does: set true "
+        "on the host that stays, false on the others.",
     )
-    local_addr: str | None = field(
-        default=None,
-        metadata={"help": "This host's address as the other hosts reach it (default: what its hostname resolves to)."},
+    local_addr: str | None = setting(
+        None, "This host's address as the other hosts reach it (default: what its hostname resolves to)."
     )
-    connect_timeout: float = field(
-        default=60.0,
-        metadata={
-            "help": "Seconds a host that does not serve the rendezvous waits for --endpoint to answer before it stops "
-            "with an error naming it."
-        },
+    connect_timeout: float = setting(
+        60.0,
+        "Seconds a host that does not serve the rendezvous waits for --endpoint to answer before it stops "
+        "with an error naming it.",
     )
-    worker: bool = field(default=False, metadata={"hidden": True, "help": "Run as one of torchrun's workers."})
+    worker: bool = setting(False, "Run as one of torchrun's workers.", hidden=True)
 
     def __post_init__(self):
         super().__post_init__()

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from peft import get_peft_model
@@ -29,7 +29,7 @@ from hf_dtrain.jobs.sft.config import DEFAULT_TASK_TRAIN_SIZE, FinetuneJob, fine
 from hf_dtrain.jobs.sft.data import load_base_and_data
 from hf_dtrain.run.flags import add_config_arguments, add_job_arguments, args_to_data, load_recipe
 from hf_dtrain.run.job import JobRun
-from hf_dtrain.settings import SettingsError, build, merge
+from hf_dtrain.settings import SettingsError, build, merge, setting
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
 
@@ -42,14 +42,11 @@ def fed_methods() -> list[str]:
 class FedSimulateConfig:
     """A federated simulation: the model / method / data settings of a finetune job, and the federation."""
 
-    job: FinetuneJob = field(
-        default_factory=lambda: finetune_config_class()(),
-        metadata={
-            "help": "Base model, method, rank and data, as hf-dtrain finetune takes them (its engine sections are "
-            "refused)."
-        },
+    job: FinetuneJob = setting(
+        help="Base model, method, rank and data, as hf-dtrain finetune takes them (its engine sections are refused).",
+        factory=lambda: finetune_config_class()(),
     )
-    fed: FederatedConfig = field(default_factory=FederatedConfig, metadata={"help": "The federation."})
+    fed: FederatedConfig = setting(help="The federation.", factory=FederatedConfig)
 
     def __post_init__(self):
         if self.job.method not in fed_methods():

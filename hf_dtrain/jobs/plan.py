@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 from hf_dtrain.parallel.config import ACTIVATION_POLICIES
 from hf_dtrain.run.config import JobConfig
-from hf_dtrain.settings import SettingsError, parse_bytes
+from hf_dtrain.settings import SettingsError, parse_bytes, setting
 
 
 def _calibrate(rank: int, world: int, port: int, out: str) -> None:
@@ -57,46 +57,29 @@ class PlanConfig(JobConfig):
 
     job = "plan"
 
-    world_size: int | None = field(default=None, metadata={"min": 1, "help": "Devices (processes) of the run."})
-    preset: str = field(default="tiny", metadata={"help": "LlamaConfig preset (hf_dtrain.models.PRESETS)."})
-    model_config: str | None = field(
-        default=None, metadata={"help": "A Hugging Face config.json (or its directory) instead of a preset."}
+    world_size: int | None = setting(None, "Devices (processes) of the run.", min=1)
+    preset: str = setting("tiny", "LlamaConfig preset (hf_dtrain.models.PRESETS).")
+    model_config: str | None = setting(None, "A Hugging Face config.json (or its directory) instead of a preset.")
+    global_batch: int | None = setting(None, "Sequences per optimizer step (default 8 x world size).", min=1)
+    seq_len: int = setting(4096, "Tokens per sequence.", min=1)
+    profile: str = setting("h100", "h100 (datasheet figures) or a JSON from --save-profile.")
+    calibrate: bool = setting(
+        False,
+        "Measure this machine's profile first (spawns --calibrate-ranks gloo / NCCL processes here) and plan with it.",
     )
-    global_batch: int | None = field(
-        default=None, metadata={"min": 1, "help": "Sequences per optimizer step (default 8 x world size)."}
+    calibrate_ranks: int | None = setting(
+        None,
+        "Processes for --calibrate: as many as the run puts on one node (default: --world-size, at most "
+        "8), so the cores or GPUs are shared as in training.",
+        min=1,
     )
-    seq_len: int = field(default=4096, metadata={"min": 1, "help": "Tokens per sequence."})
-    profile: str = field(default="h100", metadata={"help": "h100 (datasheet figures) or a JSON from --save-profile."})
-    calibrate: bool = field(
-        default=False,
-        metadata={
-            "help": "Measure this machine's profile first (spawns --calibrate-ranks gloo / NCCL processes here) and "
-            "plan with it."
-        },
-    )
-    calibrate_ranks: int | None = field(
-        default=None,
-        metadata={
-            "min": 1,
-            "help": "Processes for --calibrate: as many as the run puts on one node (default: --world-size, at most "
-            "8), so the cores or GPUs are shared as in training.",
-        },
-    )
-    save_profile: str | None = field(default=None, metadata={"help": "Write the profile used to this JSON."})
-    device_memory: str | None = field(
-        default=None, metadata={"help": "Per-device memory, e.g. 80GB (overrides the profile's)."}
-    )
-    ranks_per_node: int | None = field(
-        default=None, metadata={"min": 1, "help": "Devices per node (overrides the profile's)."}
-    )
-    intra_bandwidth: float | None = field(
-        default=None, metadata={"gt": 0, "help": "GB/s per device inside a node (overrides the profile's)."}
-    )
-    inter_bandwidth: float | None = field(
-        default=None, metadata={"gt": 0, "help": "GB/s per device across nodes (overrides the profile's)."}
-    )
-    activation: str = field(default="none,checkpoint", metadata={"help": "Activation policies to consider."})
-    top: int = field(default=15, metadata={"min": 1, "help": "Rows of the table."})
+    save_profile: str | None = setting(None, "Write the profile used to this JSON.")
+    device_memory: str | None = setting(None, "Per-device memory, e.g. 80GB (overrides the profile's).")
+    ranks_per_node: int | None = setting(None, "Devices per node (overrides the profile's).", min=1)
+    intra_bandwidth: float | None = setting(None, "GB/s per device inside a node (overrides the profile's).", gt=0)
+    inter_bandwidth: float | None = setting(None, "GB/s per device across nodes (overrides the profile's).", gt=0)
+    activation: str = setting("none,checkpoint", "Activation policies to consider.")
+    top: int = setting(15, "Rows of the table.", min=1)
 
     def check_own(self) -> None:
         if self.world_size is None:

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.data_loader import prepare_data_loader
@@ -36,7 +36,7 @@ from hf_dtrain.jobs.sft.data import load_base_and_data, load_base_model
 from hf_dtrain.jobs.sft.model_card import write_model_card
 from hf_dtrain.run.flags import add_config_arguments, add_job_arguments, args_to_data, flag_of, list_of, load_recipe
 from hf_dtrain.run.job import JobRun
-from hf_dtrain.settings import SettingsError, merge
+from hf_dtrain.settings import SettingsError, merge, setting
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, WHOLE_MODEL, MethodData
 
 
@@ -101,14 +101,13 @@ def axis_types() -> dict[str, type]:
 class SweepConfig:
     """A fused sweep: its jobs (each a full ``FinetuneConfig``) and how they are fused."""
 
-    jobs: list = field(default_factory=list, metadata={"help": "The jobs (FinetuneConfig each); see expand_grid."})
-    fused: FusedConfig = field(default_factory=FusedConfig, metadata={"help": "How the jobs are fused."})
-    output_dir: str | None = field(
-        default=None,
-        metadata={"help": "Where the jobs' directories and the sweep table go; default outputs/sweep-<method>."},
+    jobs: list = setting(help="The jobs (FinetuneConfig each); see expand_grid.", factory=list)
+    fused: FusedConfig = setting(help="How the jobs are fused.", factory=FusedConfig)
+    output_dir: str | None = setting(
+        None, "Where the jobs' directories and the sweep table go; default outputs/sweep-<method>."
     )
-    progress: bool = field(default=True, metadata={"help": "Show the progress bar (per-job losses)."})
-    report: bool = field(default=True, metadata={"help": "Print the sweep table."})
+    progress: bool = setting(True, "Show the progress bar (per-job losses).")
+    report: bool = setting(True, "Print the sweep table.")
 
     def __post_init__(self):
         if isinstance(self.fused, dict):

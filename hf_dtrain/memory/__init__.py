@@ -12,9 +12,9 @@ __getattr__, __dir__, __all__ = lazy.attach(
     __name__,
     submod_attrs={
         "config": ["DeltaConfig"],
-        "executor": ["FileTier", "PinnedTier"],
+        "executor": ["FileTier", "PinnedTier", "profile_step"],
         "planner": ["Plan", "make_plan", "minimum_budget"],
-        "profiler": ["Profile", "decoder_layers", "plan_units", "profile_step"],
+        "profiler": ["Profile", "decoder_layers", "plan_units"],
         "scheduler": ["DeltaCallback", "DeltaScheduler", "apply_delta"],
     },
 )

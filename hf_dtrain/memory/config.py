@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from hf_dtrain.errors import SettingsError
-from hf_dtrain.settings import check_choice, check_fields
+from hf_dtrain.settings import check_choice, check_fields, setting
 
 OBJECTIVES = ("time", "memory")  # what the planner minimises (planner.py)
 GRANULARITIES = ("layer", "submodule")  # what one plan unit is (profiler.py)
@@ -26,38 +26,26 @@ class DeltaConfig:
 
     shorthand: ClassVar[str] = "budget"
 
-    budget: float | None = field(
-        default=None,
-        metadata={
-            "help": "Memory budget for saved activations: a fraction in (0, 1] of the bytes a step saves with nothing "
-            "offloaded or recomputed, or a number of bytes (> 1). Required."
-        },
+    budget: float | None = setting(
+        None,
+        "Memory budget for saved activations: a fraction in (0, 1] of the bytes a step saves with nothing "
+        "offloaded or recomputed, or a number of bytes (> 1). Required.",
     )
-    granularity: str = field(
-        default="layer",
-        metadata={
-            "help": "Planning unit: layer (each decoder layer) or submodule (each layer's attention, MLP and norms)."
-        },
+    granularity: str = setting(
+        "layer", "Planning unit: layer (each decoder layer) or submodule (each layer's attention, MLP and norms)."
     )
-    objective: str = field(
-        default="time",
-        metadata={
-            "help": "time: the fastest plan within the budget; memory: the fewest bytes among plans predicted no "
-            "slower than recomputing every unit."
-        },
+    objective: str = setting(
+        "time",
+        "time: the fastest plan within the budget; memory: the fewest bytes among plans predicted no "
+        "slower than recomputing every unit.",
     )
-    method: str = field(
-        default="exact",
-        metadata={
-            "help": "Planner: exact (Pareto dynamic programme) or delta (the paper's filter and director heuristic)."
-        },
+    method: str = setting(
+        "exact", "Planner: exact (Pareto dynamic programme) or delta (the paper's filter and director heuristic)."
     )
-    allow_offload: bool = field(
-        default=True,
-        metadata={
-            "help": "Allow the offload action (to pinned host memory on CUDA, a private file on CPU); false: recompute "
-            "or keep only."
-        },
+    allow_offload: bool = setting(
+        True,
+        "Allow the offload action (to pinned host memory on CUDA, a private file on CPU); false: recompute "
+        "or keep only.",
     )
 
     def __post_init__(self):

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import Cache
 
-from .profiler import GroupProfile, Profile
+from .profiler import GroupProfile, Profile, decoder_layers, measure_tier_bandwidth
 
 
 class FileTier:
@@ -330,3 +330,23 @@ class DeltaExecutor:
     def remove(self) -> None:
         for name, layer in self.layers:
             layer.forward = self._orig[name]
+
+
+def profile_step(model: nn.Module, batch: dict, tier, layers: list | None = None) -> Profile:
+    """Run one forward + backward of ``model`` on ``batch`` keeping everything, and measure: the executor's own
+    profiling step (one accounting for both), outside a scheduler. Gradients are left as they were (the step is for
+    measuring only)."""
+    executor = DeltaExecutor(model, layers or decoder_layers(model), tier)
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        executor.begin_step(profile=True)
+        with executor.hooks():
+            loss = model(**batch).loss
+        executor.end_step()
+        loss.backward()
+    finally:
+        executor.remove()
+        for p, g in grads.items():
+            p.grad = g
+    ids = batch.get("input_ids")
+    return executor.profile(tuple(ids.shape) if torch.is_tensor(ids) else (), measure_tier_bandwidth(tier))

@@ -98,25 +98,3 @@ def measure_tier_bandwidth(tier, nbytes: int = 8 << 20) -> float:
         tier.reset()
         assert torch.equal(x, y)
     return 2 * nbytes / max(best, 1e-9)
-
-
-def profile_step(model: nn.Module, batch: dict, tier, layers: list | None = None) -> Profile:
-    """Run one forward + backward of ``model`` on ``batch`` keeping everything, and measure: the executor's own
-    profiling step (one accounting for both), outside a scheduler. Gradients are left as they were (the step is for
-    measuring only)."""
-    from .executor import DeltaExecutor  # the executor imports this module's Profile: a cycle at module level
-
-    executor = DeltaExecutor(model, layers or decoder_layers(model), tier)
-    grads = {p: p.grad for p in model.parameters()}
-    try:
-        executor.begin_step(profile=True)
-        with executor.hooks():
-            loss = model(**batch).loss
-        executor.end_step()
-        loss.backward()
-    finally:
-        executor.remove()
-        for p, g in grads.items():
-            p.grad = g
-    ids = batch.get("input_ids")
-    return executor.profile(tuple(ids.shape) if torch.is_tensor(ids) else (), measure_tier_bandwidth(tier))

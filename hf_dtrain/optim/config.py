@@ -6,11 +6,11 @@ with ``Eva.from_config`` / ``OneBitLamb.from_config``. Learning rate and weight 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from hf_dtrain.errors import SettingsError
-from hf_dtrain.settings import check_choice, check_fields
+from hf_dtrain.settings import check_choice, check_fields, setting
 
 EVA_METHODS = ("eva", "foof")
 
@@ -21,40 +21,32 @@ class EvaConfig:
 
     section_key: ClassVar[str] = "eva"  # flags --eva.<field>, YAML eva:
 
-    damping: float = field(
-        default=0.03,
-        metadata={
-            "gt": 0,
-            "why": "the paper uses 0.03",
-            "help": "Damping gamma > 0 of the Sherman-Morrison inverse (0.03 in the paper; the jobs use 1e-6 for "
-            "transformers, see docs/optim.md).",
-        },
+    damping: float = setting(
+        0.03,
+        "Damping gamma > 0 of the Sherman-Morrison inverse (0.03 in the paper; the jobs use 1e-6 for "
+        "transformers, see docs/optim.md).",
+        gt=0,
+        why="the paper uses 0.03",
     )
-    kl_clip: float = field(
-        default=0.001,
-        metadata={
-            "min": 0,
-            "why": "0.001 in the paper; 0 rescales to the gradient norm",
-            "help": "KL clipping kappa >= 0 of the preconditioned update (0: rescale to the raw gradient's norm).",
-        },
+    kl_clip: float = setting(
+        0.001,
+        "KL clipping kappa >= 0 of the preconditioned update (0: rescale to the raw gradient's norm).",
+        min=0,
+        why="0.001 in the paper; 0 rescales to the gradient norm",
     )
-    factor_decay: float = field(
-        default=0.95,
-        metadata={
-            "gt": 0,
-            "max": 1,
-            "why": "the paper uses 0.95",
-            "help": "Running-average decay in (0, 1] of the activation and gradient vectors.",
-        },
+    factor_decay: float = setting(
+        0.95,
+        "Running-average decay in (0, 1] of the activation and gradient vectors.",
+        gt=0,
+        max=1,
+        why="the paper uses 0.95",
     )
-    update_interval: int = field(
-        default=1,
-        metadata={"min": 1, "why": "1: every step", "help": "Collect the vectors every N steps (reused in between)."},
+    update_interval: int = setting(
+        1, "Collect the vectors every N steps (reused in between).", min=1, why="1: every step"
     )
-    method: str = field(default="eva", metadata={"help": "eva or foof (vectorized FOOF: activations only)."})
-    exclude: list[str] = field(
-        default_factory=lambda: ["lm_head"],
-        metadata={"help": "Module names (substrings) left to the wrapped optimizer's plain update."},
+    method: str = setting("eva", "eva or foof (vectorized FOOF: activations only).")
+    exclude: list[str] = setting(
+        help="Module names (substrings) left to the wrapped optimizer's plain update.", factory=lambda: ["lm_head"]
     )
 
     def __post_init__(self):
@@ -69,35 +61,28 @@ class OneBitLambConfig:
 
     section_key: ClassVar[str] = "onebit_lamb"  # flags --onebit-lamb.<field>, YAML onebit_lamb:
 
-    freeze_step: int = field(
-        default=100,
-        metadata={
-            "min": 1,
-            "why": "plain LAMB warm-up steps before the momenta are compressed",
-            "help": "Plain LAMB warm-up steps before the momenta are compressed to 1 bit.",
-        },
+    freeze_step: int = setting(
+        100,
+        "Plain LAMB warm-up steps before the momenta are compressed to 1 bit.",
+        min=1,
+        why="plain LAMB warm-up steps before the momenta are compressed",
     )
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "Adam moment decays (two numbers)."})
-    eps: float = field(default=1e-8, metadata={"help": "Denominator epsilon."})
-    max_coeff: float = field(default=10.0, metadata={"help": "Upper clip of the LAMB trust ratio."})
-    min_coeff: float = field(default=0.01, metadata={"help": "Lower clip of the LAMB trust ratio."})
-    coeff_beta: float = field(default=0.9, metadata={"help": "Decay of the running trust ratio frozen at freeze_step."})
-    factor_max: float = field(default=4.0, metadata={"help": "Upper clip of the compression-stage scaling factor."})
-    factor_min: float = field(default=0.5, metadata={"help": "Lower clip of the compression-stage scaling factor."})
-    factor_threshold: float = field(
-        default=0.1, metadata={"help": "Largest relative change of the scaling factor per step."}
+    betas: tuple[float, float] = setting((0.9, 0.999), "Adam moment decays (two numbers).")
+    eps: float = setting(1e-8, "Denominator epsilon.")
+    max_coeff: float = setting(10.0, "Upper clip of the LAMB trust ratio.")
+    min_coeff: float = setting(0.01, "Lower clip of the LAMB trust ratio.")
+    coeff_beta: float = setting(0.9, "Decay of the running trust ratio frozen at freeze_step.")
+    factor_max: float = setting(4.0, "Upper clip of the compression-stage scaling factor.")
+    factor_min: float = setting(0.5, "Lower clip of the compression-stage scaling factor.")
+    factor_threshold: float = setting(0.1, "Largest relative change of the scaling factor per step.")
+    mask_threshold: float = setting(
+        1e-4, "Variance entries below this are not updated in the compression stage (>= 0).", min=0
     )
-    mask_threshold: float = field(
-        default=1e-4,
-        metadata={"min": 0, "help": "Variance entries below this are not updated in the compression stage (>= 0)."},
-    )
-    scale_block: int | None = field(
-        default=2048,
-        metadata={
-            "min": 1,
-            "why": "one scale per that many elements; None: one per rank's chunk",
-            "help": "One 1-bit scale per this many elements; None: one per rank's chunk (DeepSpeed).",
-        },
+    scale_block: int | None = setting(
+        2048,
+        "One 1-bit scale per this many elements; None: one per rank's chunk (DeepSpeed).",
+        min=1,
+        why="one scale per that many elements; None: one per rank's chunk",
     )
 
     def __post_init__(self):

@@ -7,11 +7,11 @@ and ``mesh.py``."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from hf_dtrain.errors import SettingsError
-from hf_dtrain.settings import check_choice, check_fields
+from hf_dtrain.settings import check_choice, check_fields, setting
 
 PARAM_DTYPES = ("fp32", "bf16", "fp16")  # FSDP2's gathered-parameter dtypes (fsdp.py maps them to torch dtypes)
 SINGLE_STAGE = ("GPipe", "1F1B")  # pipeline schedules with one stage per rank
@@ -27,47 +27,35 @@ class FSDPConfig:
 
     section_key: ClassVar[str] = "fsdp"
 
-    replicate: int = field(
-        default=1,
-        metadata={
-            "help": "HSDP replicas (dp_replicate): the processes form `replicate` groups that each shard the model, "
-            "and gradients are all-reduced across groups. 1: plain FSDP, one shard per process."
-        },
+    replicate: int = setting(
+        1,
+        "HSDP replicas (dp_replicate): the processes form `replicate` groups that each shard the model, "
+        "and gradients are all-reduced across groups. 1: plain FSDP, one shard per process.",
     )
-    reshard_after_forward: bool = field(
-        default=True,
-        metadata={
-            "help": "Free each layer's gathered parameters after its forward and gather them again for backward "
-            "(ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, one all-gather less)."
-        },
+    reshard_after_forward: bool = setting(
+        True,
+        "Free each layer's gathered parameters after its forward and gather them again for backward "
+        "(ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, one all-gather less).",
     )
-    param_dtype: str = field(
-        default="fp32",
-        metadata={
-            "help": "Dtype of the gathered parameters in forward and backward (MixedPrecisionPolicy.param_dtype): "
-            "fp32, bf16 or fp16. Gradients are reduced in fp32 and the sharded master weights stay fp32."
-        },
+    param_dtype: str = setting(
+        "fp32",
+        "Dtype of the gathered parameters in forward and backward (MixedPrecisionPolicy.param_dtype): "
+        "fp32, bf16 or fp16. Gradients are reduced in fp32 and the sharded master weights stay fp32.",
     )
-    cpu_offload: bool = field(
-        default=False,
-        metadata={
-            "help": "Keep the sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy); "
-            "the optimizer step runs on the CPU."
-        },
+    cpu_offload: bool = setting(
+        False,
+        "Keep the sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy); "
+        "the optimizer step runs on the CPU.",
     )
-    layer_classes: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Class names of the modules that become FSDP units, e.g. [LlamaDecoderLayer]. Default: the "
-            "model's _no_split_modules (its decoder layer). A class inside a peft tuner layer is refused."
-        },
+    layer_classes: list[str] | None = setting(
+        None,
+        "Class names of the modules that become FSDP units, e.g. [LlamaDecoderLayer]. Default: the "
+        "model's _no_split_modules (its decoder layer). A class inside a peft tuner layer is refused.",
     )
-    activation_checkpointing: bool = field(
-        default=False,
-        metadata={
-            "help": "Recompute each decoder layer in backward (transformers' gradient checkpointing, non-reentrant); "
-            "the recomputation runs after FSDP2 has gathered the layer again."
-        },
+    activation_checkpointing: bool = setting(
+        False,
+        "Recompute each decoder layer in backward (transformers' gradient checkpointing, non-reentrant); "
+        "the recomputation runs after FSDP2 has gathered the layer again.",
     )
 
     def __post_init__(self):
@@ -149,19 +137,15 @@ class TensorParallelConfig:
 
     section_key: ClassVar[str] = "tensor_parallel"
 
-    sequence_parallel: bool = field(
-        default=True,
-        metadata={
-            "help": "Shard the norms and the residual stream over the sequence between the blocks (reduce-scatter + "
-            "all-gather instead of all-reduce; activations 1/tp per rank). Needs seq_len divisible by tp."
-        },
+    sequence_parallel: bool = setting(
+        True,
+        "Shard the norms and the residual stream over the sequence between the blocks (reduce-scatter + "
+        "all-gather instead of all-reduce; activations 1/tp per rank). Needs seq_len divisible by tp.",
     )
-    loss_parallel: bool = field(
-        default=True,
-        metadata={
-            "help": "Keep the logits sharded over the vocabulary and compute the cross-entropy on the shards (no rank "
-            "holds the whole logits); forward and backward then run inside tensor_parallel_loss(model)."
-        },
+    loss_parallel: bool = setting(
+        True,
+        "Keep the logits sharded over the vocabulary and compute the cross-entropy on the shards (no rank "
+        "holds the whole logits); forward and backward then run inside tensor_parallel_loss(model).",
     )
 
     def __post_init__(self):
@@ -176,34 +160,25 @@ class PipelineConfig:
 
     section_key: ClassVar[str] = "pipeline"
 
-    schedule: str = field(
-        default="1F1B",
-        metadata={
-            "help": "torch.distributed.pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B or "
-            "InterleavedZeroBubble (stages_per_rank >= 2)."
-        },
+    schedule: str = setting(
+        "1F1B",
+        "torch.distributed.pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B or "
+        "InterleavedZeroBubble (stages_per_rank >= 2).",
     )
-    microbatches: int | None = field(
-        default=None,
-        metadata={
-            "help": "Micro-batches per step (the batch is split into this many along dim 0; it must divide the "
-            "batch). Default: 2 x the number of stages, at most the batch size."
-        },
+    microbatches: int | None = setting(
+        None,
+        "Micro-batches per step (the batch is split into this many along dim 0; it must divide the "
+        "batch). Default: 2 x the number of stages, at most the batch size.",
     )
-    stages_per_rank: int = field(
-        default=1,
-        metadata={
-            "min": 1,
-            "help": "Virtual stages per rank (interleaved schedules take >= 2: fewer bubbles, more "
-            "point-to-point messages).",
-        },
+    stages_per_rank: int = setting(
+        1,
+        "Virtual stages per rank (interleaved schedules take >= 2: fewer bubbles, more point-to-point messages).",
+        min=1,
     )
-    balance: str = field(
-        default="profile",
-        metadata={
-            "help": "How layers are cut into stages: profile (Merak: measured forward+backward time of the "
-            "embedding, a decoder layer and the head on this machine) or uniform (equal layer counts)."
-        },
+    balance: str = setting(
+        "profile",
+        "How layers are cut into stages: profile (Merak: measured forward+backward time of the "
+        "embedding, a decoder layer and the head on this machine) or uniform (equal layer counts).",
     )
 
     def __post_init__(self):
@@ -254,32 +229,18 @@ class ParallelConfig:
 
     section_key: ClassVar[str] = "parallel"
 
-    tp: int = field(
-        default=1,
-        metadata={
-            "min": 1,
-            "help": "Tensor-parallel degree (hf_dtrain.parallel.apply_tensor_parallel); the innermost mesh dim.",
-        },
+    tp: int = setting(
+        1, "Tensor-parallel degree (hf_dtrain.parallel.apply_tensor_parallel); the innermost mesh dim.", min=1
     )
-    pp: int = field(
-        default=1,
-        metadata={"min": 1, "help": "Pipeline stages (hf_dtrain.parallel.apply_pipeline); the outermost mesh dim."},
-    )
-    dp_replicate: int = field(
-        default=1,
-        metadata={"min": 1, "help": "Data-parallel replica groups (HSDP's replicate dim; gradients all-reduced)."},
-    )
-    dp_shard: int | None = field(
-        default=None, metadata={"min": 1, "help": "Data-parallel shards (FSDP2). None: the processes left over."}
-    )
-    plan: str | None = field(
-        default=None,
-        metadata={
-            "help": "auto: measure this machine (hf_dtrain.parallel.planner.measure_profile, a few seconds on the "
-            "launched ranks), rank every legal plan with the planner's cost model and run the best that fits "
-            "(the degrees above must then be left at their defaults; the global batch is "
-            "per_device_train_batch_size x processes)."
-        },
+    pp: int = setting(1, "Pipeline stages (hf_dtrain.parallel.apply_pipeline); the outermost mesh dim.", min=1)
+    dp_replicate: int = setting(1, "Data-parallel replica groups (HSDP's replicate dim; gradients all-reduced).", min=1)
+    dp_shard: int | None = setting(None, "Data-parallel shards (FSDP2). None: the processes left over.", min=1)
+    plan: str | None = setting(
+        None,
+        "auto: measure this machine (hf_dtrain.parallel.planner.measure_profile, a few seconds on the "
+        "launched ranks), rank every legal plan with the planner's cost model and run the best that fits "
+        "(the degrees above must then be left at their defaults; the global batch is "
+        "per_device_train_batch_size x processes).",
     )
 
     def __post_init__(self):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from peft.config import PeftConfig
 from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
@@ -26,6 +26,7 @@ from peft.utils import PeftType, register_peft_method
 
 from hf_dtrain.errors import SettingsError
 from hf_dtrain.settings import RELEASE as release
+from hf_dtrain.settings import setting
 
 from . import importing, register_with_peft
 
@@ -114,18 +115,14 @@ class HfDtrainPeftConfig(PeftConfig):
 
     peft_type_name = ""  # the PeftType member, e.g. "SMT" (a class attribute, not a field)
 
-    exclude_modules: list[str] | str | None = field(
-        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
+    exclude_modules: list[str] | str | None = setting(None, "Module names or a regex of modules not to adapt.")
+    modules_to_save: list[str] | None = setting(
+        None, "Modules besides the adapters to train and save in full, e.g. ['lm_head']."
     )
-    modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules besides the adapters to train and save in full, e.g. ['lm_head']."}
-    )
-    init_weights: bool = field(
-        default=True,
-        metadata={
-            "help": "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
-            "start, as peft's own methods take it (for testing merges and save/load round trips)."
-        },
+    init_weights: bool = setting(
+        True,
+        "True: the adapter starts as the identity (its delta is zero). False: a small random non-zero "
+        "start, as peft's own methods take it (for testing merges and save/load round trips).",
     )
 
     def __post_init__(self):

@@ -3,10 +3,10 @@ writes) and every registered engine section's, built from the registries when fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hf_dtrain.run.config import JobConfig, job_config_class
-from hf_dtrain.settings import SettingsError, check_local_path
+from hf_dtrain.settings import SettingsError, check_local_path, setting
 
 
 @dataclass
@@ -17,42 +17,30 @@ class PretrainJob(JobConfig):
     job = "pretrain"
     trainer = False
 
-    preset: str = field(default="tiny", metadata={"help": "LlamaConfig preset (hf_dtrain.models.PRESETS)."})
-    dataset: str | None = field(
-        default=None,
-        metadata={
-            "help": "A local .txt/.jsonl/.json file or a hub dataset with a text column; None = the Python standard "
-            "library's source (on every machine)."
-        },
+    preset: str = setting("tiny", "LlamaConfig preset (hf_dtrain.models.PRESETS).")
+    dataset: str | None = setting(
+        None,
+        "A local .txt/.jsonl/.json file or a hub dataset with a text column; None = the Python standard "
+        "library's source (on every machine).",
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
-    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
-    streaming: bool = field(default=False, metadata={"help": "Stream the dataset (hub datasets too large to load)."})
-    data_bytes: int = field(
-        default=2_000_000, metadata={"min": 1000, "help": "Default corpus: bytes of stdlib source to use."}
+    dataset_config: str | None = setting(None, "Hub dataset configuration name.")
+    text_column: str = setting("text", "Column holding the text.")
+    streaming: bool = setting(False, "Stream the dataset (hub datasets too large to load).")
+    data_bytes: int = setting(2_000_000, "Default corpus: bytes of stdlib source to use.", min=1000)
+    seq_len: int = setting(128, "Tokens per training block.", min=2)
+    per_device_train_batch_size: int = setting(
+        16, "Blocks per process per step (with --hetero-speeds: the global batch is this x processes).", min=1
     )
-    seq_len: int = field(default=128, metadata={"min": 2, "help": "Tokens per training block."})
-    per_device_train_batch_size: int = field(
-        default=16,
-        metadata={
-            "min": 1,
-            "help": "Blocks per process per step (with --hetero-speeds: the global batch is this x processes).",
-        },
-    )
-    max_steps: int = field(default=200, metadata={"min": 1, "help": "Optimizer steps."})
-    learning_rate: float = field(default=1e-3, metadata={"gt": 0, "help": "Peak learning rate."})
-    warmup_steps: int = field(
-        default=20, metadata={"min": 0, "help": "Linear warm-up steps, then cosine decay to a tenth."}
-    )
-    weight_decay: float = field(default=0.0, metadata={"min": 0, "help": "Weight decay."})
-    seed: int = field(default=0, metadata={"min": 0, "help": "Seed of the init and the data order."})
-    output_dir: str = field(default="outputs/pretrain", metadata={"help": "Where results.json and the model go."})
-    logging_steps: int = field(default=10, metadata={"min": 0, "help": "Print the loss every N steps (rank 0)."})
-    eval_blocks: int = field(
-        default=64, metadata={"min": 0, "help": "Held-out blocks for the final loss (default corpus)."}
-    )
-    save_model: bool = field(default=True, metadata={"help": "Save the model and tokenizer at the end (rank 0)."})
-    progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+    max_steps: int = setting(200, "Optimizer steps.", min=1)
+    learning_rate: float = setting(1e-3, "Peak learning rate.", gt=0)
+    warmup_steps: int = setting(20, "Linear warm-up steps, then cosine decay to a tenth.", min=0)
+    weight_decay: float = setting(0.0, "Weight decay.", min=0)
+    seed: int = setting(0, "Seed of the init and the data order.", min=0)
+    output_dir: str = setting("outputs/pretrain", "Where results.json and the model go.")
+    logging_steps: int = setting(10, "Print the loss every N steps (rank 0).", min=0)
+    eval_blocks: int = setting(64, "Held-out blocks for the final loss (default corpus).", min=0)
+    save_model: bool = setting(True, "Save the model and tokenizer at the end (rank 0).")
+    progress: bool = setting(True, "Show a progress bar.")
 
     def check_own(self) -> None:
         from hf_dtrain.models import PRESETS

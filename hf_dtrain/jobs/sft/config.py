@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from hf_dtrain.run.config import JobConfig, job_config_class
 from hf_dtrain.run.section import sections_for
-from hf_dtrain.settings import SettingsError, check_local_path
+from hf_dtrain.settings import SettingsError, check_local_path, setting
 from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS, AdapterSettings, method_names
 from hf_dtrain.tuners.finetune_method import registry_version as methods_version
 
@@ -63,91 +63,61 @@ class FinetuneJob(JobConfig):
     job = "finetune"
     trainer = True
 
-    method: str = field(
-        default="lorafa",
-        metadata={"choices": method_names, "help": "The fine-tuning method (hf_dtrain.tuners' registry)."},
+    method: str = setting("lorafa", "The fine-tuning method (hf_dtrain.tuners' registry).", choices=method_names)
+    peft_config: str | None = setting(
+        None,
+        "A saved peft config to train instead of --method's: a directory holding adapter_config.json, or "
+        "the JSON file (any peft method; hf_dtrain's too). --method follows its type.",
     )
-    peft_config: str | None = field(
-        default=None,
-        metadata={
-            "help": "A saved peft config to train instead of --method's: a directory holding adapter_config.json, or "
-            "the JSON file (any peft method; hf_dtrain's too). --method follows its type."
-        },
+    model: str | None = setting(None, "Base model path or hub id (any causal LM); None = the embedded default LLaMA.")
+    torch_dtype: str = setting(
+        "auto", f"dtype the base model is loaded in: {', '.join(TORCH_DTYPES)} (auto: the checkpoint's)."
     )
-    model: str | None = field(
-        default=None, metadata={"help": "Base model path or hub id (any causal LM); None = the embedded default LLaMA."}
+    attn_implementation: str | None = setting(
+        None, "Attention kernel of the base model: eager, sdpa, flash_attention_2, ... (None: transformers' choice)."
     )
-    torch_dtype: str = field(
-        default="auto",
-        metadata={"help": f"dtype the base model is loaded in: {', '.join(TORCH_DTYPES)} (auto: the checkpoint's)."},
+    quantize: str | None = setting(
+        None,
+        "Load the base in 4 bits: nf4 (bitsandbytes), hqq4 (HQQ, zero-points) or int4 (hf_dtrain's "
+        "Int4Linear, zero-points); qahira merges exactly into hqq4/int4.",
     )
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={
-            "help": "Attention kernel of the base model: eager, sdpa, flash_attention_2, ... (None: transformers' "
-            "choice)."
-        },
+    quant_group_size: int = setting(
+        64, "hqq4/int4: quantization group size along in_features (also qahira's input pooling factor).", min=1
     )
-    quantize: str | None = field(
-        default=None,
-        metadata={
-            "help": "Load the base in 4 bits: nf4 (bitsandbytes), hqq4 (HQQ, zero-points) or int4 (hf_dtrain's "
-            "Int4Linear, zero-points); qahira merges exactly into hqq4/int4."
-        },
+    dataset: str | None = setting(
+        None,
+        "Local json/jsonl/csv/parquet/txt file or hub dataset in one of TRL's formats (messages, "
+        "prompt/completion, text); None = the default addition task.",
     )
-    quant_group_size: int = field(
-        default=64,
-        metadata={
-            "min": 1,
-            "help": "hqq4/int4: quantization group size along in_features (also qahira's input pooling factor).",
-        },
+    dataset_config: str | None = setting(None, "Hub dataset configuration name.")
+    lora_r: int = setting(
+        8, "Rank of lora / dora / lorafa / qbara, and the LoRA budget the other methods are matched to.", min=1
     )
-    dataset: str | None = field(
-        default=None,
-        metadata={
-            "help": "Local json/jsonl/csv/parquet/txt file or hub dataset in one of TRL's formats (messages, "
-            "prompt/completion, text); None = the default addition task."
-        },
+    lora_alpha: int = setting(16, "Scaling numerator for lora, dora, lorafa, qbara.", gt=0)
+    lora_dropout: float = setting(0.0, "Dropout for lora and dora.", min=0, lt=1)
+    target_modules: list[str] | None = setting(
+        None, f"Modules to adapt; default {LORA_TARGETS} (the attention projections for smt)."
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
-    lora_r: int = field(
-        default=8,
-        metadata={
-            "min": 1,
-            "help": "Rank of lora / dora / lorafa / qbara, and the LoRA budget the other methods are matched to.",
-        },
+    task_digits: int | None = setting(
+        None, "Default task: operands have 1 to N digits (default hf_dtrain.tasks.TASK_DIGITS).", min=1
     )
-    lora_alpha: int = field(default=16, metadata={"gt": 0, "help": "Scaling numerator for lora, dora, lorafa, qbara."})
-    lora_dropout: float = field(default=0.0, metadata={"min": 0, "lt": 1, "help": "Dropout for lora and dora."})
-    target_modules: list[str] | None = field(
-        default=None,
-        metadata={"help": f"Modules to adapt; default {LORA_TARGETS} (the attention projections for smt)."},
+    train_size: int | None = setting(
+        None,
+        f"Training examples: the default task's count (default {DEFAULT_TASK_TRAIN_SIZE}) or a cap "
+        "on --dataset's rows (default all).",
+        min=1,
     )
-    task_digits: int | None = field(
-        default=None,
-        metadata={"min": 1, "help": "Default task: operands have 1 to N digits (default hf_dtrain.tasks.TASK_DIGITS)."},
-    )
-    train_size: int | None = field(
-        default=None,
-        metadata={
-            "min": 1,
-            "help": f"Training examples: the default task's count (default {DEFAULT_TASK_TRAIN_SIZE}) or a cap "
-            "on --dataset's rows (default all).",
-        },
-    )
-    eval_size: int = field(default=200, metadata={"min": 1, "help": "Held-out examples for eval loss and accuracy."})
-    report: bool = field(default=True, metadata={"help": "Print the result table (rank 0)."})
-    progress: bool = field(default=True, metadata={"help": "Show progress bars."})
-    base_preset: str = field(default="tiny", metadata={"help": "Preset of the embedded default base model."})
-    base_steps: int | None = field(default=None, metadata={"min": 1, "help": "Pretraining steps of the default base."})
-    training: dict = field(
-        default_factory=dict,
-        metadata={
-            "flatten": add_trainer_arguments,
-            "help": "TRL's SFTConfig settings (every TrainingArguments field too), given as top-level flags and YAML "
-            "keys (--bf16, --gradient-checkpointing, --learning-rate, --packing ...); the rest are the job's defaults "
-            "(training_defaults).",
-        },
+    eval_size: int = setting(200, "Held-out examples for eval loss and accuracy.", min=1)
+    report: bool = setting(True, "Print the result table (rank 0).")
+    progress: bool = setting(True, "Show progress bars.")
+    base_preset: str = setting("tiny", "Preset of the embedded default base model.")
+    base_steps: int | None = setting(None, "Pretraining steps of the default base.", min=1)
+    training: dict = setting(
+        help="TRL's SFTConfig settings (every TrainingArguments field too), given as top-level flags and YAML "
+        "keys (--bf16, --gradient-checkpointing, --learning-rate, --packing ...); the rest are the job's defaults "
+        "(training_defaults).",
+        factory=dict,
+        flatten=add_trainer_arguments,
     )
 
     def check_own(self) -> None:

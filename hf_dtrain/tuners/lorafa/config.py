@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hf_dtrain.errors import SettingsError
-from hf_dtrain.settings import check_number
+from hf_dtrain.settings import check_number, setting
 
 from .._registry import HfDtrainPeftConfig, register_folder
 
@@ -20,39 +20,31 @@ class LoraFAConfig(HfDtrainPeftConfig):
 
     peft_type_name = "LORAFA"
 
-    r: int = field(default=8, metadata={"help": "Rank of the adapter: rows of the frozen A, columns of B."})
-    lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator: the update is (lora_alpha / r) * B A."})
-    target_modules: list[str] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Module names (suffix match) or a regex of the nn.Linear layers to adapt, e.g. ['q_proj', "
-            "'v_proj']. If None, the attention and MLP projections of known architectures (LLaMA: "
-            "q,k,v,o,gate,up,down) are used."
-        },
+    r: int = setting(8, "Rank of the adapter: rows of the frozen A, columns of B.")
+    lora_alpha: int = setting(16, "Scaling numerator: the update is (lora_alpha / r) * B A.")
+    target_modules: list[str] | str | None = setting(
+        None,
+        "Module names (suffix match) or a regex of the nn.Linear layers to adapt, e.g. ['q_proj', "
+        "'v_proj']. If None, the attention and MLP projections of known architectures (LLaMA: "
+        "q,k,v,o,gate,up,down) are used.",
     )
-    lora_dropout: float = field(
-        default=0.0,
-        metadata={
-            "help": "Dropout probability applied to the r-dimensional projection x @ A.T (not to x, which would bring "
-            "a full-size mask back into the saved activations)."
-        },
+    lora_dropout: float = setting(
+        0.0,
+        "Dropout probability applied to the r-dimensional projection x @ A.T (not to x, which would bring "
+        "a full-size mask back into the saved activations).",
     )
-    init_seed: int | None = field(
-        default=None,
-        metadata={
-            "help": "Seed for drawing the frozen A (per layer, offset by a hash of the module name). None uses torch's "
-            "global RNG. A is saved with the adapter either way."
-        },
+    init_seed: int | None = setting(
+        None,
+        "Seed for drawing the frozen A (per layer, offset by a hash of the module name). None uses torch's "
+        "global RNG. A is saved with the adapter either way.",
     )
-    use_rslora: bool = field(
-        default=False, metadata={"help": "Scale by lora_alpha / sqrt(r) instead of lora_alpha / r."}
+    use_rslora: bool = setting(False, "Scale by lora_alpha / sqrt(r) instead of lora_alpha / r.")
+    bias: str = setting("none", "Bias training: 'none', 'all' or 'lorafa_only'.")
+    layers_to_transform: list[int] | int | None = setting(
+        None, "Only adapt these layer indices (as in peft's LoraConfig)."
     )
-    bias: str = field(default="none", metadata={"help": "Bias training: 'none', 'all' or 'lorafa_only'."})
-    layers_to_transform: list[int] | int | None = field(
-        default=None, metadata={"help": "Only adapt these layer indices (as in peft's LoraConfig)."}
-    )
-    layers_pattern: list[str] | str | None = field(
-        default=None, metadata={"help": "Name of the layer list when layers_to_transform is used, e.g. 'layers'."}
+    layers_pattern: list[str] | str | None = setting(
+        None, "Name of the layer list when layers_to_transform is used, e.g. 'layers'."
     )
 
     def __post_init__(self):

@@ -1,9 +1,9 @@
 """LoRA-FA in the jobs: LoRA's rank and targets, hf_dtrain's LoRA-FA optimizer unless the job turns it off
 (``--lorafa.optimizer false``), and its fused form (the frozen A stays a buffer)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from hf_dtrain.settings import check_fields
+from hf_dtrain.settings import check_fields, setting
 
 from ..finetune_method import FinetuneMethod, LowRankForm, register_finetune_method
 
@@ -14,9 +14,8 @@ class LoraFAJobSettings:
 
     section_key = "lorafa"
 
-    optimizer: bool = field(
-        default=True,
-        metadata={"help": "Use hf_dtrain's create_lorafa_optimizer instead of the Trainer's optimizer (--optim)."},
+    optimizer: bool = setting(
+        True, "Use hf_dtrain's create_lorafa_optimizer instead of the Trainer's optimizer (--optim)."
     )
 
     def __post_init__(self):

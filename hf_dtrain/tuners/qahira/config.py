@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from hf_dtrain.settings import setting
 
 from .._registry import HfDtrainPeftConfig, register_folder
 
@@ -19,34 +21,23 @@ class QAHiRAConfig(HfDtrainPeftConfig):
 
     peft_type_name = "QAHIRA"
 
-    target_modules: list[str] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Module names (suffix match) or a regex of the linear layers to adapt; None: all seven "
-            "LLaMA projections."
-        },
+    target_modules: list[str] | str | None = setting(
+        None, "Module names (suffix match) or a regex of the linear layers to adapt; None: all seven LLaMA projections."
     )
-    group_size: int = field(
-        default=64,
-        metadata={
-            "help": "Input pooling factor; must equal the quantization group size of an HQQ or Int4Linear base (for "
-            "the exact merge) and divide in_features."
-        },
+    group_size: int = setting(
+        64,
+        "Input pooling factor; must equal the quantization group size of an HQQ or Int4Linear base (for "
+        "the exact merge) and divide in_features.",
     )
-    lambda_out: int = field(default=8, metadata={"help": "Output repeat factor; must divide out_features."})
-    r: int | None = field(
-        default=None,
-        metadata={
-            "help": "None: QA-HiRA's single full-rank matrix. An integer factorises it as qahr_B @ qahr_A of this "
-            "rank (QA-LoRA, Xu et al., arXiv 2309.14717, with lambda_out=1); B starts at zero."
-        },
+    lambda_out: int = setting(8, "Output repeat factor; must divide out_features.")
+    r: int | None = setting(
+        None,
+        "None: QA-HiRA's single full-rank matrix. An integer factorises it as qahr_B @ qahr_A of this "
+        "rank (QA-LoRA, Xu et al., arXiv 2309.14717, with lambda_out=1); B starts at zero.",
     )
-    scaling: float = field(default=1.0, metadata={"help": "Multiplier of the adapter's output."})
-    require_quantized_base: bool = field(
-        default=False,
-        metadata={
-            "help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."
-        },
+    scaling: float = setting(1.0, "Multiplier of the adapter's output.")
+    require_quantized_base: bool = setting(
+        False, "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."
     )
 
     def __post_init__(self):

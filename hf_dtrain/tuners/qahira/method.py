@@ -3,9 +3,9 @@ larger steps than LoRA (benchmarks/results/quantized_adapters_lr_sweep.md); the 
 trainable count is closest to LoRA's at the job's rank. It has no fused form: its adapter multiplies into the base
 weight."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from hf_dtrain.settings import check_fields
+from hf_dtrain.settings import check_fields, setting
 
 from ..finetune_method import FinetuneMethod, linear_shapes, lora_budget, register_finetune_method
 
@@ -17,13 +17,11 @@ class QAHiRAJobSettings:
 
     section_key = "qahira"
 
-    lambda_out: int | None = field(
-        default=None,
-        metadata={
-            "min": 1,
-            "help": "Output repeat factor; default the divisor of every target's out_features whose parameter "
-            "count is closest to lora's at lora_r.",
-        },
+    lambda_out: int | None = setting(
+        None,
+        "Output repeat factor; default the divisor of every target's out_features whose parameter "
+        "count is closest to lora's at lora_r.",
+        min=1,
     )
 
     def __post_init__(self):

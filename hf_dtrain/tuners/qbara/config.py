@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from hf_dtrain.settings import check_number
+from hf_dtrain.settings import check_number, setting
 
 from .._registry import HfDtrainPeftConfig, register_folder
 
@@ -18,18 +18,14 @@ class QBaRAConfig(HfDtrainPeftConfig):
 
     peft_type_name = "QBARA"
 
-    r: int = field(default=8, metadata={"help": "LoRA-equivalent rank: the adapter has lambda * r inner dimensions."})
-    lora_alpha: int = field(default=16, metadata={"help": "Scaling numerator: the update is scaled by lora_alpha / r."})
-    pool: int = field(default=2, metadata={"help": "lambda: input pooling and output repeat factor (paper: 2)."})
-    target_modules: list[str] | str | None = field(
-        default=None,
-        metadata={"help": "Module names or a regex of the linear layers to adapt; None: all seven LLaMA projections."},
+    r: int = setting(8, "LoRA-equivalent rank: the adapter has lambda * r inner dimensions.")
+    lora_alpha: int = setting(16, "Scaling numerator: the update is scaled by lora_alpha / r.")
+    pool: int = setting(2, "lambda: input pooling and output repeat factor (paper: 2).")
+    target_modules: list[str] | str | None = setting(
+        None, "Module names or a regex of the linear layers to adapt; None: all seven LLaMA projections."
     )
-    require_quantized_base: bool = field(
-        default=False,
-        metadata={
-            "help": "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."
-        },
+    require_quantized_base: bool = setting(
+        False, "Raise a ValueError when a target is a dense layer instead of a 4-bit one (nf4, hqq4, int4)."
     )
 
     def __post_init__(self):

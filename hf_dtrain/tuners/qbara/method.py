@@ -1,10 +1,10 @@
 """Q-BaRA in the jobs: LoRA's rank and targets with the pooling factor ``qbara.pool``; fused with the pooling folded
 into the factors."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hf_dtrain.errors import SettingsError
-from hf_dtrain.settings import check_fields
+from hf_dtrain.settings import check_fields, setting
 
 from ..finetune_method import FinetuneMethod, LowRankForm, register_finetune_method
 
@@ -15,7 +15,7 @@ class QBaRAJobSettings:
 
     section_key = "qbara"
 
-    pool: int = field(default=2, metadata={"min": 1, "help": "Pooling/repeat factor lambda (rank lambda * lora_r)."})
+    pool: int = setting(2, "Pooling/repeat factor lambda (rank lambda * lora_r).", min=1)
 
     def __post_init__(self):
         check_fields(self)

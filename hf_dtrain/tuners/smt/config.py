@@ -1,8 +1,9 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hf_dtrain.errors import SettingsError
+from hf_dtrain.settings import setting
 
 from .._registry import HfDtrainPeftConfig, register_folder
 
@@ -25,49 +26,37 @@ class SMTConfig(HfDtrainPeftConfig):
 
     peft_type_name = "SMT"
 
-    target_modules: list[str] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Module names (suffix match) or a regex of the nn.Linear layers SMT may select blocks from. "
-            "None: the attention Q, K, V projections (the paper's default; V benefits most)."
-        },
+    target_modules: list[str] | str | None = setting(
+        None,
+        "Module names (suffix match) or a regex of the nn.Linear layers SMT may select blocks from. "
+        "None: the attention Q, K, V projections (the paper's default; V benefits most).",
     )
-    block_size: int = field(
-        default=256,
-        metadata={"help": "Side of the square blocks (the paper uses 256). Must divide both dims of every target."},
+    block_size: int = setting(
+        256, "Side of the square blocks (the paper uses 256). Must divide both dims of every target."
     )
-    num_blocks: int | None = field(
-        default=None,
-        metadata={"help": "Number of blocks to train, selected globally across all targets. Or set trainable_ratio."},
+    num_blocks: int | None = setting(
+        None, "Number of blocks to train, selected globally across all targets. Or set trainable_ratio."
     )
-    trainable_ratio: float | None = field(
-        default=None,
-        metadata={
-            "help": "Trainable parameters as a fraction of all model parameters (e.g. 0.0084 for the paper's 0.84%); "
-            "converted to floor(ratio * n_params / block_size**2) blocks, at least 1. Or set num_blocks."
-        },
+    trainable_ratio: float | None = setting(
+        None,
+        "Trainable parameters as a fraction of all model parameters (e.g. 0.0084 for the paper's 0.84%); "
+        "converted to floor(ratio * n_params / block_size**2) blocks, at least 1. Or set num_blocks.",
     )
-    warmup_steps: int = field(
-        default=100,
-        metadata={
-            "help": "Backward passes whose summed dense gradients score the blocks (the paper: 100). Used by "
-            "SMTSelectionCallback and smt_warmup."
-        },
+    warmup_steps: int = setting(
+        100,
+        "Backward passes whose summed dense gradients score the blocks (the paper: 100). Used by "
+        "SMTSelectionCallback and smt_warmup.",
     )
-    score: str = field(
-        default="mean_abs",
-        metadata={
-            "help": "Block score from the gradient G summed over the warm-up: 'mean_abs' |mean(G)| over the block (the "
-            "official code's default, used for the paper's runs), 'abs_mean' mean(|G|), 'l1' sum(|G|), 'l2' ||G||_F. "
-            "docs/smt.md compares them on real data."
-        },
+    score: str = setting(
+        "mean_abs",
+        "Block score from the gradient G summed over the warm-up: 'mean_abs' |mean(G)| over the block (the "
+        "official code's default, used for the paper's runs), 'abs_mean' mean(|G|), 'l1' sum(|G|), 'l2' ||G||_F. "
+        "docs/smt.md compares them on real data.",
     )
-    block_indices: dict[str, list[list[int]]] | None = field(
-        default=None,
-        metadata={
-            "help": "Explicit blocks per target module: {module_name: [[row_block, col_block], ...]}, module names as "
-            "in base_model.named_modules(). Filled in by the selection; set it to skip the warm-up."
-        },
+    block_indices: dict[str, list[list[int]]] | None = setting(
+        None,
+        "Explicit blocks per target module: {module_name: [[row_block, col_block], ...]}, module names as "
+        "in base_model.named_modules(). Filled in by the selection; set it to skip the warm-up.",
     )
 
     def __post_init__(self):

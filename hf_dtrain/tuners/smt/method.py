@@ -3,10 +3,10 @@ job's rank unless ``smt.num_blocks`` says otherwise; its prepare step selects th
 (``SMTSelectionCallback`` in one unwrapped process, ``smt_warmup`` before DDP / FSDP2 / DeepSpeed or the fused sweep
 wrap the model, since they cannot change parameter shapes afterwards); fused, each job keeps its own blocks."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hf_dtrain.errors import SettingsError
-from hf_dtrain.settings import check_fields
+from hf_dtrain.settings import check_fields, setting
 
 from ..finetune_method import BlockSparseForm, FinetuneMethod, linear_shapes, lora_budget, register_finetune_method
 
@@ -19,12 +19,11 @@ class SMTJobSettings:
 
     section_key = "smt"
 
-    block_size: int = field(default=64, metadata={"min": 1, "help": "Side of the square sub-matrices."})
-    num_blocks: int | None = field(
-        default=None,
-        metadata={"min": 1, "help": "Blocks to train; default matches the trainable budget of lora at lora_r."},
+    block_size: int = setting(64, "Side of the square sub-matrices.", min=1)
+    num_blocks: int | None = setting(
+        None, "Blocks to train; default matches the trainable budget of lora at lora_r.", min=1
     )
-    warmup_steps: int = field(default=20, metadata={"min": 1, "help": "Gradient-scoring steps before selection."})
+    warmup_steps: int = setting(20, "Gradient-scoring steps before selection.", min=1)
 
     def __post_init__(self):
         check_fields(self)
