@@ -51,88 +51,40 @@ def causal_mask(config, inputs_embeds: torch.Tensor, position_ids: torch.Tensor)
     )
 
 
+_SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def _shape(*values, **extra) -> dict:
+    """One row of :data:`PRESETS` as ``LlamaConfig`` keywords (the values in :data:`_SHAPE_KEYS`' order)."""
+    return dict(zip(_SHAPE_KEYS, values, strict=True), **extra)
+
+
 # Shapes. "test" is for unit tests (milliseconds per step); "tiny" is the embedded default base model; "small" is a
 # larger CPU-trainable shape; "llama2-7b"/"llama2-70b"/"llama3-8b" are the real shapes for GPU users (never built in
 # tests; benchmarks/scaling.py reads their parameter shapes from a meta-device model).
+# fmt: off
 PRESETS: dict[str, dict] = {
-    "test": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-        max_position_embeddings=128,
-    ),
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=256,
-    ),
-    "small": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=4096,
-        max_position_embeddings=512,
-    ),
+    #              hidden    ffn layers heads kv  vocab  positions
+    "test":        _shape(   64,    128,   2,   4,   4,    128,   128),
+    "tiny":        _shape(  256,    512,   4,   4,   4,   1024,   256),
+    "small":       _shape(  512,   1536,   8,   8,   8,   4096,   512),
     # about 100M parameters (97.4M): the largest shape benchmarks/throughput.py trains on a 2-core CPU host
-    "100m": dict(
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        vocab_size=8192,
-        max_position_embeddings=1024,
-    ),
+    "100m":        _shape(  768,   2048,  12,  12,  12,   8192,  1024),
     # Llama 3.2 1B's shape (1.24B parameters, its input and output embeddings tied as in the release)
-    "llama3.2-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-    ),
-    "llama2-7b": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    ),
-    "llama2-70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    ),
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    ),
+    "llama3.2-1b": _shape( 2048,   8192,  16,  32,   8, 128256,  8192, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama2-7b":   _shape( 4096,  11008,  32,  32,  32,  32000,  4096),
+    "llama2-70b":  _shape( 8192,  28672,  80,  64,   8,  32000,  4096),
+    "llama3-8b":   _shape( 4096,  14336,  32,  32,   8, 128256,  8192, rope_theta=500000.0),
 }
+# fmt: on
 
 
 def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
@@ -233,34 +185,36 @@ def train_tokenizer(texts, vocab_size: int):
     )
 
 
-def _build_settings(preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr) -> dict:
+# What a base build depends on besides the preset, steps and seed (keywords of build_default_model)
+_BUILD_DEFAULTS = dict(seq_len=128, batch_size=16, data_bytes=4_000_000, task_share=0.25, lr=2e-3)
+
+
+def _build_settings(preset: str, steps: int | None, seed: int, **kw) -> dict:
+    """Everything a base build depends on (its cache key and the first part of its ``hf_dtrain_base.json``)."""
+    if preset not in PRESETS:
+        raise SettingsError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+    unknown = set(kw) - set(_BUILD_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown base-build settings {sorted(unknown)}; known: {sorted(_BUILD_DEFAULTS)}")
     return dict(
         build_version=BASE_BUILD_VERSION,
         preset=preset,
         model_config=PRESETS[preset],
-        steps=steps,
+        steps=DEFAULT_BASE_STEPS.get(preset, 300) if steps is None else int(steps),
         seed=seed,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        data_bytes=data_bytes,
-        task_share=task_share,
-        lr=lr,
+        **{**_BUILD_DEFAULTS, **kw},
         python=f"{sys.version_info[0]}.{sys.version_info[1]}",
     )
 
 
+def _model_dir(settings: dict, cache_dir) -> Path:
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / "base" / f"{settings['preset']}-{digest}"
+
+
 def default_model_dir(preset: str = "tiny", cache_dir=None, steps: int | None = None, seed: int = 0, **kw) -> Path:
     """Where :func:`build_default_model` caches (or would cache) the base model for these settings."""
-    settings = _build_settings(preset, *_resolve(preset, steps, seed, **kw))
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_root(cache_dir) / "base" / f"{preset}-{digest}"
-
-
-def _resolve(preset, steps, seed, seq_len=128, batch_size=16, data_bytes=4_000_000, task_share=0.25, lr=2e-3):
-    if preset not in PRESETS:
-        raise SettingsError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
-    steps = DEFAULT_BASE_STEPS.get(preset, 300) if steps is None else int(steps)
-    return steps, seed, seq_len, batch_size, data_bytes, task_share, lr
+    return _model_dir(_build_settings(preset, steps, seed, **kw), cache_dir)
 
 
 def _pretrain_blocks(tokenizer, docs, task_texts, seq_len):
@@ -301,44 +255,46 @@ def build_default_model(
     """
     global build_count
 
-    steps, seed, seq_len, batch_size, data_bytes, task_share, lr = _resolve(
-        preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr
-    )
-    settings = _build_settings(preset, steps, seed, seq_len, batch_size, data_bytes, task_share, lr)
-    final = default_model_dir(
-        preset,
-        cache_dir,
-        steps,
-        seed,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        data_bytes=data_bytes,
-        task_share=task_share,
-        lr=lr,
-    )
+    kw = dict(seq_len=seq_len, batch_size=batch_size, data_bytes=data_bytes, task_share=task_share, lr=lr)
+    settings = _build_settings(preset, steps, seed, **kw)
+    final = _model_dir(settings, cache_dir)
     if (final / "hf_dtrain_base.json").is_file():
         return str(final)
-
     t0 = time.time()
     build_count += 1
-    docs = stdlib_text(data_bytes)
+    model, tokenizer, losses = _pretrain_base(settings, progress)
+    info = dict(
+        settings,
+        vocab_size=model.config.vocab_size,
+        final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
+        build_seconds=round(time.time() - t0, 1),
+        n_params=sum(p.numel() for p in model.parameters()),
+    )
+    _save_base(final, model, tokenizer, info)
+    return str(final)
+
+
+def _pretrain_base(settings: dict, progress: bool):
+    """The tokenizer trained and the preset's model pretrained as ``settings`` say: (model, tokenizer, losses)."""
+    preset, steps, seed = settings["preset"], settings["steps"], settings["seed"]
+    batch_size = settings["batch_size"]
+    docs = stdlib_text(settings["data_bytes"])
     task_texts = pretraining_task_texts(n=20_000, seed=seed)
     tokenizer = train_tokenizer(docs + task_texts[:2000], vocab_size=PRESETS[preset]["vocab_size"])
     # Byte-level BPE needs 256 + 3 ids at least: presets with a smaller vocabulary grow to the tokenizer's size.
-    vocab = max(PRESETS[preset]["vocab_size"], len(tokenizer))
     model = build_llama(
         preset,
         seed=seed,
-        vocab_size=vocab,
+        vocab_size=max(PRESETS[preset]["vocab_size"], len(tokenizer)),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    text_blocks, task_blocks = _pretrain_blocks(tokenizer, docs, task_texts, seq_len)
+    text_blocks, task_blocks = _pretrain_blocks(tokenizer, docs, task_texts, settings["seq_len"])
 
     g = torch.Generator().manual_seed(seed)
-    n_task = round(batch_size * task_share) if len(task_blocks) else 0
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    n_task = round(batch_size * settings["task_share"]) if len(task_blocks) else 0
+    opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.1, 1.0 - s / max(1, steps))
@@ -364,19 +320,16 @@ def build_default_model(
             bar.set_postfix(loss=f"{loss.item():.3f}")
     bar.close()
     model.eval()
+    return model, tokenizer, losses
 
+
+def _save_base(final: Path, model, tokenizer, info: dict) -> None:
+    """The model, the tokenizer and ``info`` written to a temporary sibling of ``final``, then renamed to it."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        info = dict(
-            settings,
-            vocab_size=vocab,
-            final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
-            build_seconds=round(time.time() - t0, 1),
-            n_params=sum(p.numel() for p in model.parameters()),
-        )
         # Written last: its presence marks a complete directory.
         (tmp / "hf_dtrain_base.json").write_text(json.dumps(info, indent=2))
         try:
@@ -387,7 +340,6 @@ def build_default_model(
                 os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
 
 
 def check_weight_files(path: str) -> None:

@@ -15,6 +15,14 @@ from hf_dtrain.errors import SettingsError
 BASE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
+def closure_loss(closure):
+    """``optimizer.step(closure)``'s closure run with gradients on (steps run under ``no_grad``): its loss, or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def build_base_optimizer(base_optimizer: str | Callable, params, owner: str, **kwargs) -> torch.optim.Optimizer:
     """``"sgd"``/``"adamw"``/``"adam"`` or a ``torch.optim.Optimizer`` class, built on ``params`` with ``kwargs``."""
     if isinstance(base_optimizer, str):

@@ -6,6 +6,7 @@ heavy: the builders import their engine when called."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,18 +16,31 @@ from typing import Any
 class OptimizerChoice:
     """One ``--optimizer`` value. ``build(settings, model, params, lr, weight_decay)`` returns the torch optimizer
     over ``params`` (the trainable parameters of the unwrapped ``model``); ``settings`` is its settings section (the
-    job config's field named ``settings``, shared by choices that name the same one) or None."""
+    job config's field named ``settings``, shared by choices that name the same one) or None. ``defaults``: the
+    settings' config class, or an instance of it where the jobs' defaults differ from the engine's (each job gets a
+    copy)."""
 
     name: str
     build: Callable[[Any, Any, list, float, float], Any]
     help: str = ""
     settings: str | None = None  # the job config field holding its settings ("eva", "gossip")
-    settings_type: type | None = None
-    settings_default: Callable[[], Any] | None = None  # the jobs' defaults where they differ from the engine's
+    defaults: Any = None
     settings_help: str = ""
     exchanges: bool = False  # it exchanges gradients or parameters itself: DDP runs the noop hook under it
     asynchronous: Callable[[Any], bool] = lambda settings: False  # DDP must not broadcast buffers in every forward
     order: int = 100
+
+    @property
+    def settings_type(self) -> type | None:
+        if self.defaults is None or isinstance(self.defaults, type):
+            return self.defaults
+        return type(self.defaults)
+
+    def default_settings(self) -> Any:
+        """A fresh copy of the settings a job starts from."""
+        if isinstance(self.defaults, type):
+            return self.defaults()
+        return dataclasses.replace(self.defaults)
 
 
 OPTIMIZER_CHOICES: dict[str, OptimizerChoice] = {}

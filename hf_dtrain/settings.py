@@ -43,6 +43,13 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any 
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def config_from(cls: type, arguments: dict, **overrides):
+    """The ``cls`` config whose fields take their values from ``arguments`` (a constructor's ``locals()``, so that an
+    object built from keywords validates them as its config does) and ``overrides``."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    return cls(**{**{n: arguments[n] for n in names if n in arguments}, **overrides})
+
+
 def is_config(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 

@@ -61,6 +61,18 @@ class ACPSGDState:
     tensors: dict[str, _TensorState] = field(default_factory=dict)
     param_names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
 
+    @classmethod
+    def from_config(cls, config, **state) -> "ACPSGDState":
+        """The state a :class:`~hf_dtrain.comm.CommHookConfig` asks for; ``state``: the other fields (the group)."""
+        return cls(
+            rank=config.rank,
+            start_iter=config.start_iter,
+            min_compression_rate=config.min_compression_rate,
+            use_error_feedback=config.use_error_feedback,
+            seed=config.seed,
+            **state,
+        )
+
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise SettingsError(f"ACPSGDState.rank must be a positive integer, got {self.rank!r}.")

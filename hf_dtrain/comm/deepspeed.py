@@ -119,16 +119,11 @@ def register_deepspeed(engine, config=None, bucket_cap_mb: float = 25.0):
     if config.method == "allreduce":
         state, hook = DenseState(), dense_allreduce_hook
     elif config.method == "s2_reducer":
-        state = S2ReducerState(rows=config.sketch_rows, width_factor=config.sketch_width_factor, seed=config.seed)
+        # without error feedback here, whatever use_error_feedback says (as since this path was written)
+        state = S2ReducerState.from_config(config, error_feedback=False)
         hook = s2_reducer_hook
     else:
-        state = ACPSGDState(
-            rank=config.rank,
-            start_iter=config.start_iter,
-            min_compression_rate=config.min_compression_rate,
-            use_error_feedback=config.use_error_feedback,
-            seed=config.seed,
-        )
+        state = ACPSGDState.from_config(config)
         state.check_rank((n, p.shape) for n, p in engine.module.named_parameters() if p.requires_grad)
         hook = acp_sgd_hook
     buckets = _buckets(params, int(bucket_cap_mb * 2**20))

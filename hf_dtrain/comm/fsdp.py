@@ -206,15 +206,7 @@ def register_fsdp(model, config: CommHookConfig | dict | str | None, replica_gro
     check_same_across_ranks(dataclasses.asdict(config), "comm hook config")
     state = FSDPExchangeState(method=config.method, process_group=replica_group, replicas=replicas)
     if config.method == "acp_sgd":
-        state.acp = ACPSGDState(
-            process_group=replica_group,
-            rank=config.rank,
-            start_iter=config.start_iter,
-            min_compression_rate=config.min_compression_rate,
-            use_error_feedback=config.use_error_feedback,
-            seed=config.seed,
-            stats=state.stats,
-        )
+        state.acp = ACPSGDState.from_config(config, process_group=replica_group, stats=state.stats)
         # every shard shape any rank holds, so that all ranks agree on the verdict
         state.acp.check_rank(
             (fp._param_fqn, shape)

@@ -121,26 +121,13 @@ def _register_embrace(ddp, config, group, optimizer):
 
 
 def _register_s2_reducer(ddp, config, group, optimizer):
-    state = S2ReducerState(
-        process_group=group,
-        rows=config.sketch_rows,
-        width_factor=config.sketch_width_factor,
-        seed=config.seed,
-        error_feedback=config.use_error_feedback,
-    )
+    state = S2ReducerState.from_config(config, process_group=group)
     ddp.register_comm_hook(state, s2_reducer_hook)
     return state
 
 
 def _register_acp_sgd(ddp, config, group, optimizer):
-    state = ACPSGDState(
-        process_group=group,
-        rank=config.rank,
-        start_iter=config.start_iter,
-        min_compression_rate=config.min_compression_rate,
-        use_error_feedback=config.use_error_feedback,
-        seed=config.seed,
-    )
+    state = ACPSGDState.from_config(config, process_group=group)
     state.check_rank((n, p.shape) for n, p in ddp.module.named_parameters() if p.requires_grad)
     state.param_names = {id(p): n for n, p in ddp.module.named_parameters()}  # state keyed by parameter
     ddp.register_comm_hook(state, acp_sgd_hook)

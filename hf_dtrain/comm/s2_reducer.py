@@ -67,6 +67,18 @@ class S2ReducerState:
     residuals: dict = field(default_factory=dict)  # bucket index -> what this rank's sketch lost (error feedback)
     last_decode: dict = field(default_factory=dict)  # bucket index -> (union positions, exactly decoded mask)
 
+    @classmethod
+    def from_config(cls, config, **state) -> "S2ReducerState":
+        """The state a :class:`~hf_dtrain.comm.CommHookConfig` asks for; ``state``: the other fields (the group, or
+        an ``error_feedback`` the caller decides)."""
+        fields = dict(
+            rows=config.sketch_rows,
+            width_factor=config.sketch_width_factor,
+            seed=config.seed,
+            error_feedback=config.use_error_feedback,
+        )
+        return cls(**{**fields, **state})
+
     def state_dict(self) -> dict:
         """The step count (the hashes and signs are drawn per step from ``seed`` and it) and the residuals."""
         return {"iter": self.iter, "residuals": {str(k): v.clone() for k, v in self.residuals.items()}}

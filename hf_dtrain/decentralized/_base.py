@@ -10,6 +10,7 @@ from hf_dtrain.errors import SettingsError
 
 from ..distributed.counters import WireStats
 from ..distributed.engines import WholeReplicaGuard, keep_gradients_local
+from ..optimizer_wrapper import closure_loss
 from .gossip import AsyncGossip, check_world, consensus_distance, flatten, gossip, require_world, unflatten_into
 from .topology import Topology
 
@@ -89,8 +90,7 @@ class GossipMixin:
         self._replica_guard.check_step(self)
         if closure is None:
             return None
-        with torch.enable_grad():
-            loss = closure()
+        loss = closure_loss(closure)
         self.set_loss(loss)
         return loss
 

@@ -8,33 +8,27 @@ from hf_dtrain.optimizers import OptimizerChoice, register_optimizer
 from .config import DiLoCoConfig, GossipConfig
 
 
-def _dpsgd(gossip, model, params, lr, weight_decay):
-    from .dpsgd import DPSGD
-
-    return DPSGD(
-        params,
+def _gossip(gossip, lr, weight_decay) -> dict:
+    """The keywords both gossip optimizers take from ``--gossip.*`` and the job."""
+    return dict(
         topology=gossip.topology,
-        mode=gossip.mode,
-        base_optimizer="adamw",
         lr=lr,
         weight_decay=weight_decay,
         asynchronous=gossip.asynchronous,
         max_staleness=gossip.max_staleness,
     )
+
+
+def _dpsgd(gossip, model, params, lr, weight_decay):
+    from .dpsgd import DPSGD
+
+    return DPSGD(params, mode=gossip.mode, base_optimizer="adamw", **_gossip(gossip, lr, weight_decay))
 
 
 def _decentlam(gossip, model, params, lr, weight_decay):
     from .decentlam import DecentLaM
 
-    return DecentLaM(
-        params,
-        lr=lr,
-        momentum=gossip.momentum,
-        topology=gossip.topology,
-        weight_decay=weight_decay,
-        asynchronous=gossip.asynchronous,
-        max_staleness=gossip.max_staleness,
-    )
+    return DecentLaM(params, momentum=gossip.momentum, **_gossip(gossip, lr, weight_decay))
 
 
 def _diloco(d, model, params, lr, weight_decay):
@@ -60,7 +54,7 @@ for _name, _build, _order in (("dpsgd", _dpsgd, 30), ("decentlam", _decentlam, 4
             _build,
             help=_name,
             settings="gossip",
-            settings_type=GossipConfig,
+            defaults=GossipConfig,
             settings_help=GOSSIP_HELP,
             exchanges=True,
             asynchronous=lambda gossip: gossip.asynchronous,
@@ -73,7 +67,7 @@ register_optimizer(
         _diloco,
         help="diloco (settings in diloco.*)",
         settings="diloco",
-        settings_type=DiLoCoConfig,
+        defaults=DiLoCoConfig,
         settings_help="DiLoCo's settings (used with optimizer=diloco): H local AdamW steps, then an outer Nesterov "
         "step on the averaged pseudo-gradient.",
         exchanges=True,

@@ -139,21 +139,9 @@ class SnapshotEngine:
     identity = property(lambda self: self.record.identity)
     stats = property(lambda self: self.copier.stats)
 
-    @property
-    def optimizer(self):
-        return self.parts.optimizer
-
-    @optimizer.setter
-    def optimizer(self, value) -> None:
-        self.parts.optimizer = value
-
-    @property
-    def scheduler(self):
-        return self.parts.scheduler
-
-    @scheduler.setter
-    def scheduler(self, value) -> None:
-        self.parts.scheduler = value
+    # the optimizer and scheduler a callback attaches once the Trainer made them
+    optimizer = property(lambda self: self.parts.optimizer, lambda self, value: setattr(self.parts, "optimizer", value))
+    scheduler = property(lambda self: self.parts.scheduler, lambda self, value: setattr(self.parts, "scheduler", value))
 
     def available(self) -> tuple[list[int], str, str]:
         """The steps this rank's snapshots are held for, where from, and why not when none are."""
@@ -210,15 +198,19 @@ class SnapshotEngine:
         again; ZeRO's came with the partitions)."""
         self.source.load_optimizer(state, self.parts.optimizer)
 
-    def apply_rest(self, state: dict) -> None:
-        """The scheduler, scaler, RNGs and ``stateful`` objects."""
+    def _apply_schedule(self, state: dict) -> None:
+        """The scheduler, the scaler and the RNG streams."""
         parts = self.parts
         if parts.scheduler is not None and "scheduler" in state:
             parts.scheduler.load_state_dict(state["scheduler"])
         if parts.scaler is not None and "scaler" in state:
             parts.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
-        for name, obj in parts.stateful.items():
+
+    def apply_rest(self, state: dict) -> None:
+        """The scheduler, scaler, RNGs and ``stateful`` objects."""
+        self._apply_schedule(state)
+        for name, obj in self.parts.stateful.items():
             if name in state.get("stateful", {}):
                 obj.load_state_dict(state["stateful"][name])
 
@@ -248,13 +240,9 @@ class SnapshotEngine:
                 f"optimizer that took it, or train from step 0 with {FRESH_START}."
             )
         self.source.load_resharded(plan, path, state, self.parts.optimizer)
-        parts = self.parts
-        if parts.scheduler is not None and "scheduler" in state:
-            parts.scheduler.load_state_dict(state["scheduler"])
-        if parts.scaler is not None and "scaler" in state:
-            parts.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
+        self._apply_schedule(state)
         self.rebuild_ddp_buckets()
+        parts = self.parts
         if parts.stateful:
             logger.warning(
                 "restored on another world size: %s start afresh (their per-rank state, such as error feedback, does "

@@ -32,9 +32,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from hf_dtrain.errors import SettingsError
+from hf_dtrain.settings import config_from
 
 from ..distributed.collectives import world_size_of
-from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer
+from ..optimizer_wrapper import WrappedOptimizer, build_base_optimizer, closure_loss
 from .config import EVA_METHODS, EvaConfig, config_kwargs
 
 METHODS = EVA_METHODS
@@ -200,14 +201,7 @@ class Eva(WrappedOptimizer):
             params = [p for p in params.parameters() if p.requires_grad]
         if not isinstance(model, nn.Module):
             raise TypeError(f"Eva needs the model (to hook its Linear layers): model=..., got {type(model).__name__}.")
-        self.config = EvaConfig(
-            damping=damping,
-            kl_clip=kl_clip,
-            factor_decay=factor_decay,
-            update_interval=update_interval,
-            method=method,
-            exclude=list(exclude),
-        )
+        self.config = config_from(EvaConfig, locals(), exclude=list(exclude))
         self._init_wrapper()
         self.base = build_base_optimizer(base_optimizer, params, "Eva", **base_kwargs)
         self.damping, self.kl_clip, self.factor_decay = float(damping), float(kl_clip), float(factor_decay)  # validated
@@ -351,10 +345,7 @@ class Eva(WrappedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if self.steps % self.update_interval == 0:
             self._update_vectors()
         if (

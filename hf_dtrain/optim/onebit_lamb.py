@@ -39,10 +39,12 @@ import torch
 import torch.distributed as dist
 
 from hf_dtrain.errors import SettingsError
+from hf_dtrain.settings import config_from
 
 from ..distributed.collectives import check_same_across_ranks, onebit_allreduce, world_size_of
 from ..distributed.counters import WireStats
 from ..distributed.engines import WholeReplicaGuard, keep_gradients_local
+from ..optimizer_wrapper import closure_loss
 from .config import OneBitLambConfig, config_kwargs
 
 
@@ -71,19 +73,7 @@ class OneBitLamb(torch.optim.Optimizer):
     ):
         if not lr > 0:
             raise SettingsError(f"OneBitLamb lr must be > 0, got {lr!r}.")
-        self.config = OneBitLambConfig(
-            freeze_step=freeze_step,
-            betas=betas,
-            eps=eps,
-            max_coeff=max_coeff,
-            min_coeff=min_coeff,
-            coeff_beta=coeff_beta,
-            factor_max=factor_max,
-            factor_min=factor_min,
-            factor_threshold=factor_threshold,
-            mask_threshold=mask_threshold,
-            scale_block=scale_block,
-        )
+        self.config = config_from(OneBitLambConfig, locals())
         self.world = world_size_of(process_group)
         if self.world < 2:
             raise SettingsError(
@@ -145,10 +135,7 @@ class OneBitLamb(torch.optim.Optimizer):
     # -- the step ----------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._replica_guard.check_step(self)
         gs = self.global_state
         gs["step"] += 1

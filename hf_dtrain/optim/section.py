@@ -4,7 +4,6 @@ AdamW, Eva (``--eva.*``) and 1-bit LAMB (``--onebit-lamb.*``). Other folders reg
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import field
 
 from hf_dtrain.optimizers import OPTIMIZER_CHOICES, OptimizerChoice, register_optimizer
@@ -44,8 +43,7 @@ register_optimizer(
         _eva,
         help="eva (preconditions AdamW, settings in eva.*)",
         settings="eva",
-        settings_type=EvaConfig,
-        settings_default=lambda: dataclasses.replace(JOB_EVA),
+        defaults=JOB_EVA,
         settings_help="Eva's settings (used with optimizer=eva).",
         order=10,
     )
@@ -56,8 +54,7 @@ register_optimizer(
         _onebit_lamb,
         help="onebit_lamb (exchanges compressed gradients itself; settings in onebit_lamb.*)",
         settings="onebit_lamb",
-        settings_type=OneBitLambConfig,
-        settings_default=lambda: dataclasses.replace(JOB_ONEBIT_LAMB),
+        defaults=JOB_ONEBIT_LAMB,
         settings_help="1-bit LAMB's settings (used with optimizer=onebit_lamb).",
         exchanges=True,
         order=20,
@@ -142,10 +139,8 @@ class OptimizerSection(Section):
         for c in OPTIMIZER_CHOICES.values():
             if c.settings and c.settings not in seen:
                 seen.add(c.settings)
-                default = c.settings_default or c.settings_type
-                out.append(
-                    (c.settings, c.settings_type, field(default_factory=default, metadata={"help": c.settings_help}))
-                )
+                default = field(default_factory=c.default_settings, metadata={"help": c.settings_help})
+                out.append((c.settings, c.settings_type, default))
         return out
 
     @classmethod
@@ -160,7 +155,7 @@ class OptimizerSection(Section):
                 users.setdefault(c.settings, []).append(c.name)
         for settings, names in users.items():
             choice = OPTIMIZER_CHOICES[names[0]]
-            default = (choice.settings_default or choice.settings_type)()
+            default = choice.default_settings()
             if getattr(cfg, settings) != default and cfg.optimizer not in names:
                 raise SettingsError(
                     f"{settings}.* settings are given but optimizer={cfg.optimizer}; set --optimizer "

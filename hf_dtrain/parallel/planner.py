@@ -218,19 +218,7 @@ def predict(
     t_embed = 3.0 * profile.layer_overhead
     # tensor parallelism per layer and micro-batch (forward and backward)
     act_bytes = tokens_mb * d["h"] * 4
-    if tp > 1:
-        if sequence_parallel:
-            t_tp = 4 * (
-                _coll(profile, tp, act_bytes, "all_gather", tp_intra)
-                + _coll(profile, tp, act_bytes, "reduce_scatter", tp_intra)
-            )
-        else:
-            t_tp = 4 * _coll(profile, tp, act_bytes, "all_reduce", tp_intra)
-        t_tp += profile.tp_layer_overhead
-        if ckpt:
-            t_tp *= 1.5
-    else:
-        t_tp = 0.0
+    t_tp = _tp_time(profile, tp, act_bytes, tp_intra, sequence_parallel, ckpt)
     n_stages = pp * v
     bounds = balance_layers([t_layer + t_tp] * d["L"], n_stages, t_embed, t_head + (t_tp if tp > 1 else 0.0))
     stage_layers = max(b - a for a, b in bounds)
@@ -278,7 +266,31 @@ def predict(
         "optimizer": t_optim,
         "bubble_fraction": (pp - 1) / (m * v + pp - 1) if pp > 1 else 0.0,
     }
-    # memory per rank
+    _fill_memory(plan, d, profile, tokens_mb, stage_layers, local, sequence_parallel)
+    return plan
+
+
+def _tp_time(profile: MachineProfile, tp: int, act_bytes: float, intra: bool, sequence_parallel: bool, ckpt: bool):
+    """Tensor parallelism's communication per layer and micro-batch (forward and backward)."""
+    if tp == 1:
+        return 0.0
+    if sequence_parallel:
+        t_tp = 4 * (
+            _coll(profile, tp, act_bytes, "all_gather", intra) + _coll(profile, tp, act_bytes, "reduce_scatter", intra)
+        )
+    else:
+        t_tp = 4 * _coll(profile, tp, act_bytes, "all_reduce", intra)
+    t_tp += profile.tp_layer_overhead
+    return t_tp * 1.5 if ckpt else t_tp
+
+
+def _fill_memory(
+    plan: Plan, d: dict, profile: MachineProfile, tokens_mb: int, stage_layers: int, local: float, sequence_parallel
+) -> None:
+    """``plan``'s memory per rank by buffer, whether it fits the device, and what overflows when not (``local``: the
+    largest stage's parameters this rank holds before ZeRO sharding)."""
+    pp, tp, dps, m, v = plan.pp, plan.tp, plan.dp_shard, plan.microbatches, plan.stages_per_rank
+    ckpt = plan.activation == "checkpoint"
     a = profile.activation_bytes_per_token
     per_token_layer = a["hidden"] * d["h"] + a["intermediate"] * d["f"]
     if tp > 1:
@@ -313,7 +325,6 @@ def predict(
             f"{total / GiB:.1f} GiB > {profile.device_memory / GiB:.1f} GiB: {worst} "
             f"{memory[worst] / GiB:.1f} GiB is the largest buffer"
         )
-    return plan
 
 
 def legal_plans(
@@ -422,19 +433,9 @@ def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
     return [max(float(x), 0.0) for x in torch.linalg.lstsq(a, b).solution.squeeze(1)]
 
 
-def measure_profile(
-    shapes=("tiny", "small"),
-    name: str = "measured",
-    device_memory: float | None = None,
-    ranks_per_node: int | None = None,
-) -> MachineProfile:
-    """Measure this machine's :class:`MachineProfile`, on every rank of the default process group at once (so
-    the cores are shared as in training): a decoder layer's forward + backward for each preset in ``shapes`` at two
-    token counts (fit: seconds per FLOP and a fixed cost per call), all-gather / reduce-scatter / all-reduce at two
-    sizes over the whole group and over pairs (fit: latency and seconds per byte moved), an AdamW step per
-    parameter and the bytes autograd saves per token of a layer. Timings are the slowest rank's medians."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def _measure_layers(shapes, device) -> tuple[float, float, float, float]:
+    """A decoder layer's forward + backward for each preset at two token counts: (seconds per FLOP, the fixed cost
+    of the three passes, saved bytes per token per hidden unit, per intermediate unit)."""
     rows, ys, act_rows, act_ys = [], [], [], []
     for preset in shapes:
         config = llama_config(preset)
@@ -461,8 +462,12 @@ def measure_profile(
             act_rows.append([batch * seq * d["h"], batch * seq * d["f"]])
             act_ys.append(counter.nbytes)
             del out
-    sec_per_flop, overhead_3 = _lstsq(rows, ys)
-    per_h, per_f = _lstsq(act_rows, act_ys)
+    return (*_lstsq(rows, ys), *_lstsq(act_rows, act_ys))
+
+
+def _measure_collectives(world: int, device) -> tuple[float, float]:
+    """All-gather / reduce-scatter / all-reduce at two sizes over the whole group and over pairs: (latency, seconds
+    per byte moved per rank); zeros on one rank."""
     # collectives: moved bytes per rank, over the whole group and over pairs
     c_rows, c_ys = [], []
     if world > 1:
@@ -483,9 +488,14 @@ def measure_profile(
                 ):
                     c_rows.append([1.0, factor * numel * 4])
                     c_ys.append(median_seconds(fn, barrier=True))
-    latency, sec_per_byte = _lstsq(c_rows, c_ys) if c_rows else (0.0, 0.0)
+    return tuple(_lstsq(c_rows, c_ys)) if c_rows else (0.0, 0.0)
+
+
+def _measure_tp_overhead(shape: str, world: int, device, latency: float, sec_per_byte: float) -> float:
+    """What tensor parallelism over all ranks costs per layer beyond FLOPs / tp and the modeled collectives (0 where
+    the shape does not split over the world)."""
     tp_overhead = 0.0
-    config = llama_config(shapes[0])
+    config = llama_config(shape)
     if world > 1 and config.num_attention_heads % world == 0 and config.intermediate_size % world == 0:
         # a tensor-parallel model of 2 layers over all ranks against the same model whole, at the same tokens:
         # what TP costs beyond FLOPs / tp and the modeled collectives, per layer
@@ -500,7 +510,7 @@ def measure_profile(
         ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
         timings = []
         for tp in (1, world):
-            model = build_llama(shapes[0], num_hidden_layers=2).to(device)
+            model = build_llama(shape, num_hidden_layers=2).to(device)
             if tp > 1:
                 apply_tensor_parallel(model, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)))
 
@@ -511,8 +521,27 @@ def measure_profile(
             timings.append(median_seconds(tp_step, repeats=3, barrier=True))
         tokens = batch * seq
         act = tokens * d["h"] * 4
-        colls = 4 * ((latency + (world - 1) / world * act * sec_per_byte) * 2) if c_rows else 0.0
+        colls = 4 * ((latency + (world - 1) / world * act * sec_per_byte) * 2)
         tp_overhead = max(0.0, (timings[1] - timings[0] / world) / 2 - colls)
+    return tp_overhead
+
+
+def measure_profile(
+    shapes=("tiny", "small"),
+    name: str = "measured",
+    device_memory: float | None = None,
+    ranks_per_node: int | None = None,
+) -> MachineProfile:
+    """Measure this machine's :class:`MachineProfile`, on every rank of the default process group at once (so
+    the cores are shared as in training): a decoder layer's forward + backward for each preset in ``shapes`` at two
+    token counts (fit: seconds per FLOP and a fixed cost per call), all-gather / reduce-scatter / all-reduce at two
+    sizes over the whole group and over pairs (fit: latency and seconds per byte moved), an AdamW step per
+    parameter and the bytes autograd saves per token of a layer. Timings are the slowest rank's medians."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    sec_per_flop, overhead_3, per_h, per_f = _measure_layers(shapes, device)
+    latency, sec_per_byte = _measure_collectives(world, device)
+    tp_overhead = _measure_tp_overhead(shapes[0], world, device, latency, sec_per_byte)
     params = [torch.nn.Parameter(torch.randn(1 << 20, device=device))]
     params[0].grad = torch.randn(1 << 20, device=device)
     opt = torch.optim.AdamW(params, lr=1e-3)

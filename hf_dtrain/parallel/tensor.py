@@ -25,12 +25,19 @@ the same batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from hf_dtrain.errors import SettingsError
 
@@ -143,12 +150,75 @@ def _split_sequence():
     return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
 
 
+def _tuner_layers(base: nn.Module) -> dict[str, nn.Module]:
+    """The model's peft tuner layers by name, refusing the kinds tensor parallelism cannot shard."""
+    tuners = {}
+    for name, module in base.named_modules():
+        kind = _tuner_kind(module)
+        if kind is None:
+            continue
+        if kind in TP_REFUSED:
+            raise SettingsError(
+                f"tensor parallelism cannot shard the {kind.rstrip('_')} adapter of {name!r}: "
+                f"{TP_REFUSED[kind]}. Train it with FSDP2 or ZeRO-3 (--dp-shard) instead of --tp."
+            )
+        if kind not in TP_ADAPTERS:
+            raise SettingsError(
+                f"tensor parallelism has no sharding rule for the {type(module).__name__} tuner layer "
+                f"{name!r}; LoRA and LoRA-FA are supported."
+            )
+        tuners[name] = module
+    return tuners
+
+
+def _shard_layer(layer: nn.Module, prefix: str, mesh, sp: bool, tuners: dict) -> None:
+    """One decoder layer (``prefix``: its name in the model) sharded: projections colwise / rowwise, the norms
+    sequence-parallel under SP, its tuner layers by :class:`_TunerLinearParallel`."""
+    seq = Shard(1) if sp else Replicate()
+    # the block's input stays a (replicated) DTensor: the projections' input gradients (partial sums) then add
+    # up as DTensors and are reduced once per block (a reduce-scatter under SP), not once per projection
+    plan = {
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=False,
+        ),
+        "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False),
+    }
+    if sp:
+        plan.update({n: SequenceParallel() for n in NORMS})
+    for n in COLWISE + ROWWISE:
+        if prefix + n not in tuners:
+            plan[n] = ColwiseParallel() if n in COLWISE else RowwiseParallel(output_layouts=seq)
+    parallelize_module(layer, mesh, plan)
+    for n in COLWISE + ROWWISE:
+        if prefix + n in tuners:
+            _TunerLinearParallel(n in ROWWISE, sp).apply(tuners[prefix + n], mesh)
+    other = [t for t in tuners if t.startswith(prefix) and t[len(prefix) :] not in COLWISE + ROWWISE]
+    if other:
+        raise SettingsError(
+            f"tensor parallelism: no sharding rule for the adapter on {other[0]!r}; target the "
+            f"projections {list(COLWISE + ROWWISE)} only."
+        )
+
+
+def _check_sequence(tp: int, module, args, kwargs) -> None:
+    """Forward pre-hook of a sequence-parallel model: the sequence splits evenly over the ``tp`` ranks."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is not None and ids.shape[1] % tp:
+        raise SettingsError(
+            f"sequence parallelism over tp={tp} ranks needs a sequence length divisible by "
+            f"{tp}, got {ids.shape[1]}: pad the batch to a multiple of {tp} (e.g. the "
+            f"tokenizer's pad_to_multiple_of={tp}) or set tp.sequence_parallel false."
+        )
+
+
 def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig | None = None) -> nn.Module:
     """Shard a LLaMA-family causal LM (or a peft model around one) in place over the 1D ``mesh`` (the ``tp``
     dimension of a larger mesh). Build the optimizer after this call; with FSDP2, call ``apply_fsdp`` on the
     data-parallel dimension afterwards (2D: FSDP over TP). See the module docstring."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-
     config = config or TensorParallelConfig()
     if mesh.ndim != 1:
         raise SettingsError(f"apply_tensor_parallel takes the 1D tp mesh (mesh['tp']), got a {mesh.ndim}D mesh.")
@@ -168,22 +238,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     sp, lp = config.sequence_parallel, config.loss_parallel
     seq = Shard(1) if sp else Replicate()
 
-    tuners = {}
-    for name, module in base.named_modules():
-        kind = _tuner_kind(module)
-        if kind is None:
-            continue
-        if kind in TP_REFUSED:
-            raise SettingsError(
-                f"tensor parallelism cannot shard the {kind.rstrip('_')} adapter of {name!r}: "
-                f"{TP_REFUSED[kind]}. Train it with FSDP2 or ZeRO-3 (--dp-shard) instead of --tp."
-            )
-        if kind not in TP_ADAPTERS:
-            raise SettingsError(
-                f"tensor parallelism has no sharding rule for the {type(module).__name__} tuner layer "
-                f"{name!r}; LoRA and LoRA-FA are supported."
-            )
-        tuners[name] = module
+    tuners = _tuner_layers(base)
 
     # a pipeline stage (hf_dtrain.models.LlamaPipelineStage) holds some layers (a ModuleDict keyed by
     # their index in the whole model) and the embedding / norm + lm_head only on the first / last stage
@@ -207,35 +262,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     if top:
         parallelize_module(base, mesh, top)
     for i, layer in items:
-        # the block's input stays a (replicated) DTensor: the projections' input gradients (partial sums) then add
-        # up as DTensors and are reduced once per block (a reduce-scatter under SP), not once per projection
-        plan = {
-            "self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": seq},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                use_local_output=False,
-            ),
-            "mlp": PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False
-            ),
-        }
-        if sp:
-            plan.update({n: SequenceParallel() for n in NORMS})
-        prefix = f"model.layers.{i}."
-        for n in COLWISE + ROWWISE:
-            if prefix + n in tuners:
-                continue
-            plan[n] = ColwiseParallel() if n in COLWISE else RowwiseParallel(output_layouts=seq)
-        parallelize_module(layer, mesh, plan)
-        for n in COLWISE + ROWWISE:
-            if prefix + n in tuners:
-                _TunerLinearParallel(n in ROWWISE, sp).apply(tuners[prefix + n], mesh)
-        other = [t for t in tuners if t.startswith(prefix) and t[len(prefix) :] not in COLWISE + ROWWISE]
-        if other:
-            raise SettingsError(
-                f"tensor parallelism: no sharding rule for the adapter on {other[0]!r}; target the "
-                f"projections {list(COLWISE + ROWWISE)} only."
-            )
+        _shard_layer(layer, f"model.layers.{i}.", mesh, sp, tuners)
     if sp and has_embed:  # the embedding's replicated output: the first layer takes its own sequence shard
         parallelize_module(items[0][1], mesh, _split_sequence())
     for n, p in base.named_parameters():  # torch's SequenceParallel re-creates the norm weights trainable
@@ -244,19 +271,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, config: TensorParallelConfig |
     if tied:  # both are vocabulary-sharded (Shard(0)): the tie holds on the shards
         base.lm_head.weight = decoder.embed_tokens.weight
     if sp:
-
-        def check_sequence(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is None:
-                ids = kwargs.get("inputs_embeds")
-            if ids is not None and ids.shape[1] % tp:
-                raise SettingsError(
-                    f"sequence parallelism over tp={tp} ranks needs a sequence length divisible by "
-                    f"{tp}, got {ids.shape[1]}: pad the batch to a multiple of {tp} (e.g. the "
-                    f"tokenizer's pad_to_multiple_of={tp}) or set tp.sequence_parallel false."
-                )
-
-        base.register_forward_pre_hook(check_sequence, with_kwargs=True)
+        base.register_forward_pre_hook(functools.partial(_check_sequence, tp), with_kwargs=True)
     model._hf_dtrain_tp = config
     base.sequence_shards = tp if sp else 1  # a later pipeline stage receives 1/tp of the sequence
     return model

@@ -14,6 +14,7 @@ previous step's snapshot, before the optimizer step), ``mid_snapshot`` (slot wri
 committed, then the rank and its node's snapshot process killed at once, wherever its parity exchange is)."""
 
 import faulthandler
+import json
 import os
 import random
 import signal
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from hf_dtrain.distributed.groups import init_distributed
+from hf_dtrain.distributed.groups import init_distributed, release_process_group
 from hf_dtrain.testing.models import random_batch, tiny_llama
 
 
@@ -47,34 +48,34 @@ def dump_full_state(model, optimizer, path: str) -> None:
     dist.barrier()
 
 
-def main():
-    faulthandler.enable()  # a rank that dies on a signal (SIGSEGV, SIGABRT) leaves its Python stack in rank{r}.out
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks a hung rank where it is
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out = os.environ["FT_OUT"]
-    steps = int(os.environ.get("FT_STEPS", "8"))
-    fault = os.environ.get("FT_FAULT", "")  # "rank:step:where"
-    fault_rank, fault_step, where = (fault.split(":") + ["", "", ""])[:3] if fault else ("-1", "-1", "")
-    fault_here = int(fault_rank) == rank
-    gen = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("FT_GEN", "0"))
-    for entry in filter(None, os.environ.get("FT_KILLS", "").split(",")):
-        g, r, st, ph = entry.split(":")
-        if g == gen and int(r) == rank:
-            fault, fault_rank, fault_step, where, fault_here = entry, r, st, ph, True
+class Fault:
+    """This rank's fault, from ``FT_FAULT`` (``rank:step:where``) or its ``FT_KILLS`` entry for this generation."""
 
-    def die():  # recorded first: the trials count the kills that happened
-        with open(os.path.join(out, "kills"), "a") as f:
-            f.write(f"{gen}:{rank}:{where}\n")
+    def __init__(self, rank: int, out: str):
+        self.out = out
+        fault = os.environ.get("FT_FAULT", "")
+        fault_rank, step, self.where = (fault.split(":") + ["", "", ""])[:3] if fault else ("-1", "-1", "")
+        self.here = int(fault_rank) == rank
+        self.gen = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("FT_GEN", "0"))
+        for entry in filter(None, os.environ.get("FT_KILLS", "").split(",")):
+            g, r, st, ph = entry.split(":")
+            if g == self.gen and int(r) == rank:
+                step, self.where, self.here = st, ph, True
+        self.rank, self.step = rank, int(step)
+
+    def at(self, where: str, step: int | None = None) -> bool:
+        return self.here and self.where == where and (step is None or step == self.step)
+
+    def die(self):  # recorded first: the trials count the kills that happened
+        with open(os.path.join(self.out, "kills"), "a") as f:
+            f.write(f"{self.gen}:{self.rank}:{self.where}\n")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if not init_distributed():  # torchrun / accelerate launch restarts: the generation's own store keys
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    torch.manual_seed(1234)
-    random.seed(1234)
-    np.random.seed(1234)
 
+def _build(kind: str):
+    """The model under its engine (``FT_ENGINE``), its AdamW and LambdaLR: (model, engine-wrapped model, optimizer,
+    scheduler)."""
     model = tiny_llama(seed=0, hidden_size=int(os.environ.get("FT_HIDDEN", "64")))
-    kind = os.environ.get("FT_ENGINE", "ddp")
     opt = None
     if kind == "fsdp2":  # sharded: each rank holds (and snapshots) its own shards
         from hf_dtrain.parallel import apply_fsdp
@@ -98,7 +99,66 @@ def main():
         ddp = torch.nn.parallel.DistributedDataParallel(model)
     if opt is None:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.1 * k))
+    return model, ddp, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.1 * k))
+
+
+def _start_snapshots(kind: str, model, ddp, opt, sched, fault: Fault):
+    """The snapshot engine, restored: (engine, the first step to train, None) or, when the restore fails,
+    (engine, None, the error)."""
+    from hf_dtrain.fault import SnapshotEngine, SnapshotError
+
+    persist = os.environ.get("FT_PERSIST") or None
+    # the DeepSpeed engine (its partitions), DDP (its buckets are rebuilt after a restore), FSDP2's model
+    engine = SnapshotEngine(
+        ddp if kind != "fsdp2" else model,
+        ddp.optimizer if kind.startswith("zero") else opt,
+        sched,
+        directory=os.environ["FT_DIR"],
+        parity=int(os.environ.get("FT_PARITY", "1")),
+        persist_dir=persist,
+        persist_every=int(os.environ.get("FT_PERSIST_EVERY", "0")),
+        timeout=30,
+    )
+    if fault.at("mid_snapshot"):
+        import hf_dtrain.fault.copier as copier
+
+        real = copier.checksum
+
+        def checksum_then_die(buf):  # the slot is written, the commit not yet sent
+            if getattr(engine, "_pending_step", None) == fault.step:
+                fault.die()
+            return real(buf)
+
+        copier.checksum = checksum_then_die
+    if fault.at("startup"):
+        fault.die()
+    t0 = time.perf_counter()
+    try:
+        restored = engine.restore()
+    except (SnapshotError, ValueError) as e:
+        return engine, None, f"{type(e).__name__}: {e}"  # (the traceback would keep the engine, and so DDP, alive)
+    if restored is None:
+        return engine, 1, None
+    with open(os.path.join(fault.out, f"rank{fault.rank}.restore"), "a") as f:
+        f.write(f"{restored.step} {restored.source} {time.perf_counter() - t0:.3f}\n")
+    return engine, restored.extra["next_step"], None
+
+
+def main():
+    faulthandler.enable()  # a rank that dies on a signal (SIGSEGV, SIGABRT) leaves its Python stack in rank{r}.out
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks a hung rank where it is
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = os.environ["FT_OUT"]
+    steps = int(os.environ.get("FT_STEPS", "8"))
+    fault = Fault(rank, out)
+    if not init_distributed():  # torchrun / accelerate launch restarts: the generation's own store keys
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+
+    kind = os.environ.get("FT_ENGINE", "ddp")
+    model, ddp, opt, sched = _build(kind)
     zero = kind.startswith("zero")
     engine = None
     start = 1
@@ -110,58 +170,20 @@ def main():
 
         reshard.write_chunks = broken
     if not os.environ.get("FT_NOFT"):
-        from hf_dtrain.fault import SnapshotEngine, SnapshotError
-
-        persist = os.environ.get("FT_PERSIST") or None
-        # the DeepSpeed engine (its partitions), DDP (its buckets are rebuilt after a restore), FSDP2's model
-        engine = SnapshotEngine(
-            ddp if kind != "fsdp2" else model,
-            ddp.optimizer if zero else opt,
-            sched,
-            directory=os.environ["FT_DIR"],
-            parity=int(os.environ.get("FT_PARITY", "1")),
-            persist_dir=persist,
-            persist_every=int(os.environ.get("FT_PERSIST_EVERY", "0")),
-            timeout=30,
-        )
-        if fault_here and where == "mid_snapshot":
-            import hf_dtrain.fault.snapshot as snap
-
-            real = snap.checksum
-
-            def checksum_then_die(buf):  # the slot is written, the commit not yet sent
-                if getattr(engine, "_pending_step", None) == int(fault_step):
-                    die()
-                return real(buf)
-
-            snap.checksum = checksum_then_die
-        if fault_here and where == "startup":
-            die()
-        t0 = time.perf_counter()
-        error = None
-        try:
-            restored = engine.restore()
-        except (SnapshotError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"  # (the traceback would keep the engine, and so DDP, alive)
+        engine, start, error = _start_snapshots(kind, model, ddp, opt, sched, fault)
         if error is not None:
             with open(os.path.join(out, f"rank{rank}.error"), "w") as f:
                 f.write(error)
-            from hf_dtrain.distributed.groups import release_process_group
-
             engine.close()
             # DDP (held by the engine too) freed while its gloo group exists, then the group: freed at interpreter
             # exit after the group, a rank can hang (pytorch/pytorch#56297) until the launcher kills it
             ddp = model = opt = sched = engine = None
             release_process_group()
             sys.exit(3)
-        if restored is not None:
-            start = restored.extra["next_step"]
-            with open(os.path.join(out, f"rank{rank}.restore"), "a") as f:
-                f.write(f"{restored.step} {restored.source} {time.perf_counter() - t0:.3f}\n")
     if os.environ.get("FT_DUMP") and start > 1:  # (an empty optimizer would be initialised by the gathering)
         dump_full_state(model, opt, os.path.join(os.environ["FT_DUMP"], f"w{world}-step{start - 1}.safetensors"))
-    if fault_here and os.environ.get("FT_RELATIVE") and where != "after_last":
-        fault_step = str(start - 1 + int(fault_step))  # FT_KILLS steps count from this generation's first step
+    if fault.here and os.environ.get("FT_RELATIVE") and fault.where != "after_last":
+        fault.step = start - 1 + fault.step  # FT_KILLS steps count from this generation's first step
     log = open(os.path.join(out, f"rank{rank}.log"), "a")
     for step in range(start, steps + 1):
         seed = int(torch.randint(0, 1 << 20, (1,))) + random.randrange(1 << 20) + int(np.random.randint(1 << 20))
@@ -170,8 +192,8 @@ def main():
         ddp.backward(loss) if zero else loss.backward()
         if engine is not None:
             engine.wait()
-        if fault_here and step == int(fault_step) and where == "before_step":
-            die()  # after the wait: the previous step is committed, whatever the host's load
+        if fault.at("before_step", step):
+            fault.die()  # after the wait: the previous step is committed, whatever the host's load
         if zero:
             ddp.step()  # DeepSpeed's: the base optimizer on the fp32 partitions, then the 16-bit copies
         else:
@@ -183,27 +205,23 @@ def main():
         if engine is not None:
             engine._pending_step = step
             engine.snapshot(step, extra={"next_step": step + 1})
-            if fault_here and step == int(fault_step) and where == "after_snapshot":
+            if fault.at("after_snapshot", step):
                 engine.wait()
                 time.sleep(1.5)  # the parity exchange of this step completes
-                die()
-            if fault_here and step == int(fault_step) and where == "node_lost":
+                fault.die()
+            if fault.at("node_lost", step):
                 engine.wait()  # committed; the whole node goes at once, its exchange of this step wherever it is
-                import json
-
                 os.kill(json.load(open(os.path.join(engine.dir, "smp.json")))["pid"], signal.SIGKILL)
-                die()
-    if fault_here and where == "after_last":
+                fault.die()
+    if fault.at("after_last"):
         if engine is not None:
             engine.wait()
-        die()
+        fault.die()
     if os.environ.get("FT_DUMP"):
         dump_full_state(model, opt, os.path.join(os.environ["FT_DUMP"], f"w{world}-step{steps}.safetensors"))
     if engine is not None:
         engine.close(shutdown=os.environ.get("FT_SHUTDOWN", "1") == "1")
     dist.barrier()
-    from hf_dtrain.distributed.groups import release_process_group
-
     # freed while their process groups exist, then the groups: a DeepSpeed engine freed at interpreter exit aborted
     # about one run in two ("terminate called without an active exception", after the last step was logged)
     ddp = model = opt = sched = engine = None

@@ -37,6 +37,7 @@ Writes ``gpu_check.json``, ``gpu_check.md`` and ``gpu_check.png`` under ``--out/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
@@ -256,21 +257,26 @@ def qahira_merge(ctx: Context) -> dict:
 HOOKS = ["allreduce", "acp_sgd", "s2_reducer", "dear", "embrace"]
 
 
-def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
-    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+@contextlib.contextmanager
+def _process_group(rank: int, world: int, port, backend: str, device: torch.device, seconds: int = 120):
+    """This rank in a ``world``-rank group over ``backend`` (NCCL bound to ``device``), released on the way out."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     kwargs = {"device_id": device} if backend == "nccl" else {}
+    url = f"tcp://127.0.0.1:{port}"
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-        **kwargs,
+        backend, init_method=url, rank=rank, world_size=world, timeout=timedelta(seconds=seconds), **kwargs
     )
     try:
-        _hooks_run(rank, world, backend, device, out)  # its DDP models are freed when it returns
+        yield
     finally:
         release_process_group()  # a DDP freed after its gloo group is gone can hang (pytorch/pytorch#56297)
+
+
+def _hooks_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    with _process_group(rank, world, port, backend, device, seconds=60):
+        _hooks_run(rank, world, backend, device, out)  # its DDP models are freed before the group is released
 
 
 def _hooks_run(rank: int, world: int, backend: str, device, out: str) -> None:
@@ -301,19 +307,14 @@ def _hooks_main(port: str, backend: str, device_type: str, out: str) -> None:
     mp.spawn(_hooks_worker, args=(2, int(port), backend, device_type, out), nprocs=2, join=True)
 
 
-def _spawn_two(main: str, backend: str, device_type: str) -> tuple[bool, str, dict]:
-    """Run ``main`` of this module (which spawns 2 ranks) in a process of its own, so an NCCL refusal cannot take the
-    checker down: (ok, its stderr's end, the JSON rank 0 wrote)."""
+def _spawn_two(main: str, backend: str, device_type: str, timeout: int = 600) -> tuple[bool, str, dict]:
+    """Run ``main(port, backend, device_type, out)`` of this module (which spawns its ranks) in a process of its own,
+    so an NCCL refusal cannot take the checker down: (ok, its stderr's end, the JSON it wrote to ``out``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         code = f"import sys, hf_dtrain.testing.gpu_check as g; g.{main}(*sys.argv[1:])"
-        proc = subprocess.run(
-            [sys.executable, "-c", code, str(free_port()), backend, device_type, out],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=ROOT,
-        )
+        argv = [sys.executable, "-c", code, str(free_port()), backend, device_type, out]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         if proc.returncode == 0 and os.path.exists(out):
             return True, "", json.loads(Path(out).read_text())
         return False, proc.stderr[-3000:], {}
@@ -356,15 +357,11 @@ def _train_losses(model, device, steps: int = 3, autocast: bool = False) -> list
     return losses
 
 
-def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
+def _fsdp2_worker(port: str, backend: str, device_type: str, out: str) -> None:
     """One rank: FSDP2 (``apply_fsdp``, bf16 gathered parameters, activation checkpointing) on the device, for full
     fine-tuning and each tuner, against the same model unsharded under bf16 autocast."""
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-    kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=120), **kwargs
-    )
-    try:
+    with _process_group(0, 1, port, backend, device):
         results = {}
         configs = {"full": None, **{k: v for k, v in _tuner_configs().items() if k != "lora"}}
         for name, make in configs.items():
@@ -384,45 +381,23 @@ def _fsdp2_worker(device_type: str, backend: str, port: str, out: str) -> None:
                 )
             results[name] = {"max_loss_rel_diff": rel, **losses}
         Path(out).write_text(json.dumps({"backend": backend, "device": str(device), "methods": results}))
-    finally:
-        release_process_group()
 
 
 def fsdp2(ctx: Context) -> dict:
     """FSDP2 on the device (its CUDA streams, bf16 gathers, activation checkpointing), one rank per GPU: NCCL with
     one rank here (two ranks on one GPU are refused by NCCL; multi-GPU runs are the tests' gloo runs scaled up)."""
     backend, device_type = ("nccl", "cuda") if ctx.device.type == "cuda" else ("gloo", "cpu")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "fsdp2.json")
-        code = "import sys, hf_dtrain.testing.gpu_check as g; g._fsdp2_worker(*sys.argv[1:])"
-        proc = subprocess.run(
-            [sys.executable, "-c", code, device_type, backend, str(free_port()), out],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            cwd=ROOT,
-        )
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise AssertionError(f"FSDP2 on {backend}/{device_type} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(Path(out).read_text())
+    ok, err, info = _spawn_two("_fsdp2_worker", backend, device_type, timeout=900)
+    if not ok:
+        raise AssertionError(f"FSDP2 on {backend}/{device_type} failed:\n{err}")
+    return info
 
 
 def _multi_worker(rank: int, world: int, port: int, backend: str, device_type: str, out: str) -> None:
     """One of 2 ranks, one per GPU (``cuda:<rank>``, NCCL), or on gloo/CPU in the dry run: every communication hook,
     1-bit LAMB, FSDP2 against the unsharded model, and a sharded snapshot restored in place."""
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-        **kwargs,
-    )
-    try:
+    with _process_group(rank, world, port, backend, device):
         result = {
             "backend": backend,
             "devices": [str(torch.device(device_type, r)) if device_type == "cuda" else "cpu" for r in range(world)],
@@ -434,8 +409,6 @@ def _multi_worker(rank: int, world: int, port: int, backend: str, device_type: s
         result["snapshot"] = _multi_snapshot(rank, world, device, os.path.dirname(out))
         if rank == 0:
             Path(out).write_text(json.dumps(result))
-    finally:
-        release_process_group()
 
 
 def _replicas_equal(model, world: int) -> bool:
@@ -1021,11 +994,6 @@ def run(
 
 
 def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     device = _device_name(ctx.device)
     folder = _report_folder(ctx, out_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -1039,60 +1007,80 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
         "command": "python -m hf_dtrain.testing.gpu_check " + " ".join(sys.argv[1:]),
     }
     (folder / "gpu_check.json").write_text(json.dumps({"environment": env, "steps": results}, indent=1, default=str))
-    lines = [f"# gpu_check on {device}", "", "| step | what | status | seconds | result |", "|---|---|---|---|---|"]
+    (folder / "gpu_check.md").write_text(report_markdown(results, env))
+    _plot(results, device, folder / "gpu_check.png")
+    return folder
+
+
+def _passed(results: list[dict], step: str) -> dict | None:
+    """The detail of ``step`` if it passed."""
+    return next((r["detail"] for r in results if r["step"] == step and r["status"] == "passed"), None)
+
+
+def _table(title: str, columns: list[str], rows) -> list[str]:
+    """A titled markdown table, as lines (a blank line before the title and the table)."""
+    head = ["", title, "", "| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    return head + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def report_markdown(results: list[dict], env: dict) -> str:
+    """gpu_check.md from the steps' results and the environment (what ``gpu_check.json`` holds)."""
+    lines = [
+        f"# gpu_check on {env['device']}",
+        "",
+        "| step | what | status | seconds | result |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         d = r["detail"]
         brief = d.get("reason") or d.get("error", "")[:200] or d.get("note") or d.get("nccl") or d.get("result") or ""
         lines.append(f"| {r['step']} | {r['what']} | {r['status']} | {r['seconds']} | {str(brief).replace('|', '/')} |")
-    peak = next((r["detail"] for r in results if r["step"] == "peak_memory" and r["status"] == "passed"), None)
+    peak = _passed(results, "peak_memory")
     if peak:
-        lines += [
-            "",
-            f"Peak memory, {peak['shape']}:",
-            "",
-            "| method | trainable | peak (GiB) | s/step |",
-            "|---|---|---|---|",
-        ]
-        for m in ("full", "lora", "lorafa", "smt"):
-            lines.append(
-                f"| {m} | {peak[m]['trainable']:,} | {peak[m]['peak_bytes'] / 2**30:.2f} | "
-                f"{peak[m]['seconds_per_step']:.3f} |"
+        rows = [
+            (
+                m,
+                f"{peak[m]['trainable']:,}",
+                f"{peak[m]['peak_bytes'] / 2**30:.2f}",
+                f"{peak[m]['seconds_per_step']:.3f}",
             )
+            for m in ("full", "lora", "lorafa", "smt")
+        ]
+        lines += _table(f"Peak memory, {peak['shape']}:", ["method", "trainable", "peak (GiB)", "s/step"], rows)
         lines += [
             "",
             f"LoRA-FA / LoRA: {peak['lorafa_vs_lora']:.2f}; SMT / full fine-tuning: {peak['smt_vs_full']:.2f}",
         ]
-    delta = next((r["detail"] for r in results if r["step"] == "delta_memory" and r["status"] == "passed"), None)
+    delta = _passed(results, "delta_memory")
     if delta:
-        lines += [
-            "",
-            f"Activation memory, {delta['shape']}:",
-            "",
-            "| method | peak (GiB) | peak / none | step / none |",
-            "|---|---|---|---|",
-        ]
+        rows = []
         for m in ("none", "checkpoint", "hf_offload", "delta_0.5", "delta_0.25"):
             r = delta[m]
             gib = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
             ratio = f"{r['peak_vs_none']:.2f}" if "peak_vs_none" in r else "n/a"
-            lines.append(f"| {m} | {gib} | {ratio} | {r['step_vs_none']:.2f} |")
-    stall = next((r["detail"] for r in results if r["step"] == "snapshot_stall" and r["status"] == "passed"), None)
+            rows.append((m, gib, ratio, f"{r['step_vs_none']:.2f}"))
+        columns = ["method", "peak (GiB)", "peak / none", "step / none"]
+        lines += _table(f"Activation memory, {delta['shape']}:", columns, rows)
+    stall = _passed(results, "snapshot_stall")
     if stall:
-        lines += [
-            "",
-            f"Stall per snapshot, {stall['shape']}:",
-            "",
-            "| method | stall (s) | step (s) | state bytes |",
-            "|---|---|---|---|",
+        rows = [
+            (m, f"{stall[m]['stall_median_s']:.4f}", f"{stall[m]['step_median_s']:.3f}", f"{stall[m]['state_bytes']:,}")
+            for m in ("hf_dtrain_snapshot", "dcp_async_save")
         ]
-        for m in ("hf_dtrain_snapshot", "dcp_async_save"):
-            lines.append(
-                f"| {m} | {stall[m]['stall_median_s']:.4f} | {stall[m]['step_median_s']:.3f} | "
-                f"{stall[m]['state_bytes']:,} |"
-            )
+        columns = ["method", "stall (s)", "step (s)", "state bytes"]
+        lines += _table(f"Stall per snapshot, {stall['shape']}:", columns, rows)
         lines += ["", f"stall, ours / DCP async_save: {stall['stall_ours_vs_dcp']:.2f}"]
     lines += ["", "## Environment"] + [f"- {k}: {v}" for k, v in env.items()]
-    (folder / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: list[dict], device: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peak = _passed(results, "peak_memory")
     fig, ax = plt.subplots(figsize=(7, 3.5))
     if peak:
         names = ["full", "lora", "lorafa", "smt"]
@@ -1107,9 +1095,8 @@ def write_report(results: list[dict], ctx: Context, out_dir: Path) -> Path:
         ax.set_xlabel("seconds (green passed, grey skipped, red failed)")
         ax.set_title(f"gpu_check on {device}")
     fig.tight_layout()
-    fig.savefig(folder / "gpu_check.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return folder
 
 
 def main(argv: list[str] | None = None) -> int:

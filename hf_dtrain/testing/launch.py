@@ -37,6 +37,40 @@ def run_python(code: str, timeout: float = 300, env: dict | None = None, cwd: st
     return proc.stdout
 
 
+# the repository root (recipes/ and its accelerate configs): the tests and benchmarks run from a checkout
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def accelerate_launch(
+    *argv: str, config: str = "cpu_2proc", env: dict | None = None, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file recipes/accelerate/<config>.yaml <argv>`` from the repository root, as a
+    user launches a recipe or ``-m hf_dtrain.cli ...`` on CPU: gloo ranks (``ACCELERATE_USE_CPU``), one intra-op
+    thread each, this checkout importable, a free main-process port. Returns the finished process; with ``check``
+    a failure raises with the end of its stderr."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"recipes/accelerate/{config}.yaml",
+        "--main_process_port",
+        str(free_port()),
+        *map(str, argv),
+    ]
+    full_env = dict(
+        os.environ,
+        ACCELERATE_USE_CPU="true",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+    )
+    full_env.update(env or {})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"accelerate launch {' '.join(map(str, argv))} failed:\n{proc.stderr[-4000:]}")
+    return proc
+
+
 @contextmanager
 def gloo_group(rank: int, world_size: int, addr: str = "127.0.0.1", port: int | str = 29500, timeout_s: float = 60):
     """A gloo default process group for the block (every collective times out after ``timeout_s``), destroyed

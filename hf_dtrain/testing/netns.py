@@ -36,6 +36,11 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, check=check)
 
 
+def _tc(namespace: str, command: str) -> None:
+    """``tc <command>`` (words split on spaces) inside ``namespace``."""
+    _run("ip", "netns", "exec", namespace, "tc", *command.split())
+
+
 def available() -> tuple[bool, str]:
     """``(True, "")`` if namespaces, veth, a bridge and ``tbf`` can be set up here, else ``(False, reason)``."""
     if sys.platform != "linux":
@@ -102,44 +107,10 @@ def emulated_hosts(
             link_rate = rates[i] if rates is not None else rate
             for ns, dev in ((host.namespace, host.interface), (switch, peer)):  # both directions
                 if link_rate is not None:
-                    _run(
-                        "ip",
-                        "netns",
-                        "exec",
-                        ns,
-                        "tc",
-                        "qdisc",
-                        "add",
-                        "dev",
-                        dev,
-                        "root",
-                        "handle",
-                        "1:",
-                        "tbf",
-                        "rate",
-                        link_rate,
-                        "burst",
-                        "64kb",
-                        "latency",
-                        "50ms",
-                    )
+                    _tc(ns, f"qdisc add dev {dev} root handle 1: tbf rate {link_rate} burst 64kb latency 50ms")
                 if delay_ms:
-                    parent = ["parent", "1:1"] if link_rate is not None else ["root"]
-                    _run(
-                        "ip",
-                        "netns",
-                        "exec",
-                        ns,
-                        "tc",
-                        "qdisc",
-                        "add",
-                        "dev",
-                        dev,
-                        *parent,
-                        "netem",
-                        "delay",
-                        f"{delay_ms / 2}ms",
-                    )
+                    parent = "parent 1:1" if link_rate is not None else "root"
+                    _tc(ns, f"qdisc add dev {dev} {parent} netem delay {delay_ms / 2}ms")
         yield hosts
     finally:
         for ns in reversed(created):

@@ -160,24 +160,12 @@ def test_unwrapped_model_and_bad_config():
 def test_accelerate_way_in_registers_on_the_prepared_model(tmp_path):
     """recipes/comm_hooks_accelerate.py under accelerate launch (2 gloo processes): the hook runs every step, the
     replicas end identical, and compressed steps send a fraction of the warm-up's dense bytes."""
-    import os
-    import subprocess
-    import sys
-
-    from hf_dtrain.testing import free_port, tiny_default_base
+    from hf_dtrain.testing import accelerate_launch, tiny_default_base
 
     base = tiny_default_base(tmp_path / "cache", steps=50)
     hook_yaml = tmp_path / "hook.yaml"  # the method's settings as a YAML recipe (recipes/comm_acp_sgd.yaml's shape)
     hook_yaml.write_text("comm_hook:\n  method: acp_sgd\n  rank: 4\n  start_iter: 4\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "recipes/accelerate/cpu_2proc.yaml",
-        "--main_process_port",
-        str(free_port()),
+    accelerate_launch(
         "recipes/comm_hooks_accelerate.py",
         "--model",
         base,
@@ -187,15 +175,7 @@ def test_accelerate_way_in_registers_on_the_prepared_model(tmp_path):
         str(hook_yaml),
         "--out",
         str(tmp_path / "out"),
-    ]
-    env = dict(
-        os.environ,
-        ACCELERATE_USE_CPU="true",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     )
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.load(open(tmp_path / "out" / f"comm_{r}.json")) for r in range(2)]
     assert all(r["world_size"] == 2 and r["hook_steps"] == r["steps"] == 12 for r in reports)
     assert reports[0]["param_checksum"] == reports[1]["param_checksum"]

@@ -3,8 +3,6 @@ CommHookCallback) and recipes/decentralized_accelerate.py under accelerate launc
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -78,18 +76,10 @@ def test_dpsgd_under_the_trainer_on_two_ranks(tmp_path):
     "extra", [["--method", "decentlam"], ["--method", "dpsgd", "--nonblocking", "--straggler", "1:2"]]
 )
 def test_accelerate_recipe_two_processes(tmp_path, extra):
-    from hf_dtrain.testing import free_port, tiny_default_base
+    from hf_dtrain.testing import accelerate_launch, tiny_default_base
 
     base = tiny_default_base(tmp_path / "cache", steps=50)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "recipes/accelerate/cpu_2proc.yaml",
-        "--main_process_port",
-        str(free_port()),
+    accelerate_launch(
         "recipes/decentralized_accelerate.py",
         "--model",
         base,
@@ -98,15 +88,7 @@ def test_accelerate_recipe_two_processes(tmp_path, extra):
         "--out",
         str(tmp_path / "out"),
         *extra,
-    ]
-    env = dict(
-        os.environ,
-        ACCELERATE_USE_CPU="true",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     )
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.load(open(tmp_path / "out" / f"decentralized_{r}.json")) for r in range(2)]
     assert all(r["world_size"] == 2 and r["steps"] == 30 for r in reports), reports
     assert reports[0]["loss_last10"] < reports[0]["loss_first10"], reports

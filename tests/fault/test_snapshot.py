@@ -112,7 +112,7 @@ def test_another_world_size_or_model_is_refused(ft_dir):
     try:
         model, opt, sched = _setup(hidden=96)
         other = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0)
-        other.world = 2  # past the world-size check, to reach the model check
+        other.ranks.world = 2  # past the world-size check, to reach the model check
         with pytest.raises(ValueError, match=r"belongs to another job: .*parameters: .*fresh-start true"):
             other.restore()
         other.close(shutdown=True)

@@ -236,22 +236,11 @@ def test_accelerate_recipe_two_processes(tmp_path):
     """recipes/delta_accelerate.py under accelerate launch (2 gloo ranks, DDP): the profiling step is an ordinary
     step, every later step stays under the budget, and the loss falls."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from hf_dtrain.testing import free_port, tiny_default_base
+    from hf_dtrain.testing import accelerate_launch, tiny_default_base
 
     base = tiny_default_base(tmp_path / "cache", steps=50)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "recipes/accelerate/cpu_2proc.yaml",
-        "--main_process_port",
-        str(free_port()),
+    accelerate_launch(
         "recipes/delta_accelerate.py",
         "--model",
         base,
@@ -263,15 +252,7 @@ def test_accelerate_recipe_two_processes(tmp_path):
         "8",
         "--out",
         str(tmp_path / "out"),
-    ]
-    env = dict(
-        os.environ,
-        ACCELERATE_USE_CPU="true",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     )
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         r = json.load(open(tmp_path / "out" / f"delta_{rank}.json"))
         # 0.4 of what the profiling step (everything kept) saved, computed here rather than read from the plan

@@ -125,21 +125,11 @@ def test_accelerate_recipe_two_processes(tmp_path, optimizer):
     falls, and 1-bit LAMB's steps after its warm-up send under 1/16 of the warm-up's bytes; its saved state
     (accelerator.save_state) carries both ranks' error feedback."""
     import json
-    import subprocess
-    import sys
 
-    from hf_dtrain.testing import free_port, tiny_default_base
+    from hf_dtrain.testing import accelerate_launch, tiny_default_base
 
     base = tiny_default_base(tmp_path / "cache", steps=50)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "recipes/accelerate/cpu_2proc.yaml",
-        "--main_process_port",
-        str(free_port()),
+    accelerate_launch(
         "recipes/optimizers_accelerate.py",
         "--model",
         base,
@@ -153,15 +143,7 @@ def test_accelerate_recipe_two_processes(tmp_path, optimizer):
         str(tmp_path / "out"),
         "--save-state",
         str(tmp_path / "state"),
-    ]
-    env = dict(
-        os.environ,
-        ACCELERATE_USE_CPU="true",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     )
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.load(open(tmp_path / "out" / f"optim_{r}.json")) for r in range(2)]
     summary = [
         {k: r[k] for k in ("world_size", "steps", "param_checksum", "loss_first10", "loss_last10")} for r in reports
