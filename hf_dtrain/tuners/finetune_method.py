@@ -149,6 +149,12 @@ def register_finetune_method(method: FinetuneMethod) -> FinetuneMethod:
     return method
 
 
+def unregister_finetune_method(name: str) -> None:
+    """Forget a registered method (a plug-in's tests put the registry back as they found it)."""
+    if FINETUNE_METHODS.pop(name, None) is not None:
+        _version[0] += 1
+
+
 def method_names() -> tuple[str, ...]:
     return tuple(FINETUNE_METHODS)
 
