@@ -1,9 +1,9 @@
 """``hf-dtrain`` console script (also ``python -m hf_dtrain.cli``).
 
 Subcommands:
-  finetune     fine-tune any causal LM with a registered method (lora, dora, lorafa, smt, qbara, qahira, full...) or a
-               saved peft config, through TRL's SFTTrainer (see :mod:`hf_dtrain.jobs.finetune`)
-  pretrain     pretrain a LLaMA from a LlamaConfig preset; --tp / --pp / --dp-* lay it out on a mesh
+  finetune     fine-tune any causal LM with a registered method or a saved peft config, through TRL's SFTTrainer
+               (see :mod:`hf_dtrain.jobs.finetune`)
+  pretrain     pretrain a LLaMA from a LlamaConfig preset, on one process or laid out over many
                (see :mod:`hf_dtrain.jobs.pretrain`)
   sweep        a grid of finetune jobs trained fused, as one model (see :mod:`hf_dtrain.jobs.sweep`)
   fed          federated fine-tuning, simulated on the launched processes: fed simulate (see :mod:`hf_dtrain.jobs.fed`)
@@ -12,10 +12,9 @@ Subcommands:
   build-base   build (and cache) the embedded default base model
 
 Every setting is a flag and a recipe YAML key, generated from the typed configs: the job's own, every registered
-engine section's (--comm-hook.*, --optimizer with --eva.* / --onebit-lamb.* / --gossip.* / --diloco.*, --delta.*,
---fault-tolerance.*, --fsdp.*, pretrain's --tp / --pp / --tensor-parallel.* / --pipeline.*), each fine-tuning method's
-own section (--smt.*, --lorafa.*, --qbara.*, --qahira.*), and for the fine-tuning jobs every field of TRL's SFTConfig
-and transformers' TrainingArguments at the top level (--bf16, --gradient-checkpointing, --learning-rate ...). A recipe
+engine section's and each registered fine-tuning method's own section (``hf-dtrain <job> --help`` lists them, one
+group per section: --<section>.<setting>), and for the fine-tuning jobs every field of TRL's SFTConfig and
+transformers' TrainingArguments at the top level (--bf16, --gradient-checkpointing, --learning-rate ...). A recipe
 YAML gives the same, sections as nested mappings.
 
 The jobs are registered lazily: ``hf-dtrain --help`` imports no job, and a job imports only what it uses.
@@ -87,10 +86,6 @@ JOBS = {
     ),
 }
 
-# finetune's flags that belong to pretrain: refused naming the job that takes them (before anything is built)
-MESH_FLAGS = ("--tp", "--pp", "--dp-shard", "--dp-replicate", "--plan")
-MESH_PREFIXES = ("--parallel", "--pipeline.", "--tensor-parallel.")
-
 
 def load(target: str):
     module, _, attribute = target.partition(":")
@@ -140,16 +135,13 @@ def parse(argv: list[str]):
     if not argv or argv[0].startswith("-") or argv[0] not in JOBS:
         top_parser().parse_args(argv)  # --help, or an unknown command: argparse says so and exits
     name = argv[0]
-    if name == "finetune":
-        mesh = [a for a in argv if a.split("=")[0] in MESH_FLAGS or a.startswith(MESH_PREFIXES)]
-        if mesh:
-            from hf_dtrain.settings import SettingsError
+    if JOBS[name].config is not None:  # another job's section flag: refused in that section's words
+        from hf_dtrain.run.section import foreign_flag
+        from hf_dtrain.settings import SettingsError
 
-            raise SettingsError(
-                f"{mesh[0]} is a pretrain flag: the Trainer cannot drive a pipeline (it calls model(**batch) once per "
-                "step on every rank) and does not lay a model out on a tp / pp mesh. Use hf-dtrain pretrain --tp/--pp, "
-                "or the Accelerate loop in docs/parallel.md; for sharded fine-tuning use --fsdp or --deepspeed zero3."
-            )
+        refusal = foreign_flag(name, argv[1:])
+        if refusal:
+            raise SettingsError(refusal)
     return name, job_parser(name).parse_args(argv[1:])
 
 

@@ -1,6 +1,6 @@
 """``hf-dtrain fed simulate``: a federated fine-tuning run simulated on the launched processes (FedML Parrot-style).
 
-``run_fed_simulate(FedSimulateConfig(job=FinetuneConfig(method="lorafa"), fed=FederatedConfig(clients=100)))``: the
+``run_fed_simulate(FedSimulateConfig(job=FinetuneConfig(method=...), fed=FederatedConfig(clients=100)))``: the
 base model and the task as ``hf-dtrain finetune`` builds them, the training set split over the clients (Dirichlet over
 the task's labels: for the default addition task, the first digit of the first operand; for a dataset, its ``label``
 or ``source`` column when it has one), the peft adapter as the payload, and one row per round: the clients sampled

@@ -1,9 +1,9 @@
 """``hf-dtrain sweep``: a grid of ``hf-dtrain finetune`` jobs trained fused (HFTA) on one base model.
 
-``run_sweep(SweepConfig(jobs=expand_grid(FinetuneConfig(method="lorafa", ...), learning_rate=[1e-4, 3e-4],
+``run_sweep(SweepConfig(jobs=expand_grid(FinetuneConfig(method=..., ...), learning_rate=[1e-4, 3e-4],
 lora_r=[8, 16], seed=[0, 1])))`` trains the K jobs as one model (:mod:`hf_dtrain.fused`): the frozen base runs once
 per step for all of them, each job keeps its own adapter, rank, alpha, learning rate, schedule, seed (adapter init,
-data and data order) and optimizer state. Each job is exactly a :class:`~hf_dtrain.finetune.FinetuneConfig`: alone,
+data and data order) and optimizer state. Each job is exactly a :class:`~hf_dtrain.jobs.sft.config.FinetuneJob`: alone,
 ``hf-dtrain finetune`` with the same settings trains the same adapter. Each job gets a standard peft adapter
 directory with a model card and ``results.json`` under ``<output_dir>/<job>/``; the sweep writes ``sweep.json``,
 ``sweep.md`` (one row per job) and ``sweep.png`` (every job's loss curve).
@@ -85,11 +85,11 @@ def per_job() -> tuple[str, ...]:
 
 def grid_axes() -> dict[str, tuple[str, type, str]]:
     """Every grid axis: its short name on the command line -> (the setting, its type, its label in job names); the
-    methods' own (``smt_num_blocks`` -> ``smt.num_blocks``) from their registrations."""
+    methods' own (``<method>_<setting>`` -> ``<method>.<setting>``) from their registrations."""
     out = dict(SHARED_AXES)
     for m in FINETUNE_METHODS.values():
-        for setting, (kind, label) in m.sweep_axes.items():
-            out[f"{m.name}_{setting}"] = (f"{m.name}.{setting}", kind, label)
+        for name, (kind, label) in m.sweep_axes.items():
+            out[f"{m.name}_{name}"] = (f"{m.name}.{name}", kind, label)
     return out
 
 
@@ -157,8 +157,8 @@ def expand_grid(base: FinetuneJob, **axes) -> list[FinetuneJob]:
     return jobs
 
 
-def setting(job: FinetuneJob, name: str):
-    """A job's value of a grid setting: a field, a section's (``smt.num_blocks``) or the Trainer's (``seed``)."""
+def job_setting(job: FinetuneJob, name: str):
+    """A job's value of a grid setting: a field, a section's (``<method>.<setting>``) or the Trainer's (``seed``)."""
     section, _, key = name.rpartition(".")
     if section:
         return getattr(getattr(job, section), key)
@@ -271,14 +271,14 @@ def max_steps_of(job: FinetuneJob, train_rows: int, world: int) -> int:
 def job_name(job: FinetuneJob, jobs: list[FinetuneJob], index: int) -> str:
     """A name from the settings that vary across the sweep (``lr0p0003-r8-seed1``: no dots, since peft adapter names
     are module names), unique within it."""
-    varying = [(f, short) for f, _, short in grid_axes().values() if len({setting(j, f) for j in jobs}) > 1]
+    varying = [(f, short) for f, _, short in grid_axes().values() if len({job_setting(j, f) for j in jobs}) > 1]
 
     def label(j):
         return (
             "-".join(
-                f"{short}{setting(j, f):g}".replace(".", "p")
-                if isinstance(setting(j, f), float)
-                else f"{short}{setting(j, f)}"
+                f"{short}{job_setting(j, f):g}".replace(".", "p")
+                if isinstance(job_setting(j, f), float)
+                else f"{short}{job_setting(j, f)}"
                 for f, short in varying
             )
             or "job"
@@ -419,7 +419,7 @@ class _Sweep:
                 peft_model = get_peft_model(base, pcfg, adapter_name=self.names[k])
             else:
                 peft_model.add_adapter(self.names[k], pcfg)
-            if self.method.prepare is not None:  # e.g. SMT selects the job's blocks on its own data before fusing
+            if self.method.prepare is not None:  # the job's own data (a method that selects what trains)
                 self.method.prepare(peft_model, jobs[k].method_settings, self._method_data(k))
         return fuse_adapters(peft_model, [self.names[k] for k in idx]), peft_model
 

@@ -290,6 +290,11 @@ class LayoutSection(Section):
 
     name = "parallel"
     jobs = ("pretrain",)
+    elsewhere = (
+        "the Trainer cannot drive a pipeline (it calls model(**batch) once per step on every rank) and does not lay "
+        "a model out on a tp / pp mesh. Use hf-dtrain pretrain --tp/--pp, or the Accelerate loop in docs/parallel.md; "
+        "for sharded fine-tuning use --fsdp or --deepspeed zero3."
+    )
     order = 25
     shards_parameters = True
     placement_keys = ("parallel", "tensor_parallel", "pipeline")

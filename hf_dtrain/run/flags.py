@@ -33,9 +33,9 @@ def _none_or(conv):
     return parse
 
 
-def converter(tp) -> tuple:
+def converter(annotation) -> tuple:
     """(argparse type, nargs) for a field's annotation."""
-    base, optional = unwrap_optional(tp)
+    base, optional = unwrap_optional(annotation)
     origin = typing.get_origin(base)
     if origin in (list, tuple):
         args = [a for a in typing.get_args(base) if a is not Ellipsis] or [str]
@@ -83,10 +83,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, cls) -> None:
                 **extra,
             )
     groups: dict = {}
-    for path, f, tp, owner in walk_fields(cls):
+    for path, f, annotation, owner in walk_fields(cls):
         if f.metadata.get("flatten"):
             continue
-        conv, nargs = converter(tp)
+        conv, nargs = converter(annotation)
         kwargs = dict(
             dest=path, type=conv, default=argparse.SUPPRESS, help=help_of(f), metavar=path.rsplit(".", 1)[-1].upper()
         )

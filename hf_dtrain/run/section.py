@@ -78,6 +78,7 @@ class Section:
     resume_hint: ClassVar[str] = ""  # added to "relaunch the same command to resume" when a rank dies
     shards_parameters: ClassVar[bool] = False  # each rank holds shards (FSDP2, ZeRO-3, a mesh), not replicas
     placement_keys: ClassVar[tuple[str, ...]] = ()  # its settings that say how the model is laid out, not what trains
+    elsewhere: ClassVar[str] = ""  # said when a job that does not hold its settings is given one of its flags
 
     @classmethod
     def settings(cls) -> list[tuple[str, Any, dataclasses.Field]]:
@@ -251,6 +252,22 @@ def discover() -> None:
             importlib.import_module(f"hf_dtrain.{module.name}.section")
     for entry in importlib.metadata.entry_points(group="hf_dtrain.sections"):
         entry.load()
+
+
+def foreign_flag(job: str, argv: list[str]) -> str | None:
+    """The refusal of the first flag in ``argv`` that belongs to a section of other jobs (one that says why it is not
+    ``job``'s, in :attr:`Section.elsewhere`), or None."""
+    discover()
+    for section in SECTIONS.values():
+        if job in section.jobs or not section.elsewhere:
+            continue
+        names = ["--" + name.replace("_", "-") for name, _, _ in section.settings()]
+        names += [flag for flag, _, _ in section.short_flags()]
+        for arg in argv:
+            word = arg.split("=")[0]
+            if word in names or any(word.startswith(name + ".") for name in names):
+                return f"{word} is a {' / '.join(section.jobs)} flag: {section.elsewhere}"
+    return None
 
 
 def sections_for(job: str) -> list[type[Section]]:

@@ -114,6 +114,7 @@ class FinetuneMethod:
     sweep_settings: tuple[str, ...] = ()
     sweep_axes: dict = field(default_factory=dict, compare=False)
     order: int = field(default=100, compare=False)  # where --method lists it (lower first)
+    default: bool = field(default=False, compare=False)  # the jobs' --method when none is given
 
     def fused_form(self):
         """Its fused form, or ``ValueError`` with the reason it has none."""
@@ -153,6 +154,14 @@ def unregister_finetune_method(name: str) -> None:
     """Forget a registered method (a plug-in's tests put the registry back as they found it)."""
     if FINETUNE_METHODS.pop(name, None) is not None:
         _version[0] += 1
+
+
+def default_method() -> str:
+    """The jobs' ``--method`` when none is given: the first registered method that says it is the default."""
+    for method in FINETUNE_METHODS.values():
+        if method.default:
+            return method.name
+    raise SettingsError("no registered fine-tuning method is the default; register one with default=True.")
 
 
 def method_names() -> tuple[str, ...]:

@@ -26,7 +26,8 @@ def arguments(cfg, run):
 
 def adapt(cfg, run, data, args):
     """The base model wrapped for the method (its peft config, or the saved one; the base itself for full
-    fine-tuning), and the method's prepare step (SMT selects its blocks); returns ``(model, callbacks)``."""
+    fine-tuning), and the method's prepare step (one that selects what trains on the data); returns ``(model,
+    callbacks)``."""
     set_seed(args.seed)
     model = data.model
     peft_config = cfg.build_peft_config(model)

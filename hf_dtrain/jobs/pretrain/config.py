@@ -29,7 +29,7 @@ class PretrainJob(JobConfig):
     data_bytes: int = setting(2_000_000, "Default corpus: bytes of stdlib source to use.", min=1000)
     seq_len: int = setting(128, "Tokens per training block.", min=2)
     per_device_train_batch_size: int = setting(
-        16, "Blocks per process per step (with --hetero-speeds: the global batch is this x processes).", min=1
+        16, "Blocks per process per step (a section that deals the batches says how it shares them).", min=1
     )
     max_steps: int = setting(200, "Optimizer steps.", min=1)
     learning_rate: float = setting(1e-3, "Peak learning rate.", gt=0)

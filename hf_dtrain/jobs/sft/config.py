@@ -1,6 +1,6 @@
 """The settings of one fine-tuning job (``FinetuneConfig``): what ``hf-dtrain finetune`` trains, each job of a fused
 sweep and the federation's clients; the engine sections every job takes (from :mod:`hf_dtrain.run.section`); one
-section per registered method (``--smt.*``); and the Trainer's settings (every field of TRL's ``SFTConfig``) in
+section per registered method (``--<method>.*``); and the Trainer's settings (every field of TRL's ``SFTConfig``) in
 ``training``, with the job's defaults (:meth:`FinetuneJob.training_defaults`).
 
 ``FinetuneConfig`` is built from the registries (:func:`finetune_config_class`) the first time it is used: a method or
@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from hf_dtrain.run.config import JobConfig, job_config_class
 from hf_dtrain.run.section import sections_for
 from hf_dtrain.settings import SettingsError, check_local_path, setting
-from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS, LORA_TARGETS, AdapterSettings, method_names
+from hf_dtrain.tuners.finetune_method import (
+    FINETUNE_METHODS,
+    LORA_TARGETS,
+    AdapterSettings,
+    default_method,
+    method_names,
+)
 from hf_dtrain.tuners.finetune_method import registry_version as methods_version
 
 from .trainer_fields import add_trainer_arguments, trainer_field_names
@@ -63,7 +69,11 @@ class FinetuneJob(JobConfig):
     job = "finetune"
     trainer = True
 
-    method: str = setting("lorafa", "The fine-tuning method (hf_dtrain.tuners' registry).", choices=method_names)
+    method: str = setting(
+        default_method(),
+        "The fine-tuning method: a registered one (hf_dtrain.tuners' folders, other packages' hf_dtrain.methods).",
+        choices=method_names,
+    )
     peft_config: str | None = setting(
         None,
         "A saved peft config to train instead of --method's: a directory holding adapter_config.json, or "
@@ -79,10 +89,10 @@ class FinetuneJob(JobConfig):
     quantize: str | None = setting(
         None,
         "Load the base in 4 bits: nf4 (bitsandbytes), hqq4 (HQQ, zero-points) or int4 (hf_dtrain's "
-        "Int4Linear, zero-points); qahira merges exactly into hqq4/int4.",
+        "Int4Linear, zero-points); each method says which it trains on (an exact merge into 4 bits needs zero-points).",
     )
     quant_group_size: int = setting(
-        64, "hqq4/int4: quantization group size along in_features (also qahira's input pooling factor).", min=1
+        64, "hqq4/int4: quantization group size along in_features (a method may read it too).", min=1
     )
     dataset: str | None = setting(
         None,
@@ -91,12 +101,12 @@ class FinetuneJob(JobConfig):
     )
     dataset_config: str | None = setting(None, "Hub dataset configuration name.")
     lora_r: int = setting(
-        8, "Rank of lora / dora / lorafa / qbara, and the LoRA budget the other methods are matched to.", min=1
+        8, "Rank of the low-rank methods, and the LoRA budget the other methods are matched to.", min=1
     )
-    lora_alpha: int = setting(16, "Scaling numerator for lora, dora, lorafa, qbara.", gt=0)
-    lora_dropout: float = setting(0.0, "Dropout for lora and dora.", min=0, lt=1)
+    lora_alpha: int = setting(16, "Scaling numerator of the low-rank methods (alpha / r).", gt=0)
+    lora_dropout: float = setting(0.0, "Adapter dropout of the methods that take one.", min=0, lt=1)
     target_modules: list[str] | None = setting(
-        None, f"Modules to adapt; default {LORA_TARGETS} (the attention projections for smt)."
+        None, f"Modules to adapt; default {LORA_TARGETS}, unless the method defaults otherwise."
     )
     task_digits: int | None = setting(
         None, "Default task: operands have 1 to N digits (default hf_dtrain.tasks.TASK_DIGITS).", min=1
@@ -229,7 +239,7 @@ class FinetuneJob(JobConfig):
 
     @property
     def method_settings(self):
-        """The method's own settings section (``cfg.smt``), or None."""
+        """The method's own settings section (``cfg.<method>``), or None."""
         return getattr(self, self.method, None)
 
     @property
@@ -315,7 +325,7 @@ class FinetuneJob(JobConfig):
 
 
 def _method_sections() -> list:
-    """One section per registered method that has settings of its own (``smt``, ``qbara``...)."""
+    """One section per registered method that has settings of its own (``--<method>.*``)."""
     out = []
     for name, m in FINETUNE_METHODS.items():
         if m.settings is not None:

@@ -52,5 +52,6 @@ METHOD = register_finetune_method(
             optimizer_rule="lorafa",
         ),
         order=10,
+        default=True,  # the jobs' --method (LoRA's quality at a fraction of its activation memory)
     )
 )
