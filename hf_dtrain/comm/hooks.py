@@ -1,8 +1,6 @@
 """``register(model, config)``: a communication hook on a DDP model, by method (the table ``_REGISTER``), and the
 dense all-reduce hook with byte accounting that the half-precision methods and the baseline use."""
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ class DenseState:
     wire_dtype: torch.dtype | None = None  # bf16 / fp16: the bucket travels in this dtype (torch's hooks)
 
 
+# (no `from __future__ import annotations` here: DDP checks these annotations against the real classes)
 def dense_allreduce_hook(state: DenseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.calls += 1
     buffer = bucket.buffer()
