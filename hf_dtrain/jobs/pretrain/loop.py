@@ -116,10 +116,10 @@ def train(cfg, run, parts: Parts) -> list[dict]:
             if run.monitor is not None:
                 run.monitor.step = step  # published at once: a dead rank is named with the step it was on
             loss = train_step(run, parts, blocks.to(run.device))
-            run.after_step(step, loss)
             history.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
             step_log.write(json.dumps({**history[-1], "time": time.time()}) + "\n")
-            step_log.flush()
+            step_log.flush()  # before the sections' (a snapshot, the loss guard): the step happened, whatever follows
+            run.after_step(step, loss)
             bar.update(1)
             if run.is_main and cfg.logging_steps and step % cfg.logging_steps == 0:
                 bar.write(f"step {step}: loss {loss:.4f}")
