@@ -10,7 +10,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# where results are written: benchmarks/results/, or $HF_DTRAIN_BENCH_RESULTS (rerender.py draws into a scratch folder)
+RESULTS = Path(os.environ.get("HF_DTRAIN_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 RESULT_TAG = "RESULT "
@@ -62,12 +63,31 @@ def timed_steps(model, loader, params, optimizer, scheduler) -> tuple[list[float
     return times, losses
 
 
+def cpu_capability() -> str:
+    """The CPU's model and how it computes bf16: natively (AMX tiles, or AVX-512 BF16 instructions) or emulated
+    (AVX2 alone: a bf16 matmul there is tens of times slower than fp32)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    if "amx_bf16" in flags:
+        bf16 = "bf16 native (AMX)"
+    elif "avx512_bf16" in flags:
+        bf16 = "bf16 native (AVX-512 BF16)"
+    else:
+        bf16 = "bf16 emulated (no AMX / AVX-512 BF16)"
+    return f"{model or 'unknown CPU'}; {bf16}"
+
+
 def environment() -> dict:
     import torch
 
     env = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or 'cpu'}",
+        "cpu": cpu_capability(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "python": platform.python_version(),
         "command": "python " + " ".join(sys.argv),

@@ -388,7 +388,7 @@ def split_part(base_path, rate="100mbit") -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--from-json", metavar="PATH")
+    ap.add_argument("--from-json", metavar="PATH", help="only rebuild the table and plot from a results JSON")
     ap.add_argument("--client-process", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--sim-rounds", type=int, default=3, help="rounds of the wall-time comparison")
     ap.add_argument("--split-worker", nargs=4, help=argparse.SUPPRESS)
@@ -400,6 +400,16 @@ def main():
         "process per client, Parrot, Flower) and rewrite the results with it",
     )
     args = ap.parse_args()
+    if args.from_json:  # the measured run's figures and environment, drawn again
+        data = json.load(open(args.from_json))
+        return render(
+            data["rows"],
+            data["rounds"],
+            data["simulation"],
+            data["split"],
+            data["unsplit_eval_loss"],
+            env=data["environment"],
+        )
     if args.client_process:
         return client_process(args.client_process)
     if args.split_worker:

@@ -286,7 +286,13 @@ def render(payload: dict):
             f"\n\nMatrix products at the rows of one job ({payload['rows_per_job']}: batch x mean sequence "
             "length) and of 8 jobs stacked:\n\n" + markdown_table(payload["gemm"], gcols)
         )
-    return table, fig
+    grid = payload["grid"]
+    notes = (
+        "Sequential = the same K jobs one after another; its samples/s is K x batch over the sum of the jobs' "
+        "median step times. Each fused step trains all K jobs on their own batches. Jobs: the grid "
+        f"learning rate {grid['learning_rate']} x rank {grid['lora_r']} x seed {grid['seed']} (the first K)."
+    )
+    return table, fig, notes
 
 
 def main() -> None:
@@ -354,12 +360,7 @@ def main() -> None:
         rows_per_job=rows_per_job,
         gemm=gemm_rates(rows_per_job, 256),
     )
-    table, fig = render(payload)
-    notes = (
-        "Sequential = the same K jobs one after another; its samples/s is K x batch over the sum of the jobs' "
-        "median step times. Each fused step trains all K jobs on their own batches. Jobs: the grid "
-        f"learning rate {LRS} x rank {RANKS} x seed {SEEDS} (the first K)."
-    )
+    table, fig, notes = render(payload)
     write("fused", payload, table, fig, notes=notes)
     print(table)
 

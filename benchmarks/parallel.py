@@ -415,6 +415,7 @@ def render(payload: dict):
         fig,
         notes="\n".join(notes) + "\n\nMachine profile (measured in the same run, all 4 ranks at once):\n"
         f"```\n{json.dumps(payload['profile'], indent=1)}\n```",
+        env=payload.get("environment"),  # re-rendered: the environment that measured it
     )
 
 
