@@ -1,6 +1,6 @@
 """The run of one job, over its sections (torchtitan's ``train.py`` has this shape)::
 
-    run = JobRun(cfg, method=...)                 # clashes refused, sections checked, then the process group
+    run = JobRun(cfg)                             # clashes refused, sections checked, then the process group
     with run.main_first():                        # rank 0 builds or downloads first, the others read the cache
         ...
     run.prepare(model)                            # the sections transform the model (DELTA, the mesh, FSDP2...)
@@ -18,6 +18,7 @@ their order (:mod:`hf_dtrain.run.section`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -246,6 +247,4 @@ class JobRun:
 
 
 def _plain(config) -> dict:
-    import dataclasses
-
     return dataclasses.asdict(config)
