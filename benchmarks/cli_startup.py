@@ -1,5 +1,5 @@
 """How fast the console script answers, beside ``accelerate --help`` on the same machine in the same run: the top-level
-help, ``finetune --help``, ``plan --help`` and a bad flag (refused before anything loads), each the median of
+help, every job's ``--help`` and a bad flag (refused before anything loads), each the median of
 ``--repeats`` runs taken in interleaved rounds (every command once per round, so a busy spell of the machine falls on
 all of them alike). For each hf-dtrain command, which heavy modules it imported (one extra run under
 ``-X importtime``): torch, transformers, peft, and the optional backends TRL, ``datasets``, DeepSpeed, bitsandbytes,
@@ -29,6 +29,10 @@ COMMANDS = [
     ("hf-dtrain --help", ["--help"], 0),
     ("hf-dtrain finetune --help", ["finetune", "--help"], 0),
     ("hf-dtrain plan --help", ["plan", "--help"], 0),
+    ("hf-dtrain pretrain --help", ["pretrain", "--help"], 0),
+    ("hf-dtrain sweep --help", ["sweep", "--help"], 0),
+    ("hf-dtrain fed simulate --help", ["fed", "simulate", "--help"], 0),
+    ("hf-dtrain elastic --help", ["elastic", "--help"], 0),
     ("hf-dtrain finetune --no-such-flag", ["finetune", "--no-such-flag"], 2),
 ]
 BASELINE = "accelerate --help"

@@ -118,7 +118,8 @@ def time_fused(jobs, base_path, warm: int, profile: bool = False):
 
     from hf_dtrain import tasks
     from hf_dtrain.fused import FusedConfig, FusedJob, FusedTrainer, fuse_adapters, fuse_models
-    from hf_dtrain.jobs.sweep import _job_loader, job_name
+    from hf_dtrain.jobs.sweep.config import job_name
+    from hf_dtrain.jobs.sweep.run import _job_loader
     from hf_dtrain.models import load_model_and_tokenizer
 
     base, tok = load_model_and_tokenizer(base_path)

@@ -60,19 +60,19 @@ JOBS = {
     ),
     "sweep": Job(
         "train a grid of finetune jobs fused, as one model (HFTA): --lr 1e-4,3e-4 --r 8,16 --seed 0,1",
-        arguments="hf_dtrain.jobs.sweep:add_arguments",
-        main="hf_dtrain.jobs.sweep:main",
+        arguments="hf_dtrain.jobs.sweep.config:add_arguments",
+        main="hf_dtrain.jobs.sweep.run:main",
     ),
     "fed": Job(
         "federated fine-tuning: hf-dtrain fed simulate --clients 100 --per-round 10",
-        arguments="hf_dtrain.jobs.fed:add_arguments",
-        main="hf_dtrain.jobs.fed:main",
+        arguments="hf_dtrain.jobs.fed.config:add_arguments",
+        main="hf_dtrain.jobs.fed.run:main",
         actions=("simulate",),
     ),
     "elastic": Job(
         "elastic data-parallel training: hosts join and leave while it trains",
-        config="hf_dtrain.jobs.elastic:ElasticJob",
-        run="hf_dtrain.jobs.elastic:run_elastic",
+        config="hf_dtrain.jobs.elastic.config:ElasticJob",
+        run="hf_dtrain.jobs.elastic.run:run_elastic",
     ),
     "plan": Job(
         "rank the parallelism plans of a model on a machine",

@@ -4,8 +4,8 @@ loads nothing it does not use.
 * No method hf_dtrain ships (``smt``, ``lorafa``, ``qbara``, ``qahira``) and no section's setting (``delta``,
   ``comm_hook``, ``fsdp``...) is named in the code of ``hf_dtrain/jobs/``, ``hf_dtrain/run/`` or ``hf_dtrain/cli.py``:
   neither as an identifier nor in a string (the methods not in their docstrings and comments either).
-* ``hf-dtrain --help``, ``hf-dtrain finetune --help`` and ``hf-dtrain plan --help`` import neither torch's training
-  stack's optional backends (TRL, ``datasets``, DeepSpeed, bitsandbytes, HQQ) nor, for the top level, torch.
+* ``hf-dtrain --help``, every job's ``--help`` and a bad flag import neither the optional backends (TRL,
+  ``datasets``, DeepSpeed, bitsandbytes, HQQ) nor torch, transformers, peft or accelerate.
 * ``import hf_dtrain`` still registers every tuner with peft (a saved adapter of each loads by its type)."""
 
 import io
@@ -115,13 +115,24 @@ def _imported_by(argv: list[str]) -> set[str]:
 OPTIONAL = ("trl", "datasets", "deepspeed", "bitsandbytes", "hqq")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["finetune", "--help"], ["plan", "--help"], ["finetune", "--bad"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["finetune", "--help"],
+        ["plan", "--help"],
+        ["finetune", "--bad"],
+        ["pretrain", "--help"],
+        ["sweep", "--help"],
+        ["fed", "simulate", "--help"],
+        ["elastic", "--help"],
+    ],
+)
 def test_the_console_script_answers_without_loading_what_it_does_not_use(argv):
     loaded = {m.split(".")[0] for m in _imported_by(argv)}
     assert "hf_dtrain" in loaded
     assert not loaded & set(OPTIONAL), sorted(loaded & set(OPTIONAL))
-    if argv == ["--help"]:
-        assert not loaded & {"torch", "transformers", "peft", "accelerate"}, "the top level loads no job"
+    assert not loaded & {"torch", "transformers", "peft", "accelerate"}, "a job's flags come from light modules"
 
 
 def test_import_hf_dtrain_registers_every_tuner_with_peft(tmp_path):

@@ -1,14 +1,4 @@
-"""``hf-dtrain fed simulate``: a federated fine-tuning run simulated on the launched processes (FedML Parrot-style).
-
-``run_fed_simulate(FedSimulateConfig(job=FinetuneConfig(method=...), fed=FederatedConfig(clients=100)))``: the
-base model and the task as ``hf-dtrain finetune`` builds them, the training set split over the clients (Dirichlet over
-the task's labels: for the default addition task, the first digit of the first operand; for a dataset, its ``label``
-or ``source`` column when it has one), the peft adapter as the payload, and one row per round: the clients sampled
-and trained, those that failed, uplink bytes, train loss and eval loss of the global adapter. Writes the final
-adapter (a standard peft directory), ``fed.json``, ``fed.md`` and ``fed.png`` (eval loss and uplink bytes per round).
-Under ``torchrun`` / ``accelerate launch`` the processes share the clients; the client states live under
-``<output_dir>/client_states`` (owner-only).
-"""
+"""The federated job's run: the federation built from the job, trained round by round, and its report."""
 
 from __future__ import annotations
 
@@ -17,7 +7,6 @@ import contextlib
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 
 import torch
 from peft import get_peft_model
@@ -25,66 +14,11 @@ from transformers import set_seed
 
 from hf_dtrain import tasks
 from hf_dtrain.federated import FederatedConfig, FederatedSimulation, dirichlet_split
-from hf_dtrain.jobs.sft.config import DEFAULT_TASK_TRAIN_SIZE, FinetuneJob, finetune_config_class
+from hf_dtrain.jobs.sft.config import DEFAULT_TASK_TRAIN_SIZE, FinetuneJob
 from hf_dtrain.jobs.sft.data import load_base_and_data
-from hf_dtrain.run.flags import add_config_arguments, add_job_arguments, args_to_data, load_recipe
 from hf_dtrain.run.job import JobRun
-from hf_dtrain.settings import SettingsError, build, merge, setting
-from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
 
-
-def fed_methods() -> list[str]:
-    """The methods whose adapter can be the payload: every registered one that trains a peft adapter."""
-    return [name for name, m in FINETUNE_METHODS.items() if m.peft_type is not None]
-
-
-@dataclass
-class FedSimulateConfig:
-    """A federated simulation: the model / method / data settings of a finetune job, and the federation."""
-
-    job: FinetuneJob = setting(
-        help="Base model, method, rank and data, as hf-dtrain finetune takes them (its engine sections are refused).",
-        factory=lambda: finetune_config_class()(),
-    )
-    fed: FederatedConfig = setting(help="The federation.", factory=FederatedConfig)
-
-    def __post_init__(self):
-        if self.job.method not in fed_methods():
-            raise SettingsError(
-                f"method={self.job.method!r}: the federated payload is a peft adapter; use one of "
-                f"{', '.join(fed_methods())}."
-            )
-        for name in self.job.engine_settings_given():
-            raise SettingsError(
-                f"{name} is set, but hf-dtrain fed simulate runs its own loop (clients trained one after another, "
-                f"Parrot's aggregation); leave {name} at its default."
-            )
-        unsupported = sorted(set(self.job.training) - FED_TRAINER_SETTINGS)
-        if unsupported:
-            raise SettingsError(
-                f"{', '.join('--' + k.replace('_', '-') for k in unsupported)} given, but hf-dtrain fed "
-                "simulate runs its own client loop (--fed.* sets it) and takes only these Trainer "
-                f"settings: {', '.join(sorted(FED_TRAINER_SETTINGS))}."
-            )
-
-
-# the Trainer settings the federation honours: the data's preparation, the seed, the clients' learning rate (when
-# --fed.client-lr is not given), where it writes; the others are refused rather than ignored
-FED_TRAINER_SETTINGS = {
-    "learning_rate",
-    "seed",
-    "output_dir",
-    "max_length",
-    "truncation_mode",
-    "dataset_text_field",
-    "completion_only_loss",
-    "assistant_only_loss",
-    "chat_template_path",
-    "report_to",
-    "disable_tqdm",
-    "logging_steps",
-    "use_cpu",
-}
+from .config import FedSimulateConfig, config_from_args
 
 
 def _labels(job: FinetuneJob, dataset) -> list | None:
@@ -203,42 +137,6 @@ def _write_report(out_dir: str, history: list[dict], report: bool) -> None:
     plt.close(fig)
     if report:
         print(table, flush=True)
-
-
-# ---- hf-dtrain fed simulate's command line ---------------------------------------------------------------------------
-
-FED_SHORT = {
-    "clients": "clients",
-    "per-round": "per_round",
-    "rounds": "rounds",
-    "local-steps": "local_steps",
-    "algorithm": "algorithm",
-    "uplink": "uplink",
-}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``hf-dtrain fed simulate``: finetune's model / method / data flags, ``--fed.*`` (FederatedConfig) and the
-    short forms ``--clients --per-round --rounds --local-steps --algorithm --uplink``."""
-    add_job_arguments(parser, finetune_config_class())
-    title = f"fed (FederatedConfig, {FederatedConfig.__module__})"
-    add_config_arguments(parser, FederatedConfig, "fed", title, short=FED_SHORT)
-
-
-def config_from_args(ns: argparse.Namespace) -> FedSimulateConfig:
-    FinetuneConfig = finetune_config_class()
-    given = vars(ns)
-    fed = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("fed.")}
-    data = load_recipe(ns.recipe) if getattr(ns, "recipe", None) else {}
-    fed = {**(data.pop("fed", None) or {}), **fed}
-    shared = argparse.Namespace(
-        **{k: v for k, v in given.items() if not k.startswith("fed.") and k not in ("recipe", "action")}
-    )
-    job = FinetuneConfig.from_dict(
-        merge(data, args_to_data(shared, FinetuneConfig), FinetuneConfig),
-        where=f"recipe {ns.recipe}" if getattr(ns, "recipe", None) else "FinetuneConfig",
-    )
-    return FedSimulateConfig(job=job, fed=build(FederatedConfig, fed, where="fed"))
 
 
 def main(ns: argparse.Namespace) -> int:
