@@ -238,20 +238,13 @@ sys.stdout.write(json.dumps({{"plain": plain, "adapted": adapted}}))
 def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_path, method, quantize):
     """The recipe's 2-process accelerate config really gives 2 gloo ranks; SMT selects before DDP wraps; DDP carries
     a 4-bit HQQ base."""
-    from hf_dtrain.testing import free_port
+    from hf_dtrain.testing import accelerate_launch
 
     if quantize == "hqq4":
         pytest.importorskip("hqq", reason="hqq (the test extra) provides the maintained zero-point 4-bit format")
 
     out = tmp_path / method
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "recipes/accelerate/cpu_2proc.yaml",
-        "--main_process_port",
-        str(free_port()),
         "-m",
         "hf_dtrain.cli",
         "finetune",
@@ -282,10 +275,7 @@ def test_finetune_under_accelerate_launch_with_two_cpu_processes(base_path, tmp_
         cmd += ["--quantize", quantize, "--quant-group-size", "16"]
     if method == "lorafa":  # the Trainer's way in for communication hooks (hf_dtrain.callbacks.CommHookCallback)
         cmd += ["--comm-hook", "acp_sgd", "--comm-hook.rank", "2", "--comm-hook.start-iter", "5"]
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = accelerate_launch(*cmd, config="cpu_2proc")
     r = json.load(open(out / "results.json"))
     assert r["world_size"] == 2 and r["replicas_identical"]  # DDP really averaged the gradients
     _check_outputs(r, out, method)
@@ -315,17 +305,10 @@ def _reload_and_merge(base_path, adapter_dir):
         torch.testing.assert_close(model.merge_and_unload()(input_ids=ids).logits, logits, rtol=1e-4, atol=1e-4)
 
 
-def _launch_finetune(config_file, base_path, out, method, steps, extra=()):
-    from hf_dtrain.testing import free_port
+def _launch_finetune(config, base_path, out, method, steps, extra=()):
+    from hf_dtrain.testing import accelerate_launch
 
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        config_file,
-        "--main_process_port",
-        str(free_port()),
         "-m",
         "hf_dtrain.cli",
         "finetune",
@@ -353,10 +336,7 @@ def _launch_finetune(config_file, base_path, out, method, steps, extra=()):
     ]
     if method == "smt":
         cmd += ["--smt.block-size", "16", "--smt.warmup-steps", "5"]
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = accelerate_launch(*cmd, config=config)
     return proc, json.load(open(out / "results.json"))
 
 
@@ -373,7 +353,7 @@ def test_finetune_under_the_accelerate_fsdp2_config_shards_and_trains(base_path,
     from hf_dtrain.parallel import FSDPConfig
 
     steps = 40
-    proc, r = _launch_finetune("recipes/accelerate/fsdp2_cpu_2proc.yaml", base_path, tmp_path / "fsdp", method, steps)
+    proc, r = _launch_finetune("fsdp2_cpu_2proc", base_path, tmp_path / "fsdp", method, steps)
     assert "runs as FSDP2 on CPU" in proc.stdout
     assert r["world_size"] == 2 and r["engine"] == "fsdp2"
     assert FSDPConfig(**r["config"]["fsdp"]) == FSDPConfig(
@@ -385,7 +365,7 @@ def test_finetune_under_the_accelerate_fsdp2_config_shards_and_trains(base_path,
     assert proc.stdout.count("| method") == 1  # only rank 0 reports
     _reload_and_merge(base_path, tmp_path / "fsdp")
     if method == "smt":
-        _, ddp = _launch_finetune("recipes/accelerate/cpu_2proc.yaml", base_path, tmp_path / "ddp", method, steps)
+        _, ddp = _launch_finetune("cpu_2proc", base_path, tmp_path / "ddp", method, steps)
         assert ddp["engine"] == "ddp" and ddp["param_bytes_local"] == whole
         # the same averaged gradients, reduce-scattered instead of all-reduced: float rounding only
         losses = [r["losses"][k] for k in sorted(r["losses"], key=int)]
@@ -409,19 +389,12 @@ def test_pretrain_under_the_accelerate_fsdp2_config_equals_the_ddp_launch(tmp_pa
     those of the DDP launch (two ranks: every gradient sum has two operands, the same in either engine)."""
     from safetensors.torch import load_file
 
-    from hf_dtrain.testing import free_port
+    from hf_dtrain.testing import accelerate_launch
 
     runs = {}
     for config in ("fsdp2_cpu_2proc", "cpu_2proc"):
         out = tmp_path / config
         cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            f"recipes/accelerate/{config}.yaml",
-            "--main_process_port",
-            str(free_port()),
             "-m",
             "hf_dtrain.cli",
             "pretrain",
@@ -440,10 +413,7 @@ def test_pretrain_under_the_accelerate_fsdp2_config_equals_the_ddp_launch(tmp_pa
             "--output-dir",
             str(out),
         ]
-        env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        accelerate_launch(*cmd, config=config)
         runs[config] = (json.load(open(out / "results.json")), load_file(out / "model.safetensors"))
     (fsdp, fsdp_model), (ddp, ddp_model) = runs["fsdp2_cpu_2proc"], runs["cpu_2proc"]
     assert fsdp["engine"] == "fsdp2" and ddp["engine"] == "ddp" and fsdp["world_size"] == 2
@@ -464,18 +434,11 @@ def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_
     applied before the evaluation), every step goes through it, the replicas agree and the loss falls. With EmbRace's
     sharded tables, each rank trains a column slice and the full tables are put back at the end of training: the
     replicas agree on them and the saved model holds plain, full-size embeddings."""
-    from hf_dtrain.testing import free_port
+    from hf_dtrain.testing import accelerate_launch
 
     comm_hook, _, exchange = comm_hook.partition(":")
     out = tmp_path / comm_hook
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "recipes/accelerate/cpu_2proc.yaml",
-        "--main_process_port",
-        str(free_port()),
         "-m",
         "hf_dtrain.cli",
         "finetune",
@@ -503,10 +466,7 @@ def test_finetune_trainer_way_in_for_dear_and_embrace(base_path, tmp_path, comm_
         comm_hook,
     ]
     cmd += ["--comm-hook.exchange", exchange] if exchange else []
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    accelerate_launch(*cmd, config="cpu_2proc")
     r = json.load(open(out / "results.json"))
     assert r["world_size"] == 2 and r["replicas_identical"]
     assert r["comm"]["method"] == comm_hook and r["comm"]["steps"] == 40  # the method ran on every step
