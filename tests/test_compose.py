@@ -186,3 +186,24 @@ def test_pretrain_on_a_local_jsonl_dataset_one_process(tmp_path, streaming):
     budget = max(results["delta"]["budget_bytes"].values())
     assert all(b <= budget for b in results["delta"]["saved_bytes"])
     assert (results["held_out_loss"] is None) == streaming  # a stream has no held-out split
+
+
+def test_every_way_of_starting_a_run_prefixes_the_launcher_store_with_the_generation(monkeypatch):
+    """``init_distributed`` (the restarted generation's own store keys, so gloo does not read a dead generation's
+    addresses) runs before the process group whichever way a job starts its run: ``JobRun(cfg)`` (finetune, sweep,
+    fed) and ``JobRun(cfg, start=False)`` then ``start()`` (pretrain). Lost on the second way once, a tp x pp
+    restart under torchrun failed in ``connectFullMesh`` (``Connection refused``) now and then."""
+    import hf_dtrain.distributed.groups as groups
+
+    class Started(Exception):
+        pass
+
+    def record():
+        raise Started
+
+    monkeypatch.setattr(groups, "init_distributed", record)
+    with pytest.raises(Started):
+        JobRun(FinetuneConfig())
+    run = JobRun(PretrainConfig(), start=False)
+    with pytest.raises(Started):
+        run.start()

@@ -36,10 +36,6 @@ class JobRun:
     tools), with ``world_size`` instead of the launcher's."""
 
     def __init__(self, cfg, output_dir: str | None = None, world_size: int | None = None, start: bool = True):
-        if start:
-            from hf_dtrain.distributed.groups import init_distributed
-
-            init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
         self.cfg, self.job, self.trainer = cfg, cfg.job, cfg.trainer
         self.method = getattr(cfg, "method_entry", None)
         self.method_settings = getattr(cfg, "method_settings", None)
@@ -72,6 +68,9 @@ class JobRun:
         import torch
         from accelerate import PartialState
 
+        from hf_dtrain.distributed.groups import init_distributed
+
+        init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
         self.state = PartialState(cpu=not torch.cuda.is_available())
         self.device = self.state.device
         self._call("setup")
