@@ -27,6 +27,7 @@ LAYERS = [
             "adapters",
             "optimizers",  # the registry of --optimizer choices the engines fill
             "run",  # sections, job configs, flags and JobRun: it names no section and imports no engine
+            "fast",  # the lean layers' switch, functions and path counts; the step profile
         },
     ),
     (

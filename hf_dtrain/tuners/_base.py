@@ -10,6 +10,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_t
 
 from hf_dtrain.errors import SettingsError, UnsupportedTarget
 
+from ..fast import paths as fast_paths
 from ..quantization import prepare_bnb_4bit_for_training, quantized_base_types
 from . import register_with_peft
 
@@ -126,7 +127,27 @@ class MergeableLinearMixin:
         """What ``adapter`` adds to the base layer's output for input ``x`` (None: nothing)."""
         raise NotImplementedError
 
+    def _lean_factors(self, adapter: str):
+        """``(a, b, scale, dropout)`` when the adapter's output is ``scale * (dropout(x) a^T) b^T`` (a low-rank
+        product :mod:`hf_dtrain.fast.lowrank` runs), else None (the layer has no lean path)."""
+        return None
+
+    def _lean_forward(self, x: torch.Tensor, args, kwargs) -> torch.Tensor | None:
+        """The lean path's output, or None where the plain path must run (the reason recorded for
+        :func:`hf_dtrain.fast.report`)."""
+        names = self.active_adapters
+        name = names[0] if len(names) == 1 and self._has_adapter(names[0]) else None
+        factors = None if name is None else self._lean_factors(name)
+        if factors is None:
+            fast_paths.record(self, "no lean path" if name is not None else "several or no active adapters")
+            return None
+        a, b, scale, dropout = factors
+        return fast_paths.lowrank_forward(self, x, args, kwargs, a, b, scale, dropout=dropout)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        lean = self._lean_forward(x, args, kwargs)
+        if lean is not None:
+            return lean
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()

@@ -81,6 +81,9 @@ class Linear(MergeableLinearMixin, nn.Module, LoraFALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
+    def _lean_factors(self, name: str):
+        return self.lorafa_A[name], self.lorafa_B[name], self.scaling[name], self.lorafa_dropout[name]
+
     def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # The base weight is frozen, so autograd keeps W (a parameter) rather than x for the base matmul; A is a
         # buffer, so x @ A.T keeps A rather than x. Only the r-dim projection is saved, for B's gradient.

@@ -73,6 +73,10 @@ class Linear(MergeableLinearMixin, nn.Module, QBaRALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
+    def _lean_factors(self, name: str):
+        a, b, lam = self.qbara_A[name], self.qbara_B[name], self.pool[name]
+        return a.repeat_interleave(lam, dim=1) / lam, b.repeat_interleave(lam, dim=0), self.scaling[name], None
+
     def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # Pooling lambda inputs and repeating each output lambda times are folded into the two small factors (A's
         # columns repeated over each pool and divided by lambda, B's rows repeated, the scaling on B): the same

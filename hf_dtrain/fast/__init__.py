@@ -1,0 +1,49 @@
+"""Lean training steps for adapters: one switch, the lean layers' shared pieces, and where a step's time goes.
+
+* the switch: on by default where the lean path is exact; ``hf_dtrain.fast.set_enabled(False)``, ``with
+  hf_dtrain.fast.disabled():``, ``HF_DTRAIN_FAST=0`` in the environment, or ``--fast false`` on the jobs turn it off;
+* :mod:`~hf_dtrain.fast.lowrank`: ``y = x W^T + b + s (x A^T) B^T`` as one autograd function (LoRA-FA, Q-BaRA,
+  peft's LoRA through :func:`apply`);
+* :mod:`~hf_dtrain.fast.paths`: why a layer took the lean path or not, counted per layer (:func:`report`);
+* :mod:`~hf_dtrain.fast.profile`: one step's ops, times and saved-for-backward bytes by op family.
+"""
+
+import contextlib
+import os
+
+import lazy_loader as lazy
+
+_ENABLED = os.environ.get("HF_DTRAIN_FAST", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def enabled() -> bool:
+    """Whether layers that have a lean path take it (where it is exact)."""
+    return _ENABLED
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the lean paths on or off for the whole process."""
+    global _ENABLED
+    _ENABLED = bool(on)
+
+
+@contextlib.contextmanager
+def disabled():
+    """The plain paths inside the block (the reference the lean ones are tested against)."""
+    was = _ENABLED
+    set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(was)
+
+
+__getattr__, __dir__, _lazy_all = lazy.attach(
+    __name__,
+    submod_attrs={
+        "lowrank": ["LowRankLinear", "lowrank_linear", "compute_dtype"],
+        "paths": ["apply", "report", "dense_base_reason", "adapter_reason", "record"],
+        "profile": ["StepProfile", "FAMILIES", "saved_bytes"],
+    },
+)
+__all__ = ["enabled", "set_enabled", "disabled", *_lazy_all]

@@ -1,0 +1,90 @@
+"""The lean low-rank layer: ``y = x W^T + b + s (x A^T) B^T`` as one autograd function.
+
+What peft's LoRA runs for that line, per layer: the base product, a cast of ``x`` for each of the two products under
+autocast, ``x A^T``, ``h B^T``, a multiply by ``s`` and an add over the full output width, and in backward the same
+again plus an add of the two input gradients; it keeps ``x`` (for ``A``'s gradient), ``h`` (for ``B``'s) and, under
+autocast, a low-precision copy of ``W``. Here:
+
+* forward: ``x`` cast once to the compute dtype, the base product (``F.linear``), ``h = x A^T`` and
+  ``y.addmm_(h, B^T, alpha=s)`` into the base product's own output (no full-width multiply or add);
+* backward: ``g B`` (``s`` folded in, ``r`` values per token), ``B``'s gradient ``s g^T h``, ``A``'s ``(s g B)^T x``,
+  and the input gradient ``g W`` with ``(s g B) A`` added in place;
+* saved: ``h`` alone when ``A`` is frozen (LoRA-FA); ``x`` alone when ``A`` trains (``h`` is recomputed, ``r`` values
+  per token); ``A`` and ``B`` in the compute dtype (``r``-sized); never a cast copy of ``W`` (cast again in backward
+  where it is not in the compute dtype already: a weight-sized op, no activation).
+
+The base is inside only when it is a dense, frozen ``nn.Linear`` (``weight`` given); otherwise (a 4-bit base, a base
+the caller runs) the function takes the base output ``y`` and writes ``y`` plus the low-rank product in one ``addmm``.
+
+Products run in the compute dtype: autocast's where it is on (as ``nn.Linear`` would), else the input's; ``A`` and
+``B`` are cast to it (``r``-sized), their gradients returned in their own dtype (fp32 adapters stay fp32)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer's product runs in for input ``x``: autocast's where it is on, else ``x``'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class LowRankLinear(torch.autograd.Function):
+    """``out = base + scale * (x @ a.T) @ b.T`` with ``base = F.linear(x, weight, bias)`` (``weight`` given: a dense
+    frozen base) or ``base = y`` (the base's output, computed by the caller). See the module's docstring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, y, a, b, scale: float, dtype: torch.dtype):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != dtype:
+            x2 = x2.to(dtype)
+        ac, bc = a.to(dtype), b.to(dtype)
+        h = torch.mm(x2, ac.t())
+        if weight is not None:
+            out = F.linear(x2, weight.to(dtype), None if bias is None else bias.to(dtype))
+        else:
+            out = y.reshape(-1, y.shape[-1])
+        if weight is not None:  # the base product is this function's own buffer: add in place
+            out.addmm_(h, bc.t(), alpha=scale)
+        else:  # the caller's base output, in its own dtype: one op reads it and writes the sum
+            out = torch.addmm(out, h.to(out.dtype), bc.t().to(out.dtype), alpha=scale)
+        keep_x = a.requires_grad
+        # the factors in the compute dtype (r-sized: kept rather than cast again in backward)
+        ctx.save_for_backward(x2 if keep_x else h, weight, ac, bc)
+        ctx.keep_x, ctx.scale, ctx.dtype, ctx.shape = keep_x, scale, dtype, shape
+        ctx.x_dtype, ctx.y_dtype, ctx.a_dtype, ctx.b_dtype = x.dtype, (None if y is None else y.dtype), a.dtype, b.dtype
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved, weight, ac, bc = ctx.saved_tensors
+        dtype, scale = ctx.dtype, ctx.scale
+        g = grad.reshape(-1, grad.shape[-1])
+        if g.dtype != dtype:
+            g = g.to(dtype)
+        need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        gh = torch.mm(g, bc).mul_(scale)  # the gradient at h, s folded in: (tokens, r)
+        grad_a = grad_b = grad_x = grad_y = None
+        if ctx.needs_input_grad[5]:
+            h = torch.mm(saved, ac.t()) if ctx.keep_x else saved
+            grad_b = torch.mm(g.t(), h).mul_(scale).to(ctx.b_dtype)
+        if ctx.needs_input_grad[4]:
+            grad_a = torch.mm(gh.t(), saved).to(ctx.a_dtype)
+        if need_x:
+            if weight is not None:
+                grad_x = torch.mm(g, weight.to(dtype)).addmm_(gh, ac)
+            else:
+                grad_x = torch.mm(gh, ac)
+            grad_x = grad_x.view(ctx.shape).to(ctx.x_dtype)
+        if need_y:
+            grad_y = grad.to(ctx.y_dtype)
+        return grad_x, None, None, grad_y, grad_a, grad_b, None, None
+
+
+def lowrank_linear(x, a, b, scale: float, *, weight=None, bias=None, y=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias) + scale * F.linear(F.linear(x, a), b)`` (or ``y + ...``) through
+    :class:`LowRankLinear`, in the compute dtype of ``x``."""
+    return LowRankLinear.apply(x, weight, bias, y, a, b, float(scale), compute_dtype(x))

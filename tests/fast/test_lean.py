@@ -1,0 +1,251 @@
+"""The lean low-rank path (``hf_dtrain.fast``): LoRA-FA, Q-BaRA and a user's peft LoRA (``fast.apply``) give the
+plain path's output, input gradient and adapter gradients (fp32: within 1e-6; bf16 weights and bf16 autocast: within
+bf16's rounding), keep less for backward (LoRA-FA keeps ``x A^T`` and never ``x``), take the lean path wherever it
+applies (a bypass fails the tests), fall back where it does not with the reason counted, compile as one graph, and
+train adapters that peft saves and loads like the plain path's."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from hf_dtrain import LoraFAConfig, QBaRAConfig, fast
+from hf_dtrain.fast.profile import StepProfile, saved_bytes
+from hf_dtrain.testing import random_batch, tiny_llama
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CONFIGS = {
+    "lora": lambda **kw: LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **kw),
+    "lorafa": lambda **kw: LoraFAConfig(r=4, lora_alpha=8, init_weights=False, **kw),
+    "qbara": lambda **kw: QBaRAConfig(
+        r=4, lora_alpha=8, pool=2, init_weights=False, require_quantized_base=False, **kw
+    ),
+}
+
+
+def _model(method, base=None, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(base or tiny_llama(seed=0), CONFIGS[method](target_modules=TARGETS, **kw))
+    if method == "lora":
+        assert fast.apply(model)["installed"] == 2 * len(TARGETS)
+    return model
+
+
+def _run(model, batch, autocast: bool):
+    """Logits, the input embeddings' gradient and the trained tensors' gradients of one forward and backward; the
+    bytes kept for backward."""
+    embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_(True)
+    frozen = [*model.parameters(), *model.buffers()]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        kept, out = saved_bytes(lambda: model(inputs_embeds=embeds, labels=batch["labels"]), exclude=frozen)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach().float(), embeds.grad.float(), grads, kept
+
+
+def _close(a, b, tol):
+    """``a`` within ``tol`` of ``b`` relative to ``b``'s norm (bf16's rounding of sums taken in another order shows
+    in single elements; the norm is what training sees)."""
+    assert a.shape == b.shape
+    err = (a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("method", list(CONFIGS))
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_one_lean_layer_equals_the_plain_one_in_fp32(method, bias):
+    """One layer, fp32: output, input gradient and adapter gradients within 1e-6 (relative to the largest value)."""
+    base = tiny_llama(seed=0, hidden_size=64)
+    base.model.layers[0].self_attn.q_proj = torch.nn.Linear(64, 64, bias=bias)
+    model = _model(method, base=base)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, 7, 64)
+
+    def run():
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        grads = [p.grad.clone() for p in layer.parameters() if p.requires_grad]
+        layer.zero_grad(set_to_none=True)
+        return [y.detach(), xi.grad, *grads]
+
+    with fast.disabled():
+        plain = run()
+    lean = run()
+    assert layer.hf_dtrain_path == "lean"
+    assert len(lean) == len(plain) >= 3
+    for a, b in zip(lean, plain):
+        _close(a, b, 1e-6)
+
+
+def _error(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("method", list(CONFIGS))
+@pytest.mark.parametrize("precision", ["fp32", "bf16 autocast", "bf16 weights"], ids=["fp32", "amp", "bf16"])
+def test_lean_equals_plain_and_keeps_less(method, precision):
+    """The whole model (14 adapted layers, 2 decoder layers): logits, the input's gradient and every adapter
+    gradient. fp32: within 1e-6 of the plain path. bf16: both paths round, in other orders; the lean path's error
+    against the fp32 reference is within the plain path's (each tensor at most 2x its plain error + 1e-3, the worst
+    at most 1.1x the plain worst)."""
+    model = _model(method)
+    batch = random_batch(seq=24)
+    with fast.disabled():
+        reference = _run(model, batch, autocast=False)
+    if precision == "bf16 weights":
+        model = copy.deepcopy(model).to(torch.bfloat16)
+    autocast = precision == "bf16 autocast"
+    with fast.disabled():
+        plain = _run(model, batch, autocast)
+    assert fast.report(model)["plain"] == {"switched off": 2 * len(TARGETS)}
+    lean = _run(model, batch, autocast)
+    assert fast.report(model)["lean"] == 2 * len(TARGETS)  # every layer took it: a bypass fails here
+    assert lean[2].keys() == plain[2].keys() == reference[2].keys()
+
+    def tensors(run):
+        return [run[0], run[1], *(run[2][name] for name in sorted(run[2]))]
+
+    if precision == "fp32":
+        for a, b in zip(tensors(lean), tensors(plain)):
+            _close(a, b, 1e-6)
+    else:
+        lean_err = [_error(a, r) for a, r in zip(tensors(lean), tensors(reference))]
+        plain_err = [_error(p, r) for p, r in zip(tensors(plain), tensors(reference))]
+        assert all(le <= 2 * pe + 1e-3 for le, pe in zip(lean_err, plain_err)), (lean_err, plain_err)
+        assert max(lean_err) <= 1.1 * max(plain_err)
+    assert lean[3] <= plain[3]  # bytes kept for backward (in fp32, LoRA-FA's plain path keeps only x A^T too)
+    if autocast:  # no bf16 copies of the base weights
+        assert lean[3] < 0.8 * plain[3]
+
+
+def test_lorafa_keeps_x_a_and_never_x():
+    """One LoRA-FA layer keeps ``r`` values per token (``x A^T``) and ``A``, ``B`` in the compute dtype; the plain
+    path under autocast also keeps a bf16 copy of the base weight."""
+    model = _model("lorafa")
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, 40, layer.in_features, requires_grad=True)
+    frozen = [*model.parameters(), *model.buffers()]
+    r, tokens = 4, 3 * 40
+    kept, _ = saved_bytes(lambda: layer(x), exclude=frozen)
+    assert kept == tokens * r * 4  # fp32: A and B are the layer's own tensors
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept, _ = saved_bytes(lambda: layer(x), exclude=frozen)
+        with fast.disabled():
+            plain, _ = saved_bytes(lambda: layer(x), exclude=frozen)
+    assert kept == (tokens * r + r * layer.in_features + layer.out_features * r) * 2
+    assert plain >= kept + layer.in_features * layer.out_features * 2  # at least the bf16 copy of W
+
+
+def test_fallbacks_are_exact_and_counted():
+    model = _model("lorafa", lora_dropout=0.1)
+    batch = random_batch()
+    model(**batch)
+    assert fast.report(model) == {"layers": 14, "lean": 0, "lean adapter": 0, "plain": {"dropout": 14}}
+    model.eval()  # dropout off in eval: lean again
+    model(**batch)
+    assert fast.report(model)["lean"] == 14
+
+    model = _model("lora")
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    handle = layer.base_layer.register_forward_hook(lambda m, a, o: None)
+    model(**batch)
+    assert fast.report(model)["plain"] == {"hooks on the base layer": 1}
+    handle.remove()
+    for p in model.base_model.model.model.layers[0].self_attn.k_proj.base_layer.parameters():
+        p.requires_grad_(True)
+    logits = model(**batch).logits
+    assert fast.report(model)["plain"] == {"base weights train": 1}
+    with fast.disabled():
+        assert torch.equal(model(**batch).logits, logits)
+
+
+def test_a_4bit_base_runs_itself_and_the_adapter_is_added_lean(tmp_path):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes>=0.46.1 (the test extra) runs 4-bit on CPU")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_dtrain.quantization import prepare_bnb_4bit_for_training
+
+    tiny_llama().save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        device_map="cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+    )
+    prepare_bnb_4bit_for_training(base)
+    for method in ("qbara", "lorafa"):
+        model = _model(method, base=copy.deepcopy(base))
+        batch = random_batch(seq=24)
+        with fast.disabled():
+            plain = _run(model, batch, autocast=False)
+        lean = _run(model, batch, autocast=False)
+        assert fast.report(model)["lean adapter"] == 14
+        for a, b in zip(lean[:2], plain[:2]):
+            _close(a, b, 1e-5)
+        for name in plain[2]:
+            _close(lean[2][name], plain[2][name], 1e-5)
+
+
+def test_lean_layers_compile_as_one_graph():
+    model = _model("lorafa")
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 8, layer.in_features, requires_grad=True)
+    eager = layer(x)
+    compiled = torch.compile(layer, fullgraph=True)  # a graph break raises
+    out = compiled(x)
+    assert fast.report(model)["lean"] == 1
+    _close(out, eager, 1e-6)
+    (g_c,) = torch.autograd.grad(out.sum(), x)
+    (g_e,) = torch.autograd.grad(eager.sum(), x)
+    _close(g_c, g_e, 1e-6)
+
+
+@pytest.mark.parametrize("method", ["lora", "lorafa"])
+def test_adapters_trained_lean_save_and_load_through_peft_as_the_plain_ones(tmp_path, method):
+    def train(lean: bool):
+        torch.manual_seed(0)
+        model = _model(method)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        with fast.disabled() if not lean else torch.enable_grad():
+            for step in range(4):
+                model(**random_batch(seed=step)).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        assert fast.report(model)["lean" if lean else "plain"] == (14 if lean else {"switched off": 14})
+        model.save_pretrained(tmp_path / str(lean))
+        return PeftModel.from_pretrained(tiny_llama(seed=0), tmp_path / str(lean)).eval()
+
+    probe = random_batch(seed=9)
+    lean, plain = train(True), train(False)
+    with torch.no_grad():
+        _close(lean(**probe).logits, plain(**probe).logits, 1e-5)
+
+
+def test_the_step_profile_counts_the_lean_path():
+    """The profile's families: under autocast the lean LoRA-FA step runs fewer adapter ops and keeps fewer bytes in
+    the tuner layers than the plain one on the same model (no bf16 copy of the base weights)."""
+    model = _model("lorafa")
+    batch = random_batch(seq=32)
+
+    def profile():
+        prof = StepProfile(model)
+        with prof.phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        with prof.phase("backward"):
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        return prof.summary()
+
+    with fast.disabled():
+        plain = profile()
+    lean = profile()
+    fam = lambda s, f: s["families"].get(f, {"ops": 0})["ops"]  # noqa: E731
+    assert fam(lean, "adapter GEMM") + fam(lean, "adapter other") < fam(plain, "adapter GEMM") + fam(
+        plain, "adapter other"
+    )
+    assert fam(lean, "base GEMM") == fam(plain, "base GEMM")
+    assert lean["saved_bytes_by_scope"]["adapter"] < 0.8 * plain["saved_bytes_by_scope"]["adapter"]
