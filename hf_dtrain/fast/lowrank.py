@@ -88,3 +88,54 @@ def lowrank_linear(x, a, b, scale: float, *, weight=None, bias=None, y=None) -> 
     """``F.linear(x, weight, bias) + scale * F.linear(F.linear(x, a), b)`` (or ``y + ...``) through
     :class:`LowRankLinear`, in the compute dtype of ``x``."""
     return LowRankLinear.apply(x, weight, bias, y, a, b, float(scale), compute_dtype(x))
+
+
+class PooledDelta(torch.autograd.Function):
+    """``out = y + scale * repeat_out(mean_g(x) @ a.T [@ b.T])``: QA-HiRA's update (one value per output group of
+    ``lam`` rows and input group of ``g`` columns) added to the base output ``y`` in one broadcast add, without the
+    repeated or up-cast activations of the plain path. Keeps the pooled input (``in / g`` values per token) and the
+    factors in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, y, x, a, b, g: int, lam: int, scale: float, dtype: torch.dtype):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        pooled = x2.view(x2.shape[0], -1, g).mean(-1)  # (tokens, in / g), in x's dtype: cast g times fewer values
+        if pooled.dtype != dtype:
+            pooled = pooled.to(dtype)
+        ac = a.to(dtype)
+        bc = None if b is None else b.to(dtype)
+        h = torch.mm(pooled, ac.t())
+        if bc is not None:
+            h = torch.mm(h, bc.t())  # (tokens, out / lam)
+        y3 = y.reshape(x2.shape[0], -1, lam)
+        out = torch.add(y3, h.to(y.dtype).unsqueeze(-1), alpha=scale)
+        ctx.save_for_backward(pooled, ac, bc)
+        ctx.g, ctx.lam, ctx.scale, ctx.shape = g, lam, scale, shape
+        ctx.x_dtype, ctx.a_dtype, ctx.b_dtype, ctx.dtype = x.dtype, a.dtype, None if b is None else b.dtype, dtype
+        return out.view(*y.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pooled, ac, bc = ctx.saved_tensors
+        dtype, tokens = ctx.dtype, pooled.shape[0]
+        gh = grad.reshape(tokens, -1, ctx.lam).sum(-1)
+        if gh.dtype != dtype:
+            gh = gh.to(dtype)
+        gh.mul_(ctx.scale)  # the gradient at the (tokens, out / lam) update
+        grad_a = grad_b = grad_x = None
+        if bc is not None:
+            if ctx.needs_input_grad[3]:
+                grad_b = torch.mm(gh.t(), torch.mm(pooled, ac.t())).to(ctx.b_dtype)
+            gh = torch.mm(gh, bc)  # at h = pooled @ a.T
+        if ctx.needs_input_grad[2]:
+            grad_a = torch.mm(gh.t(), pooled).to(ctx.a_dtype)
+        if ctx.needs_input_grad[1]:
+            gp = torch.mm(gh, ac).div_(ctx.g)  # at the pooled input, the mean's 1/g folded in
+            grad_x = gp.unsqueeze(-1).expand(tokens, gp.shape[1], ctx.g).reshape(ctx.shape).to(ctx.x_dtype)
+        return grad, grad_x, grad_a, grad_b, None, None, None, None
+
+
+def pooled_delta(y, x, a, b, g: int, lam: int, scale: float) -> torch.Tensor:
+    """``y + scale * repeat_interleave(mean_g(x) @ a.T [@ b.T], lam)`` through :class:`PooledDelta`."""
+    return PooledDelta.apply(y, x, a, b, int(g), int(lam), float(scale), compute_dtype(x))

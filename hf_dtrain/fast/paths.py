@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import enabled
-from .lowrank import lowrank_linear
+from .lowrank import lowrank_linear, pooled_delta
 
 LEAN, LEAN_ADAPTER = "lean", "lean adapter"
 ATTRIBUTE = "hf_dtrain_path"
@@ -99,6 +99,17 @@ def lowrank_forward(layer, x, args, kwargs, a, b, scale, dropout=None):
         return None
     record(layer, LEAN_ADAPTER)  # a base of its own kind (4-bit): it runs itself, the adapter is added in one op
     return lowrank_linear(x, a, b, scale, y=layer.base_layer(x))
+
+
+def pooled_forward(layer, x, args, kwargs, a, b, g: int, lam: int, scale: float):
+    """QA-HiRA's lean forward (the base runs itself; its update added in one broadcast add), or None where the plain
+    one must run (the reason recorded)."""
+    reason = adapter_reason(layer, args, kwargs, (a,) if b is None else (a, b))
+    if reason is not None:
+        record(layer, reason)
+        return None
+    record(layer, LEAN_ADAPTER)
+    return pooled_delta(layer.base_layer(x), x, a, b, g, lam, scale)
 
 
 def report(model: nn.Module) -> dict:

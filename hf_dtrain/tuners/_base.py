@@ -146,8 +146,10 @@ class MergeableLinearMixin:
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         lean = self._lean_forward(x, args, kwargs)
-        if lean is not None:
-            return lean
+        return lean if lean is not None else self._plain_forward(x, *args, **kwargs)
+
+    def _plain_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The base layer's output plus each active adapter's ``_adapter_output``."""
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()

@@ -9,6 +9,7 @@ from torch import nn
 
 from hf_dtrain.errors import SettingsError, UnsupportedTarget
 
+from ...fast import paths as fast_paths
 from ...quantization import (
     adapter_dtype_and_device,
     check_quantized_base,
@@ -115,6 +116,16 @@ class Linear(MergeableLinearMixin, nn.Module, QAHiRALayer):
                 hqq_fold_group_constant_update(base, update, sign=sign)
         else:
             super()._merge_one(adapter, sign, safe_merge)
+
+    def _lean_forward(self, x: torch.Tensor, args, kwargs) -> torch.Tensor | None:
+        names = self.active_adapters
+        if len(names) != 1 or names[0] not in self.qahr_A:
+            fast_paths.record(self, "several or no active adapters")
+            return None
+        name = names[0]
+        a, b = self.qahr_A[name], self.qahr_B.get(name)
+        g, lam = self.group_size[name], self.lambda_out[name]
+        return fast_paths.pooled_forward(self, x, args, kwargs, a, b, g, lam, self.scaling[name])
 
     def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
         a, g = self.qahr_A[name], self.group_size[name]

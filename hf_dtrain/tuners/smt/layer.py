@@ -10,6 +10,7 @@ from torch import nn
 
 from hf_dtrain.errors import SettingsError, UnsupportedTarget
 
+from ...fast import paths as fast_paths
 from .._base import MergeableLinearMixin, random_start
 from .._registry import register_folder
 
@@ -344,38 +345,33 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
             view[r, :, c, :] += sign * blk
         return w
 
-    def _fusable(self, x: torch.Tensor, args, kwargs) -> str | None:
-        """The adapter whose blocks can run inside the base product (:class:`BlockSparseLinear`), or None where the
-        separate path must run: a base that is not a plain frozen ``nn.Linear`` of plain tensors (a quantized,
-        tensor-parallel or hooked layer, e.g. ZeRO-3's parameter gathering), several adapters, warm-up scoring, or
-        dtypes the fused product would round differently."""
-        if args or kwargs or self.disable_adapters or self.merged or len(self.active_adapters) != 1:
-            return None
+    def _fusable(self, x: torch.Tensor, args, kwargs) -> tuple[str | None, str]:
+        """``(adapter, "lean")`` when the adapter's blocks can run inside the base product
+        (:class:`BlockSparseLinear`), else ``(None, reason)`` where the separate path must run: the switch, several
+        adapters, warm-up scoring, a base that is not a plain frozen ``nn.Linear`` of plain tensors (a quantized,
+        tensor-parallel or hooked layer, e.g. ZeRO-3's parameter gathering), or dtypes the fused product would round
+        differently."""
+        reason = fast_paths.adapter_reason(self, args, kwargs, list(self.smt_weight.values()))
+        if reason is not None:
+            return None, reason
         name = self.active_adapters[0]
-        base = self.base_layer
-        if name not in self.smt_weight or name in self._smt_grad_sum or type(base) is not nn.Linear:
-            return None
-        if (
-            base._forward_hooks
-            or base._forward_pre_hooks
-            or nn.modules.module._global_forward_hooks
-            or nn.modules.module._global_forward_pre_hooks
-        ):
-            return None
-        weight, bias = base.weight, base.bias
-        if weight.requires_grad or (bias is not None and bias.requires_grad):
-            return None
-        if type(weight.data) is not torch.Tensor or (bias is not None and type(bias.data) is not torch.Tensor):
-            return None  # DTensor (tensor parallel) and other subclasses keep the base layer's own call
-        blocks = self.smt_weight[name]
+        if name not in self.smt_weight:
+            return None, "no blocks selected yet"
+        if name in self._smt_grad_sum:
+            return None, "warm-up scoring"
+        reason = fast_paths.dense_base_reason(self.base_layer)
+        if reason is not None:
+            return None, reason
+        weight, blocks = self.base_layer.weight, self.smt_weight[name]
         if not torch.is_autocast_enabled(x.device.type) and not x.dtype == weight.dtype == blocks.dtype:
-            return None
-        return name
+            return None, "input, base and blocks in different dtypes"
+        return name, fast_paths.LEAN
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        name = self._fusable(x, args, kwargs)
+        name, path = self._fusable(x, args, kwargs)
+        fast_paths.record(self, path)
         if name is None:
-            return super().forward(x, *args, **kwargs)
+            return self._plain_forward(x, *args, **kwargs)
         base = self.base_layer
         idx = self.smt_indices[name]
         return BlockSparseLinear.apply(
