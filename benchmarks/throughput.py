@@ -6,6 +6,8 @@ down), each configured to the nearest budget its shape allows (the table lists e
 
 * ``full``: full fine-tuning (every parameter, AdamW);
 * ``lora``, ``dora``: peft LoRA / DoRA, r=8 (the baseline: ``vs_lora`` is tokens/s over LoRA's in the same mode);
+* ``lora_fast``: the same peft LoRA model through ``hf_dtrain.fast.apply`` (the lean low-rank function; the adapter
+  is still peft's);
 * ``qlora``: peft LoRA r=8 on a bitsandbytes NF4 base (``BitsAndBytesConfig(load_in_4bit=True)``);
 * ``lorafa``: LoRA-FA (only B trains, so r = budget / sum of output widths);
 * ``smt``: SMT, 64 x 64 blocks, budget / 4096 blocks spread over the targets (a seeded selection: throughput does not
@@ -29,12 +31,14 @@ fresh process), on a GPU its datasheet dense bf16 peak.
 
     python benchmarks/throughput.py                      # CPU: the 100M preset, about 30 minutes on 2 cores
     python benchmarks/throughput.py --preset test --steps 2 --seq 32   # a quick look at the mechanics
-    python benchmarks/throughput.py --presets llama3.2-1b,llama3-8b    # a GPU (gpu_check runs it)
+    python benchmarks/throughput.py --preset llama3.2-1b                # a GPU (gpu_check runs it)
+    python benchmarks/throughput.py --profile            # where each method's step goes, by op family
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -46,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit_result, markdown_table, run_worker, write
 
-METHODS = ["full", "lora", "dora", "qlora", "lorafa", "smt", "qbara", "qahira"]
+METHODS = ["full", "lora", "lora_fast", "dora", "qlora", "lorafa", "smt", "qbara", "qahira"]
 QUANTIZED = {"qlora", "qbara", "qahira"}
 MODES = ["eager", "compiled"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -75,7 +79,7 @@ def adapter_config(method: str, model):
     budget = sum(RANK * (m.in_features + m.out_features) for _, m in targets)
     if method == "full":
         return None
-    if method in ("lora", "dora", "qlora"):
+    if method in ("lora", "lora_fast", "dora", "qlora"):
         return LoraConfig(
             r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=TARGETS, use_dora=method == "dora"
         )
@@ -150,12 +154,12 @@ def _rss() -> int:
     return _status("VmRSS")
 
 
-def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, warmup: int, profile=False) -> dict:
     import peft  # noqa: F401  (everything imported before the baseline resident set is read)
     import torch
     from transformers import AutoModelForCausalLM
 
-    import hf_dtrain  # noqa: F401
+    from hf_dtrain import fast
 
     cuda = torch.cuda.is_available()
     base_rss = 0 if cuda else _rss()
@@ -182,6 +186,8 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
         from peft import get_peft_model
 
         model = get_peft_model(model, config)
+    if method == "lora_fast":
+        fast.apply(model)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)
@@ -193,15 +199,20 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
         ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
         return {"input_ids": ids, "labels": ids}
 
-    def step(fn):
-        with torch.autocast(device, dtype=torch.bfloat16):
+    def step(fn, prof=None):
+        phase = prof.phase if prof is not None else (lambda name: contextlib.nullcontext())
+        with phase("forward"), torch.autocast(device, dtype=torch.bfloat16):
             loss = fn(**batch_of()).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss
 
     flops = count_flops(model, step)
+    if profile:
+        return profile_row(method, model, step, batch * seq)
     fn = torch.compile(model) if mode == "compiled" else model
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -247,6 +258,37 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
         ),
         "warmup_seconds": warm_seconds,
         "tokens_per_step": batch * seq,
+        "paths": fast.report(model),
+    }
+
+
+def profile_row(method: str, model, step, tokens: int) -> dict:
+    """One eager step after a warm-up one, through :class:`hf_dtrain.fast.profile.StepProfile`: ops, times and
+    bytes kept for backward by op family; and the step's time without the profile's dispatch (median of 3)."""
+    import torch
+
+    from hf_dtrain import fast
+    from hf_dtrain.fast.profile import StepProfile
+
+    step(model)
+    prof = StepProfile(model)
+    step(model, prof)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step(model)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {
+        "method": method,
+        "mode": "eager",
+        "trainable": trainable,
+        "tokens_per_step": tokens,
+        "step_s": statistics.median(times),
+        "paths": fast.report(model),
+        **prof.summary(),
     }
 
 
@@ -375,6 +417,107 @@ def table(payload: dict) -> str:
     return md
 
 
+PROFILE_FAMILIES = ("base GEMM", "adapter GEMM", "adapter other", "casts", "elementwise", "attention", "loss head")
+
+
+def profile_main(args, preset: str, batch: int, seq: int, script: str) -> None:
+    """``--profile``: one eager step of every method through the step profile, in a fresh process each."""
+    import torch
+
+    from hf_dtrain.models import build_llama
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model")
+        build_llama(preset, seed=0).save_pretrained(path)
+        for method in args.methods.split(","):
+            spec = f"{method}:eager:{path}:{batch}:{seq}:1:1:1"
+            row = run_worker(script, ["--worker", spec], what=f"{method} profile", timeout=3600)
+            rows.append(row)
+            kept = row.get("saved_bytes", 0) / 2**20
+            print(f"{method:10s} {row.get('ops', '?')} ops, {kept:.1f} MiB kept", flush=True)
+    base = next((r for r in rows if r["method"] == "lora" and "error" not in r), None)
+    for r in rows:
+        if base is not None and "error" not in r:
+            r["ops_vs_lora"] = r["ops"] / base["ops"]
+            r["saved_vs_lora"] = r["saved_bytes"] / base["saved_bytes"]
+            r["step_vs_lora"] = r["step_s"] / base["step_s"]
+        for fam in PROFILE_FAMILIES:
+            r[f"ms {fam}"] = 1e3 * r.get("families", {}).get(fam, {}).get("seconds", 0.0)
+        r["ms optimizer"] = 1e3 * r.get("families", {}).get("optimizer", {}).get("seconds", 0.0)
+        paths = r.get("paths", {})
+        r["lean layers"] = f"{paths.get('lean', 0)}+{paths.get('lean adapter', 0)}/{paths.get('layers', 0)}"
+    payload = {
+        "preset": preset,
+        "batch": batch,
+        "seq": seq,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "rows": rows,
+    }
+    notes = (
+        f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "
+        f"{'bf16 weights' if torch.cuda.is_available() else 'fp32 weights under bf16 autocast'}; one eager step "
+        "after a warm-up one, each method in a fresh process, every aten op counted and timed by "
+        "hf_dtrain.fast.profile.StepProfile (on CPU each op's wall time, the dispatch adding a constant per op; "
+        "views are not counted as ops); kept: bytes autograd keeps for backward, once per storage, parameters "
+        "excluded; step: median of 3 steps without the profile. lean layers: lean + lean adapter / tuner layers "
+        "(the JSON's paths say why the others took the plain path). Counts and bytes are deterministic; the times "
+        "are one step's."
+    )
+    paths = write(f"{args.name}_profile", payload, profile_table(payload), profile_render(payload), notes)
+    print(profile_table(payload))
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+
+
+def profile_table(payload: dict) -> str:
+    rows = [r for r in payload["rows"] if "error" not in r]
+    md = markdown_table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("trainable", "trainable", ",d"),
+            ("ops", "ops", ",.0f"),
+            ("ops_vs_lora", "ops / LoRA's", ".2f"),
+            ("saved_bytes", "kept for backward (bytes)", ",.0f"),
+            ("saved_vs_lora", "kept / LoRA's", ".2f"),
+            ("step_s", "step (s)", ".3f"),
+            ("step_vs_lora", "step / LoRA's", ".2f"),
+            *[(f"ms {fam}", f"{fam} (ms)", ".0f") for fam in PROFILE_FAMILIES],
+            ("ms optimizer", "optimizer (ms)", ".0f"),
+            ("lean layers", "lean layers", ""),
+        ],
+    )
+    failed = [r for r in payload["rows"] if "error" in r]
+    if failed:
+        md += "\n\nFailed: " + "; ".join(f"{r['method']}: {r['error']}" for r in failed)
+    return md
+
+
+def profile_render(payload: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if "error" not in r]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    bottom = [0.0] * len(rows)
+    for fam in (*PROFILE_FAMILIES, "optimizer"):
+        vals = [r[f"ms {fam}"] for r in rows]
+        axes[0].bar(range(len(rows)), vals, bottom=bottom, label=fam)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    axes[0].set_ylabel("ms per step, by op family (profiled)")
+    axes[0].legend(fontsize=7)
+    axes[1].bar(range(len(rows)), [r["saved_bytes"] / 2**20 for r in rows])
+    axes[1].set_ylabel("MiB kept for backward")
+    for ax in axes:
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([r["method"] for r in rows], rotation=30)
+    fig.suptitle(f"{payload['preset']}: batch {payload['batch']} x {payload['seq']} tokens, one eager step")
+    fig.tight_layout()
+    return fig
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -408,6 +551,12 @@ def main() -> None:
         help="method: each method's modes one after another; mode: every method eager, then every "
         "method compiled (with a short --time-budget, every eager row comes first)",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: one eager step per method through hf_dtrain.fast.profile (ops, times and bytes kept "
+        "for backward by op family, and the layers' lean paths) into results/<name>_profile.*",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--peak-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -415,9 +564,9 @@ def main() -> None:
         emit_result(matmul_peak())
         return
     if args.worker:
-        method, mode, path, batch, seq, steps, warmup = args.worker.split(":")
+        method, mode, path, batch, seq, steps, warmup, prof = args.worker.split(":")
         try:
-            emit_result(worker(method, mode, path, int(batch), int(seq), int(steps), int(warmup)))
+            emit_result(worker(method, mode, path, int(batch), int(seq), int(steps), int(warmup), prof == "1"))
         except Exception as e:  # reported in the table, not a crashed run
             emit_result({"method": method, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         return
@@ -431,6 +580,9 @@ def main() -> None:
     batch = args.batch or (8 if cuda else 4)
     seq = args.seq if args.seq != 256 or not cuda else 1024
     script = os.path.abspath(__file__)
+    if args.profile:
+        profile_main(args, preset, batch, seq, script)
+        return
     rows, not_measured = [], []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -452,9 +604,10 @@ def main() -> None:
                     if round_ == 0:
                         not_measured.append(f"{method} {mode}")
                     continue
+                spec = f"{method}:{mode}:{path}:{batch}:{seq}:{args.steps}:{args.warmup}:{int(args.profile)}"
                 row = run_worker(
                     script,
-                    ["--worker", f"{method}:{mode}:{path}:{batch}:{seq}:{args.steps}:{args.warmup}"],
+                    ["--worker", spec],
                     what=f"{method} {mode}",
                     timeout=3600,
                 )

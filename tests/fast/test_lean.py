@@ -29,7 +29,7 @@ CONFIGS = {
         group_size=16, lambda_out=2, r=4, init_weights=False, require_quantized_base=False, **kw
     ),
 }
-LEAN_ADAPTER_ONLY = {"qahira", "qahira-r"}  # the base runs itself; the update is added in one op
+LEAN_ADAPTER_ONLY = {"qbara", "qahira", "qahira-r"}  # the base runs itself; the update is added in one op
 
 
 def _lean_count(model, method) -> int:
@@ -194,7 +194,7 @@ def test_a_4bit_base_runs_itself_and_the_adapter_is_added_lean(tmp_path):
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
     )
     prepare_bnb_4bit_for_training(base)
-    for method in ("qbara", "lorafa"):
+    for method in ("qbara", "lorafa", "qahira"):
         model = _model(method, base=copy.deepcopy(base))
         batch = random_batch(seq=24)
         with fast.disabled():

@@ -9,6 +9,7 @@ from torch import nn
 
 from hf_dtrain.errors import SettingsError
 
+from ...fast import paths as fast_paths
 from ...quantization import adapter_dtype_and_device, check_quantized_base
 from .._base import MergeableLinearMixin
 from .._registry import register_folder
@@ -73,9 +74,17 @@ class Linear(MergeableLinearMixin, nn.Module, QBaRALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
-    def _lean_factors(self, name: str):
+    def _lean_forward(self, x: torch.Tensor, args, kwargs) -> torch.Tensor | None:
+        # s * repeat_lambda(B A pool_lambda(x)): QA-HiRA's pooled update with a rank, pooled over lambda inputs and
+        # repeated over lambda outputs; the lean function pools the input once and adds the update in one broadcast
+        # add (no repeated factors or activations)
+        names = self.active_adapters
+        if len(names) != 1 or names[0] not in self.qbara_A:
+            fast_paths.record(self, "several or no active adapters")
+            return None
+        name = names[0]
         a, b, lam = self.qbara_A[name], self.qbara_B[name], self.pool[name]
-        return a.repeat_interleave(lam, dim=1) / lam, b.repeat_interleave(lam, dim=0), self.scaling[name], None
+        return fast_paths.pooled_forward(self, x, args, kwargs, a, b, lam, lam, self.scaling[name])
 
     def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # Pooling lambda inputs and repeating each output lambda times are folded into the two small factors (A's
