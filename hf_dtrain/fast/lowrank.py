@@ -93,8 +93,8 @@ def lowrank_linear(x, a, b, scale: float, *, weight=None, bias=None, y=None) -> 
 class PooledDelta(torch.autograd.Function):
     """``out = y + scale * repeat_out(mean_g(x) @ a.T [@ b.T])``: QA-HiRA's update (one value per output group of
     ``lam`` rows and input group of ``g`` columns) added to the base output ``y`` in one broadcast add, without the
-    repeated or up-cast activations of the plain path. Keeps the pooled input (``in / g`` values per token) and the
-    factors in the compute dtype."""
+    repeated or up-cast activations of the plain path. Keeps the pooled input (``in / g`` values per token), with a
+    rank also ``mean_g(x) @ a.T`` (``r`` per token), and the factors in the compute dtype."""
 
     @staticmethod
     def forward(ctx, y, x, a, b, g: int, lam: int, scale: float, dtype: torch.dtype):
@@ -105,19 +105,19 @@ class PooledDelta(torch.autograd.Function):
             pooled = pooled.to(dtype)
         ac = a.to(dtype)
         bc = None if b is None else b.to(dtype)
-        h = torch.mm(pooled, ac.t())
-        if bc is not None:
-            h = torch.mm(h, bc.t())  # (tokens, out / lam)
+        h_a = torch.mm(pooled, ac.t())
+        h = h_a if bc is None else torch.mm(h_a, bc.t())  # (tokens, out / lam)
         y3 = y.reshape(x2.shape[0], -1, lam)
         out = torch.add(y3, h.to(y.dtype).unsqueeze(-1), alpha=scale)
-        ctx.save_for_backward(pooled, ac, bc)
+        # with a rank, x A^T too (r values per token, kept rather than computed again for B's gradient)
+        ctx.save_for_backward(pooled, ac, bc, None if bc is None or not b.requires_grad else h_a)
         ctx.g, ctx.lam, ctx.scale, ctx.shape = g, lam, scale, shape
         ctx.x_dtype, ctx.a_dtype, ctx.b_dtype, ctx.dtype = x.dtype, a.dtype, None if b is None else b.dtype, dtype
         return out.view(*y.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        pooled, ac, bc = ctx.saved_tensors
+        pooled, ac, bc, h_a = ctx.saved_tensors
         dtype, tokens = ctx.dtype, pooled.shape[0]
         gh = grad.reshape(tokens, -1, ctx.lam).sum(-1)
         if gh.dtype != dtype:
@@ -126,7 +126,7 @@ class PooledDelta(torch.autograd.Function):
         grad_a = grad_b = grad_x = None
         if bc is not None:
             if ctx.needs_input_grad[3]:
-                grad_b = torch.mm(gh.t(), torch.mm(pooled, ac.t())).to(ctx.b_dtype)
+                grad_b = torch.mm(gh.t(), h_a).to(ctx.b_dtype)
             gh = torch.mm(gh, bc)  # at h = pooled @ a.T
         if ctx.needs_input_grad[2]:
             grad_a = torch.mm(gh.t(), pooled).to(ctx.a_dtype)
