@@ -169,6 +169,8 @@ def test_finetune_lora_end_to_end(base_path, tmp_path, capsys):
     out = tmp_path / "lora"
     r = _finetune(base_path, out, "lora", learning_rate=3e-3)
     _check_outputs(r, out, "lora")
+    # --fast (the default): every peft LoRA layer ran through hf_dtrain.fast's lean function
+    assert r["fast"]["enabled"] and r["fast"]["layers"] > 0 and r["fast"]["lean"] == r["fast"]["layers"]
     assert r["accuracy_after"] > r["accuracy_before"]
     assert 0 < r["trainable_params"] < r["total_params"] * 0.2
     printed = capsys.readouterr().out
@@ -184,8 +186,12 @@ def test_finetune_lora_end_to_end(base_path, tmp_path, capsys):
 @pytest.mark.slow
 def test_finetune_lorafa_end_to_end(base_path, tmp_path):
     out = tmp_path / "lorafa"
-    r = _finetune(base_path, out, "lorafa", learning_rate=3e-3)
+    r = _finetune(base_path, out, "lorafa", learning_rate=3e-3, fast=False)
     _check_outputs(r, out, "lorafa")
+    assert not r["fast"]["enabled"] and r["fast"]["plain"] == {"switched off": r["fast"]["layers"]}
+    from hf_dtrain import fast
+
+    assert fast.enabled()  # the switch as it was before the run
 
 
 @pytest.mark.slow
