@@ -90,6 +90,18 @@ def lowrank_linear(x, a, b, scale: float, *, weight=None, bias=None, y=None) -> 
     return LowRankLinear.apply(x, weight, bias, y, a, b, float(scale), compute_dtype(x))
 
 
+def _sum_groups(t: torch.Tensor) -> torch.Tensor:
+    """``t.sum(-1)`` as a new tensor: over a short last dimension (Q-BaRA's pool, QA-HiRA's output groups: 2-8) as
+    adds of its strided slices, which run many times faster on CPU than a reduction over a dimension of 2."""
+    n = t.shape[-1]
+    if n > 8:
+        return t.sum(-1)
+    out = t[..., 0].clone() if n == 1 else torch.add(t[..., 0], t[..., 1])
+    for j in range(2, n):
+        out.add_(t[..., j])
+    return out
+
+
 class PooledDelta(torch.autograd.Function):
     """``out = y + scale * repeat_out(mean_g(x) @ a.T [@ b.T])``: QA-HiRA's update (one value per output group of
     ``lam`` rows and input group of ``g`` columns) added to the base output ``y`` in one broadcast add, without the
@@ -100,26 +112,29 @@ class PooledDelta(torch.autograd.Function):
     def forward(ctx, y, x, a, b, g: int, lam: int, scale: float, dtype: torch.dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        pooled = x2.view(x2.shape[0], -1, g).mean(-1)  # (tokens, in / g), in x's dtype: cast g times fewer values
+        # (tokens, in / g), in x's dtype: cast g times fewer values
+        pooled = _sum_groups(x2.view(x2.shape[0], -1, g)).mul_(1.0 / g)
         if pooled.dtype != dtype:
             pooled = pooled.to(dtype)
         ac = a.to(dtype)
         bc = None if b is None else b.to(dtype)
         h_a = torch.mm(pooled, ac.t())
         h = h_a if bc is None else torch.mm(h_a, bc.t())  # (tokens, out / lam)
-        y3 = y.reshape(x2.shape[0], -1, lam)
-        out = torch.add(y3, h.to(y.dtype).unsqueeze(-1), alpha=scale)
+        # y + scale * repeat(h): a broadcast add over a short last dimension runs several times slower on CPU than
+        # repeating h (out / lam values per token) and one plain add
+        h = h.to(y.dtype)
+        out = torch.add(y, (h if lam == 1 else h.repeat_interleave(lam, dim=-1)).view(y.shape), alpha=scale)
         # with a rank, x A^T too (r values per token, kept rather than computed again for B's gradient)
         ctx.save_for_backward(pooled, ac, bc, None if bc is None or not b.requires_grad else h_a)
         ctx.g, ctx.lam, ctx.scale, ctx.shape = g, lam, scale, shape
         ctx.x_dtype, ctx.a_dtype, ctx.b_dtype, ctx.dtype = x.dtype, a.dtype, None if b is None else b.dtype, dtype
-        return out.view(*y.shape)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         pooled, ac, bc, h_a = ctx.saved_tensors
         dtype, tokens = ctx.dtype, pooled.shape[0]
-        gh = grad.reshape(tokens, -1, ctx.lam).sum(-1)
+        gh = _sum_groups(grad.reshape(tokens, -1, ctx.lam))
         if gh.dtype != dtype:
             gh = gh.to(dtype)
         gh.mul_(ctx.scale)  # the gradient at the (tokens, out / lam) update

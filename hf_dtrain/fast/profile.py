@@ -56,6 +56,7 @@ FAMILIES = (
     "optimizer",
 )
 _GEMM = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_int_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu"}
+_BASE_GEMM = ("gemm_4bit", "int4pack_mm", "matmul_4bit")  # a 4-bit base's own product, by op name
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_cudnn_attention")
 _LOSS = ("log_softmax", "nll_loss", "cross_entropy")
 _DROPOUT = ("dropout", "bernoulli")
@@ -121,8 +122,10 @@ def family(name: str, scope: str | None, phase: str, dtype_change: bool = False,
     gemm = name in _GEMM
     if scope == "base":
         return "base GEMM" if gemm else "base other"
+    if any(k in name for k in _BASE_GEMM):
+        return "base GEMM"
     if scope == "adapter":
-        if "dequant" in name or "int4pack" in name:
+        if "dequant" in name:
             return "base other"
         if gemm:
             return "adapter GEMM" if small else "base GEMM"

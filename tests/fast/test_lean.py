@@ -29,7 +29,7 @@ CONFIGS = {
         group_size=16, lambda_out=2, r=4, init_weights=False, require_quantized_base=False, **kw
     ),
 }
-LEAN_ADAPTER_ONLY = {"qbara", "qahira", "qahira-r"}  # the base runs itself; the update is added in one op
+LEAN_ADAPTER_ONLY = {"qahira", "qahira-r"}  # the base runs itself; the update is added in one op
 
 
 def _lean_count(model, method) -> int:

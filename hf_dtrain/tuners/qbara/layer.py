@@ -9,7 +9,6 @@ from torch import nn
 
 from hf_dtrain.errors import SettingsError
 
-from ...fast import paths as fast_paths
 from ...quantization import adapter_dtype_and_device, check_quantized_base
 from .._base import MergeableLinearMixin
 from .._registry import register_folder
@@ -74,17 +73,15 @@ class Linear(MergeableLinearMixin, nn.Module, QBaRALayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_key=layer_key)
 
-    def _lean_forward(self, x: torch.Tensor, args, kwargs) -> torch.Tensor | None:
-        # s * repeat_lambda(B A pool_lambda(x)): QA-HiRA's pooled update with a rank, pooled over lambda inputs and
-        # repeated over lambda outputs; the lean function pools the input once and adds the update in one broadcast
-        # add (no repeated factors or activations)
-        names = self.active_adapters
-        if len(names) != 1 or names[0] not in self.qbara_A:
-            fast_paths.record(self, "several or no active adapters")
-            return None
-        name = names[0]
+    def _lean_factors(self, name: str):
+        # s * repeat_lambda(B A pool_lambda(x)) = (s / lambda) * (x A_full^T) B_full^T with A's columns and B's rows
+        # each repeated lambda times (copies of the small factors, one op each way): the pooling and the repeat ride
+        # on the two low-rank products. Pooling the input explicitly measured slower on CPU at lambda 2 (a short
+        # strided reduction over the whole activation, forward and backward)
         a, b, lam = self.qbara_A[name], self.qbara_B[name], self.pool[name]
-        return fast_paths.pooled_forward(self, x, args, kwargs, a, b, lam, lam, self.scaling[name])
+        a_full = a.unsqueeze(-1).expand(*a.shape, lam).reshape(a.shape[0], -1)
+        b_full = b.unsqueeze(1).expand(b.shape[0], lam, b.shape[1]).reshape(-1, b.shape[1])
+        return a_full, b_full, self.scaling[name] / lam, None
 
     def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # Pooling lambda inputs and repeating each output lambda times are folded into the two small factors (A's
