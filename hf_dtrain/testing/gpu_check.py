@@ -542,7 +542,9 @@ def throughput(ctx: Context) -> dict:
             "--warmup",
             "1",
             "--methods",
-            "lora,lorafa,smt,full,qbara,qahira,qlora,dora",
+            # peft LoRA, full fine-tuning, the tuners, peft LoRA through hf_dtrain.fast, then QLoRA beside the
+            # tuners on its NF4 base
+            "lora,full,lorafa,smt,lora_fast,qahira,qbara,qlora,dora",
             "--order",
             "mode",
             "--time-budget",
@@ -565,11 +567,13 @@ def throughput(ctx: Context) -> dict:
             "--repeats",
             "1",
             "--methods",
-            "lora,lorafa",
+            "lora,lora_fast,lorafa",
             "--modes",
             "eager",
         ]
-    name = f"gpu/{re.sub(r'[^A-Za-z0-9]+', '_', _device_name(ctx.device)).strip('_')}/throughput"
+    # a file per run, named by its date: an earlier run's file is never overwritten
+    stamp = time.strftime("%Y%m%d_%H%M", time.gmtime())
+    name = f"gpu/{re.sub(r'[^A-Za-z0-9]+', '_', _device_name(ctx.device)).strip('_')}/throughput_{stamp}"
     if ctx.dry_run:
         name = "throughput_dry_run"
     proc = subprocess.run(
@@ -589,7 +593,9 @@ def throughput(ctx: Context) -> dict:
             if path.exists() and path.parent.resolve() != folder.resolve():
                 shutil.copy2(path, folder / path.name)
     rows = {
-        f"{r['method']} {r['mode']}": {k: r.get(k) for k in ("tokens_per_s", "vs_lora", "mfu", "peak_bytes", "error")}
+        f"{r['method']} {r['mode']}": {
+            k: r.get(k) for k in ("tokens_per_s", "vs_lora", "mfu", "peak_bytes", "paths", "error")
+        }
         for r in payload["rows"]
     }
     # the NF4 rows need bitsandbytes' CUDA build, which a machine may lack (it is optional): not measured, not failed
