@@ -391,6 +391,14 @@ def render(payload: dict):
     return fig
 
 
+def _failures(payload: dict) -> str:
+    """The line under a table naming the rows that failed, with their errors ("" when none did)."""
+    failed = [r for r in payload["rows"] if "error" in r]
+    if not failed:
+        return ""
+    return "\n\nFailed: " + "; ".join(f"{r['method']} {r.get('mode', '')}: {r['error']}" for r in failed)
+
+
 def table(payload: dict) -> str:
     rows = sorted(
         (r for r in payload["rows"] if "error" not in r),
@@ -411,10 +419,7 @@ def table(payload: dict) -> str:
             ("peak_vs_lora", "peak / LoRA's", ".2f"),
         ],
     )
-    failed = [r for r in payload["rows"] if "error" in r]
-    if failed:
-        md += "\n\nFailed: " + "; ".join(f"{r['method']} {r['mode']}: {r['error']}" for r in failed)
-    return md
+    return md + _failures(payload)
 
 
 PROFILE_FAMILIES = ("base GEMM", "adapter GEMM", "adapter other", "casts", "elementwise", "attention", "loss head")
@@ -487,10 +492,7 @@ def profile_table(payload: dict) -> str:
             ("lean layers", "lean layers", ""),
         ],
     )
-    failed = [r for r in payload["rows"] if "error" in r]
-    if failed:
-        md += "\n\nFailed: " + "; ".join(f"{r['method']}: {r['error']}" for r in failed)
-    return md
+    return md + _failures(payload)
 
 
 def profile_render(payload: dict):
