@@ -62,18 +62,32 @@ class SavedTensorCounter:
     """Counts the bytes autograd saves for backward, as unique storages (``saved_tensors_hooks``).
 
     ``exclude`` takes tensors (for example parameters) whose storages are not activations and should not count.
+    ``tag``: a callable naming where a tensor is saved (the module running, for a step profile); ``by_tag`` then
+    splits the bytes by the tag under which each storage was first saved.
     """
 
-    def __init__(self, exclude=()):
+    def __init__(self, exclude=(), tag=None):
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self._storages: dict[int, int] = {}
+        self._tag = tag
+        self._tags: dict[int, str] = {}
 
     def _pack(self, t: torch.Tensor):
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr not in self._exclude:
             self._storages[ptr] = max(self._storages.get(ptr, 0), st.nbytes())
+            if self._tag is not None and ptr not in self._tags:
+                self._tags[ptr] = self._tag()
         return t
+
+    @property
+    def by_tag(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ptr, nbytes in self._storages.items():
+            key = self._tags.get(ptr, "other")
+            out[key] = out.get(key, 0) + nbytes
+        return out
 
     @staticmethod
     def _unpack(t):

@@ -43,7 +43,7 @@ __getattr__, __dir__, _lazy_all = lazy.attach(
     submod_attrs={
         "lowrank": ["LowRankLinear", "lowrank_linear", "compute_dtype"],
         "paths": ["apply", "report", "dense_base_reason", "adapter_reason", "record"],
-        "profile": ["StepProfile", "FAMILIES", "saved_bytes"],
+        "profile": ["StepProfile", "FAMILIES"],
     },
 )
 __all__ = ["enabled", "set_enabled", "disabled", *_lazy_all]

@@ -20,9 +20,9 @@ the backward ops it runs (``torch._C._current_autograd_node``) are charged to it
 launch no kernel. Times: on CPU each op's wall time (the CPU runs ops synchronously; the dispatch adds a constant
 per op, the same for every method); on CUDA a pair of events around each op, read after the step.
 
-Saved bytes: every tensor autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``), counted once
-per storage (a saved view pins its whole storage), parameters and buffers excluded (they exist anyway), split by the
-scope that saved them.
+Saved bytes: every tensor autograd saves for backward, counted once per storage (a saved view pins its whole storage),
+parameters and buffers excluded (they exist anyway), split by the scope that saved them
+(:class:`hf_dtrain.distributed.counters.SavedTensorCounter` with a tag).
 
     prof = StepProfile(model)
     with prof.phase("forward"):
@@ -42,6 +42,8 @@ from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_dtrain.distributed.counters import SavedTensorCounter
 
 FAMILIES = (
     "base GEMM",
@@ -185,12 +187,11 @@ class StepProfile:
         self.phase_seconds: dict[str, float] = defaultdict(float)
         self.op_names: dict[tuple[str, str], int] = defaultdict(int)
         self.events: list = []
-        self.saved: dict[int, tuple[int, str]] = {}  # storage -> (bytes, scope), per step
-        self.saved_bytes: dict[str, int] = defaultdict(int)
+        self.saved_bytes: dict[str, int] = defaultdict(int)  # by scope, summed over the steps
         self._stack: list[str] = []
         self._scopes = _scopes(model)
         self.width = adapter_width(model)
-        self._exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self._counter = None  # this step's SavedTensorCounter
 
     # ---- scopes -----------------------------------------------------------------------------------------------------
     def scope(self) -> str | None:
@@ -220,14 +221,6 @@ class StepProfile:
         if scope is not None:
             node.metadata[_KEY] = scope
 
-    def _pack(self, t: torch.Tensor):
-        if self.current == "forward":
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key not in self._exclude and key not in self.saved:
-                self.saved[key] = (storage.nbytes(), self.scope() or "other")
-        return t
-
     # ---- recording --------------------------------------------------------------------------------------------------
     def add(self, fam: str, phase: str, name: str, seconds: float) -> None:
         self.ops[fam] += 1
@@ -248,14 +241,17 @@ class StepProfile:
             if name == "forward":
                 stack.enter_context(self._hooks())
                 stack.enter_context(torch.autograd.graph.node_creation_hook(self._tag))
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+                frozen = [*self.model.parameters(), *self.model.buffers()]
+                self._counter = SavedTensorCounter(exclude=frozen, tag=lambda: self.scope() or "other")
+                stack.enter_context(self._counter())
             stack.enter_context(_Dispatch(self))
             yield
 
     def _flush_saved(self) -> None:
-        for nbytes, scope in self.saved.values():
-            self.saved_bytes[scope] += nbytes
-        self.saved.clear()
+        if self._counter is not None:
+            for scope, nbytes in self._counter.by_tag.items():
+                self.saved_bytes[scope] += nbytes
+            self._counter = None
 
     def _resolve_events(self) -> None:
         if not self.events:
@@ -267,7 +263,7 @@ class StepProfile:
 
     def summary(self) -> dict:
         """Per step: ``families`` ``{family: {"ops", "seconds"}}``, ``phases`` likewise, ``ops`` (kernels: the
-        non-view ops), ``views``, ``saved_bytes`` (all scopes) and ``saved_bytes_by_scope``, ``top_ops`` (the 15
+        non-view ops), ``views``, ``saved_bytes`` (all scopes) and ``saved_bytes_by_scope``, ``top_ops`` (the 40
         most frequent ``family/op`` pairs)."""
         self._resolve_events()
         self._flush_saved()
@@ -286,20 +282,3 @@ class StepProfile:
             "saved_bytes_by_scope": {k: v / n for k, v in sorted(self.saved_bytes.items())},
             "top_ops": {f"{fam}/{name}": c / n for (fam, name), c in top},
         }
-
-
-def saved_bytes(fn, *, exclude=()) -> tuple[int, object]:
-    """``(bytes, fn())``: the bytes autograd saves for backward while ``fn()`` runs, once per storage, the storages of
-    ``exclude`` (the parameters and buffers, which exist anyway) left out. For tests of what a layer keeps."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out

@@ -12,8 +12,18 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig, fast
-from hf_dtrain.fast.profile import StepProfile, saved_bytes
+from hf_dtrain.distributed.counters import SavedTensorCounter
+from hf_dtrain.fast.profile import StepProfile
 from hf_dtrain.testing import random_batch, tiny_llama
+
+
+def saved_bytes(fn, exclude):
+    """``(bytes kept for backward while fn() runs, fn())``."""
+    counter = SavedTensorCounter(exclude=exclude)
+    with counter():
+        out = fn()
+    return counter.nbytes, out
+
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIGS = {
