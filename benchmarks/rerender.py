@@ -2,7 +2,7 @@
 markdown, JSON and PNG with the committed files byte for byte: the check that a change to the code the results
 depend on (a benchmark's render, the planner's predictions) left them as they were.
 
-    python benchmarks/rerender.py       # about two minutes; exit status 1 if any result differs; writes results/rerender.*
+    python benchmarks/rerender.py   # about two minutes; exit 1 if any result differs; writes results/rerender.*
 """
 
 from __future__ import annotations
