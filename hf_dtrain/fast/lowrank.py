@@ -43,14 +43,12 @@ class LowRankLinear(torch.autograd.Function):
             x2 = x2.to(dtype)
         ac, bc = a.to(dtype), b.to(dtype)
         h = torch.mm(x2, ac.t())
-        if weight is not None:
-            out = F.linear(x2, weight.to(dtype), None if bias is None else bias.to(dtype))
-        else:
-            out = y.reshape(-1, y.shape[-1])
         if weight is not None:  # the base product is this function's own buffer: add in place
+            out = F.linear(x2, weight.to(dtype), None if bias is None else bias.to(dtype))
             out.addmm_(h, bc.t(), alpha=scale)
         else:  # the caller's base output, in its own dtype: one op reads it and writes the sum
-            out = torch.addmm(out, h.to(out.dtype), bc.t().to(out.dtype), alpha=scale)
+            y2 = y.reshape(-1, y.shape[-1])
+            out = torch.addmm(y2, h.to(y2.dtype), bc.t().to(y2.dtype), alpha=scale)
         keep_x = a.requires_grad
         # the factors in the compute dtype (r-sized: kept rather than cast again in backward)
         ctx.save_for_backward(x2 if keep_x else h, weight, ac, bc)
@@ -91,8 +89,8 @@ def lowrank_linear(x, a, b, scale: float, *, weight=None, bias=None, y=None) -> 
 
 
 def _sum_groups(t: torch.Tensor) -> torch.Tensor:
-    """``t.sum(-1)`` as a new tensor: over a short last dimension (Q-BaRA's pool, QA-HiRA's output groups: 2-8) as
-    adds of its strided slices, which run many times faster on CPU than a reduction over a dimension of 2."""
+    """``t.sum(-1)`` as a new tensor: over a short last dimension (QA-HiRA's output groups, 1-8) as adds of its
+    strided slices, which run many times faster on CPU than a reduction over a dimension of 2."""
     n = t.shape[-1]
     if n > 8:
         return t.sum(-1)
@@ -104,9 +102,10 @@ def _sum_groups(t: torch.Tensor) -> torch.Tensor:
 
 class PooledDelta(torch.autograd.Function):
     """``out = y + scale * repeat_out(mean_g(x) @ a.T [@ b.T])``: QA-HiRA's update (one value per output group of
-    ``lam`` rows and input group of ``g`` columns) added to the base output ``y`` in one broadcast add, without the
-    repeated or up-cast activations of the plain path. Keeps the pooled input (``in / g`` values per token), with a
-    rank also ``mean_g(x) @ a.T`` (``r`` per token), and the factors in the compute dtype."""
+    ``lam`` rows and input group of ``g`` columns) repeated over its output groups and added to the base output ``y``
+    in one plain add, without the up-cast activations or the separate multiply of the plain path. Keeps the pooled
+    input (``in / g`` values per token), with a rank also ``mean_g(x) @ a.T`` (``r`` per token), and the factors in
+    the compute dtype."""
 
     @staticmethod
     def forward(ctx, y, x, a, b, g: int, lam: int, scale: float, dtype: torch.dtype):

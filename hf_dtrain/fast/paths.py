@@ -102,8 +102,8 @@ def lowrank_forward(layer, x, args, kwargs, a, b, scale, dropout=None):
 
 
 def pooled_forward(layer, x, args, kwargs, a, b, g: int, lam: int, scale: float):
-    """QA-HiRA's lean forward (the base runs itself; its update added in one broadcast add), or None where the plain
-    one must run (the reason recorded)."""
+    """QA-HiRA's lean forward (the base runs itself; its update added in one add), or None where the plain one must
+    run (the reason recorded)."""
     reason = adapter_reason(layer, args, kwargs, (a,) if b is None else (a, b))
     if reason is not None:
         record(layer, reason)

@@ -136,10 +136,17 @@ class MergeableLinearMixin:
         """The lean path's output, or None where the plain path must run (the reason recorded for
         :func:`hf_dtrain.fast.report`)."""
         names = self.active_adapters
-        name = names[0] if len(names) == 1 and self._has_adapter(names[0]) else None
-        factors = None if name is None else self._lean_factors(name)
+        if len(names) != 1 or not self._has_adapter(names[0]):
+            fast_paths.record(self, "several or no active adapters")
+            return None
+        return self._lean_call(x, args, kwargs, names[0])
+
+    def _lean_call(self, x: torch.Tensor, args, kwargs, adapter: str) -> torch.Tensor | None:
+        """The lean output for the one active ``adapter``: a low-rank product from :meth:`_lean_factors` by default;
+        a layer with another form of update (QA-HiRA's pooled one) overrides this."""
+        factors = self._lean_factors(adapter)
         if factors is None:
-            fast_paths.record(self, "no lean path" if name is not None else "several or no active adapters")
+            fast_paths.record(self, "no lean path")
             return None
         a, b, scale, dropout = factors
         return fast_paths.lowrank_forward(self, x, args, kwargs, a, b, scale, dropout=dropout)

@@ -117,12 +117,7 @@ class Linear(MergeableLinearMixin, nn.Module, QAHiRALayer):
         else:
             super()._merge_one(adapter, sign, safe_merge)
 
-    def _lean_forward(self, x: torch.Tensor, args, kwargs) -> torch.Tensor | None:
-        names = self.active_adapters
-        if len(names) != 1 or names[0] not in self.qahr_A:
-            fast_paths.record(self, "several or no active adapters")
-            return None
-        name = names[0]
+    def _lean_call(self, x: torch.Tensor, args, kwargs, name: str) -> torch.Tensor | None:
         a, b = self.qahr_A[name], self.qahr_B.get(name)
         g, lam = self.group_size[name], self.lambda_out[name]
         return fast_paths.pooled_forward(self, x, args, kwargs, a, b, g, lam, self.scaling[name])
