@@ -258,7 +258,7 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
         ),
         "warmup_seconds": warm_seconds,
         "tokens_per_step": batch * seq,
-        "paths": fast.report(model),
+        "paths": fast.report(model, training=True),
     }
 
 
@@ -287,7 +287,7 @@ def profile_row(method: str, model, step, tokens: int) -> dict:
         "trainable": trainable,
         "tokens_per_step": tokens,
         "step_s": statistics.median(times),
-        "paths": fast.report(model),
+        "paths": fast.report(model, training=True),
         **prof.summary(),
     }
 

@@ -17,7 +17,8 @@ from . import enabled
 from .lowrank import lowrank_linear, pooled_delta
 
 LEAN, LEAN_ADAPTER = "lean", "lean adapter"
-ATTRIBUTE = "hf_dtrain_path"
+ATTRIBUTE = "hf_dtrain_path"  # the path of the layer's last forward
+TRAINING = "hf_dtrain_training_path"  # of its last training forward (in training mode, with gradients on)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -77,8 +78,11 @@ def _no_dropout(dropout) -> bool:
 
 
 def record(layer: nn.Module, path: str) -> None:
-    """Note the path ``layer`` took in this forward (for :func:`report`)."""
+    """Note the path ``layer`` took in this forward (for :func:`report`), and apart the path of a training forward:
+    an evaluation after training (dropout off) must not make a plain training step read as lean."""
     layer.__dict__[ATTRIBUTE] = path
+    if layer.training and torch.is_grad_enabled():
+        layer.__dict__[TRAINING] = path
 
 
 def lowrank_forward(layer, x, args, kwargs, a, b, scale, dropout=None):
@@ -112,10 +116,12 @@ def pooled_forward(layer, x, args, kwargs, a, b, g: int, lam: int, scale: float)
     return pooled_delta(layer.base_layer(x), x, a, b, g, lam, scale)
 
 
-def report(model: nn.Module) -> dict:
+def report(model: nn.Module, training: bool = False) -> dict:
     """``{"layers": n, "lean": n, "lean adapter": n, "plain": {reason: n}}`` over the tuner layers of ``model``
-    that ran a forward since they were built (each layer's last forward)."""
-    paths = Counter(m.__dict__[ATTRIBUTE] for m in model.modules() if ATTRIBUTE in m.__dict__)
+    that ran a forward since they were built: each layer's last forward, or with ``training=True`` its last training
+    forward (the layers that never trained are left out)."""
+    key = TRAINING if training else ATTRIBUTE
+    paths = Counter(m.__dict__[key] for m in model.modules() if key in m.__dict__)
     return {
         "layers": sum(paths.values()),
         LEAN: paths.pop(LEAN, 0),

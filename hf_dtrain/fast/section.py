@@ -14,7 +14,7 @@ from . import enabled, set_enabled
 class FastSection(Section):
     """``--fast true`` (the default): every tuner layer takes its lean path where it is exact (peft LoRA layers
     through :func:`hf_dtrain.fast.apply`); ``--fast false``: the plain paths. ``results.json``'s ``fast`` says how
-    many layers took the lean path in the last forward and why the others did not."""
+    many layers took the lean path in the last training step and why the others did not."""
 
     name = "fast"
     jobs = ("finetune",)
@@ -54,7 +54,7 @@ class FastSection(Section):
 
         if self.model is None:
             return {"fast": None}
-        return {"fast": {"enabled": bool(self.cfg.fast), **report(self.model)}}
+        return {"fast": {"enabled": bool(self.cfg.fast), **report(self.model, training=True)}}
 
     def close(self) -> None:  # the switch as it was before the run (a later run in the process starts from it)
         set_enabled(self.was)
