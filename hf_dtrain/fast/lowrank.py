@@ -88,6 +88,33 @@ def lowrank_linear(x, a, b, scale: float, *, weight=None, bias=None, y=None) -> 
     return LowRankLinear.apply(x, weight, bias, y, a, b, float(scale), compute_dtype(x))
 
 
+class FrozenLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` for a frozen dense base, in the compute dtype: keeps the weight itself (a
+    parameter, no memory of its own) for the input gradient and casts it again in backward, where autocast's linear
+    keeps a cast copy of the weight (and the cast input, which a frozen weight never needs). The layers of a tuner
+    whose adapter has nothing there (an SMT target with no selected block) run this."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype: torch.dtype):
+        out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(weight)
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad.to(ctx.dtype), weight.to(ctx.dtype)).to(ctx.x_dtype)
+        return grad_x, None, None, None
+
+
+def frozen_linear(x, weight, bias=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a frozen ``weight`` through :class:`FrozenLinear`."""
+    return FrozenLinear.apply(x, weight, bias, compute_dtype(x))
+
+
 def _sum_groups(t: torch.Tensor) -> torch.Tensor:
     """``t.sum(-1)`` as a new tensor: over a short last dimension (QA-HiRA's output groups, 1-8) as adds of its
     strided slices, which run many times faster on CPU than a reduction over a dimension of 2."""

@@ -220,14 +220,36 @@ def test_a_4bit_base_runs_itself_and_the_adapter_is_added_lean(tmp_path):
             _close(lean[2][name], plain[2][name], 1e-5)
 
 
-def test_lean_layers_compile_as_one_graph():
-    model = _model("lorafa")
+def _smt_model(block_indices):
+    from hf_dtrain import SMTConfig
+
+    model = get_peft_model(
+        tiny_llama(seed=0), SMTConfig(block_size=16, block_indices=block_indices, target_modules=TARGETS)
+    )
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+@pytest.mark.parametrize("method", [*CONFIGS, "smt", "smt-no-block"])
+def test_lean_layers_compile_as_one_graph(method):
+    """Every lean layer kind compiles with ``fullgraph=True`` (a graph break raises) and gives the eager output and
+    input gradient: the low-rank function (peft LoRA, LoRA-FA, Q-BaRA), QA-HiRA's pooled one, SMT's block product
+    inside the base and the frozen base alone (an SMT target without a block)."""
+    if method.startswith("smt"):
+        blocks = {} if method == "smt-no-block" else {"model.layers.0.self_attn.q_proj": [[0, 0], [2, 3]]}
+        blocks["model.layers.1.mlp.down_proj"] = [[1, 0]]  # a selection was made: the empty targets hold no block
+        model = _smt_model(blocks)
+    else:
+        model = _model(method)
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     x = torch.randn(2, 8, layer.in_features, requires_grad=True)
     eager = layer(x)
+    torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True)  # a graph break raises
     out = compiled(x)
-    assert fast.report(model)["lean"] == 1
+    assert fast.report(model)["lean adapter" if method in LEAN_ADAPTER_ONLY else "lean"] == 1
     _close(out, eager, 1e-6)
     (g_c,) = torch.autograd.grad(out.sum(), x)
     (g_e,) = torch.autograd.grad(eager.sum(), x)

@@ -305,3 +305,49 @@ def test_smt_warmup_under_torch_distributed_selects_the_same_blocks_on_every_ran
     )
     expected = smt_warmup(single, [random_batch(seed=10 * r + s) for r in range(2) for s in range(2)], progress=False)
     assert {k: sorted(v) for k, v in ranks[0].items()} == {k: sorted(v) for k, v in expected.items()}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "amp"])
+def test_targets_without_a_block_run_the_frozen_base_lean(autocast):
+    """After selection a target can hold no block: it runs the frozen base alone through the lean function
+    (FrozenLinear keeps the weight itself, not autocast's bf16 copy of it), every layer is counted lean, and the
+    logits and the input and block gradients equal the plain path's (fp32: within 1e-6); under autocast the model
+    keeps less for backward than the plain path."""
+    from hf_dtrain import fast
+    from hf_dtrain.fast.lowrank import FrozenLinear
+
+    indices = {"model.layers.0.self_attn.q_proj": [[0, 0], [2, 3]], "model.layers.1.mlp.down_proj": [[1, 0]]}
+    model = get_peft_model(
+        tiny_llama(seed=0, hidden_size=64), SMTConfig(block_size=16, block_indices=indices, target_modules=TARGETS)
+    )
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    batch = random_batch(seq=16, seed=3)
+    frozen = [*model.parameters(), *model.buffers()]
+
+    def run():
+        embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_(True)
+        counter = SavedTensorCounter(exclude=frozen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), counter():
+            out = model(inputs_embeds=embeds, labels=batch["labels"])
+        out.loss.backward()
+        grads = [embeds.grad] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+        return [out.logits.detach().float(), *grads], counter.nbytes
+
+    with fast.disabled():
+        plain, plain_kept = run()
+    with mock.patch.object(FrozenLinear, "apply", wraps=FrozenLinear.apply) as frozen_call:
+        lean, lean_kept = run()
+    empty = 2 * len(TARGETS) - len(indices)
+    assert frozen_call.call_count == empty  # the targets without a block, and only those
+    assert fast.report(model) == {"layers": 2 * len(TARGETS), "lean": 2 * len(TARGETS), "lean adapter": 0, "plain": {}}
+    for a, b in zip(lean, plain):
+        if autocast:
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert lean_kept <= plain_kept
+    if autocast:  # no bf16 copy of any target's weight
+        assert lean_kept < plain_kept

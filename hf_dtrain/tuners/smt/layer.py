@@ -11,6 +11,7 @@ from torch import nn
 from hf_dtrain.errors import SettingsError, UnsupportedTarget
 
 from ...fast import paths as fast_paths
+from ...fast.lowrank import frozen_linear
 from .._base import MergeableLinearMixin, random_start
 from .._registry import register_folder
 
@@ -120,13 +121,14 @@ class BlockSparseLinear(torch.autograd.Function):
             n = xs.shape[0]
             y_rows = y_blocks.new_zeros(n, urows.numel(), bs).index_add_(1, rpos, y_blocks)
             y.view(n, -1, bs).index_add_(1, urows, y_rows.to(y.dtype))
-        ctx.save_for_backward(xs, w, blocks, rows, cpos, ucols)
+        # the weight itself (a parameter: no memory of its own), cast again in backward, never the cast copy
+        ctx.save_for_backward(xs, weight, blocks, rows, cpos, ucols)
         ctx.x_dtype, ctx.compute = x.dtype, compute
         return y.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
-        xs, w, blocks, rows, cpos, ucols = ctx.saved_tensors
+        xs, weight, blocks, rows, cpos, ucols = ctx.saved_tensors
         bs = blocks.shape[-1]
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.compute)
         grad_blocks, gx_u = _block_gradients(
@@ -134,7 +136,7 @@ class BlockSparseLinear(torch.autograd.Function):
         )
         grad_x = None
         if gx_u is not None:
-            grad_x = (g @ w).to(ctx.x_dtype)  # the base's input gradient, as a Linear's backward gives it
+            grad_x = (g @ weight.to(ctx.compute)).to(ctx.x_dtype)  # the base's input gradient, as a Linear's gives it
             grad_x.view(g.shape[0], -1, bs).index_add_(1, ucols, gx_u.to(ctx.x_dtype))
             grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
         return grad_x, None, None, grad_blocks, None, None, None, None
@@ -355,14 +357,15 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
         if reason is not None:
             return None, reason
         name = self.active_adapters[0]
-        if name not in self.smt_weight:
-            return None, "no blocks selected yet"
         if name in self._smt_grad_sum:
             return None, "warm-up scoring"
+        if name not in self.smt_weight and self._smt_unselected.get(name, True):
+            return None, "no blocks selected yet"
         reason = fast_paths.dense_base_reason(self.base_layer)
         if reason is not None:
             return None, reason
-        weight, blocks = self.base_layer.weight, self.smt_weight[name]
+        weight = self.base_layer.weight
+        blocks = self.smt_weight.get(name, weight)  # no block here: the base alone
         if not torch.is_autocast_enabled(x.device.type) and not x.dtype == weight.dtype == blocks.dtype:
             return None, "input, base and blocks in different dtypes"
         return name, fast_paths.LEAN
@@ -373,6 +376,8 @@ class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
         if name is None:
             return self._plain_forward(x, *args, **kwargs)
         base = self.base_layer
+        if name not in self.smt_weight:  # selection left this target without a block: the frozen base alone
+            return frozen_linear(x, base.weight, base.bias)
         idx = self.smt_indices[name]
         return BlockSparseLinear.apply(
             x,
