@@ -33,15 +33,20 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class LowRankLinear(torch.autograd.Function):
     """``out = base + scale * (x @ a.T) @ b.T`` with ``base = F.linear(x, weight, bias)`` (``weight`` given: a dense
-    frozen base) or ``base = y`` (the base's output, computed by the caller). See the module's docstring."""
+    frozen base) or ``base = y`` (the base's output, computed by the caller); with ``repeat`` > 1, ``a`` and ``b`` with
+    each column / row repeated that many times. See the module's docstring."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, y, a, b, scale: float, dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, y, a, b, scale: float, dtype: torch.dtype, repeat: int = 1):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != dtype:
             x2 = x2.to(dtype)
-        ac, bc = a.to(dtype), b.to(dtype)
+        if repeat == 1:
+            ac, bc = a.to(dtype), b.to(dtype)
+        else:  # each column of A and row of B ``repeat`` times: one op each, the copy and the cast together
+            ac = a.unsqueeze(-1).expand(*a.shape, repeat).to(dtype).reshape(a.shape[0], -1)
+            bc = b.unsqueeze(1).expand(b.shape[0], repeat, b.shape[1]).to(dtype).reshape(-1, b.shape[1])
         h = torch.mm(x2, ac.t())
         if weight is not None:  # the base product is this function's own buffer: add in place
             out = F.linear(x2, weight.to(dtype), None if bias is None else bias.to(dtype))
@@ -52,7 +57,7 @@ class LowRankLinear(torch.autograd.Function):
         keep_x = a.requires_grad
         # the factors in the compute dtype (r-sized: kept rather than cast again in backward)
         ctx.save_for_backward(x2 if keep_x else h, weight, ac, bc)
-        ctx.keep_x, ctx.scale, ctx.dtype, ctx.shape = keep_x, scale, dtype, shape
+        ctx.keep_x, ctx.scale, ctx.dtype, ctx.shape, ctx.repeat = keep_x, scale, dtype, shape, repeat
         ctx.x_dtype, ctx.y_dtype, ctx.a_dtype, ctx.b_dtype = x.dtype, (None if y is None else y.dtype), a.dtype, b.dtype
         return out.view(*shape[:-1], out.shape[-1])
 
@@ -68,9 +73,19 @@ class LowRankLinear(torch.autograd.Function):
         grad_a = grad_b = grad_x = grad_y = None
         if ctx.needs_input_grad[5]:
             h = torch.mm(saved, ac.t()) if ctx.keep_x else saved
-            grad_b = torch.mm(g.t(), h).mul_(scale).to(ctx.b_dtype)
+            grad_b = torch.mm(g.t(), h).mul_(scale)
+            grad_b = (
+                grad_b.to(ctx.b_dtype)
+                if ctx.repeat == 1
+                else grad_b.view(-1, ctx.repeat, grad_b.shape[1]).sum(1, dtype=ctx.b_dtype)  # over the copies
+            )
         if ctx.needs_input_grad[4]:
-            grad_a = torch.mm(gh.t(), saved).to(ctx.a_dtype)
+            grad_a = torch.mm(gh.t(), saved)
+            grad_a = (
+                grad_a.to(ctx.a_dtype)
+                if ctx.repeat == 1
+                else grad_a.view(grad_a.shape[0], -1, ctx.repeat).sum(-1, dtype=ctx.a_dtype)
+            )
         if need_x:
             if weight is not None:
                 grad_x = torch.mm(g, weight.to(dtype)).addmm_(gh, ac)
@@ -79,13 +94,14 @@ class LowRankLinear(torch.autograd.Function):
             grad_x = grad_x.view(ctx.shape).to(ctx.x_dtype)
         if need_y:
             grad_y = grad.to(ctx.y_dtype)
-        return grad_x, None, None, grad_y, grad_a, grad_b, None, None
+        return grad_x, None, None, grad_y, grad_a, grad_b, None, None, None
 
 
-def lowrank_linear(x, a, b, scale: float, *, weight=None, bias=None, y=None) -> torch.Tensor:
+def lowrank_linear(x, a, b, scale: float, *, weight=None, bias=None, y=None, repeat: int = 1) -> torch.Tensor:
     """``F.linear(x, weight, bias) + scale * F.linear(F.linear(x, a), b)`` (or ``y + ...``) through
-    :class:`LowRankLinear`, in the compute dtype of ``x``."""
-    return LowRankLinear.apply(x, weight, bias, y, a, b, float(scale), compute_dtype(x))
+    :class:`LowRankLinear`, in the compute dtype of ``x``. ``repeat``: ``A``'s columns and ``B``'s rows each stand for
+    ``repeat`` consecutive ones (Q-BaRA's pooled input and repeated output; their gradients summed over the copies)."""
+    return LowRankLinear.apply(x, weight, bias, y, a, b, float(scale), compute_dtype(x), int(repeat))
 
 
 class FrozenLinear(torch.autograd.Function):

@@ -85,10 +85,10 @@ def record(layer: nn.Module, path: str) -> None:
         layer.__dict__[TRAINING] = path
 
 
-def lowrank_forward(layer, x, args, kwargs, a, b, scale, dropout=None):
+def lowrank_forward(layer, x, args, kwargs, a, b, scale, dropout=None, repeat: int = 1):
     """The lean forward of a low-rank tuner layer (``y = base(x) + scale * (x a^T) b^T``), or None where the plain one
     must run (the reason recorded). ``dropout``: the adapter's dropout module (lean only when it is the identity or a
-    zero-rate dropout)."""
+    zero-rate dropout); ``repeat``: see :func:`~hf_dtrain.fast.lowrank.lowrank_linear`."""
     reason = adapter_reason(layer, args, kwargs, (a, b))
     if reason is None and not _no_dropout(dropout):
         reason = "dropout"
@@ -97,12 +97,12 @@ def lowrank_forward(layer, x, args, kwargs, a, b, scale, dropout=None):
         reason = dense_base_reason(base)  # a dense base that cannot come inside keeps its own call whole
         if reason is None:
             record(layer, LEAN)
-            return lowrank_linear(x, a, b, scale, weight=base.weight, bias=base.bias)
+            return lowrank_linear(x, a, b, scale, weight=base.weight, bias=base.bias, repeat=repeat)
     if reason is not None:
         record(layer, reason)
         return None
     record(layer, LEAN_ADAPTER)  # a base of its own kind (4-bit): it runs itself, the adapter is added in one op
-    return lowrank_linear(x, a, b, scale, y=layer.base_layer(x))
+    return lowrank_linear(x, a, b, scale, y=layer.base_layer(x), repeat=repeat)
 
 
 def pooled_forward(layer, x, args, kwargs, a, b, g: int, lam: int, scale: float):

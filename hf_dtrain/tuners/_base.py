@@ -129,7 +129,8 @@ class MergeableLinearMixin:
 
     def _lean_factors(self, adapter: str):
         """``(a, b, scale, dropout)`` when the adapter's output is ``scale * (dropout(x) a^T) b^T`` (a low-rank
-        product :mod:`hf_dtrain.fast.lowrank` runs), else None (the layer has no lean path)."""
+        product :mod:`hf_dtrain.fast.lowrank` runs), or ``(a, b, scale, dropout, repeat)`` with ``a``'s columns and
+        ``b``'s rows each standing for ``repeat`` consecutive ones; else None (the layer has no lean path)."""
         return None
 
     def _lean_forward(self, x: torch.Tensor, args, kwargs) -> torch.Tensor | None:
@@ -148,8 +149,9 @@ class MergeableLinearMixin:
         if factors is None:
             fast_paths.record(self, "no lean path")
             return None
-        a, b, scale, dropout = factors
-        return fast_paths.lowrank_forward(self, x, args, kwargs, a, b, scale, dropout=dropout)
+        a, b, scale, dropout, *repeat = factors
+        repeat = repeat[0] if repeat else 1
+        return fast_paths.lowrank_forward(self, x, args, kwargs, a, b, scale, dropout=dropout, repeat=repeat)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         lean = self._lean_forward(x, args, kwargs)

@@ -75,13 +75,11 @@ class Linear(MergeableLinearMixin, nn.Module, QBaRALayer):
 
     def _lean_factors(self, name: str):
         # s * repeat_lambda(B A pool_lambda(x)) = (s / lambda) * (x A_full^T) B_full^T with A's columns and B's rows
-        # each repeated lambda times (copies of the small factors, one op each way): the pooling and the repeat ride
-        # on the two low-rank products. Pooling the input explicitly measured slower on CPU at lambda 2 (a short
-        # strided reduction over the whole activation, forward and backward)
-        a, b, lam = self.qbara_A[name], self.qbara_B[name], self.pool[name]
-        a_full = a.unsqueeze(-1).expand(*a.shape, lam).reshape(a.shape[0], -1)
-        b_full = b.unsqueeze(1).expand(b.shape[0], lam, b.shape[1]).reshape(-1, b.shape[1])
-        return a_full, b_full, self.scaling[name] / lam, None
+        # each repeated lambda times: the lean function makes the copies in the compute dtype (one op each way, the
+        # cast included) and sums their gradients back; the pooling and the repeat ride on the two low-rank products.
+        # Pooling the input explicitly measured slower on CPU at lambda 2 (a short strided reduction over the whole
+        # activation, forward and backward)
+        return self.qbara_A[name], self.qbara_B[name], self.scaling[name] / self.pool[name], None, self.pool[name]
 
     def _adapter_output(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # Pooling lambda inputs and repeating each output lambda times are folded into the two small factors (A's
