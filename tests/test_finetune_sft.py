@@ -156,6 +156,11 @@ def test_bf16_autocast_changes_the_numbers_and_checkpointing_does_not(setup):
     bf16 = _run(root / "bf16", *common, "--bf16")
     ckpt = _run(root / "ckpt", *common, "--gradient-checkpointing")
     assert fp32["mixed_precision"] == "no" and bf16["mixed_precision"] == "bf16" and ckpt["gradient_checkpointing"]
+    # the step's settings as they ran: every LoRA layer lean, TRL's fused LM head (no full logits)
+    speed = bf16["speed_settings"]
+    lean, layers = speed["lean_layers"].split("/")
+    assert speed["precision"] == "bf16" and lean == layers != "0" and speed["loss_head"] == "TRL fused LM head"
+    assert ckpt["speed_settings"]["activation_checkpointing"] and not fp32["speed_settings"]["activation_checkpointing"]
     a, b, c = (torch.tensor([r["losses"][str(s)] for s in (1, 2, 3)]) for r in (fp32, bf16, ckpt))
     assert not torch.equal(a, b) and torch.allclose(a, b, rtol=0.05)
     torch.testing.assert_close(c, a, rtol=1e-6, atol=0)

@@ -42,10 +42,41 @@ def results(cfg, run, trainer, data, args, measured) -> dict:
         per_device_train_batch_size=args.per_device_train_batch_size,
         mixed_precision=str(trainer.accelerator.mixed_precision),
         gradient_checkpointing=bool(getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", False)),
+        speed_settings=speed_settings(trainer),
         world_size=run.world_size,
         output_dir=args.output_dir,
         config=dataclasses.asdict(cfg),
     )
+
+
+def _loss_head(model) -> str:
+    """``"TRL fused LM head"`` where TRL's SFTTrainer patched the model's forward to compute the loss in tiles without
+    the full logits (``trl.trainer.utils.add_fused_lm_head``: the forward then takes ``fused_lm_head=``), else
+    ``"full logits"``."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    forward = inner.__dict__.get("forward")  # the patch is an instance attribute wrapping the class's forward
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    return "TRL fused LM head" if code is not None and "fused_lm_head" in code.co_varnames else "full logits"
+
+
+def speed_settings(trainer) -> dict:
+    """The settings the step's speed depends on, as they ran: precision, the lean layers, the loss head, the
+    attention kernel, activation checkpointing (what the results table prints)."""
+    from hf_dtrain import fast
+
+    model = trainer.model
+    paths = fast.report(model, training=True)
+    config = getattr(model, "config", None)
+    return {
+        "precision": str(trainer.accelerator.mixed_precision),
+        "lean_layers": f"{paths['lean'] + paths['lean adapter']}/{paths['layers']}",
+        "loss_head": _loss_head(model),
+        "attention": getattr(config, "_attn_implementation", None),
+        "activation_checkpointing": bool(
+            getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", False)
+        ),
+        "torch_compile": bool(trainer.args.torch_compile),
+    }
 
 
 def write(cfg, results: dict) -> None:
@@ -80,6 +111,16 @@ def format_table(r: dict) -> str:
         ("eval loss", change(r["eval_loss_before"], r["eval_loss_after"])),
         ("accuracy", acc),
     ]
+    speed = r.get("speed_settings")
+    if speed:  # what the step ran with: the fast settings, on by default where they are exact
+        cols.append(
+            (
+                "step settings",
+                f"{speed['precision']}, lean {speed['lean_layers']}, {speed['loss_head']}, {speed['attention']}"
+                + (", checkpointing" if speed["activation_checkpointing"] else "")
+                + (", compiled" if speed["torch_compile"] else ""),
+            )
+        )
     widths = [max(len(h), len(v)) for h, v in cols]
     line = "| " + " | ".join(h.ljust(w) for (h, _), w in zip(cols, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
