@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit_result, markdown_table, run_worker, write
+from _report import RESULTS, emit_result, environment, markdown_table, run_worker, write
 
 METHODS = ["full", "lora", "lora_fast", "dora", "qlora", "lorafa", "smt", "qbara", "qahira"]
 QUANTIZED = {"qlora", "qbara", "qahira"}
@@ -154,7 +154,17 @@ def _rss() -> int:
     return _status("VmRSS")
 
 
-def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, warmup: int, profile=False) -> dict:
+def worker(
+    method: str,
+    mode: str,
+    path: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    profile=False,
+    checkpointing=False,
+) -> dict:
     import peft  # noqa: F401  (everything imported before the baseline resident set is read)
     import torch
     from transformers import AutoModelForCausalLM
@@ -181,6 +191,8 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
     else:
         # a GPU trains bf16 weights (what users load); the CPU keeps fp32 weights under bf16 autocast
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32).to(device)
+    if checkpointing:  # activation checkpointing per decoder layer (non-reentrant: a frozen embedding needs no hook)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = adapter_config(method, model)
     if config is not None:
         from peft import get_peft_model
@@ -258,6 +270,7 @@ def worker(method: str, mode: str, path: str, batch: int, seq: int, steps: int, 
         ),
         "warmup_seconds": warm_seconds,
         "tokens_per_step": batch * seq,
+        "checkpointing": checkpointing,
         "paths": fast.report(model, training=True),
     }
 
@@ -360,6 +373,11 @@ def summarize(rows: list[dict], peak: float) -> None:
                 r["vs_lora"] = r["tokens_per_s"] / base["tokens_per_s"]
                 r["peak_vs_lora"] = r["peak_bytes"] / base["peak_bytes"]
                 r["budget_vs_lora"] = r["trainable"] / base["trainable"]
+        # the NF4 tuners against peft LoRA on the same NF4 base (QLoRA)
+        qbase = next((r for r in rows if r["method"] == "qlora" and r["mode"] == mode and "error" not in r), None)
+        for r in rows:
+            if r["mode"] == mode and r["method"] in QUANTIZED and qbase is not None and "error" not in r:
+                r["vs_qlora"] = r["tokens_per_s"] / qbase["tokens_per_s"]
 
 
 def render(payload: dict):
@@ -414,6 +432,7 @@ def table(payload: dict) -> str:
             ("step_s", "step (s)", ".3f"),
             ("tokens_per_s", "tokens/s", ",.0f"),
             ("vs_lora", "vs LoRA", ".2f"),
+            ("vs_qlora", "vs QLoRA", ".2f"),
             ("mfu", "MFU", ".3f"),
             ("peak_bytes", "peak bytes", ",d"),
             ("peak_vs_lora", "peak / LoRA's", ".2f"),
@@ -436,7 +455,7 @@ def profile_main(args, preset: str, batch: int, seq: int, script: str) -> None:
         path = os.path.join(tmp, "model")
         build_llama(preset, seed=0).save_pretrained(path)
         for method in args.methods.split(","):
-            spec = f"{method}:eager:{path}:{batch}:{seq}:1:1:1"
+            spec = f"{method}:eager:{path}:{batch}:{seq}:1:1:1:0"
             row = run_worker(script, ["--worker", spec], what=f"{method} profile", timeout=3600)
             rows.append(row)
             kept = row.get("saved_bytes", 0) / 2**20
@@ -520,6 +539,138 @@ def profile_render(payload: dict):
     return fig
 
 
+def save_model(preset: str, path: str, cuda: bool) -> None:
+    """The preset's random weights (seed 0), saved once for every worker to load. On a GPU they are made on the device
+    in bf16 (the 8B shape in fp32 on the host would take 32 GB of memory and a minute to initialise)."""
+    import torch
+
+    from hf_dtrain.models import build_llama, llama_config
+
+    if not cuda:
+        build_llama(preset, seed=0).save_pretrained(path)
+        return
+    from transformers import LlamaForCausalLM
+
+    default = torch.get_default_dtype()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(llama_config(preset))
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+
+
+def _commit() -> str:
+    """The commit measured: ``$HF_DTRAIN_COMMIT`` (a copied tree without ``.git``, as the GPU machine gets), else
+    git's HEAD of this checkout (``+dirty`` with uncommitted changes to tracked files)."""
+    import subprocess
+
+    if os.environ.get("HF_DTRAIN_COMMIT"):
+        return os.environ["HF_DTRAIN_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"], capture_output=True).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git checkout; set HF_DTRAIN_COMMIT)"
+    return head + ("+dirty" if dirty else "")
+
+
+RUN_KEYS = ("date", "device", "commit", "torch", "preset", "batch", "seq", "checkpointing", "source")
+ROW_KEYS = (
+    "method", "mode", "trainable", "step_s", "tokens_per_s", "vs_lora", "vs_qlora", "mfu", "peak_bytes",
+    "peak_vs_lora", "paths", "error",
+)  # fmt: skip
+
+
+def accumulate(name: str, payload: dict, env: dict, source: str) -> dict[str, Path]:
+    """Append this run's rows to ``results/<name>.*`` (one file over several GPU runs): every earlier row is kept as it
+    was; each new row carries its run's date, device, commit, torch version and shape."""
+    import json
+
+    path = RESULTS / f"{name}.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    run = {
+        "date": env["date"],
+        "device": payload.get("device") or env.get("gpu"),
+        "commit": _commit(),
+        "torch": env.get("torch"),
+        "preset": payload["preset"],
+        "batch": payload["batch"],
+        "seq": payload["seq"],
+        "checkpointing": payload.get("checkpointing", False),
+        "source": source,
+    }
+    rows = rows + [{**run, **{k: r[k] for k in ROW_KEYS if k in r}} for r in payload["rows"]]
+    out = {"rows": rows}
+    notes = (
+        "Rows of every run of benchmarks/throughput.py --accumulate, oldest first, each with the run it comes from "
+        "(its own table: source). vs LoRA / vs QLoRA: tokens/s over peft LoRA's (QLoRA's, on the same NF4 base) in "
+        "the same run and mode. lean: layers whose last training forward took hf_dtrain.fast's lean path, of those "
+        "with an adapter. The environment below is the latest run's."
+    )
+    return write(name, out, accumulated_table(out), accumulated_render(out), notes, env=env)
+
+
+def accumulated_table(payload: dict) -> str:
+    rows = []
+    for r in payload["rows"]:
+        paths = r.get("paths") or {}
+        rows.append(
+            {
+                **r,
+                "shape": f"{r['preset']} {r['batch']}x{r['seq']}" + (" ckpt" if r.get("checkpointing") else ""),
+                "lean": f"{paths.get('lean', 0)}/{paths.get('layers', 0)}" if paths else "n/a",
+                "status": r.get("error", "ok")[:60],
+            }
+        )
+    return markdown_table(
+        rows,
+        [
+            ("date", "date", ""),
+            ("device", "device", ""),
+            ("commit", "commit", ""),
+            ("torch", "torch", ""),
+            ("shape", "shape", ""),
+            ("method", "method", ""),
+            ("mode", "mode", ""),
+            ("step_s", "step (s)", ".3f"),
+            ("tokens_per_s", "tokens/s", ",.0f"),
+            ("vs_lora", "vs LoRA", ".2f"),
+            ("vs_qlora", "vs QLoRA", ".2f"),
+            ("mfu", "MFU", ".3f"),
+            ("peak_bytes", "peak bytes", ",d"),
+            ("lean", "lean", ""),
+            ("status", "status", ""),
+        ],
+    )
+
+
+def accumulated_render(payload: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if r.get("tokens_per_s")]
+    fig, ax = plt.subplots(figsize=(10, max(3, 0.25 * len(rows) + 1)))
+    labels = [f"{r['date'][:16]} {r['device']} {r['preset']} {r['method']} {r['mode']}" for r in rows]
+    ax.barh(range(len(rows)), [r.get("vs_lora") or 0 for r in rows])
+    ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s over peft LoRA's (same run and mode)")
+    fig.tight_layout()
+    return fig
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -559,6 +710,23 @@ def main() -> None:
         help="instead of timing: one eager step per method through hf_dtrain.fast.profile (ops, times and bytes kept "
         "for backward by op family, and the layers' lean paths) into results/<name>_profile.*",
     )
+    ap.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing per decoder layer (every row): the 8B shape on one GPU",
+    )
+    ap.add_argument(
+        "--accumulate",
+        metavar="NAME",
+        help="also append this run's rows (each with its date, device, commit and torch version) to results/<NAME>.*, "
+        "keeping every earlier run's rows",
+    )
+    ap.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="with --accumulate: append the rows of an earlier run's results JSON (its own date and torch version; "
+        "the commit from $HF_DTRAIN_COMMIT) instead of measuring",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--peak-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -566,16 +734,27 @@ def main() -> None:
         emit_result(matmul_peak())
         return
     if args.worker:
-        method, mode, path, batch, seq, steps, warmup, prof = args.worker.split(":")
+        method, mode, path, batch, seq, steps, warmup, prof, ckpt = args.worker.split(":")
         try:
-            emit_result(worker(method, mode, path, int(batch), int(seq), int(steps), int(warmup), prof == "1"))
+            emit_result(
+                worker(method, mode, path, int(batch), int(seq), int(steps), int(warmup), prof == "1", ckpt == "1")
+            )
         except Exception as e:  # reported in the table, not a crashed run
             emit_result({"method": method, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         return
 
-    import torch
+    if args.from_json:
+        import json
 
-    from hf_dtrain.models import build_llama
+        if not args.accumulate:
+            ap.error("--from-json appends an earlier run's rows: give --accumulate NAME too")
+        earlier = json.loads(Path(args.from_json).read_text())  # its figures as that run computed them
+        source = os.path.relpath(os.path.abspath(args.from_json), Path(__file__).resolve().parent)
+        written = accumulate(args.accumulate, earlier, earlier["environment"], source)
+        print("appended to", ", ".join(str(p) for p in written.values()))
+        return
+
+    import torch
 
     cuda = torch.cuda.is_available()
     preset = args.preset or ("llama3.2-1b" if cuda else "100m")
@@ -589,7 +768,7 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model")
-        build_llama(preset, seed=0).save_pretrained(path)
+        save_model(preset, path, cuda)
         peak = run_worker(script, ["--peak-worker"], what="matmul peak")
         print(f"peak {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_source']})", flush=True)
         methods, modes = args.methods.split(","), args.modes.split(",")
@@ -606,7 +785,10 @@ def main() -> None:
                     if round_ == 0:
                         not_measured.append(f"{method} {mode}")
                     continue
-                spec = f"{method}:{mode}:{path}:{batch}:{seq}:{args.steps}:{args.warmup}:{int(args.profile)}"
+                spec = (
+                    f"{method}:{mode}:{path}:{batch}:{seq}:{args.steps}:{args.warmup}:{int(args.profile)}"
+                    f":{int(args.checkpointing)}"
+                )
                 row = run_worker(
                     script,
                     ["--worker", spec],
@@ -630,6 +812,7 @@ def main() -> None:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "order": args.order,
+        "checkpointing": args.checkpointing,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         **peak,
         "rows": rows,
@@ -637,9 +820,10 @@ def main() -> None:
     }
     notes = (
         f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "
-        f"{'bf16 weights' if cuda else 'fp32 weights under bf16 autocast'}; median of {args.steps} timed steps "
-        f"after {args.warmup} warm-up steps in each of {args.repeats} rounds (every other one in reversed "
-        f"order), each (method, mode) in a fresh process. MFU: FLOPs counted by "
+        f"{'bf16 weights' if cuda else 'fp32 weights under bf16 autocast'}"
+        f"{', activation checkpointing per decoder layer' if args.checkpointing else ''}; median of "
+        f"{args.steps} timed steps after {args.warmup} warm-up steps in each of {args.repeats} rounds (every "
+        f"other one in reversed order), each (method, mode) in a fresh process. MFU: FLOPs counted by "
         f"torch.utils.flop_counter for one step over the step time and {peak['peak_source']} "
         f"({peak['peak_flops'] / 1e12:.3f} TFLOP/s). vs LoRA: tokens/s over peft LoRA's in the same mode."
     )
@@ -649,6 +833,9 @@ def main() -> None:
     paths = write(args.name, payload, table(payload), render(payload), notes)
     print(table(payload))
     print("wrote", ", ".join(str(p) for p in paths.values()))
+    if args.accumulate:
+        written = accumulate(args.accumulate, payload, environment(), f"results/{args.name}.json")
+        print("appended to", ", ".join(str(p) for p in written.values()))
 
 
 if __name__ == "__main__":

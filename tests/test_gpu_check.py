@@ -57,13 +57,22 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     stall = status["snapshot_stall"]["detail"]
     assert stall["hf_dtrain_snapshot"]["state_bytes"] > 0 and stall["stall_ours_vs_dcp"] > 0
     assert status["fused_sweep"]["detail"]["max_rel_loss_diff_fused_vs_alone"] < 1e-4  # fused = alone, on the device
-    rows = status["throughput"]["detail"]["rows"]  # the benchmark's mechanics on the test shape
+    detail = status["throughput"]["detail"]
+    rows = detail["shapes"]["1b"]["rows"]  # the benchmark's mechanics on the test shape
     assert set(rows) == {"lora eager", "lora_fast eager", "lorafa eager"} and rows["lora eager"]["vs_lora"] == 1.0
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_bytes"] > 0 for r in rows.values())
     # each row says which path its layers took: peft's own LoRA plain, through hf_dtrain.fast and LoRA-FA lean
     assert rows["lora eager"]["paths"]["layers"] == 0
     for row in ("lora_fast eager", "lorafa eager"):
         assert rows[row]["paths"]["lean"] == rows[row]["paths"]["layers"] > 0
+    # the second run (the 8B shape's, checkpointed) appended its row after the first run's to one file
+    assert detail["shapes"]["8b"]["checkpointing"] and set(detail["shapes"]["8b"]["rows"]) == {"lora eager"}
+    assert detail["runs_file_shapes"] == [
+        ["test", False, "lora"],
+        ["test", False, "lora_fast"],
+        ["test", False, "lorafa"],
+        ["test", True, "lora"],
+    ]
     multi = status["multi_gpu"]["detail"]  # the 2-rank NCCL steps, run over gloo here
     assert multi["backend"] == "gloo" and multi["comm_hooks"] == gpu_check.HOOKS
     assert multi["fsdp2"]["max_loss_rel_diff"] < 1e-4 and multi["snapshot"]["step"] == 2

@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -101,7 +102,8 @@ class Context:
     dry_run: bool
     quick: bool
     out: Path | None = None  # the report folder; the throughput table is written beside the report there
-    throughput_budget: float = 200.0  # seconds the throughput step may start new (method, mode) rows
+    throughput_budget: float = 200.0  # seconds the throughput step may start new (method, mode) rows on the 1B shape
+    throughput_8b_budget: float = 120.0  # the same on the 8B shape, after the 1B rows (0: not run)
 
 
 # ------------------------------------------------------------------------------------------------------------ steps
@@ -520,94 +522,106 @@ def multi_gpu(ctx: Context) -> dict:
     return info
 
 
+# every GPU run's throughput rows, appended to one file (each row with its date, device, commit and torch version)
+THROUGHPUT_RUNS = "gpu/throughput_runs"
+
+
+def _throughput_argv(ctx: Context) -> list[tuple[str, list[str]]]:
+    """The throughput runs in priority order: (label, benchmark arguments)."""
+    if ctx.device.type != "cuda":  # the dry run: the mechanics on the test shape, the second run checkpointed
+        small = shlex.split("--preset test --batch 2 --seq 32 --steps 1 --warmup 1 --repeats 1 --modes eager")
+        return [
+            ("1b", [*small, "--methods", "lora,lora_fast,lorafa"]),
+            ("8b", [*small, "--methods", "lora", "--checkpointing"]),
+        ]
+    common = shlex.split("--seq 1024 --steps 3 --warmup 1 --order mode --repeats 1")
+    # the 1B shape: every method eager first, then compiled (compiling takes a minute per row), so a short budget
+    # still gives each method's eager row and the main methods' compiled rows: peft LoRA, full fine-tuning, the
+    # tuners, peft LoRA through hf_dtrain.fast, then QLoRA beside the NF4 tuners
+    one_b = shlex.split(
+        "--preset llama3.2-1b --batch 4 --methods lora,full,lorafa,smt,lora_fast,qahira,qbara,qlora,dora"
+    )
+    # then the 8B shape on one GPU with activation checkpointing: what a user's single-GPU fine-tuning runs
+    eight_b = shlex.split("--preset llama3-8b --batch 8 --checkpointing --modes eager --methods lora,lorafa,smt,qlora")
+    return [
+        ("1b", [*one_b, *common, "--time-budget", f"{ctx.throughput_budget:g}"]),
+        ("8b", [*eight_b, *common, "--time-budget", f"{ctx.throughput_8b_budget:g}"]),
+    ]
+
+
 def throughput(ctx: Context) -> dict:
-    """``benchmarks/throughput.py`` on the device within a time budget: peft LoRA, LoRA-FA, SMT and full fine-tuning
-    (then the others while time is left), eager and compiled, on the 1B shape; the whole table with
-    ``python benchmarks/throughput.py``. Its JSON / markdown / PNG go beside this report."""
+    """``benchmarks/throughput.py`` on the device within time budgets: the 1B shape (every method eager, then
+    compiled), then the 8B shape with activation checkpointing (LoRA, LoRA-FA, SMT, QLoRA). Each run's JSON / markdown
+    / PNG go beside this report under a name with its date (an earlier run's file is never overwritten), and its rows
+    are appended to ``results/gpu/throughput_runs.*``, which keeps every GPU run's rows."""
     script = ROOT / "benchmarks" / "throughput.py"
     if not script.exists():
         raise Skip(f"{script} is not here: run gpu_check from a checkout of hf_dtrain")
-    if ctx.device.type == "cuda":
-        # every method eager first, then compiled (compiling the 1B shape takes a minute per row), so a short budget
-        # still gives each method's eager row and the main methods' compiled rows
-        argv = [
-            "--preset",
-            "llama3.2-1b",
-            "--batch",
-            "4",
-            "--seq",
-            "1024",
-            "--steps",
-            "3",
-            "--warmup",
-            "1",
-            "--methods",
-            # peft LoRA, full fine-tuning, the tuners, peft LoRA through hf_dtrain.fast, then QLoRA beside the
-            # tuners on its NF4 base
-            "lora,full,lorafa,smt,lora_fast,qahira,qbara,qlora,dora",
-            "--order",
-            "mode",
-            "--time-budget",
-            f"{ctx.throughput_budget:g}",
-            "--repeats",
-            "1",
-        ]
-    else:  # the dry run: the mechanics on the test shape
-        argv = [
-            "--preset",
-            "test",
-            "--batch",
-            "2",
-            "--seq",
-            "32",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--repeats",
-            "1",
-            "--methods",
-            "lora,lora_fast,lorafa",
-            "--modes",
-            "eager",
-        ]
-    # a file per run, named by its date: an earlier run's file is never overwritten
     stamp = time.strftime("%Y%m%d_%H%M", time.gmtime())
-    name = f"gpu/{re.sub(r'[^A-Za-z0-9]+', '_', _device_name(ctx.device)).strip('_')}/throughput_{stamp}"
-    if ctx.dry_run:
-        name = "throughput_dry_run"
-    proc = subprocess.run(
-        [sys.executable, str(script), *argv, "--name", name], capture_output=True, text=True, timeout=540, cwd=ROOT
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"benchmarks/throughput.py failed:\n{proc.stderr[-3000:]}")
-    written = [ROOT / "benchmarks" / "results" / f"{name}.{ext}" for ext in ("json", "md", "png")]
-    payload = json.loads(written[0].read_text())
-    if ctx.dry_run:
-        for path in written:
-            path.unlink(missing_ok=True)
-    elif ctx.out is not None:  # beside the report, where it was asked for (the benchmark writes under results/)
-        folder = _report_folder(ctx)
-        folder.mkdir(parents=True, exist_ok=True)
-        for path in written:
-            if path.exists() and path.parent.resolve() != folder.resolve():
-                shutil.copy2(path, folder / path.name)
+    device = re.sub(r"[^A-Za-z0-9]+", "_", _device_name(ctx.device)).strip("_")
+    runs_name = "throughput_dry_run_runs" if ctx.dry_run else THROUGHPUT_RUNS
+    out: dict = {"runs_file": f"benchmarks/results/{runs_name}.json", "shapes": {}}
+    written_all = []
+    try:
+        for label, argv in _throughput_argv(ctx):
+            if label == "8b" and ctx.throughput_8b_budget <= 0:
+                out["not_measured"] = out.get("not_measured", []) + ["the 8B shape (--throughput-8b-budget 0)"]
+                continue
+            name = f"throughput_dry_run_{label}" if ctx.dry_run else f"gpu/{device}/throughput_{label}_{stamp}"
+            proc = subprocess.run(
+                [sys.executable, str(script), *argv, "--name", name, "--accumulate", runs_name],
+                capture_output=True,
+                text=True,
+                timeout=540,
+                cwd=ROOT,
+            )
+            written = [ROOT / "benchmarks" / "results" / f"{name}.{ext}" for ext in ("json", "md", "png")]
+            written_all += written
+            if proc.returncode != 0:
+                raise AssertionError(f"benchmarks/throughput.py ({label}) failed:\n{proc.stderr[-3000:]}")
+            payload = json.loads(written[0].read_text())
+            if not ctx.dry_run and ctx.out is not None:  # beside the report, where it was asked for
+                folder = _report_folder(ctx)
+                folder.mkdir(parents=True, exist_ok=True)
+                for path in written:
+                    if path.exists() and path.parent.resolve() != folder.resolve():
+                        shutil.copy2(path, folder / path.name)
+            out["shapes"][label] = _throughput_rows(payload)
+        runs = json.loads((ROOT / "benchmarks" / "results" / f"{runs_name}.json").read_text())["rows"]
+        out["rows_in_runs_file"] = len(runs)
+        if ctx.dry_run:  # both runs' rows, in order, each with its run
+            out["runs_file_shapes"] = [(r["preset"], r["checkpointing"], r["method"]) for r in runs]
+    finally:
+        if ctx.dry_run:
+            for path in written_all + [
+                ROOT / "benchmarks" / "results" / f"{runs_name}.{ext}" for ext in ("json", "md", "png")
+            ]:
+                path.unlink(missing_ok=True)
+    failed = [
+        (f"{label} {k}", r["error"]) for label, shape in out["shapes"].items() for k, r in shape["failed"].items()
+    ]
+    if failed:
+        raise AssertionError(f"throughput rows failed: {failed}")
+    return out
+
+
+def _throughput_rows(payload: dict) -> dict:
     rows = {
         f"{r['method']} {r['mode']}": {
-            k: r.get(k) for k in ("tokens_per_s", "vs_lora", "mfu", "peak_bytes", "paths", "error")
+            k: r.get(k) for k in ("tokens_per_s", "vs_lora", "vs_qlora", "mfu", "peak_bytes", "paths", "error")
         }
         for r in payload["rows"]
     }
     # the NF4 rows need bitsandbytes' CUDA build, which a machine may lack (it is optional): not measured, not failed
     missing = [k for k, r in rows.items() if r.get("error") and "bitsandbytes" in r["error"]]
-    failed = [k for k, r in rows.items() if r.get("error") and k not in missing]
-    if failed:
-        raise AssertionError(f"throughput rows failed: {[(k, rows[k]['error']) for k in failed]}")
-    not_measured = payload.get("not_measured", []) + [f"{k} (bitsandbytes is not installed)" for k in missing]
+    failed = {k: r for k, r in rows.items() if r.get("error") and k not in missing}
     return {
         "preset": payload["preset"],
-        "rows": {k: r for k, r in rows.items() if k not in missing},
-        "not_measured": not_measured,
+        "batch": payload["batch"],
+        "checkpointing": payload.get("checkpointing", False),
+        "rows": {k: r for k, r in rows.items() if k not in missing and k not in failed},
+        "failed": failed,
+        "not_measured": payload.get("not_measured", []) + [f"{k} (bitsandbytes is not installed)" for k in missing],
     }
 
 
@@ -1128,8 +1142,15 @@ def main(argv: list[str] | None = None) -> int:
         "--throughput-budget",
         type=float,
         default=Context.throughput_budget,
-        help="seconds within which the throughput step starts new (method, mode) rows (default "
+        help="seconds within which the throughput step starts new (method, mode) rows on the 1B shape (default "
         f"{Context.throughput_budget:g})",
+    )
+    ap.add_argument(
+        "--throughput-8b-budget",
+        type=float,
+        default=Context.throughput_8b_budget,
+        help="the same on the 8B shape, run after the 1B rows (default "
+        f"{Context.throughput_8b_budget:g}; 0 skips the 8B shape)",
     )
     ap.add_argument("--quick", action="store_true", help="smaller batches for the measurements")
     args = ap.parse_args(argv)
@@ -1150,12 +1171,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu_dry_run else torch.device("cpu")
     if args.throughput_budget <= 0:
         ap.error(f"--throughput-budget must be positive seconds, got {args.throughput_budget}")
+    if args.throughput_8b_budget < 0:
+        ap.error(f"--throughput-8b-budget must be 0 (skip) or positive seconds, got {args.throughput_8b_budget}")
     ctx = Context(
         device=device,
         dry_run=args.cpu_dry_run,
         quick=args.quick,
         out=Path(args.out),
         throughput_budget=args.throughput_budget,
+        throughput_8b_budget=args.throughput_8b_budget,
     )
     print(f"gpu_check on {_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
     results = run(steps, ctx, after_step=lambda done: write_report(done, ctx, Path(args.out)))
