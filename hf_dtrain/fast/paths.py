@@ -17,6 +17,7 @@ from . import enabled
 from .lowrank import lowrank_linear, pooled_delta
 
 LEAN, LEAN_ADAPTER = "lean", "lean adapter"
+COMPILED_PLAIN = "compiled: inductor fuses the plain path"
 ATTRIBUTE = "hf_dtrain_path"  # the path of the layer's last forward
 TRAINING = "hf_dtrain_training_path"  # of its last training forward (in training mode, with gradients on)
 
@@ -36,10 +37,13 @@ def _plain_tensor(t) -> bool:
 
 def adapter_reason(layer, args, kwargs, adapters) -> str | None:
     """Why the tuner ``layer`` must run its plain path whatever its base (None: it may take a lean one): the switch,
-    extra call arguments, disabled or merged adapters, several active adapters, or adapter tensors that are not plain
-    (DTensor, a ZeRO-3 partition)."""
+    extra call arguments, disabled or merged adapters, several active adapters, adapter tensors that are not plain
+    (DTensor, a ZeRO-3 partition), or ``torch.compile`` tracing a layer kind whose plain path inductor runs faster
+    (``lean_when_compiled = False`` on the layer's class: SMT, Q-BaRA, QA-HiRA, measured per layer in docs/fast.md)."""
     if not enabled():
         return "switched off"
+    if not getattr(layer, "lean_when_compiled", True) and torch.compiler.is_compiling():
+        return COMPILED_PLAIN
     if args or kwargs:
         return "extra call arguments"
     if layer.disable_adapters:
