@@ -6,8 +6,8 @@ down), each configured to the nearest budget its shape allows (the table lists e
 
 * ``full``: full fine-tuning (every parameter, AdamW);
 * ``lora``, ``dora``: peft LoRA / DoRA, r=8 (the baseline: ``vs_lora`` is tokens/s over LoRA's in the same mode);
-* ``lora_fast``: the same peft LoRA model through ``hf_dtrain.fast.apply`` (the lean low-rank function; the adapter
-  is still peft's);
+* ``lora_fast``: the same peft LoRA model through ``hf_dtrain.fast.apply`` (the lean low-rank function and the lean
+  MLP block; the adapter is still peft's); hf_dtrain's tuners run through it too (LoRA-FA's MLPs as lean blocks);
 * ``qlora``: peft LoRA r=8 on a bitsandbytes NF4 base (``BitsAndBytesConfig(load_in_4bit=True)``);
 * ``lorafa``: LoRA-FA (only B trains, so r = budget / sum of output widths);
 * ``smt``: SMT, 64 x 64 blocks, budget / 4096 blocks spread over the targets (a seeded selection: throughput does not
@@ -198,8 +198,8 @@ def worker(
         from peft import get_peft_model
 
         model = get_peft_model(model, config)
-    if method == "lora_fast":
-        fast.apply(model)
+    if method not in ("full", "lora", "dora", "qlora"):  # peft's own rows stay plain: the baselines
+        fast.apply(model)  # peft LoRA's layers (lora_fast) and the decoder MLP blocks (lora_fast, lorafa)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)

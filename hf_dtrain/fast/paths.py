@@ -14,12 +14,16 @@ import torch
 from torch import nn
 
 from . import enabled
-from .lowrank import lowrank_linear, pooled_delta
+from .blocks import swiglu_lowrank
+from .lowrank import compute_dtype, lowrank_linear, pooled_delta
 
 LEAN, LEAN_ADAPTER = "lean", "lean adapter"
 COMPILED_PLAIN = "compiled: inductor fuses the plain path"
 ATTRIBUTE = "hf_dtrain_path"  # the path of the layer's last forward
 TRAINING = "hf_dtrain_training_path"  # of its last training forward (in training mode, with gradients on)
+LEAN_BLOCK = "lean block"
+BLOCK = "hf_dtrain_block_path"  # a block's (a decoder MLP's) path in its last forward
+BLOCK_TRAINING = "hf_dtrain_block_training_path"
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -81,12 +85,12 @@ def _no_dropout(dropout) -> bool:
     )
 
 
-def record(layer: nn.Module, path: str) -> None:
+def record(layer: nn.Module, path: str, attribute: str = ATTRIBUTE, training: str = TRAINING) -> None:
     """Note the path ``layer`` took in this forward (for :func:`report`), and apart the path of a training forward:
     an evaluation after training (dropout off) must not make a plain training step read as lean."""
-    layer.__dict__[ATTRIBUTE] = path
+    layer.__dict__[attribute] = path
     if layer.training and torch.is_grad_enabled():
-        layer.__dict__[TRAINING] = path
+        layer.__dict__[training] = path
 
 
 def lowrank_forward(layer, x, args, kwargs, a, b, scale, dropout=None, repeat: int = 1):
@@ -121,49 +125,135 @@ def pooled_forward(layer, x, args, kwargs, a, b, g: int, lam: int, scale: float)
 
 
 def report(model: nn.Module, training: bool = False) -> dict:
-    """``{"layers": n, "lean": n, "lean adapter": n, "plain": {reason: n}}`` over the tuner layers of ``model``
-    that ran a forward since they were built: each layer's last forward, or with ``training=True`` its last training
-    forward (the layers that never trained are left out)."""
+    """``{"layers": n, "lean": n, "lean adapter": n, "plain": {reason: n}, "blocks": {"lean block": n, reason: n}}``
+    over the tuner layers of ``model`` that ran a forward since they were built (and the decoder MLPs :func:`apply`
+    installed the block path on): each one's last forward, or with ``training=True`` its last training forward (those
+    that never trained are left out). A layer run inside a lean block counts as lean."""
     key = TRAINING if training else ATTRIBUTE
     paths = Counter(m.__dict__[key] for m in model.modules() if key in m.__dict__)
+    block_key = BLOCK_TRAINING if training else BLOCK
+    blocks = Counter(m.__dict__[block_key] for m in model.modules() if block_key in m.__dict__)
     return {
         "layers": sum(paths.values()),
         LEAN: paths.pop(LEAN, 0),
         LEAN_ADAPTER: paths.pop(LEAN_ADAPTER, 0),
         "plain": dict(sorted(paths.items())),
+        "blocks": dict(sorted(blocks.items())),
     }
+
+
+def _lora_factors(layer, name):
+    """``((a, b, scale, dropout), None)`` for peft LoRA adapter ``name`` of ``layer``, or ``(None, reason)``."""
+    if name in layer.lora_variant:
+        return None, "a LoRA variant (DoRA...)"
+    if layer.lora_bias.get(name, False):
+        return None, "LoRA bias"
+    if name not in layer.lora_A:
+        return None, "no such adapter"
+    return (layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], layer.lora_dropout[name]), None
 
 
 def _lora_lean_forward(self, x, *args, **kwargs):
     """peft ``lora.Linear.forward`` through the lean function where it applies (installed by :func:`apply`)."""
     names = self.active_adapters
-    name = names[0] if len(names) == 1 else None
     out = None
-    if name is not None and name in self.lora_variant:
-        record(self, "a LoRA variant (DoRA...)")
-    elif name is not None and self.lora_bias.get(name, False):
-        record(self, "LoRA bias")
-    elif name is not None and name not in self.lora_A:
-        record(self, "no such adapter")
-    elif name is not None:
-        a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        out = lowrank_forward(self, x, args, kwargs, a, b, self.scaling[name], dropout=self.lora_dropout[name])
-    else:
+    if len(names) != 1:
         record(self, "several active adapters")
+    else:
+        factors, reason = _lora_factors(self, names[0])
+        if factors is None:
+            record(self, reason)
+        else:
+            a, b, scale, dropout = factors
+            out = lowrank_forward(self, x, args, kwargs, a, b, scale, dropout=dropout)
     return type(self).forward(self, x, *args, **kwargs) if out is None else out
+
+
+def _projection(layer):
+    """``((weight, a, b, scale), None)`` when tuner ``layer`` can run inside a lean block: one active adapter that is
+    a plain low-rank product (peft LoRA, LoRA-FA) on a frozen dense ``nn.Linear`` without bias, no dropout, no hooks;
+    else ``(None, reason)``."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    names = getattr(layer, "active_adapters", None)
+    if names is None:
+        return None, "not an adapter layer"
+    if len(names) != 1:
+        return None, "several active adapters"
+    if isinstance(layer, LoraLinear):
+        factors, reason = _lora_factors(layer, names[0])
+    else:
+        lean = getattr(layer, "_lean_factors", None)
+        factors = lean(names[0]) if lean is not None and layer._has_adapter(names[0]) else None
+        reason = "no low-rank factors"
+        if factors is not None and len(factors) > 4:
+            factors, reason = (factors[:4], None) if factors[4] == 1 else (None, "repeated factors")
+    if factors is None:
+        return None, reason
+    a, b, scale, dropout = factors
+    base = layer.get_base_layer()
+    reason = (
+        adapter_reason(layer, (), {}, (a, b))
+        or (None if _no_dropout(dropout) else "dropout")
+        or ("hooks on the adapter layer" if _hooked(layer) else None)
+        or dense_base_reason(base)
+        or ("base bias" if base.bias is not None else None)
+    )
+    return (None, reason) if reason else ((base.weight, a, b, scale), None)
+
+
+def _silu(act) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return type(act) in (nn.SiLU, SiLUActivation) and "forward" not in act.__dict__ and not _hooked(act)
+
+
+def _mlp_lean_forward(self, x, *args, **kwargs):
+    """A decoder MLP's ``down(silu(gate(x)) * up(x))`` as one lean block where its three projections qualify
+    (:func:`_projection`; installed by :func:`apply`), else its own forward (the layers' own lean paths still apply),
+    the reason recorded."""
+    reason = "extra call arguments" if args or kwargs else None
+    if reason is None and not _silu(self.act_fn):
+        reason = f"activation is {type(self.act_fn).__name__}"
+    projections = []
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if reason is not None:
+            break
+        projection, why = _projection(getattr(self, name))
+        reason = None if why is None else f"{name}: {why}"
+        projections.append(projection)
+    if reason is not None:
+        record(self, reason, BLOCK, BLOCK_TRAINING)
+        return type(self).forward(self, x, *args, **kwargs)
+    record(self, LEAN_BLOCK, BLOCK, BLOCK_TRAINING)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        record(getattr(self, name), LEAN)
+    return swiglu_lowrank(x, *projections, compute_dtype(x))
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return hasattr(module, "act_fn") and any(isinstance(p, BaseTunerLayer) for p in parts)
 
 
 def apply(model: nn.Module) -> dict:
     """Run a peft LoRA model's ``lora.Linear`` layers (no DoRA, dropout 0, no LoRA bias, one active adapter)
-    through the lean function; the adapter is still peft's (saved and loaded by peft unchanged). Layers that do not
-    qualify at a forward take peft's own path, counted. Returns the count of layers it installed on; see
-    :func:`report` after a forward for the paths taken. ``hf_dtrain.fast.set_enabled(False)`` undoes it for every
-    layer at once."""
+    through the lean function, and every decoder MLP (``gate_proj``, ``up_proj``, ``down_proj``, a SiLU) whose three
+    projections carry such adapters (peft LoRA or LoRA-FA) through the lean block
+    (:mod:`~hf_dtrain.fast.blocks`); the adapters are still peft's (saved and loaded by peft unchanged). Layers and
+    blocks that do not qualify at a forward take their own path, counted. Returns the counts installed (``installed``
+    layers, ``blocks``); see :func:`report` after a forward for the paths taken. ``hf_dtrain.fast.set_enabled(False)``
+    undoes it for every layer at once."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    installed = 0
+    installed = blocks = 0
     for module in model.modules():
         if type(module) is LoraLinear and "forward" not in module.__dict__:
             module.forward = _lora_lean_forward.__get__(module)
             installed += 1
-    return {"installed": installed}
+        elif _is_mlp(module) and "forward" not in module.__dict__:
+            module.forward = _mlp_lean_forward.__get__(module)
+            blocks += 1
+    return {"installed": installed, "blocks": blocks}

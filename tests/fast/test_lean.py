@@ -172,7 +172,7 @@ def test_fallbacks_are_exact_and_counted():
     model = _model("lorafa", lora_dropout=0.1)
     batch = random_batch()
     model(**batch)
-    assert fast.report(model) == {"layers": 14, "lean": 0, "lean adapter": 0, "plain": {"dropout": 14}}
+    assert fast.report(model) == {"layers": 14, "lean": 0, "lean adapter": 0, "plain": {"dropout": 14}, "blocks": {}}
     model.eval()  # dropout off in eval: lean again
     with torch.no_grad():
         model(**batch)
@@ -279,7 +279,9 @@ def test_adapters_trained_lean_save_and_load_through_peft_as_the_plain_ones(tmp_
                 model(**random_batch(seed=step)).loss.backward()
                 opt.step()
                 opt.zero_grad()
-        expected = {"layers": 14, "lean": 0, "lean adapter": 0, "plain": {"switched off": 14}}
+        expected = {"layers": 14, "lean": 0, "lean adapter": 0, "plain": {"switched off": 14}, "blocks": {}}
+        if method == "lora":  # fast.apply installed the block path on the two MLPs
+            expected["blocks"] = {"lean block" if lean else "gate_proj: switched off": 2}
         if lean:
             expected = {**expected, _lean_key(method): 14, "plain": {}}
         assert fast.report(model) == expected
@@ -320,3 +322,67 @@ def test_the_step_profile_counts_the_lean_path():
     )
     assert fam(lean, "base GEMM") == fam(plain, "base GEMM")
     assert lean["saved_bytes_by_scope"]["adapter"] < 0.8 * plain["saved_bytes_by_scope"]["adapter"]
+
+
+@pytest.mark.parametrize("method", ["lora", "lorafa"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16 autocast"], ids=["fp32", "amp"])
+def test_the_mlp_block_equals_the_plain_path_and_keeps_less_than_the_lean_layers(method, precision):
+    """``fast.apply`` runs each decoder MLP whose gate, up and down projections carry peft LoRA or LoRA-FA adapters
+    as one lean block: logits, the input's gradient and every adapter gradient equal the plain path's (fp32: 1e-6;
+    bf16: the loss within 1e-2), and the model keeps less for backward than with the layers' own lean paths."""
+    model = _model(method)
+    if method != "lora":
+        assert fast.apply(model) == {"installed": 0, "blocks": 2}
+    batch = random_batch(seq=24)
+    autocast = precision == "bf16 autocast"
+    with fast.disabled():
+        plain = _run(model, batch, autocast)
+    block = _run(model, batch, autocast)
+    assert fast.report(model)["blocks"] == {"lean block": 2} and fast.report(model)["lean"] == 14
+    if precision == "fp32":
+        for a, b in zip([block[0], block[1], *block[2].values()], [plain[0], plain[1], *plain[2].values()]):
+            _close(a, b, 1e-6)
+    else:
+        assert abs(block[4] - plain[4]) <= 1e-2 * abs(plain[4])
+    for layer in model.base_model.model.model.layers:  # the layers' own lean paths, without the block
+        del layer.mlp.forward
+    layers = _run(model, batch, autocast)
+    assert block[3] < layers[3] <= plain[3]
+
+
+@pytest.mark.parametrize("method", ["lora", "lorafa"])
+def test_the_mlp_block_keeps_x_once_and_lorafa_never(method):
+    """One MLP block in fp32 keeps exactly its input once (LoRA: ``A`` trains) or only ``x A^T`` of the gate and the
+    up projection (LoRA-FA), and the gate and up outputs: ``silu(gate)`` and the product are computed again."""
+    model = _model(method)
+    fast.apply(model)
+    mlp = model.base_model.model.model.layers[0].mlp
+    hidden, inter = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    x = torch.randn(2, 12, hidden, requires_grad=True)
+    kept, out = saved_bytes(lambda: mlp(x), exclude=[*model.parameters(), *model.buffers()])
+    assert mlp.hf_dtrain_block_path == "lean block"
+    tokens, r = 24, 4
+    assert kept == tokens * ((hidden if method == "lora" else 2 * r) + 2 * inter) * 4
+    out.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in mlp.parameters() if p.requires_grad)
+
+
+def test_the_mlp_block_falls_back_counted_and_compiles_whole():
+    model = _model("lora", lora_dropout=0.1)  # dropout on: neither the block nor the layers are lean
+    model(**random_batch())
+    assert fast.report(model)["blocks"] == {"gate_proj: dropout": 2}
+    model = _model("lora")
+    mlp = model.base_model.model.model.layers[1].mlp
+    handle = mlp.up_proj.register_forward_hook(lambda m, a, o: None)  # a user's hook must run: no block there
+    model(**random_batch())
+    assert fast.report(model)["blocks"] == {"lean block": 1, "up_proj: hooks on the adapter layer": 1}
+    handle.remove()
+    x = torch.randn(2, 8, mlp.gate_proj.in_features, requires_grad=True)
+    eager = mlp(x)
+    (g_e,) = torch.autograd.grad(eager.sum(), x)
+    torch._dynamo.reset()
+    out = torch.compile(mlp, fullgraph=True)(x)  # a graph break raises
+    assert mlp.hf_dtrain_block_path == "lean block"
+    _close(out, eager, 1e-6)
+    (g_c,) = torch.autograd.grad(out.sum(), x)
+    _close(g_c, g_e, 1e-6)
