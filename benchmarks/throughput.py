@@ -417,6 +417,17 @@ def _failures(payload: dict) -> str:
     return "\n\nFailed: " + "; ".join(f"{r['method']} {r.get('mode', '')}: {r['error']}" for r in failed)
 
 
+# the columns every throughput table shows: key, header, format
+SPEED_COLUMNS = [
+    ("step_s", "step (s)", ".3f"),
+    ("tokens_per_s", "tokens/s", ",.0f"),
+    ("vs_lora", "vs LoRA", ".2f"),
+    ("vs_qlora", "vs QLoRA", ".2f"),
+    ("mfu", "MFU", ".3f"),
+    ("peak_bytes", "peak bytes", ",d"),
+]
+
+
 def table(payload: dict) -> str:
     rows = sorted(
         (r for r in payload["rows"] if "error" not in r),
@@ -429,12 +440,7 @@ def table(payload: dict) -> str:
             ("mode", "mode", ""),
             ("trainable", "trainable", ",d"),
             ("budget_vs_lora", "budget / LoRA's", ".2f"),
-            ("step_s", "step (s)", ".3f"),
-            ("tokens_per_s", "tokens/s", ",.0f"),
-            ("vs_lora", "vs LoRA", ".2f"),
-            ("vs_qlora", "vs QLoRA", ".2f"),
-            ("mfu", "MFU", ".3f"),
-            ("peak_bytes", "peak bytes", ",d"),
+            *SPEED_COLUMNS,
             ("peak_vs_lora", "peak / LoRA's", ".2f"),
         ],
     )
@@ -640,12 +646,7 @@ def accumulated_table(payload: dict) -> str:
             ("shape", "shape", ""),
             ("method", "method", ""),
             ("mode", "mode", ""),
-            ("step_s", "step (s)", ".3f"),
-            ("tokens_per_s", "tokens/s", ",.0f"),
-            ("vs_lora", "vs LoRA", ".2f"),
-            ("vs_qlora", "vs QLoRA", ".2f"),
-            ("mfu", "MFU", ".3f"),
-            ("peak_bytes", "peak bytes", ",d"),
+            *SPEED_COLUMNS,
             ("lean", "lean", ""),
             ("status", "status", ""),
         ],

@@ -65,6 +65,8 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert rows["lora eager"]["paths"]["layers"] == 0
     for row in ("lora_fast eager", "lorafa eager"):
         assert rows[row]["paths"]["lean"] == rows[row]["paths"]["layers"] > 0
+    # the step profile ran on the device's shape too: LoRA's ops are the unit, the lean LoRA keeps less
+    assert detail["profile"]["lora"]["ops_vs_lora"] == 1.0 and detail["profile"]["lora_fast"]["saved_vs_lora"] < 1
     # the second run (the 8B shape's, checkpointed) appended its row after the first run's to one file
     assert detail["shapes"]["8b"]["checkpointing"] and set(detail["shapes"]["8b"]["rows"]) == {"lora eager"}
     assert detail["runs_file_shapes"] == [

@@ -5,7 +5,8 @@ autocast, ``x A^T``, ``h B^T``, a multiply by ``s`` and an add over the full out
 again plus an add of the two input gradients; it keeps ``x`` (for ``A``'s gradient), ``h`` (for ``B``'s) and, under
 autocast, a low-precision copy of ``W``. Here:
 
-* forward: ``x`` cast once to the compute dtype, the base product (``F.linear``), ``h = x A^T`` and
+* forward: ``x`` cast once to the compute dtype (one copy shared by the layers reading the same input: q, k, v), the
+  base product (``F.linear``), ``h = x A^T`` and
   ``y.addmm_(h, B^T, alpha=s)`` into the base product's own output (no full-width multiply or add);
 * backward: ``g B`` (``s`` folded in, ``r`` values per token), ``B``'s gradient ``s g^T h``, ``A``'s ``(s g B)^T x``,
   and the input gradient ``g W`` with ``(s g B) A`` added in place;
@@ -23,12 +24,33 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
+
+# the compute-dtype copy of each input tensor, shared by the layers that read it (see cast_once)
+_CASTS = WeakTensorKeyDictionary()
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a linear layer's product runs in for input ``x``: autocast's where it is on, else ``x``'s."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def cast_once(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, made once per input tensor: the layers that read the same input (an attention block's q, k
+    and v projections) share one cast copy, one op and one tensor kept for backward instead of one per layer. Keyed by
+    the tensor object and its version (an in-place change makes a new copy); the entry goes with ``x``. Under
+    ``torch.compile`` a plain cast (the graph shares it where it can)."""
+    if x.dtype == dtype:
+        return x
+    if torch.compiler.is_compiling():
+        return x.to(dtype)
+    hit = _CASTS.get(x)
+    if hit is not None and hit[0] == x._version and hit[1].dtype == dtype:
+        return hit[1]
+    out = x.to(dtype)
+    _CASTS[x] = (x._version, out)
+    return out
 
 
 class LowRankLinear(torch.autograd.Function):
@@ -39,9 +61,7 @@ class LowRankLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, y, a, b, scale: float, dtype: torch.dtype, repeat: int = 1):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != dtype:
-            x2 = x2.to(dtype)
+        x2 = cast_once(x, dtype).reshape(-1, shape[-1])
         if repeat == 1:
             ac, bc = a.to(dtype), b.to(dtype)
         else:  # each column of A and row of B ``repeat`` times: one op each, the copy and the cast together

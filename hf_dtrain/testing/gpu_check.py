@@ -532,6 +532,7 @@ def _throughput_argv(ctx: Context) -> list[tuple[str, list[str]]]:
         small = shlex.split("--preset test --batch 2 --seq 32 --steps 1 --warmup 1 --repeats 1 --modes eager")
         return [
             ("1b", [*small, "--methods", "lora,lora_fast,lorafa"]),
+            ("profile", ["--profile", *small, "--methods", "lora,lora_fast"]),
             ("8b", [*small, "--methods", "lora", "--checkpointing"]),
         ]
     common = shlex.split("--seq 1024 --steps 3 --warmup 1 --order mode --repeats 1")
@@ -543,8 +544,12 @@ def _throughput_argv(ctx: Context) -> list[tuple[str, list[str]]]:
     )
     # then the 8B shape on one GPU with activation checkpointing: what a user's single-GPU fine-tuning runs
     eight_b = shlex.split("--preset llama3-8b --batch 8 --checkpointing --modes eager --methods lora,lorafa,smt,qlora")
+    # where each method's step goes on the device (CUDA event times per op family, ops, bytes kept): what a missed
+    # goal is explained by
+    profile = shlex.split("--profile --preset llama3.2-1b --batch 4 --seq 1024")
     return [
         ("1b", [*one_b, *common, "--time-budget", f"{ctx.throughput_budget:g}"]),
+        ("profile", [*profile, "--methods", "lora,full,lora_fast,lorafa,smt,qbara,qahira,qlora"]),
         ("8b", [*eight_b, *common, "--time-budget", f"{ctx.throughput_8b_budget:g}"]),
     ]
 
@@ -568,14 +573,16 @@ def throughput(ctx: Context) -> dict:
                 out["not_measured"] = out.get("not_measured", []) + ["the 8B shape (--throughput-8b-budget 0)"]
                 continue
             name = f"throughput_dry_run_{label}" if ctx.dry_run else f"gpu/{device}/throughput_{label}_{stamp}"
+            profile = label == "profile"
             proc = subprocess.run(
-                [sys.executable, str(script), *argv, "--name", name, "--accumulate", runs_name],
+                [sys.executable, str(script), *argv, "--name", name, *([] if profile else ["--accumulate", runs_name])],
                 capture_output=True,
                 text=True,
                 timeout=540,
                 cwd=ROOT,
             )
-            written = [ROOT / "benchmarks" / "results" / f"{name}.{ext}" for ext in ("json", "md", "png")]
+            stem = f"{name}_profile" if profile else name
+            written = [ROOT / "benchmarks" / "results" / f"{stem}.{ext}" for ext in ("json", "md", "png")]
             written_all += written
             if proc.returncode != 0:
                 raise AssertionError(f"benchmarks/throughput.py ({label}) failed:\n{proc.stderr[-3000:]}")
@@ -586,6 +593,12 @@ def throughput(ctx: Context) -> dict:
                 for path in written:
                     if path.exists() and path.parent.resolve() != folder.resolve():
                         shutil.copy2(path, folder / path.name)
+            if profile:
+                out["profile"] = {
+                    r["method"]: {k: r.get(k) for k in ("ops_vs_lora", "saved_vs_lora", "step_vs_lora", "error")}
+                    for r in payload["rows"]
+                }
+                continue
             out["shapes"][label] = _throughput_rows(payload)
         runs = json.loads((ROOT / "benchmarks" / "results" / f"{runs_name}.json").read_text())["rows"]
         out["rows_in_runs_file"] = len(runs)

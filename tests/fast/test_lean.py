@@ -386,3 +386,30 @@ def test_the_mlp_block_falls_back_counted_and_compiles_whole():
     _close(out, eager, 1e-6)
     (g_c,) = torch.autograd.grad(out.sum(), x)
     _close(g_c, g_e, 1e-6)
+
+
+def test_q_k_v_share_one_cast_of_their_input():
+    """Under autocast an attention block's q, k and v projections (peft LoRA through ``fast.apply``) cast their common
+    input once and keep that one copy for backward (the layers ran each their own before), with the plain path's
+    gradients."""
+    model = _model("lora")
+    attn = model.base_model.model.model.layers[0].self_attn
+    layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(2, 12, attn.q_proj.in_features, requires_grad=True)
+    frozen = [*model.parameters(), *model.buffers()]
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kept, outs = saved_bytes(lambda: [layer(x) for layer in layers], exclude=[*frozen, x])
+        (grad,) = torch.autograd.grad(sum((o.float() * o.float()).sum() for o in outs), x)
+        return kept, grad
+
+    lean_kept, lean_grad = run()
+    assert all(layer.hf_dtrain_path == "lean" for layer in layers)
+    with fast.disabled():
+        _, plain_grad = run()
+    factors = sum(
+        (layer.lora_A["default"].weight.numel() + layer.lora_B["default"].weight.numel()) * 2 for layer in layers
+    )
+    assert lean_kept == 24 * attn.q_proj.in_features * 2 + factors  # x in bf16 once, each layer's factors in bf16
+    _close(lean_grad, plain_grad, 1e-2)
