@@ -477,6 +477,8 @@ def profile_main(args, preset: str, batch: int, seq: int, script: str) -> None:
         r["ms optimizer"] = 1e3 * r.get("families", {}).get("optimizer", {}).get("seconds", 0.0)
         paths = r.get("paths", {})
         r["lean layers"] = f"{paths.get('lean', 0)}+{paths.get('lean adapter', 0)}/{paths.get('layers', 0)}"
+        blocks = paths.get("blocks", {}).get("lean block", 0)
+        r["lean layers"] += f", {blocks} MLP blocks" if blocks else ""
     payload = {
         "preset": preset,
         "batch": batch,
@@ -491,7 +493,8 @@ def profile_main(args, preset: str, batch: int, seq: int, script: str) -> None:
         "hf_dtrain.fast.profile.StepProfile (on CPU each op's wall time, the dispatch adding a constant per op; "
         "views are not counted as ops); kept: bytes autograd keeps for backward, once per storage, parameters "
         "excluded; step: median of 3 steps without the profile. lean layers: lean + lean adapter / tuner layers "
-        "(the JSON's paths say why the others took the plain path). Counts and bytes are deterministic; the times "
+        "(the layers of a lean MLP block among the lean; the JSON's paths say why the others took the plain "
+        "path). Counts and bytes are deterministic; the times "
         "are one step's."
     )
     paths = write(f"{args.name}_profile", payload, profile_table(payload), profile_render(payload), notes)
