@@ -26,13 +26,19 @@ BLOCK = "hf_dtrain_block_path"  # a block's (a decoder MLP's) path in its last f
 BLOCK_TRAINING = "hf_dtrain_block_training_path"
 
 
+OBSERVER = "hf_dtrain_observer"  # set on a hook that only watches (the step profile's scopes): it keeps a path lean
+
+
 def _hooked(module: nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or nn.modules.module._global_forward_hooks
-        or nn.modules.module._global_forward_pre_hooks
+    """Whether a forward hook (a user's, ZeRO-3's parameter gathering) would see this module's call: the lean paths
+    that skip the call then fall back. Hooks marked as observers (:data:`OBSERVER`) do not count."""
+    hooks = (
+        *module._forward_hooks.values(),
+        *module._forward_pre_hooks.values(),
+        *nn.modules.module._global_forward_hooks.values(),
+        *nn.modules.module._global_forward_pre_hooks.values(),
     )
+    return any(not getattr(h, OBSERVER, False) for h in hooks)
 
 
 def _plain_tensor(t) -> bool:

@@ -45,6 +45,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_dtrain.distributed.counters import SavedTensorCounter
 
+from .paths import OBSERVER
+from .paths import _mlp_lean_forward as _mlp_block
+
 FAMILIES = (
     "base GEMM",
     "base other",
@@ -78,7 +81,9 @@ def _scopes(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
     for module in lm.modules():
         if module is lm:
             continue
-        if isinstance(module, BaseTunerLayer):
+        if module.__dict__.get("forward") is not None and getattr(module.forward, "__func__", None) is _mlp_block:
+            scopes[module] = "block"  # a lean MLP block (its projections run inside it when it applies)
+        elif isinstance(module, BaseTunerLayer):
             # one scope for the whole tuner layer (no hook on its base: a hook sends a lean layer down its plain
             # path); its products are told apart by shape (``family``)
             scopes[module] = "adapter"
@@ -121,11 +126,15 @@ def family(name: str, scope: str | None, phase: str, dtype_change: bool = False,
         return "casts"
     if any(k in name for k in _DROPOUT):
         return "dropout"
-    gemm = name in _GEMM
+    gemm = name.rstrip("_") in _GEMM  # in-place ones too (addmm_: the lean paths add into a product's buffer)
     if scope == "base":
         return "base GEMM" if gemm else "base other"
     if any(k in name for k in _BASE_GEMM):
         return "base GEMM"
+    if scope == "block":  # a lean MLP block: its products told apart by shape, the SwiGLU's own ops elementwise
+        if gemm:
+            return "adapter GEMM" if small else "base GEMM"
+        return "elementwise"
     if scope == "adapter":
         if "dequant" in name:
             return "base other"
@@ -155,7 +164,7 @@ class _Dispatch(TorchDispatchMode):
         if name == "copy_" and len(args) >= 2 and isinstance(args[1], torch.Tensor):
             change = args[0].dtype != args[1].dtype
         small = False
-        if name in _GEMM and scope == "adapter":
+        if name.rstrip("_") in _GEMM and scope in ("adapter", "block"):
             small = any(isinstance(t, torch.Tensor) and t.dim() >= 2 and min(t.shape[-2:]) <= prof.width for t in args)
         fam = family(name, scope, prof.current, change, small)
         if prof.cuda:
@@ -200,10 +209,16 @@ class StepProfile:
     @contextlib.contextmanager
     def _hooks(self):
         def enter(scope):
-            return lambda module, args: self._stack.append(scope)  # None: the input stands
+            def hook(module, args):
+                self._stack.append(scope)  # None: the input stands
+
+            setattr(hook, OBSERVER, True)  # watching only: the lean paths stay lean
+            return hook
 
         def leave(module, args, output) -> None:  # returning the popped scope would replace the output
             self._stack.pop()
+
+        setattr(leave, OBSERVER, True)
 
         handles = []
         for module, scope in self._scopes.items():

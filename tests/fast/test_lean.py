@@ -322,6 +322,12 @@ def test_the_step_profile_counts_the_lean_path():
     )
     assert fam(lean, "base GEMM") == fam(plain, "base GEMM")
     assert lean["saved_bytes_by_scope"]["adapter"] < 0.8 * plain["saved_bytes_by_scope"]["adapter"]
+    # the profile's scope hooks only watch: the MLP blocks stay lean under it, and keep less than the layers did
+    fast.apply(model)
+    blocks = profile()
+    assert fast.report(model)["blocks"] == {"lean block": 2}
+    assert blocks["saved_bytes"] < lean["saved_bytes"]
+    assert fam(blocks, "base GEMM") == fam(plain, "base GEMM")  # the block's products told apart by shape too
 
 
 @pytest.mark.parametrize("method", ["lora", "lorafa"])
