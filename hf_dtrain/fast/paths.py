@@ -48,11 +48,11 @@ def _plain_tensor(t) -> bool:
 def adapter_reason(layer, args, kwargs, adapters) -> str | None:
     """Why the tuner ``layer`` must run its plain path whatever its base (None: it may take a lean one): the switch,
     extra call arguments, disabled or merged adapters, several active adapters, adapter tensors that are not plain
-    (DTensor, a ZeRO-3 partition), or ``torch.compile`` tracing a layer kind whose plain path inductor runs faster
-    (``lean_when_compiled = False`` on the layer's class: SMT, Q-BaRA, QA-HiRA, measured per layer in docs/fast.md)."""
+    (DTensor, a ZeRO-3 partition), or ``torch.compile`` tracing a layer whose plain path inductor runs faster
+    (:func:`lean_when_compiled`)."""
     if not enabled():
         return "switched off"
-    if not getattr(layer, "lean_when_compiled", True) and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not lean_when_compiled(layer):
         return COMPILED_PLAIN
     if args or kwargs:
         return "extra call arguments"
@@ -65,6 +65,17 @@ def adapter_reason(layer, args, kwargs, adapters) -> str | None:
     if not all(_plain_tensor(t) and not hasattr(t, "ds_id") for t in adapters):
         return "sharded adapter (DTensor or ZeRO-3)"
     return None
+
+
+def lean_when_compiled(layer) -> bool:
+    """Whether ``layer`` keeps its lean path under ``torch.compile``: ``layer.lean_when_compiled`` where set on the
+    layer; else not for a layer kind whose plain path inductor fused into a faster layer on a dense base
+    (``compiled_plain_on_dense_base`` on its class: SMT, Q-BaRA, QA-HiRA) when its base is a dense ``nn.Linear``. On
+    a 4-bit base their lean path stays: there inductor's plain path measured slower (docs/fast.md)."""
+    if "lean_when_compiled" in layer.__dict__:
+        return bool(layer.__dict__["lean_when_compiled"])
+    dense = type(layer.get_base_layer()) is nn.Linear
+    return not (getattr(layer, "compiled_plain_on_dense_base", False) and dense)
 
 
 def dense_base_reason(base: nn.Module) -> str | None:

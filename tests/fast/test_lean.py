@@ -214,6 +214,8 @@ def test_a_4bit_base_runs_itself_and_the_adapter_is_added_lean(tmp_path):
             plain = _run(model, batch, autocast=False)
         lean = _run(model, batch, autocast=False)
         assert fast.report(model)["lean adapter"] == 14
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        assert fast.paths.lean_when_compiled(layer)  # on a 4-bit base the lean path stays under compile
         for a, b in zip(lean[:2], plain[:2]):
             _close(a, b, 1e-5)
         for name in plain[2]:
@@ -251,11 +253,11 @@ def test_lean_layers_compile_as_one_graph(method):
     eager = layer(x)
     assert layer.hf_dtrain_path == lean
     (g_e,) = torch.autograd.grad(eager.sum(), x)
-    kinds = [type(layer).lean_when_compiled if hasattr(type(layer), "lean_when_compiled") else True]
-    if not kinds[0]:
-        kinds.append(True)  # the lean function too, asked for on this layer
-    for lean_when_compiled in kinds:
-        layer.lean_when_compiled = lean_when_compiled
+    default = fast.paths.lean_when_compiled(layer)  # these bases are dense: SMT, Q-BaRA, QA-HiRA go plain
+    assert default == (method.split("-")[0] not in ("smt", "qbara", "qahira"))
+    for lean_when_compiled in [default] if default else [default, True]:  # True: the lean function, asked for
+        if not default:
+            layer.lean_when_compiled = lean_when_compiled
         torch._dynamo.reset()
         out = torch.compile(layer, fullgraph=True)(x)  # a graph break raises
         assert layer.hf_dtrain_path == (lean if lean_when_compiled else fast.paths.COMPILED_PLAIN)

@@ -97,9 +97,10 @@ class Linear(MergeableLinearMixin, nn.Module, QAHiRALayer):
     """``y = base(x) + scaling * repeat_out(A @ avgpool_g(x))`` (``B @ A`` with a rank); exact merge into an
     ``Int4Linear`` or HQQ base, dense merge into a float base; a bitsandbytes NF4 base cannot take a merge."""
 
-    # under torch.compile the plain path: inductor fuses its ops and ran it faster than the lean function on CPU
-    # (per layer, bf16 autocast, 1,024 tokens, 768 -> 2048: 24.3 ms against 32.6; docs/fast.md)
-    lean_when_compiled = False
+    # under torch.compile on a dense base the plain path: inductor fused its ops into a faster layer than the lean
+    # function on CPU (per layer, bf16 autocast, 1,024 tokens, 768 -> 2048: 24.3 ms against 32.6); on a 4-bit
+    # base the lean path stays (docs/fast.md; hf_dtrain.fast.paths.lean_when_compiled)
+    compiled_plain_on_dense_base = True
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
         super().__init__()

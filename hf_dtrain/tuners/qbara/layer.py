@@ -67,9 +67,10 @@ class Linear(MergeableLinearMixin, nn.Module, QBaRALayer):
     """``y = base(x) + s * repeat_lambda(B A avgpool_lambda(x))`` on any linear base (nn.Linear, bitsandbytes 4-bit,
     HQQLinear, Int4Linear); merges into dense weights only (its update is not constant within quantization groups)."""
 
-    # under torch.compile the plain path: inductor fuses its ops and ran it faster than the lean function on CPU
-    # (per layer, bf16 autocast, 1,024 tokens, 768 -> 2048: 26.0 ms against 29.8; docs/fast.md)
-    lean_when_compiled = False
+    # under torch.compile on a dense base the plain path: inductor fused its ops into a faster layer than the lean
+    # function on CPU (per layer, bf16 autocast, 1,024 tokens, 768 -> 2048: 26.0 ms against 29.8); on a 4-bit
+    # base the lean path stays (docs/fast.md; hf_dtrain.fast.paths.lean_when_compiled)
+    compiled_plain_on_dense_base = True
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
         super().__init__()

@@ -326,9 +326,10 @@ def _largest_common_block(a: int, b: int, upper: int) -> int:
 class Linear(MergeableLinearMixin, nn.Module, SMTLayer):
     """An ``nn.Linear`` with SMT adapters: ``y = W x + b + D x`` with ``D`` block-sparse and trainable."""
 
-    # under torch.compile the plain path: inductor fuses its ops and ran it faster than the lean function on CPU
-    # (per layer, bf16 autocast, 1,024 tokens, 768 -> 2048: 24.9 ms against 30.9; docs/fast.md)
-    lean_when_compiled = False
+    # under torch.compile on a dense base the plain path: inductor fused its ops into a faster layer than the lean
+    # function on CPU (per layer, bf16 autocast, 1,024 tokens, 768 -> 2048: 24.9 ms against 30.9); on a 4-bit
+    # base the lean path stays (docs/fast.md; hf_dtrain.fast.paths.lean_when_compiled)
+    compiled_plain_on_dense_base = True
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, layer_key: str = "", **kwargs) -> None:
         super().__init__()
