@@ -35,7 +35,7 @@ class FastSection(Section):
 
     @classmethod
     def empty_results(cls, trainer: bool) -> dict:
-        return {"fast": None}
+        return {"fast": None, "step_settings": None}
 
     def setup(self) -> None:
         self.was = enabled()
@@ -54,7 +54,13 @@ class FastSection(Section):
 
         if self.model is None:
             return {"fast": None}
-        return {"fast": {"enabled": bool(self.cfg.fast), **report(self.model, training=True)}}
+        paths = report(self.model, training=True)
+        lean = paths["lean"] + paths["lean adapter"]
+        return {
+            "fast": {"enabled": bool(self.cfg.fast), **paths},
+            # for the job's step settings: tuner layers on a lean path, of those that trained
+            "step_settings": {"lean_layers": f"{lean}/{paths['layers']}"},
+        }
 
     def close(self) -> None:  # the switch as it was before the run (a later run in the process starts from it)
         set_enabled(self.was)

@@ -17,13 +17,15 @@ def results(cfg, run, trainer, data, args, measured) -> dict:
     before, after = measured.before, measured.after
     from hf_dtrain.parallel import local_param_bytes
 
+    sections = run.results()
+    step = sections.pop("step_settings", None) or {}  # what sections add to the step's settings (the lean paths)
     return dict(
         method=cfg.method,
         base_model=cfg.model or f"hf_dtrain default ({cfg.base_preset})",
         base_path=data.base_path,
         quantize=cfg.quantize,
         data_format=data.data_format,
-        **run.results(),
+        **sections,
         replicas_identical=None if run.sharded else replicas_identical(model, run.world_size),
         dataset=cfg.dataset or "default addition task (hf_dtrain.tasks)",
         trainable_params=trainable,
@@ -42,7 +44,7 @@ def results(cfg, run, trainer, data, args, measured) -> dict:
         per_device_train_batch_size=args.per_device_train_batch_size,
         mixed_precision=str(trainer.accelerator.mixed_precision),
         gradient_checkpointing=bool(getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", False)),
-        speed_settings=speed_settings(trainer),
+        speed_settings={**speed_settings(trainer), **step},
         world_size=run.world_size,
         output_dir=args.output_dir,
         config=dataclasses.asdict(cfg),
@@ -60,16 +62,12 @@ def _loss_head(model) -> str:
 
 
 def speed_settings(trainer) -> dict:
-    """The settings the step's speed depends on, as they ran: precision, the lean layers, the loss head, the
-    attention kernel, activation checkpointing (what the results table prints)."""
-    from hf_dtrain import fast
-
+    """The settings the step's speed depends on, as they ran: precision, the loss head, the attention kernel,
+    activation checkpointing, compile (the sections add theirs: the lean layers); what the results table prints."""
     model = trainer.model
-    paths = fast.report(model, training=True)
     config = getattr(model, "config", None)
     return {
         "precision": str(trainer.accelerator.mixed_precision),
-        "lean_layers": f"{paths['lean'] + paths['lean adapter']}/{paths['layers']}",
         "loss_head": _loss_head(model),
         "attention": getattr(config, "_attn_implementation", None),
         "activation_checkpointing": bool(
@@ -116,7 +114,8 @@ def format_table(r: dict) -> str:
         cols.append(
             (
                 "step settings",
-                f"{speed['precision']}, lean {speed['lean_layers']}, {speed['loss_head']}, {speed['attention']}"
+                f"{speed['precision']}, lean {speed.get('lean_layers', 'n/a')}, {speed['loss_head']}, "
+                f"{speed['attention']}"
                 + (", checkpointing" if speed["activation_checkpointing"] else "")
                 + (", compiled" if speed["torch_compile"] else ""),
             )
