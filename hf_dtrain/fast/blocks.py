@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .lowrank import cast_once
+
 
 class SwiGLULowRank(torch.autograd.Function):
     """``out = down(silu(gate(x)) * up(x))`` with ``p(x) = x W_p^T + s_p (x A_p^T) B_p^T`` for ``p`` in gate, up,
@@ -27,9 +29,7 @@ class SwiGLULowRank(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wg, ag, bg, wu, au, bu, wd, ad, bd, sg: float, su: float, sd: float, dtype: torch.dtype):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != dtype:
-            x2 = x2.to(dtype)
+        x2 = cast_once(x, dtype).reshape(-1, shape[-1])  # the one cast of x, shared as the layers' paths share it
         agc, bgc, auc, buc, adc, bdc = (t.to(dtype) for t in (ag, bg, au, bu, ad, bd))
         hg, hu = torch.mm(x2, agc.t()), torch.mm(x2, auc.t())
         g = F.linear(x2, wg.to(dtype)).addmm_(hg, bgc.t(), alpha=sg)
