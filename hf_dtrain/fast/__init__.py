@@ -5,7 +5,8 @@
 * :mod:`~hf_dtrain.fast.lowrank`: ``y = x W^T + b + s (x A^T) B^T`` as one autograd function (LoRA-FA, Q-BaRA,
   peft's LoRA through :func:`apply`);
 * :mod:`~hf_dtrain.fast.blocks`: a decoder's SwiGLU MLP with low-rank adapters on its three projections as one
-  autograd function (the SwiGLU product computed again in backward rather than kept);
+  autograd function (the SwiGLU product computed again in backward rather than kept), and an attention's q, k and v
+  projections as one function of their shared input (their ``A`` factors stacked: one product for three);
 * :mod:`~hf_dtrain.fast.paths`: why a layer took the lean path or not, counted per layer (:func:`report`);
 * :mod:`~hf_dtrain.fast.profile`: one step's ops, times and saved-for-backward bytes by op family.
 """
@@ -44,7 +45,7 @@ __getattr__, __dir__, _lazy_all = lazy.attach(
     __name__,
     submod_attrs={
         "lowrank": ["LowRankLinear", "lowrank_linear", "compute_dtype", "FrozenLinear", "frozen_linear"],
-        "blocks": ["SwiGLULowRank", "swiglu_lowrank"],
+        "blocks": ["SwiGLULowRank", "swiglu_lowrank", "SharedInputLowRank", "shared_input_lowrank"],
         "paths": ["apply", "report", "dense_base_reason", "adapter_reason", "record"],
         "profile": ["StepProfile", "FAMILIES"],
     },

@@ -1,4 +1,4 @@
-"""The block-level lean path: a decoder's SwiGLU MLP (``down(silu(gate(x)) * up(x))``) whose three projections carry
+"""The block-level lean paths. A decoder's SwiGLU MLP (``down(silu(gate(x)) * up(x))``) whose three projections carry
 low-rank adapters on frozen dense bases, as one autograd function.
 
 Per projection ``p`` the output is ``x W_p^T + s_p (x A_p^T) B_p^T`` (peft LoRA, LoRA-FA). Run layer by layer, even
@@ -118,3 +118,80 @@ def swiglu_lowrank(x, gate, up, down, dtype: torch.dtype) -> torch.Tensor:
     scale)`` of each projection."""
     (wg, ag, bg, sg), (wu, au, bu, su), (wd, ad, bd, sd) = gate, up, down
     return SwiGLULowRank.apply(x, wg, ag, bg, wu, au, bu, wd, ad, bd, float(sg), float(su), float(sd), dtype)
+
+
+class SharedInputLowRank(torch.autograd.Function):
+    """``out_i = x W_i^T + s_i (x A_i^T) B_i^T`` for the projections ``i`` that read one input (a decoder attention's
+    q, k and v), frozen ``W_i``, as one autograd function.
+
+    Run layer by layer, each projection computes its own ``x A_i^T``, ``A_i``'s gradient and its share of the input
+    gradient, and autograd adds the shares (``n - 1`` full-width adds). Here the factors ``A_i`` are stacked (``R =
+    sum r_i`` rows): forward computes ``H = x [A_1; ...; A_n]^T`` in one product and adds each ``H_i B_i^T`` into its
+    base product in place; backward computes every ``A_i``'s gradient in one product ``G^T x`` (``G`` the gradients
+    at ``H``, ``s_i`` folded in) and the input gradient ``dx = sum_i g_i W_i + G [A_1; ...; A_n]`` in one buffer.
+    Keeps ``x`` once in the compute dtype (or, when no ``A_i`` trains, as LoRA-FA, ``H``: ``R`` values per token,
+    never ``x``) and the factors in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x, scales: tuple, dtype: torch.dtype, *tensors):
+        shape = x.shape
+        n = len(scales)
+        ws, as_, bs = tensors[0::3], tensors[1::3], tensors[2::3]
+        x2 = cast_once(x, dtype).reshape(-1, shape[-1])
+        a_all = torch.cat(as_).to(dtype)  # (R, in): one cast of the stacked factors
+        bcs = [b.to(dtype) for b in bs]
+        h = torch.mm(x2, a_all.t())  # (tokens, R)
+        ranks = [a.shape[0] for a in as_]
+        hs = h.split(ranks, dim=1)
+        outs = [F.linear(x2, w.to(dtype)).addmm_(hi, bc.t(), alpha=s) for w, hi, bc, s in zip(ws, hs, bcs, scales)]
+        keep_x = any(a.requires_grad for a in as_)
+        # the stacked factors where a cast made them (the layers keep their casts too), else the factors themselves
+        # (stacked again in backward: an r-sized op rather than a copy kept)
+        cast = any(a.dtype != dtype for a in as_)
+        ctx.save_for_backward(x2 if keep_x else h, *((a_all,) if cast else as_), *ws, *bcs)
+        ctx.keep_x, ctx.scales, ctx.dtype, ctx.shape, ctx.ranks = keep_x, scales, dtype, shape, ranks
+        ctx.x_dtype = x.dtype
+        ctx.factor_dtypes = [(a.dtype, b.dtype) for a, b in zip(as_, bs)]
+        ctx.n = n
+        return tuple(o.view(*shape[:-1], o.shape[-1]) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n, dtype, scales = ctx.n, ctx.dtype, ctx.scales
+        saved, *rest = ctx.saved_tensors
+        ws, bcs = rest[-2 * n : -n], rest[-n:]
+        factors = rest[: -2 * n]
+        a_all = factors[0] if len(factors) == 1 else torch.cat(factors)
+        need = ctx.needs_input_grad  # x, scales, dtype, then (w, a, b) per projection
+        gos = []
+        for g in grads:
+            g = g.reshape(-1, g.shape[-1])
+            gos.append(g if g.dtype == dtype else g.to(dtype))
+        # the gradient at H, each s_i folded in: (tokens, R)
+        gh = torch.cat([torch.mm(g, bc).mul_(s) for g, bc, s in zip(gos, bcs, scales)], dim=1)
+        out = [None] * (3 * n)
+        if any(need[3 + 3 * i + 2] for i in range(n)):
+            h = torch.mm(saved, a_all.t()) if ctx.keep_x else saved
+            for i, hi in enumerate(h.split(ctx.ranks, dim=1)):
+                if need[3 + 3 * i + 2]:
+                    out[3 * i + 2] = torch.mm(gos[i].t(), hi).mul_(scales[i]).to(ctx.factor_dtypes[i][1])
+        if any(need[3 + 3 * i + 1] for i in range(n)):
+            grad_a = torch.mm(gh.t(), saved)  # (R, in): every A_i's gradient in one product
+            for i, gi in enumerate(grad_a.split(ctx.ranks, dim=0)):
+                if need[3 + 3 * i + 1]:
+                    out[3 * i + 1] = gi.to(ctx.factor_dtypes[i][0])
+        dx = None
+        if need[0]:
+            dx = torch.mm(gh, a_all)
+            for g, w in zip(gos, ws):
+                dx.addmm_(g, w.to(dtype))
+            dx = dx.view(ctx.shape).to(ctx.x_dtype)
+        return (dx, None, None, *out)
+
+
+def shared_input_lowrank(x, projections, dtype: torch.dtype) -> tuple:
+    """``(p(x) for p in projections)`` through :class:`SharedInputLowRank`; each projection ``(weight, a, b,
+    scale)``."""
+    scales = tuple(float(p[3]) for p in projections)
+    tensors = [t for w, a, b, _ in projections for t in (w, a, b)]
+    return SharedInputLowRank.apply(x, scales, dtype, *tensors)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import enabled
-from .blocks import swiglu_lowrank
+from .blocks import shared_input_lowrank, swiglu_lowrank
 from .lowrank import compute_dtype, lowrank_linear, pooled_delta
 
 LEAN, LEAN_ADAPTER = "lean", "lean adapter"
@@ -225,6 +225,22 @@ def _silu(act) -> bool:
     return type(act) in (nn.SiLU, SiLUActivation) and "forward" not in act.__dict__ and not _hooked(act)
 
 
+def _block_projections(block: nn.Module, names) -> tuple[list, str | None]:
+    """``(projections, None)`` when the tuner layers ``names`` of ``block`` can all run inside a lean block
+    (:func:`_projection`), else ``([], "name: reason")`` of the first that cannot."""
+    projections = []
+    for name in names:
+        projection, why = _projection(getattr(block, name))
+        if why is not None:
+            return [], f"{name}: {why}"
+        projections.append(projection)
+    return projections, None
+
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
 def _mlp_lean_forward(self, x, *args, **kwargs):
     """A decoder MLP's ``down(silu(gate(x)) * up(x))`` as one lean block where its three projections qualify
     (:func:`_projection`; installed by :func:`apply`), else its own forward (the layers' own lean paths still apply),
@@ -233,44 +249,112 @@ def _mlp_lean_forward(self, x, *args, **kwargs):
     if reason is None and not _silu(self.act_fn):
         reason = f"activation is {type(self.act_fn).__name__}"
     projections = []
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        if reason is not None:
-            break
-        projection, why = _projection(getattr(self, name))
-        reason = None if why is None else f"{name}: {why}"
-        projections.append(projection)
+    if reason is None:
+        projections, reason = _block_projections(self, MLP_PROJECTIONS)
     if reason is not None:
         record(self, reason, BLOCK, BLOCK_TRAINING)
         return type(self).forward(self, x, *args, **kwargs)
     record(self, LEAN_BLOCK, BLOCK, BLOCK_TRAINING)
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    for name in MLP_PROJECTIONS:
         record(getattr(self, name), LEAN)
     return swiglu_lowrank(x, *projections, compute_dtype(x))
 
 
-def _is_mlp(module: nn.Module) -> bool:
+class _Shared:
+    """The forwards of an attention's q, k and v projections for one call of the attention: the first of them called
+    with the attention's input computes the three products (:class:`~hf_dtrain.fast.blocks.SharedInputLowRank`, inside
+    that layer's own call: its hooks and profile scope), each returns its own; a call with another input runs the
+    layer's own forward."""
+
+    def __init__(self, x: torch.Tensor, projections: list):
+        self.x, self.projections, self.outs = x, projections, None
+
+    def forward(self, i: int, layer: nn.Module):
+        def forward(x, *args, **kwargs):
+            if x is self.x and not args and not kwargs:
+                if self.outs is None:
+                    self.outs = list(shared_input_lowrank(x, self.projections, compute_dtype(x)))
+                out, self.outs[i] = self.outs[i], None  # each output once
+                if out is not None:
+                    return out
+            own = layer.__dict__.get(_OWN_FORWARD)
+            return (own or type(layer).forward.__get__(layer))(x, *args, **kwargs)
+
+        return forward
+
+
+_OWN_FORWARD = "hf_dtrain_own_forward"
+
+
+def _attention_lean_forward(self, hidden_states, *args, **kwargs):
+    """A decoder attention whose q, k and v projections qualify (:func:`_projection`; installed by :func:`apply`):
+    the attention's own forward, its three projections computed from one read of their input
+    (:class:`_Shared`). Else its own forward (the layers' own lean paths still apply), the reason recorded. Under
+    ``torch.compile`` the layers' own paths (inductor sees them whole)."""
+    reason = COMPILED_LAYERS if torch.compiler.is_compiling() else None
+    projections = []
+    if reason is None:
+        projections, reason = _block_projections(self, ATTENTION_PROJECTIONS)
+    if reason is not None:
+        record(self, reason, BLOCK, BLOCK_TRAINING)
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    record(self, LEAN_BLOCK, BLOCK, BLOCK_TRAINING)
+    shared = _Shared(hidden_states, projections)
+    layers = [getattr(self, name) for name in ATTENTION_PROJECTIONS]
+    for i, layer in enumerate(layers):
+        record(layer, LEAN)
+        layer.__dict__[_OWN_FORWARD] = layer.__dict__.get("forward")
+        layer.forward = shared.forward(i, layer)
+    try:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    finally:
+        for layer in layers:
+            own = layer.__dict__.pop(_OWN_FORWARD)
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own
+
+
+COMPILED_LAYERS = "compiled: the layers' own paths"
+
+
+def _has_tuner(module: nn.Module, names) -> bool:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    return hasattr(module, "act_fn") and any(isinstance(p, BaseTunerLayer) for p in parts)
+    return any(isinstance(getattr(module, n, None), BaseTunerLayer) for n in names)
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    return hasattr(module, "act_fn") and _has_tuner(module, MLP_PROJECTIONS)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return all(hasattr(module, n) for n in ATTENTION_PROJECTIONS) and _has_tuner(module, ATTENTION_PROJECTIONS)
 
 
 def apply(model: nn.Module) -> dict:
     """Run a peft LoRA model's ``lora.Linear`` layers (no DoRA, dropout 0, no LoRA bias, one active adapter)
-    through the lean function, and every decoder MLP (``gate_proj``, ``up_proj``, ``down_proj``, a SiLU) whose three
-    projections carry such adapters (peft LoRA or LoRA-FA) through the lean block
-    (:mod:`~hf_dtrain.fast.blocks`); the adapters are still peft's (saved and loaded by peft unchanged). Layers and
-    blocks that do not qualify at a forward take their own path, counted. Returns the counts installed (``installed``
-    layers, ``blocks``); see :func:`report` after a forward for the paths taken. ``hf_dtrain.fast.set_enabled(False)``
+    through the lean function, and the decoder blocks whose projections carry such adapters (peft LoRA or LoRA-FA)
+    through the lean blocks (:mod:`~hf_dtrain.fast.blocks`): every MLP (``gate_proj``, ``up_proj``, ``down_proj``, a
+    SiLU) as one function, every attention's ``q_proj``, ``k_proj`` and ``v_proj`` as one function of their shared
+    input. The adapters are still peft's (saved and loaded by peft unchanged). Layers and blocks that do not qualify
+    at a forward take their own path, counted. Returns the counts installed (``installed`` layers, ``blocks``: MLPs
+    and attentions); see :func:`report` after a forward for the paths taken. ``hf_dtrain.fast.set_enabled(False)``
     undoes it for every layer at once."""
     from peft.tuners.lora import Linear as LoraLinear
 
     installed = blocks = 0
     for module in model.modules():
-        if type(module) is LoraLinear and "forward" not in module.__dict__:
+        if "forward" in module.__dict__:
+            continue
+        if type(module) is LoraLinear:
             module.forward = _lora_lean_forward.__get__(module)
             installed += 1
-        elif _is_mlp(module) and "forward" not in module.__dict__:
+        elif _is_mlp(module):
             module.forward = _mlp_lean_forward.__get__(module)
+            blocks += 1
+        elif _is_attention(module):
+            module.forward = _attention_lean_forward.__get__(module)
             blocks += 1
     return {"installed": installed, "blocks": blocks}

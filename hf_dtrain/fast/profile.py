@@ -45,7 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_dtrain.distributed.counters import SavedTensorCounter
 
-from .paths import OBSERVER
+from .paths import ATTENTION_PROJECTIONS, OBSERVER, _projection
+from .paths import _attention_lean_forward as _attention_block
 from .paths import _mlp_lean_forward as _mlp_block
 
 FAMILIES = (
@@ -98,18 +99,26 @@ def _scopes(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
     return {m: s for m, s in scopes.items() if s is not None}
 
 
+def _own_width(module) -> int:
+    base = {id(t) for t in module.get_base_layer().parameters()}
+    dims = [min(t.shape[-2:]) for t in [*module.parameters(), *module.buffers()] if id(t) not in base and t.dim() >= 2]
+    return max(dims, default=0)
+
+
 def adapter_width(model: torch.nn.Module) -> int:
     """The largest of the tuner layers' adapter tensors' smallest dimensions (LoRA's r, SMT's block, QA-HiRA's
-    pooled width): a product inside a tuner layer with a dimension this small is the adapter's, else the base's."""
+    pooled width), or of a lean attention block's stacked q/k/v factors (the sum of their ranks): a product inside a
+    tuner layer with a dimension this small is the adapter's, else the base's."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     width = 0
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
-            base = {id(t) for t in module.get_base_layer().parameters()}
-            for t in [*module.parameters(), *module.buffers()]:
-                if id(t) not in base and t.dim() >= 2:
-                    width = max(width, min(t.shape[-2:]))
+            width = max(width, _own_width(module))
+        elif getattr(module.__dict__.get("forward"), "__func__", None) is _attention_block:
+            layers = [getattr(module, n) for n in ATTENTION_PROJECTIONS]
+            if all(_projection(layer)[0] is not None for layer in layers):
+                width = max(width, sum(_own_width(layer) for layer in layers))
     return width
 
 
