@@ -7,7 +7,8 @@ down), each configured to the nearest budget its shape allows (the table lists e
 * ``full``: full fine-tuning (every parameter, AdamW);
 * ``lora``, ``dora``: peft LoRA / DoRA, r=8 (the baseline: ``vs_lora`` is tokens/s over LoRA's in the same mode);
 * ``lora_fast``: the same peft LoRA model through ``hf_dtrain.fast.apply`` (the lean low-rank function and the lean
-  MLP block; the adapter is still peft's); hf_dtrain's tuners run through it too (LoRA-FA's MLPs as lean blocks);
+  MLP and attention blocks; the adapter is still peft's); hf_dtrain's tuners run through it too (LoRA-FA's MLPs
+  and attentions as lean blocks);
 * ``qlora``: peft LoRA r=8 on a bitsandbytes NF4 base (``BitsAndBytesConfig(load_in_4bit=True)``);
 * ``lorafa``: LoRA-FA (only B trains, so r = budget / sum of output widths);
 * ``smt``: SMT, 64 x 64 blocks, budget / 4096 blocks spread over the targets (a seeded selection: throughput does not
@@ -199,7 +200,7 @@ def worker(
 
         model = get_peft_model(model, config)
     if method not in ("full", "lora", "dora", "qlora"):  # peft's own rows stay plain: the baselines
-        fast.apply(model)  # peft LoRA's layers (lora_fast) and the decoder MLP blocks (lora_fast, lorafa)
+        fast.apply(model)  # peft LoRA's layers (lora_fast) and the decoder blocks (lora_fast, lorafa)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)
@@ -478,7 +479,7 @@ def profile_main(args, preset: str, batch: int, seq: int, script: str) -> None:
         paths = r.get("paths", {})
         r["lean layers"] = f"{paths.get('lean', 0)}+{paths.get('lean adapter', 0)}/{paths.get('layers', 0)}"
         blocks = paths.get("blocks", {}).get("lean block", 0)
-        r["lean layers"] += f", {blocks} MLP blocks" if blocks else ""
+        r["lean layers"] += f", {blocks} blocks" if blocks else ""
     payload = {
         "preset": preset,
         "batch": batch,
@@ -493,9 +494,8 @@ def profile_main(args, preset: str, batch: int, seq: int, script: str) -> None:
         "hf_dtrain.fast.profile.StepProfile (on CPU each op's wall time, the dispatch adding a constant per op; "
         "views are not counted as ops); kept: bytes autograd keeps for backward, once per storage, parameters "
         "excluded; step: median of 3 steps without the profile. lean layers: lean + lean adapter / tuner layers "
-        "(the layers of a lean MLP block among the lean; the JSON's paths say why the others took the plain "
-        "path). Counts and bytes are deterministic; the times "
-        "are one step's."
+        "(the layers of a lean block, MLP or attention, among the lean; the JSON's paths say why the others took "
+        "the plain path). Counts and bytes are deterministic; the times are one step's."
     )
     paths = write(f"{args.name}_profile", payload, profile_table(payload), profile_render(payload), notes)
     print(profile_table(payload))
