@@ -289,12 +289,8 @@ _OWN_FORWARD = "hf_dtrain_own_forward"
 def _attention_lean_forward(self, hidden_states, *args, **kwargs):
     """A decoder attention whose q, k and v projections qualify (:func:`_projection`; installed by :func:`apply`):
     the attention's own forward, its three projections computed from one read of their input
-    (:class:`_Shared`). Else its own forward (the layers' own lean paths still apply), the reason recorded. Under
-    ``torch.compile`` the layers' own paths (inductor sees them whole)."""
-    reason = COMPILED_LAYERS if torch.compiler.is_compiling() else None
-    projections = []
-    if reason is None:
-        projections, reason = _block_projections(self, ATTENTION_PROJECTIONS)
+    (:class:`_Shared`). Else its own forward (the layers' own lean paths still apply), the reason recorded."""
+    projections, reason = _block_projections(self, ATTENTION_PROJECTIONS)
     if reason is not None:
         record(self, reason, BLOCK, BLOCK_TRAINING)
         return type(self).forward(self, hidden_states, *args, **kwargs)
@@ -314,9 +310,6 @@ def _attention_lean_forward(self, hidden_states, *args, **kwargs):
                 del layer.forward
             else:
                 layer.forward = own
-
-
-COMPILED_LAYERS = "compiled: the layers' own paths"
 
 
 def _has_tuner(module: nn.Module, names) -> bool:

@@ -526,7 +526,7 @@ def test_the_attention_block_runs_fewer_products_and_lorafa_keeps_no_x(method):
     assert block[1] == layers[1] <= plain[1]  # LoRA: x once; LoRA-FA: x A^T of the three (r per token), never x
 
 
-def test_the_attention_block_falls_back_counted_and_compiles_through_the_layers():
+def test_the_attention_block_falls_back_counted_and_compiles_whole():
     _, attn, x, positions = _attention("lora")
     handle = attn.k_proj.register_forward_hook(lambda m, a, o: None)  # a user's hook must run: no block there
     hooked = _attention_step(attn, x, positions)
@@ -538,9 +538,11 @@ def test_the_attention_block_falls_back_counted_and_compiles_through_the_layers(
     for a, b in zip(hooked, plain):
         _close(a, b, 1e-6)
     eager = _attention_step(attn, x, positions)
+    own = {n: getattr(attn, n).__dict__.get("forward") for n in ("q_proj", "k_proj", "v_proj")}
     torch._dynamo.reset()
     compiled = torch.compile(attn, fullgraph=True)  # a graph break raises
-    xi = x.clone().requires_grad_(True)
-    out, _ = compiled(xi, position_embeddings=positions, attention_mask=None)
-    assert attn.hf_dtrain_block_path == fast.paths.COMPILED_LAYERS
-    _close(out, eager[0], 1e-6)
+    out = _attention_step(compiled, x, positions)
+    assert attn.hf_dtrain_block_path == "lean block"
+    assert {n: getattr(attn, n).__dict__.get("forward") for n in own} == own  # the projections' own again
+    for a, b in zip(out, eager):
+        _close(a, b, 1e-6)
