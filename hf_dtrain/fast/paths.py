@@ -114,6 +114,10 @@ def lowrank_forward(layer, x, args, kwargs, a, b, scale, dropout=None, repeat: i
     """The lean forward of a low-rank tuner layer (``y = base(x) + scale * (x a^T) b^T``), or None where the plain one
     must run (the reason recorded). ``dropout``: the adapter's dropout module (lean only when it is the identity or a
     zero-rate dropout); ``repeat``: see :func:`~hf_dtrain.fast.lowrank.lowrank_linear`."""
+    given = _given(layer, x, args, kwargs)  # its attention block's output
+    if given is not None:
+        record(layer, LEAN)
+        return given
     reason = adapter_reason(layer, args, kwargs, (a, b))
     if reason is None and not _no_dropout(dropout):
         reason = "dropout"
@@ -261,35 +265,40 @@ def _mlp_lean_forward(self, x, *args, **kwargs):
 
 
 class _Shared:
-    """The forwards of an attention's q, k and v projections for one call of the attention: the first of them called
-    with the attention's input computes the three products (:class:`~hf_dtrain.fast.blocks.SharedInputLowRank`, inside
-    that layer's own call: its hooks and profile scope), each returns its own; a call with another input runs the
-    layer's own forward."""
+    """The outputs of an attention's q, k and v projections for one call of the attention: the first projection
+    called with the attention's input computes the three (:class:`~hf_dtrain.fast.blocks.SharedInputLowRank`, inside
+    that layer's own call: its hooks and profile scope see it), each takes its own once."""
 
     def __init__(self, x: torch.Tensor, projections: list):
         self.x, self.projections, self.outs = x, projections, None
 
-    def forward(self, i: int, layer: nn.Module):
-        def forward(x, *args, **kwargs):
-            if x is self.x and not args and not kwargs:
-                if self.outs is None:
-                    self.outs = list(shared_input_lowrank(x, self.projections, compute_dtype(x)))
-                out, self.outs[i] = self.outs[i], None  # each output once
-                if out is not None:
-                    return out
-            own = layer.__dict__.get(_OWN_FORWARD)
-            return (own or type(layer).forward.__get__(layer))(x, *args, **kwargs)
-
-        return forward
+    def take(self, i: int, x: torch.Tensor):
+        """Projection ``i``'s output for input ``x``, or None (another input, or taken already)."""
+        if x is not self.x:
+            return None
+        if self.outs is None:
+            self.outs = list(shared_input_lowrank(x, self.projections, compute_dtype(x)))
+        out, self.outs[i] = self.outs[i], None
+        return out
 
 
-_OWN_FORWARD = "hf_dtrain_own_forward"
+GIVEN = "hf_dtrain_given"  # ``(shared, i)`` on a projection while its attention block runs (see _Shared)
+
+
+def _given(layer, x, args, kwargs):
+    """The output an attention block computed for ``layer`` and input ``x`` (None: the layer computes its own)."""
+    given = layer.__dict__.get(GIVEN)
+    if given is None or args or kwargs:
+        return None
+    shared, i = given
+    return shared.take(i, x)
 
 
 def _attention_lean_forward(self, hidden_states, *args, **kwargs):
     """A decoder attention whose q, k and v projections qualify (:func:`_projection`; installed by :func:`apply`):
-    the attention's own forward, its three projections computed from one read of their input
-    (:class:`_Shared`). Else its own forward (the layers' own lean paths still apply), the reason recorded."""
+    the attention's own forward, its three projections computed from one read of their input (:class:`_Shared`,
+    handed to each projection's lean forward through :data:`GIVEN`). Else its own forward (the layers' own lean paths
+    still apply), the reason recorded."""
     projections, reason = _block_projections(self, ATTENTION_PROJECTIONS)
     if reason is not None:
         record(self, reason, BLOCK, BLOCK_TRAINING)
@@ -298,18 +307,12 @@ def _attention_lean_forward(self, hidden_states, *args, **kwargs):
     shared = _Shared(hidden_states, projections)
     layers = [getattr(self, name) for name in ATTENTION_PROJECTIONS]
     for i, layer in enumerate(layers):
-        record(layer, LEAN)
-        layer.__dict__[_OWN_FORWARD] = layer.__dict__.get("forward")
-        layer.forward = shared.forward(i, layer)
+        layer.__dict__[GIVEN] = (shared, i)
     try:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     finally:
         for layer in layers:
-            own = layer.__dict__.pop(_OWN_FORWARD)
-            if own is None:
-                del layer.forward
-            else:
-                layer.forward = own
+            layer.__dict__[GIVEN] = None
 
 
 def _has_tuner(module: nn.Module, names) -> bool:

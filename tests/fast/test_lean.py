@@ -526,8 +526,9 @@ def test_the_attention_block_runs_fewer_products_and_lorafa_keeps_no_x(method):
     assert block[1] == layers[1] <= plain[1]  # LoRA: x once; LoRA-FA: x A^T of the three (r per token), never x
 
 
-def test_the_attention_block_falls_back_counted_and_compiles_whole():
-    _, attn, x, positions = _attention("lora")
+@pytest.mark.parametrize("method", ["lora", "lorafa"])
+def test_the_attention_block_falls_back_counted_and_compiles_whole(method):
+    _, attn, x, positions = _attention(method)
     handle = attn.k_proj.register_forward_hook(lambda m, a, o: None)  # a user's hook must run: no block there
     hooked = _attention_step(attn, x, positions)
     assert attn.hf_dtrain_block_path == "k_proj: hooks on the adapter layer"
@@ -546,3 +547,4 @@ def test_the_attention_block_falls_back_counted_and_compiles_whole():
     assert {n: getattr(attn, n).__dict__.get("forward") for n in own} == own  # the projections' own again
     for a, b in zip(out, eager):
         _close(a, b, 1e-6)
+    _attention_step(compiled, x, positions)  # again: the block left the projections as it found them
