@@ -1,0 +1,114 @@
+"""One training step traced through the real modules, on fake tensors or real ones, with the per-category peak of
+live tensor storage: parameters, buffers, gradients, optimizer state, activations (forward, and recomputation under
+activation checkpointing) and temporaries (backward's own tensors).
+
+Built on torch's own pieces: :class:`torch._subclasses.fake_tensor.FakeTensorMode` (tensors with shapes, dtypes and
+devices and no storage: an 8B model traces in host memory that holds none of its weights) and
+``torch.distributed._tools.mem_tracker.MemTracker`` (a dispatch mode that follows every tensor storage created while
+it is on, with a weak reference that tells it when the storage goes, split by what the tensor is). The same tracker
+on real tensors measures a real step's peak of live storage: :func:`trace_step` runs either, and the estimate is
+checked against that measurement at the sizes that run here (tests/estimate).
+
+``MemTracker`` hooks every parameter's gradient, which a frozen parameter cannot take (a peft model's base):
+:class:`StepTracker` hooks only those that train."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils.flop_counter import FlopCounterMode
+
+# the categories MemTracker splits storage into, under the names this package reports
+CATEGORIES = {
+    _MemRefType.PARAM: "parameters",
+    _MemRefType.BUFFER: "buffers",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer state",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "temporaries",
+    _MemRefType.OTH: "other",
+}
+
+
+class StepTracker(MemTracker):
+    """torch's ``MemTracker``, with gradient hooks only on the parameters that train (a frozen parameter cannot
+    take one)."""
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._track_gradient),
+                        param.register_post_accumulate_grad_hook(lambda p: self._track_gradient(p.grad)),
+                    )
+        return sizes
+
+    def _track_gradient(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+
+@dataclass
+class StepMemory:
+    """The peak of live tensor storage over a traced step, in bytes: ``peak`` in all, ``split`` by category at that
+    moment (parameters, buffers, gradients, optimizer state, activations, temporaries, other); ``flops``: the step's
+    floating-point operations (``torch.utils.flop_counter``; forward and backward)."""
+
+    peak: int
+    split: dict[str, int] = field(default_factory=dict)
+    flops: int = 0
+
+    def to_dict(self) -> dict:
+        return {"peak_bytes": self.peak, "split_bytes": dict(self.split), "flops": self.flops}
+
+
+def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = True) -> StepMemory:
+    """Run ``step()`` (one forward, backward and ``optimizer.step()``; ``optimizer.zero_grad()`` after) ``steps``
+    times under a :class:`StepTracker` following ``model`` and ``optimizer``, and return the peak: the second step
+    holds what the first left (the optimizer's state, gradients set to None or kept). Works on real tensors and,
+    inside a :func:`fake_tensors` block, on fake ones. ``flops``: count the first step's FLOPs too."""
+    tracker = StepTracker()
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    counted = 0
+    with tracker:
+        for i in range(steps):
+            counter = FlopCounterMode(display=False) if flops and i == 0 else contextlib.nullcontext()
+            with counter:
+                step()
+            if flops and i == 0:
+                counted = counter.get_total_flops()
+            tracker.reset_mod_stats()  # the module-wise stats refuse a module called again otherwise
+    snapshot = tracker.get_tracker_snapshot("peak")
+    split: dict[str, int] = {}
+    peak = 0
+    for device_split in snapshot.values():
+        for key, nbytes in device_split.items():
+            if key == "Total":
+                peak += int(nbytes)
+            else:
+                name = CATEGORIES[key]
+                split[name] = split.get(name, 0) + int(nbytes)
+    return StepMemory(peak=peak, split=split, flops=int(counted))
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """Tensors made inside are fake (shapes, dtypes and devices only). A model built on the meta device becomes fake
+    with ``materialize(model)`` inside this block."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # non-fake inputs allowed: a meta-device model's tensors are read once, by materialize()'s empty_like
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode
+
+
+def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+    """A model built on the meta device (``with torch.device("meta")``, its method applied there too: peft's own
+    moves of a fake tensor fail) with every parameter and buffer made on ``device``: fake ones inside
+    :func:`fake_tensors` (no storage), uninitialised real ones outside. Values are never read by a memory trace."""
+    return model.to_empty(device=device)
