@@ -28,6 +28,7 @@ LAYERS = [
             "optimizers",  # the registry of --optimizer choices the engines fill
             "run",  # sections, job configs, flags and JobRun: it names no section and imports no engine
             "fast",  # the lean layers' switch, functions and path counts; the step profile
+            "estimate",  # a step traced on fake tensors: the memory the planner, DELTA and the jobs will ask of it
         },
     ),
     (
