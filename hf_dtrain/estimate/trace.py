@@ -126,3 +126,23 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Modu
     moves of a fake tensor fail) with every parameter and buffer made on ``device``: fake ones inside
     :func:`fake_tensors` (no storage), uninitialised real ones outside. Values are never read by a memory trace."""
     return model.to_empty(device=device)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, device: str = "cpu"):
+    """This process as rank 0 of ``world_size`` ranks joined by torch's fake process group (collectives return at
+    once, moving nothing), with a one-dimensional device mesh over them; yields the mesh. Make the mesh here, outside
+    :func:`fake_tensors`: inside, the mesh's own index tensor would be fake and reading it fails."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # registers the "fake" backend with torch.distributed (its store is torch's C++ FakeStore)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world needs a process without a process group (it makes the default one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh(device, (world_size,))
+    finally:
+        dist.destroy_process_group()

@@ -5,6 +5,8 @@ storage is allocated for the fake model. (The fake step keeps one more hidden-st
 real one: 256 KiB of 69 MB here, 0.4%; on the 64-wide test preset that one tensor is 1.3% of its 2.6 MB peak, hence
 the tiny preset.)"""
 
+import json
+import pathlib
 import warnings
 
 import pytest
@@ -61,3 +63,52 @@ def test_the_fake_step_predicts_the_measured_peak(method, checkpointing):
         assert abs(estimate.split.get(name, 0) - nbytes) <= 0.01 * measured.peak, (name, estimate, measured)
     assert measured.split["parameters"] == sum(p.numel() * p.element_size() for p in model.parameters())
     assert estimate.flops == measured.flops > 0
+
+
+def _fsdp_step(world_size: int, fake: bool) -> dict:
+    """Rank 0's traced step of peft LoRA on the tiny preset under FSDP2 (each decoder layer and the root sharded over
+    ``world_size`` ranks): on fake tensors over torch's fake process group, or on real tensors over the gloo group the
+    caller made."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_dtrain.estimate import fake_world
+
+    def shard_and_trace(model, mesh):
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return _trace(model).to_dict()
+
+    if not fake:
+        return shard_and_trace(_model("lora", False), init_device_mesh("cpu", (world_size,)))
+    with torch.device("meta"):
+        meta = _model("lora", False)
+    with fake_world(world_size) as mesh, fake_tensors():
+        return shard_and_trace(materialize(meta), mesh)
+
+
+def _measure_fsdp_rank(rank, world_size, out):
+    result = _fsdp_step(world_size, fake=False)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def test_fsdp2_over_a_fake_world_predicts_rank_0_of_a_real_one(tmp_path):
+    """FSDP2 over 2 ranks: rank 0's step traced over torch's fake process group (one process) against the same step
+    measured on rank 0 of 2 real gloo ranks: the peak within 2% (the issue asks 5%; measured equal to the byte, 34.1
+    MB), the FLOPs equal. The fake world runs in a fresh process (it makes the default process group)."""
+    from hf_dtrain.testing.launch import run_distributed, run_python
+
+    out = tmp_path / "measured.json"
+    run_distributed(_measure_fsdp_rank, world_size=2, args=(str(out),), timeout=300)
+    measured = json.loads(out.read_text())
+    code = (
+        "import json, sys; sys.path.insert(0, 'tests'); from estimate.test_trace import _fsdp_step; "
+        "print(json.dumps(_fsdp_step(2, fake=True)))"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    estimate = json.loads(run_python(code, timeout=300, cwd=str(root)).strip().splitlines()[-1])
+    assert abs(estimate["peak_bytes"] - measured["peak_bytes"]) <= 0.02 * measured["peak_bytes"], (estimate, measured)
+    assert estimate["flops"] == measured["flops"] > 0
