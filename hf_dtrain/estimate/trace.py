@@ -10,7 +10,7 @@ on real tensors measures a real step's peak of live storage: :func:`trace_step` 
 checked against that measurement at the sizes that run here (tests/estimate).
 
 ``MemTracker`` hooks every parameter's gradient, which a frozen parameter cannot take (a peft model's base):
-:class:`StepTracker` hooks only those that train."""
+:class:`StepTracker` hooks only those that train, and keeps the step's peak without the module-wise peaks."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.utils.flop_counter import FlopCounterMode
 
 # the categories MemTracker splits storage into, under the names this package reports
@@ -52,6 +52,15 @@ class StepTracker(MemTracker):
 
     def _track_gradient(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        """The whole step's peak only. ``MemTracker`` also updates every module's own peak after every op (a pass
+        over all the modules per op: on Llama 3 8B with LoRA, 8.5 minutes for two traced steps that run in 9 s
+        untracked); :func:`trace_step` reads the step's peak alone."""
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(snapshot)
 
 
 @dataclass
@@ -102,7 +111,7 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
     peak = 0
     for device_split in snapshot.values():
         for key, nbytes in device_split.items():
-            if key == "Total":
+            if key == _TOTAL_KEY:
                 peak += int(nbytes)
             else:
                 name = CATEGORIES[key]
