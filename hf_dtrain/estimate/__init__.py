@@ -3,8 +3,8 @@ parameters, gradients, optimizer state, activations and temporaries, and the ste
 allocated.
 
 * :mod:`~hf_dtrain.estimate.trace`: :func:`trace_step` under torch's ``MemTracker`` (on fake tensors: the estimate;
-  on real ones: the measurement it is checked against), :func:`fake_tensors` and :func:`materialize` for a model
-  built on the meta device, :func:`fake_world` for one rank of many (FSDP2 over torch's fake process group).
+  on real ones: the measurement it is checked against), :func:`fake_tensors` (a model built on the meta device
+  made fake by ``to_empty``), :func:`fake_world` for one rank of many (FSDP2 over torch's fake process group).
 """
 
 import lazy_loader as lazy
@@ -12,6 +12,6 @@ import lazy_loader as lazy
 __getattr__, __dir__, __all__ = lazy.attach(
     __name__,
     submod_attrs={
-        "trace": ["StepMemory", "StepTracker", "trace_step", "fake_tensors", "fake_world", "materialize", "CATEGORIES"],
+        "trace": ["StepMemory", "StepTracker", "trace_step", "fake_tensors", "fake_world", "CATEGORIES"],
     },
 )

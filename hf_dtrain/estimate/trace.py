@@ -121,20 +121,14 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
 
 @contextlib.contextmanager
 def fake_tensors():
-    """Tensors made inside are fake (shapes, dtypes and devices only). A model built on the meta device becomes fake
-    with ``materialize(model)`` inside this block."""
+    """Tensors made inside are fake (shapes, dtypes and devices only). A model built on the meta device (``with
+    torch.device("meta")``, its method applied there too: peft's own ``.to()`` of a fake tensor fails) becomes fake
+    with ``model.to_empty(device="cpu")`` inside this block: no storage, values never read by a memory trace."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    # non-fake inputs allowed: a meta-device model's tensors are read once, by materialize()'s empty_like
+    # non-fake inputs allowed: a meta-device model's tensors are read once, by to_empty()'s empty_like
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
-
-
-def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
-    """A model built on the meta device (``with torch.device("meta")``, its method applied there too: peft's own
-    moves of a fake tensor fail) with every parameter and buffer made on ``device``: fake ones inside
-    :func:`fake_tensors` (no storage), uninitialised real ones outside. Values are never read by a memory trace."""
-    return model.to_empty(device=device)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers import LlamaForCausalLM
 
-from hf_dtrain.estimate import fake_tensors, materialize, trace_step
+from hf_dtrain.estimate import fake_tensors, trace_step
 from hf_dtrain.models import llama_config
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -55,13 +55,17 @@ def test_the_fake_step_predicts_the_measured_peak(method, checkpointing):
     with torch.device("meta"):
         meta = _model(method, checkpointing)
     with fake_tensors():
-        model = materialize(meta)
+        model = meta.to_empty(device="cpu")
         assert all(isinstance(t, FakeTensor) for t in [*model.parameters(), *model.buffers()])
         estimate = _trace(model)
     assert abs(estimate.peak - measured.peak) <= 0.01 * measured.peak, (estimate, measured)
     for name, nbytes in measured.split.items():
         assert abs(estimate.split.get(name, 0) - nbytes) <= 0.01 * measured.peak, (name, estimate, measured)
+    # independent of the fake path: the real step's categories add up to its peak, its parameters are the model's
+    # bytes, and it holds activations (a tracker that saw nothing would make fake and real agree at zero)
+    assert measured.peak == sum(measured.split.values())
     assert measured.split["parameters"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert measured.split["activations"] > measured.split["parameters"] / 10
     assert estimate.flops == measured.flops > 0
 
 
@@ -85,7 +89,7 @@ def _fsdp_step(world_size: int, fake: bool) -> dict:
     with torch.device("meta"):
         meta = _model("lora", False)
     with fake_world(world_size) as mesh, fake_tensors():
-        return shard_and_trace(materialize(meta), mesh)
+        return shard_and_trace(meta.to_empty(device="cpu"), mesh)
 
 
 def _measure_fsdp_rank(rank, world_size, out):
