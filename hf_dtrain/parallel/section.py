@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import field
@@ -87,6 +88,16 @@ class FSDPSection(Section):
     @classmethod
     def resolve(cls, cfg) -> None:
         cfg.fsdp = fsdp_from_launcher(cfg.fsdp)
+
+    @classmethod
+    def alternatives(cls, cfg, world_size: int) -> list:
+        """Sharding the replicas' parameters, gradients and optimizer state over the ranks (``--fsdp``)."""
+        laid_out = getattr(cfg, "parallel", None) is not None or getattr(cfg, "deepspeed", None) is not None
+        if cfg.fsdp is not None or laid_out or world_size < 2:
+            return []
+        changed = copy.copy(cfg)
+        changed.fsdp = FSDPConfig()
+        return [(f"--fsdp (FSDP2 over the {world_size} ranks)", changed)]
 
     def trainer_args(self, given: dict) -> dict:
         strategy = str(getattr(given.get("save_strategy", "no"), "value", given.get("save_strategy", "no")))

@@ -1,6 +1,7 @@
 """The run of one job, over its sections (torchtitan's ``train.py`` has this shape)::
 
-    run = JobRun(cfg)                             # clashes refused, sections checked, then the process group
+    run = JobRun(cfg, skeleton=...)               # clashes refused, sections checked, then the process group
+    if run.answered is not None: return ...       # a section answered without training (an estimate)
     with run.main_first():                        # rank 0 builds or downloads first, the others read the cache
         ...
     run.prepare(model)                            # the sections transform the model (DELTA, the mesh, FSDP2...)
@@ -32,16 +33,28 @@ class JobRun:
     section is ``cfg.method_settings``).
 
     Everything that can be refused is refused before any process group: the launch environment resolved, the
-    clashes, each active section's ``check``. ``start=False`` stops there (the refusal tests and ``--help``-like
+    clashes, each active section's ``check``, a section's ``answer`` (given the job's ``skeleton``: a step that will
+    not fit). ``start=False`` stops there (the refusal tests and ``--help``-like
     tools), with ``world_size`` instead of the launcher's."""
 
-    def __init__(self, cfg, output_dir: str | None = None, world_size: int | None = None, start: bool = True):
+    def __init__(
+        self,
+        cfg,
+        output_dir: str | None = None,
+        world_size: int | None = None,
+        start: bool = True,
+        skeleton: Callable | None = None,
+    ):
         self.cfg, self.job, self.trainer = cfg, cfg.job, cfg.trainer
         self.method = getattr(cfg, "method_entry", None)
         self.method_settings = getattr(cfg, "method_settings", None)
         self.output_dir = output_dir if output_dir is not None else getattr(cfg, "output_dir", None)
-        # the launcher's world; PartialState can report 1 under accelerate launch on CPU
-        self.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1") or 1)
+        # what the job trains, without weights or data (a picklable callable returning an estimate's Skeleton)
+        self.skeleton = skeleton
+        classes = sections_for(self.job)
+        # the launcher's world (PartialState can report 1 under accelerate launch on CPU), or the one a section plans
+        planned = [w for cls in classes if (w := cls.planned_world(cfg)) is not None]
+        self.world_size = world_size or (planned[0] if planned else int(os.environ.get("WORLD_SIZE", "1") or 1))
         self.rank = int(os.environ.get("RANK", "0") or 0)
         self.is_main = self.rank == 0
         self.wire_key = "comm" if self.trainer else "wire"  # where the results report bytes on the wire
@@ -53,14 +66,15 @@ class JobRun:
         self.start_step = 1  # where a plain loop starts (a restored snapshot moves it; None: nothing left to do)
         self.completed = None  # a completed job's previous results
         self.monitor = None
-        classes = sections_for(self.job)
         for cls in classes:
             cls.resolve(cfg)
         self.view = ClashView.of(cfg, self.world_size, self.method)
         check_clashes(self.view)
         self.sections = [cls(self) for cls in classes if cls.active(self.view)]
         self._call("check")
-        if start:
+        # a section may answer the job without training it (an estimate): the job returns these results
+        self.answered = self.first("answer") if skeleton is not None else None
+        if start and self.answered is None:
             self.start()
 
     def start(self) -> None:

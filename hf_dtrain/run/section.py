@@ -8,7 +8,7 @@ tolerance, the TP / PP layout, the partitioner, the loss guard). It declares
 * its **clashes**: combinations it refuses, each a :class:`Clash` with the reason and the fix (one table for all
   sections, :func:`clashes`, from which docs/compose.md's "Clashes refused" table is generated);
 * and its **hooks**, called by :class:`~hf_dtrain.run.job.JobRun` in the order of ``Section.order``: ``check``
-  before anything starts, ``trainer_args`` / ``callbacks`` / ``attach`` / ``resume`` for the Trainer,
+  and ``answer`` before anything starts, ``trainer_args`` / ``callbacks`` / ``attach`` / ``resume`` for the Trainer,
   ``accelerator_kwargs`` / ``prepare`` / ``after_prepare`` / ``loader`` / ``forward_backward`` /
   ``before_optimizer_step`` / ``after_step`` / ``end`` for a plain loop, ``state`` for the snapshots, ``results``.
 
@@ -106,6 +106,18 @@ class Section:
         return {}
 
     @classmethod
+    def planned_world(cls, cfg) -> int | None:
+        """The world the job is checked and built for when it is planned, not launched (an estimate's
+        ``--world-size``); None: the launcher's."""
+        return None
+
+    @classmethod
+    def alternatives(cls, cfg, world_size: int) -> list[tuple[str, Any]]:
+        """Changes of its settings that would lower each rank's memory, for a step that will not fit: ``(what to
+        change, the job config with it)``."""
+        return []
+
+    @classmethod
     def active(cls, view: ClashView) -> bool:
         """Whether the section takes part in the run (default: its first setting is given)."""
         return getattr(view.cfg, cls.name, None) is not None
@@ -125,6 +137,11 @@ class Section:
 
     def setup(self) -> None:
         """Once the process group exists, before the data and the model (a plan measured on the launched ranks)."""
+
+    def answer(self):
+        """Before the process group, with the job's ``run.skeleton``: the job's results when this section answers
+        the job without training it (an estimate), or None. May refuse the run (a step that will not fit)."""
+        return None
 
     # ---- the Trainer ---------------------------------------------------------------------------------------------
     def trainer_args(self, given: dict) -> dict:

@@ -103,6 +103,9 @@ class FinetuneMethod:
     peft_type: str | None = None  # the peft type of its adapters ("LORA", "SMT"...), None for full fine-tuning
     # (model, own settings, MethodData) -> Trainer callbacks; runs after get_peft_model, before the model is wrapped
     prepare: Callable[[Any, Any, MethodData], list] | None = None
+    # (model, own settings, seed) -> None: prepare's stand-in when no data is read (a model on fake tensors, traced
+    # for its memory): what prepare would select, drawn from the seed, with the same shapes
+    without_data: Callable[[Any, Any, int], None] | None = None
     # whether it builds its own optimizer with these settings, and (own settings, model, lr, wd) -> that optimizer
     owns_optimizer: Callable[[Any], bool] = lambda settings: False
     build_optimizer: Callable[[Any, Any, float, float], Any] | None = None

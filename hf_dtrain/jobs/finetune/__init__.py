@@ -16,11 +16,14 @@ from hf_dtrain.jobs.sft.data import load_base_and_data
 from hf_dtrain.run.job import JobRun
 
 from . import report, trainer
+from .skeleton import skeleton
 
 
 def run_finetune(cfg) -> dict:
     """Run one fine-tuning job; return the measured figures (also written to ``<output_dir>/results.json``)."""
-    run = JobRun(cfg)  # clashes refused, sections checked, then the process group
+    run = JobRun(cfg, skeleton=skeleton)  # clashes refused, sections checked, then the process group
+    if run.answered is not None:  # a section answered without training (the step's memory, traced)
+        return run.answered
     args = trainer.arguments(cfg, run)  # the SFTConfig: the job's defaults, the user's settings, the sections'
     with run.main_first():  # rank 0 builds the default base once; the others read the cache
         data = load_base_and_data(cfg, progress=cfg.progress and run.is_main)

@@ -13,6 +13,7 @@ import torch
 from hf_dtrain.errors import check_writable
 from hf_dtrain.run.job import JobRun
 
+from .skeleton import skeleton
 from .data import batches, default_tokenizer, load_blocks, loader, schedule
 
 
@@ -33,7 +34,9 @@ class Parts:
 
 def run_pretrain(cfg) -> dict:
     """Run one pretraining job; return the measured figures (also ``<output_dir>/results.json``)."""
-    run = JobRun(cfg, start=False)  # clashes refused, sections checked (the mesh's degrees)
+    run = JobRun(cfg, start=False, skeleton=skeleton)  # clashes refused, sections checked (the mesh's degrees)
+    if run.answered is not None:  # a section answered without training (the step's memory, traced)
+        return run.answered
     check_writable(cfg.output_dir, "--output-dir")
     run.start()  # the process group
     parts = build(cfg, run)

@@ -229,7 +229,7 @@ class SMTLayer(BaseTunerLayer):
         self.smt_layer_key[adapter_name] = layer_key
         self._smt_random_start[adapter_name] = config.init_weights is False
         pairs = (config.block_indices or {}).get(layer_key, [])
-        self.set_block_indices(adapter_name, torch.tensor(pairs, dtype=torch.long).reshape(-1, 2))
+        self.set_block_indices(adapter_name, torch.tensor(pairs, dtype=torch.long, device="cpu").reshape(-1, 2))
         self._smt_unselected[adapter_name] = config.block_indices is None  # cleared when a selection installs blocks
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
@@ -237,7 +237,8 @@ class SMTLayer(BaseTunerLayer):
         """Install the (k, 2) block indices for ``adapter_name`` with zero delta blocks; return the new parameter."""
         bs = self.block_size[adapter_name]
         self._smt_unselected[adapter_name] = False
-        indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1, 2)
+        # checked and sorted on the host (also when the model is built under torch.device("meta"))
+        indices = torch.as_tensor(indices, dtype=torch.long, device="cpu").reshape(-1, 2)
         n_rows, n_cols = self.out_features // bs, self.in_features // bs
         if len(indices) and (indices[:, 0].max() >= n_rows or indices[:, 1].max() >= n_cols or indices.min() < 0):
             raise SettingsError(

@@ -67,6 +67,34 @@ def _prepare(model, settings, data) -> list:
     return []
 
 
+def _without_data(model, settings, seed: int) -> None:
+    """The selection's stand-in when no data is read (a trace on fake tensors): the same number of blocks, spread
+    over the targets as a global top-k of random scores (seeded) spreads them, so the shapes are the run's."""
+    import torch
+
+    from .layer import SMTLayer
+    from .model import resolve_num_blocks
+
+    adapter = model.active_adapter
+    config = model.peft_config[adapter]
+    layers = [m for m in model.modules() if isinstance(m, SMTLayer) and adapter in m.block_size]
+    grids = [(m.out_features // m.block_size[adapter], m.in_features // m.block_size[adapter]) for m in layers]
+    total = sum(r * c for r, c in grids)
+    n = min(resolve_num_blocks(config, model), total)
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(total, generator=generator)[:n]
+    selection, start = {}, 0
+    for layer, (rows, cols) in zip(layers, grids):
+        local = chosen[(chosen >= start) & (chosen < start + rows * cols)] - start
+        indices = torch.stack([local // cols, local % cols], dim=1)
+        layer.set_block_indices(adapter, indices)
+        layer.stop_scoring(adapter)
+        if len(indices):
+            selection[layer.smt_layer_key[adapter]] = indices.tolist()
+        start += rows * cols
+    config.block_indices = selection
+
+
 def _blocks(layer, name):
     return (
         layer.smt_indices[name].cpu(),
@@ -109,6 +137,7 @@ METHOD = register_finetune_method(
         settings=SMTJobSettings,
         peft_type="SMT",
         prepare=_prepare,
+        without_data=_without_data,
         fused=BlockSparseForm(blocks=_blocks, delta=_delta, write_back=_write_back, check=_check_fusable),
         sweep_settings=("num_blocks", "warmup_steps"),
         sweep_axes={"num_blocks": (int, "blocks")},

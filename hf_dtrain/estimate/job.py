@@ -1,0 +1,171 @@
+"""A job's training step traced on fake tensors over a fake world: "will it fit?" for the command the user would run.
+
+A job says what it trains in a :class:`Skeleton` (its model built on the meta device with its method applied, the
+micro-batch, the precision, gradient checkpointing, the optimizer it would build); :func:`trace_job` builds the job's
+own engine sections for ``world_size`` ranks (:class:`~hf_dtrain.run.job.JobRun` without a process group), makes the
+model fake, lets the sections prepare it as they would (the lean paths, FSDP2 / HSDP, the TP / PP mesh over torch's
+fake process group), builds the optimizer, and traces two steps on rank 0 (:func:`~hf_dtrain.estimate.trace.trace_step`).
+Nothing is read or allocated beyond the host's bookkeeping: an 8B model traces in about a gigabyte of host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hf_dtrain.errors import SettingsError
+
+from .trace import StepMemory, fake_tensors, fake_world, trace_step
+
+
+@dataclass
+class Skeleton:
+    """What a job trains, for a trace with no weight read. ``build()``: the model on the meta device, the method
+    applied there (a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``);
+    ``batch`` sequences of ``seq_len`` tokens per rank and step; ``autocast``: the compute dtype under autocast (None:
+    the weights'); ``checkpointing``: gradient checkpointing on the decoder layers; ``optimizer(params)``: the
+    optimizer the job builds when no section builds one; ``lr`` / ``weight_decay``: what a section's optimizer is
+    built with; ``output_dir``: where the estimate's JSON and chart go; ``notes``: what the trace does not take as the
+    run would (the data not read, a selection seeded); ``alternatives``: the job's own changes that would lower the
+    memory (a micro-batch of 1, gradient checkpointing), each ``(what to change, the job config with it)``."""
+
+    build: Callable[[], nn.Module]
+    batch: int
+    seq_len: int
+    vocab_size: int
+    optimizer: Callable[[list], torch.optim.Optimizer]
+    autocast: torch.dtype | None = None
+    checkpointing: bool = False
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    output_dir: str | None = None
+    notes: list[str] = field(default_factory=list)
+    alternatives: list[tuple[str, Any]] = field(default_factory=list)  # (the change, the job config with it)
+
+
+@dataclass
+class JobEstimate:
+    """Rank 0's traced step: ``memory`` (the peak and its split, the step's FLOPs), the world and engine it was traced
+    for, the trace's own cost (seconds, host memory) and ``notes`` (what it leaves out or took otherwise)."""
+
+    memory: StepMemory
+    world_size: int
+    engine: str
+    batch: int
+    seq_len: int
+    seconds: float
+    host_bytes: int
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        return {
+            **self.memory.to_dict(),
+            "world_size": self.world_size,
+            "engine": self.engine,
+            "micro_batch": self.batch,
+            "seq_len": self.seq_len,
+            "trace_seconds": round(self.seconds, 2),
+            "trace_host_bytes": self.host_bytes,
+            "notes": list(self.notes),
+        }
+
+
+class _Autocast:
+    """What a section's ``forward_backward`` asks of Accelerate: ``autocast()``."""
+
+    def __init__(self, dtype, device):
+        self.dtype, self.device = dtype, device
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int = 2) -> JobEstimate:
+    """Trace one training step of the job ``cfg`` on rank 0 of ``world_size`` (see the module's docstring).
+
+    The sections are the job's own (``run_cls``: :class:`~hf_dtrain.run.job.JobRun` by default), built for
+    ``world_size`` without a process group and without the skeleton (so a section that traces does not trace
+    again); their ``setup`` and ``prepare`` run as in a launched job, inside the fake world. A multi-process run
+    without a sharding section is DDP's: its gradient buckets are added to the peak (:func:`_add_ddp_buckets`)."""
+    if run_cls is None:
+        from hf_dtrain.run.job import JobRun as run_cls
+    t0 = time.perf_counter()
+    run = run_cls(cfg, world_size=world_size, start=False)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run.device, run.state = device, None
+    notes = list(skeleton.notes)
+    model = skeleton.build()
+    with fake_world(world_size, device.type):
+        run._call("setup")
+        try:
+            with fake_tensors():
+                model = model.to_empty(device=device)
+                model.train()  # as the Trainer and the loops do (a model built from a config may be in eval mode)
+                if skeleton.checkpointing:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    if hasattr(model, "enable_input_require_grads"):
+                        model.enable_input_require_grads()
+                run.prepare(model)
+                optimizer = run.optimizer(model, skeleton.lr, skeleton.weight_decay)
+                if optimizer is None:
+                    optimizer = skeleton.optimizer([p for p in model.parameters() if p.requires_grad])
+                blocks = torch.randint(0, skeleton.vocab_size, (skeleton.batch, skeleton.seq_len), device=device)
+                accelerator = _Autocast(skeleton.autocast, device)
+
+                def step():
+                    loss = run.forward_backward(model, blocks, accelerator)
+                    if loss is None:
+                        with accelerator.autocast():
+                            loss = model(input_ids=blocks, labels=blocks).loss
+                        loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+                memory = trace_step(model, optimizer, step, steps=steps)
+                if world_size > 1 and not run.sharded and not run.laid_out:
+                    _add_ddp_buckets(memory, model, notes)
+        finally:
+            run._call("close")
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return JobEstimate(
+        memory, world_size, run.engine, skeleton.batch, skeleton.seq_len, time.perf_counter() - t0, host, notes
+    )
+
+
+def _add_ddp_buckets(memory: StepMemory, model: nn.Module, notes: list) -> None:
+    """DDP (not traced: its reducer's C++ buckets cannot take fake tensors) holds the trainable gradients a second
+    time, flattened into its buckets (``gradient_as_bucket_view=False``, Accelerate's default), from the first
+    backward on: counted as ``gradient buckets`` at the traced peak."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    memory.split["gradient buckets"] = nbytes
+    memory.peak += nbytes
+    notes.append("DDP's gradient buckets (a copy of the trainable gradients) are counted, not traced")
+
+
+def device_memory_of(text: str | None) -> int | None:
+    """The memory of one device: ``text`` parsed (``80GiB``), else the GPU's total, else None (no verdict)."""
+    if text is not None:
+        from hf_dtrain.settings import parse_bytes
+
+        try:
+            return int(parse_bytes(text))
+        except SettingsError:
+            raise SettingsError(
+                f"estimate.device_memory={text!r} is not a size; set --device-memory to e.g. 80GiB or 24GB."
+            ) from None
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return None
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -1,0 +1,115 @@
+"""What a fine-tuning job trains, without its weights or its data: the base model's config (a preset, a directory
+holding only ``config.json``, or a checkpoint's), the model built from it on the meta device, the method applied there,
+and the Trainer's batch, precision, checkpointing and optimizer. A memory trace of the job's step starts here."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hf_dtrain.settings import SettingsError
+
+
+def base_config(cfg):
+    """The base model's ``PretrainedConfig``: a preset's (``--model llama3-8b``), the embedded default's (no
+    ``--model``), or read from ``--model``'s ``config.json`` (no weight file read)."""
+    from hf_dtrain.models import PRESETS, llama_config
+
+    if cfg.model is None:
+        return llama_config(cfg.base_preset)
+    if cfg.model in PRESETS:
+        return llama_config(cfg.model)
+    from transformers import AutoConfig
+
+    trust = bool(cfg.training.get("trust_remote_code", False))
+    try:
+        return AutoConfig.from_pretrained(cfg.model, trust_remote_code=trust)
+    except (OSError, ValueError, KeyError) as e:
+        raise SettingsError(
+            f"model={cfg.model!r}: no model config could be read ({str(e).splitlines()[0][:200]}); set --model to a "
+            f"directory holding config.json, a hub id, or a preset: {', '.join(PRESETS)}."
+        ) from None
+
+
+def _dtype(cfg, config) -> torch.dtype:
+    if cfg.torch_dtype != "auto":
+        return getattr(torch, cfg.torch_dtype)
+    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found, None)
+    return found if isinstance(found, torch.dtype) else torch.float32
+
+
+def skeleton(cfg):
+    """The job's :class:`~hf_dtrain.estimate.job.Skeleton`: refuses (naming the input) what cannot be traced."""
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from hf_dtrain.estimate.job import Skeleton
+
+    from hf_dtrain.jobs.sft.config import checkpointing_field
+
+    if cfg.quantize is not None:
+        raise SettingsError(
+            f"quantize={cfg.quantize}: a 4-bit base cannot be traced on fake tensors yet (its packed weights and "
+            "dequantization kernels are the quantization library's); drop --quantize for the dense base's figure."
+        )
+    notes = []
+    if cfg.dataset is not None:
+        missing = "" if os.path.exists(os.path.expanduser(cfg.dataset)) else " (it does not exist: the run would refuse it)"
+        notes.append(f"--dataset {cfg.dataset} is not read{missing}: every sequence is taken at --max-length tokens")
+    args = cfg.training_args()
+    config = base_config(cfg)
+    dtype = _dtype(cfg, config)
+    method = cfg.method_entry
+    if method.prepare is not None and method.without_data is None:
+        raise SettingsError(
+            f"method={cfg.method}: its preparation reads the data and it has no stand-in without data, so its step "
+            "cannot be traced."
+        )
+    seq_len = args.max_length or getattr(config, "max_position_embeddings", 1024)
+    attention = cfg.attn_implementation or "sdpa"
+
+    def build():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+            peft_config = cfg.build_peft_config(model)
+            if peft_config is not None:
+                from peft import get_peft_model
+
+                model = get_peft_model(model, peft_config)
+        if method.without_data is not None:  # its tensors made where the model is (the meta device)
+            method.without_data(model, cfg.method_settings, args.seed)
+        return model
+
+    if method.without_data is not None:
+        notes.append(f"{cfg.method}'s data-dependent preparation is replaced by a seeded one with the same shapes")
+
+    def optimizer(params):
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)  # the Trainer's own choice (--optim)
+        return cls(params, **kwargs)
+
+    from hf_dtrain.estimate.report import vary
+
+    checkpointing = bool(getattr(args, checkpointing_field(), False))
+    alternatives = []
+    if args.per_device_train_batch_size > 1:
+        one = {**cfg.training, "per_device_train_batch_size": 1}
+        alternatives.append(("--per-device-train-batch-size 1", vary(cfg, training=one)))
+    if not checkpointing:
+        on = {**cfg.training, checkpointing_field(): True}
+        alternatives.append((f"--{checkpointing_field().replace('_', '-')} true", vary(cfg, training=on)))
+    return Skeleton(
+        build=build,
+        batch=args.per_device_train_batch_size,
+        seq_len=int(seq_len),
+        vocab_size=int(config.vocab_size),
+        optimizer=optimizer,
+        autocast=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+        checkpointing=checkpointing,
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        output_dir=args.output_dir,
+        notes=notes,
+        alternatives=alternatives,
+    )

@@ -1,0 +1,49 @@
+"""What a pretraining job trains, without its weights or its data: the preset's LLaMA built on the meta device, the
+batch of blocks, and the precision Accelerate's launch asks for. A memory trace of the job's step starts here."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def skeleton(cfg):
+    """The job's :class:`~hf_dtrain.estimate.job.Skeleton` (the optimizer is the run's own section's)."""
+    from hf_dtrain.estimate.job import Skeleton
+    from hf_dtrain.models import llama_config
+
+    config = llama_config(cfg.preset)
+    notes = []
+    if cfg.dataset is not None:
+        missing = "" if os.path.exists(os.path.expanduser(cfg.dataset)) else " (it does not exist: the run would refuse it)"
+        notes.append(f"--dataset {cfg.dataset} is not read{missing}")
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch --mixed_precision
+
+    def build():
+        from transformers import LlamaForCausalLM
+
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+
+    def optimizer(params):
+        return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+
+    from hf_dtrain.estimate.report import vary
+
+    alternatives = []
+    if cfg.per_device_train_batch_size > 1:
+        alternatives.append(("--per-device-train-batch-size 1", vary(cfg, per_device_train_batch_size=1)))
+    return Skeleton(
+        build=build,
+        batch=cfg.per_device_train_batch_size,
+        seq_len=cfg.seq_len,
+        vocab_size=config.vocab_size,
+        optimizer=optimizer,
+        autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision),
+        lr=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        output_dir=cfg.output_dir,
+        notes=notes,
+        alternatives=alternatives,
+    )
