@@ -13,41 +13,15 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
-from collections.abc import Callable
-from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hf_dtrain.errors import SettingsError
+from hf_dtrain.run.skeleton import Skeleton
 
 from .trace import StepMemory, fake_tensors, fake_world, trace_step
-
-
-@dataclass
-class Skeleton:
-    """What a job trains, for a trace with no weight read. ``build()``: the model on the meta device, the method
-    applied there (a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``);
-    ``batch`` sequences of ``seq_len`` tokens per rank and step; ``autocast``: the compute dtype under autocast (None:
-    the weights'); ``checkpointing``: gradient checkpointing on the decoder layers; ``optimizer(params)``: the
-    optimizer the job builds when no section builds one; ``lr`` / ``weight_decay``: what a section's optimizer is
-    built with; ``output_dir``: where the estimate's JSON and chart go; ``notes``: what the trace does not take as the
-    run would (the data not read, a selection seeded); ``alternatives``: the job's own changes that would lower the
-    memory (a micro-batch of 1, gradient checkpointing), each ``(what to change, the job config with it)``."""
-
-    build: Callable[[], nn.Module]
-    batch: int
-    seq_len: int
-    vocab_size: int
-    optimizer: Callable[[list], torch.optim.Optimizer]
-    autocast: torch.dtype | None = None
-    checkpointing: bool = False
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    output_dir: str | None = None
-    notes: list[str] = field(default_factory=list)
-    alternatives: list[tuple[str, Any]] = field(default_factory=list)  # (the change, the job config with it)
 
 
 @dataclass
@@ -89,13 +63,17 @@ class _Autocast:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
-def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int = 2) -> JobEstimate:
+def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int = 2, fake: bool = True) -> JobEstimate:
     """Trace one training step of the job ``cfg`` on rank 0 of ``world_size`` (see the module's docstring).
 
     The sections are the job's own (``run_cls``: :class:`~hf_dtrain.run.job.JobRun` by default), built for
     ``world_size`` without a process group and without the skeleton (so a section that traces does not trace
     again); their ``setup`` and ``prepare`` run as in a launched job, inside the fake world. A multi-process run
-    without a sharding section is DDP's: its gradient buckets are added to the peak (:func:`_add_ddp_buckets`)."""
+    without a sharding section is DDP's: its gradient buckets are added to the peak (:func:`_add_ddp_buckets`).
+
+    ``fake=False``: the same step on real tensors (uninitialised weights), in the process group the caller made (one
+    rank of ``world_size``, the others running the same call), a real DDP wrapping the model where the run would
+    have one: the measurement the estimate is checked against."""
     if run_cls is None:
         from hf_dtrain.run.job import JobRun as run_cls
     t0 = time.perf_counter()
@@ -104,10 +82,11 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
     run.device, run.state = device, None
     notes = list(skeleton.notes)
     model = skeleton.build()
-    with fake_world(world_size, device.type):
+    ddp = world_size > 1 and not run.sharded and not run.laid_out
+    with fake_world(world_size, device.type) if fake else contextlib.nullcontext():
         run._call("setup")
         try:
-            with fake_tensors():
+            with fake_tensors() if fake else contextlib.nullcontext():
                 model = model.to_empty(device=device)
                 model.train()  # as the Trainer and the loops do (a model built from a config may be in eval mode)
                 if skeleton.checkpointing:
@@ -120,18 +99,23 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
                     optimizer = skeleton.optimizer([p for p in model.parameters() if p.requires_grad])
                 blocks = torch.randint(0, skeleton.vocab_size, (skeleton.batch, skeleton.seq_len), device=device)
                 accelerator = _Autocast(skeleton.autocast, device)
+                stepped = model
+                if ddp and not fake:
+                    from torch.nn.parallel import DistributedDataParallel
+
+                    stepped = DistributedDataParallel(model)
 
                 def step():
-                    loss = run.forward_backward(model, blocks, accelerator)
+                    loss = run.forward_backward(stepped, blocks, accelerator)
                     if loss is None:
                         with accelerator.autocast():
-                            loss = model(input_ids=blocks, labels=blocks).loss
+                            loss = stepped(input_ids=blocks, labels=blocks).loss
                         loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
 
                 memory = trace_step(model, optimizer, step, steps=steps)
-                if world_size > 1 and not run.sharded and not run.laid_out:
+                if ddp and fake:
                     _add_ddp_buckets(memory, model, notes)
         finally:
             run._call("close")

@@ -5,7 +5,6 @@ of a run that will not fit."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -14,7 +13,15 @@ from hf_dtrain.errors import SettingsError
 from .config import EstimateConfig
 from .job import JobEstimate, device_memory_of, gib, trace_job
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _trace_here(skeleton, cfg, world_size: int) -> JobEstimate:
@@ -35,7 +42,7 @@ def trace(skeleton, cfg, world_size: int) -> JobEstimate:
     the fake one cannot replace) in a child process started without the launcher's variables."""
     import torch.distributed as dist
 
-    launched = dist.is_available() and dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    launched = (dist.is_available() and dist.is_initialized()) or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
     if not launched:
         return _trace_here(skeleton, cfg, world_size)
     import multiprocessing
@@ -194,11 +201,3 @@ def refusal(estimate: JobEstimate, limit: int, options: list[dict]) -> str:
         f"against {gib(limit)} of device memory; the largest part is {largest} ({gib(split[largest])}); {fix}; "
         "or give --run-anyway to run it as it is."
     )
-
-
-def vary(cfg, **changes):
-    """A shallow copy of a job config with ``changes`` (a job's own alternatives)."""
-    changed = copy.copy(cfg)
-    for key, value in changes.items():
-        setattr(changed, key, value)
-    return changed

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from hf_dtrain.errors import SettingsError
 from hf_dtrain.run.section import Section, register_section
 
 from .config import EstimateConfig
@@ -34,8 +33,16 @@ class EstimateSection(Section):
     @classmethod
     def short_flags(cls):
         return [
-            ("--world-size", "estimate.world_size", dict(type=int, metavar="N", help="Short for --estimate.world-size.")),
-            ("--device-memory", "estimate.device_memory", dict(metavar="SIZE", help="Short for --estimate.device-memory.")),
+            (
+                "--world-size",
+                "estimate.world_size",
+                dict(type=int, metavar="N", help="Short for --estimate.world-size."),
+            ),
+            (
+                "--device-memory",
+                "estimate.device_memory",
+                dict(metavar="SIZE", help="Short for --estimate.device-memory."),
+            ),
             (
                 "--run-anyway",
                 "estimate.anyway",

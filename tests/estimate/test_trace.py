@@ -59,13 +59,23 @@ def test_the_fake_step_predicts_the_measured_peak(method, checkpointing):
         assert all(isinstance(t, FakeTensor) for t in [*model.parameters(), *model.buffers()])
         estimate = _trace(model)
     assert abs(estimate.peak - measured.peak) <= 0.01 * measured.peak, (estimate, measured)
+    # the split at the peak, when both peaks fall in the same phase: full fine-tuning with checkpointing has two
+    # moments within 0.1% of each other (late in backward, and in the optimizer's step), and fake and real may peak
+    # at either
+    in_backward = [m.split.get("activations", 0) > 0.01 * m.peak for m in (estimate, measured)]
     for name, nbytes in measured.split.items():
-        assert abs(estimate.split.get(name, 0) - nbytes) <= 0.01 * measured.peak, (name, estimate, measured)
+        if in_backward[0] == in_backward[1] or name in ("parameters", "buffers"):
+            assert abs(estimate.split.get(name, 0) - nbytes) <= 0.01 * measured.peak, (name, estimate, measured)
     # independent of the fake path: the real step's categories add up to its peak, its parameters are the model's
-    # bytes, and it holds activations (a tracker that saw nothing would make fake and real agree at zero)
+    # bytes, and the step ran under the tracker (its activations, or the optimizer's two moments, at the peak: a
+    # tracker that saw nothing would make fake and real agree at zero)
     assert measured.peak == sum(measured.split.values())
     assert measured.split["parameters"] == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert measured.split["activations"] > measured.split["parameters"] / 10
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert (
+        measured.split["activations"] > measured.split["parameters"] / 10
+        or measured.split["optimizer state"] >= 2 * trainable
+    )
     assert estimate.flops == measured.flops > 0
 
 

@@ -45,9 +45,8 @@ def skeleton(cfg):
     """The job's :class:`~hf_dtrain.estimate.job.Skeleton`: refuses (naming the input) what cannot be traced."""
     from transformers import AutoModelForCausalLM, Trainer
 
-    from hf_dtrain.estimate.job import Skeleton
-
     from hf_dtrain.jobs.sft.config import checkpointing_field
+    from hf_dtrain.run.skeleton import Skeleton
 
     if cfg.quantize is not None:
         raise SettingsError(
@@ -56,7 +55,9 @@ def skeleton(cfg):
         )
     notes = []
     if cfg.dataset is not None:
-        missing = "" if os.path.exists(os.path.expanduser(cfg.dataset)) else " (it does not exist: the run would refuse it)"
+        missing = (
+            "" if os.path.exists(os.path.expanduser(cfg.dataset)) else " (it does not exist: the run would refuse it)"
+        )
         notes.append(f"--dataset {cfg.dataset} is not read{missing}: every sequence is taken at --max-length tokens")
     args = cfg.training_args()
     config = base_config(cfg)
@@ -89,7 +90,7 @@ def skeleton(cfg):
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)  # the Trainer's own choice (--optim)
         return cls(params, **kwargs)
 
-    from hf_dtrain.estimate.report import vary
+    from hf_dtrain.run.skeleton import vary
 
     checkpointing = bool(getattr(args, checkpointing_field(), False))
     alternatives = []

@@ -13,8 +13,8 @@ import torch
 from hf_dtrain.errors import check_writable
 from hf_dtrain.run.job import JobRun
 
-from .skeleton import skeleton
 from .data import batches, default_tokenizer, load_blocks, loader, schedule
+from .skeleton import skeleton
 
 
 @dataclass

@@ -10,13 +10,15 @@ import torch
 
 def skeleton(cfg):
     """The job's :class:`~hf_dtrain.estimate.job.Skeleton` (the optimizer is the run's own section's)."""
-    from hf_dtrain.estimate.job import Skeleton
     from hf_dtrain.models import llama_config
+    from hf_dtrain.run.skeleton import Skeleton
 
     config = llama_config(cfg.preset)
     notes = []
     if cfg.dataset is not None:
-        missing = "" if os.path.exists(os.path.expanduser(cfg.dataset)) else " (it does not exist: the run would refuse it)"
+        missing = (
+            "" if os.path.exists(os.path.expanduser(cfg.dataset)) else " (it does not exist: the run would refuse it)"
+        )
         notes.append(f"--dataset {cfg.dataset} is not read{missing}")
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch --mixed_precision
 
@@ -29,7 +31,7 @@ def skeleton(cfg):
     def optimizer(params):
         return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
 
-    from hf_dtrain.estimate.report import vary
+    from hf_dtrain.run.skeleton import vary
 
     alternatives = []
     if cfg.per_device_train_batch_size > 1:

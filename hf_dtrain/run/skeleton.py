@@ -1,0 +1,43 @@
+"""What a job trains, described without its weights or its data (:class:`Skeleton`): the job builds one from its
+config (``skeleton(cfg)`` in its package) and hands that function to :class:`~hf_dtrain.run.job.JobRun`, where a
+section that traces the step (the memory estimate) takes it. Imports nothing heavy."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Skeleton:
+    """What a job trains, for a trace with no weight read. ``build()``: the model on the meta device, the method
+    applied there (a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``);
+    ``batch`` sequences of ``seq_len`` tokens per rank and step; ``autocast``: the compute dtype under autocast (None:
+    the weights'); ``checkpointing``: gradient checkpointing on the decoder layers; ``optimizer(params)``: the
+    optimizer the job builds when no section builds one; ``lr`` / ``weight_decay``: what a section's optimizer is
+    built with; ``output_dir``: where the estimate's JSON and chart go; ``notes``: what the trace does not take as the
+    run would (the data not read, a selection seeded); ``alternatives``: the job's own changes that would lower the
+    memory (a micro-batch of 1, gradient checkpointing), each ``(what to change, the job config with it)``."""
+
+    build: Callable[[], Any]  # the model (a torch module) on the meta device
+    batch: int
+    seq_len: int
+    vocab_size: int
+    optimizer: Callable[[list], Any]
+    autocast: Any = None  # a torch dtype
+    checkpointing: bool = False
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    output_dir: str | None = None
+    notes: list[str] = field(default_factory=list)
+    alternatives: list[tuple[str, Any]] = field(default_factory=list)  # (the change, the job config with it)
+
+
+def vary(cfg, **changes):
+    """A shallow copy of a job config with ``changes`` (a job's own alternatives)."""
+    changed = copy.copy(cfg)
+    for key, value in changes.items():
+        setattr(changed, key, value)
+    return changed
