@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _report import emit_result, markdown_table, run_worker, write  # noqa: E402
+from _report import emit_result, markdown_table, run_worker, write
 
 HERE = os.path.abspath(__file__)
 SMALL = {"per_device_train_batch_size": 4, "max_length": 256, "report": False, "progress": False}
@@ -140,7 +140,8 @@ def check() -> dict:
         rows.append(row)
         print(
             f"{job} {method:>16} {engine:>16} ckpt {row['checkpointing']:>3}: estimated {row['estimated_mib']:8.1f} "
-            f"MiB, measured {row['measured_mib']:8.1f} MiB, ratio {row['ratio']:.4f} ({time.perf_counter() - t0:.0f} s)",
+            f"MiB, measured {row['measured_mib']:8.1f} MiB, ratio {row['ratio']:.4f} "
+            f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
     return {"rows": rows, "not_traced": [{"case": c, "why": w} for c, w in NOT_TRACED]}
