@@ -109,7 +109,7 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
                     loss = run.forward_backward(stepped, blocks, accelerator)
                     if loss is None:
                         with accelerator.autocast():
-                            loss = stepped(input_ids=blocks, labels=blocks).loss
+                            loss = stepped(input_ids=blocks, labels=blocks, **skeleton.forward_kwargs).loss
                         loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)

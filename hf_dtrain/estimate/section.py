@@ -57,6 +57,13 @@ class EstimateSection(Section):
         return asked.world_size if asked is not None and not asked.train else None
 
     @classmethod
+    def reads_no_data(cls, cfg) -> bool:
+        """An estimate that does not train reads no data (a data file that does not exist is said once in its
+        notes, not refused)."""
+        asked = getattr(cfg, "estimate", None)
+        return asked is not None and not asked.train
+
+    @classmethod
     def active(cls, view) -> bool:
         """Asked for, or on a GPU (the check before a run)."""
         if view.cfg.estimate is not None:

@@ -112,6 +112,11 @@ class Section:
         return None
 
     @classmethod
+    def reads_no_data(cls, cfg) -> bool:
+        """Whether the job, with its settings, reads no data (an estimate): its data paths are then not checked."""
+        return False
+
+    @classmethod
     def alternatives(cls, cfg, world_size: int) -> list[tuple[str, Any]]:
         """Changes of its settings that would lower each rank's memory, for a step that will not fit: ``(what to
         change, the job config with it)``."""
@@ -285,6 +290,11 @@ def foreign_flag(job: str, argv: list[str]) -> str | None:
             if word in names or any(word.startswith(name + ".") for name in names):
                 return f"{word} is a {' / '.join(section.jobs)} flag: {section.elsewhere}"
     return None
+
+
+def reads_no_data(cfg) -> bool:
+    """A section says the job ``cfg`` reads no data (an estimate traces its step on fake tensors)."""
+    return any(section.reads_no_data(cfg) for section in sections_for(cfg.job))
 
 
 def sections_for(job: str) -> list[type[Section]]:

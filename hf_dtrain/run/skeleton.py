@@ -19,7 +19,9 @@ class Skeleton:
     optimizer the job builds when no section builds one; ``lr`` / ``weight_decay``: what a section's optimizer is
     built with; ``output_dir``: where the estimate's JSON and chart go; ``notes``: what the trace does not take as the
     run would (the data not read, a selection seeded); ``alternatives``: the job's own changes that would lower the
-    memory (a micro-batch of 1, gradient checkpointing), each ``(what to change, the job config with it)``."""
+    memory (a micro-batch of 1, gradient checkpointing), each ``(what to change, the job config with it)``;
+    ``forward_kwargs``: what the job's loss passes to ``model(input_ids=..., labels=..., **forward_kwargs)`` (TRL's
+    fused LM head: ``fused_lm_head=True``)."""
 
     build: Callable[[], Any]  # the model (a torch module) on the meta device
     batch: int
@@ -33,6 +35,7 @@ class Skeleton:
     output_dir: str | None = None
     notes: list[str] = field(default_factory=list)
     alternatives: list[tuple[str, Any]] = field(default_factory=list)  # (the change, the job config with it)
+    forward_kwargs: dict = field(default_factory=dict)  # what the job's loss passes to the model's forward
 
 
 def vary(cfg, **changes):

@@ -71,9 +71,13 @@ def skeleton(cfg):
     seq_len = args.max_length or getattr(config, "max_position_embeddings", 1024)
     attention = cfg.attn_implementation or "sdpa"
 
+    fused_head = _fused_lm_head()
+
     def build():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+            if fused_head is not None:  # as SFTTrainer patches the base model
+                fused_head(model)
             peft_config = cfg.build_peft_config(model)
             if peft_config is not None:
                 from peft import get_peft_model
@@ -113,4 +117,18 @@ def skeleton(cfg):
         output_dir=args.output_dir,
         notes=notes,
         alternatives=alternatives,
+        forward_kwargs={"fused_lm_head": True} if fused_head is not None else {},
     )
+
+
+def _fused_lm_head():
+    """TRL's fused LM head as ``SFTTrainer`` adds it to the model it trains (per-token log-probabilities, entropy and
+    top-1 hits computed in tiles, the loss from them: TRL 1.x, ``trl.trainer.utils.add_fused_lm_head``), or None
+    where this TRL has none (its trainer then computes the loss from the full logits)."""
+    import functools
+
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:
+        return None
+    return functools.partial(add_fused_lm_head, outputs=("log_probs", "entropy", "is_top1"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_dtrain.run.config import JobConfig, job_config_class
+from hf_dtrain.run.section import reads_no_data
 from hf_dtrain.settings import SettingsError, check_local_path, setting
 
 
@@ -47,7 +48,8 @@ class PretrainJob(JobConfig):
 
         if self.preset not in PRESETS:
             raise SettingsError(f"preset={self.preset!r} is unknown; set --preset to one of {', '.join(PRESETS)}.")
-        check_local_path(self, "dataset")
+        if not reads_no_data(self):
+            check_local_path(self, "dataset")
 
 
 def pretrain_config_class() -> type:

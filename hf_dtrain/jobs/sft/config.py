@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field
 
 from hf_dtrain.run.config import JobConfig, job_config_class
-from hf_dtrain.run.section import sections_for
+from hf_dtrain.run.section import reads_no_data, sections_for
 from hf_dtrain.settings import SettingsError, check_local_path, setting
 from hf_dtrain.tuners.finetune_method import (
     FINETUNE_METHODS,
@@ -153,7 +153,8 @@ class FinetuneJob(JobConfig):
                     f"{name}.* settings are given but method={self.method}; set --method {name}, or drop the {name} "
                     "settings."
                 )
-        check_local_path(self, "dataset")
+        if not reads_no_data(self):
+            check_local_path(self, "dataset")
         check_local_path(self, "model")
         self._check_quantize()
         self._check_training(self.training_args())  # SFTConfig's own checks, and the bounds it leaves out, now
