@@ -164,31 +164,48 @@ def large() -> dict:
         "report": False,
         "progress": False,
     }
-    cases = []
-    for model in ("llama3-8b", "llama2-70b"):
-        for method in ("full", "lora", "lorafa", "smt"):
-            for ckpt in (False, True):
-                for engine, extra, world in (
-                    ("one GPU", {}, 1),
-                    ("FSDP2 x 8", {"fsdp": {}}, 8),
-                    *((("FSDP2 x 64", {"fsdp": {}}, 64),) if model == "llama2-70b" else ()),
-                ):
-                    if model == "llama2-70b" and engine == "one GPU":
-                        continue
-                    cases.append(
-                        (
-                            model,
-                            method,
-                            ckpt,
-                            engine,
-                            {**base, "model": model, "method": method, "gradient_checkpointing": ckpt, **extra},
-                            world,
-                        )
-                    )
+    cases = []  # (model, method, checkpointing, engine, job, settings, world)
+    for method in ("full", "lora", "lorafa", "smt"):
+        for engine, extra, world in (("one GPU", {}, 1), ("FSDP2 x 8", {"fsdp": {}}, 8)):
+            cases.append(("llama3-8b", method, True, engine, "finetune", {**extra, "method": method}, world))
+    cases.append(("llama3-8b", "lora", False, "one GPU", "finetune", {"method": "lora"}, 1))
+    for method, engine, world in (
+        ("lora", "FSDP2 x 8", 8),
+        ("lora", "FSDP2 x 64", 64),
+        ("full", "FSDP2 x 64", 64),
+        ("lorafa", "FSDP2 x 64", 64),
+        ("smt", "FSDP2 x 64", 64),
+    ):
+        cases.append(("llama2-70b", method, True, engine, "finetune", {"fsdp": {}, "method": method}, world))
+    pretrain = {"seq_len": 4096, "per_device_train_batch_size": 1, "progress": False}
+    cases.append(
+        (
+            "llama3-8b",
+            "full (pretrain, fp32)",
+            False,
+            "TP x 8",
+            "pretrain",
+            {**pretrain, "preset": "llama3-8b", "parallel": {"tp": 8}},
+            8,
+        )
+    )
+    cases.append(
+        (
+            "llama3-8b",
+            "full (pretrain, fp32)",
+            False,
+            "TP 8 x FSDP2 8",
+            "pretrain",
+            {**pretrain, "preset": "llama3-8b", "parallel": {"tp": 8, "dp_shard": 8}},
+            64,
+        )
+    )
     rows = []
-    for model, method, ckpt, engine, settings, world in cases:
+    for model, method, ckpt, engine, job, settings, world in cases:
+        if job == "finetune":
+            settings = {**base, "model": model, "gradient_checkpointing": ckpt, **settings}
         try:
-            est = _run("finetune", settings, world, True)
+            est = _run(job, settings, world, True)
         except RuntimeError as e:
             rows.append(
                 {"model": model, "method": method, "engine": engine, "checkpointing": ckpt, "error": str(e)[-300:]}

@@ -71,7 +71,7 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
     again); their ``setup`` and ``prepare`` run as in a launched job, inside the fake world. A multi-process run
     without a sharding section is DDP's: its gradient buckets are added to the peak (:func:`_add_ddp_buckets`).
 
-    ``fake=False``: the same step on real tensors (uninitialised weights), in the process group the caller made (one
+    ``fake=False``: the same step on real tensors (the model built and initialised there), in the process group the caller made (one
     rank of ``world_size``, the others running the same call), a real DDP wrapping the model where the run would
     have one: the measurement the estimate is checked against."""
     if run_cls is None:
@@ -81,13 +81,18 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run.device, run.state = device, None
     notes = list(skeleton.notes)
-    model = skeleton.build()
+    model = skeleton.build("meta" if fake else device.type)
     ddp = world_size > 1 and not run.sharded and not run.laid_out
     with fake_world(world_size, device.type) if fake else contextlib.nullcontext():
         run._call("setup")
         try:
             with fake_tensors() if fake else contextlib.nullcontext():
-                model = model.to_empty(device=device)
+                if fake:
+                    model = model.to_empty(device=device)
+                    # to_empty gives each module its own new parameters (a meta tensor's storage cannot be swapped in
+                    # place for a fake one): tied input and output embeddings are tied again, else counted twice
+                    if hasattr(model, "tie_weights"):
+                        model.tie_weights()
                 model.train()  # as the Trainer and the loops do (a model built from a config may be in eval mode)
                 if skeleton.checkpointing:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -13,7 +13,7 @@ from typing import Any
 @dataclass
 class Skeleton:
     """What a job trains, for a trace with no weight read. ``build()``: the model on the meta device, the method
-    applied there (a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``);
+    applied there (``build("cpu")``: initialised, for the measurement the trace is checked against) (a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``);
     ``batch`` sequences of ``seq_len`` tokens per rank and step; ``autocast``: the compute dtype under autocast (None:
     the weights'); ``checkpointing``: gradient checkpointing on the decoder layers; ``optimizer(params)``: the
     optimizer the job builds when no section builds one; ``lr`` / ``weight_decay``: what a section's optimizer is
@@ -23,7 +23,7 @@ class Skeleton:
     ``forward_kwargs``: what the job's loss passes to ``model(input_ids=..., labels=..., **forward_kwargs)`` (TRL's
     fused LM head: ``fused_lm_head=True``)."""
 
-    build: Callable[[], Any]  # the model (a torch module) on the meta device
+    build: Callable[..., Any]  # build(device="meta"): the model (a torch module) there
     batch: int
     seq_len: int
     vocab_size: int

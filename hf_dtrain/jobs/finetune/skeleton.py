@@ -73,8 +73,8 @@ def skeleton(cfg):
 
     fused_head = _fused_lm_head()
 
-    def build():
-        with torch.device("meta"):
+    def build(device="meta"):
+        with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
             if fused_head is not None:  # as SFTTrainer patches the base model
                 fused_head(model)
@@ -83,7 +83,7 @@ def skeleton(cfg):
                 from peft import get_peft_model
 
                 model = get_peft_model(model, peft_config)
-        if method.without_data is not None:  # its tensors made where the model is (the meta device)
+        if method.without_data is not None:  # its tensors made where the model is
             method.without_data(model, cfg.method_settings, args.seed)
         return model
 

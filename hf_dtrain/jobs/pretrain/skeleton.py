@@ -22,10 +22,10 @@ def skeleton(cfg):
         notes.append(f"--dataset {cfg.dataset} is not read{missing}")
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch --mixed_precision
 
-    def build():
+    def build(device="meta"):
         from transformers import LlamaForCausalLM
 
-        with torch.device("meta"):
+        with torch.device(device):
             return LlamaForCausalLM(config)
 
     def optimizer(params):
