@@ -3,8 +3,8 @@
 A job says what it trains in a :class:`Skeleton` (its model built on the meta device with its method applied, the
 micro-batch, the precision, gradient checkpointing, the optimizer it would build); :func:`trace_job` builds the job's
 own engine sections for ``world_size`` ranks (:class:`~hf_dtrain.run.job.JobRun` without a process group), makes the
-model fake, lets the sections prepare it as they would (the lean paths, FSDP2 / HSDP, the TP / PP mesh over torch's
-fake process group), builds the optimizer, and traces two steps on rank 0 (:func:`~hf_dtrain.estimate.trace.trace_step`).
+model fake, lets the sections prepare it as they would (the lean paths, FSDP2 / HSDP, the TP mesh over torch's fake
+process group), builds the optimizer, and traces two steps on rank 0 (:func:`~hf_dtrain.estimate.trace.trace_step`).
 Nothing is read or allocated beyond the host's bookkeeping: an 8B model traces in about a gigabyte of host memory.
 """
 
