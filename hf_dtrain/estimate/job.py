@@ -71,9 +71,9 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
     again); their ``setup`` and ``prepare`` run as in a launched job, inside the fake world. A multi-process run
     without a sharding section is DDP's: its gradient buckets are added to the peak (:func:`_add_ddp_buckets`).
 
-    ``fake=False``: the same step on real tensors (the model built and initialised there), in the process group the caller made (one
-    rank of ``world_size``, the others running the same call), a real DDP wrapping the model where the run would
-    have one: the measurement the estimate is checked against."""
+    ``fake=False``: the same step on real tensors (the model built and initialised there), in the process group the
+    caller made (one rank of ``world_size``, the others running the same call), a real DDP wrapping the model where
+    the run would have one: the measurement the estimate is checked against."""
     if run_cls is None:
         from hf_dtrain.run.job import JobRun as run_cls
     t0 = time.perf_counter()
