@@ -13,8 +13,8 @@ from typing import Any
 @dataclass
 class Skeleton:
     """What a job trains, for a trace with no weight read. ``build()``: the model on the meta device, the method
-    applied there (``build("cpu")``: initialised, for the measurement the trace is checked against) (a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``);
-    ``batch`` sequences of ``seq_len`` tokens per rank and step; ``autocast``: the compute dtype under autocast (None:
+    applied there, a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``
+    (``build("cpu")``: the same, initialised, for the measurement the trace is checked against); ``batch`` sequences of ``seq_len`` tokens per rank and step; ``autocast``: the compute dtype under autocast (None:
     the weights'); ``checkpointing``: gradient checkpointing on the decoder layers; ``optimizer(params)``: the
     optimizer the job builds when no section builds one; ``lr`` / ``weight_decay``: what a section's optimizer is
     built with; ``output_dir``: where the estimate's JSON and chart go; ``notes``: what the trace does not take as the
