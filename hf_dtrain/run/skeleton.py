@@ -12,14 +12,15 @@ from typing import Any
 
 @dataclass
 class Skeleton:
-    """What a job trains, for a trace with no weight read. ``build()``: the model on the meta device, the method
-    applied there, a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``
-    (``build("cpu")``: the same, initialised, for the measurement the trace is checked against); ``batch`` sequences of ``seq_len`` tokens per rank and step; ``autocast``: the compute dtype under autocast (None:
-    the weights'); ``checkpointing``: gradient checkpointing on the decoder layers; ``optimizer(params)``: the
-    optimizer the job builds when no section builds one; ``lr`` / ``weight_decay``: what a section's optimizer is
-    built with; ``output_dir``: where the estimate's JSON and chart go; ``notes``: what the trace does not take as the
-    run would (the data not read, a selection seeded); ``alternatives``: the job's own changes that would lower the
-    memory (a micro-batch of 1, gradient checkpointing), each ``(what to change, the job config with it)``;
+    """What a job trains, for a trace with no weight read. ``build()``: the model on the meta device, the method applied
+    there, a data-dependent preparation replaced by a seeded one with the same shapes, said in ``notes``
+    (``build("cpu")``: the same, initialised, for the measurement the trace is checked against); ``batch`` sequences
+    of ``seq_len`` tokens per rank and step; ``autocast``: the compute dtype under autocast (None: the weights');
+    ``checkpointing``: gradient checkpointing on the decoder layers; ``optimizer(params)``: the optimizer the job
+    builds when no section builds one; ``lr`` / ``weight_decay``: what a section's optimizer is built with;
+    ``output_dir``: where the estimate's JSON and chart go; ``notes``: what the trace does not take as the run would
+    (the data not read, a selection seeded); ``alternatives``: the job's own changes that would lower the memory (a
+    micro-batch of 1, gradient checkpointing), each ``(what to change, the job config with it)``;
     ``forward_kwargs``: what the job's loss passes to ``model(input_ids=..., labels=..., **forward_kwargs)`` (TRL's
     fused LM head: ``fused_lm_head=True``)."""
 
