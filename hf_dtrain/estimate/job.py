@@ -78,6 +78,9 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
         from hf_dtrain.run.job import JobRun as run_cls
     t0 = time.perf_counter()
     run = run_cls(cfg, world_size=world_size, start=False)
+    refused = [why for why in run._call("untraceable") if why]
+    if refused:
+        raise SettingsError("--estimate: the step cannot be traced with these settings: " + "; ".join(refused) + ".")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run.device, run.state = device, None
     notes = list(skeleton.notes)

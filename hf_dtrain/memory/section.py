@@ -37,6 +37,13 @@ class DeltaSection(Section):
         self.callback = None
         self.scheduler = None
 
+    def untraceable(self) -> str | None:
+        return (
+            "--delta: DELTA plans its schedule from the first steps' measured profile, which a trace on fake tensors "
+            "cannot measure; estimate without --delta (the step that keeps everything: DELTA's budget is a share of "
+            "its activations)"
+        )
+
     def callbacks(self) -> list:
         from .scheduler import DeltaCallback
 

@@ -208,6 +208,13 @@ class DeepSpeedSection(Section):
         ),
     )
 
+    def untraceable(self) -> str | None:
+        return (
+            "deepspeed: DeepSpeed's engine partitions and flattens the parameters itself, outside what a fake tensor "
+            "trace follows; drop --deepspeed for --fsdp's figure (ZeRO-3 and FSDP2 shard alike), or use DeepSpeed's "
+            "estimate_zero3_model_states_mem_needs for its model states"
+        )
+
     @classmethod
     def settings(cls):
         help = (
@@ -410,6 +417,16 @@ class LayoutSection(Section):
         super().__init__(run)
         self.degrees = None
         self.pipe = None
+
+    def untraceable(self) -> str | None:
+        if self.cfg.parallel.pp > 1:
+            return (
+                "--pp: torch's PipelineStage infers its stages' shapes by exchanging them, which the fake process "
+                "group cannot; estimate without --pp (the stage's layers are a share of the whole)"
+            )
+        if self.cfg.parallel.plan == "auto":
+            return "--plan auto: the planner measures the launched ranks; give the degrees (--tp, --dp-shard)"
+        return None
 
     def check(self) -> None:
         """The mesh degrees against the process count and the model, before any process group (``--plan auto``

@@ -143,6 +143,10 @@ class Section:
     def setup(self) -> None:
         """Once the process group exists, before the data and the model (a plan measured on the launched ranks)."""
 
+    def untraceable(self) -> str | None:
+        """Why a memory trace of the job's step (``--estimate``) cannot take this section as it runs, or None."""
+        return None
+
     def answer(self):
         """Before the process group, with the job's ``run.skeleton``: the job's results when this section answers
         the job without training it (an estimate), or None. May refuse the run (a step that will not fit)."""

@@ -157,6 +157,8 @@ def test_real_shapes_trace_through_the_real_layers(tmp_path, shape, method, worl
             "quantize=nf4: a 4-bit base cannot be traced",
         ),
         (["pretrain", "--estimate", "--world-size", "3", "--tp", "2"], "--tp"),
+        (["pretrain", "--estimate", "--world-size", "2", "--pp", "2"], "--pp: torch's PipelineStage infers"),
+        (["finetune", "--estimate", "--delta", "0.5"], "--delta: DELTA plans its schedule"),
         (["finetune", "--estimate", "--world-size", "0"], "world_size"),
     ],
 )
