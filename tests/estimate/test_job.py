@@ -32,6 +32,34 @@ def test_the_jobs_estimate_is_its_measured_step(tmp_path, method, checkpointing)
     assert estimate.flops == measured.flops > 0
 
 
+# full fine-tuning: DDP's buckets (a copy of every gradient) are 5% of the step's peak here, more than the tolerance
+DDP_CASE = {"method": "full", "gradient_checkpointing": True}
+
+
+def _measure_ddp_rank(rank, world_size, out):
+    cfg = finetune_config_class().from_dict({**SMALL, "output_dir": out + ".run", **DDP_CASE})
+    result = trace_job(cfg, skeleton(cfg), world_size, fake=False)  # a real DDP over the gloo ranks
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result.to_dict(), f)
+
+
+def test_ddp_is_one_process_plus_its_buckets(tmp_path):
+    """DDP cannot take fake tensors: the estimate is one process's step plus the gradient buckets, counted; rank 0
+    of 2 real gloo ranks under a real DDP (its buckets allocated by its reducer) holds the same peak within 1%."""
+    from hf_dtrain.testing.launch import run_distributed
+
+    out = tmp_path / "measured.json"
+    run_distributed(_measure_ddp_rank, world_size=2, args=(str(out),), timeout=300)
+    measured = json.loads(out.read_text())
+    cfg = _cfg(tmp_path, **DDP_CASE)
+    estimate = trace_job(cfg, skeleton(cfg), 2)
+    assert estimate.engine == measured["engine"] == "ddp"
+    trainable = estimate.memory.split["gradient buckets"]
+    assert trainable > 0 and any("buckets" in note for note in estimate.notes)
+    assert abs(estimate.memory.peak / measured["peak_bytes"] - 1) <= 0.01, (estimate, measured)
+
+
 def test_estimate_answers_without_training(tmp_path):
     from hf_dtrain.jobs.finetune import run_finetune
 
