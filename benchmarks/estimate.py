@@ -250,13 +250,15 @@ def _beside() -> dict:
         largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
         entry = {"accelerate_weights_gib": weights / 2**30, "accelerate_adam_x4_gib": 4 * weights / 2**30}
         try:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
             from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
             for gpus in (8, 64):
-                per_gpu, _ = estimate_zero3_model_states_mem_needs(
+                _, per_gpu, *_ = estimate_zero3_model_states_mem_needs(
                     params, largest, num_gpus_per_node=8, num_nodes=gpus // 8, cpu_offload=False
                 )
-                entry[f"deepspeed_zero3_x{gpus}_gib"] = per_gpu / 2**30
+                # full fine-tuning's model states (bf16 weights and gradients, fp32 master and Adam): 18 B/parameter
+                entry[f"deepspeed_zero3_full_x{gpus}_gib"] = per_gpu / 2**30
         except Exception as e:  # DeepSpeed not installed: said, not hidden
             entry["deepspeed"] = f"not available: {type(e).__name__}: {e}"
         out[name] = entry
