@@ -83,7 +83,7 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
         raise SettingsError("--estimate: the step cannot be traced with these settings: " + "; ".join(refused) + ".")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run.device, run.state = device, None
-    notes = list(skeleton.notes)
+    notes = []  # the trace's own, after the skeleton's (which its optimizer may add to)
     model = skeleton.build("meta" if fake else device.type)
     ddp = world_size > 1 and not run.sharded and not run.laid_out
     with fake_world(world_size, device.type) if fake else contextlib.nullcontext():
@@ -128,9 +128,9 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
         finally:
             run._call("close")
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return JobEstimate(
-        memory, world_size, run.engine, skeleton.batch, skeleton.seq_len, time.perf_counter() - t0, host, notes
-    )
+    seconds = time.perf_counter() - t0
+    notes = [*skeleton.notes, *notes]
+    return JobEstimate(memory, world_size, run.engine, skeleton.batch, skeleton.seq_len, seconds, host, notes)
 
 
 def _add_ddp_buckets(memory: StepMemory, model: nn.Module, notes: list) -> None:
