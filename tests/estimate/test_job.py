@@ -223,3 +223,20 @@ def test_bad_input_is_one_line_naming_it(tmp_path, monkeypatch, capsys, argv, sa
     code, _, err = _main([*argv, "--output-dir", str(tmp_path / "out")], capsys)
     assert code == 1 and "Traceback" not in err and said in err, err[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_estimate_recipe_runs_as_written(tmp_path, capsys):
+    """recipes/estimate_llama2_70b_lora_fsdp2.yaml with a 2-layer stand-in of its model (the same layer shapes) and 8
+    ranks: the table, the verdict against its 80 GiB and the files it names."""
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "recipes")
+    stand_in = tmp_path / "llama2-70b-2-layers"
+    llama_config("llama2-70b", num_hidden_layers=2).save_pretrained(stand_in)
+    argv = ["finetune", "--recipe", os.path.join(recipe, "estimate_llama2_70b_lora_fsdp2.yaml")]
+    argv += ["--model", str(stand_in), "--world-size", "8", "--output-dir", str(tmp_path / "out")]
+    from hf_dtrain.cli import main
+
+    assert main(argv) in (0, None)
+    out = capsys.readouterr().out
+    assert "rank 0 of 8 (fsdp2), micro-batch 1 x 4096 tokens" in out and "fits:" in out and "of 80.00 GiB" in out
+    written = json.loads((tmp_path / "out" / "estimate.json").read_text())
+    assert written["world_size"] == 8 and written["fits"] is True
