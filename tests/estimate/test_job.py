@@ -240,3 +240,17 @@ def test_the_estimate_recipe_runs_as_written(tmp_path, capsys):
     assert "rank 0 of 8 (fsdp2), micro-batch 1 x 4096 tokens" in out and "fits:" in out and "of 80.00 GiB" in out
     written = json.loads((tmp_path / "out" / "estimate.json").read_text())
     assert written["world_size"] == 8 and written["fits"] is True
+
+
+def test_a_launched_process_traces_in_a_clean_child(tmp_path, monkeypatch):
+    """Under a launcher (its variables set; a process group may exist) the fake world cannot be made here: the trace
+    runs in a child process started without the launcher's variables, and gives the same figures."""
+    from hf_dtrain.estimate.report import trace
+
+    cfg = _cfg(tmp_path, method="lora")
+    here = trace(skeleton, cfg, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    child = trace(skeleton, cfg, 1)
+    assert child.memory.peak == here.memory.peak and child.memory.split == here.memory.split
+    assert os.environ["WORLD_SIZE"] == "2" and os.environ["RANK"] == "1"  # the launcher's variables given back
