@@ -38,6 +38,10 @@ class EstimateConfig:
         "ranks) and name each with its peak.",
     )
 
+    skip: bool = setting(
+        False, "No estimate at all: not even the check a run on a GPU makes unasked before reading the weights."
+    )
+
     def __post_init__(self):
         check_fields(self)
         if self.device_memory is not None:
@@ -50,5 +54,5 @@ class EstimateConfig:
                     f"estimate.device_memory={self.device_memory!r} is not a size; set --device-memory to e.g. 80GiB, "
                     "24GB or a number of bytes."
                 )
-        if self.anyway and not self.train:
-            self.train = True  # --run-anyway asks for the run
+        if (self.anyway or self.skip) and not self.train:
+            self.train = True  # --run-anyway and --estimate.skip ask for the run

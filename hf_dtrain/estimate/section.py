@@ -65,9 +65,9 @@ class EstimateSection(Section):
 
     @classmethod
     def active(cls, view) -> bool:
-        """Asked for, or on a GPU (the check before a run)."""
+        """Asked for, or on a GPU (the check before a run), unless skipped."""
         if view.cfg.estimate is not None:
-            return True
+            return not view.cfg.estimate.skip
         import torch
 
         return torch.cuda.is_available()

@@ -254,3 +254,13 @@ def test_a_launched_process_traces_in_a_clean_child(tmp_path, monkeypatch):
     child = trace(skeleton, cfg, 1)
     assert child.memory.peak == here.memory.peak and child.memory.split == here.memory.split
     assert os.environ["WORLD_SIZE"] == "2" and os.environ["RANK"] == "1"  # the launcher's variables given back
+
+
+def test_skip_turns_the_section_off():
+    from hf_dtrain.estimate.section import EstimateSection
+    from hf_dtrain.run.section import ClashView
+
+    cfg = finetune_config_class().from_dict({**SMALL, "estimate": {"skip": True}})
+    assert cfg.estimate.train and not EstimateSection.active(ClashView.of(cfg, 1))
+    asked = finetune_config_class().from_dict({**SMALL, "estimate": {}})
+    assert EstimateSection.active(ClashView.of(asked, 1)) and not asked.estimate.train
