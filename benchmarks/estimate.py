@@ -5,7 +5,7 @@ LLaMA 8B and 70B beside the estimates a user has today.
     python benchmarks/estimate.py --only check    # estimated vs measured at the tiny preset (1-2 gloo ranks)
     python benchmarks/estimate.py --only large    # Llama 3 8B and Llama 2 70B (fake tensors only)
 
-**check** (``results/estimate_vs_measured.*``): for each method x engine x gradient checkpointing, the job's step
+**check** (``results/estimate.*``): for each method x engine x gradient checkpointing, the job's step
 traced on fake tensors over a fake world (the estimate) and the same step on real tensors in real gloo ranks (the
 measurement: the peak of live tensor storage, torch's ``MemTracker`` on rank 0; DDP's buckets are real there), through
 the same composition (the job's skeleton and its engine sections); the ratio estimate / measured per cell.
@@ -338,7 +338,7 @@ def main() -> None:
             + "\n".join(f"- {n['case']}: {n['why']}" for n in result["not_traced"])
         )
         write(
-            "estimate_vs_measured", result, markdown_table(result["rows"], columns), _plot_check(result["rows"]), notes
+            "estimate", result, markdown_table(result["rows"], columns), _plot_check(result["rows"]), notes
         )
     if args.only in (None, "large"):
         result = large()
