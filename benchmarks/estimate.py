@@ -337,9 +337,7 @@ def main() -> None:
             "rank 0's peak of live tensor storage (MemTracker) over two steps.\n\nNot traced:\n"
             + "\n".join(f"- {n['case']}: {n['why']}" for n in result["not_traced"])
         )
-        write(
-            "estimate", result, markdown_table(result["rows"], columns), _plot_check(result["rows"]), notes
-        )
+        write("estimate", result, markdown_table(result["rows"], columns), _plot_check(result["rows"]), notes)
     if args.only in (None, "large"):
         result = large()
         columns = [
