@@ -5,6 +5,7 @@ section that traces the step (the memory estimate) takes it. Imports nothing hea
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,3 +46,12 @@ def vary(cfg, **changes):
     for key, value in changes.items():
         setattr(changed, key, value)
     return changed
+
+
+def data_notes(dataset: str | None, how: str = "") -> list[str]:
+    """What a trace says of the job's data file: not read (and, when it does not exist, that the run would refuse it),
+    ``how`` the batches are taken instead."""
+    if dataset is None:
+        return []
+    missing = "" if os.path.exists(os.path.expanduser(dataset)) else " (it does not exist: the run would refuse it)"
+    return [f"--dataset {dataset} is not read{missing}{how}"]

@@ -160,7 +160,9 @@ def test_run_anyway_trains(tmp_path):
     settings.update(estimate={"train": True, "device_memory": "1MB", "anyway": True, "alternatives": False})
     results = run_finetune(_cfg(tmp_path, **settings))
     assert results["max_steps"] == 2 and results["train_loss"] == results["train_loss"]  # trained, finite
-    assert (tmp_path / "out" / "estimate.json").exists() and (tmp_path / "out" / "results.json").exists()
+    said = json.loads((tmp_path / "out" / "estimate.json").read_text())
+    assert said["fits"] is False and said["device_memory_bytes"] == 2**20  # refused but for --run-anyway
+    assert (tmp_path / "out" / "results.json").exists()
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,6 @@ and the Trainer's batch, precision, checkpointing and optimizer. A memory trace 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from hf_dtrain.settings import SettingsError
@@ -46,19 +44,14 @@ def skeleton(cfg):
     from transformers import AutoModelForCausalLM, Trainer
 
     from hf_dtrain.jobs.sft.config import checkpointing_field
-    from hf_dtrain.run.skeleton import Skeleton
+    from hf_dtrain.run.skeleton import Skeleton, data_notes
 
     if cfg.quantize is not None:
         raise SettingsError(
             f"quantize={cfg.quantize}: a 4-bit base cannot be traced on fake tensors yet (its packed weights and "
             "dequantization kernels are the quantization library's); drop --quantize for the dense base's figure."
         )
-    notes = []
-    if cfg.dataset is not None:
-        missing = (
-            "" if os.path.exists(os.path.expanduser(cfg.dataset)) else " (it does not exist: the run would refuse it)"
-        )
-        notes.append(f"--dataset {cfg.dataset} is not read{missing}: every sequence is taken at --max-length tokens")
+    notes = data_notes(cfg.dataset, ": every sequence is taken at --max-length tokens")
     args = cfg.training_args()
     config = base_config(cfg)
     dtype = _dtype(cfg, config)
@@ -92,12 +85,6 @@ def skeleton(cfg):
 
     def optimizer(params):
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)  # the Trainer's own choice (--optim)
-        if kwargs.get("fused") and any(type(p).__name__ == "DTensor" for p in params):
-            # on fake tensors, the fused AdamW's step on DTensor shards (bf16) gathers whole parameters, gradients
-            # and states (rank 0 of 2 at the tiny preset: 30 MiB of optimizer state where the real step holds 6):
-            # traced as its single-tensor form, whose state is the same and whose one temporary is a shard's
-            kwargs = {**kwargs, "fused": False, "foreach": False}
-            notes.append("the fused AdamW on FSDP2 shards is traced as its single-tensor form (the same state)")
         return cls(params, **kwargs)
 
     from hf_dtrain.run.skeleton import vary

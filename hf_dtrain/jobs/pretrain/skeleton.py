@@ -11,15 +11,10 @@ import torch
 def skeleton(cfg):
     """The job's :class:`~hf_dtrain.estimate.job.Skeleton` (the optimizer is the run's own section's)."""
     from hf_dtrain.models import llama_config
-    from hf_dtrain.run.skeleton import Skeleton
+    from hf_dtrain.run.skeleton import Skeleton, data_notes
 
     config = llama_config(cfg.preset)
-    notes = []
-    if cfg.dataset is not None:
-        missing = (
-            "" if os.path.exists(os.path.expanduser(cfg.dataset)) else " (it does not exist: the run would refuse it)"
-        )
-        notes.append(f"--dataset {cfg.dataset} is not read{missing}")
+    notes = data_notes(cfg.dataset)
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch --mixed_precision
 
     def build(device="meta"):
