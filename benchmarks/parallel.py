@@ -15,6 +15,7 @@ planner's first choice is from the measured best.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -102,11 +103,11 @@ def _per_rank(values: list[float], world: int) -> list[list[float]]:
 def _plan_rank(rank, world, preset, plans, out):
     import torch.distributed as dist
 
+    from hf_dtrain.estimate import trace_step
     from hf_dtrain.models import build_llama
     from hf_dtrain.parallel import PipelineConfig
-    from hf_dtrain.parallel.mesh import apply_parallelism, build_mesh, data_parallel
+    from hf_dtrain.parallel.mesh import apply_parallelism, build_mesh, data_parallel, laid_out_step
     from hf_dtrain.parallel.planner import measure_profile
-    from hf_dtrain.parallel.tensor import local_loss, tensor_parallel_loss
 
     results = {"plans": {}}
     if preset == PRESETS[0]:
@@ -135,13 +136,7 @@ def _plan_rank(rank, world, preset, plans, out):
             dist.barrier()
             t0 = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                if pipe is not None:
-                    loss = pipe.step(ids, ids)
-                else:
-                    with tensor_parallel_loss(trained):
-                        loss = trained(input_ids=ids, labels=ids).loss
-                        loss.backward()
-                    loss = local_loss(loss)
+                loss = laid_out_step(pipe, trained, ids, contextlib.nullcontext())
             opt.step()
             opt.zero_grad()
             elapsed = _slowest(t0)
@@ -149,12 +144,24 @@ def _plan_rank(rank, world, preset, plans, out):
                 times.append(elapsed)
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         params = list(trained.parameters())
-        per_rank = _per_rank([_local_bytes(params) * 2 + _local_bytes(state), counter.peak], world)
+        saved_peak = counter.peak
+
+        def step_untimed(pipe=pipe, trained=trained, opt=opt, ids=ids):
+            laid_out_step(pipe, trained, ids, contextlib.nullcontext())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        # after the timed steps, two more under torch's MemTracker: the peak of live tensor storage, which the
+        # planner's traced memory is checked against
+        peak = trace_step(trained, opt, step_untimed, steps=2, flops=False).peak
+        per_rank = _per_rank([_local_bytes(params) * 2 + _local_bytes(state), saved_peak, peak], world)
         results["plans"][key] = {
             "step_time": sorted(times)[len(times) // 2],
             "loss": float(loss.detach()),
             "state_bytes": [float(x[0]) for x in per_rank],
             "activation_bytes": [float(x[1]) for x in per_rank],
+            "peak_bytes": [float(x[2]) for x in per_rank],
+            "layer_cut": pipe.bounds if pipe is not None else None,
         }
         del model, trained, pipe, opt
     if rank == 0:
@@ -293,34 +300,54 @@ def measure(preset: str, out_dir: str) -> dict:
     return data
 
 
+def _worst(rows: list, key: str) -> float | None:
+    """The ratio farthest from 1 (None without rows)."""
+    return max((r[key] for r in rows), key=lambda x: abs(x - 1), default=None)
+
+
 def analyse(measured: dict) -> dict:
     from scipy.stats import spearmanr
 
     from hf_dtrain.models import llama_config
-    from hf_dtrain.parallel.planner import MachineProfile, Plan, predict
+    from hf_dtrain.parallel.planner import MachineProfile, Plan, predict, traced_memory
 
     profile = MachineProfile(**measured[PRESETS[0]]["profile"])
     summary = {}
     for preset in PRESETS:
         rows = []
+        config = llama_config(preset)
         for key, settings in measured[preset]["plan_settings"].items():
-            plan = predict(Plan(**settings, activation="none"), llama_config(preset), profile, GLOBAL_BATCH, SEQ)
+            plan = predict(Plan(**settings, activation="none"), config, profile, GLOBAL_BATCH, SEQ)
+            arithmetic = sum(plan.memory.values())
             got = measured[preset]["plans"][key]
-            rows.append(
-                {
-                    "plan": key,
-                    "predicted_s": plan.step_time,
-                    "measured_s": got["step_time"],
-                    "predicted_mem_mib": sum(plan.memory.values()) / 2**20,
-                    "measured_mem_mib": max(a + b for a, b in zip(got["state_bytes"], got["activation_bytes"])) / 2**20,
-                    "bubble": plan.breakdown["bubble_fraction"],
-                }
-            )
+            row = {
+                "plan": key,
+                "predicted_s": plan.step_time,
+                "measured_s": got["step_time"],
+                "predicted_mem_mib": arithmetic / 2**20,
+                "measured_mem_mib": max(a + b for a, b in zip(got["state_bytes"], got["activation_bytes"])) / 2**20,
+                "bubble": plan.breakdown["bubble_fraction"],
+            }
+            if "peak_bytes" in got:  # runs before the planner traced its memory measured no peak
+                traced = got.get("traced_bytes")
+                if traced is None:  # the planner's traced memory (fake tensors; rank 0, and the last stage's rank)
+                    traced = sum(traced_memory(plan, config, WORLD, GLOBAL_BATCH, SEQ).values())
+                    got["traced_bytes"] = traced
+                row.update(
+                    measured_peak_mib=max(got["peak_bytes"]) / 2**20,
+                    traced_mib=traced / 2**20,
+                    traced_ratio=traced / max(got["peak_bytes"]),
+                    arithmetic_ratio=arithmetic / max(got["peak_bytes"]),
+                )
+            rows.append(row)
         rho = spearmanr([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
         choice = min(rows, key=lambda r: r["predicted_s"])
         best = min(rows, key=lambda r: r["measured_s"])
+        traced = [r for r in rows if "traced_ratio" in r]
         summary[preset] = {
             "spearman": rho,
+            "worst_traced_ratio": _worst(traced, "traced_ratio"),
+            "worst_arithmetic_ratio": _worst(traced, "arithmetic_ratio"),
             "first_choice": choice["plan"],
             "measured_best": best["plan"],
             "first_choice_vs_best": choice["measured_s"] / best["measured_s"],
@@ -364,7 +391,11 @@ def render(payload: dict):
                     ("predicted_s", "predicted step (s)", ".4f"),
                     ("bubble", "bubble", ".0%"),
                     ("measured_mem_mib", "measured state+activations / rank (MiB, max rank)", ".1f"),
-                    ("predicted_mem_mib", "predicted memory / rank (MiB)", ".1f"),
+                    ("measured_peak_mib", "measured peak / rank (MiB, max rank)", ".1f"),
+                    ("traced_mib", "traced / rank (MiB, planner)", ".1f"),
+                    ("traced_ratio", "traced / measured peak", ".3f"),
+                    ("predicted_mem_mib", "arithmetic / rank (MiB)", ".1f"),
+                    ("arithmetic_ratio", "arithmetic / measured peak", ".3f"),
                 ],
             )
         )
@@ -372,6 +403,13 @@ def render(payload: dict):
             f"- {preset}: Spearman rank correlation {s['spearman']:.3f} (goal >= 0.9); the planner's "
             f"first choice {s['first_choice']} measures {s['first_choice_vs_best']:.3f}x the measured "
             f"best {s['measured_best']} (goal <= 1.10)."
+            + (
+                f" Memory per rank against the measured peak of live tensor storage (max rank): traced (the "
+                f"planner's memory column) worst {s['worst_traced_ratio']:.3f}x, the per-token arithmetic worst "
+                f"{s['worst_arithmetic_ratio']:.3f}x."
+                if s.get("worst_traced_ratio")
+                else ""
+            )
         )
     if "optimus" in payload:
         o = payload["optimus"]

@@ -64,7 +64,8 @@ class _Autocast:
 
 
 def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int = 2, fake: bool = True) -> JobEstimate:
-    """Trace one training step of the job ``cfg`` on rank 0 of ``world_size`` (see the module's docstring).
+    """Trace one training step of the job ``cfg`` on rank 0 of ``world_size`` (see the module's docstring), and on
+    the ranks the sections say differ from it (a pipeline's last stage): the estimate is the largest of them.
 
     The sections are the job's own (``run_cls``: :class:`~hf_dtrain.run.job.JobRun` by default), built for
     ``world_size`` without a process group and without the skeleton (so a section that traces does not trace
@@ -72,21 +73,43 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
     without a sharding section is DDP's: its gradient buckets are added to the peak (:func:`_add_ddp_buckets`).
 
     ``fake=False``: the same step on real tensors (the model built and initialised there), in the process group the
-    caller made (one rank of ``world_size``, the others running the same call), a real DDP wrapping the model where
-    the run would have one: the measurement the estimate is checked against."""
+    caller made (this process's rank of ``world_size``, the others running the same call), a real DDP wrapping the
+    model where the run would have one: the measurement the estimate is checked against."""
     if run_cls is None:
         from hf_dtrain.run.job import JobRun as run_cls
     t0 = time.perf_counter()
+    memory, notes, run, others = _trace_rank(cfg, skeleton, world_size, run_cls, steps, fake, rank=0)
+    ranks = {0: memory.peak}
+    if fake:
+        for rank in others:
+            theirs, their_notes, _, _ = _trace_rank(cfg, skeleton, world_size, run_cls, steps, fake, rank=rank)
+            ranks[rank] = theirs.peak
+            notes += [n for n in their_notes if n not in notes]
+            if theirs.peak > memory.peak:
+                memory = theirs
+    if len(ranks) > 1:
+        notes.append(
+            "ranks traced: " + ", ".join(f"{r} ({gib(peak)})" for r, peak in ranks.items()) + "; the largest is shown"
+        )
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    seconds = time.perf_counter() - t0
+    notes = [*skeleton.notes, *notes]
+    return JobEstimate(memory, world_size, run.engine, skeleton.batch, skeleton.seq_len, seconds, host, notes)
+
+
+def _trace_rank(cfg, skeleton: Skeleton, world_size: int, run_cls, steps: int, fake: bool, rank: int):
+    """One rank's traced (or, ``fake=False``, measured) step: ``(memory, notes, the run, the other ranks to trace)``."""
     run = run_cls(cfg, world_size=world_size, start=False)
     refused = [why for why in run._call("untraceable") if why]
     if refused:
         raise SettingsError("--estimate: the step cannot be traced with these settings: " + "; ".join(refused) + ".")
+    others = sorted({r for ranks in run._call("traced_ranks") for r in ranks if r != rank})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run.device, run.state = device, None
     notes = []  # the trace's own, after the skeleton's (which its optimizer may add to)
     model = skeleton.build("meta" if fake else device.type)
     ddp = world_size > 1 and not run.sharded and not run.laid_out
-    with fake_world(world_size, device.type) if fake else contextlib.nullcontext():
+    with fake_world(world_size, device.type, rank=rank) if fake else contextlib.nullcontext():
         run._call("setup")
         try:
             with fake_tensors() if fake else contextlib.nullcontext():
@@ -124,15 +147,16 @@ def trace_job(cfg, skeleton: Skeleton, world_size: int, run_cls=None, steps: int
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
 
+                if not fake and run.laid_out:
+                    # one step untraced first: a pipeline's first step infers its stages' shapes with
+                    # autograd.grad, which the tracker's gradient hooks cannot follow (the trace is given the shapes)
+                    step()
                 memory = trace_step(model, optimizer, step, steps=steps)
                 if ddp and fake:
                     _add_ddp_buckets(memory, model, notes)
         finally:
             run._call("close")
-    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    seconds = time.perf_counter() - t0
-    notes = [*skeleton.notes, *notes]
-    return JobEstimate(memory, world_size, run.engine, skeleton.batch, skeleton.seq_len, seconds, host, notes)
+    return memory, notes, run, others
 
 
 def _add_ddp_buckets(memory: StepMemory, model: nn.Module, notes: list) -> None:

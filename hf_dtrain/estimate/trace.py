@@ -50,6 +50,15 @@ class StepTracker(MemTracker):
                     )
         return sizes
 
+    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+        """A root module called again in the same step (a pipeline stage, once per micro-batch) starts its module
+        stats afresh, where ``MemTracker`` refuses it (its module-wise stats are per call; the step's peak is not)."""
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
     def _track_gradient(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
@@ -166,11 +175,13 @@ def _real_meshes():
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, device: str = "cpu"):
-    """This process as rank 0 of ``world_size`` ranks joined by torch's fake process group (collectives return at
-    once, moving nothing; objects gathered or broadcast are this rank's, every rank of a fake world being its twin),
-    with a one-dimensional device mesh over them; yields the mesh. Make the mesh here, outside
-    :func:`fake_tensors`: inside, the mesh's own index tensor would be fake and reading it fails."""
+def fake_world(world_size: int, device: str = "cpu", rank: int = 0):
+    """This process as rank ``rank`` (0 by default) of ``world_size`` ranks joined by torch's fake process group
+    (collectives return at once, moving nothing; objects gathered or broadcast are this rank's, every rank of a fake
+    world being its twin), with a one-dimensional device mesh over them; yields the mesh. Make the mesh here, outside
+    :func:`fake_tensors`: inside, the mesh's own index tensor would be fake and reading it fails. A pipeline stage's
+    output is released after its send as on real tensors (:func:`_fake_outputs_released`); DTensor's caches of this
+    world's meshes are dropped on the way out (:func:`_forget_meshes`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -179,7 +190,7 @@ def fake_world(world_size: int, device: str = "cpu"):
 
     if dist.is_initialized():
         raise RuntimeError("fake_world needs a process without a process group (it makes the default one)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     gather, broadcast = dist.all_gather_object, dist.broadcast_object_list
 
     def gather_twins(object_list, obj, group=None):
@@ -192,7 +203,49 @@ def fake_world(world_size: int, device: str = "cpu"):
     # process's command, so each receives what this one has
     dist.all_gather_object, dist.broadcast_object_list = gather_twins, broadcast_twins
     try:
-        yield init_device_mesh(device, (world_size,))
+        with _fake_outputs_released():
+            yield init_device_mesh(device, (world_size,))
     finally:
         dist.all_gather_object, dist.broadcast_object_list = gather, broadcast
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+@contextlib.contextmanager
+def _fake_outputs_released():
+    """A pipeline stage drops its output after sending it, but only when the output's type is exactly
+    ``torch.Tensor`` (torch 2.15's ``_output_slot_is_releasable``): a fake tensor's type is not, so on fake tensors
+    every stage output would stay alive until its backward (6 more hidden-state tensors at the tiny preset's peak
+    than the real step on 2 ranks). While a fake world is up, a fake output is judged as the real one would be."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.distributed.pipelining import stage
+
+    base = getattr(stage, "_PipelineStageBase", None)
+    judge = getattr(base, "_output_slot_is_releasable", None)
+    if judge is None:
+        yield
+        return
+
+    def as_real(self, output):
+        if type(output) is FakeTensor:  # what the real step would hold: a plain tensor
+            with unset_fake_temporarily():
+                output = torch.empty(0)
+        return judge(self, output)
+
+    base._output_slot_is_releasable = as_real
+    try:
+        yield
+    finally:
+        base._output_slot_is_releasable = judge
+
+
+def _forget_meshes() -> None:
+    """Drop what DTensor's dispatch cached about this world's meshes (sharding propagation, redistribution plans):
+    a mesh of the next fake world equals one of this world and would be answered with this world's process groups,
+    which are gone (a pipeline's last stage traced after its first)."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    if hasattr(_redistribute._gen_transform_infos, "cache_clear"):
+        _redistribute._gen_transform_infos.cache_clear()

@@ -100,3 +100,19 @@ def apply_parallelism(
         return pipe, model
     shard(model)
     return None, model
+
+
+def laid_out_step(pipe, model: nn.Module, blocks: torch.Tensor, autocast):
+    """One step's forward and backward of a laid-out model on ``blocks`` (labels = inputs): over the pipeline's
+    micro-batches when ``pipe`` is one (the loss on every rank), else on the tensor-parallel shards with loss
+    parallelism. ``autocast``: the precision's context manager (``accelerator.autocast()``). Returns the loss."""
+    from .tensor import local_loss, tensor_parallel_loss
+
+    if pipe is not None:
+        with autocast:
+            return pipe.step(blocks, blocks)
+    with tensor_parallel_loss(model):
+        with autocast:
+            loss = model(input_ids=blocks, labels=blocks).loss
+        loss.backward()
+    return local_loss(loss)

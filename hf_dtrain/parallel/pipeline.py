@@ -137,9 +137,34 @@ def median_seconds(fn, repeats: int = 5, barrier: bool = False) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def profile_costs(model: nn.Module, example: torch.Tensor) -> dict[str, float]:
+def _static_shapes(module: nn.Module, example: torch.Tensor) -> dict:
+    """A stage's input and output as ``PipelineStage`` takes them to skip its shape inference (which exchanges the
+    shapes between the stages' ranks, and a fake process group moves nothing): token ids into the first stage,
+    hidden states (``sequence_shards`` of the sequence under sequence parallelism) in the residual stream's dtype
+    between stages (the parameters' own, or FSDP2's ``param_dtype``: autocast leaves the residual sum in the
+    parameters' dtype), logits out of the last."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config = module.config
+    batch, length = example.shape
+    dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
+    if isinstance(module, FSDPModule):
+        dtype = module._get_fsdp_state()._mp_policy.param_dtype or dtype
+    hidden = (batch, length // getattr(module, "sequence_shards", 1), config.hidden_size)
+
+    def meta(shape, dtype):  # hidden states and logits carry gradients back
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
+
+    inputs = meta(example.shape, example.dtype) if module.first else meta(hidden, dtype)
+    outputs = meta((batch, length, config.vocab_size), dtype) if module.last else meta(hidden, dtype)
+    return {"input_args": inputs, "output_args": outputs}
+
+
+def profile_costs(model: nn.Module, example: torch.Tensor, flops: bool = False) -> dict[str, float]:
     """Forward + backward seconds of the model's pieces at ``example``'s (micro-batch) shape, measured here: the
-    embedding, one decoder layer (Merak's proxy: every LLaMA layer is alike) and the norm + head + loss."""
+    embedding, one decoder layer (Merak's proxy: every LLaMA layer is alike) and the norm + head + loss. ``flops``:
+    their floating-point operations instead (a trace on fake tensors, whose time says nothing), the embedding
+    counted as one layer's hundredth (a lookup)."""
     base = _causal_lm(model)
     decoder = base.model
     layer = decoder.layers[0]
@@ -162,7 +187,18 @@ def profile_costs(model: nn.Module, example: torch.Tensor) -> dict[str, float]:
         logits = base.lm_head(decoder.norm(x))
         base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size).backward()
 
-    costs = {"embed": median_seconds(embed), "layer": median_seconds(one_layer), "head": median_seconds(head)}
+    if flops:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        def count(fn):
+            with FlopCounterMode(display=False) as counter:
+                fn()
+            return float(counter.get_total_flops())
+
+        costs = {"layer": count(one_layer), "head": count(head)}
+        costs["embed"] = costs["layer"] / 100
+    else:
+        costs = {"embed": median_seconds(embed), "layer": median_seconds(one_layer), "head": median_seconds(head)}
     base.zero_grad(set_to_none=True)
     return costs
 
@@ -360,8 +396,9 @@ def apply_pipeline(
         0, base.config.vocab_size, (batch_size // n_micro, seq_len), generator=torch.Generator().manual_seed(0)
     ).to(device)
     costs = None
+    fake = dist.get_backend(mesh.get_group()) == "fake"  # a memory trace over torch's fake process group
     if config.balance == "profile":
-        costs = profile_costs(model, example)
+        costs = profile_costs(model, example, flops=fake)
         # every rank of the job cuts alike: global rank 0's profile, broadcast to all (the tp / data-parallel peers
         # of a stage sit in other pp groups, and a cut of their own from their own timings would deadlock them)
         shared = [costs]
@@ -377,7 +414,8 @@ def apply_pipeline(
         if after_split is not None:
             module = after_split(module) or module
         modules.append(module)
-        stages.append(PipelineStage(module, s, n_stages, device, group=mesh.get_group()))
+        shapes = _static_shapes(module, example) if fake else {}
+        stages.append(PipelineStage(module, s, n_stages, device, group=mesh.get_group(), **shapes))
     # what this rank does not run is dropped: only its stages' modules keep references
     for i in range(n_layers):
         if not any(str(i) in m.model.layers for m in modules):

@@ -36,7 +36,7 @@ from hf_dtrain.distributed.counters import SavedTensorCounter
 from hf_dtrain.errors import SettingsError
 from hf_dtrain.models import causal_mask, llama_config
 
-from .config import ACTIVATION_POLICIES, PipelineConfig
+from .config import ACTIVATION_POLICIES, FSDPConfig, PipelineConfig
 from .pipeline import balance_layers, check_pipeline, median_seconds
 from .tensor import check_tensor_parallel
 
@@ -116,6 +116,7 @@ class Plan:
     fits: bool = True
     overflow: str | None = None
     breakdown: dict = field(default_factory=dict)
+    traced: bool = False  # memory from a traced step (traced_memory), not the per-token arithmetic
 
     @property
     def key(self) -> str:
@@ -316,15 +317,7 @@ def _fill_memory(
         "activations": acts,
         "logits": logits,
     }
-    plan.memory = memory
-    total = sum(memory.values())
-    plan.fits = total <= profile.device_memory
-    if not plan.fits:
-        worst = max(memory, key=memory.get)
-        plan.overflow = (
-            f"{total / GiB:.1f} GiB > {profile.device_memory / GiB:.1f} GiB: {worst} "
-            f"{memory[worst] / GiB:.1f} GiB is the largest buffer"
-        )
+    _set_memory(plan, memory, profile, traced=False)
 
 
 def legal_plans(
@@ -403,8 +396,15 @@ def rank_plans(
     seq_len: int,
     activations=ACTIVATION_POLICIES,
     interleave: bool = True,
+    trace: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> list[Plan]:
-    """The legal plans, predicted and sorted: those that fit first, by predicted step time."""
+    """The legal plans, predicted and sorted: those that fit first, by predicted step time.
+
+    ``trace``: the memory of the first ``trace`` rows comes from tracing each plan's step (:func:`traced_memory`)
+    instead of the per-token arithmetic, and whether they fit with it; a row that no longer fits goes down and the
+    next is traced, until the first ``trace`` rows are traced (or every plan is). ``autocast``: the run's mixed
+    precision (Accelerate's ``bf16``) for the trace."""
     plans = [
         predict(p, config, profile, global_batch, seq_len)
         for p in legal_plans(config, world, global_batch, activations=activations, interleave=interleave)
@@ -414,16 +414,101 @@ def rank_plans(
             f"no legal plan for {world} ranks and a global batch of {global_batch}: the batch must "
             "split over the data-parallel replicas (try a multiple of the world size)."
         )
-    return sorted(plans, key=lambda p: (not p.fits, p.step_time))
+
+    def order(p):
+        return (not p.fits, p.step_time)
+
+    plans.sort(key=order)
+    while trace:
+        untraced = [p for p in plans[:trace] if not p.traced]
+        if not untraced:
+            break
+        for p in untraced:
+            _set_memory(p, traced_memory(p, config, world, global_batch, seq_len, autocast), profile, traced=True)
+        plans.sort(key=order)
+    return plans
+
+
+def traced_memory(
+    plan: Plan, config, world: int, global_batch: int, seq_len: int, autocast: torch.dtype | None = None
+) -> dict:
+    """``plan``'s per-rank memory by category (bytes), traced: the LLaMA of ``config`` built on fake tensors, laid
+    out as ``hf-dtrain pretrain`` with the plan's flags lays it out (:func:`~hf_dtrain.parallel.mesh.apply_parallelism`
+    over a fake process group of ``world`` ranks), two AdamW steps of its own forward and backward
+    (:func:`~hf_dtrain.parallel.mesh.laid_out_step`) traced on rank 0, and with a pipeline on the last stage's first
+    rank too; the larger is returned. No weight is allocated."""
+    import contextlib
+
+    from transformers import LlamaForCausalLM
+
+    from hf_dtrain.estimate import fake_tensors, fake_world, trace_step
+
+    from .mesh import apply_parallelism, build_mesh, laid_out_step
+
+    degrees = {"pp": plan.pp, "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp}
+    per_replica = global_batch // (plan.dp_replicate * plan.dp_shard)
+    pipeline = None
+    if plan.pp > 1:
+        pipeline = PipelineConfig(
+            schedule=plan.schedule, microbatches=plan.microbatches, stages_per_rank=plan.stages_per_rank
+        )
+    fsdp = FSDPConfig(activation_checkpointing=True) if plan.activation == "checkpoint" else None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    largest = None
+    for rank in [0] + ([(plan.pp - 1) * (world // plan.pp)] if plan.pp > 1 else []):
+        with fake_world(world, device.type, rank=rank):
+            with torch.device("meta"):
+                model = LlamaForCausalLM(config)
+            with fake_tensors():
+                model = model.to_empty(device=device)
+                model.tie_weights()  # to_empty unties them (each module gets new parameters)
+                model.train()
+                pipe, trained = apply_parallelism(
+                    model,
+                    build_mesh(degrees, device.type),
+                    batch_size=per_replica,
+                    seq_len=seq_len,
+                    pipeline=pipeline,
+                    fsdp=fsdp,
+                    device=device,
+                )
+                optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4)  # the pretrain job's
+                blocks = torch.randint(0, config.vocab_size, (per_replica, seq_len), device=device)
+                precision = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+
+                def step():
+                    laid_out_step(pipe, trained, blocks, precision)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+                memory = trace_step(trained, optimizer, step, flops=False)
+        if largest is None or memory.peak > largest.peak:
+            largest = memory
+    return dict(largest.split)
+
+
+def _set_memory(plan: Plan, memory: dict, profile: MachineProfile, traced: bool) -> None:
+    """``plan``'s memory per rank by buffer, whether it fits the device, and the largest buffer when not."""
+    plan.memory, plan.traced = memory, traced
+    total = sum(memory.values())
+    plan.fits = total <= profile.device_memory
+    plan.overflow = None
+    if not plan.fits:
+        worst = max(memory, key=memory.get)
+        plan.overflow = (
+            f"{total / GiB:.1f} GiB > {profile.device_memory / GiB:.1f} GiB: {worst} "
+            f"{memory[worst] / GiB:.1f} GiB is the largest buffer"
+        )
 
 
 def format_table(plans: list[Plan], top: int | None = None) -> str:
     rows = ["| # | plan | step (s) | bubble | memory/rank (GiB) | fits |", "|---|---|---|---|---|---|"]
     for i, p in enumerate(plans[:top] if top else plans, 1):
         mem = sum(p.memory.values()) / GiB
+        how = "traced" if p.traced else "arithmetic"
         rows.append(
             f"| {i} | {p.key} | {p.step_time:.4g} | {p.breakdown.get('bubble_fraction', 0):.0%} | "
-            f"{mem:.2f} | {'yes' if p.fits else 'no: ' + (p.overflow or '')} |"
+            f"{mem:.2f} ({how}) | {'yes' if p.fits else 'no: ' + (p.overflow or '')} |"
         )
     return "\n".join(rows)
 

@@ -419,11 +419,6 @@ class LayoutSection(Section):
         self.pipe = None
 
     def untraceable(self) -> str | None:
-        if self.cfg.parallel.pp > 1:
-            return (
-                "--pp: torch's PipelineStage infers its stages' shapes by exchanging them, which the fake process "
-                "group cannot; estimate without --pp (the stage's layers are a share of the whole)"
-            )
         if self.cfg.parallel.plan == "auto":
             return "--plan auto: the planner measures the launched ranks; give the degrees (--tp, --dp-shard)"
         return None
@@ -443,6 +438,13 @@ class LayoutSection(Section):
             )
         except ValueError as e:
             raise SettingsError(str(e)) from None
+
+    def traced_ranks(self) -> list[int]:
+        """With a pipeline, the last stage's first rank too: it holds the norm, the head and the logits, the first
+        stage's ranks the embedding and the most micro-batches in flight (the mesh is pp-major)."""
+        if self.degrees is None or self.degrees["pp"] == 1:
+            return []
+        return [(self.degrees["pp"] - 1) * (self.run.world_size // self.degrees["pp"])]
 
     def setup(self) -> None:
         if self.cfg.parallel.plan == "auto":
@@ -493,16 +495,10 @@ class LayoutSection(Section):
         return Loader(DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True), batch_size)
 
     def forward_backward(self, model, blocks, accelerator):
-        from .tensor import local_loss, tensor_parallel_loss
+        from .mesh import laid_out_step
 
-        if self.pipe is not None:  # forward and backward over the micro-batches; the loss on every rank
-            with accelerator.autocast():  # --mixed_precision bf16 (not prepared by Accelerate: laid out here)
-                return self.pipe.step(blocks, blocks)
-        with tensor_parallel_loss(model):
-            with accelerator.autocast():
-                loss = model(input_ids=blocks, labels=blocks).loss
-            loss.backward()
-        return local_loss(loss)
+        # --mixed_precision bf16 by Accelerate's autocast (the model is laid out here, not prepared by Accelerate)
+        return laid_out_step(self.pipe, model, blocks, accelerator.autocast())
 
     def evaluate(self, model, held_out, batch_size: int, device):
         """The held-out loss over the pipeline (whole pipeline batches: the micro-batch split must divide them) or on

@@ -147,6 +147,11 @@ class Section:
         """Why a memory trace of the job's step (``--estimate``) cannot take this section as it runs, or None."""
         return None
 
+    def traced_ranks(self) -> list[int]:
+        """Ranks whose step differs from rank 0's in memory (a pipeline's last stage holds the head), each traced
+        apart by an estimate; [] when rank 0 stands for all."""
+        return []
+
     def answer(self):
         """Before the process group, with the job's ``run.skeleton``: the job's results when this section answers
         the job without training it (an estimate), or None. May refuse the run (a step that will not fit)."""

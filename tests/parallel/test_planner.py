@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hf_dtrain.models import llama_config
-from hf_dtrain.parallel.planner import GiB, MachineProfile, Plan, legal_plans, predict, rank_plans
+from hf_dtrain.parallel.planner import GiB, MachineProfile, Plan, legal_plans, predict, rank_plans, traced_memory
 
 
 def test_legal_plans_are_what_the_runtime_accepts():
@@ -74,17 +74,65 @@ def test_a_plan_that_does_not_fit_names_the_buffer():
 def test_the_planner_command(capsys):
     from hf_dtrain.cli import main
 
-    assert main(["plan", "--preset", "llama2-7b", "--world-size", "64", "--top", "5"]) == 0
+    assert main(["plan", "--preset", "llama2-7b", "--world-size", "64", "--top", "5", "--trace", "0"]) == 0
     out = capsys.readouterr().out
     assert "legal plans for llama2-7b on 64 devices" in out and "hf-dtrain pretrain --tp" in out
-    assert "num_processes: 64" in out
+    assert "num_processes: 64" in out and "(arithmetic)" in out and "(traced)" not in out
+    assert main(["plan", "--preset", "tiny", "--world-size", "2", "--top", "2", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(traced)") == 2 and "mixed_precision: bf16" in out
     with pytest.raises(SystemExit, match=r"no plan fits in 80.0 GiB per device"):
-        main(["plan", "--preset", "llama2-70b", "--world-size", "8"])
+        main(["plan", "--preset", "llama2-70b", "--world-size", "8", "--trace", "0"])
     # 32 ranks with at most tp 4 x pp 4 (4 heads, 4 layers) leave >= 2 replicas, which 3 sequences do not split over
     with pytest.raises(SystemExit, match=r"no legal plan for 32 ranks and a global batch of 3"):
         main(["plan", "--preset", "tiny", "--world-size", "32", "--global-batch", "3"])
     with pytest.raises(SystemExit, match=r"--activation \['swap'\]"):
         main(["plan", "--preset", "tiny", "--world-size", "4", "--activation", "swap"])
+
+
+def test_traced_memory_decides_what_fits():
+    """The first rows' memory is traced (the real layout on fake tensors), and a plan the arithmetic lets through but
+    the trace does not is moved below the plans that fit, the next row traced in its place."""
+    import dataclasses
+
+    config = llama_config("tiny")
+    profile = dataclasses.replace(MachineProfile.preset("h100"), device_memory=64 * GiB)
+    ranked = rank_plans(config, 2, profile, 4, 64, activations=("none",), trace=2)
+    first, second = ranked[:2]
+    assert first.traced and second.traced and not any(p.traced for p in ranked[2:])
+    traced = sum(first.memory.values())
+    assert traced == sum(traced_memory(first, config, 2, 4, 64).values())
+    assert set(first.memory) >= {"parameters", "gradients", "optimizer state", "activations"}
+    # a device that the arithmetic says holds the first plan and the trace says does not
+    arithmetic = sum(predict(Plan(**_plan_fields(first)), config, profile, 4, 64).memory.values())
+    assert arithmetic < traced  # the per-token constants miss the loss's temporaries at this size
+    tight = dataclasses.replace(profile, device_memory=(arithmetic + traced) / 2)
+    again = rank_plans(config, 2, tight, 4, 64, activations=("none",), trace=1)
+    assert again[0].key != first.key and again[0].traced and again[0].fits
+    moved = next(p for p in again if p.key == first.key)
+    assert moved.traced and not moved.fits and "is the largest buffer" in moved.overflow
+
+
+def _plan_fields(plan):
+    return {k: getattr(plan, k) for k in ("pp", "dp_replicate", "dp_shard", "tp", "microbatches", "activation")}
+
+
+def test_a_70b_plan_traces_through_its_real_shapes():
+    """Llama 2 70B's layer shapes (4 of its 80 layers, 8 KV heads, 32k vocabulary) laid out TP 8 x PP 4 x DP 2 over
+    64 fake ranks: the larger of the two traced ranks (the first stage's, the last's) holds its stage's share of the
+    parameters, a layer and the embedding or head in 16 shards, and FSDP2's gathered units at its peak."""
+    config = llama_config("llama2-70b", num_hidden_layers=4)
+    plan = Plan(pp=4, dp_replicate=1, dp_shard=2, tp=8, microbatches=4)
+    memory = traced_memory(plan, config, 64, 8, 256, autocast=None)
+    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * f
+    # the larger rank: one layer and the embedding (or the head) in 16 shards (tp 8 x dp_shard 2), fp32, and at its
+    # peak FSDP2's gathered units (the layer's and the embedding's tp shards)
+    shard = 4 * (layer + h * v) / 16
+    held = memory["parameters"]
+    assert shard <= held <= shard + 4 * (layer + h * v) / 8 + 4 * 4 * h, (held, shard)
+    assert memory["activations"] > 0 and memory["gradients"] >= shard
 
 
 @pytest.mark.slow
