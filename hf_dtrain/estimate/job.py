@@ -105,7 +105,7 @@ def _trace_rank(cfg, skeleton: Skeleton, world_size: int, run_cls, steps: int, f
         raise SettingsError("--estimate: the step cannot be traced with these settings: " + "; ".join(refused) + ".")
     others = sorted({r for ranks in run._call("traced_ranks") for r in ranks if r != rank})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run.device, run.state = device, None
+    run.device, run.state, run.tracing = device, None, fake
     notes = []  # the trace's own, after the skeleton's (which its optimizer may add to)
     model = skeleton.build("meta" if fake else device.type)
     ddp = world_size > 1 and not run.sharded and not run.laid_out
@@ -154,6 +154,14 @@ def _trace_rank(cfg, skeleton: Skeleton, world_size: int, run_cls, steps: int, f
                 memory = trace_step(model, optimizer, step, steps=steps)
                 if ddp and fake:
                     _add_ddp_buckets(memory, model, notes)
+
+                def forward():
+                    with accelerator.autocast():
+                        stepped(input_ids=blocks, labels=blocks, **skeleton.forward_kwargs)
+
+                if fake:
+                    for said in run._call("review_trace", model, forward):
+                        notes.extend(said)
         finally:
             run._call("close")
     return memory, notes, run, others

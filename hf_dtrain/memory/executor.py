@@ -173,6 +173,12 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage while it lives (its ``StorageImpl``; views share it): unlike the data pointer,
+    it tells fake tensors' storages apart (all at address 0), so a step traced on fake tensors is profiled alike."""
+    return t.untyped_storage()._cdata
+
+
 class DeltaExecutor:
     """Installs a plan on ``layers`` (name, module) of ``model``; ``remove()`` restores the model."""
 
@@ -195,15 +201,14 @@ class DeltaExecutor:
             self._orig[name] = layer.forward
             layer.forward = self._wrap(name, layer.forward)
 
-    def _param_storages(self) -> set:
-        """Storages of the parameters as they are now (an FSDP2 parameter's local shard). Read again every step:
-        sharding after ``apply_delta`` frees the old storages, and activations may then be allocated at their
-        addresses. The gathered parameters FSDP2 or ZeRO-3 hand a layer while it runs are recognised as parameters
-        when saved (``_is_parameter``)."""
-        return {
-            (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-            for p in self.model.parameters()
-        }
+    def _param_storages(self) -> dict:
+        """Storages of the parameters as they are now (an FSDP2 parameter's local shard), by their key. Read again
+        every step: sharding after ``apply_delta`` frees the old storages. The storages are held for the step: a key
+        is an address, and ZeRO-3 replaces a partitioned parameter's (empty) storage when it gathers the layer, so a
+        freed one's address could be an activation's the same step. The gathered parameters FSDP2 or ZeRO-3 hand a
+        layer while it runs are recognised as parameters when saved (``_is_parameter``)."""
+        storages = ((p.to_local() if hasattr(p, "to_local") else p).untyped_storage() for p in self.model.parameters())
+        return {st._cdata: st for st in storages}
 
     def set_plan(self, actions: dict[str, str]) -> None:
         self.actions = dict(actions)
@@ -245,7 +250,7 @@ class DeltaExecutor:
 
     def _count(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
-        ptr = st.data_ptr()
+        ptr = storage_key(t)
         if ptr not in self.params and not _is_parameter(t):
             if ptr not in self._storages:
                 self._group_of[ptr] = self.current
@@ -273,7 +278,7 @@ class DeltaExecutor:
         return Profile(groups, sum(self._storages.values()), shape, bandwidth)
 
     def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() in self.params or _is_parameter(t):
+        if storage_key(t) in self.params or _is_parameter(t):
             return t
         tier_device = getattr(self.tier, "device", None)
         if tier_device is not None and t.device.type != tier_device.type:

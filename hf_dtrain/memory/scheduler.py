@@ -108,6 +108,40 @@ class DeltaScheduler:
             self.tier.close()
 
 
+class _NoTier:
+    """The offload tier of a profile that offloads nothing (:func:`plan_from_trace`)."""
+
+    live = frozenset()  # nothing waits for its backward
+
+    def reset(self) -> None:
+        pass
+
+
+def plan_from_trace(model: nn.Module, forward, config: DeltaConfig | int | float) -> Plan:
+    """DELTA's plan for the step whose forward ``forward()`` runs, made before any step runs: the bytes each unit
+    saves are counted as that forward runs (on a model of fake tensors, a memory trace's, nothing is allocated),
+    and the budget is checked against them. Raises :class:`~hf_dtrain.errors.SettingsError` naming the smallest
+    budget that can be met when the budget cannot. The forward times are not measured (on fake tensors they mean
+    nothing): the plan's bytes are the run's, its choice between recomputing and offloading a unit may not be."""
+    config = DeltaConfig.from_any(config)
+    executor = DeltaExecutor(model, plan_units(model, config.granularity), _NoTier())
+    try:
+        executor.begin_step(profile=True)
+        with executor.hooks():
+            forward()
+        executor.end_step()
+    finally:
+        executor.remove()
+    profile = executor.profile((), bandwidth=1.0)
+    return make_plan(
+        profile,
+        config.budget_bytes(profile.total_saved_bytes),
+        config.method,
+        config.allow_offload,
+        objective=config.objective,
+    )
+
+
 def apply_delta(model: nn.Module, config: DeltaConfig | int | float | None = None, **overrides) -> DeltaScheduler:
     """DELTA on ``model`` for Accelerate and custom loops (call before ``accelerator.prepare``, or on the unwrapped
     model); ``config`` is a :class:`DeltaConfig` or a budget (``apply_delta(model, 0.5, granularity="submodule")``).

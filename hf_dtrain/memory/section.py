@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
+from hf_dtrain.errors import SettingsError
 from hf_dtrain.run.section import Section, register_section
 
 from .config import DeltaConfig
@@ -37,12 +38,24 @@ class DeltaSection(Section):
         self.callback = None
         self.scheduler = None
 
-    def untraceable(self) -> str | None:
-        return (
-            "--delta: DELTA plans its schedule from the first steps' measured profile, which a trace on fake tensors "
-            "cannot measure; estimate without --delta (the step that keeps everything: DELTA's budget is a share of "
-            "its activations)"
-        )
+    def review_trace(self, model, forward) -> list[str]:
+        """The traced step keeps every activation, as DELTA's own first step does (it profiles the run as it goes):
+        that step is the run's peak. DELTA's budget is checked here against the bytes the step saves (refused, naming
+        the smallest budget that can be met, when it cannot), and what the later steps save under its plan said."""
+        from .scheduler import plan_from_trace
+
+        try:
+            plan = plan_from_trace(model, forward, self.cfg.delta)
+        except SettingsError as e:
+            raise SettingsError(f"--delta {self.cfg.delta.budget}: {e}") from None
+        total = plan.profile.total_saved_bytes
+        counts = {a: list(plan.actions.values()).count(a) for a in ("keep", "recompute", "offload")}
+        return [
+            f"DELTA: its first step keeps every activation ({total / 2**20:.1f} MiB saved; the peak above is that "
+            f"step's); later steps save {plan.predicted_bytes / 2**20:.1f} MiB within the budget of "
+            f"{plan.budget / 2**20:.1f} MiB ({counts['keep']} units kept, {counts['recompute']} recomputed, "
+            f"{counts['offload']} offloaded; which ones, the run's measured times decide)"
+        ]
 
     def callbacks(self) -> list:
         from .scheduler import DeltaCallback
@@ -51,7 +64,8 @@ class DeltaSection(Section):
         return [self.callback]
 
     def prepare(self, model) -> None:
-        if not self.run.trainer:  # the Trainer's callback applies it when training begins
+        # the Trainer's callback applies it when training begins; a trace reviews DELTA's plan instead (review_trace)
+        if not self.run.trainer and not self.run.tracing:
             from .scheduler import apply_delta
 
             self.scheduler = apply_delta(model, self.cfg.delta)

@@ -60,6 +60,7 @@ class JobRun:
         self.wire_key = "comm" if self.trainer else "wire"  # where the results report bytes on the wire
         # what the sections hand each other while the run is built
         self.mesh = None  # the layout's DeviceMesh
+        self.tracing = False  # an estimate traces the step on fake tensors (sections skip what only a run does)
         self.replica_group = None  # HSDP's replica process group, when a section carries that exchange itself
         self.trained = None  # the module whose parameters train (a plain loop's)
         self.scheduler = None  # a plain loop's learning-rate schedule

@@ -147,6 +147,12 @@ class Section:
         """Why a memory trace of the job's step (``--estimate``) cannot take this section as it runs, or None."""
         return None
 
+    def review_trace(self, model, forward) -> list[str]:
+        """After an estimate traced the step: notes on what the section does to it that the trace did not run
+        (``forward()`` runs the step's forward once more on the traced model); may refuse (a budget that cannot be
+        met)."""
+        return []
+
     def traced_ranks(self) -> list[int]:
         """Ranks whose step differs from rank 0's in memory (a pipeline's last stage holds the head), each traced
         apart by an estimate; [] when rank 0 stands for all."""

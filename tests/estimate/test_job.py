@@ -118,6 +118,34 @@ def _main(argv, capsys):
     return (1, captured.out, said) if isinstance(said, str) else (said, captured.out, captured.err)
 
 
+def test_delta_is_planned_from_the_traced_step(tmp_path):
+    """DELTA's profile of the bytes each decoder layer saves, counted on fake tensors before any step, equals its
+    profiling step's on real tensors (layer by layer); the estimate says that DELTA's first step keeps everything
+    and what the later steps save within the budget."""
+    from hf_dtrain.estimate import fake_tensors
+    from hf_dtrain.memory.executor import FileTier, profile_step
+    from hf_dtrain.memory.scheduler import plan_from_trace
+    from hf_dtrain.models import build_llama
+
+    vocab = llama_config("tiny").vocab_size
+    blocks = torch.randint(0, vocab, (2, 128), generator=torch.Generator().manual_seed(0))
+    real = profile_step(build_llama("tiny", seed=0), {"input_ids": blocks, "labels": blocks}, FileTier())
+    with torch.device("meta"):
+        model = build_llama("tiny", seed=0)
+    with fake_tensors():
+        model = model.to_empty(device="cpu")
+        fake_blocks = torch.randint(0, vocab, (2, 128))
+        plan = plan_from_trace(model, lambda: model(input_ids=fake_blocks, labels=fake_blocks), 0.5)
+    assert [g.saved_bytes for g in plan.profile.groups] == [g.saved_bytes for g in real.groups]
+    assert plan.profile.total_saved_bytes == real.total_saved_bytes > 0
+    assert plan.predicted_bytes <= plan.budget == real.total_saved_bytes // 2
+
+    cfg = _cfg(tmp_path, delta={"budget": 0.5})
+    estimate = trace_job(cfg, skeleton(cfg), 1)
+    said = [n for n in estimate.notes if n.startswith("DELTA: its first step keeps every activation")]
+    assert len(said) == 1 and "within the budget of" in said[0], estimate.notes
+
+
 PIPELINE = {"per_device_train_batch_size": 4, "seq_len": 64, "progress": False, "parallel": {"pp": 2}}
 
 
@@ -249,7 +277,7 @@ def test_real_shapes_trace_through_the_real_layers(tmp_path, shape, method, worl
             "quantize=nf4: a 4-bit base cannot be traced",
         ),
         (["pretrain", "--estimate", "--world-size", "3", "--tp", "2"], "--tp"),
-        (["finetune", "--estimate", "--delta", "0.5"], "--delta: DELTA plans its schedule"),
+        (["finetune", "--estimate", "--delta", "1000"], "--delta 1000: A budget of 1,000 bytes cannot be met"),
         (["finetune", "--estimate", "--world-size", "0"], "world_size"),
     ],
 )
