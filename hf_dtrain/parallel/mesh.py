@@ -76,13 +76,15 @@ def apply_parallelism(
     pipeline=None,
     fsdp=None,
     device=None,
+    layer_cut=None,
 ):
     """Lay ``model`` out on ``mesh``: pipeline stages (when ``pp > 1``), each with tensor parallelism and FSDP2 on
     its dims (:func:`layout`). Returns ``(pipeline or None, the module whose parameters train)``; build the
     optimizer from the latter. With a pipeline that module is ``model`` itself, holding only this rank's stages (the
     layers it does not run are dropped), so its parameters keep the whole model's names: a snapshot or checkpoint
     of it lines up with any other layout's. ``fsdp.activation_checkpointing`` recomputes each decoder layer (set on
-    the whole model before the split). ``batch_size``: one data-parallel replica's sequences per step."""
+    the whole model before the split). ``batch_size``: one data-parallel replica's sequences per step.
+    ``layer_cut``: the pipeline stages' layers, instead of the balanced cut (:func:`apply_pipeline`)."""
     from .fsdp import FSDPConfig
 
     fsdp = fsdp or FSDPConfig()
@@ -95,7 +97,14 @@ def apply_parallelism(
 
     if mesh["pp"].size() > 1:
         pipe = apply_pipeline(
-            model, mesh["pp"], pipeline, batch_size=batch_size, seq_len=seq_len, device=device, after_split=shard
+            model,
+            mesh["pp"],
+            pipeline,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            device=device,
+            after_split=shard,
+            layer_cut=layer_cut,
         )
         return pipe, model
     shard(model)

@@ -375,11 +375,13 @@ def apply_pipeline(
     seq_len: int,
     device: torch.device | None = None,
     after_split=None,
+    layer_cut: list[tuple[int, int]] | None = None,
 ) -> Pipeline:
     """Cut ``model`` (a LLaMA-family causal LM, or a peft model around one) into ``pp x stages_per_rank`` stages
     over the 1D ``mesh`` (the ``pp`` dimension), keep this rank's and build the schedule. ``batch_size``: sequences
     per step on this pipeline (split into ``config.microbatches``), ``seq_len`` their length (the profile runs at
-    the micro-batch's shape). ``after_split(stage_module)``: applied to each stage module before the schedule is
+    the micro-batch's shape). ``layer_cut``: the stages' ``[start, end)`` layers instead of the balanced cut.
+    ``after_split(stage_module)``: applied to each stage module before the schedule is
     built (tensor parallelism, FSDP2: ``apply_tensor_parallel``, ``apply_fsdp``). Build the optimizer from
     :meth:`Pipeline.parameters` afterwards."""
     config = config or PipelineConfig()
@@ -397,7 +399,11 @@ def apply_pipeline(
     ).to(device)
     costs = None
     fake = dist.get_backend(mesh.get_group()) == "fake"  # a memory trace over torch's fake process group
-    if config.balance == "profile":
+    if layer_cut is not None:  # given (the planner traces its plan with the cut its cost model predicts)
+        bounds = [tuple(b) for b in layer_cut]
+        if len(bounds) != n_stages or bounds[0][0] != 0 or bounds[-1][1] != n_layers:
+            raise SettingsError(f"layer_cut {layer_cut}: {n_stages} contiguous stages over {n_layers} layers.")
+    elif config.balance == "profile":
         costs = profile_costs(model, example, flops=fake)
         # every rank of the job cuts alike: global rank 0's profile, broadcast to all (the tp / data-parallel peers
         # of a stage sit in other pp groups, and a cut of their own from their own timings would deadlock them)

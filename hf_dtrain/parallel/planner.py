@@ -117,6 +117,7 @@ class Plan:
     overflow: str | None = None
     breakdown: dict = field(default_factory=dict)
     traced: bool = False  # memory from a traced step (traced_memory), not the per-token arithmetic
+    layer_cut: list = field(default_factory=list)  # the stages' [start, end) layers the cost model balanced
 
     @property
     def key(self) -> str:
@@ -223,6 +224,7 @@ def predict(
     n_stages = pp * v
     bounds = balance_layers([t_layer + t_tp] * d["L"], n_stages, t_embed, t_head + (t_tp if tp > 1 else 0.0))
     stage_layers = max(b - a for a, b in bounds)
+    plan.layer_cut = [list(b) for b in bounds] if pp > 1 else []
     stage_time = []
     for s, (a, b) in enumerate(bounds):
         t = (b - a) * (t_layer + t_tp) + (t_embed if s == 0 else 0.0) + (t_head if s == n_stages - 1 else 0.0)
@@ -434,7 +436,8 @@ def traced_memory(
 ) -> dict:
     """``plan``'s per-rank memory by category (bytes), traced: the LLaMA of ``config`` built on fake tensors, laid
     out as ``hf-dtrain pretrain`` with the plan's flags lays it out (:func:`~hf_dtrain.parallel.mesh.apply_parallelism`
-    over a fake process group of ``world`` ranks), two AdamW steps of its own forward and backward
+    over a fake process group of ``world`` ranks; a pipeline cut where the cost model cut it, ``plan.layer_cut``, as
+    ``predict`` fills it: the run times the pieces on the machine), two AdamW steps of its own forward and backward
     (:func:`~hf_dtrain.parallel.mesh.laid_out_step`) traced on rank 0, and with a pipeline on the last stage's first
     rank too; the larger is returned. No weight is allocated."""
     import contextlib
@@ -471,6 +474,7 @@ def traced_memory(
                     pipeline=pipeline,
                     fsdp=fsdp,
                     device=device,
+                    layer_cut=plan.layer_cut or None,
                 )
                 optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4)  # the pretrain job's
                 blocks = torch.randint(0, config.vocab_size, (per_replica, seq_len), device=device)
