@@ -21,7 +21,7 @@ from torch import nn
 from hf_dtrain.errors import SettingsError
 from hf_dtrain.run.skeleton import Skeleton
 
-from .trace import StepMemory, fake_tensors, fake_world, trace_step
+from .trace import StepMemory, fake_tensors, fake_world, make_fake, trace_step
 
 
 @dataclass
@@ -114,11 +114,7 @@ def _trace_rank(cfg, skeleton: Skeleton, world_size: int, run_cls, steps: int, f
         try:
             with fake_tensors() if fake else contextlib.nullcontext():
                 if fake:
-                    model = model.to_empty(device=device)
-                    # to_empty gives each module its own new parameters (a meta tensor's storage cannot be swapped in
-                    # place for a fake one): tied input and output embeddings are tied again, else counted twice
-                    if hasattr(model, "tie_weights"):
-                        model.tie_weights()
+                    model = make_fake(model, device)
                 model.train()  # as the Trainer and the loops do (a model built from a config may be in eval mode)
                 if skeleton.checkpointing:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -143,6 +143,16 @@ def fake_tensors():
         yield mode
 
 
+def make_fake(model: nn.Module, device) -> nn.Module:
+    """``model``, built on the meta device, made fake on ``device`` inside :func:`fake_tensors` (``to_empty``), its
+    tied input and output embeddings tied again: ``to_empty`` gives each module new parameters (a meta tensor's
+    storage cannot be swapped in place for a fake one), and a tied table would be counted twice."""
+    model = model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
 @contextlib.contextmanager
 def _real_meshes():
     """Device meshes made and read with real tensors while a fake mode is on. A ``DeviceMesh`` keeps its ranks in a

@@ -173,10 +173,11 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
-def storage_key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage while it lives (its ``StorageImpl``; views share it): unlike the data pointer,
-    it tells fake tensors' storages apart (all at address 0), so a step traced on fake tensors is profiled alike."""
-    return t.untyped_storage()._cdata
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """The identity of a storage while it lives (its ``StorageImpl``; a tensor's views share it): unlike the data
+    pointer, it tells fake tensors' storages apart (all at address 0), so a step traced on fake tensors is profiled
+    alike."""
+    return storage._cdata
 
 
 class DeltaExecutor:
@@ -208,7 +209,7 @@ class DeltaExecutor:
         freed one's address could be an activation's the same step. The gathered parameters FSDP2 or ZeRO-3 hand a
         layer while it runs are recognised as parameters when saved (``_is_parameter``)."""
         storages = ((p.to_local() if hasattr(p, "to_local") else p).untyped_storage() for p in self.model.parameters())
-        return {st._cdata: st for st in storages}
+        return {storage_key(st): st for st in storages}
 
     def set_plan(self, actions: dict[str, str]) -> None:
         self.actions = dict(actions)
@@ -250,7 +251,7 @@ class DeltaExecutor:
 
     def _count(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
-        ptr = storage_key(t)
+        ptr = storage_key(st)
         if ptr not in self.params and not _is_parameter(t):
             if ptr not in self._storages:
                 self._group_of[ptr] = self.current
@@ -278,7 +279,7 @@ class DeltaExecutor:
         return Profile(groups, sum(self._storages.values()), shape, bandwidth)
 
     def pack(self, t: torch.Tensor):
-        if storage_key(t) in self.params or _is_parameter(t):
+        if storage_key(t.untyped_storage()) in self.params or _is_parameter(t):
             return t
         tier_device = getattr(self.tier, "device", None)
         if tier_device is not None and t.device.type != tier_device.type:

@@ -37,6 +37,11 @@ def build_mesh(degrees: dict[str, int], device_type: str | None = None):
     return init_device_mesh(device_type, tuple(degrees[d] for d in DIMS), mesh_dim_names=DIMS)
 
 
+def last_stage_rank(degrees: dict[str, int], world: int) -> int:
+    """The global rank of the last pipeline stage's first rank (the mesh is pp-major)."""
+    return (degrees["pp"] - 1) * (world // degrees["pp"])
+
+
 def data_parallel(mesh) -> tuple[int, int]:
     """(this rank's data-parallel index, the data-parallel size): ranks with the same index see the same batches
     (the tp and pp ranks of one replica)."""

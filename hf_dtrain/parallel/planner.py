@@ -444,9 +444,9 @@ def traced_memory(
 
     from transformers import LlamaForCausalLM
 
-    from hf_dtrain.estimate import fake_tensors, fake_world, trace_step
+    from hf_dtrain.estimate import fake_tensors, fake_world, make_fake, trace_step
 
-    from .mesh import apply_parallelism, build_mesh, laid_out_step
+    from .mesh import apply_parallelism, build_mesh, laid_out_step, last_stage_rank
 
     degrees = {"pp": plan.pp, "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp}
     per_replica = global_batch // (plan.dp_replicate * plan.dp_shard)
@@ -458,13 +458,12 @@ def traced_memory(
     fsdp = FSDPConfig(activation_checkpointing=True) if plan.activation == "checkpoint" else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     largest = None
-    for rank in [0] + ([(plan.pp - 1) * (world // plan.pp)] if plan.pp > 1 else []):
+    for rank in [0] + ([last_stage_rank(degrees, world)] if plan.pp > 1 else []):
         with fake_world(world, device.type, rank=rank):
             with torch.device("meta"):
                 model = LlamaForCausalLM(config)
             with fake_tensors():
-                model = model.to_empty(device=device)
-                model.tie_weights()  # to_empty unties them (each module gets new parameters)
+                model = make_fake(model, device)
                 model.train()
                 pipe, trained = apply_parallelism(
                     model,

@@ -442,9 +442,11 @@ class LayoutSection(Section):
     def traced_ranks(self) -> list[int]:
         """With a pipeline, the last stage's first rank too: it holds the norm, the head and the logits, the first
         stage's ranks the embedding and the most micro-batches in flight (the mesh is pp-major)."""
+        from .mesh import last_stage_rank
+
         if self.degrees is None or self.degrees["pp"] == 1:
             return []
-        return [(self.degrees["pp"] - 1) * (self.run.world_size // self.degrees["pp"])]
+        return [last_stage_rank(self.degrees, self.run.world_size)]
 
     def setup(self) -> None:
         if self.cfg.parallel.plan == "auto":

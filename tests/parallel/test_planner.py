@@ -2,6 +2,7 @@
 does, plans that do not fit name the buffer, `hf-dtrain plan` prints the best plan's flags and refuses what cannot
 run, and `hf-dtrain pretrain --plan auto` measures the launched ranks and runs the plan it chose."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from hf_dtrain.models import llama_config
+from hf_dtrain.models import build_llama, llama_config
 from hf_dtrain.parallel.planner import GiB, MachineProfile, Plan, legal_plans, predict, rank_plans, traced_memory
 
 
@@ -111,6 +112,18 @@ def test_traced_memory_decides_what_fits():
     assert again[0].key != first.key and again[0].traced and again[0].fits
     moved = next(p for p in again if p.key == first.key)
     assert moved.traced and not moved.fits and "is the largest buffer" in moved.overflow
+
+
+def test_a_pipeline_plan_is_traced_with_the_cut_its_cost_model_made():
+    """``predict`` records the layer cut it balanced, and the trace lays the stages out with it: moving one of the
+    tiny preset's layers onto the last stage moves that layer's parameters into the larger rank's memory."""
+    config = llama_config("tiny")
+    plan = predict(Plan(pp=2, dp_replicate=1, dp_shard=1, tp=1, microbatches=2), config, MachineProfile(), 2, 32)
+    assert plan.layer_cut and plan.layer_cut[0][0] == 0 and plan.layer_cut[-1][1] == config.num_hidden_layers
+    even = traced_memory(dataclasses.replace(plan, layer_cut=[[0, 2], [2, 4]]), config, 2, 2, 32)
+    uneven = traced_memory(dataclasses.replace(plan, layer_cut=[[0, 1], [1, 4]]), config, 2, 2, 32)
+    layer = sum(p.numel() for p in build_llama("tiny").model.layers[0].parameters()) * 4
+    assert uneven["parameters"] - even["parameters"] == layer
 
 
 def _plan_fields(plan):
