@@ -47,10 +47,17 @@ PRETRAIN = {
     "PP 2 x FSDP2 2": ({"parallel": {"pp": 2, "dp_shard": 2}}, 4),
     "PP 2 x TP 2": ({"parallel": {"pp": 2, "tp": 2}}, 4),
 }
+# the 4-bit bases: (the row's name, the method, --quantize)
+QUANTIZED = [
+    ("QLoRA (LoRA on NF4)", "lora", "nf4"),
+    ("Q-BaRA on INT4", "qbara", "int4"),
+    ("QA-HiRA on HQQ", "qahira", "hqq4"),
+]
 NOT_TRACED = [
-    ("qlora", "4-bit base (bitsandbytes NF4): its packed weights and kernels are not traced on fake tensors"),
-    ("qbara", "4-bit base: as above"),
-    ("qahira", "4-bit base: as above"),
+    (
+        "--deepspeed (ZeRO-2 / ZeRO-3)",
+        "DeepSpeed's engine partitions and flattens the parameters outside what a fake tensor follows: refused",
+    ),
 ]
 
 
@@ -122,6 +129,11 @@ def check() -> dict:
             for ckpt in (False, True):
                 settings = {**SMALL, "method": method, "gradient_checkpointing": ckpt, **extra}
                 cases.append(("finetune", method, engine, ckpt, settings, world))
+    for name, method, quantize in QUANTIZED:
+        for engine, (extra, world) in ENGINES.items():
+            for ckpt in (False, True):
+                settings = {**SMALL, "method": method, "quantize": quantize, "gradient_checkpointing": ckpt, **extra}
+                cases.append(("finetune", name, engine, ckpt, settings, world))
     for engine, (extra, world) in PRETRAIN.items():
         settings = {"per_device_train_batch_size": 4, "seq_len": 256, "progress": False, **extra}
         cases.append(("pretrain", "full (pretrain)", engine, False, settings, world))
@@ -177,6 +189,21 @@ def large() -> dict:
         for engine, extra, world in (("one GPU", {}, 1), ("FSDP2 x 8", {"fsdp": {}}, 8)):
             cases.append(("llama3-8b", method, True, engine, "finetune", {**extra, "method": method}, world))
     cases.append(("llama3-8b", "lora", False, "one GPU", "finetune", {"method": "lora"}, 1))
+    for name, method, quantize in QUANTIZED:
+        for engine, extra, world in (("one GPU", {}, 1), ("FSDP2 x 8", {"fsdp": {}}, 8)):
+            settings = {**extra, "method": method, "quantize": quantize}
+            cases.append(("llama3-8b", name, True, engine, "finetune", settings, world))
+    cases.append(
+        (
+            "llama2-70b",
+            "QLoRA (LoRA on NF4)",
+            True,
+            "FSDP2 x 8",
+            "finetune",
+            {"fsdp": {}, "method": "lora", "quantize": "nf4"},
+            8,
+        )
+    )
     for method, engine, world in (
         ("lora", "FSDP2 x 8", 8),
         ("lora", "FSDP2 x 64", 64),

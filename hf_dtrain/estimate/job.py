@@ -148,7 +148,11 @@ def _trace_rank(cfg, skeleton: Skeleton, world_size: int, run_cls, steps: int, f
                     # autograd.grad, which the tracker's gradient hooks cannot follow (the trace is given the shapes)
                     step()
                 memory = trace_step(model, optimizer, step, steps=steps)
-                if ddp and fake:
+                accounted = [said for said in run._call("account_trace", memory, model) if said is not None]
+                for counted, said in accounted:  # a section that counts what the trace could not run
+                    memory = counted
+                    notes.extend(said)
+                if ddp and fake and not accounted:
                     _add_ddp_buckets(memory, model, notes)
 
                 def forward():

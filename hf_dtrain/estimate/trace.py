@@ -98,8 +98,12 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
     MB of the tiny preset's 65 MB peak: the peak measured on real tensors moved by that much with the collector's
     timing). Within a step the collector is held off, and run between steps: the peak is the one a step reaches when
     no collection falls inside it, the upper bound, and the same on every run."""
+    from hf_dtrain.quantization import quantized_state
+
     tracker = StepTracker()
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    for tensor in quantized_state(model):  # a 4-bit weight's scales, held outside its parameter
+        tracker._update_and_maybe_create_winfos(tensor, _MemRefType.PARAM)
     collecting = gc.isenabled()
     gc.collect()
     gc.disable()  # within a step, no cyclic collection (see below); between steps, one
@@ -139,15 +143,20 @@ def fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # non-fake inputs allowed: a meta-device model's tensors are read once, by to_empty()'s empty_like
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _real_meshes():
+    from hf_dtrain.quantization import on_fake_tensors
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _real_meshes(), on_fake_tensors():
         yield mode
 
 
 def make_fake(model: nn.Module, device) -> nn.Module:
     """``model``, built on the meta device, made fake on ``device`` inside :func:`fake_tensors` (``to_empty``), its
-    tied input and output embeddings tied again: ``to_empty`` gives each module new parameters (a meta tensor's
+    tied input and output embeddings tied again, a 4-bit layer's scales kept with it
+    (:func:`hf_dtrain.quantization.to_empty`): ``to_empty`` gives each module new parameters (a meta tensor's
     storage cannot be swapped in place for a fake one), and a tied table would be counted twice."""
-    model = model.to_empty(device=device)
+    from hf_dtrain.quantization import to_empty
+
+    model = to_empty(model, device)  # a 4-bit layer's scales kept with it
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model

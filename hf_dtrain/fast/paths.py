@@ -42,7 +42,11 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _plain_tensor(t) -> bool:
-    return t is None or type(t.data) is torch.Tensor
+    """Not a tensor subclass (a DTensor, a ZeRO-3 partition), or a fake tensor (a memory trace) standing for a plain
+    one: the trace takes the path the run would."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t is None or type(t.data) in (torch.Tensor, FakeTensor)
 
 
 def adapter_reason(layer, args, kwargs, adapters) -> str | None:

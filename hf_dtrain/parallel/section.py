@@ -208,12 +208,20 @@ class DeepSpeedSection(Section):
         ),
     )
 
-    def untraceable(self) -> str | None:
-        return (
-            "deepspeed: DeepSpeed's engine partitions and flattens the parameters itself, outside what a fake tensor "
-            "trace follows; drop --deepspeed for --fsdp's figure (ZeRO-3 and FSDP2 shard alike), or use DeepSpeed's "
-            "estimate_zero3_model_states_mem_needs for its model states"
-        )
+    def account_trace(self, memory, model):
+        """DeepSpeed's engine partitions and flattens the parameters itself, outside what a fake tensor follows:
+        the step is traced with the model whole and its model states are replaced by DeepSpeed's own estimate
+        (:func:`~hf_dtrain.parallel.zero.model_states_estimate`), said in the notes."""
+        from hf_dtrain.estimate.trace import StepMemory
+
+        from .zero import deepspeed_config, model_states_estimate
+
+        states, how = model_states_estimate(deepspeed_config(self.cfg.deepspeed), model, self.run.world_size)
+        if states == 0:
+            return memory, [how]
+        kept = {k: v for k, v in memory.split.items() if k not in ("parameters", "gradients", "optimizer state")}
+        split = {"model states": states, **kept}  # DeepSpeed's estimate, said in the notes
+        return StepMemory(peak=sum(split.values()), split=split, flops=memory.flops), [how]
 
     @classmethod
     def settings(cls):
@@ -242,7 +250,9 @@ class DeepSpeedSection(Section):
     def check(self) -> None:
         import torch
 
-        if self.run.trainer and not torch.cuda.is_available():
+        from hf_dtrain.run.section import reads_no_data
+
+        if self.run.trainer and not torch.cuda.is_available() and not reads_no_data(self.cfg):
             # Accelerate 1.15 enables DeepSpeed only off the CPU: the Trainer would silently train with DDP instead
             raise SettingsError(
                 f"deepspeed={self.cfg.deepspeed}: on a machine without CUDA, Accelerate (1.15) does not enable "

@@ -56,3 +56,51 @@ def deepspeed_config(value: str) -> dict:
 
 def zero_stage(config: dict) -> int:
     return config.get("zero_optimization", {}).get("stage", 0)
+
+
+def model_states_estimate(config: dict, model, world_size: int) -> tuple[int, str]:
+    """One rank's model states (parameters, gradients, optimizer state) under the DeepSpeed ``config``, by
+    DeepSpeed's own estimators (``estimate_zero3_model_states_mem_needs`` for ZeRO-3,
+    ``estimate_zero2_model_states_mem_needs`` for ZeRO-1 and 2: mixed-precision Adam, 18 bytes per trainable
+    parameter spread over the ranks, the 16-bit parameters whole or, under ZeRO-3, spread plus the largest layer
+    gathered; CPU offload as the config asks) for the parameters that train, and the frozen ones (a peft model's base,
+    which DeepSpeed's estimators do not tell apart) at their own bytes, spread over the ranks under ZeRO-3, whole
+    otherwise. Returns ``(bytes, how it was counted)``; ZeRO-0: ``(0, ...)``, the caller keeps its own count."""
+    stage = zero_stage(config)
+    zero = config.get("zero_optimization", {})
+    offload_optimizer = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    offload_params = (zero.get("offload_param") or {}).get("device") in ("cpu", "nvme")
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    if stage == 0:
+        return 0, "ZeRO-0: DeepSpeed shards nothing; the traced model states are kept"
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(
+            trainable,
+            largest,
+            num_gpus_per_node=world_size,
+            cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_params,
+            zero_init=True,
+        )
+        held = 0 if offload_params else frozen // world_size
+        how = "estimate_zero3_model_states_mem_needs"
+    else:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        _, gpu = estimate_zero2_model_states_mem_needs(
+            trainable, num_gpus_per_node=world_size, cpu_offload=offload_optimizer
+        )
+        held = frozen
+        how = "estimate_zero2_model_states_mem_needs"
+    spread = "spread over the ranks" if stage == 3 else "whole on each rank"
+    return int(gpu + held), (
+        f"ZeRO-{stage}: model states by DeepSpeed's {how} for the {trainable:,} trainable parameters on "
+        f"{world_size} ranks{' (optimizer offloaded)' if offload_optimizer else ''}, plus the frozen parameters' "
+        f"{frozen / 2**30:.2f} GiB {spread}; activations and temporaries traced (one rank's micro-batch, the model "
+        "whole: DeepSpeed's engine itself is not traced)"
+    )

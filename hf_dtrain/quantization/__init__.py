@@ -14,6 +14,8 @@ Three 4-bit formats are supported as base layers:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -29,7 +31,29 @@ def _bnb_linear4bit():
         import bitsandbytes as bnb
     except ImportError:
         return None
+    _count_bnb_gemm_flops()
     return bnb.nn.Linear4bit
+
+
+_FLOPS_REGISTERED = []
+
+
+def _count_bnb_gemm_flops() -> None:
+    """Teach torch's FLOP counter bitsandbytes' 4-bit GEMM (a custom op it does not know, so a QLoRA step's forward
+    products were left out of the step's FLOPs): ``2 * tokens * in * out``, as ``aten.mm``."""
+    if _FLOPS_REGISTERED:
+        return
+    _FLOPS_REGISTERED.append(True)
+    op = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
+    if op is None:
+        return
+    import math
+
+    from torch.utils.flop_counter import register_flop_formula
+
+    @register_flop_formula(op)
+    def _gemm_4bit_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
+        return 2 * math.prod(out_shape) * a_shape[-1]
 
 
 def _hqq_linear():
@@ -120,13 +144,18 @@ def quantize_model_hqq(
 ) -> nn.Module:
     """Replace (in place) every ``nn.Linear`` except those in ``skip`` by HQQ 4-bit ``HQQLinear`` layers with groups
     along ``in_features`` (``axis=1``) and unquantized floating-point zero-points: the layout QA-HiRA merges into
-    exactly. (transformers 5.23's ``HqqConfig`` loader raises ``NotImplementedError``, so this calls hqq directly.)"""
+    exactly. (transformers 5.23's ``HqqConfig`` loader raises ``NotImplementedError``, so this calls hqq directly.)
+
+    On the meta device (a model built from its config for a memory trace) HQQ's optimisation of the zero-points,
+    which reads the error back each iteration, is skipped: the layers have the same tensors, shapes and dtypes."""
     hqq = _hqq_linear()
     if hqq is None:
         raise ImportError("quantize='hqq4' needs the hqq package: pip install 'hf-dtrain[quant]' (or pip install hqq).")
     from hqq.core.quantize import BaseQuantizeConfig
 
     qcfg = BaseQuantizeConfig(nbits=4, group_size=group_size, quant_zero=False, quant_scale=False, axis=1)
+    if _on_meta(model):
+        qcfg["weight_quant_params"]["optimize"] = False
     replaced = 0
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -144,6 +173,177 @@ def quantize_model_hqq(
     if replaced == 0:
         raise SettingsError("quantize_model_hqq found no nn.Linear to quantize.")
     return model
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def quantize_model_nf4(
+    model: nn.Module,
+    compute_dtype: torch.dtype = torch.float32,
+    quant_storage: torch.dtype = torch.uint8,
+    skip=("lm_head",),
+) -> nn.Module:
+    """Replace (in place) every ``nn.Linear`` except those in ``skip`` by bitsandbytes' NF4 ``Linear4bit`` as
+    transformers' ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`` loads them (blocks of 64, no
+    double quantization, ``compute_dtype``), quantized where the weights are: on the meta device (a model built from
+    its config) the packed weight and its block scales get their shapes and dtypes from bitsandbytes' own kernels'
+    shape functions, and nothing is computed."""
+    bnb4 = _bnb_linear4bit()
+    if bnb4 is None:
+        raise ImportError("quantize='nf4' needs bitsandbytes>=0.46.1: pip install 'hf-dtrain[quant]'.")
+    from bitsandbytes.nn import Params4bit
+
+    replaced = 0
+    for name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is not nn.Linear or any(full.endswith(s) for s in skip):
+                continue
+            device = child.weight.device
+            layer = bnb4(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                quant_type="nf4",
+                quant_storage=quant_storage,
+                device="meta",
+            )
+            layer.weight = Params4bit(
+                child.weight.data,
+                requires_grad=False,
+                quant_type="nf4",
+                compress_statistics=False,
+                quant_storage=quant_storage,
+                module=layer,
+            )
+            layer.weight._quantize(device)  # Params4bit.to() leaves a meta weight unquantized
+            if child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, child_name, layer)
+            replaced += 1
+    if replaced == 0:
+        raise SettingsError("quantize_model_nf4 found no nn.Linear to quantize.")
+    return model
+
+
+def quantize_model(
+    model: nn.Module, quantize: str, group_size: int = 64, compute_dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """``model``'s linear layers (except ``lm_head``) in 4 bits, in place, in the format ``quantize`` names and the
+    layout :func:`load_quantized_model` loads: the one place a model built from its config (on the meta device for a
+    memory trace, or initialised for the measurement the trace is checked against) becomes the 4-bit base a job
+    trains on."""
+    if quantize == "nf4":
+        quantize_model_nf4(model, compute_dtype=compute_dtype)
+        prepare_bnb_4bit_for_training(model)
+    elif quantize == "hqq4":
+        quantize_model_hqq(model, group_size=group_size, compute_dtype=compute_dtype)
+    elif quantize == "int4":
+        from hf_dtrain.quantization.int4 import quantize_model_int4
+
+        quantize_model_int4(model, group_size=group_size)
+    else:
+        raise SettingsError(f"quantize={quantize!r} is unknown; use one of {', '.join(QUANTIZE_CHOICES)}.")
+    return model
+
+
+def quantized_state(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors ``model``'s 4-bit layers hold besides their parameters and buffers: bitsandbytes' block scales and
+    code table (on the weight's ``quant_state``), HQQ's scales and zero-points (in the layer's ``meta``). A memory
+    trace counts them with the weights."""
+    found = []
+    for module in model.modules():
+        kind = quantized_kind(module)
+        if kind == "nf4":
+            found += _quant_state_tensors(getattr(module.weight, "quant_state", None))
+        elif kind == "hqq4":
+            found += [t for t in module.meta.values() if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _quant_state_tensors(state) -> list[torch.Tensor]:
+    if state is None:
+        return []
+    own = [t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor)]
+    return own + _quant_state_tensors(state.state2)
+
+
+def to_empty(model: nn.Module, device) -> nn.Module:
+    """``model.to_empty(device=device)`` that keeps the 4-bit layers whole: ``to_empty`` makes each parameter anew
+    and knows nothing of the tensors a 4-bit layer holds elsewhere (bitsandbytes' ``quant_state`` on its weight,
+    HQQ's ``meta``); those are made empty on ``device`` too and given back to the new weight and the layer."""
+    import copy
+
+    def emptied(value):
+        return torch.empty_like(value, device=device) if isinstance(value, torch.Tensor) else value
+
+    def state_on(state):
+        if state is None:
+            return None
+        moved = copy.copy(state)
+        for key in ("absmax", "code", "offset"):
+            setattr(moved, key, emptied(getattr(state, key)))
+        moved.state2 = state_on(state.state2)
+        return moved
+
+    kept = {}
+    for module in model.modules():
+        kind = quantized_kind(module)
+        if kind == "nf4":
+            weight = module.weight
+            kept[module] = {k: getattr(weight, k) for k in _PARAMS4BIT_ATTRIBUTES if hasattr(weight, k)}
+        elif kind == "hqq4":
+            module.meta = {k: emptied(v) for k, v in module.meta.items()}
+    model = model.to_empty(device=device)
+    for module, attributes in kept.items():  # the new weight is a plain parameter: Params4bit's own fields again
+        attributes["quant_state"] = state_on(attributes.get("quant_state"))
+        for key, value in attributes.items():
+            setattr(module.weight, key, value)
+        module.quant_state = attributes["quant_state"]
+    return model
+
+
+@contextlib.contextmanager
+def on_fake_tensors():
+    """bitsandbytes' ``Linear4bit`` traced on fake tensors. When a sharding engine hands the layer a new weight
+    tensor (FSDP2's gathered parameter), bitsandbytes wraps it in its ``Params4bit`` subclass again to give it back its
+    quantization state; a fake tensor cannot be wrapped in a subclass, so while this is on a fake weight gets the state
+    as an attribute, which is all the layer's forward reads. Real tensors take bitsandbytes' own path."""
+    try:
+        import bitsandbytes.nn.modules as bnb_modules
+    except ImportError:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = bnb_modules.fix_4bit_weight_quant_state_from_module
+
+    def fix(module):
+        weight = module.weight
+        if isinstance(weight, FakeTensor) and getattr(weight, "quant_state", None) is None:
+            weight.quant_state = module.quant_state
+            return
+        original(module)
+
+    bnb_modules.fix_4bit_weight_quant_state_from_module = fix
+    try:
+        yield
+    finally:
+        bnb_modules.fix_4bit_weight_quant_state_from_module = original
+
+
+_PARAMS4BIT_ATTRIBUTES = (
+    "blocksize",
+    "compress_statistics",
+    "quant_type",
+    "quant_state",
+    "quant_storage",
+    "bnb_quantized",
+    "module",
+)
 
 
 def load_quantized_model(

@@ -153,6 +153,11 @@ class Section:
         met)."""
         return []
 
+    def account_trace(self, memory, model):
+        """After an estimate traced the step: ``(memory, notes)`` with what the section holds that the trace could
+        not run replaced by its own count (DeepSpeed's model states), or None to keep the trace's."""
+        return None
+
     def traced_ranks(self) -> list[int]:
         """Ranks whose step differs from rank 0's in memory (a pipeline's last stage holds the head), each traced
         apart by an estimate; [] when rank 0 stands for all."""

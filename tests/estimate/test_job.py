@@ -12,6 +12,8 @@ from hf_dtrain.estimate.job import trace_job
 from hf_dtrain.jobs.finetune.skeleton import skeleton
 from hf_dtrain.jobs.sft.config import finetune_config_class
 from hf_dtrain.models import llama_config
+from hf_dtrain.run.job import JobRun
+from hf_dtrain.settings import SettingsError
 
 SMALL = dict(per_device_train_batch_size=2, max_length=128, report=False, progress=False)
 
@@ -25,6 +27,19 @@ def test_the_jobs_estimate_is_its_measured_step(tmp_path, method, checkpointing)
     """The estimate (fake tensors, fake world) within 5% of the same composition on real tensors: the job's model,
     method (SMT's blocks seeded), lean paths, checkpointing and the Trainer's optimizer."""
     cfg = _cfg(tmp_path, method=method, gradient_checkpointing=checkpointing)
+    estimate = trace_job(cfg, skeleton(cfg), 1).memory
+    measured = trace_job(cfg, skeleton(cfg), 1, fake=False).memory
+    assert abs(estimate.peak / measured.peak - 1) <= 0.05, (estimate, measured)
+    assert estimate.split["parameters"] == measured.split["parameters"]
+    assert estimate.flops == measured.flops > 0
+
+
+@pytest.mark.parametrize("method, quantize", [("lora", "nf4"), ("qbara", "int4"), ("qahira", "hqq4")])
+def test_a_4bit_base_is_its_measured_step(tmp_path, method, quantize):
+    """QLoRA (bitsandbytes NF4), Q-BaRA on INT4 and QA-HiRA on HQQ: the base quantized where it was built (on the
+    meta device for the estimate: the packed weights and scales shaped by the libraries' own code), its scales
+    counted with the weights, within 5% of the same step on real 4-bit layers, the same parameter bytes and FLOPs."""
+    cfg = _cfg(tmp_path, method=method, quantize=quantize)
     estimate = trace_job(cfg, skeleton(cfg), 1).memory
     measured = trace_job(cfg, skeleton(cfg), 1, fake=False).memory
     assert abs(estimate.peak / measured.peak - 1) <= 0.05, (estimate, measured)
@@ -264,6 +279,82 @@ def test_real_shapes_trace_through_the_real_layers(tmp_path, shape, method, worl
         assert model_bytes / world <= held <= model_bytes / world + 1.05 * sum(units[-2:]), (held, model_bytes)
 
 
+def _4bit_bytes(config, quantize: str, group: int) -> tuple[int, int]:
+    """One 2-layer stand-in's 4-bit projections: (bytes FSDP2 shards, bytes every rank holds whole), bf16 compute."""
+    h, f, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads
+    head_dim = h // config.num_attention_heads
+    shapes = [(h, h), (h, h), (kv * head_dim, h), (kv * head_dim, h), (f, h), (f, h), (h, f)]  # (out, in)
+    n = config.num_hidden_layers * sum(o * i for o, i in shapes)
+    packed = n // 2
+    if quantize == "nf4":  # fp32 absmax per block of 64 and the 16-entry code table, on the weight's quant_state
+        return packed, n // 64 * 4 + config.num_hidden_layers * len(shapes) * 16 * 4
+    if quantize == "hqq4":  # bf16 scales and zero-points in the layer's meta
+        return packed, n // group * 2 * 2
+    return packed + n // group * 4 * 2, 0  # int4: fp32 scales and zeros, parameters themselves
+
+
+@pytest.mark.parametrize(
+    "method, quantize, world", [("lora", "nf4", 1), ("lora", "nf4", 8), ("qbara", "int4", 8), ("qahira", "hqq4", 1)]
+)
+def test_4bit_bases_trace_at_real_shapes(tmp_path, method, quantize, world):
+    """Llama 3 8B's layer shapes with each 4-bit base, on one GPU or FSDP2 x 8: the forward's 4-bit products are
+    counted in the FLOPs (bitsandbytes' GEMM is a custom op torch's counter did not know), and the rank holds the
+    packed weights (their shard) plus the scales FSDP2 does not shard (bitsandbytes' and HQQ's, held outside the
+    parameters): to the byte on one GPU."""
+    config = llama_config("llama3-8b", num_hidden_layers=2)
+    config.save_pretrained(tmp_path / "8b")
+    settings = dict(model=str(tmp_path / "8b"), method=method, quantize=quantize, torch_dtype="bfloat16", bf16=True)
+    settings.update(max_length=1024, per_device_train_batch_size=1, gradient_checkpointing=True)
+    if world > 1:
+        settings["fsdp"] = {}
+    cfg = _cfg(tmp_path, **settings)
+    memory = trace_job(cfg, skeleton(cfg), world).memory
+    h, f, v, kv = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_key_value_heads
+    head_dim = h // config.num_attention_heads
+    per_layer = h * h * 2 + 2 * h * kv * head_dim + 3 * h * f
+    dense = 2 * 1024 * (2 * per_layer + h * v)
+    assert memory.flops >= 2 * dense, (memory.flops, dense)
+    layers, whole = _4bit_bytes(config, quantize, cfg.quant_group_size)
+    sharded = layers + 2 * 2 * h * v  # and the embedding and the head (untied), bf16
+    held = memory.split["parameters"]
+    if world == 1:
+        adapters = sum(p.numel() * p.element_size() for p in skeleton(cfg).build().parameters() if p.requires_grad)
+        norms = 2 * (2 * config.num_hidden_layers + 1) * h
+        assert held == sharded + whole + norms + adapters, (held, sharded, whole, norms, adapters)
+    else:
+        gathered = 1.05 * (2 * 2 * h * v + layers // 2)  # at most the root's unit and a layer's gathered at once
+        assert sharded / 8 + whole <= held <= sharded / 8 + whole + gathered, (held, sharded, whole)
+
+
+def test_deepspeed_is_its_model_state_estimate_plus_the_traced_step(tmp_path):
+    """``--deepspeed`` (DeepSpeed's engine is not traced): the model states are DeepSpeed's own estimators' for the
+    trainable parameters plus the frozen base spread (ZeRO-3) or whole (ZeRO-2), the activations the traced step's,
+    said in the notes; the estimate runs on a machine without CUDA, where a run with --deepspeed is refused."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    plain = trace_job(_cfg(tmp_path, method="lora"), skeleton(_cfg(tmp_path, method="lora")), 1)
+    model = skeleton(_cfg(tmp_path, method="lora")).build("meta")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    for stage, world in (("zero3", 4), ("zero2", 4)):
+        cfg = _cfg(tmp_path, method="lora", deepspeed=stage, estimate={"world_size": world})
+        estimate = trace_job(cfg, skeleton(cfg), world)
+        if stage == "zero3":
+            states = estimate_zero3_model_states_mem_needs(trainable, largest, world, 1, False, False)[1]
+            states += frozen // world
+        else:
+            states = estimate_zero2_model_states_mem_needs(trainable, world, 1, False)[1] + frozen
+        split = estimate.memory.split
+        assert estimate.engine == f"deepspeed-{stage}"
+        assert split["model states"] == states and "parameters" not in split and "gradient buckets" not in split
+        assert split["activations"] == plain.memory.split["activations"]
+        assert any(f"ZeRO-{stage[-1]}: model states by DeepSpeed's" in n for n in estimate.notes)
+    with pytest.raises(SettingsError, match="without CUDA"):
+        JobRun(_cfg(tmp_path, deepspeed="zero3"), world_size=2, start=False)
+
+
 @pytest.mark.parametrize(
     "argv, said",
     [
@@ -272,10 +363,7 @@ def test_real_shapes_trace_through_the_real_layers(tmp_path, shape, method, worl
             ["finetune", "--estimate", "--model", "{bad_config}"],
             "no model config could be read",
         ),
-        (
-            ["finetune", "--estimate", "--method", "qbara", "--quantize", "nf4"],
-            "quantize=nf4: a 4-bit base cannot be traced",
-        ),
+        (["pretrain", "--estimate", "--plan", "auto"], "--plan auto: the planner measures the launched ranks"),
         (["pretrain", "--estimate", "--world-size", "3", "--tp", "2"], "--tp"),
         (["finetune", "--estimate", "--delta", "1000"], "--delta 1000: A budget of 1,000 bytes cannot be met"),
         (["finetune", "--estimate", "--world-size", "0"], "world_size"),

@@ -44,17 +44,18 @@ def skeleton(cfg):
     from transformers import AutoModelForCausalLM, Trainer
 
     from hf_dtrain.jobs.sft.config import checkpointing_field
-    from hf_dtrain.run.skeleton import Skeleton, data_notes
+    from hf_dtrain.run.skeleton import Skeleton, data_notes, vary
 
-    if cfg.quantize is not None:
-        raise SettingsError(
-            f"quantize={cfg.quantize}: a 4-bit base cannot be traced on fake tensors yet (its packed weights and "
-            "dequantization kernels are the quantization library's); drop --quantize for the dense base's figure."
-        )
     notes = data_notes(cfg.dataset, ": every sequence is taken at --max-length tokens")
     args = cfg.training_args()
     config = base_config(cfg)
     dtype = _dtype(cfg, config)
+    if cfg.quantize is not None:  # as the job loads a 4-bit base (jobs/sft/data.py)
+        from hf_dtrain.jobs.sft.config import quantized_compute_dtype
+
+        compute_dtype = quantized_compute_dtype(cfg)
+        if cfg.quantize != "nf4":  # HQQ and INT4: the rest of the model in the compute dtype too
+            dtype = compute_dtype
     method = cfg.method_entry
     if method.prepare is not None and method.without_data is None:
         raise SettingsError(
@@ -69,6 +70,11 @@ def skeleton(cfg):
     def build(device="meta"):
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+        if cfg.quantize is not None:  # the 4-bit base the job loads, made from the dense one where it was built
+            from hf_dtrain.quantization import quantize_model
+
+            quantize_model(model, cfg.quantize, group_size=cfg.quant_group_size, compute_dtype=compute_dtype)
+        with torch.device(device):
             if fused_head is not None:  # as SFTTrainer patches the base model
                 fused_head(model)
             peft_config = cfg.build_peft_config(model)
@@ -86,8 +92,6 @@ def skeleton(cfg):
     def optimizer(params):
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)  # the Trainer's own choice (--optim)
         return cls(params, **kwargs)
-
-    from hf_dtrain.run.skeleton import vary
 
     checkpointing = bool(getattr(args, checkpointing_field(), False))
     alternatives = []

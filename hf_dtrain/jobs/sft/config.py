@@ -54,6 +54,14 @@ TRAINER_BOUNDS = (
 )
 
 
+def quantized_compute_dtype(cfg):
+    """A 4-bit base's compute dtype (and, for HQQ and INT4, the rest of the model's): ``torch_dtype`` when given,
+    float32 for ``auto``."""
+    import torch
+
+    return torch.float32 if cfg.torch_dtype == "auto" else getattr(torch, cfg.torch_dtype)
+
+
 def checkpointing_field() -> str:
     return (
         "activation_checkpointing" if "activation_checkpointing" in trainer_field_names() else "gradient_checkpointing"

@@ -16,7 +16,7 @@ from hf_dtrain.datafile import check_enough
 from hf_dtrain.models import build_default_model, load_model_and_tokenizer
 from hf_dtrain.settings import SettingsError
 
-from .config import DEFAULT_TASK_TRAIN_SIZE
+from .config import DEFAULT_TASK_TRAIN_SIZE, quantized_compute_dtype
 
 
 def check_paths(args) -> None:
@@ -54,7 +54,11 @@ def load_base_model(cfg, base_path: str):
     if cfg.quantize is not None:
         from hf_dtrain.quantization import load_quantized_model
 
-        return load_quantized_model(base_path, cfg.quantize, group_size=cfg.quant_group_size)
+        dtype = quantized_compute_dtype(cfg)
+        kwargs = {"dtype": dtype} if cfg.quantize == "nf4" and cfg.torch_dtype != "auto" else {}
+        return load_quantized_model(
+            base_path, cfg.quantize, group_size=cfg.quant_group_size, compute_dtype=dtype, **kwargs
+        )
     kwargs = {"trust_remote_code": bool(cfg.training.get("trust_remote_code", False)), "dtype": cfg.torch_dtype}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
