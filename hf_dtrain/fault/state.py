@@ -37,14 +37,19 @@ TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 ALIGN = 64
 
 
+SHARD_LAYOUT = "_hf_dtrain_dtensor_layout"
+
+
 def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "state") -> Any:
     """The JSON skeleton of ``obj``; its tensors (and numpy arrays) go into ``tensors`` under their path. Keeps the
     types JSON loses (int dict keys, tuples). Anything else is a ``TypeError`` naming where it is."""
     if isinstance(obj, torch.Tensor):
         from torch.distributed.tensor import DTensor
 
-        # an FSDP2 shard (optimizer state): this rank's part; the restore makes it a DTensor again
-        tensors[path] = obj.to_local() if isinstance(obj, DTensor) else obj
+        if isinstance(obj, DTensor):  # an FSDP2 shard (optimizer state): this rank's part, and the layout it had
+            tensors[path] = obj.to_local()
+            return {"__t": path, "__layout": dtensor_layout(obj)}
+        tensors[path] = obj
         return {"__t": path}
     if isinstance(obj, np.ndarray):
         tensors[path] = torch.from_numpy(np.ascontiguousarray(obj))
@@ -79,12 +84,27 @@ def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "state
     )
 
 
+def dtensor_layout(t) -> str:
+    """A DTensor's layout as text: global shape and stride, placements, the mesh's ranks and dimension names. A
+    restored shard is made a DTensor again on the layout of a parameter with the same text (``fsdp.as_shards``)."""
+    mesh = t.device_mesh
+    return (
+        f"{tuple(t.shape)}|{tuple(t.stride())}|{tuple(t.placements)}|{mesh.mesh.flatten().tolist()}|"
+        f"{mesh.mesh_dim_names}"
+    )
+
+
 def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``flatten_state``'s inverse. A tensor that was a DTensor's local shard comes back as that shard with the
+    DTensor's layout in ``SHARD_LAYOUT`` (an attribute): the restore turns it back into a DTensor."""
     if isinstance(skeleton, list):
         return [unflatten_state(v, tensors) for v in skeleton]
     if isinstance(skeleton, dict):
         if "__t" in skeleton:
-            return tensors[skeleton["__t"]]
+            t = tensors[skeleton["__t"]]
+            if "__layout" in skeleton:
+                setattr(t, SHARD_LAYOUT, skeleton["__layout"])
+            return t
         if "__np" in skeleton:
             return tensors[skeleton["__np"]].numpy()
         if "__d" in skeleton:
