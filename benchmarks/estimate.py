@@ -4,6 +4,7 @@ LLaMA 8B and 70B beside the estimates a user has today.
     python benchmarks/estimate.py                 # both parts
     python benchmarks/estimate.py --only check    # estimated vs measured at the tiny preset (1-2 gloo ranks)
     python benchmarks/estimate.py --only large    # Llama 3 8B and Llama 2 70B (fake tensors only)
+    python benchmarks/estimate.py --only check --from-json benchmarks/results/estimate.json   # re-render only
 
 **check** (``results/estimate.*``): for each method x engine x gradient checkpointing, the job's step
 traced on fake tensors over a fake world (the estimate) and the same step on real tensors in real gloo ranks (the
@@ -53,10 +54,13 @@ QUANTIZED = [
     ("Q-BaRA on INT4", "qbara", "int4"),
     ("QA-HiRA on HQQ", "qahira", "hqq4"),
 ]
+# what the table has no cell for, and why (rendered into the notes)
 NOT_TRACED = [
     (
-        "--deepspeed (ZeRO-2 / ZeRO-3)",
-        "DeepSpeed's engine partitions and flattens the parameters outside what a fake tensor follows: refused",
+        "--deepspeed (ZeRO-1 / 2 / 3)",
+        "not traced (DeepSpeed's engine partitions and flattens the parameters outside what a fake tensor follows): "
+        "its model states are DeepSpeed's own estimators' and the activations the traced step's; not measured here "
+        "(the Trainer enables DeepSpeed only on CUDA)",
     ),
 ]
 
@@ -164,7 +168,7 @@ def check() -> dict:
             f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
-    return {"rows": rows, "not_traced": [{"case": c, "why": w} for c, w in NOT_TRACED]}
+    return {"rows": rows}
 
 
 def _accelerate_bytes(model) -> int:
@@ -361,13 +365,22 @@ def _plot_large(rows):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["check", "large"])
+    parser.add_argument("--from-json", help="re-render this part's results JSON (with --only) instead of measuring")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         emit_result(worker(json.loads(args.worker)))
         return
+    saved, env = None, None
+    if args.from_json:
+        if args.only is None:
+            parser.error("--from-json re-renders one part: give --only check or --only large")
+        saved = json.load(open(args.from_json))
+        env = saved.pop("environment")
+        saved.pop("benchmark", None)
+        saved.pop("not_traced", None)
     if args.only in (None, "check"):
-        result = check()
+        result = saved or check()
         columns = [
             ("job", "job", ""),
             ("method", "method", ""),
@@ -382,11 +395,11 @@ def main() -> None:
             f"Worst cell: {worst:.2%} off the measured peak. Micro-batch 4 x 256 tokens on the tiny preset, fp32, "
             "the largest rank's peak of live tensor storage (MemTracker) over two steps (a pipeline's: one step "
             "untraced first, in which its stages infer their shapes).\n\nNot traced:\n"
-            + "\n".join(f"- {n['case']}: {n['why']}" for n in result["not_traced"])
+            + "\n".join(f"- {case}: {why}" for case, why in NOT_TRACED)
         )
-        write("estimate", result, markdown_table(result["rows"], columns), _plot_check(result["rows"]), notes)
+        write("estimate", result, markdown_table(result["rows"], columns), _plot_check(result["rows"]), notes, env)
     if args.only in (None, "large"):
-        result = large()
+        result = saved or large()
         columns = [
             ("model", "model", ""),
             ("method", "method", ""),
@@ -408,7 +421,7 @@ def main() -> None:
             "bf16 weights, bf16 autocast, one sequence of 4096 tokens per rank, LoRA-family rank 16 on every "
             "projection, AdamW (the Trainer's).\n\nWhat a user has today for the same models (GiB):\n" + beside
         )
-        write("estimates", result, markdown_table(result["rows"], columns), _plot_large(result["rows"]), notes)
+        write("estimates", result, markdown_table(result["rows"], columns), _plot_large(result["rows"]), notes, env)
 
 
 if __name__ == "__main__":

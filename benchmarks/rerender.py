@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hf_dtrain import processes
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -43,6 +44,8 @@ RENDERED = {
             "comm_hooks",
         )
     },
+    "estimate": ("estimate.py", ["--only", "check"]),
+    "estimates": ("estimate.py", ["--only", "large"]),
     "comm_dear": ("comm_hooks.py", ["--name", "comm_dear", "--loss-basis", "training"]),
     "comm_embedding": ("comm_hooks.py", ["--name", "comm_embedding"]),
 }
@@ -59,7 +62,7 @@ def main() -> int:
                 continue
             shutil.copy(source, Path(tmp) / f"{name}.json")
             argv = [sys.executable, script, "--from-json", str(Path(tmp) / f"{name}.json"), *extra]
-            proc = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+            proc = processes.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:
                 rows.append((name, f"FAILED: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"))
                 bad += 1
