@@ -33,10 +33,11 @@ def parse_result(stdout: str):
 def run_worker(script: str, argv: list[str], env: dict | None = None, timeout: float = 1800, what: str = ""):
     """Run ``python script *argv`` (a benchmark in its worker mode) in a fresh process; return its result, or raise
     with the end of its stderr."""
-    import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env, timeout=timeout)
+    from hf_dtrain import processes  # the worker and whatever it starts, killed on timeout
+
+    proc = processes.run([sys.executable, script, *argv], capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {what or ' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
     return parse_result(proc.stdout)

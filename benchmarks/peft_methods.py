@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import resource
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from hf_dtrain import processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit_result, parse_result, timed_steps
@@ -208,7 +209,7 @@ def main():
             "--lr",
             f"{method}={LR[method]}",
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        proc = processes.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"{method} (seed {seed}) failed:\n{proc.stderr[-4000:]}")
         runs.append(dict(parse_result(proc.stdout), seed=seed))

@@ -37,11 +37,12 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from hf_dtrain import processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit_result, parse_result, timed_steps
@@ -317,7 +318,7 @@ def _run(job: tuple, steps: int, batch_size: int) -> dict:
         str(batch_size),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    proc = processes.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{job} failed:\n{proc.stderr[-4000:]}")
     return parse_result(proc.stdout)

@@ -24,9 +24,10 @@ the same way (NF4 has no zero-point); QA-LoRA and QA-HiRA on HQQ fold the update
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from hf_dtrain import processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit_result, parse_result, timed_steps
@@ -248,7 +249,7 @@ def main():
             "--lr",
             f"{method}={LR[method]}",
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        proc = processes.run(cmd, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise SystemExit(f"{base_kind}:{method} (seed {seed}) failed:\n{proc.stderr[-4000:]}")
         runs.append(dict(parse_result(proc.stdout), seed=seed))

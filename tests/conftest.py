@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from hf_dtrain import processes
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -24,14 +26,13 @@ def merge_qahira_exactly():
     """Runs ``recipes/merge_qahira_4bit.py`` on a trained QA-HiRA adapter directory and checks the merged 4-bit
     model's logits equal the adapter model's, before and after a save and reload."""
     import json
-    import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
 
     def check(adapter_dir, eval_size: int = 50) -> dict:
-        proc = subprocess.run(
+        proc = processes.run(
             [
                 sys.executable,
                 os.path.join(repo, "recipes", "merge_qahira_4bit.py"),

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import time
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_dtrain import cli
+from hf_dtrain import cli, processes
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -334,7 +333,7 @@ def test_the_console_script_exits_1_with_one_line(place, tmp_path):
     """The real ``hf-dtrain`` process: status 1 and one line on stderr, no traceback."""
     script = os.path.join(os.path.dirname(sys.executable), "hf-dtrain")
     command = [script] if os.path.exists(script) else [sys.executable, "-m", "hf_dtrain.cli"]
-    proc = subprocess.run(
+    proc = processes.run(
         [*command, "pretrain", "--per-device-train-batch-size", "100000", "--output-dir", str(tmp_path / "o")],
         capture_output=True,
         text=True,
@@ -510,7 +509,7 @@ def test_under_torchrun_the_survivor_names_the_dead_rank_and_how_to_resume(tmp_p
     ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        proc = processes.run(argv, capture_output=True, text=True, timeout=120, env=env)
     finally:
         from hf_dtrain.testing import stop_snapshot_processes
 

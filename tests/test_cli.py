@@ -1,11 +1,11 @@
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from hf_dtrain import processes
 from hf_dtrain.cli import build_parser, main
 from hf_dtrain.jobs.finetune import FinetuneConfig, run_finetune
 from hf_dtrain.run.flags import job_config_from_args
@@ -106,7 +106,7 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
 
 def test_module_entry_point_and_build_base(tmp_path):
     env = dict(os.environ, HF_DTRAIN_CACHE=str(tmp_path))
-    out = subprocess.run(
+    out = processes.run(
         [sys.executable, "-m", "hf_dtrain.cli", "finetune", "--help"],
         capture_output=True,
         text=True,
@@ -115,7 +115,7 @@ def test_module_entry_point_and_build_base(tmp_path):
     )
     assert out.returncode == 0 and "--recipe" in out.stdout and "--smt.block-size" in out.stdout
     assert "--gradient_checkpointing" in out.stdout and "--bf16" in out.stdout and "--packing" in out.stdout
-    out = subprocess.run(
+    out = processes.run(
         [sys.executable, "-m", "hf_dtrain.cli", "build-base", "--preset", "test", "--steps", "2"],
         capture_output=True,
         text=True,
@@ -230,7 +230,7 @@ with torch.no_grad():
     adapted = model(input_ids=ids).logits.flatten()[:64].tolist()
 sys.stdout.write(json.dumps({{"plain": plain, "adapted": adapted}}))
 """
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300) for _ in range(2)]
+    runs = [processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300) for _ in range(2)]
     assert all(p.returncode == 0 for p in runs), runs[0].stderr[-3000:]
     first, second = (json.loads(p.stdout) for p in runs)
     assert first["adapted"] == second["adapted"]  # the saved adapter reloads deterministically onto the 4-bit base

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from hf_dtrain import processes
 from hf_dtrain.cli import main
 from hf_dtrain.jobs.sft.config import FinetuneConfig
 from hf_dtrain.jobs.sft.data import load_base_and_data
@@ -251,7 +252,6 @@ def test_the_fsdp2_chat_recipe_runs_on_two_cpu_processes_with_a_stand_in(setup):
     """recipes/finetune_llama8b_chat_fsdp2.yaml as written (SMT, bf16, FSDP2 with activation checkpointing,
     assistant-only loss, packing), with the tiny chat checkpoint and file in place of the 8B model and its dataset,
     on 2 gloo ranks: the model is sharded, the loss is finite and falls, one adapter is saved."""
-    import subprocess
     import sys
 
     from hf_dtrain.testing import free_port
@@ -302,7 +302,7 @@ def test_the_fsdp2_chat_recipe_runs_on_two_cpu_processes_with_a_stand_in(setup):
         "false",
     ]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, timeout=600)
+    proc = processes.run(cmd, capture_output=True, text=True, env=env, cwd=repo, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.load(open(out / "results.json"))
     assert r["engine"] == "fsdp2" and r["world_size"] == 2 and r["mixed_precision"] == "bf16"

@@ -3,12 +3,12 @@ the CUDA-only measurement is skipped with its reason), a failing step is reporte
 without a GPU or ``--cpu-dry-run`` it says what to do."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from hf_dtrain import processes
 from hf_dtrain.testing import gpu_check
 
 pytestmark = pytest.mark.slow
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dry run and the no-GPU message")
 def test_cpu_dry_run_end_to_end(tmp_path):
-    proc = subprocess.run(
+    proc = processes.run(
         [sys.executable, "-m", "hf_dtrain.testing.gpu_check", "--cpu-dry-run", "--out", str(tmp_path)],
         capture_output=True,
         text=True,

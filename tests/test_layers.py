@@ -29,6 +29,7 @@ LAYERS = [
             "run",  # sections, job configs, flags and JobRun: it names no section and imports no engine
             "fast",  # the lean layers' switch, functions and path counts; the step profile
             "estimate",  # a step traced on fake tensors: the memory the planner, DELTA and the jobs will ask of it
+            "processes",  # child processes killed with everything they started (no orphan outlives its job)
         },
     ),
     (

@@ -12,11 +12,12 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 import tokenize
 
 import pytest
+
+from hf_dtrain import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MACHINERY = ["hf_dtrain/jobs", "hf_dtrain/run", "hf_dtrain/cli.py"]
@@ -106,7 +107,7 @@ def _imported_by(argv: list[str]) -> set[str]:
         "except SystemExit:\n    pass\n"
         "print('MODULES ' + json.dumps(sorted(sys.modules)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = processes.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     line = [x for x in out.stdout.splitlines() if x.startswith("MODULES ")]
     assert line, out.stderr[-2000:]
     return set(json.loads(line[-1][len("MODULES ") :]))
@@ -146,6 +147,6 @@ def test_import_hf_dtrain_registers_every_tuner_with_peft(tmp_path):
         "    assert t in PEFT_TYPE_TO_TUNER_MAPPING, t\n"
         "    print(PEFT_TYPE_TO_CONFIG_MAPPING[PeftType[t]].__name__)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = processes.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["SMTConfig", "LoraFAConfig", "QBaRAConfig", "QAHiRAConfig"], out.stdout

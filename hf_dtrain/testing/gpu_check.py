@@ -47,7 +47,6 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +68,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
+from hf_dtrain import processes
 from hf_dtrain.comm import exclude_embeddings, register
 from hf_dtrain.distributed.groups import release_process_group
 from hf_dtrain.fault import SnapshotEngine
@@ -119,7 +119,7 @@ def cuda_tests(ctx: Context) -> dict:
     if not files:
         raise AssertionError(f"no test module under {ROOT / 'tests'} marks a test `cuda`")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rs", *files]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    proc = processes.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", tail)}
     if proc.returncode not in (0, 5) or counts.get("failed") or counts.get("error") or counts.get("errors"):
@@ -316,7 +316,7 @@ def _spawn_two(main: str, backend: str, device_type: str, timeout: int = 600) ->
         out = os.path.join(tmp, "result.json")
         code = f"import sys, hf_dtrain.testing.gpu_check as g; g.{main}(*sys.argv[1:])"
         argv = [sys.executable, "-c", code, str(free_port()), backend, device_type, out]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = processes.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         if proc.returncode == 0 and os.path.exists(out):
             return True, "", json.loads(Path(out).read_text())
         return False, proc.stderr[-3000:], {}
@@ -574,7 +574,7 @@ def throughput(ctx: Context) -> dict:
                 continue
             name = f"throughput_dry_run_{label}" if ctx.dry_run else f"gpu/{device}/throughput_{label}_{stamp}"
             profile = label == "profile"
-            proc = subprocess.run(
+            proc = processes.run(
                 [sys.executable, str(script), *argv, "--name", name, *([] if profile else ["--accumulate", runs_name])],
                 capture_output=True,
                 text=True,

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hf_dtrain import processes
+
 from ..distributed.groups import release_process_group
 
 
@@ -29,7 +31,7 @@ def run_python(code: str, timeout: float = 300, env: dict | None = None, cwd: st
     """Run ``code`` in a fresh Python process; return stdout, raise with stderr on failure or timeout."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.run(
+    proc = processes.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd
     )
     if proc.returncode != 0:
@@ -65,7 +67,7 @@ def accelerate_launch(
         PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
     )
     full_env.update(env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
+    proc = processes.run(cmd, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"accelerate launch {' '.join(map(str, argv))} failed:\n{proc.stderr[-4000:]}")
     return proc

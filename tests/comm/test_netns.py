@@ -1,12 +1,12 @@
 """The slow-network harness: namespaces joined by veth pairs with tc tbf rate limits really limit gloo's bandwidth,
 and nothing is left behind."""
 
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from hf_dtrain import processes
 from hf_dtrain.testing import free_port
 from hf_dtrain.testing.netns import available, emulated_hosts, run_on_hosts
 
@@ -37,7 +37,7 @@ def _allreduce_seconds(tmp_path, n, rate):
         out = run_on_hosts(
             hosts, lambda r, hs: [sys.executable, str(script), str(r), str(n), hs[0].address, port], timeout=120
         )
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    listed = processes.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)  # cleaned up
     return max(float(o) for o in out)
 

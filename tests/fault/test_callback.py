@@ -5,11 +5,11 @@ run stops its snapshot process."""
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 
+from hf_dtrain import processes
 from hf_dtrain.testing import stop_snapshot_processes
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ def _run(out, **env):
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
         **env,
     )
-    return subprocess.run([sys.executable, WORKER], env=e, capture_output=True, text=True, timeout=300)
+    return processes.run([sys.executable, WORKER], env=e, capture_output=True, text=True, timeout=300)
 
 
 def _losses(out):
@@ -103,7 +103,7 @@ def test_accelerate_recipe_killed_then_resumed(tmp_path):
             OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
         )
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        return processes.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
     try:
         first = launch("--kill-at", "6")

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from hf_dtrain import processes
 from hf_dtrain.testing import stop_snapshot_processes
 from hf_dtrain.testing.fault import failed_outputs, launch_ft_workers, worker_losses
 from hf_dtrain.testing.launch import free_port
@@ -106,7 +107,7 @@ def _agent_run(tmp_path, reference, command, seed):
     )
     try:
         with open(os.path.join(out, "agent.out"), "w") as log:
-            proc = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=400, cwd=ROOT)
+            proc = processes.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=400, cwd=ROOT)
         assert proc.returncode == 0, open(os.path.join(out, "agent.out")).read()[-4000:]
         _check(out, ft_dir, reference)
     finally:

@@ -7,13 +7,13 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
 
+from hf_dtrain import processes
 from hf_dtrain.fault import SnapshotEngine
 from hf_dtrain.fault.smp import SnapshotManager
 from hf_dtrain.fault.snapshot import SnapshotError, SnapshotMismatch, default_directory
@@ -178,7 +178,7 @@ os.kill(os.getpid(), 9)
 
 def test_an_orphaned_snapshot_process_exits_after_the_grace_period(ft_dir):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _ORPHAN, ft_dir], capture_output=True, text=True, env=env, timeout=120)
+    proc = processes.run([sys.executable, "-c", _ORPHAN, ft_dir], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     pid = int(proc.stdout.split()[0])
     t0 = time.monotonic()
@@ -261,7 +261,7 @@ def test_the_snapshot_process_imports_neither_torch_nor_the_package(tmp_path):
         "import sys; sys.path.insert(0, sys.argv[1]); import smp; "
         "print(sorted(m for m in ('hf_dtrain', 'torch', 'transformers') if m in sys.modules))"
     )
-    out = subprocess.run(
+    out = processes.run(
         [sys.executable, "-c", code, os.path.join(ROOT, "hf_dtrain", "fault")],
         capture_output=True,
         text=True,

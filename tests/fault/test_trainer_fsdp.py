@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from hf_dtrain import processes
 from hf_dtrain.testing import free_port, stop_snapshot_processes, tiny_default_base
 from hf_dtrain.testing.fault import KILL_PHASES
 
@@ -72,7 +73,7 @@ def run(cmd, out):
     )
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "launch.out"), "w") as log:
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900)
+        proc = processes.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, open(os.path.join(out, "launch.out")).read()[-4000:]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_dtrain import processes
 from hf_dtrain.jobs.finetune import FinetuneConfig, run_finetune
 from hf_dtrain.jobs.sweep import SweepConfig, expand_grid, run_sweep
 from hf_dtrain.testing import tiny_default_base
@@ -308,7 +309,6 @@ def test_grid_flags_are_checked_before_any_work(base_path):
 def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(base_path, tmp_path):
     """Two gloo ranks, each feeding its shard of every job's batches into one DDP-wrapped fused model: a job equals
     the same job under hf-dtrain finetune on the same two ranks (the Trainer's DDP)."""
-    import subprocess
     import sys
 
     from hf_dtrain.testing import free_port
@@ -354,7 +354,7 @@ def test_sweep_under_accelerate_launch_is_data_parallel_over_the_fused_array(bas
             *args,
             *common,
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
+        proc = processes.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
 
     launch("sweep", "--lr", "3e-3,1e-2", "--r", "4,8", "--output-dir", str(tmp_path / "sweep"))

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from hf_dtrain import processes
 from hf_dtrain.comm import ACPSGDState, CommHookConfig
 from hf_dtrain.comm.acp_sgd import decode, encode, tensor_state
 
@@ -183,7 +184,6 @@ def test_finetune_with_hsdp_compresses_the_replica_exchange(tmp_path):
     Trainer): the model is sharded with FSDP2, the replica exchange goes through ACP-SGD (dense warm-up steps, then a
     small fraction of those bytes), and the loss falls."""
     import os
-    import subprocess
     import sys
 
     from hf_dtrain.testing import free_port, tiny_default_base
@@ -231,7 +231,7 @@ def test_finetune_with_hsdp_compresses_the_replica_exchange(tmp_path):
         "2",
     ]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = processes.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads((tmp_path / "out" / "results.json").read_text())
     assert r["engine"] == "fsdp2" and r["world_size"] == 4 and r["config"]["fsdp"]["replicate"] == 2

@@ -5,12 +5,12 @@ and equals the one-process model. Bad degrees are refused before any process gro
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from hf_dtrain import processes
 from hf_dtrain.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +37,7 @@ JOB = [
 
 def _run(cmd, env=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", **(env or {}))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
+    proc = processes.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

@@ -5,11 +5,11 @@ run, and `hf-dtrain pretrain --plan auto` measures the launched ranks and runs t
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from hf_dtrain import processes
 from hf_dtrain.models import build_llama, llama_config
 from hf_dtrain.parallel.planner import GiB, MachineProfile, Plan, legal_plans, predict, rank_plans, traced_memory
 
@@ -186,7 +186,7 @@ def test_pretrain_plan_auto_runs_the_plan_it_chose(tmp_path):
         "--save-model",
         "false",
     ]
-    proc = subprocess.run(
+    proc = processes.run(
         cmd, capture_output=True, text=True, cwd=root, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

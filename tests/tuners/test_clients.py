@@ -4,12 +4,13 @@ included) with each of our configs, the adapter saved and reloaded in a fresh pr
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
+
+from hf_dtrain import processes
 
 pytest.importorskip("trl", reason="trl is a test extra: pip install -e '.[test]'")
 
@@ -95,7 +96,7 @@ def test_trl_sft_trainer_then_reload_in_a_fresh_process(tmp_path):
             n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters() if p.requires_grad
         }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(
+    proc = processes.run(
         [sys.executable, "-c", _RELOAD, json.dumps(saved), json.dumps(ids)],
         capture_output=True,
         text=True,

@@ -4,7 +4,6 @@ disable_adapter, merge_and_unload, unload."""
 
 import copy
 import json
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from peft import get_peft_model
 from safetensors.torch import load_file, save_file
 
-from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig, set_smt_block_indices, smt_warmup
+from hf_dtrain import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig, processes, set_smt_block_indices, smt_warmup
 from hf_dtrain.testing import random_batch, tiny_llama
 
 METHODS = ["lorafa", "smt", "qbara", "qahira", "qa-lora"]
@@ -108,7 +107,7 @@ m2 = AutoPeftModelForCausalLM.from_pretrained({str(adapter_dir)!r}).eval()
 with torch.no_grad():
     save_file({{"peft": m1(**b).logits, "auto": m2(**b).logits}}, {str(tmp_path / "out.safetensors")!r})
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = load_file(tmp_path / "out.safetensors")
     assert torch.equal(out["peft"], ref)

@@ -1,7 +1,6 @@
 """QA-HiRA on a group-wise INT4 base and on a dense base."""
 
 import copy
-import subprocess
 import sys
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 from peft import get_peft_model
 from safetensors.torch import load_file, save_file
 
-from hf_dtrain import QAHiRAConfig
+from hf_dtrain import QAHiRAConfig, processes
 from hf_dtrain.quantization.int4 import Int4Linear, quantize_model_int4
 from hf_dtrain.testing import random_batch, tiny_llama, train_steps
 from hf_dtrain.tuners.qahira import QAHiRALayer
@@ -107,7 +106,7 @@ m = PeftModel.from_pretrained(quantize_model_int4(tiny_llama(), group_size=16), 
 with torch.no_grad():
     save_file({{"logits": m(**b).logits}}, {str(tmp_path / "out.safetensors")!r})
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.equal(load_file(tmp_path / "out.safetensors")["logits"], ref)
 

@@ -1,6 +1,5 @@
 import importlib
 import json
-import subprocess
 import sys
 
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
@@ -9,6 +8,7 @@ from peft.utils import PeftType
 import hf_dtrain
 import hf_dtrain.tuners
 import hf_dtrain.tuners.smt.config
+from hf_dtrain import processes
 
 
 def _state():
@@ -63,6 +63,6 @@ def test_peft_type_is_json_serialisable_and_config_round_trips(tmp_path):
 def test_loading_without_import_fails_loudly_naming_the_type(tmp_path):
     hf_dtrain.LoraFAConfig(r=4, target_modules=["q_proj"]).save_pretrained(tmp_path)
     code = f"from peft import PeftConfig\nPeftConfig.from_pretrained({str(tmp_path)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     # Without `import hf_dtrain` peft cannot know the type: it fails (it must not silently load something else).
     assert proc.returncode != 0 and "LORAFA" in proc.stderr

@@ -48,7 +48,7 @@ TRAINER_BOUNDS = (
     ("num_train_epochs", 0, True),
     ("warmup_steps", 0, False),
     ("weight_decay", 0, False),
-    ("max_length", 1, False),
+    ("max_length", 2, False),  # a sequence of one token leaves no next token to learn (TRL stops on it)
     ("logging_steps", 0, True),
     ("max_grad_norm", 0, False),
 )
@@ -89,7 +89,9 @@ class FinetuneJob(JobConfig):
     )
     model: str | None = setting(None, "Base model path or hub id (any causal LM); None = the embedded default LLaMA.")
     torch_dtype: str = setting(
-        "auto", f"dtype the base model is loaded in: {', '.join(TORCH_DTYPES)} (auto: the checkpoint's)."
+        "auto",
+        f"dtype the base model is loaded in: {', '.join(TORCH_DTYPES)} (auto: the checkpoint's; with --quantize the "
+        "4-bit layers' compute dtype, float32 for auto).",
     )
     attn_implementation: str | None = setting(
         None, "Attention kernel of the base model: eager, sdpa, flash_attention_2, ... (None: transformers' choice)."
@@ -226,6 +228,8 @@ class FinetuneJob(JobConfig):
             raise SettingsError(
                 "max_steps=0 trains nothing; set --max-steps N (N >= 1), or -1 to train --num-train-epochs epochs."
             )
+        if isinstance(args.seed, int) and not 0 <= args.seed < 2**32:  # numpy's RandomState, which set_seed seeds
+            raise SettingsError(f"seed={args.seed!r} must be in 0 .. 2**32 - 1 (numpy's seed range); set --seed.")
 
     @classmethod
     def from_dict(cls, data: dict | None, where: str | None = None):
