@@ -22,24 +22,23 @@ def _cfg(tmp_path, **settings):
     return finetune_config_class().from_dict({**SMALL, "output_dir": str(tmp_path / "out"), **settings})
 
 
-@pytest.mark.parametrize("method, checkpointing", [("lorafa", False), ("smt", True)])
-def test_the_jobs_estimate_is_its_measured_step(tmp_path, method, checkpointing):
+@pytest.mark.parametrize(
+    "method, checkpointing, quantize",
+    [
+        ("lorafa", False, None),
+        ("smt", True, None),
+        ("lora", False, "nf4"),
+        ("qbara", False, "int4"),
+        ("qahira", False, "hqq4"),
+    ],
+)
+def test_the_jobs_estimate_is_its_measured_step(tmp_path, method, checkpointing, quantize):
     """The estimate (fake tensors, fake world) within 5% of the same composition on real tensors: the job's model,
-    method (SMT's blocks seeded), lean paths, checkpointing and the Trainer's optimizer."""
-    cfg = _cfg(tmp_path, method=method, gradient_checkpointing=checkpointing)
-    estimate = trace_job(cfg, skeleton(cfg), 1).memory
-    measured = trace_job(cfg, skeleton(cfg), 1, fake=False).memory
-    assert abs(estimate.peak / measured.peak - 1) <= 0.05, (estimate, measured)
-    assert estimate.split["parameters"] == measured.split["parameters"]
-    assert estimate.flops == measured.flops > 0
-
-
-@pytest.mark.parametrize("method, quantize", [("lora", "nf4"), ("qbara", "int4"), ("qahira", "hqq4")])
-def test_a_4bit_base_is_its_measured_step(tmp_path, method, quantize):
-    """QLoRA (bitsandbytes NF4), Q-BaRA on INT4 and QA-HiRA on HQQ: the base quantized where it was built (on the
-    meta device for the estimate: the packed weights and scales shaped by the libraries' own code), its scales
-    counted with the weights, within 5% of the same step on real 4-bit layers, the same parameter bytes and FLOPs."""
-    cfg = _cfg(tmp_path, method=method, quantize=quantize)
+    method (SMT's blocks seeded), lean paths, checkpointing and the Trainer's optimizer; on a 4-bit base (QLoRA on
+    bitsandbytes NF4, Q-BaRA on INT4, QA-HiRA on HQQ) quantized where it was built (on the meta device for the
+    estimate: the packed weights and scales shaped by the libraries' own code), its scales counted with the weights;
+    the same parameter bytes and FLOPs."""
+    cfg = _cfg(tmp_path, method=method, gradient_checkpointing=checkpointing, quantize=quantize)
     estimate = trace_job(cfg, skeleton(cfg), 1).memory
     measured = trace_job(cfg, skeleton(cfg), 1, fake=False).memory
     assert abs(estimate.peak / measured.peak - 1) <= 0.05, (estimate, measured)
@@ -242,6 +241,26 @@ def test_run_anyway_trains(tmp_path):
     assert (tmp_path / "out" / "results.json").exists()
 
 
+def _trace_real_shape(tmp_path, shape: str, world: int, **settings):
+    """A preset's two-layer stand-in traced at bf16, 1024 tokens, checkpointing, FSDP2 where ``world`` > 1, its FLOPs
+    checked to be at least the forward's dense products at those shapes: (config, job config, memory, one layer's
+    projection parameters)."""
+    config = llama_config(shape, num_hidden_layers=2)
+    config.save_pretrained(tmp_path / shape)
+    settings.update(model=str(tmp_path / shape), torch_dtype="bfloat16", bf16=True, max_length=1024)
+    settings.update(per_device_train_batch_size=1, gradient_checkpointing=True)
+    if world > 1:
+        settings["fsdp"] = {}
+    cfg = _cfg(tmp_path, **settings)
+    memory = trace_job(cfg, skeleton(cfg), world).memory
+    h, f, v, kv = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_key_value_heads
+    head_dim = h // config.num_attention_heads
+    per_layer = h * h * 2 + 2 * h * kv * head_dim + 3 * h * f  # q, o, k, v, gate, up, down
+    dense = 2 * 1024 * (2 * per_layer + h * v)  # the forward's products at these shapes, once
+    assert memory.flops >= 2 * dense, (memory.flops, dense)
+    return config, cfg, memory, per_layer
+
+
 @pytest.mark.parametrize(
     "shape, method, world",
     [
@@ -257,19 +276,8 @@ def test_real_shapes_trace_through_the_real_layers(tmp_path, shape, method, worl
     """Each preset's real layer shapes (grouped KV heads, 128k or 32k vocabulary, tied or untied embeddings) at two
     decoder layers, bf16, 1024 tokens, FSDP2 over a fake world where ``world`` > 1: the step's FLOPs are at least the
     forward's dense products at those shapes, and the parameters held are the shard (or the whole model)."""
-    config = llama_config(shape, num_hidden_layers=2)
-    config.save_pretrained(tmp_path / shape)
-    settings = dict(model=str(tmp_path / shape), method=method, torch_dtype="bfloat16", bf16=True, max_length=1024)
-    settings.update(per_device_train_batch_size=1, gradient_checkpointing=True)
-    if world > 1:
-        settings["fsdp"] = {}
-    cfg = _cfg(tmp_path, **settings)
-    memory = trace_job(cfg, skeleton(cfg), world).memory
-    h, f, v, kv = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_key_value_heads
-    head_dim = h // config.num_attention_heads
-    per_layer = h * h * 2 + 2 * h * kv * head_dim + 3 * h * f  # q, o, k, v, gate, up, down
-    dense = 2 * 1024 * (2 * per_layer + h * v)  # the forward's products at these shapes, once
-    assert memory.flops >= 2 * dense, (memory.flops, dense)
+    config, _cfg_used, memory, per_layer = _trace_real_shape(tmp_path, shape, world, method=method)
+    h, v = config.hidden_size, config.vocab_size
     model_bytes = 2 * (2 * per_layer + (1 if config.tie_word_embeddings else 2) * h * v)
     held = memory.split["parameters"]
     if world == 1:
@@ -301,19 +309,8 @@ def test_4bit_bases_trace_at_real_shapes(tmp_path, method, quantize, world):
     counted in the FLOPs (bitsandbytes' GEMM is a custom op torch's counter did not know), and the rank holds the
     packed weights (their shard) plus the scales FSDP2 does not shard (bitsandbytes' and HQQ's, held outside the
     parameters): to the byte on one GPU."""
-    config = llama_config("llama3-8b", num_hidden_layers=2)
-    config.save_pretrained(tmp_path / "8b")
-    settings = dict(model=str(tmp_path / "8b"), method=method, quantize=quantize, torch_dtype="bfloat16", bf16=True)
-    settings.update(max_length=1024, per_device_train_batch_size=1, gradient_checkpointing=True)
-    if world > 1:
-        settings["fsdp"] = {}
-    cfg = _cfg(tmp_path, **settings)
-    memory = trace_job(cfg, skeleton(cfg), world).memory
-    h, f, v, kv = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_key_value_heads
-    head_dim = h // config.num_attention_heads
-    per_layer = h * h * 2 + 2 * h * kv * head_dim + 3 * h * f
-    dense = 2 * 1024 * (2 * per_layer + h * v)
-    assert memory.flops >= 2 * dense, (memory.flops, dense)
+    config, cfg, memory, _ = _trace_real_shape(tmp_path, "llama3-8b", world, method=method, quantize=quantize)
+    h, v = config.hidden_size, config.vocab_size
     layers, whole = _4bit_bytes(config, quantize, cfg.quant_group_size)
     sharded = layers + 2 * 2 * h * v  # and the embedding and the head (untied), bf16
     held = memory.split["parameters"]
