@@ -400,11 +400,17 @@ ADAPTER_CASES = [
 
 @pytest.mark.parametrize("name, base_kwargs, message", ADAPTER_CASES, ids=[f"{c[0]}-{c[1]}" for c in ADAPTER_CASES])
 def test_an_adapter_onto_another_base_is_refused(saved_adapters, name, base_kwargs, message):
+    """``hf_dtrain.load_adapter`` refuses, naming what differs, what peft itself loads without a word (an adapter of
+    2 decoder layers onto a 1-layer base: peft drops the layer that does not fit)."""
+    from peft import PeftModel
+
     from hf_dtrain import load_adapter
     from hf_dtrain.errors import UserError
     from hf_dtrain.testing import tiny_llama
 
     kwargs = {"hidden_size": 32, **base_kwargs}
+    if base_kwargs == {"num_hidden_layers": 1} and name == "lora":  # why the check exists
+        PeftModel.from_pretrained(tiny_llama(seed=0, **kwargs), str(saved_adapters / name))
     with pytest.raises(UserError, match=message) as info:
         load_adapter(tiny_llama(seed=0, **kwargs), str(saved_adapters / name))
     assert str(saved_adapters / name) in str(info.value)
@@ -421,15 +427,6 @@ def test_an_adapter_onto_its_own_base_loads_as_peft_would(saved_adapters, name):
     theirs = PeftModel.from_pretrained(tiny_llama(seed=0, hidden_size=32), str(saved_adapters / name))
     a, b = ours.state_dict(), theirs.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_peft_alone_drops_what_does_not_fit(saved_adapters):
-    """Why the check exists: peft itself loads an adapter of 2 layers onto a 1-layer base without a word."""
-    from peft import PeftModel
-
-    from hf_dtrain.testing import tiny_llama
-
-    PeftModel.from_pretrained(tiny_llama(seed=0, hidden_size=32, num_hidden_layers=1), str(saved_adapters / "lora"))
 
 
 def test_a_persisted_snapshot_that_cannot_be_written_fails_the_run(tmp_path):

@@ -148,14 +148,28 @@ def test_chat_data_trains_with_bf16_autocast_gradient_checkpointing_and_packing(
     assert os.path.isfile(root / "chat" / "adapter_model.safetensors")
 
 
-def test_bf16_autocast_changes_the_numbers_and_checkpointing_does_not(setup):
+def test_bf16_autocast_changes_the_numbers_and_checkpointing_does_not(setup, monkeypatch):
     """bf16 really runs (the losses move by bf16 rounding, not more); gradient checkpointing recomputes the same
-    forward (equal losses in fp32)."""
+    forward (equal losses in fp32), and really recomputes it: each decoder layer's norms run again in the backward
+    (counted on the norms: transformers checkpoints a layer's own ``forward``, which a wrapper would turn off)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     model, files, root = setup
     common = ("--model", model, "--dataset", files["prompt-completion"], "--method", "lora", "--max-steps", "3")
+    norm, calls = LlamaRMSNorm.forward, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())  # training forwards and their recomputation (evaluation: no grad)
+        return norm(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", counted)
     fp32 = _run(root / "fp32", *common)
+    plain, calls[:] = sum(calls), []
     bf16 = _run(root / "bf16", *common, "--bf16")
+    calls[:] = []
     ckpt = _run(root / "ckpt", *common, "--gradient-checkpointing")
+    # per step: 2 norms a layer and the final one; checkpointed, each layer's 2 again (the final norm is not in a layer)
+    assert sum(calls) == 2 * plain - 3 > plain > 0, (sum(calls), plain)
     assert fp32["mixed_precision"] == "no" and bf16["mixed_precision"] == "bf16" and ckpt["gradient_checkpointing"]
     # the step's settings as they ran: every LoRA layer lean, TRL's fused LM head (no full logits)
     speed = bf16["speed_settings"]
