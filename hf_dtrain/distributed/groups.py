@@ -31,7 +31,7 @@ def release_process_group() -> None:
         dist.destroy_process_group()
 
 
-def init_distributed(backend: str | None = None) -> bool:
+def init_distributed(backend: str | None = None, timeout=None) -> bool:
     """Initialize the default process group before Accelerate / the Trainer do, when torchrun's or accelerate's
     elastic agent launched this process and shares its store with the workers (``TORCHELASTIC_USE_AGENT_STORE``).
 
@@ -39,7 +39,9 @@ def init_distributed(backend: str | None = None) -> bool:
     publish their addresses under: a restarted generation (``--max-restarts``) reads the dead one's addresses and
     fails in ``connectFullMesh`` (``Connection refused``) or hangs. Here the keys are prefixed with
     ``TORCHELASTIC_RESTART_COUNT``. Returns whether it initialized the group (Accelerate and the Trainer then use
-    it as it is)."""
+    it as it is). ``timeout``: a ``timedelta`` every collective of the group waits at most (torch's default when
+    None)."""
+    timeout = timeout or default_pg_timeout
     if not dist.is_available() or dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return False
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -61,7 +63,7 @@ def init_distributed(backend: str | None = None) -> bool:
         store=store,
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=default_pg_timeout,
+        timeout=timeout,
     )
     return True
 

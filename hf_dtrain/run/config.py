@@ -35,6 +35,11 @@ class JobConfig:
     def check_own(self) -> None:
         """The job's own checks of its fields."""
 
+    def collective_timeout(self) -> float:
+        """Seconds a collective of the job's process group waits for the other ranks before it fails (torch's
+        default, 1800; a job with its own setting answers with it)."""
+        return 1800.0
+
     @classmethod
     def from_dict(cls, data: dict | None, where: str | None = None):
         """The config from plain data (a YAML recipe, JSON, the CLI's parsed flags): sections as mappings or their

@@ -80,13 +80,16 @@ class JobRun:
 
     def start(self) -> None:
         """The process group (Accelerate's ``PartialState``), then the sections' ``setup``."""
+        from datetime import timedelta
+
         import torch
         from accelerate import PartialState
 
         from hf_dtrain.distributed.groups import init_distributed
 
-        init_distributed()  # under torchrun's / accelerate's restarts: the generation's own store keys
-        self.state = PartialState(cpu=not torch.cuda.is_available())
+        timeout = timedelta(seconds=self.cfg.collective_timeout())  # the job's, for every collective
+        init_distributed(timeout=timeout)  # under torchrun's / accelerate's restarts: the generation's own store keys
+        self.state = PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)
         self.device = self.state.device
         self._call("setup")
 

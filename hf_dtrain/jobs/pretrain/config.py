@@ -42,6 +42,15 @@ class PretrainJob(JobConfig):
     eval_blocks: int = setting(64, "Held-out blocks for the final loss (default corpus).", min=0)
     save_model: bool = setting(True, "Save the model and tokenizer at the end (rank 0).")
     progress: bool = setting(True, "Show a progress bar.")
+    process_group_timeout: float = setting(
+        1800.0,
+        "Seconds a collective waits for the other ranks before the run fails (torch's default 1800): a rank that "
+        "hangs without dying ends the run after this, not after half an hour.",
+        gt=0,
+    )
+
+    def collective_timeout(self) -> float:
+        return float(self.process_group_timeout)
 
     def check_own(self) -> None:
         from hf_dtrain.models import PRESETS

@@ -318,18 +318,26 @@ class FinetuneJob(JobConfig):
     def training_args(self, **engine):
         """The ``SFTConfig`` this job trains with: the settings given (``training``) over the job's defaults,
         passed to ``SFTConfig`` as they are; ``engine``: what the job's sections set (DeepSpeed's config...)."""
+        from datetime import timedelta
+
         from trl import SFTConfig
 
         from hf_dtrain.distributed.groups import init_distributed
 
         # TrainingArguments sets up the process group as it is built: under torchrun's / accelerate's restarts it
-        # must use this generation's own store keys (a restarted generation would read the dead one's addresses)
-        init_distributed()
+        # must use this generation's own store keys (a restarted generation would read the dead one's addresses),
+        # and the Trainer's --ddp-timeout
+        init_distributed(timeout=timedelta(seconds=self.collective_timeout()))
         kwargs = {**self.training_defaults(), **self.training, **engine}
         try:
             return SFTConfig(**kwargs)
         except (ValueError, TypeError) as e:
             raise SettingsError(f"the Trainer's settings were refused by SFTConfig: {e}") from None
+
+    def collective_timeout(self) -> float:
+        """The Trainer's own setting (``--ddp-timeout``, 1800 by default), which the process group the run starts
+        before the Trainer must take (the Trainer finds it made)."""
+        return float(self.training.get("ddp_timeout", 1800))
 
     @property
     def seed(self) -> int:
