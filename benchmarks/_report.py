@@ -65,21 +65,16 @@ def timed_steps(model, loader, params, optimizer, scheduler) -> tuple[list[float
 
 
 def cpu_capability() -> str:
-    """The CPU's model and how it computes bf16: natively (AMX tiles, or AVX-512 BF16 instructions) or emulated
-    (AVX2 alone: a bf16 matmul there is tens of times slower than fp32)."""
+    """The CPU's model and how it computes bf16 (``hf_dtrain.fast.cpu_bf16``: natively with AMX tiles or AVX-512
+    BF16, or emulated with AVX2 alone, where a bf16 matmul is tens of times slower than fp32)."""
+    from hf_dtrain.fast import cpu_bf16
+
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
-        return platform.processor() or "unknown CPU"
+        text = ""
     model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    if "amx_bf16" in flags:
-        bf16 = "bf16 native (AMX)"
-    elif "avx512_bf16" in flags:
-        bf16 = "bf16 native (AVX-512 BF16)"
-    else:
-        bf16 = "bf16 emulated (no AMX / AVX-512 BF16)"
-    return f"{model or 'unknown CPU'}; {bf16}"
+    return f"{model or platform.processor() or 'unknown CPU'}; {cpu_bf16()[1]}"
 
 
 def environment() -> dict:

@@ -21,14 +21,15 @@ Each (method, mode) runs in a fresh process: build the model from ``LlamaConfig`
 loaded by every worker, so all start from the same weights), count one step's FLOPs with
 ``torch.utils.flop_counter.FlopCounterMode`` (eager; the compiled graph does the same arithmetic), compile (mode
 ``compiled``: ``torch.compile(model)``, inductor, as ``TrainingArguments(torch_compile=True)`` does), warm up, then
-time ``--steps`` AdamW steps (forward, backward, optimizer step; autocast bf16 on CPU, bf16 weights on a GPU).
+time ``--steps`` AdamW steps (forward, backward, optimizer step; bf16 weights on a GPU; on a CPU that computes bf16
+natively, bf16 autocast, else fp32: ``hf_dtrain.fast.cpu_bf16``, ``HF_DTRAIN_CPU_BF16=0`` forces fp32).
 Peak memory: on CPU the process's peak resident set over 2 more steps after the timed ones
 (``/proc/self/clear_refs`` resets it first, so compilation's transient memory is not counted), with glibc's mmap
 threshold fixed so that the resident set follows the live tensors (the timed steps run with the default allocator
 settings), above its resident set before the model was built (the libraries imported); on a GPU
 ``torch.cuda.max_memory_allocated``. MFU: counted
-FLOPs per second over the device's peak: on CPU the bf16 matmul peak measured in this run (a 4096 x 4096 matmul in a
-fresh process), on a GPU its datasheet dense bf16 peak.
+FLOPs per second over the device's peak: on CPU the matmul peak in the step's compute dtype measured in this run (a
+4096 x 4096 matmul in a fresh process), on a GPU its datasheet dense bf16 peak.
 
     python benchmarks/throughput.py                      # CPU: the 100M preset, about 30 minutes on 2 cores
     python benchmarks/throughput.py --preset test --steps 2 --seq 32   # a quick look at the mechanics
@@ -175,6 +176,7 @@ def worker(
     cuda = torch.cuda.is_available()
     base_rss = 0 if cuda else _rss()
     device = "cuda" if cuda else "cpu"
+    low = compute_dtype()
     if method in QUANTIZED:
         from transformers import BitsAndBytesConfig
 
@@ -184,7 +186,7 @@ def worker(
             path,
             device_map=device,
             quantization_config=BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=low
             ),
         )
         if not cuda:
@@ -214,7 +216,7 @@ def worker(
 
     def step(fn, prof=None):
         phase = prof.phase if prof is not None else (lambda name: contextlib.nullcontext())
-        with phase("forward"), torch.autocast(device, dtype=torch.bfloat16):
+        with phase("forward"), torch.autocast(device, dtype=low, enabled=low != torch.float32):
             loss = fn(**batch_of()).loss
         with phase("backward"):
             loss.backward()
@@ -324,8 +326,31 @@ def count_flops(model, step) -> int:
     return counter.get_total_flops()
 
 
+def compute_dtype():
+    """The step's compute dtype: bf16 on a GPU and on a CPU that computes it natively (``hf_dtrain.fast.cpu_bf16``),
+    else fp32 (bf16 emulated with AVX2 alone would measure the emulation, about 90x slower, not the method)."""
+    import torch
+
+    from hf_dtrain.fast import cpu_bf16
+
+    return torch.bfloat16 if torch.cuda.is_available() or cpu_bf16()[0] else torch.float32
+
+
+def precision_note(cuda: bool) -> str:
+    import torch
+
+    from hf_dtrain.fast import cpu_bf16
+
+    if cuda:
+        return "bf16 weights"
+    if compute_dtype() == torch.bfloat16:
+        return "fp32 weights under bf16 autocast"
+    return f"fp32 weights and compute ({cpu_bf16()[1]})"
+
+
 def matmul_peak() -> dict:
-    """The device's bf16 matmul peak: datasheet on a known GPU, else the best of timed 4096 x 4096 bf16 matmuls."""
+    """The device's matmul peak in the step's compute dtype: datasheet bf16 on a known GPU, else the best of timed
+    4096 x 4096 matmuls."""
     import torch
 
     if torch.cuda.is_available():
@@ -335,8 +360,9 @@ def matmul_peak() -> dict:
                 return {"peak_flops": peak, "peak_source": f"{name} datasheet dense bf16"}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = 4096
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    dtype = compute_dtype()
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
     best = float("inf")
     for _ in range(6):
         t0 = time.perf_counter()
@@ -344,7 +370,8 @@ def matmul_peak() -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    return {"peak_flops": 2 * n**3 / best, "peak_source": f"measured: best of 6 bf16 {n}x{n} matmuls on {device}"}
+    name = str(dtype).replace("torch.bfloat16", "bf16").replace("torch.float32", "fp32")
+    return {"peak_flops": 2 * n**3 / best, "peak_source": f"measured: best of 6 {name} {n}x{n} matmuls on {device}"}
 
 
 def _pooled(runs: list[dict]) -> dict:
@@ -489,7 +516,7 @@ def profile_main(args, preset: str, batch: int, seq: int, script: str) -> None:
     }
     notes = (
         f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "
-        f"{'bf16 weights' if torch.cuda.is_available() else 'fp32 weights under bf16 autocast'}; one eager step "
+        f"{precision_note(torch.cuda.is_available())}; one eager step "
         "after a warm-up one, each method in a fresh process, every aten op counted and timed by "
         "hf_dtrain.fast.profile.StepProfile (on CPU each op's wall time, the dispatch adding a constant per op; "
         "views are not counted as ops); kept: bytes autograd keeps for backward, once per storage, parameters "
@@ -824,7 +851,7 @@ def main() -> None:
     }
     notes = (
         f"{preset} LLaMA (random weights from LlamaConfig), batch {batch} x {seq} tokens, AdamW, "
-        f"{'bf16 weights' if cuda else 'fp32 weights under bf16 autocast'}"
+        f"{precision_note(cuda)}"
         f"{', activation checkpointing per decoder layer' if args.checkpointing else ''}; median of "
         f"{args.steps} timed steps after {args.warmup} warm-up steps in each of {args.repeats} rounds (every "
         f"other one in reversed order), each (method, mode) in a fresh process. MFU: FLOPs counted by "

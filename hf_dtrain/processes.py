@@ -5,9 +5,10 @@ benchmark's worker, started by a benchmark that ``gpu_check`` ran, kept a core b
 both had gone, with parent 1. :func:`run` is ``subprocess.run`` with the child in a process group of its own (a new
 session). When the time is up, on an error or an interrupt, the child and all its descendants are killed, found by
 their parent links (``psutil``) before any is killed, so a level that started its own group (another :func:`run`
-below) goes too; the moment the child exits, what it left in its group is killed (it may hold the pipes being
-read). Processes that detach on purpose (the snapshot processes, with their own idle exit) are started apart, not
-through this.
+below) goes too; the moment the child exits, what it left in its group is killed (it may hold the pipes being read);
+a SIGTERM or SIGHUP to this process kills the child's tree before it is handled (a SIGKILL cannot be seen).
+Processes that detach on purpose (the snapshot processes, with their own idle exit) are started apart, not through
+this.
 """
 
 from __future__ import annotations
@@ -43,6 +44,31 @@ def kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _killed_with_this_process(proc: subprocess.Popen):
+    """While the child runs, a SIGTERM or SIGHUP to this process (a launcher's, a ``timeout``'s, a scheduler's) kills
+    the child's tree first, then is handled as it would have been (by default: this process ends by it). Only the main
+    thread can set signal handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def handler(signum, frame):
+        kill_tree(proc)
+        signal.signal(signum, previous[signum])
+        os.kill(os.getpid(), signum)  # as if this handler had not been here
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            if signal.getsignal(signum) is handler:
+                signal.signal(signum, old)
+
+
 def _kill_group_on_exit(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
@@ -57,7 +83,7 @@ def run(argv, *, timeout: float | None = None, input=None, capture_output: bool 
         kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
     if input is not None:
         kwargs["stdin"] = subprocess.PIPE
-    with subprocess.Popen(argv, start_new_session=True, **kwargs) as proc:
+    with subprocess.Popen(argv, start_new_session=True, **kwargs) as proc, _killed_with_this_process(proc):
         # the moment the child exits (before it is reaped, so its pid cannot be reused), its group's leftovers are
         # killed: they may hold the pipes this call reads to the end
         threading.Thread(target=_kill_group_on_exit, args=(proc,), daemon=True).start()

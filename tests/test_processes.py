@@ -65,3 +65,29 @@ def test_a_child_that_exits_leaves_nothing_in_its_group(tmp_path):
         assert _alive(apart)
     finally:
         psutil.Process(apart).kill()
+
+
+def test_a_terminated_parent_takes_its_children_with_it(tmp_path):
+    """A SIGTERM to a process waiting in ``processes.run`` (a launcher's, ``timeout``'s) kills the child's tree before
+    the process ends by it."""
+    import signal
+
+    pids = tmp_path / "pids"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from hf_dtrain import processes; processes.run([sys.executable, '-c', sys.argv[1], "
+            "sys.argv[2], 'sleep'])",
+            CHILD,
+            str(pids),
+        ]
+    )
+    started = _pids(pids)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=30) == -signal.SIGTERM  # ended by the signal, as without the handler
+    time.sleep(0.2)
+    left = [p for p in started if _alive(p)]
+    for p in left:
+        psutil.Process(p).kill()
+    assert not left

@@ -8,7 +8,8 @@
   autograd function (the SwiGLU product computed again in backward rather than kept), and an attention's q, k and v
   projections as one function of their shared input (their ``A`` factors stacked: one product for three);
 * :mod:`~hf_dtrain.fast.paths`: why a layer took the lean path or not, counted per layer (:func:`report`);
-* :mod:`~hf_dtrain.fast.profile`: one step's ops, times and saved-for-backward bytes by op family.
+* :mod:`~hf_dtrain.fast.profile`: one step's ops, times and saved-for-backward bytes by op family;
+* :func:`cpu_bf16`: whether this CPU computes bf16 natively (else the CPU paths that chose bf16 for speed take fp32).
 """
 
 import contextlib
@@ -41,6 +42,28 @@ def disabled():
         set_enabled(was)
 
 
+# "0": treat bf16 as unsupported on this CPU (the fp32 choice wherever a CPU path chose bf16 for speed), as on a CPU
+# that only emulates it; CI runs the CPU benchmarks' dry run this way
+CPU_BF16_ENV = "HF_DTRAIN_CPU_BF16"
+
+
+def cpu_bf16() -> tuple[bool, str]:
+    """Whether this CPU computes bf16 natively (AMX tiles, or AVX-512 BF16 instructions: torch's own detection) and
+    so a CPU path may choose bf16 for speed; with ``HF_DTRAIN_CPU_BF16=0``, never. Returns ``(native, what to
+    record)``. Where bf16 is only emulated (AVX2 alone) a bf16 matmul runs about 90x slower than fp32: the paths
+    that chose bf16 for speed (the CPU throughput benchmark, ``gpu_check``'s dry run) take fp32 and say so."""
+    import torch
+
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    avx512 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    native = "bf16 native (AMX)" if amx else "bf16 native (AVX-512 BF16)" if avx512 else None
+    if os.environ.get(CPU_BF16_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return False, f"{native or 'bf16 emulated'}; treated as unsupported ({CPU_BF16_ENV}=0): fp32"
+    if native is None:
+        return False, "bf16 emulated (no AMX / AVX-512 BF16): fp32"
+    return True, native
+
+
 __getattr__, __dir__, _lazy_all = lazy.attach(
     __name__,
     submod_attrs={
@@ -50,4 +73,4 @@ __getattr__, __dir__, _lazy_all = lazy.attach(
         "profile": ["StepProfile", "FAMILIES"],
     },
 )
-__all__ = ["enabled", "set_enabled", "disabled", *_lazy_all]
+__all__ = ["enabled", "set_enabled", "disabled", "cpu_bf16", "CPU_BF16_ENV", *_lazy_all]

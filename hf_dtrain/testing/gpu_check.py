@@ -631,6 +631,7 @@ def _throughput_rows(payload: dict) -> dict:
     return {
         "preset": payload["preset"],
         "batch": payload["batch"],
+        "peak_source": payload.get("peak_source"),  # the compute dtype the CPU could take (bf16 or fp32)
         "checkpointing": payload.get("checkpointing", False),
         "rows": {k: r for k, r in rows.items() if k not in missing and k not in failed},
         "failed": failed,
