@@ -95,7 +95,7 @@ def base(tmp_path_factory):
     return tiny_default_base(tmp_path_factory.mktemp("base"), steps=50)
 
 
-def _killed(tmp_path, base, launcher, kills, fsdp=True, method="lora"):
+def _killed(tmp_path, base, launcher, kills, fsdp=True, method="lora", extra=()):
     out, ft_dir, log = tmp_path / "run", tmp_path / "ft", tmp_path / "kills"
     try:
         run(
@@ -108,6 +108,7 @@ def _killed(tmp_path, base, launcher, kills, fsdp=True, method="lora"):
                 "--kill-log",
                 str(log),
                 *job(base, out, ft_dir, fsdp, method),
+                *extra,
             ],
             out,
         )
@@ -152,6 +153,34 @@ def test_finetune_fsdp_under_torchrun_resumes_exactly_after_10_kills(tmp_path, b
     assert results["engine"] == "fsdp2"
     assert results["fault_tolerance"]["restored"] == {"step": STEPS, "source": "memory"}  # killed after the last
     assert not _smp_left(ft_dir)  # the finished run stopped its snapshot processes
+
+
+# the resume matrix's FSDP2-under-the-Trainer cells beyond the two above: (method, its extra flags)
+METHODS = [
+    ("smt", []),
+    ("qahira", ["--quantize", "int4"]),  # QA-HiRA on a 4-bit base, its packed weights sharded
+    ("lorafa", ["--lorafa.optimizer", "false"]),  # LoRA-FA under the Trainer's AdamW
+]
+
+
+@pytest.mark.parametrize("method, extra", METHODS, ids=[m for m, _ in METHODS])
+def test_each_method_killed_once_on_fsdp2_resumes_exactly(tmp_path, base, method, extra):
+    """One rank killed mid-step at a seeded random step, the job relaunched by torchrun: every logged loss equals
+    the uninterrupted run's (``float.hex``), none missing, and the last generation restored a snapshot."""
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--monitor-interval", "0.2"]
+    ref = tmp_path / "ref"
+    run(
+        [sys.executable, *torchrun, "--master-port", str(free_port()), "-m", *job(base, ref, method=method), *extra],
+        ref,
+    )
+    rng = random.Random(f"{method} {extra}")
+    kills = f"0:{rng.randrange(WORLD)}:{rng.randint(2, 4)}:mid_step"
+    launcher = [*torchrun, "--master-port", str(free_port()), "--max-restarts", "1", "-m"]
+    out, ft_dir, _ = _killed(tmp_path, base, launcher, kills, method=method, extra=extra)
+    assert losses(out) == losses(ref)
+    restored = json.load(open(out / "results.json"))["fault_tolerance"]["restored"]
+    assert restored is not None and restored["source"] == "memory", restored
+    assert not _smp_left(ft_dir)
 
 
 def test_accelerate_fsdp2_config_killed_mid_step_resumes_exactly(tmp_path, base):
