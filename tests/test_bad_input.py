@@ -229,6 +229,7 @@ FLAGS = [
     ("finetune", ["--model", "./no/such/dir"], r"./no/such/dir"),
     ("finetune", ["--quantize", "int8"], r"quantize"),
     ("finetune", ["--per-device-train-batch-size", "0"], r"per_device_train_batch_size"),
+    ("finetune", ["--target-modules", "no_such_proj"], r"target_modules=\['no_such_proj'\] match no module.*q_proj"),
     ("finetune", ["--max-length", "1"], r"max_length=1 must be >= 2"),  # TRL stopped on a one-token sequence
     ("finetune", ["--seed", "-1"], r"seed=-1 must be in 0 \.\. 2\*\*32 - 1"),  # numpy refused it after start-up
     ("sweep", ["--seed", "0,-1"], r"seed=-1 must be in 0 \.\. 2\*\*32 - 1"),

@@ -267,9 +267,23 @@ class FinetuneJob(JobConfig):
         )
 
     def build_peft_config(self, model):
-        """The peft config to train: the saved one (``peft_config``), or the method's (None for full fine-tuning)."""
+        """The peft config to train: the saved one (``peft_config``), or the method's (None for full fine-tuning).
+        ``target_modules`` that match no module of ``model`` are refused here, naming the model's linear layers
+        (peft raised its own traceback, after the data and the model were loaded)."""
         if self.peft_config is not None:
             return load_peft_config(self.peft_config)
+        if self.target_modules and self.method_entry.name != "full":
+            names = [name for name, _ in model.named_modules()]
+            if not any(n == t or n.endswith("." + t) for n in names for t in self.target_modules):
+                import torch
+
+                linear = sorted(
+                    {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+                )
+                raise SettingsError(
+                    f"target_modules={self.target_modules} match no module of the model; its linear layers are "
+                    f"{', '.join(linear) or 'none'}: set --target-modules to some of them (comma-separated)."
+                )
         return self.method_entry.build_config(self.adapter, self.method_settings, model)
 
     def engine_settings_given(self) -> list[str]:
