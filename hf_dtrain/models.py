@@ -394,6 +394,14 @@ def load_model_and_tokenizer(
             f"--model {path} does not load as a causal LM ({type(e).__name__}: {_first_line(e)}); check its "
             "config.json and weights, or save it again with save_pretrained."
         ) from e
+    except RuntimeError as e:  # transformers' refusal of weights whose shapes are not its config's (only that)
+        if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise ModelLoadError(
+            f"--model {path}: its weights do not have the shapes its config.json gives (transformers: "
+            f"{_first_line(e)}; its report above names the tensors); fix config.json to the checkpoint's model, or "
+            "save the model again with save_pretrained."
+        ) from e
     return lm, tokenizer
 
 

@@ -380,3 +380,22 @@ def test_a_snapshot_directory_too_long_for_a_unix_socket_is_named(tmp_path):
     long_dir = str(tmp_path / ("d" * 90))
     with pytest.raises(ValueError, match=r"smp.sock is \d+ bytes; Unix sockets allow 107.*fault_tolerance.directory"):
         SnapshotEngine(tiny_llama(seed=0, hidden_size=32), directory=long_dir, parity=0)
+
+
+def test_a_model_whose_config_does_not_match_its_weights_is_named(tmp_path, capsys):
+    """A checkpoint whose config.json gives other shapes than its weights: one line naming the directory and the fix
+    (transformers' RuntimeError traceback before)."""
+    import json
+    import shutil
+
+    from hf_dtrain.testing import tiny_default_base
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_default_base(tmp_path / "cache", steps=1), model)
+    config = json.loads((model / "config.json").read_text())
+    config["hidden_size"] *= 2
+    (model / "config.json").write_text(json.dumps(config))
+    argv = ["finetune", "--model", str(model), "--max-steps", "1", "--output-dir", str(tmp_path / "out")]
+    out, code = _exit_message([*argv, "--progress", "false", "--report", "false"], capsys)
+    assert code not in (0, None) and "Traceback" not in out
+    assert f"--model {model}: its weights do not have the shapes its config.json gives" in out, out[-2000:]
