@@ -59,6 +59,12 @@ class StepTracker(MemTracker):
                 del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
+    def track_as_parameters(self, tensors) -> None:
+        """Tensors created before the step that belong to the weights but are no parameter or buffer (a 4-bit
+        layer's scales): counted as parameters (``track_external`` would count them as "other")."""
+        for tensor in tensors:
+            self._update_and_maybe_create_winfos(tensor, _MemRefType.PARAM)
+
     def _track_gradient(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
@@ -102,8 +108,7 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
 
     tracker = StepTracker()
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    for tensor in quantized_state(model):  # a 4-bit weight's scales, held outside its parameter
-        tracker._update_and_maybe_create_winfos(tensor, _MemRefType.PARAM)
+    tracker.track_as_parameters(quantized_state(model))  # a 4-bit weight's scales, held outside its parameter
     collecting = gc.isenabled()
     gc.collect()
     gc.disable()  # within a step, no cyclic collection (see below); between steps, one

@@ -12,6 +12,7 @@ from collections import Counter
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import enabled
 from .blocks import shared_input_lowrank, swiglu_lowrank
@@ -44,9 +45,10 @@ def _hooked(module: nn.Module) -> bool:
 def _plain_tensor(t) -> bool:
     """Not a tensor subclass (a DTensor, a ZeRO-3 partition), or a fake tensor (a memory trace) standing for a plain
     one: the trace takes the path the run would."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    return t is None or type(t.data) in _PLAIN
 
-    return t is None or type(t.data) in (torch.Tensor, FakeTensor)
+
+_PLAIN = (torch.Tensor, FakeTensor)  # checked per layer per forward: the type tuple built once
 
 
 def adapter_reason(layer, args, kwargs, adapters) -> str | None:

@@ -6,6 +6,7 @@ unpickled. The header is padded to a reserved size so the data offsets stay fixe
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import struct
@@ -87,11 +88,12 @@ def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "state
 def dtensor_layout(t) -> str:
     """A DTensor's layout as text: global shape and stride, placements, the mesh's ranks and dimension names. A
     restored shard is made a DTensor again on the layout of a parameter with the same text (``fsdp.as_shards``)."""
-    mesh = t.device_mesh
-    return (
-        f"{tuple(t.shape)}|{tuple(t.stride())}|{tuple(t.placements)}|{mesh.mesh.flatten().tolist()}|"
-        f"{mesh.mesh_dim_names}"
-    )
+    return f"{tuple(t.shape)}|{tuple(t.stride())}|{tuple(t.placements)}|{_mesh_text(t.device_mesh)}"
+
+
+@functools.lru_cache(maxsize=16)
+def _mesh_text(mesh) -> str:  # once per mesh, not once per state tensor per snapshot
+    return f"{mesh.mesh.flatten().tolist()}|{mesh.mesh_dim_names}"
 
 
 def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:

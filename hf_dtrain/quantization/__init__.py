@@ -156,22 +156,31 @@ def quantize_model_hqq(
     qcfg = BaseQuantizeConfig(nbits=4, group_size=group_size, quant_zero=False, quant_scale=False, axis=1)
     if _on_meta(model):
         qcfg["weight_quant_params"]["optimize"] = False
+
+    def make(full: str, child: nn.Linear) -> nn.Module:
+        if child.in_features % group_size:
+            raise SettingsError(
+                f"group_size={group_size} does not divide in_features={child.in_features} of "
+                f"{full!r}; choose a divisor of every quantized layer's input dimension."
+            )
+        return hqq(child, qcfg, compute_dtype=compute_dtype, device=str(child.weight.device))
+
+    return _replace_linears(model, make, skip, "quantize_model_hqq")
+
+
+def _replace_linears(model: nn.Module, make, skip, what: str) -> nn.Module:
+    """Every dense ``nn.Linear`` of ``model`` whose name does not end with one of ``skip`` replaced, in place, by
+    ``make(name, layer)``; none found is a ``SettingsError`` naming ``what`` looked."""
     replaced = 0
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if not isinstance(child, nn.Linear) or any(full.endswith(s) for s in skip):
+            if type(child) is not nn.Linear or any(full.endswith(s) for s in skip):
                 continue
-            if child.in_features % group_size:
-                raise SettingsError(
-                    f"group_size={group_size} does not divide in_features={child.in_features} of "
-                    f"{full!r}; choose a divisor of every quantized layer's input dimension."
-                )
-            device = str(child.weight.device)
-            setattr(parent, child_name, hqq(child, qcfg, compute_dtype=compute_dtype, device=device))
+            setattr(parent, child_name, make(full, child))
             replaced += 1
     if replaced == 0:
-        raise SettingsError("quantize_model_hqq found no nn.Linear to quantize.")
+        raise SettingsError(f"{what} found no nn.Linear to quantize.")
     return model
 
 
@@ -195,38 +204,30 @@ def quantize_model_nf4(
         raise ImportError("quantize='nf4' needs bitsandbytes>=0.46.1: pip install 'hf-dtrain[quant]'.")
     from bitsandbytes.nn import Params4bit
 
-    replaced = 0
-    for name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if type(child) is not nn.Linear or any(full.endswith(s) for s in skip):
-                continue
-            device = child.weight.device
-            layer = bnb4(
-                child.in_features,
-                child.out_features,
-                bias=child.bias is not None,
-                compute_dtype=compute_dtype,
-                quant_type="nf4",
-                quant_storage=quant_storage,
-                device="meta",
-            )
-            layer.weight = Params4bit(
-                child.weight.data,
-                requires_grad=False,
-                quant_type="nf4",
-                compress_statistics=False,
-                quant_storage=quant_storage,
-                module=layer,
-            )
-            layer.weight._quantize(device)  # Params4bit.to() leaves a meta weight unquantized
-            if child.bias is not None:
-                layer.bias = nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(parent, child_name, layer)
-            replaced += 1
-    if replaced == 0:
-        raise SettingsError("quantize_model_nf4 found no nn.Linear to quantize.")
-    return model
+    def make(full: str, child: nn.Linear) -> nn.Module:
+        layer = bnb4(
+            child.in_features,
+            child.out_features,
+            bias=child.bias is not None,
+            compute_dtype=compute_dtype,
+            quant_type="nf4",
+            quant_storage=quant_storage,
+            device="meta",
+        )
+        layer.weight = Params4bit(
+            child.weight.data,
+            requires_grad=False,
+            quant_type="nf4",
+            compress_statistics=False,
+            quant_storage=quant_storage,
+            module=layer,
+        )
+        layer.weight._quantize(child.weight.device)  # Params4bit.to() leaves a meta weight unquantized
+        if child.bias is not None:
+            layer.bias = nn.Parameter(child.bias.data, requires_grad=False)
+        return layer
+
+    return _replace_linears(model, make, skip, "quantize_model_nf4")
 
 
 def quantize_model(
