@@ -198,7 +198,7 @@ def test_every_way_of_starting_a_run_prefixes_the_launcher_store_with_the_genera
     class Started(Exception):
         pass
 
-    def record():
+    def record(backend=None, timeout=None):
         raise Started
 
     monkeypatch.setattr(groups, "init_distributed", record)
