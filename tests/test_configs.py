@@ -129,7 +129,12 @@ def test_the_config_reaches_the_engine_unchanged(tmp_path):
     cfg = FinetuneConfig.from_dict(
         {
             "delta": {"budget": 0.3, "objective": "memory", "allow_offload": False},
-            "fault_tolerance": {"parity": 0, "idle_exit": 5.0, "directory": str(tmp_path)},
+            "fault_tolerance": {
+                "parity": 0,
+                "idle_exit": 5.0,
+                "directory": str(tmp_path),
+                "persist_dir": str(tmp_path / "disk"),
+            },
         }
     )
 
@@ -142,9 +147,16 @@ def test_the_config_reaches_the_engine_unchanged(tmp_path):
 
     delta_cb, ft = callbacks(cfg)
     assert delta_cb.config is cfg.delta and ft.config is cfg.fault_tolerance
-    persisting = dataclasses.replace(cfg.fault_tolerance, persist_every=5)
-    _, ft = callbacks(dataclasses.replace(cfg, fault_tolerance=persisting))
-    assert ft.config == dataclasses.replace(persisting, persist_dir=str(tmp_path / "out" / "snapshots"))
+    # the jobs' one default: disk snapshots (every persist_every-th, and the one a preemption notice writes) under
+    # <output_dir>/snapshots when no persist_dir is given
+    for persisting in (
+        dataclasses.replace(cfg.fault_tolerance, persist_dir=None, persist_every=5),
+        dataclasses.replace(cfg.fault_tolerance, persist_dir=None),  # preempt_deadline 30 s by default
+    ):
+        _, ft = callbacks(dataclasses.replace(cfg, fault_tolerance=persisting))
+        assert ft.config == dataclasses.replace(persisting, persist_dir=str(tmp_path / "out" / "snapshots"))
+    off = dataclasses.replace(cfg.fault_tolerance, persist_dir=None, preempt_deadline=0)
+    assert callbacks(dataclasses.replace(cfg, fault_tolerance=off))[1].config is off
     model = tiny_llama()
     try:
         engine = SnapshotEngine(model, config=cfg.fault_tolerance)

@@ -68,6 +68,92 @@ def init_distributed(backend: str | None = None, timeout=None) -> bool:
     return True
 
 
+class _StopSignals:
+    """The process's one watcher of stop signals (SIGTERM, SIGUSR1): ``signal.set_wakeup_fd`` and a thread that reads
+    it, so a signal is acted on even while the main thread sits inside a collective (a Python handler would wait for
+    the collective to return, forever when a peer is gone). Each signal goes to the listeners that asked for it,
+    highest ``priority`` first, until one returns True (it took charge); when none does, the rank exits as the
+    signal's default action would (status 128 + the signal)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[tuple[int, int, tuple, object]] = []  # (priority, order, signals, listener)
+        self.previous: dict[int, object] = {}
+        self.lock = threading.Lock()
+        self.read_fd = self.write_fd = None
+        self.previous_fd = None
+        self.thread: threading.Thread | None = None
+        self.order = 0
+
+    def add(self, listener, signals: tuple, priority: int) -> object | None:
+        if threading.current_thread() is not threading.main_thread():  # handlers are set from the main thread only
+            return None
+        with self.lock:
+            if self.thread is None:
+                self.read_fd, self.write_fd = os.pipe()
+                os.set_blocking(self.write_fd, False)
+                self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+                self.thread = threading.Thread(
+                    target=self._run, args=(self.read_fd,), daemon=True, name="hf_dtrain-stop"
+                )
+                self.thread.start()
+            for s in signals:
+                if s not in self.previous:  # the wake-up thread acts; the handler only makes the signal non-fatal
+                    self.previous[s] = signal.signal(s, lambda *_: None)
+            self.order += 1
+            entry = (priority, self.order, tuple(signals), listener)
+            self.listeners.append(entry)
+            return entry
+
+    def remove(self, entry) -> None:
+        if entry is None:
+            return
+        with self.lock:
+            self.listeners.remove(entry)
+            wanted = {s for _, _, signals, _ in self.listeners for s in signals}
+            for s in [s for s in self.previous if s not in wanted]:
+                signal.signal(s, self.previous.pop(s))
+            if self.listeners or self.thread is None:
+                return
+            signal.set_wakeup_fd(self.previous_fd)
+            thread, write_fd, read_fd = self.thread, self.write_fd, self.read_fd
+            self.thread = self.read_fd = self.write_fd = None
+        os.close(write_fd)  # the thread reads EOF and ends
+        thread.join(timeout=5)
+        os.close(read_fd)
+
+    def _run(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                with self.lock:
+                    ordered = sorted(self.listeners, key=lambda e: (-e[0], -e[1]))
+                    asked = [e[3] for e in ordered if signum in e[2]]
+                    if not asked and signum not in self.previous:
+                        continue  # another handler's signal (SIGINT's KeyboardInterrupt): not ours
+                if not any(listener(signum) for listener in asked):
+                    os._exit(128 + signum)
+
+
+_STOP = _StopSignals()
+
+
+@contextlib.contextmanager
+def stop_signals(listener, signals: tuple = (signal.SIGTERM,), priority: int = 0):
+    """While inside, ``listener(signum) -> bool`` hears ``signals`` from the stop-signal thread (see
+    :class:`_StopSignals`), after listeners of higher ``priority``; True: it took charge (the rank goes on until it
+    exits by itself). Outside the main thread it does nothing (signals stay as they were)."""
+    entry = _STOP.add(listener, signals, priority)
+    try:
+        yield
+    finally:
+        _STOP.remove(entry)
+
+
 class RankFailure(UserError, RuntimeError):
     """Another rank stopped (killed, crashed, its host lost) while this one was in a collective with it."""
 
@@ -187,20 +273,12 @@ class RankMonitor:
             f"{self.resume_hint[1:]}."
         )
 
-    def _on_launcher_stop(self, read_fd: int) -> None:
-        """The thread that wakes when SIGTERM arrives: a launcher (torchrun's agent) stops the survivors at once
-        when a rank dies, before any collective could fail. It says so, with the step and the resume hint, and exits
-        as SIGTERM would, at once: the heartbeats could name the dead rank only after ``3 * interval`` (the
-        launcher's table names it), and every restart would wait that long."""
-        while True:
-            try:
-                data = os.read(read_fd, 64)
-            except OSError:
-                return
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                break
+    def _on_launcher_stop(self, signum: int) -> bool:
+        """A launcher (torchrun's agent) stops the survivors with SIGTERM at once when a rank dies, before any
+        collective could fail: this says so, with the step and the resume hint, and exits as SIGTERM would, at once
+        (the heartbeats could name the dead rank only after ``3 * interval``; the launcher's table names it, and
+        every restart would wait that long). Asked after a preemption handler (``hf_dtrain.fault``), which claims
+        the signal when fault tolerance is on."""
         if self.step_of is not None:
             with contextlib.suppress(Exception):
                 self._step = self.step_of()
@@ -216,26 +294,13 @@ class RankMonitor:
     @contextlib.contextmanager
     def _launcher_stop(self):
         """Under a launcher (torchrun, accelerate launch), SIGTERM prints the resume hint (:meth:`_on_launcher_stop`)
-        instead of ending the rank without a word. Only from the main thread, where signal handlers are set."""
+        instead of ending the rank without a word."""
         launched = "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
-        if not launched or threading.current_thread() is not threading.main_thread():
+        if not launched:
             yield
             return
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        previous = signal.signal(signal.SIGTERM, lambda *_: None)  # the wake-up thread acts, even while the main
-        # thread is inside a collective (a Python handler would wait for it to return)
-        waker = threading.Thread(target=self._on_launcher_stop, args=(read_fd,), daemon=True, name="hf_dtrain-sigterm")
-        waker.start()
-        try:
+        with stop_signals(self._on_launcher_stop, (signal.SIGTERM,), priority=0):
             yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            signal.set_wakeup_fd(previous_fd)
-            os.close(write_fd)  # the thread reads EOF and ends
-            waker.join(timeout=5)
-            os.close(read_fd)
 
     @contextlib.contextmanager
     def guard(self):

@@ -73,6 +73,7 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
         self.restored: Restored | None = None
         self.snapshots = 0  # taken in this process's run (after train: the count)
         self._deferred: int | None = None  # a step whose snapshot waits for the Trainer's log of it (on_log)
+        self._notice = 0  # a preemption notice agreed at this step boundary (the signal), acted on with its snapshot
         self._trainer = None  # whose checkpoint loaders resume_checkpoint replaced until train() begins
 
     def add_stateful(self, name: str, obj) -> None:
@@ -215,7 +216,10 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
             self.engine.wait()  # the copy in flight reads what this step is about to change
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.engine is None or state.global_step % self.every_n_steps:
+        if self.engine is None:
+            return
+        self._notice = self.engine.notice()  # a preemption notice on any rank: every rank stops after this step
+        if state.global_step % self.every_n_steps and not self._notice:
             return
         if control.should_log:
             # the Trainer logs this step's loss right after on_step_end: the snapshot is taken in on_log, so the
@@ -234,7 +238,10 @@ class InMemoryFaultToleranceCallback(TrainerCallback):
 
     def _snapshot(self, state) -> None:
         trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
-        self.engine.snapshot(state.global_step, extra={"trainer_state": trainer_state})
+        extra = {"trainer_state": trainer_state}
+        if self._notice:  # the snapshot of this step, on disk, then the exit
+            self.engine.stop_for_notice(state.global_step, extra, self._notice)
+        self.engine.snapshot(state.global_step, extra=extra)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._trainer is not None:

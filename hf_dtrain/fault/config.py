@@ -52,6 +52,13 @@ class SnapshotConfig:
         "aside to <persist_dir>.discarded-<time>). Without it, a job whose snapshots are lost or belong to "
         "another job stops with a message instead of starting over.",
     )
+    preempt_deadline: float = setting(
+        30.0,
+        "SIGTERM or SIGUSR1 (a preemption notice) to the ranks: seconds they have to finish the step, agree on it and "
+        "write its snapshot to persist_dir before exiting with status 128 + the signal (a relaunch resumes after that "
+        "step); 0: the signal ends a rank as a crash would.",
+        min=0,
+    )
     trainable_only: bool | None = setting(
         None, "Store only trainable parameters; default: yes when some parameters are frozen (PEFT)."
     )

@@ -50,6 +50,7 @@ class SnapshotCopier:
         self._error: BaseException | None = None
         self.pending = None  # (step, header, tensors, total, extra) of the snapshot being written
         self.last: tuple[int, Any] | None = None  # (step, extra) of the newest committed or restored snapshot
+        self.committed: tuple[int, int, int, dict] | None = None  # (step, slot, bytes, manifest) of the newest commit
         self.stats = {"snapshots": 0, "stall_seconds": [], "copy_seconds": [], "wait_seconds": [], "bytes": 0}
 
     # ---- the training thread -------------------------------------------------------------------------------------
@@ -109,6 +110,14 @@ class SnapshotCopier:
         self.pending = None
         if self.persister.finished():
             self.persister.raise_error()
+
+    def committed_bytes(self, step: int):
+        """The bytes and manifest of the committed snapshot of ``step`` (after ``wait()``), from its slot, or None
+        when the newest commit is of another step."""
+        if self.committed is None or self.committed[0] != step or self.committed[1] not in self.maps:
+            return None
+        _, slot, total, manifest = self.committed
+        return bytearray(memoryview(self.maps[slot][1])[:total]), manifest
 
     def respawn(self, error: BaseException) -> None:
         """A new snapshot process in place of the lost one; the slots mapped from the old one are let go."""
@@ -222,6 +231,7 @@ class SnapshotCopier:
             self.stats["snapshots"] += 1
             self.stats["bytes"] = total
             self.last = (step, extra)
+            self.committed = (step, slot, total, manifest)
             self.record.mark_committed(step)
             if self.persister.due(step):
                 self.persister.start(step, bytearray(memoryview(buf)[:total]), manifest)

@@ -28,8 +28,12 @@ class Persister:
     shard map (set at the first snapshot by :meth:`prepare`; None where the layout does not reshard); ``group``: the
     gloo group the DCP copies are written over (its own, built at set-up)."""
 
-    def __init__(self, directory: str | None, every: int, ranks, record, process_group, timeout: float) -> None:
+    def __init__(
+        self, directory: str | None, every: int, ranks, record, process_group, timeout: float, on_notice: bool = False
+    ) -> None:
         self.directory, self.every, self.ranks, self.record = directory, every, ranks, record
+        # a preemption notice writes the step it stops after (``on_notice``): the DCP copy too, so it reshards
+        self.writes = bool(directory) and (bool(every) or on_notice)
         if directory:  # before any step: a directory that cannot be written fails now, not in the background
             check_writable(directory, "--fault-tolerance.persist-dir", mode=0o700)
             if ranks.first_on_node and os.path.isdir(directory):  # what a writer killed midway left
@@ -39,11 +43,11 @@ class Persister:
         self._error: WriteFailure | None = None
         # every persist_every-th snapshot is also a DCP checkpoint (restorable onto another world size), written by
         # the persist thread over a process group of its own
-        self.group = ranks.gloo_group(process_group, timeout) if every and ranks.distributed else None
+        self.group = ranks.gloo_group(process_group, timeout) if self.writes and ranks.distributed else None
 
     def prepare(self, source, optimizer) -> None:
         """Read the layout's shard map once (the Trainer hands the optimizer over after the engine is built)."""
-        if self.every and self.shards is None:
+        if self.writes and self.shards is None:
             self.shards = source.shard_map(optimizer)  # None: this layout does not reshard (ZeRO)
 
     def due(self, step: int) -> bool:
@@ -93,6 +97,15 @@ class Persister:
             fields = {"step": str(step), "world_size": str(self.ranks.world), **self.record.header()}
             fields["identity"] = json.dumps(self.record.identity, sort_keys=True)
             reshard.write_replicated(os.path.join(d, reshard.REPLICATED), replicated, fields, write_private)
+
+    def write_now(self, step: int, data, manifest: dict) -> str:
+        """Write the snapshot of ``step`` now, on this thread (a preemption notice: the process exits next); returns
+        its directory. A failed write raises :class:`~hf_dtrain.errors.WriteFailure`."""
+        self.join()
+        self.raise_error()
+        self._write(step, data, manifest)
+        self.raise_error()
+        return self.step_dir(step)
 
     def join(self) -> None:
         if self._thread is not None:

@@ -44,8 +44,9 @@ def run_identity(cfg, placement: tuple = ()) -> dict:
 
 def snapshot_config_for(config: SnapshotConfig, output_dir: str) -> SnapshotConfig:
     """The jobs' one default on top of the user's config: disk snapshots go under ``<output_dir>/snapshots`` when
-    ``persist_every`` is set and ``persist_dir`` is not."""
-    if config.persist_every and not config.persist_dir:
+    ``persist_every`` or ``preempt_deadline`` is set (a preemption notice writes the step it stops after) and
+    ``persist_dir`` is not."""
+    if (config.persist_every or config.preempt_deadline) and not config.persist_dir:
         return dataclasses.replace(config, persist_dir=os.path.join(output_dir, "snapshots"))
     return config
 
@@ -144,8 +145,13 @@ class FaultToleranceSection(Section):
             self.engine.wait()  # the snapshot in flight reads what this step changes
 
     def after_step(self, step: int, loss: float) -> None:
-        if self.engine is not None and step % self.cfg.fault_tolerance.every_n_steps == 0:
+        if self.engine is None:
+            return
+        if step % self.cfg.fault_tolerance.every_n_steps == 0:
             self.engine.snapshot(step, extra={"next_step": step + 1})
+        signum = self.engine.notice()  # a preemption notice on any rank: every rank stops after this step
+        if signum:
+            self.engine.stop_for_notice(step, {"next_step": step + 1}, signum)
 
     def end(self) -> None:
         if self.engine is not None:

@@ -14,9 +14,13 @@ that reshards onto another world size or layout: ``reshard.py``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import socket
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -30,6 +34,7 @@ from .copier import SnapshotCopier
 from .errors import SnapshotError, SnapshotMismatch
 from .node import NodeProcess, default_directory
 from .persist import Persister
+from .preempt import Preemption, signal_name
 from .ranks import Ranks
 from .record import FRESH_START, RunRecord, clean_temporaries, fingerprint_of, identity_of
 from .restore import Restored, Restorer
@@ -108,7 +113,13 @@ class SnapshotEngine:
         job = identity_of(identity or {}, fingerprint, model, optimizer, scheduler)
         self.record = RunRecord(job, fingerprint, placement, self.ranks)
         self.persister = Persister(
-            config.persist_dir, config.persist_every, self.ranks, self.record, process_group, config.timeout
+            config.persist_dir,
+            config.persist_every,
+            self.ranks,
+            self.record,
+            process_group,
+            config.timeout,
+            on_notice=config.preempt_deadline > 0,
         )
         base = config.directory or default_directory(job_key or f"job-{self.record.identity_hash}")
         self.node = NodeProcess(base, self.ranks, config.timeout, config.idle_exit)
@@ -121,6 +132,10 @@ class SnapshotEngine:
             self.ranks, self.node, self.record, self.persister, self.copier, self, fresh_start=config.fresh_start
         )
         self._step_hook = self.source.guard_step(self.wait)  # removed again by close()
+        # SIGTERM / SIGUSR1 as a preemption notice (preempt.py); closed by close()
+        self.preemption = None
+        if config.preempt_deadline:
+            self.preemption = Preemption(self.ranks, config.preempt_deadline, self._saved)
 
     # ---- what users and the callback read ------------------------------------------------------------------------
     model = property(lambda self: self.parts.model)
@@ -159,6 +174,48 @@ class SnapshotEngine:
     def wait(self) -> None:
         """Block until the snapshot in flight is committed (call before the next optimizer step)."""
         self.copier.wait()
+
+    # ---- preemption notices -------------------------------------------------------------------------------------
+    def notice(self) -> int:
+        """At every step boundary, on every rank: the preemption signal any rank got (0: none; one small all-reduce).
+        When it is not 0, call :meth:`stop_for_notice` with this step (the Trainer callback and the jobs do)."""
+        return self.preemption.agree() if self.preemption is not None else 0
+
+    def stop_for_notice(self, step: int, extra: Any, signum: int) -> None:
+        """Every rank got (or learnt of) a preemption notice: the snapshot of ``step`` (taken now unless it is the
+        newest), written to ``persist_dir``, a line saying where and how to resume, and the exit (status 128 +
+        ``signum``). Does not return."""
+        t0 = time.monotonic()
+        self.wait()
+        if self.copier.committed is None or self.copier.committed[0] != step:
+            self.snapshot(step, extra)
+            self.wait()
+        where = "the snapshot processes' memory only (no fault_tolerance.persist_dir: it goes with this node)"
+        if self.persister.directory:
+            data = self.copier.committed_bytes(step)
+            if data is None:
+                raise SnapshotError(f"rank {self.rank}: the snapshot of step {step} is not in its slot any more")
+            where = self.persister.write_now(step, *data)
+        self.ranks.barrier()  # every rank's copy is written: the step is complete on disk
+        p = self.preemption
+        name = signal_name(signum)
+        line = (
+            f"hf_dtrain: rank {self.rank} (host {socket.gethostname()}) stopped for {name} (a preemption notice) after "
+            f"step {step}, saved to {where} in {time.monotonic() - t0:.2f} s ({p.elapsed() if p else 0.0:.2f} s after "
+            f"the signal); relaunch the same command to resume at step {step + 1}."
+        )
+        print(line, file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(128 + signum)
+
+    def _saved(self) -> str:
+        """The newest saved step, in words (for a rank that exits without saving)."""
+        last = self.copier.committed[0] if self.copier.committed else None
+        disk = self.persister.steps()
+        return (
+            f"The newest snapshot in memory is of step {last}" if last is not None else "No snapshot in memory yet"
+        ) + (f"; on disk, step {disk[-1]} ({self.persister.directory})." if disk else ".")
 
     # ---- restoring -----------------------------------------------------------------------------------------------
     def restore(self, apply: bool = True) -> Restored | None:
@@ -255,6 +312,9 @@ class SnapshotEngine:
         """Finish the snapshot in flight; with ``shutdown`` (the run is over) record the job as completed and stop the
         node's snapshot process."""
         self.wait()
+        if self.preemption is not None:
+            self.preemption.close()
+            self.preemption = None
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None

@@ -117,6 +117,7 @@ def _start_snapshots(kind: str, model, ddp, opt, sched, fault: Fault):
         parity=int(os.environ.get("FT_PARITY", "1")),
         persist_dir=persist,
         persist_every=int(os.environ.get("FT_PERSIST_EVERY", "0")),
+        preempt_deadline=0,  # SIGUSR1 stays faulthandler's: the launcher asks a hung rank for its stacks with it
         timeout=30,
     )
     if fault.at("mid_snapshot"):
