@@ -92,9 +92,10 @@ class Preemption:
 
     def exit(self, line: str, signum: int | None = None) -> None:
         """Print ``line`` and end the process with status 128 + the signal (no clean-up that could wait on a peer)."""
-        print(line, file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
+            sys.stderr.write(line + "\n")  # one write: the ranks' lines do not interleave
+            sys.stderr.flush()
         os._exit(128 + (signum or self.signum or signal.SIGTERM))
 
     def close(self) -> None:

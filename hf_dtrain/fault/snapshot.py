@@ -197,16 +197,18 @@ class SnapshotEngine:
                 raise SnapshotError(f"rank {self.rank}: the snapshot of step {step} is not in its slot any more")
             where = self.persister.write_now(step, *data)
         self.ranks.barrier()  # every rank's copy is written: the step is complete on disk
-        p = self.preemption
-        name = signal_name(signum)
+        since = self.preemption.elapsed() if self.preemption is not None else 0.0
+        megabytes = self.copier.stats["bytes"] / 1e6
         line = (
-            f"hf_dtrain: rank {self.rank} (host {socket.gethostname()}) stopped for {name} (a preemption notice) after "
-            f"step {step}, saved to {where} in {time.monotonic() - t0:.2f} s ({p.elapsed() if p else 0.0:.2f} s after "
-            f"the signal); relaunch the same command to resume at step {step + 1}."
+            f"hf_dtrain: rank {self.rank} (host {socket.gethostname()}) stopped for {signal_name(signum)} (a "
+            f"preemption notice) after step {step}, saved {megabytes:.1f} MB to {where} in "
+            f"{time.monotonic() - t0:.2f} s ({since:.2f} s after the signal); relaunch the same command to resume at "
+            f"step {step + 1}."
         )
-        print(line, file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
+            sys.stderr.write(line + "\n")  # one write: the ranks' lines do not interleave
+            sys.stderr.flush()
         os._exit(128 + signum)
 
     def _saved(self) -> str:
