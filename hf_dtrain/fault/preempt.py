@@ -39,6 +39,7 @@ class Preemption:
         self.received: float | None = None  # its time.monotonic()
         self.host = socket.gethostname()
         self._timer: threading.Timer | None = None
+        self._pending = None  # (work, tensor) of the all-reduce the last step boundary started
         self._stack = contextlib.ExitStack()
         # above the rank monitor's listener, which would take a SIGTERM for the launcher stopping the survivors
         self._stack.enter_context(stop_signals(self._notice, NOTICE_SIGNALS, priority=10))
@@ -65,18 +66,26 @@ class Preemption:
         )
 
     def agree(self) -> int:
-        """At a step boundary, on every rank: the signal any rank got (0: none), by one all-reduce of the signal
-        numbers (MAX) on the engine's control group. When the others do not answer and this rank got a notice, it is
-        a launcher stopping the survivors of a rank that died: said, and the rank exits at once."""
+        """At a step boundary, on every rank: the signal any rank had got by the previous boundary (0: none). Each
+        boundary starts an all-reduce (MAX) of the signal numbers on the engine's control group and reads the one the
+        previous boundary started, done by now in the background: no wait in the step, and every rank reads the same
+        value at the same step, one step after the signal at most. When the others do not answer and this rank got a
+        notice, it is a launcher stopping the survivors of a rank that died: said, and the rank exits at once."""
         ranks = self.ranks
         if not ranks.distributed:
             return self.signum
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([self.signum], dtype=torch.int64)
+        agreed = 0
         try:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ranks.group)
+            if self._pending is not None:
+                work, t = self._pending
+                self._pending = None
+                work.wait()
+                agreed = int(t.item())
+            t = torch.tensor([self.signum], dtype=torch.int64)
+            self._pending = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ranks.group, async_op=True), t)
         except Exception as e:
             if not self.signum:
                 raise  # the rank monitor names the dead rank
@@ -85,7 +94,7 @@ class Preemption:
                 f"at the step boundary ({type(e).__name__}), most likely because another rank failed and the launcher "
                 f"stopped the rest (its summary names it). {self.describe()} Relaunch the same command to resume."
             )
-        return int(t.item())
+        return agreed
 
     def elapsed(self) -> float:
         return 0.0 if self.received is None else time.monotonic() - self.received
@@ -99,6 +108,11 @@ class Preemption:
         os._exit(128 + (signum or self.signum or signal.SIGTERM))
 
     def close(self) -> None:
+        """Wait for the all-reduce in flight (every rank started it), stop listening."""
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending[0].wait()
+            self._pending = None
         if self._timer is not None:
             self._timer.cancel()
         self._stack.close()
