@@ -1,8 +1,10 @@
 """A job's process group takes the job's collective timeout (``pretrain --process-group-timeout``, the Trainer's
-``--ddp-timeout``): a rank that hangs without dying ends the run after it, not after torch's half hour."""
+``--ddp-timeout``): a rank that hangs without dying ends the run after it, not after torch's half hour, and the rank
+monitor names it (alive, not in a collective, where its main thread is)."""
 
 import multiprocessing as mp
 import os
+import re
 import time
 
 import pytest
@@ -22,14 +24,16 @@ def _rank(rank: int, port: int, out) -> None:
     from hf_dtrain.run.job import JobRun
 
     cfg = pretrain_config_class().from_dict({"process_group_timeout": 3, "progress": False})
-    JobRun(cfg, world_size=2)  # starts the process group as the job does
+    run = JobRun(cfg, world_size=2)  # starts the process group as the job does
     if rank == 1:  # alive and silent: never joins the collective
-        time.sleep(60)
+        with run.guard(step_of=lambda: 7):  # the rank monitor, as the jobs run their loops
+            time.sleep(60)
         return
     try:
-        dist.barrier()
+        with run.guard(step_of=lambda: 7):
+            dist.barrier()
         out.put("the barrier returned")
-    except Exception as e:  # gloo's timeout
+    except Exception as e:  # gloo's timeout, as the monitor says it
         out.put(f"{type(e).__name__}: {e}")
 
 
@@ -45,7 +49,13 @@ def test_a_hanging_rank_ends_the_run_after_the_jobs_timeout():
     finally:
         for p in procs:
             p.kill()
-    assert "timed out" in said.lower() or "timeout" in said.lower(), said
+    # the rank that hangs is named, alive, with where its main thread is
+    assert said.startswith("RankFailure: hf_dtrain: rank 0 "), said
+    assert re.search(
+        r"rank 1 \(host .*, pid \d+, at step 7\) is alive but not in a collective: its main thread is "
+        r"at test_process_group_timeout.py:\d+ in _rank",
+        said,
+    ), said
 
 
 def test_the_timeout_is_checked():

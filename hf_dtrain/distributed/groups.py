@@ -206,9 +206,12 @@ class RankMonitor:
         if self.step_of is not None:
             self._step = self.step_of()
         self._beats += 1
+        waiting, at = _main_thread_place()
         self.store.set(
             self.prefix + str(self.rank),
-            json.dumps({"n": self._beats, "host": self.host, "pid": self.pid, "step": self.step}),
+            json.dumps(
+                {"n": self._beats, "host": self.host, "pid": self.pid, "step": self.step, "waiting": waiting, "at": at}
+            ),
         )
 
     @property
@@ -261,7 +264,22 @@ class RankMonitor:
             if r != self.rank and (r not in second or second[r]["n"] == first.get(r, {}).get("n"))
         ]
         if not dead:
-            return None
+            # every peer alive: one whose main thread is not inside a collective never joined the one this rank
+            # waited in (it hangs elsewhere, or runs another code path)
+            hung = [r for r in range(self.world) if r != self.rank and second.get(r, {}).get("waiting") is False]
+            if not hung:
+                return None
+            named = "; ".join(
+                f"rank {r} (host {second[r].get('host', '?')}, pid {second[r].get('pid', '?')}, at step "
+                f"{second[r].get('step', '?')}) is alive but not in a collective: its main thread is at "
+                f"{second[r].get('at', '?')}"
+                for r in hung
+            )
+            return (
+                f"hf_dtrain: rank {self.rank} (host {self.host}) waited in a collective at step {self.step} until the "
+                f"timeout; {named}. That rank hangs or took another code path; rank {self.rank} stops. "
+                f"{self.resume_hint[0].upper()}{self.resume_hint[1:]}."
+            )
         beats = {r: second.get(r, {}) for r in dead}
         named = ", ".join(
             f"rank {r} (host {b.get('host', '?')}, pid {b.get('pid', '?')}, last at step {b.get('step', '?')})"
@@ -321,6 +339,20 @@ class RankMonitor:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+
+
+# where a rank's main thread waits on its peers: a collective (torch.distributed), or DDP's reducer inside backward
+_WAITING = (os.path.join("torch", "distributed", ""), os.path.join("torch", "autograd", ""))
+
+
+def _main_thread_place() -> tuple[bool, str]:
+    """Whether the main thread's innermost Python frame waits on peers (in ``torch.distributed``, or in autograd
+    where DDP's reducer waits), and where it is (``file:line in function``)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return False, "?"
+    name = frame.f_code.co_filename
+    return any(w in name for w in _WAITING), f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def is_comm_error(e: BaseException) -> bool:
