@@ -66,11 +66,13 @@ def run_preempted(
     marker: str = "hf_dtrain.cli",
     timeout: float = 600,
     cwd: str | None = None,
+    after_exit=None,
 ) -> PreemptedRun:
     """Run ``cmd`` (a launcher) to its end; ``at``: ``(n, signum)`` pairs, ascending: when rank 0 has logged its
     ``n``-th step line (counted over the whole output, restarts included), ``signum`` goes to every process below
     the launcher whose command line holds ``marker``, at once. Each notice records the seconds from the signal until
-    the last of those processes exited."""
+    the last of those processes exited; ``after_exit(i)`` is then called for the ``i``-th notice (the node lost: its
+    snapshot processes killed before the launcher's restart has started Python again)."""
     import psutil
 
     pending = list(at)
@@ -99,10 +101,13 @@ def run_preempted(
                         except psutil.NoSuchProcess:
                             pass
                     notices.append(notice)
+                    index = len(notices) - 1
 
-                    def timed(notice=notice, workers=workers):
+                    def timed(notice=notice, workers=workers, i=index):
                         psutil.wait_procs(workers, timeout=timeout)
                         notice.seconds_to_exit = time.monotonic() - notice.sent
+                        if after_exit is not None:
+                            after_exit(i)
 
                     threading.Thread(target=timed, daemon=True).start()
             proc.wait()

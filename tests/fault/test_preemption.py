@@ -117,9 +117,9 @@ def notices(seed: int, count: int, last: int) -> list[tuple[int, int]]:
     return [(n, rng.choice((signal.SIGTERM, signal.SIGUSR1))) for n in lines]
 
 
-def check_stops(done, expected: int, resumed: str) -> list[int]:
+def check_stops(done, expected: int, resumed: str, sources=None) -> list[int]:
     """Each notice stopped every rank after one same step, said so, and the next generation resumed right after it
-    (``resumed`` a pattern with {step}); returns the steps."""
+    (``resumed`` a pattern with {step} and {source}: ``sources[i]``, memory by default); returns the steps."""
     stops = done.stops()
     assert len(stops) == expected * WORLD, done.output[-4000:]
     steps = []
@@ -127,7 +127,8 @@ def check_stops(done, expected: int, resumed: str) -> list[int]:
         pair = stops[i * WORLD : (i + 1) * WORLD]
         assert sorted(r for r, _, _ in pair) == list(range(WORLD)) and len({s for _, _, s in pair}) == 1, pair
         steps.append(pair[0][2])
-        assert re.search(resumed.format(step=pair[0][2]), done.output), (pair, done.output[-4000:])
+        source = (sources or {}).get(i, "memory")
+        assert re.search(resumed.format(step=pair[0][2], source=source), done.output), (pair, done.output[-4000:])
     assert all(n.seconds_to_exit is not None for n in done.notices), done.notices
     return steps
 
@@ -173,7 +174,7 @@ def test_pretrain_fsdp2_under_accelerate_launch_preempted_twice(tmp_path):
             cwd=ROOT,
         )
         assert done.returncode == 0, done.output[-4000:]
-        check_stops(done, 2, r"resumed after step {step} from memory")
+        check_stops(done, 2, r"resumed after step {step} from {source}")
         assert history(out) == history(ref)
     finally:
         stop_snapshot_processes(ft_dir)
@@ -185,8 +186,10 @@ def test_pretrain_fsdp2_under_accelerate_launch_preempted_twice(tmp_path):
     ids=["fsdp2-torchrun", "ddp-accelerate"],
 )
 def test_trainer_preempted_three_times_resumes_exactly(tmp_path, base, launcher, fsdp, seed):
-    """The Trainer (LoRA), preempted three times under the launcher's restarts: each notice's step is the step the
-    next generation resumes after, and the logged losses equal the uninterrupted run's."""
+    """The Trainer (LoRA), preempted three times under the launcher's restarts, the node lost after the second
+    notice (its snapshot processes killed once the ranks exited, before the restart starts Python): each notice's
+    step is the step the next generation resumes after (from memory, from the disk copy the notice wrote, from
+    memory), and the logged losses equal the uninterrupted run's."""
 
     def launch(restarts=0):
         return torchrun(restarts) if launcher == "torchrun" else accelerate("cpu_2proc.yaml", restarts)
@@ -199,9 +202,10 @@ def test_trainer_preempted_three_times_resumes_exactly(tmp_path, base, launcher,
             _env(),
             at=notices(seed, 3, FINETUNE_STEPS),
             cwd=ROOT,
+            after_exit=lambda i: i == 1 and stop_snapshot_processes(ft_dir),
         )
         assert done.returncode == 0, done.output[-4000:]
-        check_stops(done, 3, r"resuming from step {step} restored from memory")
+        check_stops(done, 3, r"resuming from step {step} restored from {source}", sources={1: "disk"})
         assert trainer_losses(out) == trainer_losses(ref)
         assert json.load(open(out / "results.json"))["engine"] == ("fsdp2" if fsdp else "ddp")
     finally:
