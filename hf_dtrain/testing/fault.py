@@ -43,7 +43,7 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-KILL_PHASES = ("startup", "mid_step", "mid_snapshot", "after_snapshot")
+KILL_PHASES = ("startup", "mid_step", "mid_snapshot", "after_snapshot", "node_lost")
 
 
 class KillSchedule:
@@ -56,7 +56,9 @@ class KillSchedule:
     * ``mid_snapshot``: as soon as the snapshot is started, its copy in flight (not committed);
     * ``after_snapshot``: once the snapshot is committed (``@<last step>``: after the last step);
     * ``mid_step``: in the next step, after its forward and backward, before its optimizer step (the engine's
-      ``wait``).
+      ``wait``);
+    * ``node_lost``: once the snapshot is committed, the rank and its node's snapshot process at once (wherever its
+      parity exchange is): the restart rebuilds the node's snapshot from its peers' parity.
 
     Each kill is recorded as a ``gen:rank:step:phase`` line in ``log`` before the process SIGKILLs itself."""
 
@@ -98,7 +100,10 @@ class KillSchedule:
         if phase == "mid_snapshot":
             self.die(step, phase)
         engine.wait()
-        if phase == "after_snapshot":
+        if phase == "node_lost":
+            with contextlib.suppress(ProcessLookupError, OSError, ValueError):
+                os.kill(json.load(open(os.path.join(engine.dir, "smp.json")))["pid"], signal.SIGKILL)
+        if phase in ("after_snapshot", "node_lost"):
             self.die(step, phase)
         engine.wait = lambda: self.die(step + 1, phase)  # the next step's wait, before its optimizer step
 
@@ -108,8 +113,14 @@ def main(argv=None) -> None:
 
     * ``python -m hf_dtrain.testing.fault RANK:STEP[:SECONDS] MODULE [ARGS...]``: a :class:`FaultInjector`;
     * ``python -m hf_dtrain.testing.fault --kills SPEC --kill-log FILE MODULE [ARGS...]``: a :class:`KillSchedule`
-      (under ``torchrun --max-restarts``, a kill per generation)."""
+      (under ``torchrun --max-restarts``, a kill per generation).
+
+    ``--emulate-nodes`` first: every rank is a node of its own (``HF_DTRAIN_NODE_RANK`` its rank,
+    ``LOCAL_WORLD_SIZE`` 1), with its own snapshot process, so a lost node is rebuilt from the others' parity."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--emulate-nodes"]:
+        os.environ.update(HF_DTRAIN_NODE_RANK=os.environ.get("RANK", "0"), LOCAL_WORLD_SIZE="1")
+        argv = argv[1:]
     usage = (
         "usage: python -m hf_dtrain.testing.fault (RANK:STEP[:SECONDS] | --kills SPEC --kill-log FILE) MODULE [ARGS...]"
     )
