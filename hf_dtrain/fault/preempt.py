@@ -40,12 +40,17 @@ class Preemption:
         self.host = socket.gethostname()
         self._timer: threading.Timer | None = None
         self._pending = None  # (work, tensor) of the all-reduce the last step boundary started
+        # a loop that never asks (agree) is left the signal's usual ending: its SIGTERM is not held for the deadline
+        self.asked = False
         self._stack = contextlib.ExitStack()
         # above the rank monitor's listener, which would take a SIGTERM for the launcher stopping the survivors
         self._stack.enter_context(stop_signals(self._notice, NOTICE_SIGNALS, priority=10))
 
     def _notice(self, signum: int) -> bool:
-        """On the stop-signal thread: record the first notice and start the deadline."""
+        """On the stop-signal thread: record the first notice and start the deadline; not taken (the next listener,
+        or the signal's usual ending) while the training loop has not reached a step boundary that asks."""
+        if not self.asked:
+            return False
         if self.signum:
             return True
         self.signum, self.received = signum, time.monotonic()
@@ -71,6 +76,7 @@ class Preemption:
         previous boundary started, done by now in the background: no wait in the step, and every rank reads the same
         value at the same step, one step after the signal at most. When the others do not answer and this rank got a
         notice, it is a launcher stopping the survivors of a rank that died: said, and the rank exits at once."""
+        self.asked = True
         ranks = self.ranks
         if not ranks.distributed:
             return self.signum
