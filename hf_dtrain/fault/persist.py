@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_dtrain.errors import WriteFailure, check_writable
+from hf_dtrain.errors import SettingsError, WriteFailure, check_writable
 
 from . import reshard
 from .record import clean_temporaries, write_private
@@ -39,6 +39,7 @@ class Persister:
             if ranks.first_on_node and os.path.isdir(directory):  # what a writer killed midway left
                 clean_temporaries(directory)
         self.shards = None
+        self.exact_only = False  # no resharding copy for this layout (see prepare)
         self._thread: threading.Thread | None = None
         self._error: WriteFailure | None = None
         # every persist_every-th snapshot is also a DCP checkpoint (restorable onto another world size), written by
@@ -47,8 +48,15 @@ class Persister:
 
     def prepare(self, source, optimizer) -> None:
         """Read the layout's shard map once (the Trainer hands the optimizer over after the engine is built)."""
-        if self.writes and self.shards is None:
-            self.shards = source.shard_map(optimizer)  # None: this layout does not reshard (ZeRO)
+        if self.writes and self.shards is None and not self.exact_only:
+            try:
+                self.shards = source.shard_map(optimizer)  # None: this layout does not reshard (ZeRO)
+            except SettingsError:
+                if self.every:  # resharding copies were asked for: said before the first step
+                    raise
+                # only a notice writes here: its copy is the exact per-rank one, restored on this world size (an
+                # optimizer over parameters that are not the model's, as peft's LoraFAOptimizer under FSDP2)
+                self.exact_only = True
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0

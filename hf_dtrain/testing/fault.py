@@ -43,7 +43,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-KILL_PHASES = ("startup", "mid_step", "mid_snapshot", "after_snapshot", "node_lost")
+KILL_PHASES = ("startup", "mid_step", "mid_snapshot", "after_snapshot")  # what a node keeps: the seeded schedules
+ALL_PHASES = (*KILL_PHASES, "node_lost")  # and the node lost with its snapshot process (emulated nodes only)
 
 
 class KillSchedule:
@@ -72,10 +73,10 @@ class KillSchedule:
         self.log, self.count, self.entry = log, 0, None
         for item in filter(None, spec.split(",")):
             parts = item.split(":")
-            if len(parts) != 4 or parts[3] not in KILL_PHASES:
+            if len(parts) != 4 or parts[3] not in ALL_PHASES:
                 raise ValueError(
                     f"kill schedule entry {item!r}: expected gen:rank:when:phase with phase one of "
-                    f"{', '.join(KILL_PHASES)}"
+                    f"{', '.join(ALL_PHASES)}"
                 )
             gen, rank, when, phase = parts
             if int(gen) == self.generation and int(rank) == self.rank:
