@@ -78,8 +78,8 @@ def pretrain(out, ft_dir=None, fsdp=False) -> list[str]:
     return cli
 
 
-def finetune(base, out, ft_dir=None, fsdp=False) -> list[str]:
-    cli = ["hf_dtrain.cli", "finetune", "--model", base, "--method", "lora", "--max-steps", str(FINETUNE_STEPS)]
+def finetune(base, out, ft_dir=None, fsdp=False, method="lora") -> list[str]:
+    cli = ["hf_dtrain.cli", "finetune", "--model", base, "--method", method, "--max-steps", str(FINETUNE_STEPS)]
     cli += ["--per-device-train-batch-size", "4", "--train-size", "160", "--eval-size", "8", "--logging-steps", "1"]
     cli += ["--learning-rate", "1e-2", "--warmup-steps", "2", "--progress", "false", "--report", "false"]
     cli += ["--output-dir", str(out)]
@@ -181,12 +181,13 @@ def test_pretrain_fsdp2_under_accelerate_launch_preempted_twice(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "launcher, fsdp, seed",
-    [("torchrun", True, 31), ("accelerate", False, 41)],
-    ids=["fsdp2-torchrun", "ddp-accelerate"],
+    "launcher, fsdp, method, seed",
+    [("torchrun", True, "lorafa", 31), ("accelerate", False, "lora", 41)],
+    ids=["lorafa-fsdp2-torchrun", "lora-ddp-accelerate"],
 )
-def test_trainer_preempted_three_times_resumes_exactly(tmp_path, base, launcher, fsdp, seed):
-    """The Trainer (LoRA), preempted three times under the launcher's restarts, the node lost after the second
+def test_trainer_preempted_three_times_resumes_exactly(tmp_path, base, launcher, fsdp, method, seed):
+    """The Trainer (LoRA-FA with its own optimizer, whose disk copy is the exact per-rank one; LoRA), preempted three
+    times under the launcher's restarts, the node lost after the second
     notice (its snapshot processes killed once the ranks exited, before the restart starts Python): each notice's
     step is the step the next generation resumes after (from memory, from the disk copy the notice wrote, from
     memory), and the logged losses equal the uninterrupted run's."""
@@ -195,10 +196,10 @@ def test_trainer_preempted_three_times_resumes_exactly(tmp_path, base, launcher,
         return torchrun(restarts) if launcher == "torchrun" else accelerate("cpu_2proc.yaml", restarts)
 
     ref, out, ft_dir = tmp_path / "ref", tmp_path / "run", tmp_path / "ft"
-    uninterrupted([*launch(), *finetune(base, ref, fsdp=fsdp)], ref)
+    uninterrupted([*launch(), *finetune(base, ref, fsdp=fsdp, method=method)], ref)
     try:
         done = run_preempted(
-            [*launch(restarts=3), *finetune(base, out, ft_dir, fsdp=fsdp)],
+            [*launch(restarts=3), *finetune(base, out, ft_dir, fsdp=fsdp, method=method)],
             _env(),
             at=notices(seed, 3, FINETUNE_STEPS),
             cwd=ROOT,
