@@ -272,19 +272,45 @@ class FinetuneJob(JobConfig):
         (peft raised its own traceback, after the data and the model were loaded)."""
         if self.peft_config is not None:
             return load_peft_config(self.peft_config)
-        if self.target_modules and self.method_entry.name != "full":
-            names = [name for name, _ in model.named_modules()]
-            if not any(n == t or n.endswith("." + t) for n in names for t in self.target_modules):
-                import torch
-
-                linear = sorted(
-                    {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-                )
-                raise SettingsError(
-                    f"target_modules={self.target_modules} match no module of the model; its linear layers are "
-                    f"{', '.join(linear) or 'none'}: set --target-modules to some of them (comma-separated)."
-                )
+        self._refuse_unmatched_target_modules(model)
         return self.method_entry.build_config(self.adapter, self.method_settings, model)
+
+    def _refuse_unmatched_target_modules(self, model) -> None:
+        if not self.target_modules or self.peft_config is not None or self.method_entry.name == "full":
+            return
+        names = [name for name, _ in model.named_modules()]
+        if not any(n == t or n.endswith("." + t) for n in names for t in self.target_modules):
+            import torch
+
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise SettingsError(
+                f"target_modules={self.target_modules} match no module of the model; its linear layers are "
+                f"{', '.join(linear) or 'none'}: set --target-modules to some of them (comma-separated)."
+            )
+
+    def check_target_modules_early(self) -> None:
+        """The ``target_modules`` check of :meth:`build_peft_config` on the model's skeleton (built on the meta
+        device from the default preset or ``--model``'s config.json) before anything is loaded or the default base
+        is built (minutes on a fresh machine). A config that does not build here is left to the loader's checks."""
+        if not self.target_modules or self.peft_config is not None or self.method_entry.name == "full":
+            return
+        import torch
+
+        try:
+            with torch.device("meta"):
+                if self.model is None:
+                    from hf_dtrain.models import build_llama
+
+                    skeleton = build_llama("tiny")
+                else:
+                    from transformers import AutoConfig, AutoModelForCausalLM
+
+                    trust = bool(self.training.get("trust_remote_code", False))
+                    config = AutoConfig.from_pretrained(self.model, trust_remote_code=trust)
+                    skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
+        except (OSError, ValueError, KeyError, TypeError, ImportError):  # the loader names what is wrong
+            return
+        self._refuse_unmatched_target_modules(skeleton)
 
     def engine_settings_given(self) -> list[str]:
         """The engine sections' settings this job sets away from their defaults (the jobs that run their own loop,

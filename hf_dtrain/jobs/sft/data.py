@@ -73,6 +73,7 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
         datasets.disable_progress_bars()
     args = cfg.training_args()
     check_paths(args)  # also for sweep and fed, which load through here
+    cfg.check_target_modules_early()  # before the default base is built or a model is read
     if cfg.dataset is None:
         digits = cfg.task_digits or tasks.TASK_DIGITS
         train = tasks.addition_dataset(
