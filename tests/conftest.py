@@ -9,6 +9,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def pytest_collection_finish(session):
+    """The embedded default base, built (and cached) once before the first test when a collected test is marked
+    ``default_base``: on a fresh machine it takes minutes, which would otherwise land inside the first such test's
+    time guard (60 s for the bad-input tests), and every later one would build it again."""
+    if any(item.get_closest_marker("default_base") for item in session.items):
+        from hf_dtrain.models import build_default_model
+
+        build_default_model(progress=False)
+
+
 @pytest.fixture
 def tiny_base_dir(tmp_path):
     """A tiny LLaMA saved with save_pretrained, so adapters record a loadable base_model_name_or_path."""

@@ -18,7 +18,7 @@ from hf_dtrain.memory.config import DeltaConfig
 from hf_dtrain.optim.config import EvaConfig, OneBitLambConfig
 from hf_dtrain.tuners import LoraFAConfig, QAHiRAConfig, QBaRAConfig, SMTConfig
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.default_base]  # the base is built before any guard runs
 NAN, INF = math.nan, math.inf
 
 # (config class, keyword arguments, error class, a regex the message must contain: the field)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from hf_dtrain import cli, processes
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.default_base]  # the base is built before any guard runs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
