@@ -124,8 +124,6 @@ def _trace_rank(cfg, skeleton: Skeleton, world_size: int, run_cls, steps: int, f
                 optimizer = run.optimizer(model, skeleton.lr, skeleton.weight_decay)
                 if optimizer is None:
                     optimizer = skeleton.optimizer([p for p in model.parameters() if p.requires_grad])
-                if fake:
-                    _unfuse_on_shards(optimizer, notes)
                 blocks = torch.randint(0, skeleton.vocab_size, (skeleton.batch, skeleton.seq_len), device=device)
                 accelerator = _Autocast(skeleton.autocast, device)
                 stepped = model
@@ -175,22 +173,6 @@ def _add_ddp_buckets(memory: StepMemory, model: nn.Module, notes: list) -> None:
     memory.split["gradient buckets"] = nbytes
     memory.peak += nbytes
     notes.append("DDP's gradient buckets (a copy of the trainable gradients) are counted, not traced")
-
-
-def _unfuse_on_shards(optimizer, notes: list) -> None:
-    """A fused optimizer's step on DTensor shards (FSDP2's), on fake tensors, gathers whole parameters, gradients and
-    states (rank 0 of 2 at the tiny preset in bf16: 30 MiB of optimizer state where the real fused step holds 6; 518
-    GiB at 70B on 64 ranks): its groups step in their single-tensor form instead, whose state is the same and whose one
-    temporary is a shard's. The real step (``fake=False``) keeps the fused kernel."""
-    from torch.distributed.tensor import DTensor
-
-    unfused = False
-    for group in optimizer.param_groups:
-        if group.get("fused") and any(isinstance(p, DTensor) for p in group["params"]):
-            group["fused"], group["foreach"] = False, False
-            unfused = True
-    if unfused:
-        notes.append("the fused optimizer on FSDP2 shards is traced in its single-tensor form (the same state)")
 
 
 def device_memory_of(text: str | None) -> int | None:

@@ -15,6 +15,7 @@ checked against that measurement at the sizes that run here (tests/estimate).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from dataclasses import dataclass, field
 
@@ -113,7 +114,7 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
     gc.collect()
     gc.disable()  # within a step, no cyclic collection (see below); between steps, one
     try:
-        with tracker:
+        with tracker, _shape_propagation_untracked():
             for _ in range(steps):
                 step()
                 tracker.reset_mod_stats()  # the module-wise stats refuse a module called again otherwise
@@ -123,8 +124,8 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
             gc.enable()
     counted = 0
     if flops:  # one more step, counted apart: under the FLOP counter, checkpointed layers keep what they recompute
-        counter = FlopCounterMode(display=False)
-        with counter:
+        counter = RankFlopCounter(display=False)
+        with counter, _shape_propagation_untracked():
             step()
         counted = counter.get_total_flops()
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -138,6 +139,62 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
                 name = CATEGORIES[key]
                 split[name] = split.get(name, 0) + int(nbytes)
     return StepMemory(peak=peak, split=split, flops=int(counted))
+
+
+class RankFlopCounter(FlopCounterMode):
+    """torch's ``FlopCounterMode``, counting the operations this rank runs. torch's counts an op on DTensors at its
+    global shape (a tensor-parallel matmul as the whole matmul, on every rank of the group) and the same step's
+    plain-tensor ops (attention on this rank's heads) at theirs: on Llama 3 8B's shapes at TP x 8 that gave the
+    whole step's matmuls plus an eighth of its attention. Here an op on DTensors is left to DTensor, which runs it
+    on the local shards, and those are counted."""
+
+    def __enter__(self):
+        super().__enter__()
+        inner = getattr(self, "mode", None)  # torch's dispatch mode of the counter (torch 2.4 and later)
+        if inner is not None:
+            inner.__exit__(None, None, None)
+            self.mode = _on_local_shards()(self)
+            self.mode.__enter__()
+        return self
+
+
+@functools.cache
+def _on_local_shards():
+    from torch.distributed.tensor import DTensor
+    from torch.utils.flop_counter import _FlopCounterMode
+
+    class OnLocalShards(_FlopCounterMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor runs it on the shards, which come back here
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return OnLocalShards
+
+
+@contextlib.contextmanager
+def _shape_propagation_untracked():
+    """DTensor's sharding propagation, the first time it meets an op and its placements, runs the op once on tensors
+    of the global shape to learn the output's shape (``ShardingPropagator._propagate_tensor_meta_non_cached``,
+    under the fake mode it finds, or a new one). Inside a trace that fake mode is the trace's own, under the tracker:
+    the global-shape tensors were counted as the step's storage (Llama 3 8B's embedding, 1 GB, on a TP x 8 rank
+    that holds an eighth of it), and their products as its FLOPs. While this is on the propagation runs outside
+    every mode (the tracker's, the FLOP counter's, the trace's fake mode) in a fake mode of its own, as it does in
+    a real run."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self, op_schema):
+        with _disable_current_modes():
+            return propagate(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
 
 @contextlib.contextmanager

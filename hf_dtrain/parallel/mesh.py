@@ -130,3 +130,81 @@ def laid_out_step(pipe, model: nn.Module, blocks: torch.Tensor, autocast):
             loss = model(input_ids=blocks, labels=blocks).loss
         loss.backward()
     return local_loss(loss)
+
+
+def trace_layout(
+    build,
+    degrees: dict[str, int],
+    *,
+    batch_size: int,
+    seq_len: int,
+    tensor_parallel=None,
+    pipeline=None,
+    fsdp=None,
+    autocast: torch.dtype | None = None,
+    layer_cut=None,
+    optimizer=None,
+    steps: int = 2,
+    flops: bool = False,
+    fake: bool = True,
+):
+    """Will a model laid out by your own loop fit? One training step of ``build``'s model laid out on ``degrees``
+    (:func:`apply_parallelism`: pipeline stages, tensor parallelism, FSDP2 on the data dims), its forward and
+    backward as :func:`laid_out_step` runs them and its optimizer's step, traced
+    (:func:`hf_dtrain.estimate.trace_step`). Returns the :class:`~hf_dtrain.estimate.StepMemory` of the rank that
+    holds the most.
+
+    ``build(device)``: the model on ``device`` (``"meta"`` for the trace), with its method applied (``get_peft_model``
+    with LoRA or LoRA-FA: their adapters shard with their base layers under tensor parallelism).
+    ``optimizer(params)``: the optimizer of the parameters that train (AdamW, lr 1e-4, by default).
+    ``batch_size``: one data-parallel replica's sequences per step.
+
+    ``fake=True`` (the estimate): this process is rank 0 of ``prod(degrees)`` over torch's fake process group, and,
+    with a pipeline, the last stage's first rank too (it holds the head and the logits); no weight is allocated.
+    ``fake=False`` (the measurement the estimate is checked against): real tensors in the process group the caller
+    made, this process's rank (every rank running the same call); a pipeline's first step, in which its stages infer
+    their shapes, runs untraced first."""
+    import contextlib
+    import math
+
+    from hf_dtrain.estimate.trace import fake_tensors, fake_world, make_fake, trace_step
+
+    world = math.prod(degrees[d] for d in DIMS)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ranks = [0] + ([last_stage_rank(degrees, world)] if degrees["pp"] > 1 else []) if fake else [None]
+    largest = None
+    for rank in ranks:
+        with fake_world(world, device.type, rank=rank) if fake else contextlib.nullcontext():
+            model = build("meta" if fake else device.type)
+            with fake_tensors() if fake else contextlib.nullcontext():
+                if fake:
+                    model = make_fake(model, device)
+                model.train()
+                pipe, trained = apply_parallelism(
+                    model,
+                    build_mesh(degrees, device.type),
+                    batch_size=batch_size,
+                    seq_len=seq_len,
+                    tensor_parallel=tensor_parallel,
+                    pipeline=pipeline,
+                    fsdp=fsdp,
+                    device=device,
+                    layer_cut=layer_cut,
+                )
+                params = [p for p in trained.parameters() if p.requires_grad]
+                opt = optimizer(params) if optimizer is not None else torch.optim.AdamW(params, lr=1e-4)
+                vocab = model.config.vocab_size  # a peft model's is its base model's
+                blocks = torch.randint(0, vocab, (batch_size, seq_len), device=device)
+                precision = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+
+                def step():
+                    laid_out_step(pipe, trained, blocks, precision)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+                if not fake and pipe is not None:
+                    step()
+                memory = trace_step(trained, opt, step, steps=steps, flops=flops)
+        if largest is None or memory.peak > largest.peak:
+            largest = memory
+    return largest

@@ -440,54 +440,31 @@ def traced_memory(
     ``predict`` fills it: the run times the pieces on the machine), two AdamW steps of its own forward and backward
     (:func:`~hf_dtrain.parallel.mesh.laid_out_step`) traced on rank 0, and with a pipeline on the last stage's first
     rank too; the larger is returned. No weight is allocated."""
-    import contextlib
-
     from transformers import LlamaForCausalLM
 
-    from hf_dtrain.estimate import fake_tensors, fake_world, make_fake, trace_step
+    from .mesh import trace_layout
 
-    from .mesh import apply_parallelism, build_mesh, laid_out_step, last_stage_rank
+    def build(device):
+        with torch.device(device):
+            return LlamaForCausalLM(config)
 
     degrees = {"pp": plan.pp, "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp}
-    per_replica = global_batch // (plan.dp_replicate * plan.dp_shard)
     pipeline = None
     if plan.pp > 1:
         pipeline = PipelineConfig(
             schedule=plan.schedule, microbatches=plan.microbatches, stages_per_rank=plan.stages_per_rank
         )
-    fsdp = FSDPConfig(activation_checkpointing=True) if plan.activation == "checkpoint" else None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    largest = None
-    for rank in [0] + ([last_stage_rank(degrees, world)] if plan.pp > 1 else []):
-        with fake_world(world, device.type, rank=rank):
-            with torch.device("meta"):
-                model = LlamaForCausalLM(config)
-            with fake_tensors():
-                model = make_fake(model, device)
-                model.train()
-                pipe, trained = apply_parallelism(
-                    model,
-                    build_mesh(degrees, device.type),
-                    batch_size=per_replica,
-                    seq_len=seq_len,
-                    pipeline=pipeline,
-                    fsdp=fsdp,
-                    device=device,
-                    layer_cut=plan.layer_cut or None,
-                )
-                optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4)  # the pretrain job's
-                blocks = torch.randint(0, config.vocab_size, (per_replica, seq_len), device=device)
-                precision = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
-
-                def step():
-                    laid_out_step(pipe, trained, blocks, precision)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-
-                memory = trace_step(trained, optimizer, step, flops=False)
-        if largest is None or memory.peak > largest.peak:
-            largest = memory
-    return dict(largest.split)
+    memory = trace_layout(
+        build,
+        degrees,
+        batch_size=global_batch // (plan.dp_replicate * plan.dp_shard),
+        seq_len=seq_len,
+        pipeline=pipeline,
+        fsdp=FSDPConfig(activation_checkpointing=True) if plan.activation == "checkpoint" else None,
+        autocast=autocast,
+        layer_cut=plan.layer_cut or None,
+    )
+    return dict(memory.split)
 
 
 def _set_memory(plan: Plan, memory: dict, profile: MachineProfile, traced: bool) -> None:
