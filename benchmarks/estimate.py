@@ -65,6 +65,68 @@ NOT_TRACED = [
 ]
 
 
+# your own loop's layout (hf_dtrain.parallel.trace_layout): peft LoRA / LoRA-FA on the mesh no job lays them out on
+LAYOUTS = {
+    "TP x 2": ({"tp": 2}, None),
+    "TP 2 x FSDP2 2": ({"tp": 2, "dp_shard": 2}, None),
+    "PP x 2 (1F1B)": ({"pp": 2}, {"microbatches": 2}),
+    "PP 2 x TP 2": ({"pp": 2, "tp": 2}, {"microbatches": 2}),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _trace_layout(settings: dict, fake: bool) -> dict:
+    """peft LoRA or LoRA-FA (r=16 on every projection, or none for ``full``) on a preset's LLaMA, laid out by
+    ``hf_dtrain.parallel.trace_layout`` on ``settings['degrees']``: the estimate (fake) or this rank's measured step."""
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from hf_dtrain.models import llama_config
+    from hf_dtrain.parallel import FSDPConfig, PipelineConfig, trace_layout
+    from hf_dtrain.tuners import LoraFAConfig
+
+    config = llama_config(settings["preset"], **settings.get("config", {}))
+    dtype = getattr(torch, settings.get("dtype", "float32"))
+    method = settings["method"]
+
+    def build(device):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(dtype)
+        if method == "full":
+            return model
+        adapter = LoraConfig if method == "lora" else LoraFAConfig
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return get_peft_model(model, adapter(r=16, target_modules=TARGETS, lora_dropout=0.0))
+
+    degrees = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, **settings["degrees"]}
+    pipeline = PipelineConfig(balance="uniform", **settings["pipeline"]) if settings.get("pipeline") else None
+    ckpt = settings.get("gradient_checkpointing", False)
+    t0 = time.perf_counter()
+    memory = trace_layout(
+        build,
+        degrees,
+        batch_size=settings["batch_size"],
+        seq_len=settings["seq_len"],
+        pipeline=pipeline,
+        fsdp=FSDPConfig(activation_checkpointing=True) if ckpt else None,
+        autocast=torch.bfloat16 if settings.get("dtype") == "bfloat16" else None,
+        flops=fake,
+        fake=fake,
+    )
+    import resource
+
+    return {
+        **memory.to_dict(),
+        "trace_seconds": time.perf_counter() - t0,
+        "trace_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
 def _config(job: str, settings: dict):
     if job == "finetune":
         from hf_dtrain.jobs.sft.config import finetune_config_class
@@ -84,6 +146,8 @@ def _skeleton(job: str):
 
 
 def _trace(job: str, settings: dict, world: int, fake: bool) -> dict:
+    if job == "layout":
+        return _trace_layout(settings, fake)
     from hf_dtrain.estimate.job import trace_job
 
     cfg = _config(job, settings)
@@ -141,6 +205,14 @@ def check() -> dict:
     for engine, (extra, world) in PRETRAIN.items():
         settings = {"per_device_train_batch_size": 4, "seq_len": 256, "progress": False, **extra}
         cases.append(("pretrain", "full (pretrain)", engine, False, settings, world))
+    for method in ("lora", "lorafa"):
+        for engine, (degrees, pipeline) in LAYOUTS.items():
+            settings = {"preset": "tiny", "method": method, "degrees": degrees, "pipeline": pipeline}
+            settings.update(batch_size=4, seq_len=256)
+            world = 1
+            for d in degrees.values():
+                world *= d
+            cases.append(("layout", f"{method} (peft, your loop)", engine, False, settings, world))
     for job, method, engine, ckpt, settings, world in cases:
         t0 = time.perf_counter()
         try:
@@ -169,6 +241,40 @@ def check() -> dict:
             flush=True,
         )
     return {"rows": rows}
+
+
+def _degrees(job: str, settings: dict, world: int) -> tuple[dict, int]:
+    """The mesh degrees and micro-batches a case runs on (the planner's plan of it)."""
+    if job == "layout":
+        return settings["degrees"], (settings.get("pipeline") or {}).get("microbatches", 1)
+    if job == "pretrain" and settings.get("parallel"):
+        degrees = settings["parallel"]
+        return degrees, settings["per_device_train_batch_size"] if degrees.get("pp", 1) > 1 else 1
+    if world == 1:
+        return {}, 1
+    return ({"dp_shard": world} if "fsdp" in settings else {"dp_replicate": world}), 1
+
+
+def _planner_arithmetic(model: str, job: str, settings: dict, world: int, ckpt: bool) -> float:
+    """What ``hf-dtrain plan`` predicted before it traced: its per-token arithmetic (fp32 weights, gradients and AdamW
+    state over the model's parameters, bytes per token per layer from a profile: the h100 preset's bf16 constants
+    here), which knows nothing of the method, the 4-bit base or the Trainer's optimizer."""
+    from hf_dtrain.models import llama_config
+    from hf_dtrain.parallel.planner import MachineProfile, Plan, predict
+
+    degrees, microbatches = _degrees(job, settings, world)
+    full = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, **degrees}
+    plan = Plan(**full, microbatches=microbatches, activation="checkpoint" if ckpt else "none")
+    per_replica = settings.get("per_device_train_batch_size") or settings.get("batch_size") or 1
+    seq = settings.get("max_length") or settings.get("seq_len")
+    predict(
+        plan,
+        llama_config(model),
+        MachineProfile.preset("h100"),
+        per_replica * full["dp_replicate"] * full["dp_shard"],
+        seq,
+    )
+    return sum(plan.memory.values())
 
 
 def _accelerate_bytes(model) -> int:
@@ -255,8 +361,46 @@ def large() -> dict:
             64,
         )
     )
+    # without checkpointing, beside the rows above
+    for method in ("full", "lorafa", "smt"):
+        cases.append(("llama3-8b", method, False, "one GPU", "finetune", {"method": method}, 1))
+    cases.append(("llama3-8b", "lora", False, "FSDP2 x 8", "finetune", {"fsdp": {}, "method": "lora"}, 8))
+    cases.append(
+        ("llama3-8b", "QLoRA (LoRA on NF4)", False, "one GPU", "finetune", {"method": "lora", "quantize": "nf4"}, 1)
+    )
+    cases.append(("llama2-70b", "lora", False, "FSDP2 x 64", "finetune", {"fsdp": {}, "method": "lora"}, 64))
+    # peft LoRA / LoRA-FA laid out by your own loop (hf_dtrain.parallel.trace_layout): no job lays adapters out on TP
+    layout = {"dtype": "bfloat16", "seq_len": 4096, "batch_size": 1}
+    for method in ("lora", "lorafa"):
+        for ckpt in (True, False):
+            settings = {**layout, "preset": "llama3-8b", "method": method, "degrees": {"tp": 8}}
+            cases.append(("llama3-8b", f"{method} (your loop)", ckpt, "TP x 8", "layout", settings, 8))
+    for ckpt in (True, False):
+        settings = {**layout, "preset": "llama3-8b", "method": "lora", "degrees": {"tp": 8, "dp_shard": 8}}
+        cases.append(("llama3-8b", "lora (your loop)", ckpt, "TP 8 x FSDP2 8", "layout", settings, 64))
+    settings = {
+        **layout,
+        "preset": "llama2-70b",
+        "method": "lora",
+        "batch_size": 8,
+        "degrees": {"tp": 8, "pp": 4, "dp_shard": 2},
+        "pipeline": {"microbatches": 8},
+    }
+    cases.append(
+        (
+            "llama2-70b",
+            "lora (your loop)",
+            True,
+            "TP 8 x PP 4 x FSDP2 2 (1F1B, 8 micro-batches)",
+            "layout",
+            settings,
+            64,
+        )
+    )
     rows = []
     for model, method, ckpt, engine, job, settings, world in cases:
+        if job == "layout":
+            settings = {**settings, "gradient_checkpointing": ckpt}
         if job == "finetune":
             settings = {**base, "model": model, "gradient_checkpointing": ckpt, **settings}
         try:
@@ -277,6 +421,7 @@ def large() -> dict:
             "tflop": est["flops"] / 1e12,
             "trace_s": est["trace_seconds"],
             "host_gib": est["trace_host_bytes"] / 2**30,
+            "planner_arithmetic_gib": _planner_arithmetic(model, job, settings, world, ckpt) / 2**30,
         }
         rows.append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
@@ -410,6 +555,7 @@ def main() -> None:
             ("optimizer_state_gib", "optimizer", ".2f"),
             ("activations_gib", "activations", ".2f"),
             ("temporaries_gib", "temporaries", ".2f"),
+            ("planner_arithmetic_gib", "planner's arithmetic GiB", ".2f"),
             ("trace_s", "trace s", ".0f"),
             ("host_gib", "host GiB", ".2f"),
         ]
@@ -419,7 +565,11 @@ def main() -> None:
         )
         notes = (
             "bf16 weights, bf16 autocast, one sequence of 4096 tokens per rank, LoRA-family rank 16 on every "
-            "projection, AdamW (the Trainer's).\n\nWhat a user has today for the same models (GiB):\n" + beside
+            "projection, AdamW (the Trainer's). 'your loop': peft's model laid out by hf_dtrain.parallel.trace_layout "
+            "(no job lays adapters out on TP or PP). The planner's arithmetic: what `hf-dtrain plan` predicted "
+            "before it traced (fp32 weights, gradients and AdamW state, per-token activation constants: the h100 "
+            "profile's), blind to the method and the 4-bit base.\n\nWhat a user has today for the same models (GiB):\n"
+            + beside
         )
         write("estimates", result, markdown_table(result["rows"], columns), _plot_large(result["rows"]), notes, env)
 

@@ -39,14 +39,17 @@ from hf_dtrain.tasks import pretraining_task_texts
 _MASK_CACHE_KEYWORD = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
-def causal_mask(config, inputs_embeds: torch.Tensor, position_ids: torch.Tensor):
+def causal_mask(config, inputs_embeds: torch.Tensor):
     """transformers' causal mask for a whole sequence with no KV cache (what a decoder layer run by hand takes), on
-    every transformers release hf_dtrain supports."""
+    every transformers release hf_dtrain supports: None where SDPA's own causal flag does it. No positions are
+    passed: a whole sequence's are 0..n-1, and given them transformers looks for packed sequences in their values,
+    which it cannot read on fake tensors, so a memory trace built a mask (a float copy per layer call: 2 MiB at
+    the tiny preset's pipeline stage) that the run does not."""
     return create_causal_mask(
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=None,
-        position_ids=position_ids,
+        position_ids=None,
         **{_MASK_CACHE_KEYWORD: None},
     )
 
@@ -466,7 +469,7 @@ class LlamaPipelineStage(torch.nn.Module):
         length = h.shape[1] if self.first else h.shape[1] * getattr(self, "sequence_shards", 1)
         whole = h[:, :1].expand(h.shape[0], length, h.shape[-1])
         positions = torch.arange(length, device=h.device).unsqueeze(0)
-        mask = causal_mask(self.config, whole, positions)
+        mask = causal_mask(self.config, whole)
         rope = m.rotary_emb(whole, position_ids=positions)
         for layer in m.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)

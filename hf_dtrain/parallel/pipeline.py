@@ -171,7 +171,7 @@ def profile_costs(model: nn.Module, example: torch.Tensor, flops: bool = False) 
     with torch.no_grad():
         hidden = decoder.embed_tokens(example).detach()
     positions = torch.arange(example.shape[1], device=example.device).unsqueeze(0)
-    mask = causal_mask(base.config, hidden, positions)
+    mask = causal_mask(base.config, hidden)
     rope = decoder.rotary_emb(hidden, position_ids=positions)
     labels = example
 

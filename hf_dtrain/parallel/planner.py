@@ -511,7 +511,7 @@ def _measure_layers(shapes, device) -> tuple[float, float, float, float]:
         for batch, seq in ((1, 64), (4, 128)):
             x = torch.randn(batch, seq, d["h"], device=device)
             pos = torch.arange(seq, device=device).unsqueeze(0)
-            mask = causal_mask(config, x, pos)
+            mask = causal_mask(config, x)
             pe = rope(x, pos)
 
             def step():

@@ -99,39 +99,49 @@ def test_lora_on_tp_pp_fsdp2_traces_at_70b_shapes():
     assert memory.split.get("gradients", 0) + memory.split.get("optimizer state", 0) > 0
 
 
-def _measure(rank, world, method, out):
+# the tiny preset in fp32, LoRA-FA on PP 2 x TP 2 (4 ranks): pipeline stages of tensor-parallel adapter layers
+_TINY = dict(batch_size=4, seq_len=256)
+_DEGREES = {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
+
+
+def _pipeline():
+    from hf_dtrain.parallel import PipelineConfig
+
+    return PipelineConfig(microbatches=2, balance="uniform")
+
+
+def _measure(rank, world, out):
     from hf_dtrain.parallel import trace_layout
 
-    build = _builder(llama_config("tiny"), method, dtype=torch.float32)
-    memory = trace_layout(build, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": world}, **_TINY, fake=False)
+    build = _builder(llama_config("tiny"), "lorafa", dtype=torch.float32)
+    memory = trace_layout(build, _DEGREES, pipeline=_pipeline(), **_TINY, fake=False)
     with open(f"{out}.{rank}", "w") as fh:
         json.dump(memory.to_dict(), fh)
 
 
-_TINY = dict(batch_size=4, seq_len=256)
-
-
-def _estimate(method: str, tp: int) -> dict:
+def _estimate() -> dict:
     from hf_dtrain.parallel import trace_layout
 
-    build = _builder(llama_config("tiny"), method, dtype=torch.float32)
-    return trace_layout(build, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": tp}, **_TINY).to_dict()
+    build = _builder(llama_config("tiny"), "lorafa", dtype=torch.float32)
+    return trace_layout(build, _DEGREES, pipeline=_pipeline(), **_TINY).to_dict()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["lora", "lorafa"])
-def test_adapters_on_tensor_parallel_are_their_measured_step(tmp_path, method):
-    """The tiny preset, fp32, LoRA or LoRA-FA on TP x 2: the estimate (rank 0 over a fake world, in a fresh
-    process) against the peak of live tensor storage measured on 2 real gloo ranks: within 5% and not under."""
+def test_adapters_on_a_tp_pp_mesh_are_their_measured_step(tmp_path):
+    """The tiny preset, fp32, LoRA-FA on PP 2 x TP 2: the estimate (the first and the last stage's ranks over a fake
+    world, in a fresh process) against the peak of live tensor storage measured on 4 real gloo ranks, the largest:
+    within 1% (measured equal to the byte). Two things made the trace hold more than the run: DTensor's global-shape
+    shape propagation (TP x 2 was 3.6% over), and a causal mask transformers builds on fake tensors only (it looks for
+    packed sequences in the positions it cannot read there: 11% over)."""
     from hf_dtrain.testing.launch import run_distributed, run_python
 
     out = tmp_path / "measured"
-    run_distributed(_measure, world_size=2, args=(method, str(out)), timeout=300)
-    measured = max(json.loads(pathlib.Path(f"{out}.{r}").read_text())["peak_bytes"] for r in range(2))
+    run_distributed(_measure, world_size=4, args=(str(out),), timeout=300)
+    measured = max(json.loads(pathlib.Path(f"{out}.{r}").read_text())["peak_bytes"] for r in range(4))
     code = (
         "import json, sys; sys.path.insert(0, 'tests'); from estimate.test_layout import _estimate; "
-        f"print(json.dumps(_estimate({method!r}, 2)))"
+        "print(json.dumps(_estimate()))"
     )
     root = pathlib.Path(__file__).resolve().parents[2]
     estimate = json.loads(run_python(code, timeout=300, cwd=str(root)).strip().splitlines()[-1])["peak_bytes"]
-    assert measured <= estimate <= 1.05 * measured, (estimate, measured)
+    assert measured <= estimate <= 1.01 * measured, (estimate, measured)
