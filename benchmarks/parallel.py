@@ -341,11 +341,24 @@ def analyse(measured: dict) -> dict:
                 )
             rows.append(row)
         rho = spearmanr([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
+
+        def ranked(memory_mib: str) -> float:
+            """Spearman of the planner's order (plans that fit the profile's device first, then by predicted time)
+            against the measured step times, with this memory column deciding what fits."""
+            fits = [r[memory_mib] * 2**20 <= profile.device_memory for r in rows]
+            order = sorted(range(len(rows)), key=lambda i: (not fits[i], rows[i]["predicted_s"]))
+            position = {i: k for k, i in enumerate(order)}
+            return spearmanr([position[i] for i in range(len(rows))], [r["measured_s"] for r in rows]).statistic
+
+        by_trace = ranked("traced_mib") if all("traced_mib" in r for r in rows) else None
+        by_arithmetic = ranked("predicted_mem_mib")
         choice = min(rows, key=lambda r: r["predicted_s"])
         best = min(rows, key=lambda r: r["measured_s"])
         traced = [r for r in rows if "traced_ratio" in r]
         summary[preset] = {
             "spearman": rho,
+            "spearman_ranked_traced": by_trace,
+            "spearman_ranked_arithmetic": by_arithmetic,
             "worst_traced_ratio": _worst(traced, "traced_ratio"),
             "worst_arithmetic_ratio": _worst(traced, "arithmetic_ratio"),
             "first_choice": choice["plan"],
@@ -408,6 +421,13 @@ def render(payload: dict):
                 f"planner's memory column) worst {s['worst_traced_ratio']:.3f}x, the per-token arithmetic worst "
                 f"{s['worst_arithmetic_ratio']:.3f}x."
                 if s.get("worst_traced_ratio")
+                else ""
+            )
+            + (
+                f" Ranked as the planner ranks (the plans that fit the profile's device first): Spearman "
+                f"{s['spearman_ranked_traced']:.3f} with the traced memory deciding what fits, "
+                f"{s['spearman_ranked_arithmetic']:.3f} with the arithmetic."
+                if s.get("spearman_ranked_traced") is not None
                 else ""
             )
         )
