@@ -348,9 +348,9 @@ def precision_note(cuda: bool) -> str:
     return f"fp32 weights and compute ({cpu_bf16()[1]})"
 
 
-def matmul_peak() -> dict:
+def matmul_peak(n: int = 4096) -> dict:
     """The device's matmul peak in the step's compute dtype: datasheet bf16 on a known GPU, else the best of timed
-    4096 x 4096 matmuls."""
+    ``n x n`` matmuls (4096 by default)."""
     import torch
 
     if torch.cuda.is_available():
@@ -359,7 +359,6 @@ def matmul_peak() -> dict:
             if key in name:
                 return {"peak_flops": peak, "peak_source": f"{name} datasheet dense bf16"}
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    n = 4096
     dtype = compute_dtype()
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
@@ -760,9 +759,16 @@ def main() -> None:
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--peak-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--peak-size",
+        type=int,
+        default=4096,
+        help="the square matmul timed for the device's peak where no datasheet figure applies (a dry run's mechanics "
+        "need no more than 512)",
+    )
     args = ap.parse_args()
     if args.peak_worker:
-        emit_result(matmul_peak())
+        emit_result(matmul_peak(args.peak_size))
         return
     if args.worker:
         method, mode, path, batch, seq, steps, warmup, prof, ckpt = args.worker.split(":")
@@ -800,7 +806,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model")
         save_model(preset, path, cuda)
-        peak = run_worker(script, ["--peak-worker"], what="matmul peak")
+        peak = run_worker(script, ["--peak-worker", "--peak-size", str(args.peak_size)], what="matmul peak")
         print(f"peak {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_source']})", flush=True)
         methods, modes = args.methods.split(","), args.modes.split(",")
         runs = (

@@ -529,7 +529,9 @@ THROUGHPUT_RUNS = "gpu/throughput_runs"
 def _throughput_argv(ctx: Context) -> list[tuple[str, list[str]]]:
     """The throughput runs in priority order: (label, benchmark arguments)."""
     if ctx.device.type != "cuda":  # the dry run: the mechanics on the test shape, the second run checkpointed
-        small = shlex.split("--preset test --batch 2 --seq 32 --steps 1 --warmup 1 --repeats 1 --modes eager")
+        small = shlex.split(
+            "--preset test --batch 2 --seq 32 --steps 1 --warmup 1 --repeats 1 --modes eager --peak-size 512"
+        )
         return [
             ("1b", [*small, "--methods", "lora,lora_fast,lorafa"]),
             ("profile", ["--profile", *small, "--methods", "lora,lora_fast"]),
@@ -804,6 +806,9 @@ def delta_memory(ctx: Context) -> dict:
     if cuda and not ctx.quick:
         make, batch, seq = (lambda: _llama_1b().to(ctx.device, dtype=torch.bfloat16)), 4, 1024
         shape = "LLaMA 2048 wide, 16 layers, bf16"
+    elif ctx.dry_run:  # the mechanics only (every method's plan and tier), on the test shape
+        make, batch, seq = (lambda: build_llama("test", seed=0).to(ctx.device)), 4, 64
+        shape = "the test LLaMA preset, fp32"
     else:
         make, batch, seq = (lambda: build_llama("tiny", seed=0).to(ctx.device)), 4, 256
         shape = "the tiny LLaMA preset, fp32"
