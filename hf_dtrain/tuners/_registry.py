@@ -16,6 +16,7 @@ class objects), leaves exactly one enum member and one mapping entry per method,
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -68,6 +69,15 @@ def _check_prefix(prefix: str) -> None:
             )
 
 
+def saved_peft_type(name: str) -> str:
+    """The ``peft_type`` an hf_dtrain adapter's ``adapter_config.json`` holds: the method's name and the import
+    that registers it. peft looks the saved value up in its mapping, so without ``import hf_dtrain`` the user's
+    traceback ends ``KeyError: 'SMT: an hf_dtrain adapter ... import hf_dtrain ...'``, naming the fix, instead of a
+    bare ``KeyError: 'SMT'``. Registration maps this value and the bare name (files written before) to the config
+    class; the loaded config's ``peft_type`` is the enum member again. The text never changes between releases."""
+    return f"{name}: an hf_dtrain adapter; run `import hf_dtrain` before loading it (pip install hf-dtrain)"
+
+
 def register(name: str, config_cls: type, model_cls: type, prefix: str) -> PeftType:
     """Register a tuner with peft, idempotently. ``name`` is lower case (``"smt"``); returns its PeftType member."""
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
@@ -82,6 +92,7 @@ def register(name: str, config_cls: type, model_cls: type, prefix: str) -> PeftT
         # A reload created new classes: point peft at them so configs and models stay consistent, and the folder's
         # public names too (its lazy exports keep what they first loaded)
         PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = config_cls
+        PEFT_TYPE_TO_CONFIG_MAPPING[saved_peft_type(peft_type.value)] = config_cls
         PEFT_TYPE_TO_TUNER_MAPPING[peft_type] = model_cls
         for cls in (config_cls, model_cls):
             folder = sys.modules.get(cls.__module__.rpartition(".")[0])
@@ -90,6 +101,7 @@ def register(name: str, config_cls: type, model_cls: type, prefix: str) -> PeftT
         return peft_type
     _check_prefix(prefix)
     register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=prefix)
+    PEFT_TYPE_TO_CONFIG_MAPPING[saved_peft_type(peft_type.value)] = config_cls  # what our adapter files hold
     return peft_type
 
 
@@ -110,8 +122,8 @@ class HfDtrainPeftConfig(PeftConfig):
     """What every hf_dtrain tuner config adds to peft's ``PeftConfig``: the fields every method has, its
     ``PeftType`` member (``peft_type_name``), and a ``save_pretrained`` that also tells the reader of the adapter's
     README (the model card peft writes just before the config) that loading needs ``import hf_dtrain``, which
-    registers the method with peft, and which release wrote it (without the import, peft fails with a bare
-    ``KeyError`` on the method name)."""
+    registers the method with peft, and which release wrote it; the saved ``peft_type`` is
+    :func:`saved_peft_type`'s, so peft's ``KeyError`` without the import names the import."""
 
     peft_type_name = ""  # the PeftType member, e.g. "SMT" (a class attribute, not a field)
 
@@ -145,6 +157,15 @@ class HfDtrainPeftConfig(PeftConfig):
         super().save_pretrained(save_directory, **kwargs)
 
         method = str(getattr(self.peft_type, "value", self.peft_type))
+        # the file's peft_type names hf_dtrain and the import (peft's KeyError without it then says so)
+        from peft.utils import CONFIG_NAME
+
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path) as f:
+            saved = json.load(f)
+        saved["peft_type"] = saved_peft_type(method)
+        with open(path, "w") as f:
+            json.dump(saved, f, indent=2, sort_keys=True)
         card = os.path.join(save_directory, "README.md")
         text = open(card).read() if os.path.exists(card) else ""
         if MODEL_CARD_MARK in text:
@@ -155,7 +176,7 @@ class HfDtrainPeftConfig(PeftConfig):
             f"is imported:\n\n```python\nimport hf_dtrain  # registers {method} with peft (pip install "
             f"hf-dtrain=={release})\nfrom peft import AutoPeftModelForCausalLM\nmodel = "
             'AutoPeftModelForCausalLM.from_pretrained("path/to/this/adapter")\n```\n\nWithout the import, '
-            f"peft stops with `KeyError: '{method}'`.\n"
+            f"peft stops with `KeyError: '{saved_peft_type(method)}'`.\n"
         )
         with open(card, "a") as f:
             f.write(note)

@@ -83,7 +83,7 @@ def test_save_and_load_in_fresh_process_gives_identical_logits(method, tiny_base
     model.save_pretrained(adapter_dir)
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     peft_type = "QAHIRA" if method == "qa-lora" else method.upper()  # QA-LoRA is QA-HiRA with a rank
-    assert cfg["peft_type"] == peft_type and cfg["base_model_name_or_path"] == base_dir
+    assert cfg["peft_type"].partition(":")[0] == peft_type and cfg["base_model_name_or_path"] == base_dir
     keys = load_file(adapter_dir / "adapter_model.safetensors").keys()
     assert keys and all(
         k.split(".")[-1]

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import PeftModel, PeftType, get_peft_model
 
 from hf_dtrain.testing import random_batch, tiny_llama
 from tests.tuners.test_mixed_precision import CONFIGS
@@ -49,10 +49,30 @@ def test_the_adapter_readme_says_import_hf_dtrain(name, tmp_path):
     model.save_pretrained(str(tmp_path))
     model.save_pretrained(str(tmp_path))  # saved again: the note is not repeated
     text = open(os.path.join(tmp_path, "README.md")).read()
-    method = json.load(open(tmp_path / "adapter_config.json"))["peft_type"]
+    saved = json.load(open(tmp_path / "adapter_config.json"))["peft_type"]
+    method = saved.partition(":")[0]
     assert text.count("import hf_dtrain  # registers") == 1
     assert f"**{method}** adapter" in text and f"hf-dtrain=={version('hf-dtrain')}" in text
-    assert f"KeyError: '{method}'" in text
+    assert f"KeyError: '{saved}'" in text and "import hf_dtrain" in saved and method.isupper()
+
+
+def test_an_adapter_saved_with_either_peft_type_loads(tmp_path):
+    """The saved peft_type names hf_dtrain and the import (what peft's KeyError shows without it:
+    tests/tuners/test_registry.py); with hf_dtrain imported, that file and one holding the bare name (written by
+    earlier releases) both load through peft's PeftModel.from_pretrained, the config's peft_type the enum member."""
+    model = _peft("smt", init_weights=False)
+    model.save_pretrained(str(tmp_path))
+    config = json.load(open(tmp_path / "adapter_config.json"))
+    assert config["peft_type"].startswith("SMT: an hf_dtrain adapter")
+    batch = random_batch(batch=2, seq=8, seed=0)
+    out = model(**batch).logits
+    for peft_type in (config["peft_type"], "SMT"):
+        json.dump({**config, "peft_type": peft_type}, open(tmp_path / "adapter_config.json", "w"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = PeftModel.from_pretrained(tiny_llama(seed=0, hidden_size=64), str(tmp_path)).eval()
+        assert loaded.peft_config["default"].peft_type is PeftType.SMT
+        torch.testing.assert_close(loaded(**batch).logits, out, rtol=0, atol=0)
 
 
 def test_training_smt_with_no_blocks_selected_warns(recwarn):

@@ -53,7 +53,7 @@ def test_peft_type_is_json_serialisable_and_config_round_trips(tmp_path):
     cfg = hf_dtrain.LoraFAConfig(r=4, target_modules=["q_proj"])
     cfg.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert saved["peft_type"] == "LORAFA"
+    assert saved["peft_type"].startswith("LORAFA: an hf_dtrain adapter")
     from peft import PeftConfig
 
     loaded = PeftConfig.from_pretrained(tmp_path)
@@ -64,5 +64,8 @@ def test_loading_without_import_fails_loudly_naming_the_type(tmp_path):
     hf_dtrain.LoraFAConfig(r=4, target_modules=["q_proj"]).save_pretrained(tmp_path)
     code = f"from peft import PeftConfig\nPeftConfig.from_pretrained({str(tmp_path)!r})"
     proc = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    # Without `import hf_dtrain` peft cannot know the type: it fails (it must not silently load something else).
-    assert proc.returncode != 0 and "LORAFA" in proc.stderr
+    # Without `import hf_dtrain` peft cannot know the type: it fails (it must not silently load something else),
+    # and the line its traceback ends with names hf_dtrain and the import (the saved peft_type says so)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("KeyError: 'LORAFA: an hf_dtrain adapter"), proc.stderr[-2000:]
+    assert "run `import hf_dtrain` before loading it" in last
