@@ -209,3 +209,32 @@ def one_process_run(model, loss_of, steps: int, lr: float):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, grads
+
+
+def float64_grads(model, loss_of) -> dict:
+    """The first step's gradients of ``model`` computed in float64 (``loss_of(model)``, the reference's step 0): the
+    exact values, against which float32 rounding is measured."""
+    model = model.double()
+    loss_of(model).backward()
+    return full_grads(model.named_parameters())
+
+
+def assert_grads_match(got: dict, want: dict, exact: dict) -> None:
+    """A layout's first-step gradients (``got``, plain lists per parameter) against the one-process float32 run's
+    (``want``), on the scale of float32's own rounding measured here: for each parameter, the layout's distance from
+    the float64 gradient (``exact``) is at most 4 times the one-process float32 gradient's own distance from it.
+
+    A split matmul or another summation order moves float32 results by about that much whatever the CPU's kernels
+    (an element-wise rtol does not: ``pp 2 x tp 2``'s o_proj sat at 0.99 of a 1e-5 bound on one CPU and passed it on
+    an AVX2-only one); a layout bug (a missing reduction, a shard in the wrong place, a scale of 1 + 1e-5) moves them
+    by hundreds to millions of times more. Measured on an AVX-512 CPU: every pipeline, TP and 2D case within 1.13."""
+    assert set(got) == set(want) == set(exact), (sorted(set(got) ^ set(want)), sorted(set(want) ^ set(exact)))
+    for name, g in got.items():
+        truth = exact[name]
+        error = (torch.tensor(g, dtype=torch.float64) - truth).norm().item()
+        rounding = (want[name].double() - truth).norm().item()
+        bound = 4 * rounding + 1e-12 * truth.norm().item()
+        assert error <= bound, (
+            f"{name}: {error:.3e} from the float64 gradient, {error / max(rounding, 1e-300):.1f} times the "
+            f"one-process float32 gradient's own {rounding:.3e}"
+        )
