@@ -1,5 +1,6 @@
 """Tensor + sequence parallelism (DTensor, 4 gloo ranks) against one process on the same global batch: every step's
-loss within 1e-5 relative and the first step's gradient of every parameter likewise, for full training and LoRA-FA,
+loss within 1e-5 relative and the first step's gradient of every parameter within float32's rounding
+(common.assert_grads_match), for full training and LoRA-FA,
 and peft's LoRA, with TP alone (tp=4), TP without SP or loss parallelism, and FSDP2 over TP on a 2x2 mesh
 (dp_shard x tp). A frozen parameter stays frozen (torch's SequenceParallel re-creates norm weights trainable: the
 LoRA-FA case with SP caught it)."""
