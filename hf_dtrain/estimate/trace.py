@@ -207,8 +207,35 @@ def fake_tensors():
     # non-fake inputs allowed: a meta-device model's tensors are read once, by to_empty()'s empty_like
     from hf_dtrain.quantization import on_fake_tensors
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _real_meshes(), on_fake_tensors():
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _real_meshes(), on_fake_tensors(), _one_sequence_a_row():
         yield mode
+
+
+@contextlib.contextmanager
+def _one_sequence_a_row():
+    """transformers looks for packed sequences in the positions when a step has neither an attention mask nor a
+    cache (``masking_utils.find_packed_sequence_indices``: TRL's fused LM head runs the backbone with
+    ``use_cache=False``), which it cannot read on fake tensors: it then took every row as packed and built a float
+    causal mask per layer call that the run never builds (tiny fine-tuning 4 MiB over, Llama 3 8B's 4096 tokens 32
+    MiB a layer). A traced step passes no positions, so they are transformers' own ``arange``, one sequence a row,
+    which the run finds unpacked: on fake positions the answer is that (None), on real ones transformers' own."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    find = masking_utils.find_packed_sequence_indices
+
+    def unpacked(position_ids):
+        return None if isinstance(position_ids, FakeTensor) else find(position_ids)
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
 
 
 def make_fake(model: nn.Module, device) -> nn.Module:

@@ -33,7 +33,8 @@ def _cfg(tmp_path, **settings):
     ],
 )
 def test_the_jobs_estimate_is_its_measured_step(tmp_path, method, checkpointing, quantize):
-    """The estimate (fake tensors, fake world) within 5% of the same composition on real tensors: the job's model,
+    """The estimate (fake tensors, fake world) within 0.1% of the same composition on real tensors (exact here, the
+    activations byte for byte; the goal is 5%): the job's model,
     method (SMT's blocks seeded), lean paths, checkpointing and the Trainer's optimizer; on a 4-bit base (QLoRA on
     bitsandbytes NF4, Q-BaRA on INT4, QA-HiRA on HQQ) quantized where it was built (on the meta device for the
     estimate: the packed weights and scales shaped by the libraries' own code), its scales counted with the weights;
@@ -41,7 +42,10 @@ def test_the_jobs_estimate_is_its_measured_step(tmp_path, method, checkpointing,
     cfg = _cfg(tmp_path, method=method, gradient_checkpointing=checkpointing, quantize=quantize)
     estimate = trace_job(cfg, skeleton(cfg), 1).memory
     measured = trace_job(cfg, skeleton(cfg), 1, fake=False).memory
-    assert abs(estimate.peak / measured.peak - 1) <= 0.05, (estimate, measured)
+    assert abs(estimate.peak / measured.peak - 1) <= 0.001, (estimate, measured)
+    # what the step saves for backward is the run's, byte for byte (transformers' packed-sequence check, which
+    # cannot read fake positions, made the trace hold a causal mask per layer that the run never builds: 0.06-0.8%)
+    assert estimate.split["activations"] == measured.split["activations"], (estimate, measured)
     assert estimate.split["parameters"] == measured.split["parameters"]
     assert estimate.flops == measured.flops > 0
 
@@ -208,7 +212,7 @@ def test_a_step_that_will_not_fit_is_refused_before_any_weight_is_read(tmp_path,
     assert code == 1 and "the training step will not fit" in line and "against 100.0 MiB" in line, err[-2000:]
     # the tiles of TRL's fused LM head are the largest part at this shape; a micro-batch of 1 fits, traced
     assert "the largest part is temporaries" in line, line
-    assert "it would fit with --per-device-train-batch-size 1: 70.6 MiB" in line, line
+    assert "it would fit with --per-device-train-batch-size 1: 69.6 MiB" in line, line
     assert "--run-anyway" in line
     assert not (tmp_path / "out" / "results.json").exists()
     # --run-anyway: past the check, to the weights it then reads (and does not find: the job's own refusal)
