@@ -1,8 +1,9 @@
-"""Pipeline parallelism (torch.distributed.pipelining, 4 gloo ranks, an 8-layer tiny LLaMA) against one process
-on the same global batch: every step's loss within 1e-5 relative and the first step's gradient of every parameter
-within float32's rounding (common.assert_grads_match), for each schedule (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble) and composed with tensor
-parallelism (pp 2 x tp 2) and with FSDP2 (pp 2 x dp_shard 2). In the pp x tp case each rank's profile differs (as
-noisy timings do): every rank must still cut the layers alike, or the tp peers of a stage deadlock."""
+"""Pipeline parallelism (torch.distributed.pipelining, 4 gloo ranks, an 8-layer tiny LLaMA) against one process on the
+same global batch: every step's loss within 1e-5 relative and the first step's gradient of every parameter within
+float32's rounding (common.assert_grads_match), for each schedule (GPipe, 1F1B, Interleaved1F1B,
+InterleavedZeroBubble) and composed with tensor parallelism (pp 2 x tp 2) and with FSDP2 (pp 2 x dp_shard 2). In the
+pp x tp case each rank's profile differs (as noisy timings do): every rank must still cut the layers alike, or the tp
+peers of a stage deadlock."""
 
 import json
 import os
