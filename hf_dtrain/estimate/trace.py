@@ -216,15 +216,11 @@ def _one_sequence_a_row():
     """transformers looks for packed sequences in the positions when a step has neither an attention mask nor a
     cache (``masking_utils.find_packed_sequence_indices``: TRL's fused LM head runs the backbone with
     ``use_cache=False``), which it cannot read on fake tensors: it then took every row as packed and built a float
-    causal mask per layer call that the run never builds (tiny fine-tuning 4 MiB over, Llama 3 8B's 4096 tokens 32
+    causal mask per layer call that the run never builds (tiny fine-tuning 4 MiB over, Llama 3 8B's 4096 tokens 80
     MiB a layer). A traced step passes no positions, so they are transformers' own ``arange``, one sequence a row,
     which the run finds unpacked: on fake positions the answer is that (None), on real ones transformers' own."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
     from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import masking_utils
 
     find = masking_utils.find_packed_sequence_indices
 

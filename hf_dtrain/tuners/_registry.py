@@ -92,15 +92,14 @@ def register(name: str, config_cls: type, model_cls: type, prefix: str) -> PeftT
         # A reload created new classes: point peft at them so configs and models stay consistent, and the folder's
         # public names too (its lazy exports keep what they first loaded)
         PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = config_cls
-        PEFT_TYPE_TO_CONFIG_MAPPING[saved_peft_type(peft_type.value)] = config_cls
         PEFT_TYPE_TO_TUNER_MAPPING[peft_type] = model_cls
         for cls in (config_cls, model_cls):
             folder = sys.modules.get(cls.__module__.rpartition(".")[0])
             if folder is not None and cls.__name__ in folder.__dict__:
                 folder.__dict__[cls.__name__] = cls
-        return peft_type
-    _check_prefix(prefix)
-    register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=prefix)
+    else:
+        _check_prefix(prefix)
+        register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=prefix)
     PEFT_TYPE_TO_CONFIG_MAPPING[saved_peft_type(peft_type.value)] = config_cls  # what our adapter files hold
     return peft_type
 
