@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from hf_dtrain.tuners._registry import saved_peft_type
 from hf_dtrain.tuners.finetune_method import unregister_finetune_method
 
 from . import toy_tuner
@@ -47,9 +48,7 @@ def test_finetune_trains_saves_and_peft_reloads_the_toy_tuner(base_path, tmp_pat
     results = json.loads((out / "results.json").read_text())
     assert results["method"] == "toylr" and results["eval_loss_after"] < results["eval_loss_before"]
     saved = json.loads((out / "adapter_config.json").read_text())
-    assert (
-        saved["peft_type"].startswith("TOYLR: an hf_dtrain adapter") and saved["scale"] == 2.0
-    )  # its own setting reached its config
+    assert saved["peft_type"] == saved_peft_type("TOYLR") and saved["scale"] == 2.0  # its own setting reached it
 
     base = AutoModelForCausalLM.from_pretrained(base_path)
     ids = torch.randint(0, base.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -76,7 +75,7 @@ def test_sweep_trains_the_toy_tuner_fused(base_path, tmp_path, toy):
     assert [row["status"] for row in table["jobs"]] == ["ok", "ok"]
     for row in table["jobs"]:  # each job saved as a peft adapter of its own
         config = json.loads(open(os.path.join(row["output_dir"], "adapter_config.json")).read())
-        assert config["peft_type"].startswith("TOYLR: an hf_dtrain adapter") and config["scale"] == 2.0
+        assert config["peft_type"] == saved_peft_type("TOYLR") and config["scale"] == 2.0
     first, second = (row["losses"] for row in table["jobs"])
     assert first != second  # two learning rates, trained side by side
 

@@ -9,6 +9,7 @@ import hf_dtrain
 import hf_dtrain.tuners
 import hf_dtrain.tuners.smt.config
 from hf_dtrain import processes
+from hf_dtrain.tuners._registry import saved_peft_type
 
 
 def _state():
@@ -53,7 +54,7 @@ def test_peft_type_is_json_serialisable_and_config_round_trips(tmp_path):
     cfg = hf_dtrain.LoraFAConfig(r=4, target_modules=["q_proj"])
     cfg.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert saved["peft_type"].startswith("LORAFA: an hf_dtrain adapter")
+    assert saved["peft_type"] == saved_peft_type("LORAFA")
     from peft import PeftConfig
 
     loaded = PeftConfig.from_pretrained(tmp_path)
@@ -67,5 +68,5 @@ def test_loading_without_import_fails_loudly_naming_the_type(tmp_path):
     # Without `import hf_dtrain` peft cannot know the type: it fails (it must not silently load something else),
     # and the line its traceback ends with names hf_dtrain and the import (the saved peft_type says so)
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode != 0 and last.startswith("KeyError: 'LORAFA: an hf_dtrain adapter"), proc.stderr[-2000:]
+    assert proc.returncode != 0 and last == f"KeyError: '{saved_peft_type('LORAFA')}'", proc.stderr[-2000:]
     assert "run `import hf_dtrain` before loading it" in last
