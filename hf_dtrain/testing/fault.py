@@ -44,7 +44,8 @@ class FaultInjector:
 
 
 KILL_PHASES = ("startup", "mid_step", "mid_snapshot", "after_snapshot")  # what a node keeps: the seeded schedules
-ALL_PHASES = (*KILL_PHASES, "node_lost")  # and the node lost with its snapshot process (emulated nodes only)
+# and the node lost with its snapshot process (emulated nodes only), every node's memory lost (a disk copy needed)
+ALL_PHASES = (*KILL_PHASES, "node_lost", "all_lost")
 
 
 class KillSchedule:
@@ -59,7 +60,9 @@ class KillSchedule:
     * ``mid_step``: in the next step, after its forward and backward, before its optimizer step (the engine's
       ``wait``);
     * ``node_lost``: once the snapshot is committed, the rank and its node's snapshot process at once (wherever its
-      parity exchange is): the restart rebuilds the node's snapshot from its peers' parity.
+      parity exchange is): the restart rebuilds the node's snapshot from its peers' parity;
+    * ``all_lost``: once the snapshot is committed and this rank's disk copy of it written (``persist_every``), every
+      node's snapshot process and the rank: no memory copy is left anywhere, the restart reads the disk copy.
 
     Each kill is recorded as a ``gen:rank:step:phase`` line in ``log`` before the process SIGKILLs itself."""
 
@@ -104,7 +107,10 @@ class KillSchedule:
         if phase == "node_lost":
             with contextlib.suppress(ProcessLookupError, OSError, ValueError):
                 os.kill(json.load(open(os.path.join(engine.dir, "smp.json")))["pid"], signal.SIGKILL)
-        if phase in ("after_snapshot", "node_lost"):
+        if phase == "all_lost":
+            engine.persister.join()
+            stop_snapshot_processes(os.path.dirname(engine.dir))
+        if phase in ("after_snapshot", "node_lost", "all_lost"):
             self.die(step, phase)
         engine.wait = lambda: self.die(step + 1, phase)  # the next step's wait, before its optimizer step
 
@@ -177,6 +183,38 @@ def worker_losses(out: str, rank: int = 0) -> dict[int, str]:
         step, loss = line.split()
         got[int(step)] = loss
     return got
+
+
+def saved_tensors_differ(ref: str, out: str, pattern: str = "*.safetensors") -> list[str]:
+    """The safetensors files ``pattern`` names in folder ``ref``, compared tensor by tensor with the same files in
+    ``out``: what differs (a file or a key on one side only, a dtype, a shape, a value not bitwise equal); ``[]`` when
+    every tensor is equal. A ``ref`` without such a file is an error (a comparison of nothing passes nothing)."""
+    import torch
+    from safetensors.torch import load_file
+
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(str(ref), pattern)))
+    if not names:
+        raise AssertionError(f"no {pattern} under {ref} to compare")
+    extra = sorted({os.path.basename(p) for p in glob.glob(os.path.join(str(out), pattern))} - set(names))
+    differ = [f"{name}: only in {out}" for name in extra]
+    for name in names:
+        if not os.path.exists(os.path.join(str(out), name)):
+            differ.append(f"{name}: not in {out}")
+            continue
+        want, got = load_file(os.path.join(str(ref), name)), load_file(os.path.join(str(out), name))
+        differ += [f"{name}: {key} on one side only" for key in sorted(want.keys() ^ got.keys())]
+        differ += [
+            f"{name}: {key}"
+            for key in sorted(want.keys() & got.keys())
+            if want[key].dtype != got[key].dtype or not torch.equal(want[key], got[key])
+        ]
+    return differ
+
+
+def worker_final_state_differs(ref: str, out: str) -> list[str]:
+    """What differs between two fault-injection runs' final states (``rank{r}.final.safetensors``: every rank's
+    parameters, optimizer parameters and optimizer state after the last step)."""
+    return saved_tensors_differ(ref, out, "rank*.final.safetensors")
 
 
 def kill_snapshot_process(directory: str, node: int) -> None:

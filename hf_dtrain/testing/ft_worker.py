@@ -4,7 +4,9 @@
 RNG (Python, NumPy, torch), a snapshot after every step, and an optional fault. Configured by environment variables (see
 the test); appends ``step loss.hex()`` per step to ``$FT_OUT/rank{r}.log`` and the restore source to
 ``$FT_OUT/rank{r}.restore``. ``FT_DUMP``: a directory where the whole (gathered) model and optimizer state is written as
-``w{world}-step{s}.safetensors`` after a restore and after the last step (the resharding test compares them).
+``w{world}-step{s}.safetensors`` after a restore and after the last step (the resharding test compares them). A run
+that reaches its end writes each rank's own state (its parameters or shards, its optimizer's parameters and state) to
+``$FT_OUT/rank{r}.final.safetensors``: the tests compare it bit for bit with the uninterrupted run's.
 
 ``FT_KILLS``: a kill schedule for relaunch trials, ``gen:rank:step:phase`` entries separated by commas; the
 generation is ``TORCHELASTIC_RESTART_COUNT`` under torchrun / accelerate launch, else ``FT_GEN``. Phases:
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.tensor import DTensor
 
 from hf_dtrain.distributed.groups import init_distributed, release_process_group
 from hf_dtrain.testing.models import random_batch, tiny_llama
@@ -46,6 +49,30 @@ def dump_full_state(model, optimizer, path: str) -> None:
         tensors.update({f"optim.{k}": v for k, v in osd.items() if torch.is_tensor(v)})
         save_file({k: v.contiguous() for k, v in tensors.items()}, path)
     dist.barrier()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard, a ZeRO-3 parameter's partition, else ``t``."""
+    part = getattr(t, "ds_tensor", None)
+    if part is not None:
+        return part
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def dump_rank_state(model, optimizer, path: str) -> None:
+    """This rank's own state as one safetensors file: every parameter (its local shard or ZeRO-3 partition), every
+    parameter the optimizer steps that is not one of the model's (DeepSpeed's fp32 master partitions) and every tensor
+    of the optimizer's state, keyed by name or by group and index."""
+    mine = {id(p) for p in model.parameters()}
+    tensors = {f"param.{n}": _local(p) for n, p in model.named_parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, q in enumerate(group["params"]):
+            if id(q) not in mine:
+                tensors[f"master.{g}.{i}"] = _local(q)
+            for key, value in optimizer.state.get(q, {}).items():
+                if torch.is_tensor(value):
+                    tensors[f"optim.{g}.{i}.{key}"] = _local(value)
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, path)
 
 
 class Fault:
@@ -218,6 +245,7 @@ def main():
         if engine is not None:
             engine.wait()
         fault.die()
+    dump_rank_state(model, opt, os.path.join(out, f"rank{rank}.final.safetensors"))
     if os.environ.get("FT_DUMP"):
         dump_full_state(model, opt, os.path.join(os.environ["FT_DUMP"], f"w{world}-step{steps}.safetensors"))
     if engine is not None:

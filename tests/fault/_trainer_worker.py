@@ -1,12 +1,14 @@
 """A Trainer run with InMemoryFaultToleranceCallback: optionally SIGKILLed after step $FT_KILL_AT, and on start
 resumed with ``trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))``. Writes the logged losses to
-``$FT_OUT/losses.json`` (appending runs) and the restore source to ``$FT_OUT/restored.json``."""
+``$FT_OUT/losses.json`` (appending runs), the restore source to ``$FT_OUT/restored.json`` and, at the end, the model's
+parameters and the optimizer's state to ``$FT_OUT/final.safetensors``."""
 
 import json
 import os
 import signal
 
 from datasets import Dataset
+from safetensors.torch import save_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_dtrain.fault import InMemoryFaultToleranceCallback
@@ -76,3 +78,7 @@ if ft is not None and ft.restored is not None:
     json.dump({"step": ft.restored.step, "source": ft.restored.source}, open(os.path.join(out, "restored.json"), "w"))
 trainer.train(resume_from_checkpoint=resume)
 json.dump(trainer.state.log_history, open(os.path.join(out, "history.json"), "w"))
+final = {f"param.{n}": p.detach().clone() for n, p in trainer.model.named_parameters()}
+for i, state in trainer.optimizer.state_dict()["state"].items():
+    final.update({f"optim.{i}.{k}": v.clone() for k, v in state.items() if hasattr(v, "clone")})
+save_file(final, os.path.join(out, "final.safetensors"))

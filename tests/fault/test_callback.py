@@ -11,6 +11,7 @@ import pytest
 
 from hf_dtrain import processes
 from hf_dtrain.testing import stop_snapshot_processes
+from hf_dtrain.testing.fault import saved_tensors_differ
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +60,7 @@ def _killed_then_resumed(out, ft_dir, ref):
     got, want = _losses(out), _losses(ref)
     assert sorted(got) == list(range(1, 11))  # no step lost, none run twice
     assert got == want  # steps 5-10 after the restore, exactly
+    assert not saved_tensors_differ(ref, out)  # the weights and AdamW state at the end, bit for bit
     # the restored Trainer's log history holds step 4's line (the snapshot waits for the Trainer's log of its step)
     history = json.load(open(out / "history.json"))
     assert [h["step"] for h in history if "loss" in h] == list(range(1, 11))

@@ -17,7 +17,13 @@ import signal
 import pytest
 
 from hf_dtrain.testing import stop_snapshot_processes
-from hf_dtrain.testing.fault import FAILURE_CHAIN_STEPS, check_failure_chain, failed_outputs, run_failure_chain
+from hf_dtrain.testing.fault import (
+    FAILURE_CHAIN_STEPS,
+    check_failure_chain,
+    failed_outputs,
+    run_failure_chain,
+    worker_final_state_differs,
+)
 from hf_dtrain.testing.fault import kill_snapshot_process as _kill_smp
 from hf_dtrain.testing.fault import launch_ft_workers as _launch
 from hf_dtrain.testing.fault import worker_losses as _losses
@@ -28,11 +34,17 @@ WORLD = 3
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """Every rank's losses of the uninterrupted run, the chain's 12 steps (a shorter run's are its first steps)."""
+def reference_dir(tmp_path_factory):
+    """The uninterrupted run over the chain's 12 steps (a shorter run's losses are its first steps)."""
     out = str(tmp_path_factory.mktemp("reference"))
     assert _launch(WORLD, {"FT_OUT": out, "FT_NOFT": "1", "FT_STEPS": str(FAILURE_CHAIN_STEPS)}) == [0] * WORLD
-    return [_losses(out, r) for r in range(WORLD)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(reference_dir):
+    """Every rank's losses of the uninterrupted run."""
+    return [_losses(reference_dir, r) for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +119,7 @@ def test_more_lost_nodes_than_parity_without_a_disk_copy_is_a_clear_error(tmp_pa
         stop_snapshot_processes(ft_dir)
 
 
-def test_ddp_chain_is_bit_for_bit_at_every_step(tmp_path, references):
+def test_ddp_chain_is_bit_for_bit_at_every_step(tmp_path, references, reference_dir):
     """Every step of every rank equal to the uninterrupted DDP run's, through a killed trainer, a mid-snapshot kill,
     a lost node (parity) and two lost nodes (disk): without the bucket rebuild after a restore, the first step after
     it reduces in DDP's initial buckets and some losses differ in the last bit."""
@@ -117,3 +129,4 @@ def test_ddp_chain_is_bit_for_bit_at_every_step(tmp_path, references):
     got = [_losses(out, r) for r in range(WORLD)]
     assert sum(len(g) for g in got) == WORLD * FAILURE_CHAIN_STEPS == 36
     assert got == references
+    assert not worker_final_state_differs(reference_dir, out)  # every rank's weights and AdamW state at the end

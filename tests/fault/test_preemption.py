@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from hf_dtrain.testing import free_port, stop_snapshot_processes, tiny_default_base
+from hf_dtrain.testing.fault import saved_tensors_differ
 from hf_dtrain.testing.preempt import run_preempted
 
 pytestmark = pytest.mark.slow
@@ -70,7 +71,7 @@ def accelerate(config: str, restarts: int = 0) -> list[str]:
 
 def pretrain(out, ft_dir=None, fsdp=False) -> list[str]:
     cli = ["hf_dtrain.cli", "pretrain", "--max-steps", str(PRETRAIN_STEPS), *PRETRAIN, "--logging-steps", "1"]
-    cli += ["--progress", "false", "--save-model", "false", "--output-dir", str(out)]
+    cli += ["--progress", "false", "--output-dir", str(out)]
     if fsdp:
         cli.append("--fsdp")
     if ft_dir is not None:
@@ -159,6 +160,7 @@ def test_pretrain_ddp_preempted_twice_resumes_from_disk_then_memory(tmp_path):
         assert last.returncode == 0, last.output[-4000:]
         assert re.search(rf"resumed after step {stops[0][2]} from memory", last.output), last.output[-3000:]
         assert history(out) == history(ref)  # every step once, none lost, none repeated, bit for bit
+        assert not saved_tensors_differ(ref, out)  # the saved model, bit for bit
     finally:
         stop_snapshot_processes(ft_dir)
 
@@ -176,6 +178,7 @@ def test_pretrain_fsdp2_under_accelerate_launch_preempted_twice(tmp_path):
         assert done.returncode == 0, done.output[-4000:]
         check_stops(done, 2, r"resumed after step {step} from {source}")
         assert history(out) == history(ref)
+        assert not saved_tensors_differ(ref, out)
     finally:
         stop_snapshot_processes(ft_dir)
 
@@ -208,6 +211,7 @@ def test_trainer_preempted_three_times_resumes_exactly(tmp_path, base, launcher,
         assert done.returncode == 0, done.output[-4000:]
         check_stops(done, 3, r"resuming from step {step} restored from {source}", sources={1: "disk"})
         assert trainer_losses(out) == trainer_losses(ref)
+        assert not saved_tensors_differ(ref, out)  # the saved adapter, bit for bit
         assert json.load(open(out / "results.json"))["engine"] == ("fsdp2" if fsdp else "ddp")
     finally:
         stop_snapshot_processes(ft_dir)

@@ -16,7 +16,13 @@ import pytest
 
 from hf_dtrain import processes
 from hf_dtrain.testing import stop_snapshot_processes
-from hf_dtrain.testing.fault import failed_outputs, launch_ft_workers, worker_losses
+from hf_dtrain.testing.fault import (
+    failed_outputs,
+    launch_ft_workers,
+    saved_tensors_differ,
+    worker_final_state_differs,
+    worker_losses,
+)
 from hf_dtrain.testing.launch import free_port
 
 pytestmark = pytest.mark.slow
@@ -36,9 +42,10 @@ def kill_schedule(seed: int, kills: int = KILLS) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The uninterrupted run's folder: its losses and its final state."""
     out = str(tmp_path_factory.mktemp("reference"))
     assert launch_ft_workers(WORLD, {"FT_OUT": out, "FT_NOFT": "1", "FT_STEPS": str(STEPS)}) == [0] * WORLD
-    return worker_losses(out)
+    return out
 
 
 def _env(out, ft_dir, seed):
@@ -54,7 +61,9 @@ def _env(out, ft_dir, seed):
 
 def _check(out, ft_dir, reference):
     assert sorted(worker_losses(out)) == list(range(1, STEPS + 1))  # no step lost
-    assert worker_losses(out) == reference  # every step, bit for bit
+    assert worker_losses(out) == worker_losses(reference)  # every step, bit for bit
+    # and the state the last generation ends with (restored after the last step: the 10th kill is after it)
+    assert not worker_final_state_differs(reference, out)
     kills = open(os.path.join(out, "kills")).read().split()
     assert len(kills) == KILLS, kills
     leftover = [p for p in _smp_pids(ft_dir) if _alive(p)]
@@ -184,6 +193,7 @@ def test_trainer_resume_from_checkpoint_after_10_kills(tmp_path):
         # every step logged (a step's snapshot is taken once the Trainer has logged it), equal to the uninterrupted
         # run's
         assert _losses(out) == _losses(ref)
+        assert not saved_tensors_differ(ref, out)  # the weights and AdamW state at the end
         assert not _smp_pids(str(ft_dir)) or not any(_alive(p) for p in _smp_pids(str(ft_dir)))
     finally:
         stop_snapshot_processes(ft_dir)

@@ -1,9 +1,16 @@
 """The resume matrix in docs/fault_tolerance.md names, for each method, engine and restore source, the test that
-shows it resumes bit for bit: every test it names exists (a renamed or deleted test leaves the table wrong)."""
+shows it resumes bit for bit: every test it names exists (a renamed or deleted test leaves the table wrong); the
+comparison of final states those tests end with names every difference."""
 
 import ast
 import os
 import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hf_dtrain.testing.fault import saved_tensors_differ
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,3 +34,30 @@ def test_every_test_the_resume_matrix_names_exists():
     assert not missing, f"the resume matrix names tests that do not exist: {missing}"
     rows = [line for line in _matrix().splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert all(line.count("|") == 7 for line in rows), [line[:80] for line in rows if line.count("|") != 7]
+
+
+def test_the_final_state_comparison_names_every_difference(tmp_path):
+    """``saved_tensors_differ``, which every resume test's last assertion relies on: equal folders give nothing; a
+    value one bit apart, a dtype, a key or a file on one side only are each named; a reference with nothing to compare
+    is an error, not a pass."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref.mkdir()
+    out.mkdir()
+    w = torch.randn(4, 4)
+    save_file({"w": w, "b": torch.zeros(4)}, ref / "model.safetensors")
+    save_file({"w": w.clone(), "b": torch.zeros(4)}, out / "model.safetensors")
+    assert saved_tensors_differ(ref, out) == []
+    nudged = w.clone()
+    nudged.view(-1)[5] = torch.nextafter(nudged.view(-1)[5], torch.tensor(float("inf")))
+    save_file({"w": nudged, "b": torch.zeros(4, dtype=torch.float64)}, out / "model.safetensors")
+    assert saved_tensors_differ(ref, out) == ["model.safetensors: b", "model.safetensors: w"]
+    save_file({"w": w}, out / "model.safetensors")
+    save_file({"x": w}, out / "extra.safetensors")
+    assert saved_tensors_differ(ref, out) == [
+        f"extra.safetensors: only in {out}",
+        "model.safetensors: b on one side only",
+    ]
+    (out / "model.safetensors").unlink()
+    assert f"model.safetensors: not in {out}" in saved_tensors_differ(ref, out)
+    with pytest.raises(AssertionError, match=r"no \*\.safetensors"):
+        saved_tensors_differ(out / "nothing", out)

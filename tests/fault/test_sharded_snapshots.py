@@ -20,6 +20,7 @@ from hf_dtrain.testing.fault import (
     check_failure_chain,
     launch_ft_workers,
     run_failure_chain,
+    worker_final_state_differs,
     worker_losses,
 )
 
@@ -37,3 +38,4 @@ def test_sharded_run_resumes_exactly_after_each_failure(tmp_path):
     check_failure_chain(run_failure_chain(WORLD, {**env, "FT_OUT": out}, str(tmp_path / "ft")))
     assert "2 nodes of erasure group [0, 1, 2] are lost" in open(os.path.join(out, "rank1.out")).read()
     assert [worker_losses(out, r) for r in range(WORLD)] == [worker_losses(ref, r) for r in range(WORLD)]
+    assert not worker_final_state_differs(ref, out)  # every rank's shards of the weights and AdamW state at the end

@@ -5,21 +5,27 @@ snapshotting its own shards and restoring them in place.
   (start-up, mid-step, mid-snapshot, after a snapshot, after the last step): every step's logged loss equals the
   uninterrupted run's (``float.hex``), none missing, and no process is left;
 * each rank its own emulated node, one lost with its snapshot process: rebuilt from the other's parity;
+* every other method (SMT, QA-HiRA on dense and INT4 bases, Q-BaRA on NF4, LoRA-FA under AdamW) on FSDP2 and LoRA-FA
+  and SMT on DDP, through a trainer killed mid-step (memory), a node lost (parity) and every node's memory lost (the
+  disk copy), one per generation;
 * under ``accelerate launch --max_restarts`` with the FSDP2 launch config (``recipes/accelerate/fsdp2_cpu_2proc.yaml``:
   on CPU hf_dtrain shards with its settings), LoRA with AdamW killed mid-step: the same, against the same config
   uninterrupted, and the last generation restored a snapshot.
+
+Every test also compares the saved adapter with the uninterrupted run's, bit for bit.
 """
 
 import json
 import os
 import random
+import re
 import sys
 
 import pytest
 
 from hf_dtrain import processes
 from hf_dtrain.testing import free_port, stop_snapshot_processes, tiny_default_base
-from hf_dtrain.testing.fault import KILL_PHASES
+from hf_dtrain.testing.fault import KILL_PHASES, saved_tensors_differ
 
 pytestmark = pytest.mark.slow
 
@@ -151,37 +157,56 @@ def test_finetune_fsdp_under_torchrun_resumes_exactly_after_10_kills(tmp_path, b
         tmp_path, base, [*torchrun, "--max-restarts", str(KILLS), "-m"], kills, method="lorafa"
     )
     assert losses(out) == want  # every step, bit for bit, none missing
+    assert not saved_tensors_differ(ref, out)  # and the saved adapter
     results = json.load(open(out / "results.json"))
     assert results["engine"] == "fsdp2"
     assert results["fault_tolerance"]["restored"] == {"step": STEPS, "source": "memory"}  # killed after the last
     assert not _smp_left(ft_dir)  # the finished run stopped its snapshot processes
 
 
-# the resume matrix's FSDP2-under-the-Trainer cells beyond the two above: (method, its extra flags)
+# the resume matrix's Trainer cells beyond the tests above: (id, method, its extra flags, FSDP2 or DDP)
 METHODS = [
-    ("smt", []),
-    ("qahira", ["--quantize", "int4"]),  # QA-HiRA on a 4-bit base, its packed weights sharded
-    ("lorafa", ["--lorafa.optimizer", "false"]),  # LoRA-FA under the Trainer's AdamW
+    ("smt-fsdp2", "smt", [], True),
+    ("qahira-int4-fsdp2", "qahira", ["--quantize", "int4"], True),  # its packed 4-bit weights sharded
+    ("qahira-fsdp2", "qahira", [], True),  # on a dense base
+    ("qbara-nf4-fsdp2", "qbara", ["--quantize", "nf4"], True),  # bitsandbytes' CPU 4-bit path
+    ("lorafa-adamw-fsdp2", "lorafa", ["--lorafa.optimizer", "false"], True),  # LoRA-FA under the Trainer's AdamW
+    ("lorafa-ddp", "lorafa", [], False),  # with its own optimizer
+    ("smt-ddp", "smt", [], False),
 ]
+RESUMED = re.compile(r"resuming from step (\d+) restored from (\w+)")
 
 
-@pytest.mark.parametrize("method, extra", METHODS, ids=[m for m, _ in METHODS])
-def test_each_method_killed_once_on_fsdp2_resumes_exactly(tmp_path, base, method, extra):
-    """One rank killed mid-step at a seeded random step, the job relaunched by torchrun: every logged loss equals
-    the uninterrupted run's (``float.hex``), none missing, and the last generation restored a snapshot."""
+@pytest.mark.parametrize("method, extra, fsdp", [m[1:] for m in METHODS], ids=[m[0] for m in METHODS])
+def test_each_method_resumes_exactly_from_memory_parity_and_disk(tmp_path, base, method, extra, fsdp):
+    """Each rank its own emulated node, every snapshot also written to disk; under torchrun three failures at seeded
+    steps, one per generation: a rank killed mid-step (the next generation restores from memory), a node lost with
+    its snapshot process (rebuilt from the other's parity), then every node's memory lost (the disk copy). Every
+    logged loss and the saved adapter equal the uninterrupted run's, bit for bit."""
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--monitor-interval", "0.2"]
     ref = tmp_path / "ref"
     run(
-        [sys.executable, *torchrun, "--master-port", str(free_port()), "-m", *job(base, ref, method=method), *extra],
+        [sys.executable, *torchrun, "--master-port", str(free_port()), "-m", *job(base, ref, fsdp=fsdp, method=method)]
+        + extra,
         ref,
     )
-    rng = random.Random(f"{method} {extra}")
-    kills = f"0:{rng.randrange(WORLD)}:{rng.randint(2, 4)}:mid_step"
-    launcher = [*torchrun, "--master-port", str(free_port()), "--max-restarts", "1", "-m"]
-    out, ft_dir, _ = _killed(tmp_path, base, launcher, kills, method=method, extra=extra)
+    rng = random.Random(f"{method} {extra} {fsdp}")
+    kills = ",".join(
+        [
+            f"0:{rng.randrange(WORLD)}:{rng.randint(2, 4)}:mid_step",
+            f"1:{rng.randrange(WORLD)}:@{rng.randint(7, 10)}:node_lost",
+            f"2:{rng.randrange(WORLD)}:@{rng.randint(13, 16)}:all_lost",
+        ]
+    )
+    disk = ["--fault-tolerance.persist-dir", str(tmp_path / "disk"), "--fault-tolerance.persist-every", "1"]
+    launcher = [*torchrun, "--master-port", str(free_port()), "--max-restarts", "3", "-m"]
+    out, ft_dir, _ = _killed(tmp_path, base, launcher, kills, fsdp, method, [*extra, *disk], emulate=True)
     assert losses(out) == losses(ref)
-    restored = json.load(open(out / "results.json"))["fault_tolerance"]["restored"]
-    assert restored is not None and restored["source"] == "memory", restored
+    assert not saved_tensors_differ(ref, out)  # the saved adapter, bit for bit
+    # each generation's restore, as every rank logged it: one source for all ranks, the one its failure leaves
+    said = RESUMED.findall(open(out / "launch.out").read())
+    assert [source for _, source in said] == [s for s in ("memory", "parity", "disk") for _ in range(WORLD)], said
+    assert json.load(open(out / "results.json"))["engine"] == ("fsdp2" if fsdp else "ddp")
     assert not _smp_left(ft_dir)
 
 
@@ -197,6 +222,7 @@ def test_a_lost_node_under_the_trainer_is_rebuilt_from_parity(tmp_path, base):
     launcher = [*torchrun, "--master-port", str(free_port()), "--max-restarts", "1", "-m"]
     out, ft_dir, _ = _killed(tmp_path, base, launcher, f"0:1:@{step}:node_lost", emulate=True)
     assert losses(out) == losses(ref)
+    assert not saved_tensors_differ(ref, out)  # the saved adapter, bit for bit
     restored = json.load(open(out / "results.json"))["fault_tolerance"]["restored"]
     # the step, or the one before when the lost node's parity exchange of its last step had not finished (a step at
     # most: docs/fault_tolerance.md, Limits); the Trainer trains that step again, with the same losses
@@ -230,4 +256,5 @@ def test_accelerate_fsdp2_config_killed_mid_step_resumes_exactly(tmp_path, base)
     restored = results["fault_tolerance"]["restored"]
     assert restored is not None and restored["source"] == "memory" and restored["step"] >= 4, restored
     assert losses(out) == losses(ref)
+    assert not saved_tensors_differ(ref, out)  # the saved adapter, bit for bit
     assert not _smp_left(ft_dir)

@@ -25,6 +25,7 @@ from hf_dtrain.testing.fault import (
     failed_outputs,
     launch_ft_workers,
     run_failure_chain,
+    worker_final_state_differs,
     worker_losses,
 )
 
@@ -49,6 +50,8 @@ def test_zero_resumes_exactly_after_each_failure(tmp_path, stage):
     env = {**DS, "FT_ENGINE": stage, "FT_OUT": out}
     check_failure_chain(run_failure_chain(3, env, str(tmp_path / "ft")))
     assert [worker_losses(out, r) for r in range(3)] == reference
+    # every rank's partitions at the end: the model's, DeepSpeed's fp32 masters, the AdamW state on them
+    assert not worker_final_state_differs(str(tmp_path / "ref"), out)
 
 
 def test_zero1_killed_trainer_resumes_exactly(tmp_path):
@@ -67,3 +70,4 @@ def test_zero1_killed_trainer_resumes_exactly(tmp_path):
         stop_snapshot_processes(ft_dir)
     assert open(os.path.join(out, "rank1.restore")).read().split()[:2] == ["4", "memory"]
     assert [worker_losses(out, r) for r in range(2)] == reference
+    assert not worker_final_state_differs(str(tmp_path / "ref"), out)
