@@ -1,10 +1,12 @@
 """``hf-dtrain finetune --fsdp --fault-tolerance``: the Trainer on FSDP2 shards (2 gloo ranks), each rank
 snapshotting its own shards and restoring them in place.
 
-* under ``torchrun --max-restarts 10``, LoRA-FA with its own optimizer, killed 10 times at seeded random moments
-  (start-up, mid-step, mid-snapshot, after a snapshot, after the last step): every step's logged loss equals the
+* under ``torchrun --max-restarts 10``, LoRA-FA with its own optimizer, each rank its own emulated node, killed 10
+  times at seeded random moments (start-up, mid-step, mid-snapshot, after a snapshot, a node lost with its snapshot
+  process, after the last step): every step's logged loss equals the
   uninterrupted run's (``float.hex``), none missing, and no process is left;
-* each rank its own emulated node, one lost with its snapshot process: rebuilt from the other's parity;
+* each rank its own emulated node, one lost with its snapshot process: rebuilt from the other's parity; then every
+  node's memory lost: the disk copy;
 * every other method (SMT, QA-HiRA on dense and INT4 bases, Q-BaRA on NF4, LoRA-FA under AdamW) on FSDP2 and LoRA-FA
   and SMT on DDP, through a trainer killed mid-step (memory), a node lost (parity) and every node's memory lost (the
   disk copy), one per generation;
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, KILLS, WORLD = 20, 10, 2
+RESUMED = re.compile(r"resuming from step (\d+) restored from (\w+)")  # each rank, each restore
 
 
 def job(base, out, ft_dir=None, fsdp=True, method="lora"):
@@ -91,9 +94,12 @@ def losses(out):
 
 def kill_schedule(seed: int) -> str:
     """One kill per generation on a random rank: 1 or 2 snapshots into the generation (so every kill happens before
-    the run can finish), at a random phase; the last one after the last step's snapshot."""
+    the run can finish), at a random phase, one of them (a seeded generation) a node lost with its snapshot process;
+    the last one after the last step's snapshot."""
     rng = random.Random(seed)
     entries = [f"{g}:{rng.randrange(WORLD)}:{rng.randint(1, 2)}:{rng.choice(KILL_PHASES)}" for g in range(KILLS - 1)]
+    lost = rng.randrange(1, KILLS - 1)
+    entries[lost] = f"{lost}:{rng.randrange(WORLD)}:{rng.randint(1, 2)}:node_lost"
     return ",".join(entries + [f"{KILLS - 1}:{rng.randrange(WORLD)}:@{STEPS}:after_snapshot"])
 
 
@@ -154,7 +160,7 @@ def test_finetune_fsdp_under_torchrun_resumes_exactly_after_10_kills(tmp_path, b
     kills = kill_schedule(seed=5)
     torchrun[-1] = str(free_port())
     out, ft_dir, _happened = _killed(
-        tmp_path, base, [*torchrun, "--max-restarts", str(KILLS), "-m"], kills, method="lorafa"
+        tmp_path, base, [*torchrun, "--max-restarts", str(KILLS), "-m"], kills, method="lorafa", emulate=True
     )
     assert losses(out) == want  # every step, bit for bit, none missing
     assert not saved_tensors_differ(ref, out)  # and the saved adapter
@@ -174,7 +180,6 @@ METHODS = [
     ("lorafa-ddp", "lorafa", [], False),  # with its own optimizer
     ("smt-ddp", "smt", [], False),
 ]
-RESUMED = re.compile(r"resuming from step (\d+) restored from (\w+)")
 
 
 @pytest.mark.parametrize("method, extra, fsdp", [m[1:] for m in METHODS], ids=[m[0] for m in METHODS])
@@ -210,23 +215,31 @@ def test_each_method_resumes_exactly_from_memory_parity_and_disk(tmp_path, base,
     assert not _smp_left(ft_dir)
 
 
-def test_a_lost_node_under_the_trainer_is_rebuilt_from_parity(tmp_path, base):
-    """Each rank its own emulated node (``--emulate-nodes``): rank 1 and its node's snapshot process killed at once
-    after a seeded step's snapshot; the restart rebuilds that node's snapshot from the other's parity and every
-    logged loss equals the uninterrupted run's. (With parity 0 the same restart is refused: the node's snapshot is
-    lost and no disk copy was written.)"""
+def test_a_lost_node_under_the_trainer_is_rebuilt_from_parity_then_every_node_from_disk(tmp_path, base):
+    """Each rank its own emulated node (``--emulate-nodes``), every 2nd snapshot also on disk: rank 1 and its node's
+    snapshot process killed at once after a seeded step's snapshot; the restart rebuilds that node's snapshot from the
+    other's parity. Then every node's memory is lost after a later step's snapshot: the restart reads the disk copy.
+    Every logged loss and the saved adapter equal the uninterrupted run's. (With parity 0 and no disk copy the first
+    restart is refused: the node's snapshot is lost.)"""
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--monitor-interval", "0.2"]
     ref = tmp_path / "ref"
     run([sys.executable, *torchrun, "--master-port", str(free_port()), "-m", *job(base, ref)], ref)
-    step = random.Random("node lost").randint(3, 6)
-    launcher = [*torchrun, "--master-port", str(free_port()), "--max-restarts", "1", "-m"]
-    out, ft_dir, _ = _killed(tmp_path, base, launcher, f"0:1:@{step}:node_lost", emulate=True)
+    rng = random.Random("node lost")
+    step, later = rng.randint(3, 6), rng.choice((12, 14))
+    launcher = [*torchrun, "--master-port", str(free_port()), "--max-restarts", "2", "-m"]
+    disk = ["--fault-tolerance.persist-dir", str(tmp_path / "disk"), "--fault-tolerance.persist-every", "2"]
+    out, ft_dir, _ = _killed(
+        tmp_path, base, launcher, f"0:1:@{step}:node_lost,1:0:@{later}:all_lost", extra=disk, emulate=True
+    )
     assert losses(out) == losses(ref)
     assert not saved_tensors_differ(ref, out)  # the saved adapter, bit for bit
-    restored = json.load(open(out / "results.json"))["fault_tolerance"]["restored"]
+    said = [(int(s), source) for s, source in RESUMED.findall(open(out / "launch.out").read())]
     # the step, or the one before when the lost node's parity exchange of its last step had not finished (a step at
     # most: docs/fault_tolerance.md, Limits); the Trainer trains that step again, with the same losses
-    assert restored["source"] == "parity" and restored["step"] in (step - 1, step), restored
+    assert [source for _, source in said] == ["parity"] * WORLD + ["disk"] * WORLD, said
+    assert all(s in (step - 1, step) for s, _ in said[:WORLD]), said
+    # the disk copy of the later step, or of the one before it when the other rank's write was still going
+    assert all(s in (later - 2, later) for s, _ in said[WORLD:]), said
     assert not _smp_left(ft_dir)
 
 

@@ -5,6 +5,7 @@ and equals the one-process model. Bad degrees are refused before any process gro
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -87,14 +88,16 @@ def _step_losses(directory, rank):
 
 @pytest.mark.slow
 def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
-    """``--tp 2 --pp 2 --fault-tolerance`` under ``torchrun --max-restarts``: a rank killed after its snapshot of
-    step 2, then another in step 5 (after its forward and backward); each rank snapshots its own tensor-parallel
-    shards of its pipeline stages, and every step's loss on every rank equals the uninterrupted mesh run's."""
+    """``--tp 2 --pp 2 --fault-tolerance`` under ``torchrun --max-restarts``, each rank its own emulated node, every
+    snapshot also written to disk: every node's memory lost after step 2's snapshot (the relaunch reads the disk
+    copy), then a node lost with its snapshot process after step 3's (rebuilt from the others' parity), then a rank
+    killed in step 5 after its forward and backward (memory). Each rank snapshots its own tensor-parallel shards of
+    its pipeline stages; every step's loss on every rank and the saved model equal the uninterrupted mesh run's."""
     from hf_dtrain.testing import stop_snapshot_processes
 
     out, ft = tmp_path / "run", tmp_path / "ft"
     try:
-        _run(
+        proc = _run(
             [
                 sys.executable,
                 "-m",
@@ -102,15 +105,16 @@ def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
                 "--nproc-per-node",
                 "4",
                 "--max-restarts",
-                "2",
+                "3",
                 "--monitor-interval",
                 "0.2",
                 "--master-port",
                 str(free_port()),
                 "-m",
                 "hf_dtrain.testing.fault",
+                "--emulate-nodes",
                 "--kills",
-                "0:1:2:after_snapshot,1:3:2:mid_step",
+                "0:1:@2:all_lost,1:2:@3:node_lost,2:3:@4:mid_step",
                 "--kill-log",
                 str(tmp_path / "kills"),
                 "hf_dtrain.cli",
@@ -121,13 +125,19 @@ def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
                 "2",
                 "--fault-tolerance.directory",
                 str(ft),
+                "--fault-tolerance.persist-dir",
+                str(tmp_path / "disk"),
+                "--fault-tolerance.persist-every",
+                "1",
                 "--output-dir",
                 str(out),
             ]
         )
     finally:
         stop_snapshot_processes(ft)
-    assert len(open(tmp_path / "kills").read().split()) == 2
+    assert len(open(tmp_path / "kills").read().split()) == 3
+    said = re.findall(r"resumed after step (\d+) from (\w+)", proc.stdout + proc.stderr)
+    assert [source for _, source in said] == ["disk", "parity", "memory"], said  # rank 0 says each
     got = json.loads((out / "results.json").read_text())
     assert got["fault_tolerance"]["restored"] == {"step": 4, "source": "memory"}
     for rank in range(4):  # the step log is appended to across the relaunches: the last line of a step counts
