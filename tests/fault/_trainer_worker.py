@@ -39,6 +39,7 @@ class Log(TrainerCallback):
         # after the step's log line and its snapshot (the callback takes it in on_log, before this callback)
         if state.global_step == kill_at:
             ft.engine.wait()  # the snapshot of this step is in (a kill mid-copy is the engine tests' case)
+            ft.engine.persister.join()  # and so is its disk copy, if one is written
             os.kill(os.getpid(), signal.SIGKILL)
         if kill and kill[1] == "step_end" and state.global_step == first + int(kill[0]) - 1:
             ft.engine.wait()
@@ -52,7 +53,9 @@ class Log(TrainerCallback):
 callbacks = [Log()]
 ft = None
 if not os.environ.get("FT_NOFT"):
-    ft = InMemoryFaultToleranceCallback(every_n_steps=1, directory=os.environ["FT_DIR"])
+    # FT_PERSIST: every snapshot also written there (the disk copy a lost node is resumed from)
+    disk = {"persist_dir": os.environ["FT_PERSIST"], "persist_every": 1} if os.environ.get("FT_PERSIST") else {}
+    ft = InMemoryFaultToleranceCallback(every_n_steps=1, directory=os.environ["FT_DIR"], **disk)
     callbacks.insert(0, ft)
 args = TrainingArguments(
     output_dir=os.path.join(out, "trainer"),

@@ -1,6 +1,7 @@
 """InMemoryFaultToleranceCallback under the Trainer: SIGKILLed after step 4 of 10, restarted, resumed through
-``resume_checkpoint``: the losses logged after the restart equal the uninterrupted run's, step for step; a finished
-run stops its snapshot process."""
+``resume_checkpoint`` from the snapshot process's memory; killed again after step 7 with the snapshot process (the
+node gone), resumed from the disk copy: the losses logged after each restart and the weights and AdamW state at the
+end equal the uninterrupted run's; a finished run stops its snapshot process."""
 
 import json
 import os
@@ -38,7 +39,7 @@ def _losses(out):
     return got
 
 
-def test_trainer_killed_and_resumed_from_memory_matches_the_uninterrupted_run(tmp_path):
+def test_trainer_killed_and_resumed_from_memory_then_disk_matches_the_uninterrupted_run(tmp_path):
     ref = tmp_path / "ref"
     ref.mkdir()
     assert _run(ref, FT_NOFT="1").returncode == 0
@@ -51,15 +52,20 @@ def test_trainer_killed_and_resumed_from_memory_matches_the_uninterrupted_run(tm
 
 
 def _killed_then_resumed(out, ft_dir, ref):
-    killed = _run(out, FT_DIR=str(ft_dir), FT_KILL_AT="4")
+    disk = str(out / "disk")
+    killed = _run(out, FT_DIR=str(ft_dir), FT_PERSIST=disk, FT_KILL_AT="4")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert max(_losses(out)) == 4  # killed once step 4 was logged and snapshotted
-    resumed = _run(out, FT_DIR=str(ft_dir))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    killed = _run(out, FT_DIR=str(ft_dir), FT_PERSIST=disk, FT_KILL_AT="7")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert json.load(open(out / "restored.json")) == {"step": 4, "source": "memory"}
+    stop_snapshot_processes(ft_dir)  # the node is gone with its memory
+    resumed = _run(out, FT_DIR=str(ft_dir), FT_PERSIST=disk)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.load(open(out / "restored.json")) == {"step": 7, "source": "disk"}
     got, want = _losses(out), _losses(ref)
     assert sorted(got) == list(range(1, 11))  # no step lost, none run twice
-    assert got == want  # steps 5-10 after the restore, exactly
+    assert got == want  # steps 5-10 after the restores, exactly
     assert not saved_tensors_differ(ref, out)  # the weights and AdamW state at the end, bit for bit
     # the restored Trainer's log history holds step 4's line (the snapshot waits for the Trainer's log of its step)
     history = json.load(open(out / "history.json"))
