@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -21,6 +22,8 @@ from . import reshard
 from .record import clean_temporaries, write_private
 from .state import parse, unflatten_state
 from .wire import checksum
+
+logger = logging.getLogger("hf_dtrain.fault.snapshot")
 
 
 class Persister:
@@ -79,7 +82,15 @@ class Persister:
             write_private(os.path.join(d, f"rank{rank}.json"), json.dumps(manifest).encode())
             if self.shards is not None:
                 what = "resharding (DCP) copy"
-                self._write_resharding(d, step, data)
+                try:
+                    self._write_resharding(d, step, data)
+                except reshard.NotReshardable as why:  # every rank alike (one optimizer), before any collective
+                    self.shards, self.exact_only = None, True
+                    logger.warning(
+                        "no copy for another world size is written (%s): the disk copy is each rank's "
+                        "exact one, for a restart on this world size",
+                        why,
+                    )
         except Exception as e:  # raised on the training thread by the next wait(), snapshot or close()
             self._error = WriteFailure(
                 f"rank {rank}: the {what} of step {step} could not be written to {d} ({type(e).__name__}: {e}). Set "

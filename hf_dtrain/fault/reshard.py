@@ -74,6 +74,21 @@ def _global_offset(t: torch.Tensor) -> list[int] | None:
     return [int(o) for o in offset]
 
 
+class NotReshardable(Exception):
+    """A snapshot whose optimizer state a DCP copy cannot place (state keyed by the optimizer's own names, not by
+    parameter): the disk copy is then this rank's exact one only, for a restart on the same world size."""
+
+
+def _index(idx) -> int:
+    try:
+        return int(idx)
+    except ValueError:
+        raise NotReshardable(
+            f"the optimizer keys its state by its own names ({idx!r}), not by parameter, so a copy for another world "
+            "size cannot lay its state out"
+        ) from None
+
+
 class ShardMap:
     """How a snapshot's tensors map to DCP's FQNs and global tensors, read once from the live model and optimizer:
     the model state's keys, each optimizer parameter index's FQN, and the DTensor layout (mesh, placements, global
@@ -85,17 +100,23 @@ class ShardMap:
         # where this rank's shard of each sharded tensor starts, by FQN (recorded in every snapshot: another world
         # size can then read the snapshots of the ranks that took them as a DCP checkpoint, see ``write_chunks``)
         self.offsets = {self.model_keys[k]: o for k, t in model_state.items() if (o := _global_offset(t)) is not None}
-        names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+        # an optimizer may hold a buffer beside the parameters it steps (LoRA-FA's holds each layer's frozen A, a
+        # buffer, to correct B's gradient): named by its buffer FQN
+        named = [*model.named_parameters(), *model.named_buffers()]
+        names = {id(t): canonical_fqn(n) for n, t in named}
         self.param_fqns: list[str] = []
         self.param_meta: list[tuple | None] = []
         if optimizer is not None:
             for g in optimizer.param_groups:
-                for p in g["params"]:
+                given = g.get("names")  # the names a group may carry (peft's LoraFAOptimizer's, for its pairs)
+                for i, p in enumerate(g["params"]):
+                    if id(p) not in names and given:
+                        names[id(p)] = canonical_fqn(given[i])
                     if id(p) not in names:
                         raise SettingsError(
-                            "SnapshotConfig.persist_every: the optimizer holds a parameter that is not "
-                            "the model's, so its state has no name to be resharded by; build the "
-                            "optimizer on the model's parameters"
+                            "SnapshotConfig.persist_every: the optimizer holds a tensor that is neither a "
+                            "parameter nor a buffer of the model, so its state has no name to be resharded by; "
+                            "build the optimizer on the model's parameters"
                         )
                     self.param_fqns.append(names[id(p)])
                     self.param_meta.append(_meta(p))
@@ -110,7 +131,7 @@ class ShardMap:
         if "optimizer" in state:
             opt_state = {}
             for idx, st in state["optimizer"].get("state", {}).items():
-                fqn, meta = self.param_fqns[int(idx)], self.param_meta[int(idx)]
+                fqn, meta = self.param_fqns[_index(idx)], self.param_meta[_index(idx)]
                 local_shape = meta[4] if meta is not None else None
                 tensors = {}
                 for key, v in st.items():
@@ -130,7 +151,7 @@ class ShardMap:
             for idx, st in state["optimizer"].get("state", {}).items():
                 for key, v in st.items():
                     if not torch.is_tensor(v):
-                        other.setdefault(self.param_fqns[int(idx)], {})[key] = v
+                        other.setdefault(self.param_fqns[_index(idx)], {})[key] = v
             groups = []
             start = 0
             for g in state["optimizer"].get("param_groups", []):
@@ -155,7 +176,7 @@ class ShardMap:
             if fqn in offsets or whole:
                 out[f"model.{fqn}"] = (t, offsets.get(fqn, [0] * t.dim()))
         for idx, st in state.get("optimizer", {}).get("state", {}).items():
-            fqn = self.param_fqns[int(idx)]
+            fqn = self.param_fqns[_index(idx)]
             for k, v in st.items():
                 if not torch.is_tensor(v):
                     continue

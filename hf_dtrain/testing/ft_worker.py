@@ -52,10 +52,12 @@ def dump_full_state(model, optimizer, path: str) -> None:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard, a ZeRO-3 parameter's partition, else ``t``."""
+    """This rank's part of ``t``: a DTensor's local shard, a ZeRO-3 parameter's partition without its padding (the
+    last rank's partition is padded to the others' size, and what the padding holds is not state), else ``t``."""
     part = getattr(t, "ds_tensor", None)
     if part is not None:
-        return part
+        size = part.numel()
+        return part[: max(0, min(size, t.ds_numel - dist.get_rank() * size))]
     return t.to_local() if isinstance(t, DTensor) else t
 
 

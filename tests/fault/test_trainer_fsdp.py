@@ -98,8 +98,10 @@ def kill_schedule(seed: int) -> str:
     the last one after the last step's snapshot."""
     rng = random.Random(seed)
     entries = [f"{g}:{rng.randrange(WORLD)}:{rng.randint(1, 2)}:{rng.choice(KILL_PHASES)}" for g in range(KILLS - 1)]
+    # the node lost at its generation's 2nd snapshot: a generation that started afresh (after a kill at start-up)
+    # has no earlier step, and a node lost before its first step's parity is complete leaves none to rebuild
     lost = rng.randrange(1, KILLS - 1)
-    entries[lost] = f"{lost}:{rng.randrange(WORLD)}:{rng.randint(1, 2)}:node_lost"
+    entries[lost] = f"{lost}:{rng.randrange(WORLD)}:2:node_lost"
     return ",".join(entries + [f"{KILLS - 1}:{rng.randrange(WORLD)}:@{STEPS}:after_snapshot"])
 
 
