@@ -89,10 +89,12 @@ def _step_losses(directory, rank):
 @pytest.mark.slow
 def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
     """``--tp 2 --pp 2 --fault-tolerance`` under ``torchrun --max-restarts``, each rank its own emulated node, every
-    snapshot also written to disk: every node's memory lost after step 2's snapshot (the relaunch reads the disk
-    copy), then a node lost with its snapshot process after step 3's (rebuilt from the others' parity), then a rank
-    killed in step 5 after its forward and backward (memory). Each rank snapshots its own tensor-parallel shards of
-    its pipeline stages; every step's loss on every rank and the saved model equal the uninterrupted mesh run's."""
+    snapshot also written to disk: a node lost with its snapshot process after step 2's snapshot (rebuilt from the
+    others' parity), then every node's memory lost after step 3's (the relaunch reads the disk copy), then a rank
+    killed in step 5 after its forward and backward (memory). (A node lost right after a generation's first snapshot,
+    before its parity is complete, has only the disk copy to go back to: that generation's restart reads it.) Each
+    rank snapshots its own tensor-parallel shards of its pipeline stages; every step's loss on every rank and the
+    saved model equal the uninterrupted mesh run's."""
     from hf_dtrain.testing import stop_snapshot_processes
 
     out, ft = tmp_path / "run", tmp_path / "ft"
@@ -114,7 +116,7 @@ def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
                 "hf_dtrain.testing.fault",
                 "--emulate-nodes",
                 "--kills",
-                "0:1:@2:all_lost,1:2:@3:node_lost,2:3:@4:mid_step",
+                "0:2:@2:node_lost,1:1:@3:all_lost,2:3:@4:mid_step",
                 "--kill-log",
                 str(tmp_path / "kills"),
                 "hf_dtrain.cli",
@@ -137,7 +139,7 @@ def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
         stop_snapshot_processes(ft)
     assert len(open(tmp_path / "kills").read().split()) == 3
     said = re.findall(r"resumed after step (\d+) from (\w+)", proc.stdout + proc.stderr)
-    assert [source for _, source in said] == ["disk", "parity", "memory"], said  # rank 0 says each
+    assert [source for _, source in said] == ["parity", "disk", "memory"], said  # rank 0 says each
     got = json.loads((out / "results.json").read_text())
     assert got["fault_tolerance"]["restored"] == {"step": 4, "source": "memory"}
     for rank in range(4):  # the step log is appended to across the relaunches: the last line of a step counts
