@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_dtrain.errors import SettingsError, WriteFailure, check_writable
+from hf_dtrain.errors import WriteFailure, check_writable
 
 from . import reshard
 from .record import clean_temporaries, write_private
@@ -54,12 +54,17 @@ class Persister:
         if self.writes and self.shards is None and not self.exact_only:
             try:
                 self.shards = source.shard_map(optimizer)  # None: this layout does not reshard (ZeRO)
-            except SettingsError:
-                if self.every:  # resharding copies were asked for: said before the first step
-                    raise
-                # only a notice writes here: its copy is the exact per-rank one, restored on this world size (an
-                # optimizer over parameters that are not the model's, as peft's LoraFAOptimizer under FSDP2)
-                self.exact_only = True
+            except reshard.NotReshardable as why:
+                self._exact_only(why)
+
+    def _exact_only(self, why) -> None:
+        """From now on the disk copy is each rank's exact one, restored on this world size; said once."""
+        self.shards, self.exact_only = None, True
+        logger.warning(
+            "no copy for another world size is written (%s): the disk copy is each rank's exact one, for a restart "
+            "on this world size",
+            why,
+        )
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -85,12 +90,7 @@ class Persister:
                 try:
                     self._write_resharding(d, step, data)
                 except reshard.NotReshardable as why:  # every rank alike (one optimizer), before any collective
-                    self.shards, self.exact_only = None, True
-                    logger.warning(
-                        "no copy for another world size is written (%s): the disk copy is each rank's "
-                        "exact one, for a restart on this world size",
-                        why,
-                    )
+                    self._exact_only(why)
         except Exception as e:  # raised on the training thread by the next wait(), snapshot or close()
             self._error = WriteFailure(
                 f"rank {rank}: the {what} of step {step} could not be written to {d} ({type(e).__name__}: {e}). Set "

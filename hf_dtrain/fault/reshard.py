@@ -74,9 +74,10 @@ def _global_offset(t: torch.Tensor) -> list[int] | None:
     return [int(o) for o in offset]
 
 
-class NotReshardable(Exception):
-    """A snapshot whose optimizer state a DCP copy cannot place (state keyed by the optimizer's own names, not by
-    parameter): the disk copy is then this rank's exact one only, for a restart on the same world size."""
+class NotReshardable(ValueError):
+    """What a DCP copy cannot place: an optimizer that holds a tensor that is not one of the model's parameters, or
+    keys its state by its own names, not by parameter (peft's ``LoraFAOptimizer`` does both). The disk copy is then
+    each rank's exact one only, for a restart on the same world size."""
 
 
 def _index(idx) -> int:
@@ -100,23 +101,16 @@ class ShardMap:
         # where this rank's shard of each sharded tensor starts, by FQN (recorded in every snapshot: another world
         # size can then read the snapshots of the ranks that took them as a DCP checkpoint, see ``write_chunks``)
         self.offsets = {self.model_keys[k]: o for k, t in model_state.items() if (o := _global_offset(t)) is not None}
-        # an optimizer may hold a buffer beside the parameters it steps (LoRA-FA's holds each layer's frozen A, a
-        # buffer, to correct B's gradient): named by its buffer FQN
-        named = [*model.named_parameters(), *model.named_buffers()]
-        names = {id(t): canonical_fqn(n) for n, t in named}
+        names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         self.param_fqns: list[str] = []
         self.param_meta: list[tuple | None] = []
         if optimizer is not None:
             for g in optimizer.param_groups:
-                given = g.get("names")  # the names a group may carry (peft's LoraFAOptimizer's, for its pairs)
-                for i, p in enumerate(g["params"]):
-                    if id(p) not in names and given:
-                        names[id(p)] = canonical_fqn(given[i])
+                for p in g["params"]:
                     if id(p) not in names:
-                        raise SettingsError(
-                            "SnapshotConfig.persist_every: the optimizer holds a tensor that is neither a "
-                            "parameter nor a buffer of the model, so its state has no name to be resharded by; "
-                            "build the optimizer on the model's parameters"
+                        raise NotReshardable(
+                            f"the optimizer holds a tensor ({tuple(p.shape)}) that is not one of the model's "
+                            "parameters, so its state has no name a copy for another world size could use"
                         )
                     self.param_fqns.append(names[id(p)])
                     self.param_meta.append(_meta(p))

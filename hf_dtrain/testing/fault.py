@@ -185,11 +185,23 @@ def worker_losses(out: str, rank: int = 0) -> dict[int, str]:
     return got
 
 
+def tensors_differ(want: dict, got: dict) -> list[str]:
+    """The keys of two name -> tensor dicts whose tensors differ (dtype, shape or any value, bitwise), and the keys
+    on one side only; ``[]`` when they are equal."""
+    import torch
+
+    differ = [f"{key} on one side only" for key in sorted(want.keys() ^ got.keys())]
+    return differ + [
+        key
+        for key in sorted(want.keys() & got.keys())
+        if want[key].dtype != got[key].dtype or not torch.equal(want[key], got[key])
+    ]
+
+
 def saved_tensors_differ(ref: str, out: str, pattern: str = "*.safetensors") -> list[str]:
     """The safetensors files ``pattern`` names in folder ``ref``, compared tensor by tensor with the same files in
     ``out``: what differs (a file or a key on one side only, a dtype, a shape, a value not bitwise equal); ``[]`` when
     every tensor is equal. A ``ref`` without such a file is an error (a comparison of nothing passes nothing)."""
-    import torch
     from safetensors.torch import load_file
 
     names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(str(ref), pattern)))
@@ -202,12 +214,7 @@ def saved_tensors_differ(ref: str, out: str, pattern: str = "*.safetensors") -> 
             differ.append(f"{name}: not in {out}")
             continue
         want, got = load_file(os.path.join(str(ref), name)), load_file(os.path.join(str(out), name))
-        differ += [f"{name}: {key} on one side only" for key in sorted(want.keys() ^ got.keys())]
-        differ += [
-            f"{name}: {key}"
-            for key in sorted(want.keys() & got.keys())
-            if want[key].dtype != got[key].dtype or not torch.equal(want[key], got[key])
-        ]
+        differ += [f"{name}: {what}" for what in tensors_differ(want, got)]
     return differ
 
 

@@ -315,3 +315,56 @@ def test_the_engine_talks_over_gloo_when_the_job_group_is_nccl_only(monkeypatch)
         t = torch.ones(1)
         dist.all_reduce(t, group=group)
         assert t.item() == 1.0
+
+
+class _ByName(torch.optim.Optimizer):
+    """SGD with momentum keyed by its own names, as peft's ``LoraFAOptimizer`` keys its state; ``extra``: a tensor it
+    also holds that is not the model's (as that optimizer holds each layer's frozen A)."""
+
+    def __init__(self, named, extra=None):
+        names, params = [n for n, _ in named], [p for _, p in named]
+        if extra is not None:
+            names, params = [*names, "extra"], [*params, extra]
+        super().__init__([{"params": params, "names": names}], {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p, name in zip(group["params"], group["names"]):
+                if p.grad is not None:
+                    buf = self.state[name].setdefault("momentum", torch.zeros_like(p))
+                    p.sub_(group["lr"] * buf.mul_(0.9).add_(p.grad))
+
+
+@pytest.mark.parametrize("foreign", [False, True], ids=["state-keyed-by-name", "holds-a-tensor-not-the-models"])
+def test_an_optimizer_the_dcp_copy_cannot_place_gets_the_exact_disk_copy(ft_dir, tmp_path, caplog, foreign):
+    """An optimizer whose state a copy for another world size cannot place (keyed by its own names; holding a tensor
+    that is not a model parameter) still gets its disk copy, each rank's exact one, said once: the node lost, the
+    restart resumes from it exactly. (It was refused before the first step, or its first write failed.)"""
+    from hf_dtrain.testing import stop_snapshot_processes
+
+    def setup():
+        model = tiny_llama(seed=0)
+        opt = _ByName(list(model.named_parameters()), torch.ones(3) if foreign else None)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
+
+    torch.manual_seed(0)
+    model, opt, sched = setup()
+    disk = str(tmp_path / "disk")
+    engine = SnapshotEngine(model, opt, sched, directory=ft_dir, parity=0, persist_dir=disk, persist_every=1)
+    with caplog.at_level("WARNING"):
+        _steps(model, opt, sched, engine, 1, 3)
+        engine.close()
+    assert caplog.text.count("no copy for another world size is written") == 1, caplog.text
+    assert sorted(os.listdir(os.path.join(disk, "snapshot-3"))) == ["rank0.json", "rank0.safetensors"]
+    stop_snapshot_processes(ft_dir)  # the node is gone with its memory
+    model2, opt2, sched2 = setup()
+    engine2 = SnapshotEngine(model2, opt2, sched2, directory=ft_dir, parity=0, persist_dir=disk, persist_every=1)
+    restored = engine2.restore()
+    assert (restored.step, restored.source) == (3, "disk")
+    for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(p, q), n
+    assert opt2.state.keys() == opt.state.keys() and all(
+        torch.equal(opt2.state[k]["momentum"], v["momentum"]) for k, v in opt.state.items()
+    )
+    engine2.close(shutdown=True)
