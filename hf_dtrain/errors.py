@@ -13,6 +13,7 @@ are caught where it loads them and re-raised as one of these, naming the file; t
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -109,7 +110,18 @@ def one_line(job: str, e: BaseException) -> str:
 
 def report_and_exit(job: str, e: BaseException, debug: bool = False) -> None:
     """Exit with ``e`` as one line: ``SystemExit(line)``, which the interpreter prints on stderr with status 1;
-    with ``debug`` (or :func:`debug_requested`), the traceback is printed first."""
+    with ``debug`` (or :func:`debug_requested`), the traceback is printed first. An error whose class sets
+    ``exit_at_once`` (a dead peer's :class:`~hf_dtrain.distributed.RankFailure`) prints the line and ends the process
+    at once, status 1, skipping the interpreter's clean-up."""
     if debug or debug_requested():
         traceback.print_exception(e, file=sys.stderr)
+    if getattr(e, "exit_at_once", False):
+        # a peer is gone (RankFailure): the interpreter's clean-up (the process group's, the store's) would wait on
+        # it for seconds, and a launcher restarts the job only once this rank has exited
+        with contextlib.suppress(Exception):
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.write(one_line(job, e) + "\n")
+            sys.stderr.flush()
+        os._exit(1)
     raise SystemExit(one_line(job, e)) from None

@@ -33,7 +33,6 @@ from transformers import (
 from transformers.masking_utils import create_causal_mask
 
 from hf_dtrain.errors import ModelLoadError, SettingsError
-from hf_dtrain.tasks import pretraining_task_texts
 
 # transformers 5.24 renamed create_causal_mask's ``past_key_values`` to ``cache``: the signature says which
 _MASK_CACHE_KEYWORD = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -235,6 +234,14 @@ def _pretrain_blocks(tokenizer, docs, task_texts, seq_len):
     return pack(docs), pack(task_texts)
 
 
+def is_tuner_layer(module) -> bool:
+    """``module`` is a peft tuner layer (``BaseTunerLayer``: peft's LoRA, hf_dtrain's tuners). Without peft imported
+    no module can be one, and peft (seconds of imports) is not imported to say so: the plain-model paths (pretrain,
+    FSDP2 and TP on a full model) never load it."""
+    utils = sys.modules.get("peft.tuners.tuners_utils")
+    return utils is not None and isinstance(module, utils.BaseTunerLayer)
+
+
 def build_default_model(
     preset: str = "tiny",
     cache_dir: str | os.PathLike | None = None,
@@ -282,6 +289,8 @@ def _pretrain_base(settings: dict, progress: bool):
     preset, steps, seed = settings["preset"], settings["steps"], settings["seed"]
     batch_size = settings["batch_size"]
     docs = stdlib_text(settings["data_bytes"])
+    from hf_dtrain.tasks import pretraining_task_texts  # datasets, TRL and peft: only to build a base
+
     task_texts = pretraining_task_texts(n=20_000, seed=seed)
     tokenizer = train_tokenizer(docs + task_texts[:2000], vocab_size=PRESETS[preset]["vocab_size"])
     # Byte-level BPE needs 256 + 3 ids at least: presets with a smaller vocabulary grow to the tokenizer's size.

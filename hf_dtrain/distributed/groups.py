@@ -83,6 +83,10 @@ class _StopSignals:
         self.previous_fd = None
         self.thread: threading.Thread | None = None
         self.order = 0
+        # the last stop signal this process got (0: none), and an event set when one comes: a rank whose collective
+        # failed reads them to tell a launcher stopping the survivors of a dead rank (at once) from a peer to name
+        self.last = 0
+        self.arrived = threading.Event()
 
     def add(self, listener, signals: tuple, priority: int) -> object | None:
         if threading.current_thread() is not threading.main_thread():  # handlers are set from the main thread only
@@ -135,6 +139,8 @@ class _StopSignals:
                     asked = [e[3] for e in ordered if signum in e[2]]
                     if not asked and signum not in self.previous:
                         continue  # another handler's signal (SIGINT's KeyboardInterrupt): not ours
+                    self.last = signum
+                self.arrived.set()
                 if not any(listener(signum) for listener in asked):
                     os._exit(128 + signum)
 
@@ -156,6 +162,8 @@ def stop_signals(listener, signals: tuple = (signal.SIGTERM,), priority: int = 0
 
 class RankFailure(UserError, RuntimeError):
     """Another rank stopped (killed, crashed, its host lost) while this one was in a collective with it."""
+
+    exit_at_once = True  # hf_dtrain.errors.report_and_exit: no clean-up that waits on the dead peer
 
 
 class CommFailure(UserError, RuntimeError):
@@ -250,7 +258,7 @@ class RankMonitor:
             self._step = self.step_of()
         try:
             first = self._read()
-            time.sleep(3 * self.interval)
+            self._wait_unless_stopped(3 * self.interval)
             second = self._read()
         except Exception:
             return (
@@ -291,6 +299,16 @@ class RankMonitor:
             f"{self.resume_hint[1:]}."
         )
 
+    def _wait_unless_stopped(self, seconds: float) -> None:
+        """Sleep ``seconds``, unless a launcher's stop signal comes first (or came already): a collective failed and
+        the launcher stops the survivors, so a peer died and the launcher's summary names it; the rank exits at once
+        (:meth:`_on_launcher_stop`) instead of waiting for the heartbeats, on every restart."""
+        if not _under_launcher():
+            time.sleep(seconds)
+            return
+        if _STOP.last or _STOP.arrived.wait(seconds):
+            self._on_launcher_stop(_STOP.last or signal.SIGTERM)
+
     def _on_launcher_stop(self, signum: int) -> bool:
         """A launcher (torchrun's agent) stops the survivors with SIGTERM at once when a rank dies, before any
         collective could fail: this says so, with the step and the resume hint, and exits as SIGTERM would, at once
@@ -300,21 +318,22 @@ class RankMonitor:
         if self.step_of is not None:
             with contextlib.suppress(Exception):
                 self._step = self.step_of()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
         print(
-            f"hf_dtrain: rank {self.rank} (host {self.host}) was stopped by the launcher (SIGTERM) at step "
-            f"{self.step}, most likely because another rank failed (the launcher's summary names it). "
-            f"{self.resume_hint[0].upper()}{self.resume_hint[1:]}.",
+            f"hf_dtrain: rank {self.rank} (host {self.host}) was stopped by the launcher "
+            f"({signal.Signals(signum).name}) at step {self.step}, most likely because another rank failed (the "
+            f"launcher's summary names it). {self.resume_hint[0].upper()}{self.resume_hint[1:]}.",
             file=sys.stderr,
             flush=True,
         )
-        os._exit(128 + signal.SIGTERM)
+        os._exit(128 + signum)
 
     @contextlib.contextmanager
     def _launcher_stop(self):
         """Under a launcher (torchrun, accelerate launch), SIGTERM prints the resume hint (:meth:`_on_launcher_stop`)
         instead of ending the rank without a word."""
-        launched = "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
-        if not launched:
+        if not _under_launcher():
             yield
             return
         with stop_signals(self._on_launcher_stop, (signal.SIGTERM,), priority=0):
@@ -329,7 +348,10 @@ class RankMonitor:
             try:
                 yield self
             except Exception as e:
-                message = self.diagnose() if is_comm_error(e) and not isinstance(e, RankFailure) else None
+                failed = is_comm_error(e) and not isinstance(e, RankFailure)
+                if failed:  # a launcher's stop signal already came (a preemption notice took it): a peer died
+                    self._wait_unless_stopped(0)
+                message = self.diagnose() if failed else None
                 if message is None:
                     raise
                 if isinstance(e, CommFailure):
@@ -339,6 +361,11 @@ class RankMonitor:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+
+
+def _under_launcher() -> bool:
+    """Run by torchrun's or accelerate launch's elastic agent, which stops the other ranks when one dies."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
 
 
 # where a rank's main thread waits on its peers: a collective (torch.distributed), or DDP's reducer inside backward

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hf_dtrain.errors import RunFailure, SettingsError
+from hf_dtrain.models import is_tuner_layer
 
 from .config import FSDPConfig
 
@@ -28,7 +28,7 @@ PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # 
 
 
 def _tuner_layers(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+    return {name: m for name, m in model.named_modules() if is_tuner_layer(m)}
 
 
 def fsdp_units(model: nn.Module, config: FSDPConfig) -> list[tuple[str, nn.Module]]:

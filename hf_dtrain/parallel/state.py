@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from hf_dtrain.models import is_tuner_layer
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -40,7 +41,7 @@ def _adapter_names(model: nn.Module) -> set[str] | None:
     for a model without peft adapters."""
     parts = set()
     for m in model.modules():
-        if isinstance(m, BaseTunerLayer):
+        if is_tuner_layer(m):
             parts.update(m.adapter_layer_names)
             parts.update(getattr(m, "other_param_names", ()))
     if not parts or not hasattr(model, "peft_config"):

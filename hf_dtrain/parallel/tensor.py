@@ -28,7 +28,6 @@ import contextlib
 import functools
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -40,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hf_dtrain.errors import SettingsError
+from hf_dtrain.models import is_tuner_layer
 
 from .config import TensorParallelConfig
 
@@ -62,7 +62,7 @@ TP_REFUSED = {
 
 
 def _tuner_kind(module: nn.Module):
-    if not isinstance(module, BaseTunerLayer):
+    if not is_tuner_layer(module):
         return None
     first = module.adapter_layer_names[0] if module.adapter_layer_names else type(module).__name__
     for prefix in (*TP_ADAPTERS, *TP_REFUSED):
