@@ -96,3 +96,26 @@ def test_load_default_uses_build(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "build_default_model", fake_build)
     _model, tok = models.load_model_and_tokenizer(None, preset="test")
     assert calls == ["test"] and tok.eos_token == "</s>"
+
+
+def test_pretraining_and_the_fault_worker_load_neither_peft_nor_trl(tmp_path):
+    """A plain model's job (pretrain on FSDP2's and TP's sharding code, the fault-test worker) imports neither peft
+    nor TRL (seconds of imports in every process, every restart): ``is_tuner_layer`` answers without peft."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import hf_dtrain.cli as cli
+import hf_dtrain.parallel.fsdp, hf_dtrain.parallel.state, hf_dtrain.parallel.tensor, hf_dtrain.testing.ft_worker
+try:
+    cli.main(["pretrain", "--max-steps", "1", "--seq-len", "16", "--per-device-train-batch-size", "2",
+              "--data-bytes", "20000", "--eval-blocks", "1", "--progress", "false", "--save-model", "false",
+              "--output-dir", {str(tmp_path / "run")!r}])
+except SystemExit as e:
+    assert not e.code, e.code
+print("loaded:", sorted(m for m in ("peft", "trl") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loaded: []" in done.stdout, done.stdout[-2000:]

@@ -83,10 +83,9 @@ class _StopSignals:
         self.previous_fd = None
         self.thread: threading.Thread | None = None
         self.order = 0
-        # the last stop signal this process got (0: none), and an event set when one comes: a rank whose collective
-        # failed reads them to tell a launcher stopping the survivors of a dead rank (at once) from a peer to name
-        self.last = 0
-        self.arrived = threading.Event()
+        # set when a SIGTERM comes: a rank whose collective failed after it is a survivor the launcher stops (a peer
+        # died), whichever listener took the signal (a preemption notice's, first)
+        self.terminated = threading.Event()
 
     def add(self, listener, signals: tuple, priority: int) -> object | None:
         if threading.current_thread() is not threading.main_thread():  # handlers are set from the main thread only
@@ -139,10 +138,10 @@ class _StopSignals:
                     asked = [e[3] for e in ordered if signum in e[2]]
                     if not asked and signum not in self.previous:
                         continue  # another handler's signal (SIGINT's KeyboardInterrupt): not ours
-                    self.last = signum
-                self.arrived.set()
+                if signum == signal.SIGTERM:
+                    self.terminated.set()
                 if not any(listener(signum) for listener in asked):
-                    os._exit(128 + signum)
+                    os._exit(128 + signal.SIGTERM)
 
 
 _STOP = _StopSignals()
@@ -305,9 +304,8 @@ class RankMonitor:
         (:meth:`_on_launcher_stop`) instead of waiting for the heartbeats, on every restart."""
         if not _under_launcher():
             time.sleep(seconds)
-            return
-        if _STOP.last or _STOP.arrived.wait(seconds):
-            self._on_launcher_stop(_STOP.last or signal.SIGTERM)
+        elif _STOP.terminated.wait(seconds):  # at once when it came already
+            self._on_launcher_stop(signal.SIGTERM)
 
     def _on_launcher_stop(self, signum: int) -> bool:
         """A launcher (torchrun's agent) stops the survivors with SIGTERM at once when a rank dies, before any
@@ -321,13 +319,13 @@ class RankMonitor:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         print(
-            f"hf_dtrain: rank {self.rank} (host {self.host}) was stopped by the launcher "
-            f"({signal.Signals(signum).name}) at step {self.step}, most likely because another rank failed (the "
-            f"launcher's summary names it). {self.resume_hint[0].upper()}{self.resume_hint[1:]}.",
+            f"hf_dtrain: rank {self.rank} (host {self.host}) was stopped by the launcher (SIGTERM) at step "
+            f"{self.step}, most likely because another rank failed (the launcher's summary names it). "
+            f"{self.resume_hint[0].upper()}{self.resume_hint[1:]}.",
             file=sys.stderr,
             flush=True,
         )
-        os._exit(128 + signum)
+        os._exit(128 + signal.SIGTERM)
 
     @contextlib.contextmanager
     def _launcher_stop(self):
@@ -349,7 +347,7 @@ class RankMonitor:
                 yield self
             except Exception as e:
                 failed = is_comm_error(e) and not isinstance(e, RankFailure)
-                if failed:  # a launcher's stop signal already came (a preemption notice took it): a peer died
+                if failed:  # the launcher's SIGTERM already came (a preemption notice took it): a peer died
                     self._wait_unless_stopped(0)
                 message = self.diagnose() if failed else None
                 if message is None:

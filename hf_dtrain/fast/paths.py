@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from hf_dtrain.models import is_tuner_layer
+
 from . import enabled
 from .blocks import shared_input_lowrank, swiglu_lowrank
 from .lowrank import compute_dtype, lowrank_linear, pooled_delta
@@ -322,9 +324,7 @@ def _attention_lean_forward(self, hidden_states, *args, **kwargs):
 
 
 def _has_tuner(module: nn.Module, names) -> bool:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return any(isinstance(getattr(module, n, None), BaseTunerLayer) for n in names)
+    return any(is_tuner_layer(getattr(module, n, None)) for n in names)
 
 
 def _is_mlp(module: nn.Module) -> bool:

@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_dtrain.distributed.counters import SavedTensorCounter
+from hf_dtrain.models import is_tuner_layer
 
 from .paths import ATTENTION_PROJECTIONS, OBSERVER, _projection
 from .paths import _attention_lean_forward as _attention_block
@@ -74,8 +75,6 @@ _ALIASING = {torch.ops.aten._unsafe_view.default}  # a view in all but its schem
 def _scopes(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
     """The scope each module opens: the LM (its own code is the loss), the decoder, attention, the tuner layers and
     their bases, the other linear layers, the LM head."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     scopes = {lm: "loss head"}
@@ -84,7 +83,7 @@ def _scopes(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
             continue
         if module.__dict__.get("forward") is not None and getattr(module.forward, "__func__", None) is _mlp_block:
             scopes[module] = "block"  # a lean MLP block (its projections run inside it when it applies)
-        elif isinstance(module, BaseTunerLayer):
+        elif is_tuner_layer(module):
             # one scope for the whole tuner layer (no hook on its base: a hook sends a lean layer down its plain
             # path); its products are told apart by shape (``family``)
             scopes[module] = "adapter"
@@ -109,11 +108,9 @@ def adapter_width(model: torch.nn.Module) -> int:
     """The largest of the tuner layers' adapter tensors' smallest dimensions (LoRA's r, SMT's block, QA-HiRA's
     pooled width), or of a lean attention block's stacked q/k/v factors (the sum of their ranks): a product inside a
     tuner layer with a dimension this small is the adapter's, else the base's."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     width = 0
     for module in model.modules():
-        if isinstance(module, BaseTunerLayer):
+        if is_tuner_layer(module):
             width = max(width, _own_width(module))
         elif getattr(module.__dict__.get("forward"), "__func__", None) is _attention_block:
             layers = [getattr(module, n) for n in ATTENTION_PROJECTIONS]

@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.func import stack_module_state
 
 from hf_dtrain.errors import SettingsError
+from hf_dtrain.models import is_tuner_layer
 from hf_dtrain.tuners.finetune_method import BlockSparseForm, fused_form_of
 
 from .layers import FusedBlockSparse, FusedEmbedding, FusedLinear, FusedLowRank, FusedRMSNorm
@@ -82,7 +82,7 @@ class FusedAdapters:
             raise SettingsError(f"fuse_adapters: the adapters {self.names} are of different types {sorted(types)}.")
         self.form = fused_form_of(types.pop())  # how their method trains them fused (or why it cannot)
 
-        targets = [(n, m) for n, m in self.model.named_modules() if isinstance(m, BaseTunerLayer)]
+        targets = [(n, m) for n, m in self.model.named_modules() if is_tuner_layer(m)]
         if not targets:
             raise SettingsError("fuse_adapters found no peft tuner layer; build the model with get_peft_model first.")
         for name, layer in targets:
