@@ -19,6 +19,44 @@ def pytest_collection_finish(session):
         build_default_model(progress=False)
 
 
+def _files(root) -> dict:
+    """Every file under ``root`` with its size and modification time, to tell whether anything wrote there."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            stat = os.stat(path)
+            out[os.path.relpath(path, root)] = (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """``tiny_base(steps)``: the embedded default base at test size (``hf_dtrain.testing.tiny_default_base``),
+    built once per ``steps`` for the whole session (8-30 s each) instead of once per test or module. The bases are
+    shared, so a test must treat them as read-only: copy one before writing into it. At the end of the session every
+    base is checked to be unchanged, which fails the run naming the file a test wrote."""
+    from hf_dtrain.testing import tiny_default_base
+
+    root = tmp_path_factory.mktemp("tiny_bases")
+    built: dict[int, tuple[str, dict]] = {}
+
+    def get(steps: int = 200) -> str:
+        if steps not in built:
+            path = tiny_default_base(root, steps=steps)
+            built[steps] = (path, _files(path))
+        return built[steps][0]
+
+    yield get
+    changed = []
+    for path, before in built.values():
+        after = _files(path)
+        changed += [
+            f"{path}: {name}" for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)
+        ]
+    assert not changed, f"a test wrote into a shared tiny base (copy it first): {changed}"
+
+
 @pytest.fixture
 def tiny_base_dir(tmp_path):
     """A tiny LLaMA saved with save_pretrained, so adapters record a loadable base_model_name_or_path."""

@@ -382,16 +382,14 @@ def test_a_snapshot_directory_too_long_for_a_unix_socket_is_named(tmp_path):
         SnapshotEngine(tiny_llama(seed=0, hidden_size=32), directory=long_dir, parity=0)
 
 
-def test_a_model_whose_config_does_not_match_its_weights_is_named(tmp_path, capsys):
+def test_a_model_whose_config_does_not_match_its_weights_is_named(tmp_path, capsys, tiny_base):
     """A checkpoint whose config.json gives other shapes than its weights: one line naming the directory and the fix
     (transformers' RuntimeError traceback before)."""
     import json
     import shutil
 
-    from hf_dtrain.testing import tiny_default_base
-
     model = tmp_path / "model"
-    shutil.copytree(tiny_default_base(tmp_path / "cache", steps=1), model)
+    shutil.copytree(tiny_base(5), model)
     config = json.loads((model / "config.json").read_text())
     config["hidden_size"] *= 2
     (model / "config.json").write_text(json.dumps(config))

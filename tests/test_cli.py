@@ -10,7 +10,6 @@ from hf_dtrain.cli import build_parser, main
 from hf_dtrain.jobs.finetune import FinetuneConfig, run_finetune
 from hf_dtrain.run.flags import job_config_from_args
 from hf_dtrain.run.job import JobRun
-from hf_dtrain.testing import tiny_default_base
 
 
 def _cfg(argv):
@@ -128,8 +127,8 @@ def test_module_entry_point_and_build_base(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def base_path(tmp_path_factory):
-    return tiny_default_base(tmp_path_factory.mktemp("cache"), steps=200)
+def base_path(tiny_base):
+    return tiny_base(200)
 
 
 def _finetune(base_path, out, method, **kw):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hf_dtrain.testing import elastic_launch, stop_snapshot_processes, tiny_default_base
+from hf_dtrain.testing import elastic_launch, stop_snapshot_processes
 
 pytestmark = pytest.mark.slow
 
@@ -92,8 +92,8 @@ def test_composed_pretraining_resumes_exactly_after_a_killed_rank(tmp_path):
         assert after == want  # every step after the restore bit for bit, ACP-SGD's error feedback included
 
 
-def test_composed_finetuning_resumes_exactly_after_a_killed_rank(tmp_path):
-    base = tiny_default_base(tmp_path / "cache", steps=50)
+def test_composed_finetuning_resumes_exactly_after_a_killed_rank(tmp_path, tiny_base):
+    base = tiny_base(50)
     job = [
         "finetune",
         "--method",

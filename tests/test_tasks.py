@@ -6,14 +6,13 @@ import torch
 from transformers import EvalPrediction
 
 from hf_dtrain import tasks
-from hf_dtrain.testing import tiny_default_base
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tiny_base):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = tiny_default_base(tmp_path_factory.mktemp("cache"), steps=5)
+    path = tiny_base(5)
     return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 

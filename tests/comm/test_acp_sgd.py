@@ -157,12 +157,12 @@ def test_unwrapped_model_and_bad_config():
 
 
 @pytest.mark.slow
-def test_accelerate_way_in_registers_on_the_prepared_model(tmp_path):
+def test_accelerate_way_in_registers_on_the_prepared_model(tmp_path, tiny_base):
     """recipes/comm_hooks_accelerate.py under accelerate launch (2 gloo processes): the hook runs every step, the
     replicas end identical, and compressed steps send a fraction of the warm-up's dense bytes."""
-    from hf_dtrain.testing import accelerate_launch, tiny_default_base
+    from hf_dtrain.testing import accelerate_launch
 
-    base = tiny_default_base(tmp_path / "cache", steps=50)
+    base = tiny_base(50)
     hook_yaml = tmp_path / "hook.yaml"  # the method's settings as a YAML recipe (recipes/comm_acp_sgd.yaml's shape)
     hook_yaml.write_text("comm_hook:\n  method: acp_sgd\n  rank: 4\n  start_iter: 4\n")
     accelerate_launch(
@@ -213,13 +213,11 @@ def _convergence_rank(rank, world, base, out_dir):
 
 
 @pytest.mark.slow
-def test_acp_sgd_with_error_feedback_converges_within_5pct_of_dense(tmp_path):
+def test_acp_sgd_with_error_feedback_converges_within_5pct_of_dense(tmp_path, tiny_base):
     """Full fine-tuning of the (test-size) default model, 2 ranks, 150 AdamW steps: ACP-SGD at rank 8 with error
     feedback ends within 5% of the dense all-reduce's training loss while sending a small fraction of its bytes.
     (Rank 4 on the same run: about 6% above dense; docs/comm.md has the measured figures.)"""
-    from hf_dtrain.testing import tiny_default_base
-
-    base = tiny_default_base(tmp_path / "cache", steps=200)
+    base = tiny_base(200)
     run_distributed(_convergence_rank, world_size=2, args=(base, str(tmp_path)), timeout=600, pg_timeout_s=300)
     r = json.load(open(tmp_path / "convergence.json"))
     assert r["acp_sgd"] <= 1.05 * r["allreduce"], r

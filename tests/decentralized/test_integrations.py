@@ -75,10 +75,10 @@ def test_dpsgd_under_the_trainer_on_two_ranks(tmp_path):
 @pytest.mark.parametrize(
     "extra", [["--method", "decentlam"], ["--method", "dpsgd", "--nonblocking", "--straggler", "1:2"]]
 )
-def test_accelerate_recipe_two_processes(tmp_path, extra):
-    from hf_dtrain.testing import accelerate_launch, tiny_default_base
+def test_accelerate_recipe_two_processes(tmp_path, extra, tiny_base):
+    from hf_dtrain.testing import accelerate_launch
 
-    base = tiny_default_base(tmp_path / "cache", steps=50)
+    base = tiny_base(50)
     accelerate_launch(
         "recipes/decentralized_accelerate.py",
         "--model",

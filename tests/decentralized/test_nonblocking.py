@@ -76,10 +76,9 @@ def _straggler_rank(rank, world, base, out_dir, mode):
 
 
 @pytest.mark.slow
-def test_nonblocking_leaves_the_stragglers_work_out_and_learns_as_well_as_blocking(tmp_path):
-    from hf_dtrain.testing import tiny_default_base
+def test_nonblocking_leaves_the_stragglers_work_out_and_learns_as_well_as_blocking(tmp_path, tiny_base):
 
-    base = tiny_default_base(tmp_path / "cache", steps=200)
+    base = tiny_base(200)
     for mode in ("blocking", "nonblocking"):
         run_distributed(_straggler_rank, world_size=2, args=(base, str(tmp_path), mode), timeout=600)
     r = {(m, k): json.load(open(tmp_path / f"{m}_{k}.json")) for m in ("blocking", "nonblocking") for k in (0, 1)}

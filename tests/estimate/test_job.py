@@ -233,11 +233,10 @@ def test_a_step_that_will_not_fit_is_refused_before_any_weight_is_read(tmp_path,
     assert code == 1 and "config-only" in err and "will not fit" not in err, err[-2000:]
 
 
-def test_run_anyway_trains(tmp_path):
+def test_run_anyway_trains(tmp_path, tiny_base):
     from hf_dtrain.jobs.finetune import run_finetune
-    from hf_dtrain.testing.models import tiny_default_base
 
-    base = tiny_default_base(tmp_path / "cache", steps=1)
+    base = tiny_base(5)
     settings = dict(model=base, method="lora", max_steps=2, train_size=64, eval_size=2, task_digits=1)
     settings.update(estimate={"train": True, "device_memory": "1MB", "anyway": True, "alternatives": False})
     results = run_finetune(_cfg(tmp_path, **settings))

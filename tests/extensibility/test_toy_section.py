@@ -46,11 +46,10 @@ def _norms_are_logged(results: dict, steps: int, every: int) -> None:
 
 
 @pytest.mark.slow
-def test_it_composes_into_finetune_and_its_results_land_in_results_json(tmp_path):
+def test_it_composes_into_finetune_and_its_results_land_in_results_json(tmp_path, tiny_base):
     from hf_dtrain.cli import main
-    from hf_dtrain.testing import tiny_default_base
 
-    base = tiny_default_base(tmp_path / "cache", steps=50)
+    base = tiny_base(50)
     out = tmp_path / "ft"
     task = ["--task-digits", "1", "--train-size", "128", "--eval-size", "8", "--progress", "false"]
     flags = ["--model", base, "--output-dir", str(out), "--max-steps", "6", *task]

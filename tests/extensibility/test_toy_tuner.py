@@ -18,10 +18,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def base_path(tmp_path_factory):
-    from hf_dtrain.testing import tiny_default_base
+def base_path(tiny_base):
 
-    return tiny_default_base(tmp_path_factory.mktemp("cache"), steps=50)
+    return tiny_base(50)
 
 
 @pytest.fixture

@@ -73,13 +73,13 @@ def _killed_then_resumed(out, ft_dir, ref):
     assert not os.path.exists(ft_dir / "node0" / "smp.json")  # the finished run stopped its snapshot process
 
 
-def test_accelerate_recipe_killed_then_resumed(tmp_path):
+def test_accelerate_recipe_killed_then_resumed(tmp_path, tiny_base):
     """recipes/fault_tolerance_accelerate.py under accelerate launch, 2 gloo ranks as 2 emulated nodes (parity on):
     rank 0 dies after step 6, the launcher stops rank 1; the relaunch resumes both ranks after step 6 from memory
     and finishes with the loss falling."""
-    from hf_dtrain.testing import free_port, tiny_default_base
+    from hf_dtrain.testing import free_port
 
-    base = tiny_default_base(tmp_path / "cache", steps=50)
+    base = tiny_base(50)
     out, snaps = tmp_path / "out", tmp_path / "ft"
 
     def launch(*extra):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from hf_dtrain.testing import free_port, stop_snapshot_processes, tiny_default_base
+from hf_dtrain.testing import free_port, stop_snapshot_processes
 from hf_dtrain.testing.fault import saved_tensors_differ
 from hf_dtrain.testing.preempt import run_preempted
 
@@ -135,8 +135,8 @@ def check_stops(done, expected: int, resumed: str, sources=None) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return tiny_default_base(tmp_path_factory.mktemp("base"), steps=50)
+def base(tiny_base):
+    return tiny_base(50)
 
 
 def test_pretrain_ddp_preempted_twice_resumes_from_disk_then_memory(tmp_path):

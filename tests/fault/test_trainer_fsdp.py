@@ -26,7 +26,7 @@ import sys
 import pytest
 
 from hf_dtrain import processes
-from hf_dtrain.testing import free_port, stop_snapshot_processes, tiny_default_base
+from hf_dtrain.testing import free_port, stop_snapshot_processes
 from hf_dtrain.testing.fault import KILL_PHASES, saved_tensors_differ
 
 pytestmark = pytest.mark.slow
@@ -106,8 +106,8 @@ def kill_schedule(seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return tiny_default_base(tmp_path_factory.mktemp("base"), steps=50)
+def base(tiny_base):
+    return tiny_base(50)
 
 
 def _killed(tmp_path, base, launcher, kills, fsdp=True, method="lora", extra=(), emulate=False):

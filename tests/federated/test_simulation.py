@@ -206,14 +206,13 @@ def test_two_processes_simulate_the_same_federation_as_one(tmp_path):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-5 * abs(a["train_loss"])
 
 
-def test_cli_fed_simulate_writes_the_adapter_and_the_round_table(tmp_path):
+def test_cli_fed_simulate_writes_the_adapter_and_the_round_table(tmp_path, tiny_base):
     from peft import PeftModel
 
     from hf_dtrain.cli import main
     from hf_dtrain.models import load_model_and_tokenizer
-    from hf_dtrain.testing import tiny_default_base
 
-    base = tiny_default_base(tmp_path / "cache", steps=20)
+    base = tiny_base(50)
     out = tmp_path / "fed"
     main(
         [

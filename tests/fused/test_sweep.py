@@ -13,15 +13,14 @@ from safetensors.torch import load_file
 from hf_dtrain import processes
 from hf_dtrain.jobs.finetune import FinetuneConfig, run_finetune
 from hf_dtrain.jobs.sweep import SweepConfig, expand_grid, run_sweep
-from hf_dtrain.testing import tiny_default_base
 
 STEPS = 20
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def base_path(tmp_path_factory):
-    return tiny_default_base(tmp_path_factory.mktemp("cache"), steps=200)
+def base_path(tiny_base):
+    return tiny_base(200)
 
 
 def _job(base_path, method, **kw):

@@ -232,14 +232,14 @@ def test_trainer_callback_trains_exactly_as_the_plain_trainer(tmp_path):
 
 
 @pytest.mark.slow
-def test_accelerate_recipe_two_processes(tmp_path):
+def test_accelerate_recipe_two_processes(tmp_path, tiny_base):
     """recipes/delta_accelerate.py under accelerate launch (2 gloo ranks, DDP): the profiling step is an ordinary
     step, every later step stays under the budget, and the loss falls."""
     import json
 
-    from hf_dtrain.testing import accelerate_launch, tiny_default_base
+    from hf_dtrain.testing import accelerate_launch
 
-    base = tiny_default_base(tmp_path / "cache", steps=50)
+    base = tiny_base(50)
     accelerate_launch(
         "recipes/delta_accelerate.py",
         "--model",

@@ -120,15 +120,15 @@ def test_deepspeed_client_optimizer(which):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["onebit_lamb", "eva"])
-def test_accelerate_recipe_two_processes(tmp_path, optimizer):
+def test_accelerate_recipe_two_processes(tmp_path, optimizer, tiny_base):
     """recipes/optimizers_accelerate.py under accelerate launch (2 gloo processes): the replicas agree, the loss
     falls, and 1-bit LAMB's steps after its warm-up send under 1/16 of the warm-up's bytes; its saved state
     (accelerator.save_state) carries both ranks' error feedback."""
     import json
 
-    from hf_dtrain.testing import accelerate_launch, tiny_default_base
+    from hf_dtrain.testing import accelerate_launch
 
-    base = tiny_default_base(tmp_path / "cache", steps=50)
+    base = tiny_base(50)
     accelerate_launch(
         "recipes/optimizers_accelerate.py",
         "--model",

@@ -111,13 +111,12 @@ def _train_rank(rank, world, base, out_dir, steps, freeze):
 
 
 @pytest.mark.slow
-def test_onebit_lamb_trains_close_to_lamb(tmp_path):
+def test_onebit_lamb_trains_close_to_lamb(tmp_path, tiny_base):
     """150 steps on the test-size default model, 2 ranks, 20 LAMB warm-up steps, then 130 compressed steps: the
     held-out loss within 5% of LAMB's after the same steps (measured: 2.4% above with scale blocks of 2048, 4.1% with
     one scale per chunk, 5.1% with DeepSpeed's one scale per buffer)."""
-    from hf_dtrain.testing import tiny_default_base
 
-    base = tiny_default_base(tmp_path / "cache", steps=200)
+    base = tiny_base(200)
     steps = 150
     for freeze in (FREEZE, steps + 1):  # steps + 1: never compresses, i.e. LAMB with the same code
         run_distributed(

@@ -179,17 +179,17 @@ def test_replica_exchange_refusals_name_the_fix(hsdp_run):
 
 
 @pytest.mark.slow
-def test_finetune_with_hsdp_compresses_the_replica_exchange(tmp_path):
+def test_finetune_with_hsdp_compresses_the_replica_exchange(tmp_path, tiny_base):
     """``hf-dtrain finetune --fsdp.replicate 2 --comm-hook acp_sgd`` on 4 processes (2 replica groups x 2 shards, the
     Trainer): the model is sharded with FSDP2, the replica exchange goes through ACP-SGD (dense warm-up steps, then a
     small fraction of those bytes), and the loss falls."""
     import os
     import sys
 
-    from hf_dtrain.testing import free_port, tiny_default_base
+    from hf_dtrain.testing import free_port
 
     # the embedded default base at test size (building the full default here took ~4 minutes of the suite)
-    base = tiny_default_base(tmp_path / "cache", steps=200)
+    base = tiny_base(200)
     cmd = [
         sys.executable,
         "-m",
