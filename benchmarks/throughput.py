@@ -766,6 +766,12 @@ def main() -> None:
         help="the square matmul timed for the device's peak where no datasheet figure applies (a dry run's mechanics "
         "need no more than 512)",
     )
+    ap.add_argument(
+        "--peak-from",
+        metavar="PATH",
+        help="take the device's matmul peak from an earlier run's results JSON on the same machine (its peak_flops and "
+        "peak_source, the source naming that file) instead of timing it again in a fresh process",
+    )
     args = ap.parse_args()
     if args.peak_worker:
         emit_result(matmul_peak(args.peak_size))
@@ -806,7 +812,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model")
         save_model(preset, path, cuda)
-        peak = run_worker(script, ["--peak-worker", "--peak-size", str(args.peak_size)], what="matmul peak")
+        if args.peak_from:
+            import json
+
+            earlier = json.loads(Path(args.peak_from).read_text())
+            peak = {
+                "peak_flops": earlier["peak_flops"],
+                "peak_source": f"{earlier['peak_source']} (taken from {Path(args.peak_from).name})",
+            }
+        else:
+            peak = run_worker(script, ["--peak-worker", "--peak-size", str(args.peak_size)], what="matmul peak")
         print(f"peak {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_source']})", flush=True)
         methods, modes = args.methods.split(","), args.modes.split(",")
         runs = (

@@ -74,6 +74,9 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert detail["profile"]["lora"]["ops_vs_lora"] == 1.0 and detail["profile"]["lora_fast"]["saved_vs_lora"] < 1
     # the second run (the 8B shape's, checkpointed) appended its row after the first run's to one file
     assert detail["shapes"]["8b"]["checkpointing"] and set(detail["shapes"]["8b"]["rows"]) == {"lora eager"}
+    # the second run took the first one's matmul peak instead of timing it again
+    one_b_peak = detail["shapes"]["1b"]["peak_source"]
+    assert detail["shapes"]["8b"]["peak_source"] == f"{one_b_peak} (taken from throughput_dry_run_1b.json)"
     assert detail["runs_file_shapes"] == [
         ["test", False, "lora"],
         ["test", False, "lora_fast"],

@@ -569,6 +569,7 @@ def throughput(ctx: Context) -> dict:
     runs_name = "throughput_dry_run_runs" if ctx.dry_run else THROUGHPUT_RUNS
     out: dict = {"runs_file": f"benchmarks/results/{runs_name}.json", "shapes": {}}
     written_all = []
+    peak_from: list[str] = []  # the first run's JSON: later runs on this machine take its matmul peak
     try:
         for label, argv in _throughput_argv(ctx):
             if label == "8b" and ctx.throughput_8b_budget <= 0:
@@ -577,7 +578,14 @@ def throughput(ctx: Context) -> dict:
             name = f"throughput_dry_run_{label}" if ctx.dry_run else f"gpu/{device}/throughput_{label}_{stamp}"
             profile = label == "profile"
             proc = processes.run(
-                [sys.executable, str(script), *argv, "--name", name, *([] if profile else ["--accumulate", runs_name])],
+                [
+                    sys.executable,
+                    str(script),
+                    *argv,
+                    "--name",
+                    name,
+                    *([] if profile else ["--accumulate", runs_name, *peak_from]),
+                ],
                 capture_output=True,
                 text=True,
                 timeout=540,
@@ -602,6 +610,7 @@ def throughput(ctx: Context) -> dict:
                 }
                 continue
             out["shapes"][label] = _throughput_rows(payload)
+            peak_from = peak_from or ["--peak-from", str(written[0])]
         runs = json.loads((ROOT / "benchmarks" / "results" / f"{runs_name}.json").read_text())["rows"]
         out["rows_in_runs_file"] = len(runs)
         if ctx.dry_run:  # both runs' rows, in order, each with its run
