@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import statistics
@@ -627,8 +628,6 @@ ROW_KEYS = (
 def accumulate(name: str, payload: dict, env: dict, source: str) -> dict[str, Path]:
     """Append this run's rows to ``results/<name>.*`` (one file over several GPU runs): every earlier row is kept as it
     was; each new row carries its run's date, device, commit, torch version and shape."""
-    import json
-
     path = RESULTS / f"{name}.json"
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
     run = {
@@ -699,6 +698,18 @@ def accumulated_render(payload: dict):
     ax.set_xlabel("tokens/s over peft LoRA's (same run and mode)")
     fig.tight_layout()
     return fig
+
+
+def _peak_from(ap: argparse.ArgumentParser, path: str, device: str) -> dict:
+    """``--peak-from``: the matmul peak of an earlier run's results JSON, refused unless that run was on this device."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+        peak = {"peak_flops": float(earlier["peak_flops"]), "peak_source": earlier["peak_source"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--peak-from {path}: not a results JSON of this benchmark with peak_flops ({type(e).__name__}: {e})")
+    if earlier.get("device") != device:
+        ap.error(f"--peak-from {path}: measured on {earlier.get('device')!r}, this run is on {device!r}: drop the flag")
+    return {**peak, "peak_source": f"{peak['peak_source']} (taken from {Path(path).name})"}
 
 
 def main() -> None:
@@ -787,8 +798,6 @@ def main() -> None:
         return
 
     if args.from_json:
-        import json
-
         if not args.accumulate:
             ap.error("--from-json appends an earlier run's rows: give --accumulate NAME too")
         earlier = json.loads(Path(args.from_json).read_text())  # its figures as that run computed them
@@ -808,19 +817,13 @@ def main() -> None:
         profile_main(args, preset, batch, seq, script)
         return
     rows, not_measured = [], []
+    # checked before the model is built
+    peak = _peak_from(ap, args.peak_from, torch.cuda.get_device_name(0) if cuda else "cpu") if args.peak_from else None
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model")
         save_model(preset, path, cuda)
-        if args.peak_from:
-            import json
-
-            earlier = json.loads(Path(args.peak_from).read_text())
-            peak = {
-                "peak_flops": earlier["peak_flops"],
-                "peak_source": f"{earlier['peak_source']} (taken from {Path(args.peak_from).name})",
-            }
-        else:
+        if peak is None:
             peak = run_worker(script, ["--peak-worker", "--peak-size", str(args.peak_size)], what="matmul peak")
         print(f"peak {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_source']})", flush=True)
         methods, modes = args.methods.split(","), args.modes.split(",")

@@ -149,3 +149,32 @@ def test_throughput_counts_attention_flops_with_grouped_kv_heads():
     attention = layers * 3 * 2 * (2 * b * heads * s * s * (width // heads))  # QK^T and AV; backward twice forward
     assert bench.count_flops(model, step) == 6 * b * s * linear + attention
     assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_peak_from_takes_an_earlier_runs_peak_on_the_same_device_only(tmp_path, capsys):
+    """``benchmarks/throughput.py --peak-from``: an earlier run's peak on the same device is taken with its source
+    named; a file without a peak, or from another device, is refused naming the flag (before any model is built)."""
+    import argparse
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "throughput_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    earlier = tmp_path / "run.json"
+    earlier.write_text(json.dumps({"device": "cpu", "peak_flops": 1e11, "peak_source": "measured: 6 matmuls"}))
+    assert bench._peak_from(argparse.ArgumentParser(), str(earlier), "cpu") == {
+        "peak_flops": 1e11,
+        "peak_source": "measured: 6 matmuls (taken from run.json)",
+    }
+    for device, text, expect in (
+        ("NVIDIA H200", earlier.read_text(), "measured on 'cpu', this run is on 'NVIDIA H200'"),
+        ("cpu", json.dumps({"device": "cpu", "rows": []}), "not a results JSON of this benchmark with peak_flops"),
+    ):
+        earlier.write_text(text)
+        with pytest.raises(SystemExit):
+            bench._peak_from(argparse.ArgumentParser(), str(earlier), device)
+        assert f"--peak-from {earlier}: {expect}" in capsys.readouterr().err
