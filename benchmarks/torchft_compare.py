@@ -12,7 +12,8 @@ tokens, 2 gloo processes:
   from the live replica while that one trains on. Measured: the seconds from the kill to the restarted process's
   first completed step, and what the job lost (steps redone; torchft's survivor does not stop).
 
-JSON, markdown and a PNG under ``benchmarks/results/fault_tolerance_torchft.*``.
+JSON, markdown and a PNG under ``benchmarks/results/torchft_compare.*`` (``--name``; the runs of 2026-12-02 and before
+are ``fault_tolerance_torchft.*``).
 
     pip install torchft==0.2.0 && python benchmarks/torchft_compare.py      # about 4 minutes on 2 CPU cores
 """
@@ -227,7 +228,11 @@ def recovery(out: Path, who: str, survivor: str) -> dict:
     killed = json.load(open(out / f"killed-{who}.json"))
     after = [r for r in _steps(out, who) if r["t"] > killed["t"]]
     steps = [r["step"] for r in _steps(out, who)]
-    survivor_during = [r for r in _steps(out, survivor) if killed["t"] < r["t"] < after[0]["t"]]
+    # the survivor's own steps before the one the restarted process joins it at (that step they take together, and the
+    # survivor may log it a moment first)
+    survivor_during = [
+        r for r in _steps(out, survivor) if killed["t"] < r["t"] < after[0]["t"] and r["step"] < after[0]["step"]
+    ]
     return {
         "killed_after_step": killed["step"],
         "first_step_after": after[0]["step"],
@@ -245,6 +250,7 @@ def main() -> None:
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--replica", type=int, default=0)
     parser.add_argument("--lighthouse")
+    parser.add_argument("--name", default="torchft_compare", help="the results' file name under benchmarks/results/")
     args = parser.parse_args()
     if args.worker == "ddp":
         return ddp_worker(Path(args.out), args.snapshots, args.kill)
@@ -314,7 +320,7 @@ def main() -> None:
     kills = [r for r in rows if r["recovery_s"] is not None]
     b.bar([r["system"].split(" (")[0] for r in kills], [r["recovery_s"] for r in kills])
     b.set_ylabel("kill to first step after (s)")
-    paths = write("fault_tolerance_torchft", {"rows": rows, "raw": raw}, markdown_table(rows, columns), fig, notes)
+    paths = write(args.name, {"rows": rows, "raw": raw}, markdown_table(rows, columns), fig, notes)
     print(paths["md"].read_text())
 
 
