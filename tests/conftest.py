@@ -33,7 +33,7 @@ def _files(root) -> dict:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory):
     """``tiny_base(steps)``: the embedded default base at test size (``hf_dtrain.testing.tiny_default_base``),
-    built once per ``steps`` for the whole session (8-30 s each) instead of once per test or module. The bases are
+    built once per ``steps`` for the whole session (4-30 s each) instead of once per test or module. The bases are
     shared, so a test must treat them as read-only: copy one before writing into it. At the end of the session every
     base is checked to be unchanged, which fails the run naming the file a test wrote."""
     from hf_dtrain.testing import tiny_default_base
