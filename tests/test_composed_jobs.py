@@ -38,10 +38,14 @@ def _run(tmp_path, name, job_argv, fault=None):
     try:
         if fault:  # the same job under the testing fault injector: rank:step killed after that step's snapshot
             codes = elastic_launch(
-                [sys.executable, "-m", "hf_dtrain.testing.fault", fault, *cli], 2, timeout=600, log_dir=str(out)
+                [sys.executable, "-m", "hf_dtrain.testing.fault", fault, *cli],
+                2,
+                timeout=600,
+                log_dir=str(out),
+                preloaded=True,
             )
             assert codes[1] == -9 and codes[0] != 0, codes  # rank 1 killed itself, the agent stopped rank 0
-        codes = elastic_launch(argv, 2, timeout=600, log_dir=str(out))
+        codes = elastic_launch(argv, 2, timeout=600, log_dir=str(out), preloaded=True)
         assert codes == [0, 0], open(out / "rank0.out").read()[-4000:]
     finally:
         stop_snapshot_processes(ft)
@@ -169,7 +173,9 @@ def test_decentralized_pretraining_with_the_heterogeneity_aware_sampler(tmp_path
         "--output-dir",
         str(out),
     ]
-    assert elastic_launch(argv, 2, timeout=600, log_dir=str(out)) == [0, 0], open(out / "rank0.out").read()[-3000:]
+    assert elastic_launch(argv, 2, timeout=600, log_dir=str(out), preloaded=True) == [0, 0], open(
+        out / "rank0.out"
+    ).read()[-3000:]
     results = [json.load(open(out / f"results_rank{r}.json")) for r in range(2)]
     assert [r["batch_size"] for r in results] == [2, 6]  # a global batch of 8 split 1:3
     assert all(len(r["history"]) == 12 for r in results)

@@ -159,9 +159,9 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
 
 
 def _forked_rank(module: str, args: list[str], environ: dict, log_path: str | None, cwd: str) -> None:
-    """``python -m module *args`` in a rank forked from the preloaded forkserver: the caller's environment,
-    working directory and output file, and the intra-op threads ``OMP_NUM_THREADS`` asks for (the forkserver's
-    OpenMP runtime read its own environment when torch loaded)."""
+    """``python -m module *args`` (or ``python module *args`` for a ``.py`` path) in a rank forked from the preloaded
+    forkserver: the caller's environment, working directory and output file, and the intra-op threads
+    ``OMP_NUM_THREADS`` asks for (the forkserver's OpenMP runtime read its own environment when torch loaded)."""
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -172,7 +172,39 @@ def _forked_rank(module: str, args: list[str], environ: dict, log_path: str | No
     if environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    if module.endswith(".py"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(module)))  # as ``python script.py`` puts its folder first
+        runpy.run_path(module, run_name="__main__")
+    else:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def forked_run(argv: list[str], env: dict, log_path: str, timeout: float = 300, cwd: str | None = None) -> int:
+    """``argv`` (``[sys.executable, "-m", module, ...]`` or ``[sys.executable, "script.py", ...]``) as one process
+    forked from the preloaded forkserver of ``run_distributed`` (torch, transformers and peft already imported) with
+    exactly ``env`` as its environment and its output appended to ``log_path``; where no forkserver is used (see
+    ``_rank_context``) a fresh interpreter, as ``processes.run``. Returns the exit code (negative: the signal that
+    ended it); after ``timeout`` seconds the process is killed and ``TimeoutError`` raised. For a program whose work
+    ends with its files flushed: a forked process leaves through ``os._exit`` (no ``atexit`` handlers)."""
+    cwd = cwd or os.getcwd()
+    ctx = _rank_context()
+    fork = ctx.get_start_method() == "forkserver" and (argv[1] == "-m" or argv[1].endswith(".py"))
+    if not fork:
+        with open(log_path, "a") as log:
+            try:
+                done = processes.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"still running after {timeout}s: {argv}") from None
+        return done.returncode
+    module, args = (argv[2], argv[3:]) if argv[1] == "-m" else (argv[1], argv[2:])
+    process = ctx.Process(target=_forked_rank, args=(module, list(args), dict(env), log_path, cwd))
+    process.start()
+    process.join(timeout)
+    if process.exitcode is None:
+        process.kill()
+        process.join(5)
+        raise TimeoutError(f"still running after {timeout}s: {argv}")
+    return process.exitcode
 
 
 class _ForkedProcess:
@@ -289,6 +321,58 @@ def elastic_launch(
         for log in logs:
             if log is not subprocess.DEVNULL:
                 log.close()
+
+
+def relaunched(
+    argv: list[str],
+    world_size: int,
+    log_dir: str,
+    restarts: int = 0,
+    env: dict | None = None,
+    timeout: float = 600,
+    preloaded: bool = True,
+) -> list[list[int]]:
+    """``argv`` on ``world_size`` ranks, launched again after each generation in which a rank failed, up to
+    ``restarts`` times, as ``torchrun --max-restarts`` does: each generation is one :func:`elastic_launch` (its ranks
+    forked from the preloaded forkserver when ``preloaded`` and ``argv`` is ``[sys.executable, "-m", ...]``, so a
+    generation costs no imports), told its number in ``HF_DTRAIN_FAULT_GENERATION`` (what the fault injector's
+    schedule reads where torchrun would set ``TORCHELASTIC_RESTART_COUNT``), its output in
+    ``log_dir/gen{g}/rank{r}.out`` (:func:`relaunch_output` reads them in order). ``timeout`` bounds all generations
+    together. Returns each generation's exit codes; the last one is all 0 unless the restarts ran out."""
+    deadline = time.monotonic() + timeout
+    generations = []
+    for gen in range(restarts + 1):
+        folder = os.path.join(log_dir, f"gen{gen}")
+        os.makedirs(folder, exist_ok=True)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(generations)} generations ran past {timeout}s: {argv}")
+        codes = elastic_launch(
+            argv,
+            world_size,
+            dict(env or {}, HF_DTRAIN_FAULT_GENERATION=str(gen)),
+            timeout=left,
+            log_dir=folder,
+            preloaded=preloaded,
+        )
+        generations.append(codes)
+        if all(c == 0 for c in codes):
+            break
+    return generations
+
+
+def relaunch_output(log_dir: str, ranks) -> str:
+    """What :func:`relaunched`'s ranks ``ranks`` (an iterable of rank numbers) wrote, generation by generation, each
+    generation's ranks in the order given."""
+    parts = []
+    gen = 0
+    while os.path.isdir(os.path.join(log_dir, f"gen{gen}")):
+        for rank in ranks:
+            path = os.path.join(log_dir, f"gen{gen}", f"rank{rank}.out")
+            if os.path.exists(path):
+                parts.append(open(path).read())
+        gen += 1
+    return "".join(parts)
 
 
 def mean_over_ranks(value: float, group=None) -> float:

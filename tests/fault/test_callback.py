@@ -7,11 +7,12 @@ import json
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from hf_dtrain import processes
-from hf_dtrain.testing import stop_snapshot_processes
+from hf_dtrain.testing import forked_run, stop_snapshot_processes
 from hf_dtrain.testing.fault import saved_tensors_differ
 
 pytestmark = pytest.mark.slow
@@ -21,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(out, **env):
+    """The worker as one process forked from the tests' preloaded forkserver (a relaunch of the same script, without
+    importing torch, transformers and peft again); ``.returncode`` and ``.stderr`` (its output) of that run."""
     e = dict(
         os.environ,
         FT_OUT=str(out),
@@ -28,7 +31,12 @@ def _run(out, **env):
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
         **env,
     )
-    return processes.run([sys.executable, WORKER], env=e, capture_output=True, text=True, timeout=300)
+    log = os.path.join(str(out), "worker.out")
+    start = os.path.getsize(log) if os.path.exists(log) else 0
+    code = forked_run([sys.executable, WORKER], e, log, timeout=300, cwd=ROOT)
+    with open(log) as f:
+        f.seek(start)
+        return SimpleNamespace(returncode=code, stderr=f.read())
 
 
 def _losses(out):

@@ -2,7 +2,10 @@
 mid-step, mid-snapshot, after a snapshot, after the last step), each generation relaunched the path's own way, and
 the run must finish with every step's loss equal (``float.hex``) to the uninterrupted run, no step missing, and no
 process left behind. Paths: the same command again (``elastic_launch``, as a user or a scheduler would),
-``torchrun --max-restarts``, ``accelerate launch --max_restarts`` and the Trainer's ``resume_from_checkpoint``."""
+``torchrun --max-restarts``, ``accelerate launch --max_restarts`` and the Trainer's ``resume_from_checkpoint``. The
+same-command and Trainer paths start each generation forked from the tests' preloaded forkserver (the relaunched
+program without the imports: a second a generation instead of 6-10); torchrun and accelerate start fresh
+interpreters, as users' do."""
 
 import contextlib
 import json
@@ -170,8 +173,8 @@ def test_accelerate_launch_max_restarts_after_10_kills(tmp_path, reference):
 
 
 def test_trainer_resume_from_checkpoint_after_10_kills(tmp_path):
-    """The Trainer path (``trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))``), relaunched by
-    the same command after each of 10 kills (start-up, before an optimizer step, after a step's snapshot): the
+    """The Trainer path (``trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))``), the same script
+    relaunched after each of 10 kills (start-up, before an optimizer step, after a step's snapshot): the
     logged losses equal the uninterrupted run's at every step, none missing."""
     from tests.fault.test_callback import _losses, _run
 
@@ -184,12 +187,21 @@ def test_trainer_resume_from_checkpoint_after_10_kills(tmp_path):
     out, ft_dir = tmp_path / "run", tmp_path / "ft"
     out.mkdir()
     try:
+        restored = []  # each generation's restore (None: it started afresh), and the lines the last one logged
         for gen in range(KILLS + 1):
+            (out / "restored.json").unlink(missing_ok=True)
+            logged = len(open(out / "losses.jsonl").readlines()) if (out / "losses.jsonl").exists() else 0
             done = _run(out, FT_DIR=str(ft_dir), FT_KILLS=kills, FT_GEN=str(gen))
             expect = -signal.SIGKILL if gen < KILLS else 0
             assert done.returncode == expect, (gen, done.stderr[-3000:])
+            restored.append(json.load(open(out / "restored.json")) if (out / "restored.json").exists() else None)
         happened = open(out / "kills").read().split()
         assert len(happened) == KILLS
+        # the relaunches resumed (a restart from scratch logs the same losses): the last one restored a step from
+        # memory and logged only the steps after it
+        last = restored[-1]
+        assert last is not None and last["source"] == "memory" and last["step"] > 0, restored
+        assert len(open(out / "losses.jsonl").readlines()) - logged == 10 - last["step"], restored
         # every step logged (a step's snapshot is taken once the Trainer has logged it), equal to the uninterrupted
         # run's
         assert _losses(out) == _losses(ref)

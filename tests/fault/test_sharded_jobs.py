@@ -60,7 +60,7 @@ def test_fsdp_pretraining_resumes_exactly_then_reshards_onto_more_ranks(tmp_path
         ]
         if fault:  # the testing fault injector: rank:step killed after that step's snapshot
             cli = ["hf_dtrain.testing.fault", fault, *cli]
-        return elastic_launch([sys.executable, "-m", *cli], world, timeout=600, log_dir=str(directory))
+        return elastic_launch([sys.executable, "-m", *cli], world, timeout=600, log_dir=str(directory), preloaded=True)
 
     def results(directory, world):
         return [json.load(open(directory / f"results_rank{r}.json")) for r in range(world)]

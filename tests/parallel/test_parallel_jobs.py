@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_dtrain import processes
-from hf_dtrain.testing import free_port
+from hf_dtrain.testing import free_port, relaunch_output, relaunched
 from hf_dtrain.testing.fault import saved_tensors_differ, tensors_differ
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,30 +89,21 @@ def _step_losses(directory, rank):
 
 @pytest.mark.slow
 def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
-    """``--tp 2 --pp 2 --fault-tolerance`` under ``torchrun --max-restarts``, each rank its own emulated node, every
-    snapshot also written to disk: a node lost with its snapshot process after step 2's snapshot (rebuilt from the
-    others' parity), then every node's memory lost after step 3's (the relaunch reads the disk copy), then a rank
-    killed in step 5 after its forward and backward (memory). (A node lost right after a generation's first snapshot,
-    before its parity is complete, has only the disk copy to go back to: that generation's restart reads it.) Each
-    rank snapshots its own tensor-parallel shards of its pipeline stages; every step's loss on every rank and the
-    saved model equal the uninterrupted mesh run's."""
+    """``--tp 2 --pp 2 --fault-tolerance`` relaunched as ``torchrun --max-restarts`` does (each generation's ranks
+    forked from the tests' preloaded forkserver: :func:`hf_dtrain.testing.relaunched`), each rank its own emulated
+    node, every snapshot also written to disk: a node lost with its snapshot process after step 2's snapshot (rebuilt
+    from the others' parity), then every node's memory lost after step 3's (the relaunch reads the disk copy), then a
+    rank killed in step 5 after its forward and backward (memory). (A node lost right after a generation's first
+    snapshot, before its parity is complete, has only the disk copy to go back to: that generation's restart reads
+    it.) Each rank snapshots its own tensor-parallel shards of its pipeline stages; every step's loss on every rank
+    and the saved model equal the uninterrupted mesh run's."""
     from hf_dtrain.testing import stop_snapshot_processes
 
     out, ft = tmp_path / "run", tmp_path / "ft"
     try:
-        proc = _run(
+        generations = relaunched(
             [
                 sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "4",
-                "--max-restarts",
-                "3",
-                "--monitor-interval",
-                "0.2",
-                "--master-port",
-                str(free_port()),
                 "-m",
                 "hf_dtrain.testing.fault",
                 "--emulate-nodes",
@@ -134,12 +125,19 @@ def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
                 "1",
                 "--output-dir",
                 str(out),
-            ]
+            ],
+            4,
+            str(out),
+            restarts=3,
+            env={"ACCELERATE_USE_CPU": "true"},
+            timeout=600,
         )
     finally:
         stop_snapshot_processes(ft)
+    rank0 = relaunch_output(str(out), [0])
+    assert generations[-1] == [0] * 4 and len(generations) == 4, (generations, rank0[-4000:])
     assert len(open(tmp_path / "kills").read().split()) == 3
-    said = re.findall(r"resumed after step (\d+) from (\w+)", proc.stdout + proc.stderr)
+    said = re.findall(r"resumed after step (\d+) from (\w+)", rank0)
     assert [source for _, source in said] == ["parity", "disk", "memory"], said  # rank 0 says each
     got = json.loads((out / "results.json").read_text())
     assert got["fault_tolerance"]["restored"] == {"step": 4, "source": "memory"}
