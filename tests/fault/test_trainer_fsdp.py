@@ -1,10 +1,9 @@
 """``hf-dtrain finetune --fsdp --fault-tolerance``: the Trainer on FSDP2 shards (2 gloo ranks), each rank
 snapshotting its own shards and restoring them in place.
 
-* under ``torchrun --max-restarts 10``, LoRA-FA with its own optimizer, each rank its own emulated node, killed 10
-  times at seeded random moments (start-up, mid-step, mid-snapshot, after a snapshot, a node lost with its snapshot
-  process, after the last step): every step's logged loss equals the
-  uninterrupted run's (``float.hex``), none missing, and no process is left;
+* LoRA-FA with its own optimizer, each rank its own emulated node, killed 10 times at seeded random moments
+  (start-up, mid-step, mid-snapshot, after a snapshot, a node lost with its snapshot process, after the last step):
+  every step's logged loss equals the uninterrupted run's (``float.hex``), none missing, and no process is left;
 * each rank its own emulated node, one lost with its snapshot process: rebuilt from the other's parity; then every
   node's memory lost: the disk copy;
 * every other method (SMT, QA-HiRA on dense and INT4 bases, Q-BaRA on NF4, LoRA-FA under AdamW) on FSDP2 and LoRA-FA
@@ -14,11 +13,12 @@ snapshotting its own shards and restoring them in place.
   on CPU hf_dtrain shards with its settings), LoRA with AdamW killed mid-step: the same, against the same config
   uninterrupted, and the last generation restored a snapshot.
 
-Every test also compares the saved adapter with the uninterrupted run's, bit for bit. The launchers' own restart paths
-are the first and last tests'; the method matrix and the lost-node test relaunch the same command the way torchrun
-does (:func:`hf_dtrain.testing.relaunched`), with every generation's ranks forked from the tests' preloaded forkserver
-instead of fresh interpreters (what the matrix tests is each method's restore, not the launcher; it saves about 8 s of
-imports a rank and generation).
+Every test also compares the saved adapter with the uninterrupted run's, bit for bit. All but the last relaunch the
+same command after each failed generation the way ``torchrun --max-restarts`` does
+(:func:`hf_dtrain.testing.relaunched`), every generation's ranks forked from the tests' preloaded forkserver instead of
+fresh interpreters: what they test is each method's restore, not the launcher, and it saves 6-10 s of imports a rank
+and generation. The launchers' own restarts of this job are the last test's (accelerate launch) and
+tests/fault/test_preemption.py's (torchrun and accelerate launch, LoRA-FA on FSDP2 and LoRA on DDP).
 """
 
 import json
@@ -180,29 +180,16 @@ def _smp_left(ft_dir):
     return [p for p in _smp_pids(str(ft_dir)) if _alive(p)]
 
 
-def test_finetune_fsdp_under_torchrun_resumes_exactly_after_10_kills(tmp_path, base):
+def test_finetune_fsdp_resumes_exactly_after_10_kills(tmp_path, base):
     """LoRA-FA (the default method) with its own optimizer, which keys its state by module name: each restored
     shard of that state is made a DTensor again on its parameter's layout (it was restored whole and failed at the
-    first step: "Attempting to broadcast a dimension of length 64")."""
-    ref = tmp_path / "ref"
-    torchrun = [
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(WORLD),
-        "--monitor-interval",
-        "0.2",
-        "--master-port",
-        str(free_port()),
-    ]
-    run([sys.executable, *torchrun, "-m", *job(base, ref, method="lorafa")], ref)
+    first step: "Attempting to broadcast a dimension of length 64"). Relaunched as torchrun does; the same job under
+    ``torchrun --max-restarts`` itself is tests/fault/test_preemption.py's LoRA-FA FSDP2 case (three restores)."""
+    ref, _, _ = _forked(tmp_path, base, "ref", method="lorafa")
     want = losses(ref)
     assert sorted(want) == list(range(1, STEPS + 1))
     kills = kill_schedule(seed=5)
-    torchrun[-1] = str(free_port())
-    out, ft_dir, _happened = _killed(
-        tmp_path, base, [*torchrun, "--max-restarts", str(KILLS), "-m"], kills, method="lorafa", emulate=True
-    )
+    out, ft_dir, _ = _forked(tmp_path, base, "run", method="lorafa", restarts=KILLS, kills=kills)
     assert losses(out) == want  # every step, bit for bit, none missing
     assert not saved_tensors_differ(ref, out)  # and the saved adapter
     results = json.load(open(out / "results.json"))
