@@ -7,46 +7,34 @@
 * :mod:`hf_dtrain.testing.netns`: emulated hosts in network namespaces with shaped links.
 """
 
-from .fault import stop_snapshot_processes
-from .launch import (
-    accelerate_launch,
-    elastic_launch,
-    forked_run,
-    free_port,
-    gloo_group,
-    mean_over_ranks,
-    relaunch_output,
-    relaunched,
-    run_distributed,
-    run_python,
-)
-from .models import (
-    SavedTensorCounter,
-    chat_llama_checkpoint,
-    random_batch,
-    tiny_default_base,
-    tiny_llama,
-    train_on_loader,
-    train_steps,
-)
+import lazy_loader as lazy
 
-__all__ = [
-    "SavedTensorCounter",
-    "accelerate_launch",
-    "chat_llama_checkpoint",
-    "elastic_launch",
-    "forked_run",
-    "free_port",
-    "gloo_group",
-    "mean_over_ranks",
-    "random_batch",
-    "relaunch_output",
-    "relaunched",
-    "run_distributed",
-    "run_python",
-    "stop_snapshot_processes",
-    "tiny_default_base",
-    "tiny_llama",
-    "train_on_loader",
-    "train_steps",
-]
+# loaded on first use: a process that needs only the launch or fault helpers (a fault-injection rank, a launcher's
+# child) does not import transformers through the models module
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    submod_attrs={
+        "fault": ["stop_snapshot_processes"],
+        "launch": [
+            "accelerate_launch",
+            "elastic_launch",
+            "forked_run",
+            "free_port",
+            "gloo_group",
+            "mean_over_ranks",
+            "relaunch_output",
+            "relaunched",
+            "run_distributed",
+            "run_python",
+        ],
+        "models": [
+            "SavedTensorCounter",
+            "chat_llama_checkpoint",
+            "random_batch",
+            "tiny_default_base",
+            "tiny_llama",
+            "train_on_loader",
+            "train_steps",
+        ],
+    },
+)

@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from hf_dtrain.distributed.groups import init_distributed, release_process_group
-from hf_dtrain.testing.models import random_batch, tiny_llama
+from hf_dtrain.testing.batches import random_batch
 
 
 def dump_full_state(model, optimizer, path: str) -> None:
@@ -101,10 +102,60 @@ class Fault:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class TorchLM(torch.nn.Module):
+    """A causal language model in torch alone (``FT_MODEL=torch``): embeddings, two pre-norm
+    ``nn.TransformerEncoderLayer`` blocks under a causal mask, a final norm and an untied head, called as a
+    transformers model is (``model(**batch).loss``). For the launcher relaunch tests, whose ranks are fresh
+    interpreters: without transformers a rank starts in about half the time (its import of transformers, hqq's
+    ``torch.compile`` among it, is most of a rank's start)."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 64, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(
+                hidden, heads, 4 * hidden, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+            )
+            for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        h = self.embed(input_ids)
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], dtype=h.dtype)
+        for layer in self.layers:
+            h = layer(h, src_mask=causal, is_causal=True)
+        logits = self.head(self.norm(h))
+        loss = None
+        if labels is not None:  # next-token loss, as transformers' causal LMs compute it
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
+            )
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def _model():
+    """``FT_MODEL``: ``llama`` (the default, the tiny LLaMA of :mod:`hf_dtrain.testing.models`) or ``torch``
+    (:class:`TorchLM`, DDP only)."""
+    hidden = int(os.environ.get("FT_HIDDEN", "64"))
+    kind = os.environ.get("FT_MODEL", "llama")
+    if kind == "torch":
+        torch.manual_seed(0)
+        return TorchLM(hidden=hidden)
+    if kind != "llama":
+        raise SystemExit(f"FT_MODEL={kind!r}: choose llama or torch")
+    from hf_dtrain.testing.models import tiny_llama
+
+    return tiny_llama(seed=0, hidden_size=hidden)
+
+
 def _build(kind: str):
     """The model under its engine (``FT_ENGINE``), its AdamW and LambdaLR: (model, engine-wrapped model, optimizer,
     scheduler)."""
-    model = tiny_llama(seed=0, hidden_size=int(os.environ.get("FT_HIDDEN", "64")))
+    if os.environ.get("FT_MODEL") == "torch" and kind != "ddp":
+        raise SystemExit(f"FT_MODEL=torch runs under DDP only (FT_ENGINE={kind!r})")
+    model = _model()
     opt = None
     if kind == "fsdp2":  # sharded: each rank holds (and snapshots) its own shards
         from hf_dtrain.parallel import apply_fsdp

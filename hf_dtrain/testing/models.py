@@ -11,16 +11,12 @@ from transformers import AutoTokenizer
 from hf_dtrain.distributed.counters import SavedTensorCounter  # noqa: F401  (re-exported for the tests)
 from hf_dtrain.models import build_default_model, build_llama
 
+from .batches import random_batch
+
 
 def tiny_llama(seed: int = 0, **overrides):
     """The "test" preset LLaMA (2 layers, hidden 64, vocab 128): a few milliseconds per step on CPU."""
     return build_llama("test", seed=seed, **overrides)
-
-
-def random_batch(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 def tiny_default_base(cache_dir, steps: int = 200, seed: int = 0) -> str:

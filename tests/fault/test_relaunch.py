@@ -44,14 +44,28 @@ def kill_schedule(seed: int, kills: int = KILLS) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run's folder: its losses and its final state."""
-    out = str(tmp_path_factory.mktemp("reference"))
-    assert launch_ft_workers(WORLD, {"FT_OUT": out, "FT_NOFT": "1", "FT_STEPS": str(STEPS)}) == [0] * WORLD
-    return out
+def references(tmp_path_factory):
+    """model -> the uninterrupted run's folder (its losses and its final state), run once per model the tests use:
+    ``llama`` (the tiny LLaMA) and ``torch`` (the worker's torch-only model, for the launchers' fresh interpreters)."""
+    done = {}
+
+    def reference(model):
+        if model not in done:
+            out = str(tmp_path_factory.mktemp(f"reference_{model}"))
+            env = {"FT_OUT": out, "FT_NOFT": "1", "FT_STEPS": str(STEPS), "FT_MODEL": model}
+            assert launch_ft_workers(WORLD, env) == [0] * WORLD, failed_outputs(out, [1] * WORLD)
+            done[model] = out
+        return done[model]
+
+    return reference
 
 
-def _env(out, ft_dir, seed):
+@pytest.fixture
+def reference(references):
+    return references("llama")
+
+
+def _env(out, ft_dir, seed, model="llama"):
     return {
         "FT_OUT": out,
         "FT_DIR": ft_dir,
@@ -59,6 +73,7 @@ def _env(out, ft_dir, seed):
         "FT_PARITY": "0",
         "FT_RELATIVE": "1",
         "FT_KILLS": kill_schedule(seed),
+        "FT_MODEL": model,
     }
 
 
@@ -109,11 +124,14 @@ def test_same_command_relaunched_after_10_kills(tmp_path, reference):
 
 
 def _agent_run(tmp_path, reference, command, seed):
+    """``command`` (a launcher with restarts) on the worker's torch-only model: the launcher starts fresh
+    interpreters, which without transformers start in half the time; the tiny LLaMA's relaunches are the
+    same-command test's."""
     out, ft_dir = str(tmp_path / "out"), str(tmp_path / "ft")
     os.makedirs(out)
     env = dict(
         os.environ,
-        **_env(out, ft_dir, seed),
+        **_env(out, ft_dir, seed, model="torch"),
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
     )
@@ -126,10 +144,10 @@ def _agent_run(tmp_path, reference, command, seed):
         stop_snapshot_processes(ft_dir)
 
 
-def test_torchrun_max_restarts_after_10_kills(tmp_path, reference):
+def test_torchrun_max_restarts_after_10_kills(tmp_path, references):
     _agent_run(
         tmp_path,
-        reference,
+        references("torch"),
         [
             sys.executable,
             "-m",
@@ -149,10 +167,10 @@ def test_torchrun_max_restarts_after_10_kills(tmp_path, reference):
     )
 
 
-def test_accelerate_launch_max_restarts_after_10_kills(tmp_path, reference):
+def test_accelerate_launch_max_restarts_after_10_kills(tmp_path, references):
     _agent_run(
         tmp_path,
-        reference,
+        references("torch"),
         [
             sys.executable,
             "-m",
