@@ -113,20 +113,26 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
     assert "| a | breaks | failed |" in (folder / "gpu_check.md").read_text()
 
 
-def test_throughput_counts_attention_flops_with_grouped_kv_heads():
-    """The throughput table's FLOPs on a Llama with fewer key/value heads than query heads (Llama 3.2's shape): every
-    linear layer's 6 x tokens x weights plus attention's two matmuls per head, forward and backward. torch 2.11's
-    counter refuses SDPA with grouped heads and 2.13's CPU path counts nothing for it; the count must see them."""
+def _throughput_bench():
+    """``benchmarks/throughput.py`` imported as a module (it is a script, not in the package)."""
     import importlib.util
     from pathlib import Path
-
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = importlib.util.spec_from_file_location(
         "throughput_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_throughput_counts_attention_flops_with_grouped_kv_heads():
+    """The throughput table's FLOPs on a Llama with fewer key/value heads than query heads (Llama 3.2's shape): every
+    linear layer's 6 x tokens x weights plus attention's two matmuls per head, forward and backward. torch 2.11's
+    counter refuses SDPA with grouped heads and 2.13's CPU path counts nothing for it; the count must see them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    bench = _throughput_bench()
     torch.manual_seed(0)
     heads, kv, width, layers, b, s = 8, 2, 128, 2, 2, 64
     model = LlamaForCausalLM(
@@ -155,15 +161,8 @@ def test_peak_from_takes_an_earlier_runs_peak_on_the_same_device_only(tmp_path, 
     """``benchmarks/throughput.py --peak-from``: an earlier run's peak on the same device is taken with its source
     named; a file without a peak, or from another device, is refused naming the flag (before any model is built)."""
     import argparse
-    import importlib.util
-    import json
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "throughput_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _throughput_bench()
     earlier = tmp_path / "run.json"
     earlier.write_text(json.dumps({"device": "cpu", "peak_flops": 1e11, "peak_source": "measured: 6 matmuls"}))
     assert bench._peak_from(argparse.ArgumentParser(), str(earlier), "cpu") == {

@@ -1,6 +1,7 @@
 """The tests' relaunch helpers: ``relaunched`` starts a failed generation again (up to its restarts, each told its
 number) and stops at the first that succeeds; ``forked_run`` runs one script forked from the preloaded forkserver,
-returning its exit code and output, and kills it at its timeout."""
+returning its exit code and output, and kills it at its timeout; the fault worker's torch-only model keeps its ranks
+free of transformers."""
 
 import os
 import sys
@@ -9,7 +10,9 @@ import time
 
 import pytest
 
-from hf_dtrain.testing import forked_run, relaunch_output, relaunched
+from hf_dtrain.testing import forked_run, relaunch_output, relaunched, run_python
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # fails (exit 3) in generations before $PASS_AT, says which rank and generation it is
 SCRIPT = textwrap.dedent(
@@ -51,3 +54,25 @@ def test_forked_run_returns_the_code_and_output_and_kills_at_its_timeout(tmp_pat
     while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}"), f"the timed-out process {pid} is still running"
+
+
+def test_the_fault_workers_torch_model_imports_no_transformers():
+    """``FT_MODEL=torch`` (the launcher relaunch tests' fresh ranks): the worker builds its model and trains a step
+    without importing transformers, which is what makes those ranks start fast; another engine is refused."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        os.environ["FT_MODEL"] = "torch"
+        from hf_dtrain.testing import ft_worker
+        from hf_dtrain.testing.batches import random_batch
+        model = ft_worker._model("ddp")
+        model(**random_batch()).loss.backward()
+        assert "transformers" not in sys.modules, "transformers was imported"
+        try:
+            ft_worker._model("fsdp2")
+        except SystemExit as e:
+            print(e)
+        """
+    )
+    out = run_python(code, env={"PYTHONPATH": ROOT}, timeout=120)
+    assert "FT_MODEL=torch runs under DDP only (FT_ENGINE='fsdp2')" in out

@@ -129,18 +129,18 @@ class TorchLM(torch.nn.Module):
         logits = self.head(self.norm(h))
         loss = None
         if labels is not None:  # next-token loss, as transformers' causal LMs compute it
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
-            )
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         return SimpleNamespace(loss=loss, logits=logits)
 
 
-def _model():
+def _model(engine: str):
     """``FT_MODEL``: ``llama`` (the default, the tiny LLaMA of :mod:`hf_dtrain.testing.models`) or ``torch``
-    (:class:`TorchLM`, DDP only)."""
+    (:class:`TorchLM`, under DDP only)."""
     hidden = int(os.environ.get("FT_HIDDEN", "64"))
     kind = os.environ.get("FT_MODEL", "llama")
     if kind == "torch":
+        if engine != "ddp":
+            raise SystemExit(f"FT_MODEL=torch runs under DDP only (FT_ENGINE={engine!r})")
         torch.manual_seed(0)
         return TorchLM(hidden=hidden)
     if kind != "llama":
@@ -153,9 +153,7 @@ def _model():
 def _build(kind: str):
     """The model under its engine (``FT_ENGINE``), its AdamW and LambdaLR: (model, engine-wrapped model, optimizer,
     scheduler)."""
-    if os.environ.get("FT_MODEL") == "torch" and kind != "ddp":
-        raise SystemExit(f"FT_MODEL=torch runs under DDP only (FT_ENGINE={kind!r})")
-    model = _model()
+    model = _model(kind)
     opt = None
     if kind == "fsdp2":  # sharded: each rank holds (and snapshots) its own shards
         from hf_dtrain.parallel import apply_fsdp

@@ -179,6 +179,19 @@ def _forked_rank(module: str, args: list[str], environ: dict, log_path: str | No
         runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+def _fork_target(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(module or script, its arguments)`` when ``argv`` is ``[sys.executable, "-m", module, ...]`` or
+    ``[sys.executable, "script.py", ...]`` and ranks start from the forkserver here (``_rank_context``), else None
+    (such a command then runs as a fresh interpreter)."""
+    if len(argv) < 2 or argv[0] != sys.executable or _rank_context().get_start_method() != "forkserver":
+        return None
+    if argv[1] == "-m" and len(argv) > 2:
+        return argv[2], list(argv[3:])
+    if argv[1].endswith(".py"):
+        return argv[1], list(argv[2:])
+    return None
+
+
 def forked_run(argv: list[str], env: dict, log_path: str, timeout: float = 300, cwd: str | None = None) -> int:
     """``argv`` (``[sys.executable, "-m", module, ...]`` or ``[sys.executable, "script.py", ...]``) as one process
     forked from the preloaded forkserver of ``run_distributed`` (torch, transformers and peft already imported) with
@@ -187,17 +200,15 @@ def forked_run(argv: list[str], env: dict, log_path: str, timeout: float = 300, 
     ended it); after ``timeout`` seconds the process is killed and ``TimeoutError`` raised. For a program whose work
     ends with its files flushed: a forked process leaves through ``os._exit`` (no ``atexit`` handlers)."""
     cwd = cwd or os.getcwd()
-    ctx = _rank_context()
-    fork = ctx.get_start_method() == "forkserver" and (argv[1] == "-m" or argv[1].endswith(".py"))
-    if not fork:
+    target = _fork_target(argv)
+    if target is None:
         with open(log_path, "a") as log:
             try:
                 done = processes.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, timeout=timeout)
             except subprocess.TimeoutExpired:
                 raise TimeoutError(f"still running after {timeout}s: {argv}") from None
         return done.returncode
-    module, args = (argv[2], argv[3:]) if argv[1] == "-m" else (argv[1], argv[2:])
-    process = ctx.Process(target=_forked_rank, args=(module, list(args), dict(env), log_path, cwd))
+    process = _rank_context().Process(target=_forked_rank, args=(*target, dict(env), log_path, cwd))
     process.start()
     process.join(timeout)
     if process.exitcode is None:
@@ -251,7 +262,8 @@ def elastic_launch(
     ``grace_after_signal``: how long the others may run after a rank died of a signal (a test of what survivors
     do). ``dump_signal``: sent to a rank still running when that grace is over, a second before it is killed (the
     command registers ``faulthandler`` on it: its stacks land in its log, the reason it did not exit).
-    ``preloaded``: a ``[sys.executable, "-m", module, ...]`` command starts each rank from the forkserver of
+    ``preloaded``: a ``[sys.executable, "-m", module, ...]`` (or ``[sys.executable, "script.py", ...]``) command
+    starts each rank from the forkserver of
     ``run_distributed`` (torch and transformers imported once, not in every rank: about 6 s of a rank's start on 2
     cores), for a module whose work ends with its files flushed (the rank leaves through ``os._exit``); where the
     forkserver is not used (``HF_DTRAIN_SPAWN_RANKS``, a CUDA device, ``per_rank_argv``) it is a fresh interpreter
@@ -259,10 +271,7 @@ def elastic_launch(
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs, logs = [], []
-    ctx = None
-    if preloaded and per_rank_argv is None and list(argv[:2]) == [sys.executable, "-m"]:
-        ctx = _rank_context()
-        ctx = ctx if ctx.get_start_method() == "forkserver" else None
+    target = _fork_target(argv) if preloaded and per_rank_argv is None else None
     for rank in range(world_size):
         e = dict(
             os.environ,
@@ -279,9 +288,9 @@ def elastic_launch(
         )
         if per_rank_env is not None:
             e.update(per_rank_env(rank))
-        if ctx is not None:
+        if target is not None:
             log_path = os.path.join(log_dir, f"rank{rank}.out") if log_dir else None
-            process = ctx.Process(target=_forked_rank, args=(argv[2], list(argv[3:]), e, log_path, os.getcwd()))
+            process = _rank_context().Process(target=_forked_rank, args=(*target, e, log_path, os.getcwd()))
             process.start()
             procs.append(_ForkedProcess(process))
             continue
@@ -330,12 +339,11 @@ def relaunched(
     restarts: int = 0,
     env: dict | None = None,
     timeout: float = 600,
-    preloaded: bool = True,
 ) -> list[list[int]]:
     """``argv`` on ``world_size`` ranks, launched again after each generation in which a rank failed, up to
     ``restarts`` times, as ``torchrun --max-restarts`` does: each generation is one :func:`elastic_launch` (its ranks
-    forked from the preloaded forkserver when ``preloaded`` and ``argv`` is ``[sys.executable, "-m", ...]``, so a
-    generation costs no imports), told its number in ``HF_DTRAIN_FAULT_GENERATION`` (what the fault injector's
+    forked from the preloaded forkserver where ``argv`` is ``[sys.executable, "-m", ...]``, so a generation costs no
+    imports), told its number in ``HF_DTRAIN_FAULT_GENERATION`` (what the fault injector's
     schedule reads where torchrun would set ``TORCHELASTIC_RESTART_COUNT``), its output in
     ``log_dir/gen{g}/rank{r}.out`` (:func:`relaunch_output` reads them in order). ``timeout`` bounds all generations
     together. Returns each generation's exit codes; the last one is all 0 unless the restarts ran out."""
@@ -353,7 +361,7 @@ def relaunched(
             dict(env or {}, HF_DTRAIN_FAULT_GENERATION=str(gen)),
             timeout=left,
             log_dir=folder,
-            preloaded=preloaded,
+            preloaded=True,
         )
         generations.append(codes)
         if all(c == 0 for c in codes):

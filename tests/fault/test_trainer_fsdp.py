@@ -114,7 +114,7 @@ def base(tiny_base):
     return tiny_base(50)
 
 
-def _killed(tmp_path, base, launcher, kills, fsdp=True, method="lora", extra=(), emulate=False):
+def _killed(tmp_path, base, launcher, kills, fsdp=True, method="lora", extra=()):
     out, ft_dir, log = tmp_path / "run", tmp_path / "ft", tmp_path / "kills"
     try:
         run(
@@ -122,7 +122,6 @@ def _killed(tmp_path, base, launcher, kills, fsdp=True, method="lora", extra=(),
                 sys.executable,
                 *launcher,
                 "hf_dtrain.testing.fault",
-                *(["--emulate-nodes"] if emulate else []),
                 "--kills",
                 kills,
                 "--kill-log",
