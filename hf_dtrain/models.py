@@ -372,19 +372,43 @@ def check_weight_files(path: str) -> None:
             ) from None
 
 
+def base_model_path(
+    model: str | None = None,
+    gguf_file: str | None = None,
+    preset: str = "tiny",
+    steps: int | None = None,
+    progress: bool = True,
+) -> str:
+    """What ``from_pretrained`` reads for a job's base model: ``model`` (a folder or hub id; a GGUF file, or a folder
+    with ``gguf_file``, dequantized once into a cached folder: :mod:`hf_dtrain.checkpoints`), else the default base
+    of ``preset``: a packaged real model (``smollm2-135m-instruct``), or a LLaMA preset built and pretrained here
+    (:func:`build_default_model`, ``steps``)."""
+    from hf_dtrain import checkpoints
+
+    if model is not None:
+        return checkpoints.resolve_model(model, gguf_file, progress=progress)
+    if gguf_file:
+        checkpoints.check_model_arg(model, gguf_file)
+    if preset in checkpoints.PACKAGED:
+        return checkpoints.gguf_to_folder(checkpoints.packaged_gguf(preset), progress=progress, flag="--base-preset")
+    return build_default_model(preset, steps=steps, progress=progress)
+
+
 def load_model_and_tokenizer(
     model: str | None = None,
     *,
+    gguf_file: str | None = None,
     preset: str = "tiny",
     base_steps: int | None = None,
     progress: bool = True,
     load_model: bool = True,
     **from_pretrained_kwargs,
 ):
-    """``(model, tokenizer)``: the embedded default base (built and cached if needed) when ``model`` is None, else
-    ``from_pretrained(model)`` (a local path or a hub id); ``load_model=False`` gives ``(None, tokenizer)``. A tokenizer
-    without pad token gets its eos as pad."""
-    path = build_default_model(preset, steps=base_steps, progress=progress) if model is None else model
+    """``(model, tokenizer)``: ``from_pretrained`` of ``model`` (a local path or a hub id; a GGUF file, or a folder and
+    ``gguf_file``: read by transformers' GGUF loader, once, into a cached dense folder), else the default base of
+    ``preset`` (:func:`base_model_path`); ``load_model=False`` gives ``(None, tokenizer)``. A tokenizer without pad
+    token gets its eos as pad."""
+    path = base_model_path(model, gguf_file, preset, base_steps, progress)
     check_model_dir(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(

@@ -100,6 +100,25 @@ def addition_dataset(n: int, seed: int = 0, split: str = "train", digits: int = 
     return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
 
 
+INSTRUCTION = "What is {a}+{b}? Answer with the number only."
+
+
+def as_instructions(dataset):
+    """The default task asked of a chat model: each prompt ``"12+345="`` becomes the user message ``"What is 12+345?
+    Answer with the number only."`` and each completion the assistant's reply ``"357"`` (TRL's conversational
+    prompt-completion format, rendered with the tokenizer's chat template; the loss and the exact match are on the
+    reply and its end-of-turn tokens)."""
+
+    def ask(row):
+        a, b = row["prompt"][:-1].split("+")
+        return {
+            "prompt": [{"role": "user", "content": INSTRUCTION.format(a=a, b=b)}],
+            "completion": [{"role": "assistant", "content": row["completion"]}],
+        }
+
+    return dataset.map(ask, desc="the default task as chat turns")
+
+
 def dataset_format(dataset, text_field: str = "text", source: str = "the dataset") -> str:
     """Which of TRL's formats ``dataset`` is in: ``conversational`` (a ``messages`` column, or prompt / completion
     holding lists of messages), ``prompt-completion`` or ``language modeling`` (``text_field``); a ``DataError``

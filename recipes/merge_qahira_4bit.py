@@ -29,7 +29,7 @@ def main(argv=None):
 
     import hf_dtrain  # noqa: F401  (registers QA-HiRA with peft)
     from hf_dtrain import load_adapter, tasks
-    from hf_dtrain.models import build_default_model, load_model_and_tokenizer
+    from hf_dtrain.models import base_model_path, load_model_and_tokenizer
     from hf_dtrain.quantization import load_quantized_model
 
     results = json.load(open(os.path.join(args.adapter, "results.json")))
@@ -40,7 +40,7 @@ def main(argv=None):
             f"{args.adapter}: an exact 4-bit merge needs --method qahira with --quantize hqq4 or int4; "
             f"this run is {results['method']} on {quantize or 'a dense base'}."
         )
-    base_path = cfg["model"] or build_default_model(cfg["base_preset"], steps=cfg["base_steps"], progress=False)
+    base_path = base_model_path(cfg["model"], cfg.get("gguf_file"), cfg["base_preset"], cfg["base_steps"], progress=False)
     _, tokenizer = load_model_and_tokenizer(base_path, load_model=False)
     base = load_quantized_model(base_path, quantize, group_size=cfg["quant_group_size"])
     model = load_adapter(base, args.adapter).eval()  # PeftModel.from_pretrained after a check that it fits

@@ -6,6 +6,9 @@ import torch
 from hf_dtrain import processes
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the tests' numerics in fp32 on every host: the jobs' default takes bf16 autocast on a CPU that computes it natively
+# (hf_dtrain.fast.cpu_bf16), and the references the tests compare with are fp32; a test of that default sets it back
+os.environ.setdefault("HF_DTRAIN_CPU_BF16", "0")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

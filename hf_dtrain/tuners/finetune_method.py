@@ -269,3 +269,46 @@ register_finetune_method(
 register_finetune_method(
     FinetuneMethod("full", 5e-4, lambda adapter, settings, model: None, fused=WHOLE_MODEL, order=2)
 )
+
+
+def _shira(adapter: AdapterSettings, settings, model):
+    """peft's SHiRA at LoRA's budget: its ``r`` gives each target ``r * (in + out)`` trainable entries, LoRA's count."""
+    from peft import ShiraConfig
+
+    return ShiraConfig(r=adapter.r, target_modules=adapter.targets(), task_type="CAUSAL_LM")
+
+
+def _supertuning(adapter: AdapterSettings, settings, model):
+    """peft's Super-Tuning (magnitude-selected sparse entries) at LoRA's budget: one sparsity for every target, the
+    share of their weights that LoRA at ``r`` trains (per layer it differs a little from LoRA's by shape)."""
+    from peft import SupertuningConfig
+
+    targets = adapter.targets()
+    shapes = linear_shapes(model, targets)
+    total = sum(o * i for o, i in shapes)
+    if not total:
+        raise SettingsError(f"supertuning: target_modules={targets} match no linear layer of the model.")
+    sparsity = 1.0 - lora_budget(adapter.r, shapes) / total
+    return SupertuningConfig(sparsity=sparsity, target_modules=targets, task_type="CAUSAL_LM")
+
+
+register_finetune_method(
+    FinetuneMethod(
+        "shira",
+        2e-3,
+        _shira,
+        peft_type="SHIRA",
+        fused="SHiRA's sparse entries are peft's own layer, which the fused sweep does not stack",
+        order=3,
+    )
+)
+register_finetune_method(
+    FinetuneMethod(
+        "supertuning",
+        2e-3,
+        _supertuning,
+        peft_type="SUPERTUNING",
+        fused="Super-Tuning's sparse entries are peft's own layer, which the fused sweep does not stack",
+        order=4,
+    )
+)

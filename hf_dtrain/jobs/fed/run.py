@@ -13,6 +13,7 @@ from peft import get_peft_model
 from transformers import set_seed
 
 from hf_dtrain import tasks
+from hf_dtrain.checkpoints import describe
 from hf_dtrain.federated import FederatedConfig, FederatedSimulation, dirichlet_split
 from hf_dtrain.jobs.sft.config import DEFAULT_TASK_TRAIN_SIZE, FinetuneJob
 from hf_dtrain.jobs.sft.data import load_base_and_data
@@ -91,7 +92,7 @@ def run_fed_simulate(cfg: FedSimulateConfig) -> dict:
     history = sim.run(progress=job.progress)
     result = dict(
         method=job.method,
-        base_model=job.model or f"hf_dtrain default ({job.base_preset})",
+        base_model=describe(job.model, job.gguf_file, job.base_preset),
         config=dict(job=dataclasses.asdict(job), fed=dataclasses.asdict(fed)),
         rounds=history,
         client_sizes=[len(c) for c in clients],

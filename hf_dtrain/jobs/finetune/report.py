@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 
+from hf_dtrain.checkpoints import describe
 from hf_dtrain.jobs.sft.model_card import write_model_card
 
 
@@ -21,7 +22,7 @@ def results(cfg, run, trainer, data, args, measured) -> dict:
     step = sections.pop("step_settings", None) or {}  # what sections add to the step's settings (the lean paths)
     return dict(
         method=cfg.method,
-        base_model=cfg.model or f"hf_dtrain default ({cfg.base_preset})",
+        base_model=describe(cfg.model, cfg.gguf_file, cfg.base_preset),
         base_path=data.base_path,
         quantize=cfg.quantize,
         data_format=data.data_format,
@@ -79,7 +80,7 @@ def speed_settings(trainer) -> dict:
 
 def write(cfg, results: dict) -> None:
     """The model card next to the adapter, and the summary table (rank 0)."""
-    write_model_card(results["output_dir"], results, cfg.model or f"hf_dtrain/default-{cfg.base_preset}")
+    write_model_card(results["output_dir"], results, describe(cfg.model, cfg.gguf_file, cfg.base_preset))
     if cfg.report:
         print(format_table(results), flush=True)
 

@@ -12,18 +12,21 @@ from hf_dtrain.settings import SettingsError
 def base_config(cfg):
     """The base model's ``PretrainedConfig``: a preset's (``--model llama3-8b``), the embedded default's (no
     ``--model``), or read from ``--model``'s ``config.json`` (no weight file read)."""
+    from hf_dtrain import checkpoints
     from hf_dtrain.models import PRESETS, llama_config
 
+    if cfg.model is None and cfg.base_preset in checkpoints.PACKAGED:
+        return checkpoints.model_config(checkpoints.packaged_gguf(cfg.base_preset))
     if cfg.model is None:
         return llama_config(cfg.base_preset)
     if cfg.model in PRESETS:
         return llama_config(cfg.model)
-    from transformers import AutoConfig
-
     trust = bool(cfg.training.get("trust_remote_code", False))
     try:
-        return AutoConfig.from_pretrained(cfg.model, trust_remote_code=trust)
+        return checkpoints.model_config(cfg.model, cfg.gguf_file, trust_remote_code=trust)
     except (OSError, ValueError, KeyError) as e:
+        if isinstance(e, checkpoints.ModelLoadError):
+            raise
         raise SettingsError(
             f"model={cfg.model!r}: no model config could be read ({str(e).splitlines()[0][:200]}); set --model to a "
             f"directory holding config.json, a hub id, or a preset: {', '.join(PRESETS)}."

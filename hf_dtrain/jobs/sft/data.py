@@ -13,7 +13,7 @@ import torch
 
 from hf_dtrain import tasks
 from hf_dtrain.datafile import check_enough
-from hf_dtrain.models import build_default_model, load_model_and_tokenizer
+from hf_dtrain.models import base_model_path, load_model_and_tokenizer
 from hf_dtrain.settings import SettingsError
 
 from .config import DEFAULT_TASK_TRAIN_SIZE, quantized_compute_dtype
@@ -46,6 +46,7 @@ class BaseAndData:
     train: object
     eval: object
     data_format: str
+    completions: bool = False  # prompt / completion pairs (plain or chat turns): the completion's exact match is scored
 
 
 def load_base_model(cfg, base_path: str):
@@ -100,8 +101,11 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
         flag="--dataset" if cfg.dataset else "--train-size",
     )
     # the data is checked before the base model is built or loaded: a bad file fails in seconds
-    base_path = cfg.model or build_default_model(cfg.base_preset, steps=cfg.base_steps, progress=progress)
+    base_path = base_model_path(cfg.model, cfg.gguf_file, cfg.base_preset, cfg.base_steps, progress=progress)
     _, tokenizer = load_model_and_tokenizer(base_path, load_model=False, trust_remote_code=bool(args.trust_remote_code))
+    if cfg.dataset is None and tokenizer.chat_template is not None:  # a chat model is asked in its own template
+        train, held = tasks.as_instructions(train), tasks.as_instructions(held)
+        kind = tasks.dataset_format(train, args.dataset_text_field)
     model = load_base_model(cfg, base_path) if load_model else None
     if kind == "conversational" and tokenizer.chat_template is None and args.chat_template_path is None:
         raise SettingsError(
@@ -119,6 +123,7 @@ def load_base_and_data(cfg, progress: bool = True, load_model: bool = True) -> B
         with open(args.chat_template_path) as f:
             tokenizer.chat_template = f.read()
     eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+    completions = {"prompt", "completion"} <= set(train.column_names)
     train = tasks.prepare_sft_dataset(train, tokenizer, args)
     held = tasks.prepare_sft_dataset(held, tokenizer, args, packing=eval_packing)
-    return BaseAndData(model, tokenizer, base_path, train, held, kind)
+    return BaseAndData(model, tokenizer, base_path, train, held, kind, completions)

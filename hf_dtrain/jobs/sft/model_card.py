@@ -52,25 +52,21 @@ def write_model_card(output_dir: str, results: dict, base_model: str) -> str:
         usage = f'from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained("{output_dir}")'
     else:
         quantize = results.get("quantize")
+        if base_model.startswith("hf_dtrain/default-"):  # the default base: found or rebuilt in the local cache
+            preset = base_model.removeprefix("hf_dtrain/default-")
+            where, read = f'None, preset="{preset}"', f'preset="{preset}"'
+        else:  # a folder, a hub id, or a GGUF file (dequantized once into a cached folder)
+            where, read = f'"{base_model}"', f'model="{base_model}"'
         if quantize:  # the same 4-bit base the adapter was trained on
-            if base_model.startswith("hf_dtrain/default-"):
-                preset = base_model.removeprefix("hf_dtrain/default-")
-                path = f'from hf_dtrain.models import build_default_model\npath = build_default_model("{preset}")\n'
-            else:
-                path = f'path = "{base_model}"\n'
             group = results["config"]["quant_group_size"]
             load_base = (
-                f"from hf_dtrain.quantization import load_quantized_model\n{path}"
+                "from hf_dtrain.models import base_model_path\n"
+                "from hf_dtrain.quantization import load_quantized_model\n"
+                f"path = base_model_path({read})\n"
                 f'base = load_quantized_model(path, "{quantize}", group_size={group})'
             )
-        elif base_model.startswith(
-            "hf_dtrain/default-"
-        ):  # the embedded default: rebuilt (or found in the cache) locally
-            preset = base_model.removeprefix("hf_dtrain/default-")
-            load_base = (
-                "from hf_dtrain.models import load_model_and_tokenizer\n"
-                f'base, tokenizer = load_model_and_tokenizer(None, preset="{preset}")'
-            )
+        elif where.startswith("None") or base_model.lower().endswith(".gguf"):
+            load_base = f"from hf_dtrain.models import load_model_and_tokenizer\nbase, tokenizer = load_model_and_tokenizer({where})"
         else:
             load_base = f'from transformers import AutoModelForCausalLM\nbase = AutoModelForCausalLM.from_pretrained("{base_model}")'
         usage = f'{load_base}\nfrom peft import PeftModel\nmodel = PeftModel.from_pretrained(base, "{output_dir}")'

@@ -188,7 +188,7 @@ def check_fusable(jobs: list[FinetuneJob]) -> None:
                 continue
             what = (
                 "different base models"
-                if name in ("model", "base_preset", "base_steps", "quantize", "quant_group_size")
+                if name in ("model", "gguf_file", "base_preset", "base_steps", "quantize", "quant_group_size")
                 else "different methods"
                 if name == "method"
                 else f"a different {name}"

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from transformers import set_seed
 
 from hf_dtrain import tasks
+from hf_dtrain.checkpoints import describe
 from hf_dtrain.errors import RunFailure
 from hf_dtrain.fused import FusedJob, FusedTrainer, measure_job_bytes, plan_groups, stack_batches
 from hf_dtrain.fused.fuse import fuse_adapters, fuse_models
@@ -278,7 +279,7 @@ class _Sweep:
             else:
                 # peft writes a non-default adapter to <dir>/<adapter name>/: the job's own directory
                 peft_model.save_pretrained(self.out_dir, selected_adapters=[self.names[k]])
-            write_model_card(job_dir, row, job.model or f"hf_dtrain/default-{job.base_preset}")
+            write_model_card(job_dir, row, describe(job.model, job.gguf_file, job.base_preset))
             with open(os.path.join(job_dir, "results.json"), "w") as f:
                 json.dump(row, f, indent=2)
 
@@ -300,7 +301,7 @@ def _result_row(job, name, base_path, memory, before, after, seconds, losses, st
         seed=job.seed,
         weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps,
-        base_model=job.model or f"hf_dtrain default ({job.base_preset})",
+        base_model=describe(job.model, job.gguf_file, job.base_preset),
         base_path=base_path,
         quantize=job.quantize,
         dataset=job.dataset or "default addition task (hf_dtrain.tasks)",
