@@ -40,7 +40,9 @@ def main(argv=None):
             f"{args.adapter}: an exact 4-bit merge needs --method qahira with --quantize hqq4 or int4; "
             f"this run is {results['method']} on {quantize or 'a dense base'}."
         )
-    base_path = base_model_path(cfg["model"], cfg.get("gguf_file"), cfg["base_preset"], cfg["base_steps"], progress=False)
+    base_path = base_model_path(
+        cfg["model"], cfg.get("gguf_file"), cfg["base_preset"], cfg["base_steps"], progress=False
+    )
     _, tokenizer = load_model_and_tokenizer(base_path, load_model=False)
     base = load_quantized_model(base_path, quantize, group_size=cfg["quant_group_size"])
     model = load_adapter(base, args.adapter).eval()  # PeftModel.from_pretrained after a check that it fits
