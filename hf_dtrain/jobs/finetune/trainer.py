@@ -54,9 +54,7 @@ def adapt(cfg, run, data, args):
 def build(cfg, run, data, model, args, callbacks, optimizer):
     """TRL's ``SFTTrainer`` on the prepared data, with the sections attached (a comm hook on its DDP model, the
     snapshots' state)."""
-    accuracy = data.completions and not (
-        args.eval_packing if args.eval_packing is not None else args.packing
-    )
+    accuracy = data.completions and not (args.eval_packing if args.eval_packing is not None else args.packing)
     # the data is prepared already (load_base_and_data, by TRL's own preparation): the trainer takes it as it is
     # (its assistant-only masks are in the labels already: the trainer's own check for them would look for messages)
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
