@@ -42,27 +42,7 @@ def disabled():
         set_enabled(was)
 
 
-# "0": treat bf16 as unsupported on this CPU (the fp32 choice wherever a CPU path chose bf16 for speed), as on a CPU
-# that only emulates it; CI runs the CPU benchmarks' dry run this way
-CPU_BF16_ENV = "HF_DTRAIN_CPU_BF16"
-
-
-def cpu_bf16() -> tuple[bool, str]:
-    """Whether this CPU computes bf16 natively (AMX tiles, or AVX-512 BF16 instructions: torch's own detection) and
-    so a CPU path may choose bf16 for speed; with ``HF_DTRAIN_CPU_BF16=0``, never. Returns ``(native, what to
-    record)``. Where bf16 is only emulated (AVX2 alone) a bf16 matmul runs about 90x slower than fp32: the paths
-    that chose bf16 for speed (the CPU throughput benchmark, ``gpu_check``'s dry run) take fp32 and say so."""
-    import torch
-
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    avx512 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    native = "bf16 native (AMX)" if amx else "bf16 native (AVX-512 BF16)" if avx512 else None
-    if os.environ.get(CPU_BF16_ENV, "").strip().lower() in ("0", "false", "no", "off"):
-        return False, f"{native or 'bf16 emulated'}; treated as unsupported ({CPU_BF16_ENV}=0): fp32"
-    if native is None:
-        return False, "bf16 emulated (no AMX / AVX-512 BF16): fp32"
-    return True, native
-
+from hf_dtrain.precision import CPU_BF16_ENV, cpu_bf16  # noqa: E402  (their home; re-exported here)
 
 __getattr__, __dir__, _lazy_all = lazy.attach(
     __name__,

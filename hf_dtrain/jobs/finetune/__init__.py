@@ -31,7 +31,7 @@ def run_finetune(cfg) -> dict:
     run.prepare(model)  # the sections' (FSDP2...)
     optimizer = run.optimizer(model, args.learning_rate, args.weight_decay)  # None: the Trainer's AdamW
     sft = trainer.build(cfg, run, data, model, args, callbacks + run.callbacks(), optimizer)
-    measured = trainer.train(run, sft, args)
+    measured = trainer.train(run, sft, args, before=cfg.evaluate_before)
     results = report.results(cfg, run, sft, data, args, measured)
     run.finish(sft.model, data.tokenizer, args.output_dir, results, write=lambda: report.write(cfg, results))
     run.close()

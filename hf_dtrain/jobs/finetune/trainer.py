@@ -93,13 +93,14 @@ class Measured:
     train_seconds: float
 
 
-def train(run, trainer, args) -> Measured:
-    """Evaluate (the adapters start as the identity: this is the base model), train (from a restored snapshot when
-    a section resumes one) under the rank guard, evaluate again. Not before training under Accelerate's own FSDP2 (a
+def train(run, trainer, args, before: bool = True) -> Measured:
+    """Evaluate (the adapters start as the identity: this is the base model; unless ``before`` is false), train (from
+    a restored snapshot when a section resumes one) under the rank guard, evaluate again. Not before training under
+    Accelerate's own FSDP2 (a
     GPU): there ``evaluate()`` would prepare the model alone, which Accelerate refuses once an optimizer exists (FSDP2
     rewrites the optimizer's parameters as it shards); that run reports no "before" figures."""
     resume = run.resume(trainer, default=args.resume_from_checkpoint)
-    before = None if trainer.is_fsdp_enabled else trainer.evaluate()
+    before = None if trainer.is_fsdp_enabled or not before else trainer.evaluate()
     allow_ddp_after_evaluate(trainer)
     t0 = time.perf_counter()
     with run.guard(step_of=lambda: trainer.state.global_step):

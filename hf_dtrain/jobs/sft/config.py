@@ -135,6 +135,9 @@ class FinetuneJob(JobConfig):
         min=1,
     )
     eval_size: int = setting(200, "Held-out examples for eval loss and accuracy.", min=1)
+    evaluate_before: bool = setting(
+        True, "Evaluate the base model before training (the table's 'before' column); false saves that evaluation."
+    )
     report: bool = setting(True, "Print the result table (rank 0).")
     progress: bool = setting(True, "Show progress bars.")
     base_preset: str = setting(
@@ -338,11 +341,11 @@ class FinetuneJob(JobConfig):
         """The job's ``SFTConfig`` defaults where they differ from TRL's: the default task's 2000-step demo (one
         epoch of 32,000 examples at 16 per step), the method's learning rate, no reporting or checkpoints unless
         asked, and what fits the machine: bf16 and gradient checkpointing on a GPU that supports bf16; on a CPU, bf16
-        autocast where it computes bf16 natively (AMX or AVX-512 BF16: ``hf_dtrain.fast.cpu_bf16``, which
+        autocast where it computes bf16 natively (AMX or AVX-512 BF16: ``hf_dtrain.precision.cpu_bf16``, which
         ``HF_DTRAIN_CPU_BF16=0`` turns off) and fp32 where it only emulates it (a bf16 matmul there is ~90x slower)."""
         import torch
 
-        from hf_dtrain.fast import cpu_bf16
+        from hf_dtrain.precision import cpu_bf16
 
         gpu = torch.cuda.is_available()
         native = torch.cuda.is_bf16_supported() if gpu else cpu_bf16()[0]

