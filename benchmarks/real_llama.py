@@ -43,7 +43,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS, markdown_table, run_worker, write
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "text-classification"
+# the SentEval sets (label<TAB>sentence): ../shared/data/text-classification beside the checkout, or --data
+DATA = Path(
+    os.environ.get("HF_DTRAIN_TEXT_CLASSIFICATION")
+    or Path(__file__).resolve().parents[2] / "shared" / "data" / "text-classification"
+)
 BASE = "smollm2-135m-instruct"
 TASKS = ["cr", "subj", "addition"]
 OURS = ["smt", "lorafa", "qbara", "qahira"]
@@ -92,7 +96,7 @@ def _chat(question: str, answer: str) -> dict:
     return {"prompt": [{"role": "user", "content": question}], "completion": [{"role": "assistant", "content": answer}]}
 
 
-def task_files(task: str, folder: Path) -> tuple[str, str]:
+def task_files(task: str, folder: Path, data: Path = DATA) -> tuple[str, str]:
     """``(train.jsonl, dev.jsonl)`` of ``task`` in TRL's conversational prompt-completion format, written once."""
     folder.mkdir(parents=True, exist_ok=True)
     train, dev = folder / f"{task}_train.jsonl", folder / f"{task}_dev.jsonl"
@@ -114,7 +118,7 @@ def task_files(task: str, folder: Path) -> tuple[str, str]:
         question, names = QUESTIONS[task]
         out = {}
         for split in ("train", "dev"):
-            lines = (DATA / task / f"{split}.tsv").read_text(encoding="utf-8").splitlines()
+            lines = (data / task / f"{split}.tsv").read_text(encoding="utf-8").splitlines()
             rows = [line.split("\t", 1) for line in lines if "\t" in line]
             rows = rows[:TRAIN_ROWS] if split == "train" else rows[:DEV]
             out[split] = [_chat(question.format(text=text.strip()), names[label.strip()]) for label, text in rows]
@@ -273,11 +277,11 @@ def grid_of(method: str) -> list[float]:
     return [float(f"{d * f:.3g}") for f in LR_GRID]
 
 
-def run_study(tasks_: list[str], methods: list[str], scratch: Path, timeout: float) -> None:
+def run_study(tasks_: list[str], methods: list[str], scratch: Path, timeout: float, data: Path = DATA) -> None:
     script = str(Path(__file__).resolve())
     rows = done_cells()
     for task in tasks_:
-        train, dev = task_files(task, scratch / "data")
+        train, dev = task_files(task, scratch / "data", data)
         if (task, "zero-shot", 0.0, 0) not in rows:
             row = run_worker(script, ["--worker-zero-shot", json.dumps([task, train, dev])], timeout=timeout)
             _append(row)
@@ -455,6 +459,7 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--scratch", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "hf_dtrain_real_llama"))
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--data", type=Path, default=DATA, help="the folder holding cr/ and subj/ (label<TAB>sentence)")
     p.add_argument("--render", action="store_true", help="only render the tables and chart from the cells so far")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-zero-shot", help=argparse.SUPPRESS)
@@ -469,7 +474,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown {unknown}; tasks: {TASKS}; methods: {METHODS}")
     if not a.render:
-        run_study(tasks_, methods, Path(a.scratch), a.timeout)
+        run_study(tasks_, methods, Path(a.scratch), a.timeout, a.data)
     render(TASKS, METHODS)
 
 
