@@ -220,6 +220,8 @@ def run_cell(cell: dict) -> dict:
         peak_rss_mib=peak_mib,
         eval_loss=results["eval_loss_after"],
         mixed_precision=results["mixed_precision"],
+        # the machine's 1-minute load average as the run ended: above the run's own threads (2) the times are shared
+        load_average=round(os.getloadavg()[0], 2),
     )
     if cell["method"] == "qahira":  # merged into the 4-bit zero-points: the merged model scored too
         merged = model.merge_and_unload()
