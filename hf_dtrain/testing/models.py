@@ -100,3 +100,64 @@ def shard_like_the_jobs(model, fsdp, comm_hook=None):
     run = JobRun(cfg, world_size=dist.get_world_size(), start=False)
     run.prepare(model)
     return run.stateful().get("comm_hook")
+
+
+def tiny_gguf(path, source: str | None = None, layers: int = 2, hidden: int = 64, seed: int = 0) -> str:
+    """A LLaMA-architecture GGUF file at test size (``layers`` decoder layers of ``hidden``, 4 query over 2 key/value
+    heads, tied embeddings, float32 tensors drawn from ``seed``) carrying the tokenizer and chat template of the GGUF
+    file ``source`` (default: the packaged SmolLM2's), written with the ``gguf`` package's own writer: what a user's
+    ``--model x.gguf`` looks like, read in seconds."""
+    import gguf
+    import numpy as np
+
+    from hf_dtrain.checkpoints import packaged_gguf
+
+    reader = gguf.GGUFReader(source or packaged_gguf("smollm2-135m-instruct"))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    heads, kv, ffn = 4, 2, 2 * hidden
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("hf_dtrain tiny test LLaMA")
+    for add, value in (
+        (w.add_block_count, layers),
+        (w.add_context_length, 256),
+        (w.add_embedding_length, hidden),
+        (w.add_feed_forward_length, ffn),
+        (w.add_head_count, heads),
+        (w.add_head_count_kv, kv),
+        (w.add_rope_freq_base, 10000.0),
+        (w.add_layer_norm_rms_eps, 1e-5),
+        (w.add_vocab_size, vocab),
+        (w.add_rope_dimension_count, hidden // heads),
+        (w.add_file_type, 0),  # all float32
+    ):
+        add(value)
+    for name, f in reader.fields.items():  # the tokenizer: tokens, merges, special ids, chat template
+        if name.startswith("tokenizer."):
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape):
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    kv_dim = kv * hidden // heads
+    w.add_tensor("token_embd.weight", weight(vocab, hidden))  # no output.weight: tied to the embedding
+    for i in range(layers):
+        for name, shape in (
+            ("attn_q", (hidden, hidden)),
+            ("attn_k", (kv_dim, hidden)),
+            ("attn_v", (kv_dim, hidden)),
+            ("attn_output", (hidden, hidden)),
+            ("ffn_gate", (ffn, hidden)),
+            ("ffn_up", (ffn, hidden)),
+            ("ffn_down", (hidden, ffn)),
+        ):
+            w.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

