@@ -162,7 +162,7 @@ def test_the_estimate_traces_a_gguf_without_reading_its_weights(small_gguf, tmp_
     from hf_dtrain.jobs.finetune import run_finetune
     from hf_dtrain.jobs.sft.config import FinetuneConfig
 
-    fresh = shutil.copy(small_gguf, tmp_path / "fresh.gguf")  # a file no job has read yet
+    fresh = str(shutil.copy(small_gguf, tmp_path / "fresh.gguf"))  # a file no job has read yet
     cfg = FinetuneConfig(
         model=fresh,
         method="lora",
@@ -180,7 +180,7 @@ def test_the_estimate_traces_a_gguf_without_reading_its_weights(small_gguf, tmp_
 
 
 METHODS = [
-    ("smt", None, {"smt": {"warmup_steps": 1}}),
+    ("smt", None, {"smt": {"warmup_steps": 1, "block_size": 16}}),
     ("lorafa", None, {}),
     ("qbara", "nf4", {}),
     ("qahira", "hqq4", {}),
