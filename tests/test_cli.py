@@ -90,7 +90,7 @@ def test_bad_recipe_key_and_bad_method(tmp_path):
         r"allreduce, bf16, fp16, acp_sgd",
     ):
         FinetuneConfig(comm_hook="topk")
-    with pytest.raises(ValueError, match="one of lora, dora, full, lorafa, smt, qbara, qahira"):
+    with pytest.raises(ValueError, match="one of lora, dora, full, shira, supertuning, lorafa, smt, qbara, qahira"):
         FinetuneConfig(method="adapter")
     with pytest.raises(ValueError, match=r"quantize='fp4' is unknown; set --quantize to one of nf4, hqq4, int4"):
         FinetuneConfig(method="qahira", quantize="fp4")

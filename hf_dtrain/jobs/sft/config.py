@@ -33,8 +33,8 @@ from .trainer_fields import add_trainer_arguments, trainer_field_names
 
 TORCH_DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZE_CHOICES = ("nf4", "hqq4", "int4")
-# The default task's size when no --train-size is given (2000 steps of 16 examples: README command 1)
-DEFAULT_TASK_TRAIN_SIZE = 32000
+# The default task's size when no --train-size is given (100 steps of 16 examples: README command 1)
+DEFAULT_TASK_TRAIN_SIZE = 1600
 # transformers 5.23 renamed TrainingArguments' gradient_checkpointing to activation_checkpointing: the field this
 # release has, found among SFTConfig's fields, not from a version string
 CHECKPOINTING_FIELDS = ("gradient_checkpointing", "activation_checkpointing")
