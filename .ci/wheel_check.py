@@ -34,7 +34,8 @@ with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "lora")
     env = dict(os.environ, HF_DTRAIN_CACHE=os.path.join(tmp, "cache"))
     subprocess.run(
-        [cli, "finetune", "--method", "lora", "--max-steps", "4", "--base-steps", "20", "--output-dir", out],
+        [cli, "finetune", "--method", "lora", "--max-steps", "4", "--base-preset", "tiny", "--base-steps", "20"]
+        + ["--output-dir", out],
         check=True,
         env=env,
         cwd=tmp,

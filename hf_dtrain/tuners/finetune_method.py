@@ -271,18 +271,29 @@ register_finetune_method(
 )
 
 
+def _peft_config(name: str, method: str):
+    """peft's config class ``name``, or a ``SettingsError`` naming the peft release that has it."""
+    import peft
+
+    cls = getattr(peft, name, None)
+    if cls is None:
+        raise SettingsError(
+            f"--method {method} is peft's {name}, which peft {peft.__version__} does not have: pip install "
+            "'peft>=0.21.2'."
+        )
+    return cls
+
+
 def _shira(adapter: AdapterSettings, settings, model):
     """peft's SHiRA at LoRA's budget: its ``r`` gives each target ``r * (in + out)`` trainable entries, LoRA's count."""
-    from peft import ShiraConfig
-
+    ShiraConfig = _peft_config("ShiraConfig", "shira")
     return ShiraConfig(r=adapter.r, target_modules=adapter.targets(), task_type="CAUSAL_LM")
 
 
 def _supertuning(adapter: AdapterSettings, settings, model):
     """peft's Super-Tuning (magnitude-selected sparse entries) at LoRA's budget: one sparsity for every target, the
     share of their weights that LoRA at ``r`` trains (per layer it differs a little from LoRA's by shape)."""
-    from peft import SupertuningConfig
-
+    SupertuningConfig = _peft_config("SupertuningConfig", "supertuning")
     targets = adapter.targets()
     shapes = linear_shapes(model, targets)
     total = sum(o * i for o, i in shapes)
