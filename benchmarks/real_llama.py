@@ -374,6 +374,24 @@ def goals(summary: list[dict]) -> list[dict]:
     return sorted(out, key=lambda r: (r["task"], r["goal"]))
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# the files whose block between these markers is this study's table, rendered from its result file (never typed)
+QUOTED = ("README.md", "docs/checkpoints.md")
+START, END = "<!-- real_llama: rendered by benchmarks/real_llama.py --render -->", "<!-- real_llama: end -->"
+
+
+def quote(table: str, notes: str) -> None:
+    """Write the study's table into the README's and the docs' marked blocks."""
+    for name in QUOTED:
+        path = ROOT / name
+        text = path.read_text()
+        if START not in text or END not in text:
+            continue
+        head, rest = text.split(START, 1)
+        _, tail = rest.split(END, 1)
+        path.write_text(f"{head}{START}\n{notes}\n\n{table}\n{END}{tail}")
+
+
 def render(tasks_: list[str], methods: list[str]) -> None:
     import matplotlib
 
@@ -429,6 +447,7 @@ def render(tasks_: list[str], methods: list[str]) -> None:
         f"learning rate chosen on {SELECT} rows held out of train (seed 0) from {LR_GRID} x the job default, then "
         f"seeds {SEEDS}; dev = the first {DEV} rows of each dev file. Cells finished: {finished} of {expected}."
     )
+    quote(table, notes + " From `benchmarks/results/real_llama.json`.")
     write(
         "real_llama",
         dict(

@@ -140,9 +140,15 @@ def check_adapter_fits(model: torch.nn.Module, path: str) -> None:
         )
 
 
-def load_adapter(model: torch.nn.Module, path: str, **kwargs) -> PeftModel:
+def load_adapter(model: torch.nn.Module | str, path: str, **kwargs) -> PeftModel:
     """``PeftModel.from_pretrained(model, path, **kwargs)`` after :func:`check_adapter_fits`; a shape the tuner's own
-    tensors disagree on is an ``AdapterMismatch`` naming the file, instead of a ``RuntimeError`` naming none."""
+    tensors disagree on is an ``AdapterMismatch`` naming the file, instead of a ``RuntimeError`` naming none.
+    ``model`` may be the base itself or where to read it: a folder, a hub id or a GGUF file
+    (:func:`hf_dtrain.models.load_model_and_tokenizer`)."""
+    if isinstance(model, (str, os.PathLike)):
+        from hf_dtrain.models import load_model_and_tokenizer
+
+        model = load_model_and_tokenizer(os.fspath(model), progress=False)[0]
     check_adapter_fits(model, path)
     try:
         return PeftModel.from_pretrained(model, path, **kwargs)

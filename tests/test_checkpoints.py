@@ -241,6 +241,12 @@ def _train_save_reload(gguf_file, tmp_path, method, quantize, own):
     with torch.no_grad():
         loss = model(**batch).loss.item()
     assert loss == pytest.approx(results["eval_loss_after"], rel=1e-4), (loss, results["eval_loss_after"])
+    if quantize is None:  # hf_dtrain.load_adapter reads the base from the GGUF path too
+        from hf_dtrain import load_adapter
+
+        with torch.no_grad():
+            again = load_adapter(gguf_file, str(out)).eval()(**batch).loss.item()
+        assert again == pytest.approx(loss, rel=1e-6)
 
 
 def test_the_default_base_is_the_real_model_asked_in_its_chat_template(gguf_file):
