@@ -13,7 +13,8 @@ def cpu_bf16() -> tuple[bool, str]:
     """Whether this CPU computes bf16 natively (AMX tiles, or AVX-512 BF16 instructions: torch's own detection) and
     so a CPU path may choose bf16 for speed; with ``HF_DTRAIN_CPU_BF16=0``, never. Returns ``(native, what to
     record)``. Where bf16 is only emulated (AVX2 alone) a bf16 matmul runs about 90x slower than fp32: the paths
-    that chose bf16 for speed (the CPU throughput benchmark, ``gpu_check``'s dry run) take fp32 and say so."""
+    that choose bf16 for speed (the fine-tuning jobs' default precision on CPU, the CPU throughput benchmark,
+    ``gpu_check``'s dry run) take fp32 there and say so."""
     import torch
 
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()

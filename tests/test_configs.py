@@ -332,3 +332,27 @@ def test_short_forms_and_off():
     assert cfg.comm_hook is None and cfg.delta is None and cfg.fault_tolerance is None
     with pytest.raises(ValueError, match=r"PretrainConfig.eva cannot be switched off"):
         PretrainConfig.from_dict({"eva": None})
+
+
+def test_the_jobs_train_in_bf16_on_a_cpu_that_computes_it_and_in_fp32_where_it_is_emulated(monkeypatch):
+    """The fine-tuning jobs' default precision follows ``hf_dtrain.precision.cpu_bf16`` on a CPU (no GPU here):
+    bf16 autocast where AMX or AVX-512 BF16 compute it, fp32 where it is emulated or HF_DTRAIN_CPU_BF16=0 says so;
+    gradient checkpointing stays off on CPU either way, and --bf16 false wins."""
+    import torch
+
+    from hf_dtrain import precision
+    from hf_dtrain.jobs.sft.config import FinetuneConfig, checkpointing_field
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU default: this machine has a GPU, whose bf16 support decides instead")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
+    defaults = FinetuneConfig().training_defaults()
+    assert defaults["bf16"] is True and defaults[checkpointing_field()] is False
+    assert FinetuneConfig(training={"bf16": False}).training_args().bf16 is False
+    monkeypatch.setenv(precision.CPU_BF16_ENV, "0")
+    assert FinetuneConfig().training_defaults()["bf16"] is False
+    monkeypatch.delenv(precision.CPU_BF16_ENV)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    assert FinetuneConfig().training_defaults()["bf16"] is False
