@@ -383,7 +383,7 @@ def base_model_path(
     with ``gguf_file``, dequantized once into a cached folder: :mod:`hf_dtrain.checkpoints`), else the default base
     of ``preset``: a packaged real model (``smollm2-135m-instruct``), or a LLaMA preset built and pretrained here
     (:func:`build_default_model`, ``steps``)."""
-    from hf_dtrain import checkpoints
+    import hf_dtrain.checkpoints as checkpoints
 
     if model is not None:
         return checkpoints.resolve_model(model, gguf_file, progress=progress)

@@ -19,6 +19,8 @@ LAYERS = [
             "distributed",
             "quantization",
             "models",
+            "checkpoints",  # real checkpoints: GGUF files read once into dense folders, the packaged default base
+            "precision",  # which compute dtype a CPU path may choose (bf16 only where it is native)
             "tasks",
             "settings",
             "optimizer_wrapper",

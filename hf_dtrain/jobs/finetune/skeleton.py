@@ -12,7 +12,7 @@ from hf_dtrain.settings import SettingsError
 def base_config(cfg):
     """The base model's ``PretrainedConfig``: a preset's (``--model llama3-8b``), the embedded default's (no
     ``--model``), or read from ``--model``'s ``config.json`` (no weight file read)."""
-    from hf_dtrain import checkpoints
+    import hf_dtrain.checkpoints as checkpoints
     from hf_dtrain.models import PRESETS, llama_config
 
     if cfg.model is None and cfg.base_preset in checkpoints.PACKAGED:
