@@ -67,6 +67,13 @@ GOALS = {
     "qbara": ["qlora"],
     "qahira": ["qlora-hqq4"],
 }
+# what puts a method at LoRA r=8's trainable count on every linear: LoRA-FA trains B alone (r x out), so r=16 (alpha
+# 32 keeps LoRA's alpha / r); SMT's default targets are Q, K, V alone, so it takes every linear (its block count then
+# matches LoRA's budget there). Without these, LoRA-FA trained 0.51x and SMT 0.26x LoRA's count.
+BUDGET = {
+    "lorafa": dict(lora_r=16, lora_alpha=32),
+    "smt": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
 LR_GRID = (1 / 3, 1.0, 3.0)  # times the method's job default
 SEEDS = (0, 1, 2)
 STEPS = 24
@@ -195,6 +202,7 @@ def run_cell(cell: dict) -> dict:
             output_dir=out,
         ),
     )
+    settings.update(BUDGET.get(method, {}))
     if method == "smt":
         settings["smt"] = {"warmup_steps": SMT_WARMUP}
     cfg = FinetuneConfig(**settings)
@@ -338,11 +346,23 @@ def summarize(rows: dict, tasks_: list[str], methods: list[str]) -> list[dict]:
             row = dict(task=task, method=method, kind="ours" if method in OURS else "peft / baseline")
             row["lr"] = f"{lr:g}" if lr is not None else "grid unfinished"
             row["seeds"] = len(got)
+            grid = [rows.get((task, method, lr_, 0)) for lr_ in grid_of(method)]
+            row["grid"] = "; ".join(
+                f"{r['lr']:g}: {r['select_accuracy']:.3f} / {r['dev_accuracy']:.3f}"
+                for r in grid
+                if r is not None and "dev_accuracy" in r
+            )
             if got:
                 acc = [r["dev_accuracy"] for r in got]
                 row["dev_mean"] = statistics.mean(acc)
                 row["dev_sd"] = statistics.stdev(acc) if len(acc) > 1 else 0.0
-                row["dev"] = f"{row['dev_mean']:.3f} ± {row['dev_sd']:.3f}"
+                row["dev"] = (
+                    f"{row['dev_mean']:.3f} ± {row['dev_sd']:.3f}"
+                    if len(got) == len(SEEDS)
+                    else f"{row['dev_mean']:.3f} ({len(got)} of {len(SEEDS)} seeds)"
+                )
+                loads = [r.get("load_average") for r in got]
+                row["load"] = "not recorded" if None in loads else f"{max(loads):.1f}"
                 row["trainable"] = f"{got[0]['trainable_params']:,}"
                 row["train_s"] = f"{statistics.mean(r['train_seconds'] for r in got):.0f}"
                 row["peak_mib"] = f"{max(r['peak_rss_mib'] for r in got):,.0f}"
@@ -369,6 +389,9 @@ def goals(summary: list[dict]) -> list[dict]:
                     verdict = "met" if mine >= theirs - 0.01 else "missed"
                 else:
                     verdict = "met" if mine >= theirs else "missed"
+                seeds = min(by[(task, m)].get("seeds", 0) for m in (method, base)) if mine is not None else 0
+                if theirs is not None and mine is not None and seeds < len(SEEDS):
+                    verdict = f"not decided: {seeds} of {len(SEEDS)} seeds so far"
                 diff = "" if mine is None or theirs is None else f"{mine - theirs:+.3f}"
                 out.append(dict(task=task, goal=f"{method} vs {base}", difference=diff, verdict=verdict))
     return sorted(out, key=lambda r: (r["task"], r["goal"]))
@@ -406,23 +429,25 @@ def render(tasks_: list[str], methods: list[str]) -> None:
     table = markdown_table(
         summary,
         [
-            ("task", "task", "{}"),
-            ("method", "method", "{}"),
-            ("dev", "dev exact match (3 seeds)", "{}"),
-            ("merged", "merged 4-bit", "{}"),
-            ("lr", "learning rate (chosen on train split)", "{}"),
-            ("trainable", "trainable", "{}"),
-            ("train_s", "train s", "{}"),
-            ("peak_mib", "peak RSS MiB", "{}"),
+            ("task", "task", ""),
+            ("method", "method", ""),
+            ("dev", "dev exact match (3 seeds)", ""),
+            ("merged", "merged 4-bit", ""),
+            ("lr", "learning rate (chosen on train split)", ""),
+            ("grid", "grid, seed 0 (lr: train-split / dev)", ""),
+            ("trainable", "trainable", ""),
+            ("train_s", "train s", ""),
+            ("peak_mib", "peak RSS MiB", ""),
+            ("load", "load average (2 = alone)", ""),
         ],
     )
     table += "\n\n" + markdown_table(
         goal_rows,
         [
-            ("task", "task", "{}"),
-            ("goal", "goal", "{}"),
-            ("difference", "difference", "{}"),
-            ("verdict", "verdict", "{}"),
+            ("task", "task", ""),
+            ("goal", "goal", ""),
+            ("difference", "difference", ""),
+            ("verdict", "verdict", ""),
         ],
     )
     fig, axes = plt.subplots(1, len(tasks_), figsize=(5 * len(tasks_), 4.5), squeeze=False)
@@ -435,7 +460,7 @@ def render(tasks_: list[str], methods: list[str]) -> None:
             color=["tab:blue" if r["method"] in OURS else "tab:gray" for r in part],
         )
         zs = next((r for r in summary if r["task"] == task and r["method"].startswith("zero-shot")), None)
-        if zs and zs["dev"] not in ("", "None"):
+        if zs and zs["dev"] != "not run yet":
             ax.axvline(float(zs["dev"]), color="k", ls="--", lw=1, label="zero-shot base")
             ax.legend(loc="lower right")
         ax.set_title(f"{task}: dev exact match (mean ± sd, 3 seeds)")
