@@ -118,14 +118,9 @@ def loadable_architectures() -> set[str]:
 
 
 def _field(reader, key: str):
+    """A metadata value of the file (gguf's own decoding: strings as str, numbers as numbers), or None."""
     f = reader.fields.get(key)
-    if f is None or not f.data:
-        return None
-    value = f.parts[f.data[0]]
-    try:
-        return bytes(value).decode("utf-8")
-    except (TypeError, ValueError):
-        return value.tolist()[0] if hasattr(value, "tolist") else value
+    return None if f is None else f.contents()
 
 
 def check_gguf(path: str, flag: str = "--model") -> dict:
