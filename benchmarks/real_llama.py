@@ -20,7 +20,9 @@ Methods, each at LoRA r=8's trainable budget on every linear of every layer (the
 Protocol: each method's learning rate is chosen on a grid of 3 (``LR_GRID``: its job default / 3, x1, x3) by exact
 match on ``SELECT`` rows held out of the training file (seed 0; the dev set is never used to choose), then 3 seeds at
 that rate (the seed-0 run of the grid is one of them); reported: the dev accuracy's mean and spread, the train wall
-time and the peak resident memory of each run (each run is its own process), the trainable parameters.
+time and the peak resident memory of each run (each run is its own process), the trainable parameters, the CPU.
+The grid runs on one task (``GRID_TASK``, CR) and the other tasks train at the rate it chose (``--grid-tasks`` runs
+a grid on more): with 11 methods a grid on every task is 99 runs, three times the study's 2-hour budget on 2 cores.
 
 Resumable cell by cell: every finished run is appended to ``results/real_llama_cells.jsonl`` and skipped when the
 script runs again; the tables and chart are rendered from that file (``--render``) and say which cells are missing.
@@ -84,6 +86,7 @@ DEV = 200  # dev rows scored (the first ones of each dev file; addition: its eva
 TRAIN_ROWS = 2000  # rows of the training file the runs draw from
 SMT_WARMUP = 10  # SMT's gradient-scoring passes before it selects its blocks (no weight changes)
 CELLS = RESULTS / "real_llama_cells.jsonl"
+GRID_TASK = "cr"  # the task whose held-out train rows choose each method's learning rate for every task
 
 QUESTIONS = {
     "cr": (
@@ -228,6 +231,7 @@ def run_cell(cell: dict) -> dict:
         peak_rss_mib=peak_mib,
         eval_loss=results["eval_loss_after"],
         mixed_precision=results["mixed_precision"],
+        cpu=cpu_name(),
         # the machine's 1-minute load average as the run ended: above the run's own threads (2) the times are shared
         load_average=round(os.getloadavg()[0], 2),
     )
@@ -235,6 +239,19 @@ def run_cell(cell: dict) -> dict:
         merged = model.merge_and_unload()
         row["merged_dev_accuracy"] = _exact_match(merged, tokenizer, dev, args)
     return row
+
+
+def cpu_name() -> str:
+    """The CPU a run trained on and whether it computes bf16 natively (the study's times depend on both)."""
+    import platform
+
+    from hf_dtrain.precision import cpu_bf16
+
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    name = names[0] if names else platform.processor() or "unknown CPU"
+    return f"{name}, {cpu_bf16()[1]}"
 
 
 def zero_shot(task: str, train: str, dev: str) -> dict:
@@ -272,13 +289,21 @@ def _append(row: dict) -> None:
         os.fsync(f.fileno())
 
 
-def chosen_lr(rows: dict, task: str, method: str) -> float | None:
+def grid_task_of(rows: dict, task: str, method: str, grid_tasks: tuple = ()) -> str:
+    """The task whose grid chooses ``method``'s rate on ``task``: its own where it runs one (``GRID_TASK``, those
+    named by ``--grid-tasks``, or any whose grid is complete), else ``GRID_TASK``'s."""
+    own = all((task, method, lr, 0) in rows for lr in grid_of(method))
+    return task if task == GRID_TASK or task in grid_tasks or own else GRID_TASK
+
+
+def chosen_lr(rows: dict, task: str, method: str, grid_tasks: tuple = ()) -> float | None:
     """The grid's learning rate with the best selection accuracy (seed 0; ties: the lower rate), or None while the
-    grid is unfinished."""
-    grid = [rows.get((task, method, lr, 0)) for lr in grid_of(method)]
+    grid is unfinished; a task without a grid of its own takes ``GRID_TASK``'s."""
+    grid_task = grid_task_of(rows, task, method, grid_tasks)
+    grid = [rows.get((grid_task, method, lr, 0)) for lr in grid_of(method)]
     if any(r is None for r in grid):
         return None
-    best = max(grid, key=lambda r: (r["select_accuracy"] or 0.0, -r["lr"]))
+    best = max(grid, key=lambda r: (r.get("select_accuracy") or 0.0, -r["lr"]))
     return best["lr"]
 
 
@@ -287,7 +312,10 @@ def grid_of(method: str) -> list[float]:
     return [float(f"{d * f:.3g}") for f in LR_GRID]
 
 
-def run_study(tasks_: list[str], methods: list[str], scratch: Path, timeout: float, data: Path = DATA) -> None:
+def run_study(
+    tasks_: list[str], methods: list[str], scratch: Path, timeout: float, data: Path = DATA, grid_tasks: tuple = ()
+) -> None:
+    grid_tasks = (GRID_TASK, *grid_tasks)
     script = str(Path(__file__).resolve())
     rows = done_cells()
     for task in tasks_:
@@ -299,9 +327,11 @@ def run_study(tasks_: list[str], methods: list[str], scratch: Path, timeout: flo
         for phase in ("grid", "seeds"):
             for method in methods:
                 if phase == "grid":
-                    todo = [(lr, 0) for lr in grid_of(method)]
+                    todo = [(lr, 0) for lr in grid_of(method)] if task in grid_tasks else []
                 else:
-                    lr = chosen_lr(rows, task, method)
+                    lr = chosen_lr(rows, task, method, grid_tasks)
+                    if lr is None and grid_task_of(rows, task, method, grid_tasks) != task:
+                        print(f"{task} {method}: no {GRID_TASK} grid yet, so no rate; run {GRID_TASK} first")
                     todo = [] if lr is None else [(lr, s) for s in SEEDS]
                 for lr, seed in todo:
                     if (task, method, lr, seed) in rows:
@@ -346,8 +376,9 @@ def summarize(rows: dict, tasks_: list[str], methods: list[str]) -> list[dict]:
             row = dict(task=task, method=method, kind="ours" if method in OURS else "peft / baseline")
             row["lr"] = f"{lr:g}" if lr is not None else "grid unfinished"
             row["seeds"] = len(got)
-            grid = [rows.get((task, method, lr_, 0)) for lr_ in grid_of(method)]
-            row["grid"] = "; ".join(
+            grid_task = grid_task_of(rows, task, method)
+            grid = [rows.get((grid_task, method, lr_, 0)) for lr_ in grid_of(method)]
+            row["grid"] = ("" if grid_task == task else f"{grid_task}'s: ") + "; ".join(
                 f"{r['lr']:g}: {r['select_accuracy']:.3f} / {r['dev_accuracy']:.3f}"
                 for r in grid
                 if r is not None and "dev_accuracy" in r
@@ -366,6 +397,7 @@ def summarize(rows: dict, tasks_: list[str], methods: list[str]) -> list[dict]:
                 row["trainable"] = f"{got[0]['trainable_params']:,}"
                 row["train_s"] = f"{statistics.mean(r['train_seconds'] for r in got):.0f}"
                 row["peak_mib"] = f"{max(r['peak_rss_mib'] for r in got):,.0f}"
+                row["cpu"] = "; ".join(sorted({r.get("cpu", "not recorded") for r in got}))
                 if method == "qahira":
                     merged = [r["merged_dev_accuracy"] for r in got if "merged_dev_accuracy" in r]
                     row["merged"] = f"{statistics.mean(merged):.3f}" if merged else ""
@@ -424,7 +456,11 @@ def render(tasks_: list[str], methods: list[str]) -> None:
     rows = done_cells()
     summary = summarize(rows, tasks_, methods)
     goal_rows = goals(summary)
-    expected = sum(1 for t in tasks_ for m in methods for _ in range(len(LR_GRID) + len(SEEDS) - 1)) + len(tasks_)
+    # a grid (seed 0 among the seeds) on GRID_TASK, the seeds alone on the others, a zero-shot row on each
+    expected = len(tasks_) + sum(
+        len(methods) * (len(LR_GRID) + len(SEEDS) - 1 if grid_task_of(rows, t, methods[0]) == t else len(SEEDS))
+        for t in tasks_
+    )
     finished = sum(1 for r in rows.values() if "error" not in r)
     table = markdown_table(
         summary,
@@ -439,6 +475,7 @@ def render(tasks_: list[str], methods: list[str]) -> None:
             ("train_s", "train s", ""),
             ("peak_mib", "peak RSS MiB", ""),
             ("load", "load average (2 = alone)", ""),
+            ("cpu", "CPU", ""),
         ],
     )
     table += "\n\n" + markdown_table(
@@ -469,8 +506,9 @@ def render(tasks_: list[str], methods: list[str]) -> None:
     fig.tight_layout()
     notes = (
         f"SmolLM2-135M-Instruct (GGUF, dequantized), {STEPS} steps x batch {BATCH}, max length {MAX_LENGTH}, "
-        f"learning rate chosen on {SELECT} rows held out of train (seed 0) from {LR_GRID} x the job default, then "
-        f"seeds {SEEDS}; dev = the first {DEV} rows of each dev file. Cells finished: {finished} of {expected}."
+        f"learning rate chosen on {SELECT} rows held out of {GRID_TASK}'s train file (seed 0) from "
+        f"{tuple(round(f, 3) for f in LR_GRID)} x the job default and used on every task, then seeds {SEEDS}; "
+        f"dev = the first {DEV} rows of each dev file. Cells finished: {finished} of {expected}."
     )
     quote(table, notes + " From `benchmarks/results/real_llama.json`.")
     write(
@@ -506,6 +544,7 @@ def main() -> None:
     p.add_argument("--scratch", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "hf_dtrain_real_llama"))
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--data", type=Path, default=DATA, help="the folder holding cr/ and subj/ (label<TAB>sentence)")
+    p.add_argument("--grid-tasks", default="", help=f"tasks that choose their own rate too (default: only {GRID_TASK})")
     p.add_argument("--render", action="store_true", help="only render the tables and chart from the cells so far")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-zero-shot", help=argparse.SUPPRESS)
@@ -520,7 +559,8 @@ def main() -> None:
     if unknown:
         p.error(f"unknown {unknown}; tasks: {TASKS}; methods: {METHODS}")
     if not a.render:
-        run_study(tasks_, methods, Path(a.scratch), a.timeout, a.data)
+        grid_tasks = tuple(t for t in a.grid_tasks.split(",") if t)
+        run_study(tasks_, methods, Path(a.scratch), a.timeout, a.data, grid_tasks)
     render(TASKS, METHODS)
 
 
