@@ -21,6 +21,7 @@ __getattr__, __dir__, __all__ = lazy.attach(
     submod_attrs={
         "acp_sgd": ["ACPSGDState", "acp_sgd_hook", "acp_sgd_step_bytes"],
         "config": ["CommHookConfig", "FSDP_METHODS"],
+        "deepspeed": ["register_deepspeed"],
         "dear": ["DeARState", "dear_step_bytes"],
         "embrace": ["EmbRaceState", "embrace_dense_hook", "embrace_step_bytes", "exclude_embeddings"],
         "embrace_sharded": [

@@ -12,6 +12,7 @@ import lazy_loader as lazy
 __getattr__, __dir__, __all__ = lazy.attach(
     __name__,
     submod_attrs={
+        "config": ["EstimateConfig"],
         "trace": ["StepMemory", "StepTracker", "trace_step", "fake_tensors", "fake_world", "make_fake", "CATEGORIES"],
     },
 )
