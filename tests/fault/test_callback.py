@@ -47,6 +47,7 @@ def _losses(out):
     return got
 
 
+@pytest.mark.resume_cell("full training", "the Trainer, one process", "memory", "disk")
 def test_trainer_killed_and_resumed_from_memory_then_disk_matches_the_uninterrupted_run(tmp_path):
     ref = tmp_path / "ref"
     ref.mkdir()
@@ -135,6 +136,7 @@ def test_accelerate_recipe_killed_then_resumed(tmp_path, tiny_base):
         stop_snapshot_processes(snaps)
 
 
+@pytest.mark.resume_cell("full training", "the Trainer, one process", "another world size")
 def test_a_trainer_restart_on_another_world_size_is_refused_naming_it(tmp_path, monkeypatch):
     """Under the Trainer the callback resumes rank by rank: a restore that resharded (snapshots of another world
     size) is refused with the way out, before anything is handed to the Trainer."""

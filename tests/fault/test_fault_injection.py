@@ -119,6 +119,7 @@ def test_more_lost_nodes_than_parity_without_a_disk_copy_is_a_clear_error(tmp_pa
         stop_snapshot_processes(ft_dir)
 
 
+@pytest.mark.resume_cell("full training", "DDP, plain loop", "memory", "parity", "disk")
 def test_ddp_chain_is_bit_for_bit_at_every_step(tmp_path, references, reference_dir):
     """Every step of every rank equal to the uninterrupted DDP run's, through a killed trainer, a mid-snapshot kill,
     a lost node (parity) and two lost nodes (disk): without the bucket rebuild after a restore, the first step after

@@ -141,6 +141,7 @@ def base(tiny_base):
     return tiny_base(50)
 
 
+@pytest.mark.resume_cell("full training", "DDP, plain loop", "disk")
 def test_pretrain_ddp_preempted_twice_resumes_from_disk_then_memory(tmp_path):
     """torchrun without restarts, relaunched by hand: the first notice's node loses its snapshot processes (the
     relaunch reads the disk copy the notice wrote), the second's keeps them (memory)."""
@@ -167,6 +168,7 @@ def test_pretrain_ddp_preempted_twice_resumes_from_disk_then_memory(tmp_path):
         stop_snapshot_processes(ft_dir)
 
 
+@pytest.mark.resume_cell("full training", "FSDP2, plain loop", "memory")
 def test_pretrain_fsdp2_under_accelerate_launch_preempted_twice(tmp_path):
     ref, out, ft_dir = tmp_path / "ref", tmp_path / "run", tmp_path / "ft"
     uninterrupted(pretrain(ref, fsdp=True), ref)
@@ -190,6 +192,8 @@ def test_pretrain_fsdp2_under_accelerate_launch_preempted_twice(tmp_path):
     [("torchrun", True, "lorafa", 31), ("accelerate", False, "lora", 41)],
     ids=["lorafa-fsdp2-torchrun", "lora-ddp-accelerate"],
 )
+@pytest.mark.resume_cell("peft LoRA", "the Trainer, DDP", "memory", "disk")
+@pytest.mark.resume_cell("LoRA-FA, its own optimizer", "the Trainer, FSDP2", "memory", "disk")
 def test_trainer_preempted_three_times_resumes_exactly(tmp_path, base, launcher, fsdp, method, seed):
     """The Trainer (LoRA-FA with its own optimizer, whose disk copy is the exact per-rank one; LoRA), preempted three
     times under the launcher's restarts, the node lost after the second

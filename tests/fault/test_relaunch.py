@@ -190,6 +190,7 @@ def test_accelerate_launch_max_restarts_after_10_kills(tmp_path, references):
     )
 
 
+@pytest.mark.resume_cell("full training", "the Trainer, one process", "memory")
 def test_trainer_resume_from_checkpoint_after_10_kills(tmp_path):
     """The Trainer path (``trainer.train(resume_from_checkpoint=ft.resume_checkpoint(trainer))``), the same script
     relaunched after each of 10 kills (start-up, before an optimizer step, after a step's snapshot): the

@@ -23,6 +23,7 @@ def _equal(a: str, b: str) -> None:
     assert not bad, bad[:5]
 
 
+@pytest.mark.resume_cell("full training", "FSDP2, plain loop", "another world size")
 def test_restart_on_fewer_then_more_ranks_reshards_the_persisted_snapshot(tmp_path):
     out, ft_dir, disk, dump = (str(tmp_path / n) for n in ("out", "ft", "disk", "dump"))
     os.makedirs(out)
@@ -121,6 +122,7 @@ def test_a_replicated_model_round_trips_and_a_mismatch_is_named(tmp_path):
     ), problems
 
 
+@pytest.mark.resume_cell("full training", "DDP, plain loop", "another world size")
 def test_a_ddp_run_restarted_on_more_ranks_reshards_the_snapshot_processes_copies_losing_no_step(tmp_path):
     """DDP replicas, 2 ranks, every 4th snapshot persisted, 10 steps; restarted on 3 ranks, the in-memory snapshots
     (taken on 2) cannot load rank by rank, but the snapshot processes hold both old ranks' snapshots of step 10: they

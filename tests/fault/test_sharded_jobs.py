@@ -45,6 +45,7 @@ JOB = [
 ]
 
 
+@pytest.mark.resume_cell("full training", "FSDP2, plain loop", "another world size")
 def test_fsdp_pretraining_resumes_exactly_then_reshards_onto_more_ranks(tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 WORLD = 3
 
 
+@pytest.mark.resume_cell("full training", "FSDP2, plain loop", "memory", "parity", "disk")
 def test_sharded_run_resumes_exactly_after_each_failure(tmp_path):
     ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
     os.makedirs(out)

@@ -179,6 +179,7 @@ def _smp_left(ft_dir):
     return [p for p in _smp_pids(str(ft_dir)) if _alive(p)]
 
 
+@pytest.mark.resume_cell("LoRA-FA, its own optimizer", "the Trainer, FSDP2", "memory", "parity")
 def test_finetune_fsdp_resumes_exactly_after_10_kills(tmp_path, base):
     """LoRA-FA (the default method) with its own optimizer, which keys its state by module name: each restored
     shard of that state is made a DTensor again on its parameter's layout (it was restored whole and failed at the
@@ -210,6 +211,14 @@ METHODS = [
 
 
 @pytest.mark.parametrize("method, extra, fsdp", [m[1:] for m in METHODS], ids=[m[0] for m in METHODS])
+@pytest.mark.resume_cell(
+    "LoRA-FA under AdamW, SMT, QA-HiRA on an INT4 and on a dense base, Q-BaRA on NF4",
+    "the Trainer, FSDP2",
+    "memory",
+    "parity",
+    "disk",
+)
+@pytest.mark.resume_cell("LoRA-FA with its own optimizer, SMT", "the Trainer, DDP", "memory", "parity", "disk")
 def test_each_method_resumes_exactly_from_memory_parity_and_disk(tmp_path, base, method, extra, fsdp):
     """Each rank its own emulated node, every snapshot also written to disk; relaunched after three failures at seeded
     steps, one per generation: a rank killed mid-step (the next generation restores from memory), a node lost with
@@ -235,6 +244,7 @@ def test_each_method_resumes_exactly_from_memory_parity_and_disk(tmp_path, base,
     assert not _smp_left(ft_dir)
 
 
+@pytest.mark.resume_cell("peft LoRA", "the Trainer, FSDP2", "parity", "disk")
 def test_a_lost_node_under_the_trainer_is_rebuilt_from_parity_then_every_node_from_disk(tmp_path, base):
     """Each rank its own emulated node (``--emulate-nodes``), every 2nd snapshot also on disk: rank 1 and its node's
     snapshot process killed at once after a seeded step's snapshot; the restart rebuilds that node's snapshot from the
@@ -259,6 +269,7 @@ def test_a_lost_node_under_the_trainer_is_rebuilt_from_parity_then_every_node_fr
     assert not _smp_left(ft_dir)
 
 
+@pytest.mark.resume_cell("peft LoRA", "the Trainer, FSDP2", "memory")
 def test_accelerate_fsdp2_config_killed_mid_step_resumes_exactly(tmp_path, base):
     accelerate = [
         "-m",

@@ -43,6 +43,7 @@ def _reference(out: str, kind: str, world: int, steps: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("stage", ["zero3", "zero2"])
+@pytest.mark.resume_cell("full training", "ZeRO-3, ZeRO-2, your own loop", "memory", "parity", "disk")
 def test_zero_resumes_exactly_after_each_failure(tmp_path, stage):
     out = str(tmp_path / "out")
     os.makedirs(out)
@@ -54,6 +55,7 @@ def test_zero_resumes_exactly_after_each_failure(tmp_path, stage):
     assert not worker_final_state_differs(str(tmp_path / "ref"), out)
 
 
+@pytest.mark.resume_cell("full training", "ZeRO-1, your own loop", "memory")
 def test_zero1_killed_trainer_resumes_exactly(tmp_path):
     stage = "zero1"
     out, ft_dir = str(tmp_path / "out"), str(tmp_path / "ft")

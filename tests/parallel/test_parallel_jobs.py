@@ -88,6 +88,7 @@ def _step_losses(directory, rank):
 
 
 @pytest.mark.slow
+@pytest.mark.resume_cell("full training", "tp x pp, plain loop", "memory", "parity", "disk")
 def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
     """``--tp 2 --pp 2 --fault-tolerance`` relaunched as ``torchrun --max-restarts`` does (each generation's ranks
     forked from the tests' preloaded forkserver: :func:`hf_dtrain.testing.relaunched`), each rank its own emulated
@@ -147,6 +148,7 @@ def test_a_tp_pp_mesh_resumes_bit_for_bit_after_kills(tmp_path, mesh_run):
 
 
 @pytest.mark.slow
+@pytest.mark.resume_cell("full training", "tp x pp, plain loop", "another world size")
 def test_a_tp_pp_run_restarts_as_dp_shard_4_from_its_dcp_copy_with_the_state_equal(tmp_path, mesh_run):
     """The ``--tp 2 --pp 2`` run restarted as ``--dp-shard 4`` (FSDP2) on new nodes (its in-memory snapshots gone,
     its persisted DCP copy of step 5 kept): the same job in another layout, so each rank reads its FSDP2 shards of
