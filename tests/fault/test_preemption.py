@@ -155,6 +155,9 @@ def test_pretrain_ddp_preempted_twice_resumes_from_disk_then_memory(tmp_path):
             stops = done.stops()
             assert done.returncode != 0 and len(stops) == WORLD, done.output[-4000:]
             assert {s for _, s, _ in stops} == {signum.name} and len({step for _, _, step in stops}) == 1, stops
+            # each rank's own status, as torchrun reports it: 128 + the signal (what launchers and requeues read)
+            codes = [int(c) for c in re.findall(r"(?m)^\s*exitcode\s*:\s*(-?\d+) \(pid", done.output)]
+            assert codes == [128 + signum] * WORLD, (codes, done.output[-3000:])
             if source == "disk":
                 stop_snapshot_processes(ft_dir)  # the node is gone with its memory
             if i:
