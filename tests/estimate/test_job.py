@@ -238,14 +238,21 @@ def test_a_step_that_will_not_fit_is_refused_before_any_weight_is_read(tmp_path,
 def test_run_anyway_trains(tmp_path, tiny_base):
     from hf_dtrain.jobs.finetune import run_finetune
 
+    """Refused but for --run-anyway, the job trains exactly as it does with no estimate at all: the same losses and
+    the same adapter, bit for bit."""
+    from safetensors.torch import load_file
+
     base = tiny_base(5)
     settings = dict(model=base, method="lora", max_steps=2, train_size=64, eval_size=2, task_digits=1)
+    reference = run_finetune(_cfg(tmp_path / "ref", **settings))
     settings.update(estimate={"train": True, "device_memory": "1MB", "anyway": True, "alternatives": False})
     results = run_finetune(_cfg(tmp_path, **settings))
-    assert results["max_steps"] == 2 and results["train_loss"] == results["train_loss"]  # trained, finite
     said = json.loads((tmp_path / "out" / "estimate.json").read_text())
     assert said["fits"] is False and said["device_memory_bytes"] == 2**20  # refused but for --run-anyway
-    assert (tmp_path / "out" / "results.json").exists()
+    assert results["max_steps"] == 2 and results["losses"] == reference["losses"], (results, reference)
+    assert results["eval_loss_after"] == reference["eval_loss_after"]
+    mine, theirs = (load_file(d / "out" / "adapter_model.safetensors") for d in (tmp_path, tmp_path / "ref"))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def _trace_real_shape(tmp_path, shape: str, world: int, **settings):
