@@ -1,8 +1,11 @@
 """Non-blocking SGD: every finished micro-batch weighs the same in the averaged gradient (whatever each rank finished),
 and under an injected 3x straggler it finishes a fixed number of updates sooner than blocking SGD with a held-out loss
-within 5% of it."""
+within 5% of it: the straggler's micro-batches are cut at the deadline, and the fast rank's median step, against
+blocking SGD's in the same test, is shorter (the injected delay is a sleep in proportion to the compute, so the ratio
+holds on a loaded host; benchmarks/decentralized.py measures 0.45x)."""
 
 import json
+import statistics
 import time
 
 import pytest
@@ -72,7 +75,9 @@ def _straggler_rank(rank, world, base, out_dir, mode):
             / 4
         )
     counts = [h["count"] for h in nb.history[1:]]
-    json.dump({"seconds": seconds, "loss": loss, "counts": counts}, open(f"{out_dir}/{mode}_{rank}.json", "w"))
+    steps_s = [h["seconds"] for h in nb.history[1:]]
+    record = {"seconds": seconds, "loss": loss, "counts": counts, "step_seconds": steps_s}
+    json.dump(record, open(f"{out_dir}/{mode}_{rank}.json", "w"))
 
 
 @pytest.mark.slow
@@ -86,8 +91,10 @@ def test_nonblocking_leaves_the_stragglers_work_out_and_learns_as_well_as_blocki
     print({k: (v["seconds"], v["loss"], sum(v["counts"]) / len(v["counts"])) for k, v in r.items()})
     assert set(r["blocking", 1]["counts"]) == {4}  # blocking: the straggler computes everything, every step
     assert sum(r["nonblocking", 1]["counts"]) < sum(r["nonblocking", 0]["counts"])  # it contributes less instead
-    # the time it saves is benchmarks/decentralized.py's to measure (0.45x blocking there); a test on a loaded host
-    # asserts the mechanism: the straggler stopped at the deadline instead of holding the fast rank back
+    # and what it is for: the fast rank's median step against blocking SGD's, in this test (blocking waits for the
+    # straggler's 4 x 3 units a step, non-blocking for about 4)
+    median = {m: statistics.median(r[m, 0]["step_seconds"]) for m in ("blocking", "nonblocking")}
+    assert median["nonblocking"] < 0.8 * median["blocking"], median
     assert nonblocking["loss"] <= 1.05 * blocking["loss"], (nonblocking["loss"], blocking["loss"])
 
 
