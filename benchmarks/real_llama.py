@@ -334,8 +334,8 @@ def run_study(
                         print(f"{task} {method}: no {GRID_TASK} grid yet, so no rate; run {GRID_TASK} first")
                     todo = [] if lr is None else [(lr, s) for s in SEEDS]
                 for lr, seed in todo:
-                    if (task, method, lr, seed) in rows:
-                        continue
+                    if "error" not in rows.get((task, method, lr, seed), {"error": None}):
+                        continue  # measured; a run that failed is tried again
                     cell = dict(task=task, method=method, lr=lr, seed=seed, train=train, dev=dev)
                     cell["output_dir"] = str(scratch / "runs" / f"{task}-{method}-{lr:g}-{seed}")
                     t0 = time.time()

@@ -356,3 +356,27 @@ def test_the_jobs_train_in_bf16_on_a_cpu_that_computes_it_and_in_fp32_where_it_i
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     assert FinetuneConfig().training_defaults()["bf16"] is False
+
+
+def test_an_hqq_base_computing_in_float32_trains_in_fp32_and_bf16_is_refused_before_any_step(monkeypatch):
+    """HQQ's autograd function ignores autocast: under bf16 autocast its backward meets a bf16 gradient with its
+    float32 weight and fails at the first step (seen with QA-HiRA and peft's LoRA on SmolLM2 on a bf16 CPU). So an
+    HQQ base computing in float32 trains in fp32 by default, --bf16 with it is refused naming --torch-dtype, and
+    with --torch-dtype bfloat16 the default is bf16 again."""
+    import torch
+
+    from hf_dtrain import precision
+    from hf_dtrain.jobs.sft.config import FinetuneConfig
+    from hf_dtrain.settings import SettingsError
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU default: this machine has a GPU, whose bf16 support decides instead")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
+    assert FinetuneConfig(method="qahira", quantize="int4").training_defaults()["bf16"] is True
+    assert FinetuneConfig(method="qahira", quantize="hqq4").training_defaults()["bf16"] is False
+    assert FinetuneConfig(method="lora", quantize="hqq4").training_defaults()["bf16"] is False
+    cfg = FinetuneConfig(method="qahira", quantize="hqq4", torch_dtype="bfloat16")
+    assert cfg.training_defaults()["bf16"] is True
+    with pytest.raises(SettingsError, match=r"--bf16 with --quantize hqq4 needs --torch-dtype bfloat16"):
+        FinetuneConfig(method="qahira", quantize="hqq4", training={"bf16": True})

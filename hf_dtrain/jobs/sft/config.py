@@ -184,6 +184,13 @@ class FinetuneJob(JobConfig):
 
         check_model_arg(self.model, self.gguf_file)  # a GGUF that is missing, damaged or not loadable: now
         self._check_quantize()
+        half = [k for k in ("bf16", "fp16") if self.training.get(k)]
+        if half and self._hqq_in_fp32():
+            raise SettingsError(
+                f"--{half[0]} with --quantize hqq4 needs --torch-dtype bfloat16: HQQ's layers compute in their compute "
+                f"dtype ({self.torch_dtype}: float32) and ignore autocast, so the first backward would fail on a "
+                f"half-precision gradient; give --torch-dtype bfloat16, or leave --{half[0]} out to train in fp32."
+            )
         self._check_training(self.training_args())  # SFTConfig's own checks, and the bounds it leaves out, now
 
     def _check_training_keys(self) -> None:
@@ -220,6 +227,12 @@ class FinetuneJob(JobConfig):
                 f"method={self.method!r} cannot train on a {self.quantize} base; with --quantize {self.quantize} use "
                 f"--method one of {', '.join(takers)}."
             )
+
+    def _hqq_in_fp32(self) -> bool:
+        """An HQQ 4-bit base computing in float32 (``--torch-dtype`` not bfloat16): HQQ's autograd function ignores
+        autocast, so under bf16 or fp16 autocast its backward would meet a half-precision gradient with its float32
+        weight and fail at the first step; such a base trains in fp32 unless the compute dtype is bfloat16."""
+        return self.quantize == "hqq4" and self.torch_dtype != "bfloat16"
 
     def _check_training(self, args) -> None:
         """What ``SFTConfig`` accepts but would train wrong or fail on after start-up: a NaN or infinite number, a
@@ -342,14 +355,15 @@ class FinetuneJob(JobConfig):
         epoch of 32,000 examples at 16 per step), the method's learning rate, no reporting or checkpoints unless
         asked, and what fits the machine: bf16 and gradient checkpointing on a GPU that supports bf16; on a CPU, bf16
         autocast where it computes bf16 natively (AMX or AVX-512 BF16: ``hf_dtrain.precision.cpu_bf16``, which
-        ``HF_DTRAIN_CPU_BF16=0`` turns off) and fp32 where it only emulates it (a bf16 matmul there is ~90x slower)."""
+        ``HF_DTRAIN_CPU_BF16=0`` turns off) and fp32 where it only emulates it (a bf16 matmul there is ~90x slower);
+        fp32 for an HQQ base computing in float32 (:meth:`_hqq_in_fp32`)."""
         import torch
 
         from hf_dtrain.precision import cpu_bf16
 
         gpu = torch.cuda.is_available()
         native = torch.cuda.is_bf16_supported() if gpu else cpu_bf16()[0]
-        bf16 = native and not self.training.get("fp16")
+        bf16 = native and not self.training.get("fp16") and not self._hqq_in_fp32()
         out = dict(
             output_dir=os.path.join("outputs", f"finetune-{self.method}"),
             learning_rate=self.method_entry.default_lr,
