@@ -307,7 +307,7 @@ def fake_world(world_size: int, device: str = "cpu", rank: int = 0):
     # process's command, so each receives what this one has
     dist.all_gather_object, dist.broadcast_object_list = gather_twins, broadcast_twins
     try:
-        with _fake_outputs_released():
+        with _fake_outputs_released(), _static_pipeline_warmup():
             yield init_device_mesh(device, (world_size,))
     finally:
         dist.all_gather_object, dist.broadcast_object_list = gather, broadcast
@@ -341,6 +341,49 @@ def _fake_outputs_released():
         yield
     finally:
         base._output_slot_is_releasable = judge
+
+
+@contextlib.contextmanager
+def _static_pipeline_warmup():
+    """Before its first step a pipeline schedule has its stages vote across ranks on how they infer shapes and reads
+    the vote with ``.item()``: over a fake process group nothing is exchanged and, on fake tensors, ``.item()`` raises
+    (``DataDependentOutputException``). torch 2.14 decides locally on a fake group (static when every stage has its
+    shapes, which ``hf_dtrain.parallel`` gives them); torch 2.13 votes. While a fake world is up, 2.13's vote is
+    2.14's local decision; where the schedule has no vote, or decides so itself, nothing changes."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules, stage
+
+    vote = getattr(schedules._PipelineSchedule, "_warmup_p2p", None)
+    mode = getattr(stage, "InferenceMode", None)
+    if vote is None or mode is None or '"fake"' in inspect.getsource(vote):
+        yield
+        return
+
+    def decide_locally(self, stages, has_backward, p2p_done):
+        pipeline = [st for st in stages if isinstance(st, stage.PipelineStage)]
+        crosses = any(
+            (not st.is_first and not st._is_same_rank(st.stage_index - 1))
+            or (not st.is_last and not st._is_same_rank(st.stage_index + 1))
+            for st in pipeline
+        )
+        if len(pipeline) != len(stages) or not crosses or all(dist.get_backend(st.group) != "fake" for st in pipeline):
+            return vote(self, stages, has_backward, p2p_done)
+        for st in pipeline:
+            if mode.needs_dynamic(st._user_meta, has_backward):
+                raise RuntimeError(
+                    f"pipeline stage {st.stage_index} infers its shapes at run time, which a fake process group "
+                    "cannot trace: give the stage its input and output shapes."
+                )
+            st._inference_mode = mode.STATIC
+        return None
+
+    schedules._PipelineSchedule._warmup_p2p = decide_locally
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = vote
 
 
 def _forget_meshes() -> None:
