@@ -91,6 +91,12 @@ class PlanConfig(JobConfig):
         "whether they fit with it. Default: --top; 0: the arithmetic alone.",
         min=0,
     )
+    trace_seconds: float = setting(
+        5.0,
+        "Time the memory traces may take (seconds): once it is spent no new trace starts (the first always does) and "
+        "the rows left keep the arithmetic, said under the table. 0: no limit.",
+        min=0,
+    )
     mixed_precision: str = setting(
         "bf16", "The run's precision (Accelerate's --mixed_precision: bf16 or no): the trace's and the config's."
     )
@@ -132,6 +138,7 @@ def run_plan(cfg: PlanConfig) -> int:
             activations=cfg.policies(),
             trace=trace,
             autocast=torch.bfloat16 if cfg.mixed_precision == "bf16" else None,
+            trace_seconds=cfg.trace_seconds or None,
         )
     except ValueError as e:
         raise SettingsError(str(e)) from None
@@ -143,6 +150,13 @@ def run_plan(cfg: PlanConfig) -> int:
         f"({profile.name}), global batch {batch} x {cfg.seq_len} tokens:\n"
     )
     print(format_table(plans, cfg.top))
+    shown = plans[: min(trace, len(plans))]
+    if trace and not all(p.traced for p in shown):
+        n = sum(p.traced for p in shown)
+        print(
+            f"\nmemory traced for {n} of the first {len(shown)} rows; the others by the arithmetic: the traces' time "
+            f"(--trace-seconds {cfg.trace_seconds:g}) was spent (0: no limit)."
+        )
     best = plans[0]
     if not best.fits:
         raise SettingsError(

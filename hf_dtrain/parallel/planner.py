@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -400,13 +401,16 @@ def rank_plans(
     interleave: bool = True,
     trace: int = 0,
     autocast: torch.dtype | None = None,
+    trace_seconds: float | None = None,
 ) -> list[Plan]:
     """The legal plans, predicted and sorted: those that fit first, by predicted step time.
 
     ``trace``: the memory of the first ``trace`` rows comes from tracing each plan's step (:func:`traced_memory`)
     instead of the per-token arithmetic, and whether they fit with it; a row that no longer fits goes down and the
-    next is traced, until the first ``trace`` rows are traced (or every plan is). ``autocast``: the run's mixed
-    precision (Accelerate's ``bf16``) for the trace."""
+    next is traced, until the first ``trace`` rows are traced (or every plan is). ``trace_seconds``: no new trace is
+    started once the traces so far and one more (at their mean time) would pass it; the first is always traced, and
+    the rows left keep the arithmetic (``Plan.traced`` says which). ``autocast``: the run's mixed precision
+    (Accelerate's ``bf16``) for the trace."""
     plans = [
         predict(p, config, profile, global_batch, seq_len)
         for p in legal_plans(config, world, global_batch, activations=activations, interleave=interleave)
@@ -421,12 +425,17 @@ def rank_plans(
         return (not p.fits, p.step_time)
 
     plans.sort(key=order)
+    spent, count = 0.0, 0
     while trace:
         untraced = [p for p in plans[:trace] if not p.traced]
         if not untraced:
             break
         for p in untraced:
+            if trace_seconds and count and spent * (1 + 1 / count) > trace_seconds:
+                return plans  # the budget is spent: the rows left keep the arithmetic
+            start = time.monotonic()
             _set_memory(p, traced_memory(p, config, world, global_batch, seq_len, autocast), profile, traced=True)
+            spent, count = spent + time.monotonic() - start, count + 1
         plans.sort(key=order)
     return plans
 
@@ -436,7 +445,8 @@ def traced_memory(
 ) -> dict:
     """``plan``'s per-rank memory by category (bytes), traced: the LLaMA of ``config`` built on fake tensors, laid
     out as ``hf-dtrain pretrain`` with the plan's flags lays it out (:func:`~hf_dtrain.parallel.mesh.apply_parallelism`
-    over a fake process group of ``world`` ranks; a pipeline cut where the cost model cut it, ``plan.layer_cut``, as
+    over a fake process group of the plan's ranks with at most two replicas (a rank's shapes do not change with more
+    replicas; ``world`` is the run's); a pipeline cut where the cost model cut it, ``plan.layer_cut``, as
     ``predict`` fills it: the run times the pieces on the machine), two AdamW steps of its own forward and backward
     (:func:`~hf_dtrain.parallel.mesh.laid_out_step`) traced on rank 0, and with a pipeline on the last stage's first
     rank too; the larger is returned. No weight is allocated."""
@@ -448,7 +458,9 @@ def traced_memory(
         with torch.device(device):
             return LlamaForCausalLM(config)
 
-    degrees = {"pp": plan.pp, "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp}
+    # a rank's shapes do not depend on how many replicas there are (two keep HSDP's exchange across them): traced on
+    # that many, a plan for 100,000 devices is a trace of a few ranks, not a fake world of 100,000
+    degrees = {"pp": plan.pp, "dp_replicate": min(plan.dp_replicate, 2), "dp_shard": plan.dp_shard, "tp": plan.tp}
     pipeline = None
     if plan.pp > 1:
         pipeline = PipelineConfig(

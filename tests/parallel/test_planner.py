@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from hf_dtrain import processes
 from hf_dtrain.models import build_llama, llama_config
@@ -79,9 +80,13 @@ def test_the_planner_command(capsys):
     out = capsys.readouterr().out
     assert "legal plans for llama2-7b on 64 devices" in out and "hf-dtrain pretrain --tp" in out
     assert "num_processes: 64" in out and "(arithmetic)" in out and "(traced)" not in out
-    assert main(["plan", "--preset", "tiny", "--world-size", "2", "--top", "2", "--seq-len", "64"]) == 0
+    tiny = ["plan", "--preset", "tiny", "--world-size", "2", "--top", "2", "--seq-len", "64"]
+    assert main([*tiny, "--trace-seconds", "0"]) == 0
     out = capsys.readouterr().out
-    assert out.count("(traced)") == 2 and "mixed_precision: bf16" in out
+    assert out.count("(traced)") == 2 and "mixed_precision: bf16" in out and "was spent" not in out
+    assert main([*tiny, "--trace-seconds", "1e-6"]) == 0  # spent after the first trace: the rest by the arithmetic
+    out = capsys.readouterr().out
+    assert out.count("(traced)") == 1 and "memory traced for 1 of the first 2 rows" in out
     with pytest.raises(SystemExit, match=r"no plan fits in 80.0 GiB per device"):
         main(["plan", "--preset", "llama2-70b", "--world-size", "8", "--trace", "0"])
     # 32 ranks with at most tp 4 x pp 4 (4 heads, 4 layers) leave >= 2 replicas, which 3 sequences do not split over
@@ -196,3 +201,22 @@ def test_pretrain_plan_auto_runs_the_plan_it_chose(tmp_path):
     pp, dpr, dps, tp = (int(chosen.split("-")[i][len(k) :]) for i, k in enumerate(("pp", "dpr", "dps", "tp")))
     assert results["engine"] == f"mesh pp {pp} x dp_replicate {dpr} x dp_shard {dps} x tp {tp}"
     assert len(results["history"]) == 3
+
+
+def test_a_plan_is_traced_on_its_fewest_equal_ranks():
+    """A rank's memory does not change with the number of replicas beyond two (HSDP's exchange across them): the
+    planner traces a plan of 4 replicas x 2 shards on 2 x 2 fake ranks (a plan for 100,000 devices on a few), and
+    that equals the trace on all 8."""
+    from hf_dtrain.parallel.mesh import trace_layout
+
+    config = llama_config("tiny")
+
+    def build(device):
+        from transformers import LlamaForCausalLM
+
+        with torch.device(device):
+            return LlamaForCausalLM(config)
+
+    plan = predict(Plan(pp=1, dp_replicate=4, dp_shard=2, tp=1, microbatches=1), config, MachineProfile(), 16, 32)
+    full = trace_layout(build, {"pp": 1, "dp_replicate": 4, "dp_shard": 2, "tp": 1}, batch_size=2, seq_len=32)
+    assert traced_memory(plan, config, 8, 16, 32) == dict(full.split)
