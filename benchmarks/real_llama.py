@@ -425,6 +425,11 @@ def goals(summary: list[dict]) -> list[dict]:
                 if theirs is not None and mine is not None and seeds < len(SEEDS):
                     verdict = f"not decided: {seeds} of {len(SEEDS)} seeds so far"
                 diff = "" if mine is None or theirs is None else f"{mine - theirs:+.3f}"
+                if verdict in ("met", "missed"):  # the seeds' spread beside it: 24 steps leave seeds far apart
+                    sd = max(by[(task, method)].get("dev_sd", 0.0), by[(task, base)].get("dev_sd", 0.0))
+                    verdict += (
+                        f" (the difference is {'within' if abs(mine - theirs) <= sd else 'beyond'} one sd, {sd:.3f})"
+                    )
                 out.append(dict(task=task, goal=f"{method} vs {base}", difference=diff, verdict=verdict))
     return sorted(out, key=lambda r: (r["task"], r["goal"]))
 
@@ -490,12 +495,22 @@ def render(tasks_: list[str], methods: list[str]) -> None:
     fig, axes = plt.subplots(1, len(tasks_), figsize=(5 * len(tasks_), 4.5), squeeze=False)
     for ax, task in zip(axes[0], tasks_):
         part = [r for r in summary if r["task"] == task and "dev_mean" in r]
-        ax.barh(
-            [r["method"] for r in part],
+        bars = ax.barh(
+            [
+                r["method"] + ("" if r["seeds"] == len(SEEDS) else f" ({r['seeds']} of {len(SEEDS)} seeds)")
+                for r in part
+            ],
             [r["dev_mean"] for r in part],
             xerr=[r["dev_sd"] for r in part],
             color=["tab:blue" if r["method"] in OURS else "tab:gray" for r in part],
         )
+        for bar, r in zip(bars, part):
+            if r["seeds"] < len(SEEDS):  # a mean of fewer seeds: drawn, but hatched
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
+        if not part:
+            ax.text(0.5, 0.5, "not run yet", ha="center", va="center", transform=ax.transAxes)
+            ax.set_yticks([])
         zs = next((r for r in summary if r["task"] == task and r["method"].startswith("zero-shot")), None)
         if zs and zs["dev"] != "not run yet":
             ax.axvline(float(zs["dev"]), color="k", ls="--", lw=1, label="zero-shot base")
