@@ -407,6 +407,31 @@ def summarize(rows: dict, tasks_: list[str], methods: list[str]) -> list[dict]:
     return out
 
 
+DENSE = ["smt", "lorafa", "lora", "dora", "shira", "supertuning"]  # what the main job's dense base can default to
+
+
+def default_by_evidence(summary: list[dict]) -> dict:
+    """The main job's default as the evidence ranks it: among the dense methods at LoRA r=8's budget, on the tasks
+    where every one has all its seeds, the best mean accuracy; the methods whose mean is within one standard deviation
+    of it (the best's or their own) count as tied, and the tie goes to the smallest peak memory."""
+    by = {(r["task"], r["method"]): r for r in summary}
+    tasks_ = sorted({t for t, _ in by if all(by.get((t, m), {}).get("seeds") == len(SEEDS) for m in DENSE)})
+    if not tasks_:
+        return {"method": None, "why": "no task has every dense method's seeds yet"}
+    mean = {m: statistics.mean(by[(t, m)]["dev_mean"] for t in tasks_) for m in DENSE}
+    sd = {m: statistics.mean(by[(t, m)]["dev_sd"] for t in tasks_) for m in DENSE}
+    peak = {m: max(float(by[(t, m)]["peak_mib"].replace(",", "")) for t in tasks_) for m in DENSE}
+    best = max(DENSE, key=mean.get)
+    tied = [m for m in DENSE if mean[best] - mean[m] <= max(sd[best], sd[m])]
+    chosen = min(tied, key=peak.get)
+    why = (
+        f"on {', '.join(tasks_)}: best mean {best} {mean[best]:.3f}; within one sd of it "
+        + ", ".join(f"{m} {mean[m]:.3f} ({peak[m]:,.0f} MiB)" for m in sorted(tied, key=lambda m: -mean[m]))
+        + f"; the least memory of those: {chosen}"
+    )
+    return {"method": chosen, "best_mean": best, "tied": tied, "tasks": tasks_, "why": why}
+
+
 def goals(summary: list[dict]) -> list[dict]:
     by = {(r["task"], r["method"]): r for r in summary}
     out = []
@@ -519,11 +544,14 @@ def render(tasks_: list[str], methods: list[str]) -> None:
         ax.set_xlim(0, 1)
     fig.suptitle(f"{BASE}: ours (blue) vs peft and full fine-tuning (gray), LoRA r=8's budget")
     fig.tight_layout()
+    chosen = default_by_evidence(summary)
     notes = (
         f"SmolLM2-135M-Instruct (GGUF, dequantized), {STEPS} steps x batch {BATCH}, max length {MAX_LENGTH}, "
         f"learning rate chosen on {SELECT} rows held out of {GRID_TASK}'s train file (seed 0) from "
         f"{tuple(round(f, 3) for f in LR_GRID)} x the job default and used on every task, then seeds {SEEDS}; "
-        f"dev = the first {DEV} rows of each dev file. Cells finished: {finished} of {expected}."
+        f"dev = the first {DEV} rows of each dev file. Cells finished: {finished} of {expected}. "
+        f"The main job's default by this evidence (accuracy, ties within the seeds' spread broken by memory): "
+        f"{chosen['method'] or 'not decided'} ({chosen['why']})."
     )
     quote(table, notes + " From `benchmarks/results/real_llama.json`.")
     write(
@@ -531,6 +559,7 @@ def render(tasks_: list[str], methods: list[str]) -> None:
         dict(
             summary=summary,
             goals=goal_rows,
+            default=chosen,
             cells=list(rows.values()),
             finished=finished,
             expected=expected,
