@@ -4,6 +4,7 @@ LLaMA 8B and 70B beside the estimates a user has today.
     python benchmarks/estimate.py                 # both parts
     python benchmarks/estimate.py --only check    # estimated vs measured at the tiny preset (1-2 gloo ranks)
     python benchmarks/estimate.py --only large    # Llama 3 8B and Llama 2 70B (fake tensors only)
+    python benchmarks/estimate.py --only job      # the estimate against the job's own run (--estimate.measure)
     python benchmarks/estimate.py --only check --from-json benchmarks/results/estimate.json   # re-render only
 
 **check** (``results/estimate.*``): for each method x engine x gradient checkpointing, the job's step
@@ -11,6 +12,14 @@ traced on fake tensors over a fake world (the estimate) and the same step on rea
 measurement: the peak of live tensor storage, torch's ``MemTracker``, on the rank that holds the most; DDP's buckets are
 real there; the estimate traces rank 0 and, with a pipeline, the last stage's first rank too), through
 the same composition (the job's skeleton and its engine sections); the ratio estimate / measured per cell.
+
+**job** (``results/estimate_job.*``): the measured side is the job itself, ``hf-dtrain finetune`` through the Trainer
+and TRL (and ``pretrain`` through its loop), run with ``--estimate.measure``: its last two steps' peak on rank 0,
+measured by the profiler's memory events over the storages the model and optimizer hold (no code shared with the
+estimator).
+On the tiny preset (random weights, its trained tokenizer) and the real SmolLM2-135M-Instruct; one process and FSDP2 x 2
+(torchrun, gloo); every method, the 4-bit bases in one process; gradient checkpointing off and on; every row longer
+than --max-length (the estimate takes every sequence at --max-length tokens).
 
 **large** (``results/estimates.*``): per-rank peak at bf16, 4096 tokens, micro-batch 1, for Llama 3 8B and Llama 2 70B
 under several methods and layouts, with the trace's own time and host memory; beside accelerate's weight count
@@ -238,6 +247,131 @@ def check() -> dict:
             f"{job} {method:>16} {engine:>16} ckpt {row['checkpointing']:>3}: estimated {row['estimated_mib']:8.1f} "
             f"MiB, measured {row['measured_mib']:8.1f} MiB, ratio {row['ratio']:.4f} "
             f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    return {"rows": rows}
+
+
+JOB_METHODS = ["full", "lora", "lorafa", "smt", "dora"]
+JOB_ENGINES = {"one process": ({}, 1), "FSDP2 x 2": ({"fsdp": {}}, 2)}
+JOB_BASES = ["tiny", "smollm2-135m-instruct"]
+JOB_SHAPE = {"tiny": (4, 256), "smollm2-135m-instruct": (2, 256)}  # micro-batch, --max-length
+
+
+def _job_base(name: str, scratch: str) -> dict:
+    """The job's base settings: the tiny preset built once (its tokenizer trained, one pretraining step: only the
+    shapes matter here), or the packaged SmolLM2-135M-Instruct (the jobs' default base)."""
+    if name != "tiny":
+        return {"base_preset": name}
+    from hf_dtrain.models import build_default_model
+
+    path = build_default_model("tiny", cache_dir=scratch, steps=1, progress=False, data_bytes=300_000)
+    return {"model": path}
+
+
+def _long_rows(scratch: str) -> str:
+    """Plain-text rows of 4,000 characters of the standard library's source (longer than any --max-length here)."""
+    from hf_dtrain.models import stdlib_text
+
+    path = os.path.join(scratch, "long_rows.jsonl")
+    if not os.path.exists(path):
+        text = " ".join(stdlib_text(400_000))
+        with open(path, "w") as f:
+            for i in range(48):
+                f.write(json.dumps({"text": text[i * 4000 : (i + 1) * 4000]}) + "\n")
+    return path
+
+
+def job_worker(spec: dict) -> dict | None:
+    """One job run with --estimate.measure (under torchrun when ``world`` > 1): rank 0 returns its estimate."""
+    if spec["job"] == "pretrain":
+        from hf_dtrain.jobs.pretrain import run_pretrain
+
+        results = run_pretrain(_config("pretrain", spec["settings"]))
+    else:
+        from hf_dtrain.jobs.finetune import run_finetune
+
+        results = run_finetune(_config("finetune", spec["settings"]))
+    return results["estimate"] if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def _job_run(spec: dict, world: int) -> dict:
+    from hf_dtrain import processes
+    from hf_dtrain.testing import free_port
+
+    launch = [sys.executable]
+    if world > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
+    proc = processes.run(
+        [*launch, HERE, "--job-worker", json.dumps(spec)], capture_output=True, text=True, env=env, timeout=1800
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-1500:])
+    from _report import parse_result
+
+    return parse_result(proc.stdout)
+
+
+def job_check(scratch: str, bases: list[str]) -> dict:
+    rows = []
+    data = _long_rows(scratch)
+    cases = []  # (base, job, method, engine, checkpointing, settings, world)
+    for base in bases:
+        batch, length = JOB_SHAPE[base]
+        common = {
+            **_job_base(base, scratch),
+            "dataset": data,
+            "max_steps": 3,
+            "per_device_train_batch_size": batch,
+            "max_length": length,
+            "train_size": 16,
+            "eval_size": 4,
+            "evaluate_before": False,
+            "progress": False,
+            "report": False,
+            "estimate": {"measure": True},
+        }
+        for engine, (extra, world) in JOB_ENGINES.items():
+            for method in JOB_METHODS:
+                for ckpt in (False, True):
+                    settings = {**common, **extra, "method": method, "gradient_checkpointing": ckpt}
+                    if method == "smt":
+                        settings["smt"] = {"warmup_steps": 1}  # its scoring step, then the two measured
+                    cases.append((base, "finetune", method, engine, ckpt, settings, world))
+        for name, method, quantize in QUANTIZED:
+            for ckpt in (False, True):
+                settings = {**common, "method": method, "quantize": quantize, "gradient_checkpointing": ckpt}
+                cases.append((base, "finetune", name, "one process", ckpt, settings, 1))
+    if "tiny" in bases:
+        for engine, (extra, world) in JOB_ENGINES.items():
+            settings = {"preset": "tiny", "max_steps": 3, "per_device_train_batch_size": 4, "seq_len": 256}
+            settings.update(progress=False, estimate={"measure": True}, **extra)
+            cases.append(("tiny", "pretrain", "full (pretrain)", engine, False, settings, world))
+    for n, (base, job, method, engine, ckpt, settings, world) in enumerate(cases):
+        settings = {**settings, "output_dir": os.path.join(scratch, "runs", str(n))}
+        t0 = time.perf_counter()
+        row = {"base": base, "job": job, "method": method, "engine": engine, "checkpointing": "on" if ckpt else "off"}
+        try:
+            got = _job_run({"job": job, "settings": settings}, world)
+        except RuntimeError as e:  # said in the table, not hidden
+            row["error"] = " ".join(str(e).split())[-300:]
+            print(base, job, method, engine, ckpt, "FAILED", row["error"], flush=True)
+            rows.append(row)
+            continue
+        row.update(
+            estimated_mib=got["peak_bytes"] / 2**20,
+            measured_mib=got["measured_peak_bytes"] / 2**20,
+            ratio=got["estimate_over_measured"],
+            measured_steps=got["measured_steps"],
+            split_mib={k: v / 2**20 for k, v in got["split_bytes"].items() if v},
+            seconds=time.perf_counter() - t0,
+        )
+        rows.append(row)
+        print(
+            f"{base} {job} {method:>16} {engine:>12} ckpt {row['checkpointing']:>3}: estimated "
+            f"{row['estimated_mib']:8.1f} MiB, measured {row['measured_mib']:8.1f} MiB, ratio {row['ratio']:.4f} "
+            f"({row['seconds']:.0f} s)",
             flush=True,
         )
     return {"rows": rows}
@@ -509,12 +643,22 @@ def _plot_large(rows):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["check", "large"])
+    parser.add_argument("--only", choices=["check", "large", "job"])
+    parser.add_argument(
+        "--bases", default=",".join(JOB_BASES), help="job part: the bases (tiny, smollm2-135m-instruct)"
+    )
+    parser.add_argument("--scratch", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "hf_dtrain_estimate_job"))
     parser.add_argument("--from-json", help="re-render this part's results JSON (with --only) instead of measuring")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--job-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         emit_result(worker(json.loads(args.worker)))
+        return
+    if args.job_worker:
+        got = job_worker(json.loads(args.job_worker))
+        if got is not None:
+            emit_result(got)
         return
     saved, env = None, None
     if args.from_json:
@@ -543,6 +687,44 @@ def main() -> None:
             + "\n".join(f"- {case}: {why}" for case, why in NOT_TRACED)
         )
         write("estimate", result, markdown_table(result["rows"], columns), _plot_check(result["rows"]), notes, env)
+    if args.only in (None, "job"):
+        os.makedirs(args.scratch, exist_ok=True)
+        result = saved or job_check(args.scratch, args.bases.split(","))
+        columns = [
+            ("base", "base", ""),
+            ("job", "job", ""),
+            ("method", "method", ""),
+            ("engine", "engine", ""),
+            ("checkpointing", "checkpointing", ""),
+            ("estimated_mib", "estimated MiB", ".1f"),
+            ("measured_mib", "the job's measured MiB", ".1f"),
+            ("ratio", "estimated / measured", ".4f"),
+            ("error", "error", ""),
+        ]
+        measured = [r for r in result["rows"] if "ratio" in r]
+        worst = max(measured, key=lambda r: abs(r["ratio"] - 1)) if measured else None
+        outside = [r for r in measured if abs(r["ratio"] - 1) > 0.05]
+        result["summary"] = {
+            "cells": len(result["rows"]),
+            "measured": len(measured),
+            "within_5_percent": len(measured) - len(outside),
+            "worst_ratio": worst["ratio"] if worst else None,
+            "failed": len(result["rows"]) - len(measured),
+        }
+        notes = (
+            f"{len(measured)} of {len(result['rows'])} cells measured; {len(measured) - len(outside)} within 5% of "
+            f"the job's own peak"
+            + (
+                f"; the worst {worst['ratio']:.4f} ({worst['base']} {worst['method']} {worst['engine']})"
+                if worst
+                else ""
+            )
+            + ". The measured side: the job's last two optimizer steps on rank 0 (--estimate.measure; CPU: the "
+            "profiler's memory events over the storages the model and optimizer hold). Every row is longer than "
+            "--max-length; the tiny preset at micro-batch 4 x 256, SmolLM2-135M-Instruct at 2 x 256; the job's own "
+            "precision (bf16 autocast where the CPU computes bf16 natively)."
+        )
+        write("estimate_job", result, markdown_table(result["rows"], columns), _plot_check(measured), notes, env)
     if args.only in (None, "large"):
         result = saved or large()
         columns = [

@@ -158,6 +158,13 @@ def stdlib_text(max_bytes: int = 4_000_000) -> list[str]:
     return docs
 
 
+def trained_vocab_size(preset: str) -> int:
+    """The vocabulary a model of ``preset`` gets beside the tokenizer :func:`train_tokenizer` trains for it: the
+    preset's, or the byte-level floor (256 bytes and the special tokens) where the preset's is smaller (the test
+    preset's 128). What a pretraining job's model holds, known without training the tokenizer (its estimate)."""
+    return max(PRESETS[preset]["vocab_size"], 256 + len(SPECIAL_TOKENS))
+
+
 def train_tokenizer(texts, vocab_size: int):
     """A LLaMA-like byte-level BPE tokenizer (digits split individually) as ``PreTrainedTokenizerFast``.
 
@@ -297,7 +304,7 @@ def _pretrain_base(settings: dict, progress: bool):
     model = build_llama(
         preset,
         seed=seed,
-        vocab_size=max(PRESETS[preset]["vocab_size"], len(tokenizer)),
+        vocab_size=max(trained_vocab_size(preset), len(tokenizer)),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

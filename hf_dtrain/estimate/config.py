@@ -38,6 +38,12 @@ class EstimateConfig:
         "ranks) and name each with its peak.",
     )
 
+    measure: bool = setting(
+        False,
+        "Train, and hold the estimate against the job's own last two steps as they run (after any warm-up): "
+        "their peak memory on rank 0 (a GPU: the CUDA allocator's max_memory_allocated; CPU: the profiler's memory "
+        "events), written beside the estimate in results.json and estimate.json with the ratio.",
+    )
     skip: bool = setting(
         False, "No estimate at all: not even the check a run on a GPU makes unasked before reading the weights."
     )
@@ -54,5 +60,10 @@ class EstimateConfig:
                     f"estimate.device_memory={self.device_memory!r} is not a size; set --device-memory to e.g. 80GiB, "
                     "24GB or a number of bytes."
                 )
-        if (self.anyway or self.skip) and not self.train:
-            self.train = True  # --run-anyway and --estimate.skip ask for the run
+        if self.skip and self.measure:
+            raise SettingsError(
+                "estimate.skip and estimate.measure contradict each other: a skipped estimate has nothing to hold "
+                "against the measured step; drop one of them."
+            )
+        if (self.anyway or self.skip or self.measure) and not self.train:
+            self.train = True  # --run-anyway, --estimate.skip and --estimate.measure ask for the run

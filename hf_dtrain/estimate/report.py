@@ -145,8 +145,9 @@ def write(output_dir: str, results: dict) -> list[str]:
     return [path, png]
 
 
-def answer(run, asked: EstimateConfig | None):
-    """The estimate section's answer (see :mod:`hf_dtrain.estimate.section`): None when the job is to train."""
+def answer(run, asked: EstimateConfig | None) -> dict | None:
+    """The job's traced step (the estimate section's, see :mod:`hf_dtrain.estimate.section`), printed and written;
+    None when it could not be traced and nobody asked for it. Refuses a run whose step will not fit."""
     if run.skeleton is None:
         return None
     unasked = asked is None  # a run on a GPU, checked before its weights are read
@@ -181,7 +182,30 @@ def answer(run, asked: EstimateConfig | None):
             raise SettingsError(refusal(estimate, limit, results.get("alternatives", [])))
         if run.is_main:
             print("hf_dtrain: the step will not fit; running anyway (--run-anyway).", flush=True)
-    return None if asked.train else {"estimate": results}
+    return results
+
+
+def measured(results: dict, peak: int, how: str, steps: list[int], output_dir: str | None, main: bool) -> dict:
+    """The estimate's ``results`` with the job's own measured peak beside it (``measured_peak_bytes``, how it was
+    measured, over which steps, and ``estimate_over_measured``), said in one line and rewritten to ``estimate.json``
+    on rank 0."""
+    out = {
+        **results,
+        "measured_peak_bytes": int(peak),
+        "measured_by": how,
+        "measured_steps": steps,
+        "estimate_over_measured": round(results["peak_bytes"] / peak, 4) if peak else None,
+    }
+    if main:
+        ran = ", ".join(map(str, steps)) or "(none ran)"
+        print(
+            f"estimate checked: the job's own steps {ran} peaked at {gib(peak)} on rank 0 ({how}); estimated "
+            f"{gib(results['peak_bytes'])}, {out['estimate_over_measured']:.3f}x",
+            flush=True,
+        )
+        if output_dir:
+            write(output_dir, out)
+    return out
 
 
 def refusal(estimate: JobEstimate, limit: int, options: list[dict]) -> str:

@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.utils.flop_counter import FlopCounterMode
 
+from hf_dtrain.fast import observer
+
 # the categories MemTracker splits storage into, under the names this package reports
 CATEGORIES = {
     _MemRefType.PARAM: "parameters",
@@ -38,7 +40,13 @@ CATEGORIES = {
 
 class StepTracker(MemTracker):
     """torch's ``MemTracker``, with gradient hooks only on the parameters that train (a frozen parameter cannot
-    take one)."""
+    take one), its module tracker's hooks marked as watching only: the lean paths, which skip their layers' own
+    calls, stay lean in the trace as in the run (unmarked, a peft LoRA step without checkpointing traced 12-24% above
+    the job's measured peak)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        observer(self._mod_tracker)
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
         sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
@@ -147,6 +155,11 @@ class RankFlopCounter(FlopCounterMode):
     plain-tensor ops (attention on this rank's heads) at theirs: on Llama 3 8B's shapes at TP x 8 that gave the
     whole step's matmuls plus an eighth of its attention. Here an op on DTensors is left to DTensor, which runs it
     on the local shards, and those are counted."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self, "mod_tracker", None) is not None:  # the step counted is the one the run takes (lean)
+            observer(self.mod_tracker)
 
     def __enter__(self):
         super().__enter__()

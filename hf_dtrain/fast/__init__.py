@@ -20,6 +20,18 @@ import lazy_loader as lazy
 _ENABLED = os.environ.get("HF_DTRAIN_FAST", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# set on a hook that only watches (the step profile's scopes), or on the object whose bound methods are such hooks (a
+# memory trace's module tracker): a lean path that skips its layers' own calls stays lean under it
+OBSERVER = "hf_dtrain_observer"
+
+
+def observer(watcher):
+    """Mark ``watcher`` (a hook, or the object whose bound methods are the hooks) as only watching the modules'
+    calls: the lean paths, which skip the calls of the layers they fuse, stay lean under it."""
+    setattr(watcher, OBSERVER, True)
+    return watcher
+
+
 def enabled() -> bool:
     """Whether layers that have a lean path take it (where it is exact)."""
     return _ENABLED

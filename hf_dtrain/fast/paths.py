@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from hf_dtrain.models import is_tuner_layer
 
-from . import enabled
+from . import OBSERVER, enabled
 from .blocks import shared_input_lowrank, swiglu_lowrank
 from .lowrank import compute_dtype, lowrank_linear, pooled_delta
 
@@ -29,19 +29,19 @@ BLOCK = "hf_dtrain_block_path"  # a block's (a decoder MLP's) path in its last f
 BLOCK_TRAINING = "hf_dtrain_block_training_path"
 
 
-OBSERVER = "hf_dtrain_observer"  # set on a hook that only watches (the step profile's scopes): it keeps a path lean
-
-
 def _hooked(module: nn.Module) -> bool:
     """Whether a forward hook (a user's, ZeRO-3's parameter gathering) would see this module's call: the lean paths
-    that skip the call then fall back. Hooks marked as observers (:data:`OBSERVER`) do not count."""
+    that skip the call then fall back. Hooks marked as observers (:func:`hf_dtrain.fast.observer`), or bound to an
+    object so marked, do not count."""
     hooks = (
         *module._forward_hooks.values(),
         *module._forward_pre_hooks.values(),
         *nn.modules.module._global_forward_hooks.values(),
         *nn.modules.module._global_forward_pre_hooks.values(),
     )
-    return any(not getattr(h, OBSERVER, False) for h in hooks)
+    return any(
+        not (getattr(h, OBSERVER, False) or getattr(getattr(h, "__self__", None), OBSERVER, False)) for h in hooks
+    )
 
 
 def _plain_tensor(t) -> bool:

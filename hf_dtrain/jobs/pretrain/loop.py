@@ -55,7 +55,7 @@ def build(cfg, run) -> Parts:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
-    from hf_dtrain.models import PRESETS, build_llama
+    from hf_dtrain.models import build_llama, trained_vocab_size
 
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
@@ -66,7 +66,7 @@ def build(cfg, run) -> Parts:
         tokenizer = default_tokenizer(cfg.preset)
         train_blocks, held_out = load_blocks(cfg, tokenizer, run.rank, run.world_size, run.replicas)
     set_seed(cfg.seed)
-    module = build_llama(cfg.preset, seed=cfg.seed, vocab_size=max(len(tokenizer), PRESETS[cfg.preset]["vocab_size"]))
+    module = build_llama(cfg.preset, seed=cfg.seed, vocab_size=max(len(tokenizer), trained_vocab_size(cfg.preset)))
     module.train()
     run.prepare(module)
     optimizer = run.optimizer(module, cfg.learning_rate, cfg.weight_decay)
