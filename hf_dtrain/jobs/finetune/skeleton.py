@@ -77,6 +77,10 @@ def skeleton(cfg):
             from hf_dtrain.quantization import quantize_model
 
             quantize_model(model, cfg.quantize, group_size=cfg.quant_group_size, compute_dtype=compute_dtype)
+            if cfg.quantize == "nf4":  # as transformers' bitsandbytes loading marks the job's model: peft then wraps
+                # its layers in its bitsandbytes LoRA class, as in the run (unmarked, peft's plain LoRA layer took a
+                # lean path the job's does not: QLoRA without checkpointing traced 13% under the job's step)
+                model.is_loaded_in_4bit = True
         with torch.device(device):
             if fused_head is not None:  # as SFTTrainer patches the base model
                 fused_head(model)
