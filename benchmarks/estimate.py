@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -313,10 +314,17 @@ def _job_run(spec: dict, world: int) -> dict:
     return parse_result(proc.stdout)
 
 
-def job_check(scratch: str, bases: list[str]) -> dict:
-    rows = []
+# SmolLM2's cells (about 150 s each on 2 cores): every method in one process both ways, FSDP2 x 2 for full fine-tuning
+# and LoRA with checkpointing, the 4-bit bases without it; the tiny preset takes the whole grid
+SMOLLM2_FSDP2 = {("full", True), ("lora", True)}
+SMOLLM2_QUANTIZED_CHECKPOINTING = (False,)
+JOB_CELLS = "estimate_job_cells.jsonl"  # one line per measured cell, so an interrupted run resumes
+
+
+def _job_cases(scratch: str, bases: list[str]) -> list[tuple]:
+    """(base, job, method, engine, checkpointing, settings, world) for every cell, the most telling first."""
     data = _long_rows(scratch)
-    cases = []  # (base, job, method, engine, checkpointing, settings, world)
+    cases = []
     for base in bases:
         batch, length = JOB_SHAPE[base]
         common = {
@@ -335,46 +343,78 @@ def job_check(scratch: str, bases: list[str]) -> dict:
         for engine, (extra, world) in JOB_ENGINES.items():
             for method in JOB_METHODS:
                 for ckpt in (False, True):
+                    if base != "tiny" and world > 1 and (method, ckpt) not in SMOLLM2_FSDP2:
+                        continue
                     settings = {**common, **extra, "method": method, "gradient_checkpointing": ckpt}
                     if method == "smt":
                         settings["smt"] = {"warmup_steps": 1}  # its scoring step, then the two measured
                     cases.append((base, "finetune", method, engine, ckpt, settings, world))
         for name, method, quantize in QUANTIZED:
-            for ckpt in (False, True):
+            for ckpt in (False, True) if base == "tiny" else SMOLLM2_QUANTIZED_CHECKPOINTING:
                 settings = {**common, "method": method, "quantize": quantize, "gradient_checkpointing": ckpt}
                 cases.append((base, "finetune", name, "one process", ckpt, settings, 1))
-    if "tiny" in bases:
-        for engine, (extra, world) in JOB_ENGINES.items():
-            settings = {"preset": "tiny", "max_steps": 3, "per_device_train_batch_size": 4, "seq_len": 256}
-            settings.update(progress=False, estimate={"measure": True}, **extra)
-            cases.append(("tiny", "pretrain", "full (pretrain)", engine, False, settings, world))
-    for n, (base, job, method, engine, ckpt, settings, world) in enumerate(cases):
-        settings = {**settings, "output_dir": os.path.join(scratch, "runs", str(n))}
+        if base == "tiny":
+            for engine, (extra, world) in JOB_ENGINES.items():
+                settings = {"preset": "tiny", "max_steps": 3, "per_device_train_batch_size": 4, "seq_len": 256}
+                settings.update(progress=False, estimate={"measure": True}, **extra)
+                cases.append(("tiny", "pretrain", "full (pretrain)", engine, False, settings, world))
+    return cases
+
+
+def _cell_key(base, job, method, engine, ckpt) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", f"{base} {job} {method} {engine} ckpt-{'on' if ckpt else 'off'}").strip("-")
+
+
+def job_check(scratch: str, bases: list[str]) -> dict:
+    """Every cell of :func:`_job_cases` not yet in ``results/estimate_job_cells.jsonl``, each appended as it ends;
+    the rows of every cell measured so far (any base)."""
+    from _report import RESULTS
+
+    cells_path = RESULTS / JOB_CELLS
+    done = {}
+    if cells_path.is_file():
+        for line in cells_path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                done[row["cell"]] = row
+    for base, job, method, engine, ckpt, settings, world in _job_cases(scratch, bases):
+        key = _cell_key(base, job, method, engine, ckpt)
+        if key in done and "error" not in done[key]:
+            continue
+        settings = {**settings, "output_dir": os.path.join(scratch, "runs", key)}
         t0 = time.perf_counter()
-        row = {"base": base, "job": job, "method": method, "engine": engine, "checkpointing": "on" if ckpt else "off"}
+        row = {"cell": key, "base": base, "job": job, "method": method, "engine": engine}
+        row["checkpointing"] = "on" if ckpt else "off"
         try:
             got = _job_run({"job": job, "settings": settings}, world)
         except RuntimeError as e:  # said in the table, not hidden
             row["error"] = " ".join(str(e).split())[-300:]
             print(base, job, method, engine, ckpt, "FAILED", row["error"], flush=True)
-            rows.append(row)
-            continue
-        row.update(
-            estimated_mib=got["peak_bytes"] / 2**20,
-            measured_mib=got["measured_peak_bytes"] / 2**20,
-            ratio=got["estimate_over_measured"],
-            measured_steps=got["measured_steps"],
-            split_mib={k: v / 2**20 for k, v in got["split_bytes"].items() if v},
-            seconds=time.perf_counter() - t0,
-        )
-        rows.append(row)
-        print(
-            f"{base} {job} {method:>16} {engine:>12} ckpt {row['checkpointing']:>3}: estimated "
-            f"{row['estimated_mib']:8.1f} MiB, measured {row['measured_mib']:8.1f} MiB, ratio {row['ratio']:.4f} "
-            f"({row['seconds']:.0f} s)",
-            flush=True,
-        )
-    return {"rows": rows}
+        else:
+            row.update(_job_row(got, time.perf_counter() - t0))
+            print(
+                f"{base} {job} {method:>16} {engine:>12} ckpt {row['checkpointing']:>3}: estimated "
+                f"{row['estimated_mib']:8.1f} MiB, measured {row['measured_mib']:8.1f} MiB, ratio "
+                f"{row['ratio']:.4f} ({row['seconds']:.0f} s)",
+                flush=True,
+            )
+        done[key] = row
+        cells_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(cells_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    order = {_cell_key(*c[:5]): i for i, c in enumerate(_job_cases(scratch, JOB_BASES))}
+    return {"rows": sorted(done.values(), key=lambda r: order.get(r["cell"], len(order)))}
+
+
+def _job_row(got: dict, seconds: float) -> dict:
+    return dict(
+        estimated_mib=got["peak_bytes"] / 2**20,
+        measured_mib=got["measured_peak_bytes"] / 2**20,
+        ratio=got["estimate_over_measured"],
+        measured_steps=got["measured_steps"],
+        split_mib={k: v / 2**20 for k, v in got["split_bytes"].items() if v},
+        seconds=seconds,
+    )
 
 
 def _degrees(job: str, settings: dict, world: int) -> tuple[dict, int]:

@@ -110,5 +110,5 @@ class StepPeak:
             live += nbytes
             highest = max(highest, live)
         self.peak = self._base + highest
-        self.how = "profiler memory events over the storages alive at the start"
+        self.how = "profiler memory events over the storages the model and optimizer hold"
         return self.peak
