@@ -2,7 +2,7 @@
 
 The measurement shares no code with the estimator (which counts fake tensors' storages through torch's
 ``MemTracker``). It runs inside the job as it trains, through the Trainer (a callback) or a plain loop (the run's
-``after_prepare`` / ``after_step``), over the job's first ``steps`` optimizer steps:
+``after_prepare`` / ``after_step``), over the job's last two optimizer steps:
 
 * on a GPU, the CUDA caching allocator's own statistic: ``torch.cuda.max_memory_allocated()`` after
   ``reset_peak_memory_stats()`` at the first step's start;
@@ -73,16 +73,13 @@ class StepPeak:
         self.how = ""
         self._profiler = None
         self._base = 0
-
-    @property
-    def running(self) -> bool:
-        return self._profiler is not None or (self.device.type == "cuda" and self.how == "running")
+        self.running = False
 
     def start(self, model: nn.Module, optimizer=None) -> None:
+        self.running = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.how = "running"
             return
         from torch.profiler import ProfilerActivity, profile
 
@@ -91,14 +88,15 @@ class StepPeak:
         self._profiler.__enter__()
 
     def stop(self) -> int:
+        if not self.running:
+            raise RuntimeError("StepPeak.stop() before start()")
+        self.running = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak = int(torch.cuda.max_memory_allocated(self.device))
             self.how = "torch.cuda.max_memory_allocated"
             return self.peak
         profiler, self._profiler = self._profiler, None
-        if profiler is None:
-            raise RuntimeError("StepPeak.stop() before start()")
         profiler.__exit__(None, None, None)
         events = sorted(
             (e.start_ns(), e.nbytes())

@@ -200,7 +200,8 @@ def measured(results: dict, peak: int, how: str, steps: list[int], output_dir: s
         ran = ", ".join(map(str, steps)) or "(none ran)"
         print(
             f"estimate checked: the job's own steps {ran} peaked at {gib(peak)} on rank 0 ({how}); estimated "
-            f"{gib(results['peak_bytes'])}, {out['estimate_over_measured']:.3f}x",
+            f"{gib(results['peak_bytes'])}"
+            + (f", {out['estimate_over_measured']:.3f}x" if out["estimate_over_measured"] is not None else ""),
             flush=True,
         )
         if output_dir:

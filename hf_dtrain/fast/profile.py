@@ -46,7 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hf_dtrain.distributed.counters import SavedTensorCounter
 from hf_dtrain.models import is_tuner_layer
 
-from .paths import ATTENTION_PROJECTIONS, OBSERVER, _projection
+from . import observer
+from .paths import ATTENTION_PROJECTIONS, _projection
 from .paths import _attention_lean_forward as _attention_block
 from .paths import _mlp_lean_forward as _mlp_block
 
@@ -218,13 +219,12 @@ class StepProfile:
             def hook(module, args):
                 self._stack.append(scope)  # None: the input stands
 
-            setattr(hook, OBSERVER, True)  # watching only: the lean paths stay lean
-            return hook
+            return observer(hook)  # watching only: the lean paths stay lean
 
         def leave(module, args, output) -> None:  # returning the popped scope would replace the output
             self._stack.pop()
 
-        setattr(leave, OBSERVER, True)
+        observer(leave)
 
         handles = []
         for module, scope in self._scopes.items():
