@@ -53,10 +53,15 @@ def build(cfg, run) -> Parts:
     (not of a model a section laid out on a mesh), then the sections that need the wrapped model (a comm hook, the
     restored snapshot)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     from hf_dtrain.models import build_llama, trained_vocab_size
 
+    # Accelerate's state is one per process and outlives its Accelerator: an earlier job in this process (a bf16
+    # fine-tune's Trainer) would leave its bf16 for this loop, which the environment (accelerate launch's
+    # --mixed_precision) says instead; TrainingArguments resets it the same way
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         kwargs_handlers=run.accelerator_kwargs(),
