@@ -120,6 +120,7 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
     tracker.track_as_parameters(quantized_state(model))  # a 4-bit weight's scales, held outside its parameter
     collecting = gc.isenabled()
     gc.collect()
+    gc.freeze()  # what exists now is not the steps' garbage: the collections between steps skip it (~0.3 s each)
     gc.disable()  # within a step, no cyclic collection (see below); between steps, one
     try:
         with tracker, _shape_propagation_untracked():
@@ -128,6 +129,7 @@ def trace_step(model: nn.Module, optimizer, step, steps: int = 2, flops: bool = 
                 tracker.reset_mod_stats()  # the module-wise stats refuse a module called again otherwise
                 gc.collect()
     finally:
+        gc.unfreeze()
         if collecting:
             gc.enable()
     counted = 0
