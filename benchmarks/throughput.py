@@ -27,7 +27,10 @@ Peak memory: on CPU the process's peak resident set over 2 more steps after the 
 (``/proc/self/clear_refs`` resets it first, so compilation's transient memory is not counted), with glibc's mmap
 threshold fixed so that the resident set follows the live tensors (the timed steps run with the default allocator
 settings), above its resident set before the model was built (the libraries imported); on a GPU
-``torch.cuda.max_memory_allocated``. MFU: counted
+``torch.cuda.max_memory_allocated``. Each eager row's step is also traced by ``hf_dtrain.estimate`` on fake tensors
+(the same base, method, lean layers, AdamW and batch) and its estimate put beside the row's own peak: on a GPU
+``max_memory_allocated``, on CPU the tensors' peak over 2 more steps by the profiler's memory events
+(``hf_dtrain.estimate.measure``; the resident set holds more than tensors). MFU: counted
 FLOPs per second over the device's peak: on CPU the matmul peak in the step's compute dtype measured in this run (a
 4096 x 4096 matmul in a fresh process), on a GPU its datasheet dense bf16 peak.
 
@@ -211,20 +214,14 @@ def worker(
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
+    dense_dtype = model.get_input_embeddings().weight.dtype  # what the base loaded as: the trace builds the same
+
     def batch_of():
         ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
         return {"input_ids": ids, "labels": ids}
 
     def step(fn, prof=None):
-        phase = prof.phase if prof is not None else (lambda name: contextlib.nullcontext())
-        with phase("forward"), torch.autocast(device, dtype=low, enabled=low != torch.float32):
-            loss = fn(**batch_of()).loss
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return loss
+        return train_step(fn, optimizer, batch_of(), device, low, prof)
 
     flops = count_flops(model, step)
     if profile:
@@ -254,10 +251,25 @@ def worker(
         for _ in range(2):
             step(fn)
         peak = _peak_rss() - base_rss
+    estimated = tensors = None
+    if mode == "eager" and (cuda or method not in QUANTIZED):  # the estimate is of the eager step
+        estimated = estimated_peak(method, path, batch, seq, checkpointing, device, low, dense_dtype)
+        if not cuda:  # the tensors' peak (the resident set is not what the estimate counts): 2 more steps
+            from hf_dtrain.estimate.measure import StepPeak
+
+            measured = StepPeak(device)
+            measured.start(model, optimizer)
+            for _ in range(2):
+                step(fn)
+            tensors = measured.stop()
+    against = peak if cuda else tensors
     return {
         "method": method,
         "mode": mode,
         "trainable": trainable,
+        "estimated_peak_bytes": estimated,
+        "tensor_peak_bytes": tensors,  # CPU: the profiler's memory events over 2 steps (hf_dtrain.estimate.measure)
+        "estimate_over_measured": estimated / against if estimated and against else None,
         "step_seconds": times,
         "losses": losses,
         "flops_per_step": flops,
@@ -277,6 +289,62 @@ def worker(
         "checkpointing": checkpointing,
         "paths": fast.report(model, training=True),
     }
+
+
+def train_step(fn, optimizer, batch: dict, device: str, low, prof=None):
+    """One AdamW step as every row takes it: forward under autocast to ``low`` (none in fp32), backward, step."""
+    import torch
+
+    phase = prof.phase if prof is not None else (lambda name: contextlib.nullcontext())
+    with phase("forward"), torch.autocast(device, dtype=low, enabled=low != torch.float32):
+        loss = fn(**batch).loss
+    with phase("backward"):
+        loss.backward()
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def estimated_peak(method: str, path: str, batch: int, seq: int, checkpointing: bool, device: str, low, dense_dtype):
+    """The row's step traced by hf_dtrain's estimator on fake tensors (``hf_dtrain.estimate``: no weight read,
+    nothing allocated on the device): the same base built from its config (the 4-bit layers as bitsandbytes loads
+    them), the same method, lean layers, AdamW and batch. On a GPU it stands beside ``max_memory_allocated``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_dtrain import fast
+    from hf_dtrain.estimate import fake_tensors, make_fake, trace_step
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dense_dtype)
+    if method in QUANTIZED:
+        from hf_dtrain.quantization import quantize_model_nf4
+
+        quantize_model_nf4(model, compute_dtype=low)
+        model.is_loaded_in_4bit = True  # as transformers marks it: peft wraps it in its bitsandbytes classes
+    config = adapter_config(method, model)
+    if config is not None:
+        from peft import get_peft_model
+
+        with torch.device("meta"):
+            model = get_peft_model(model, config)
+    with fake_tensors():
+        model = make_fake(model, torch.device(device))
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if method not in ("full", "lora", "dora", "qlora"):
+            fast.apply(model)
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+        memory = trace_step(
+            model,
+            optimizer,
+            lambda: train_step(model, optimizer, {"input_ids": ids, "labels": ids}, device, low),
+            flops=False,
+        )
+    return memory.peak
 
 
 def profile_row(method: str, model, step, tokens: int) -> dict:
@@ -383,6 +451,8 @@ def _pooled(runs: list[dict]) -> dict:
     row["step_seconds"] = [t for r in runs for t in r["step_seconds"]]
     row["round_medians"] = [statistics.median(r["step_seconds"]) for r in runs]
     row["peak_bytes"] = int(statistics.median(r["peak_bytes"] for r in runs))
+    if row.get("estimate_over_measured") is not None and row.get("tensor_peak_bytes") is None:  # a GPU's peak
+        row["estimate_over_measured"] = row["estimated_peak_bytes"] / row["peak_bytes"]
     row["rounds"] = len(runs)
     return row
 
@@ -470,6 +540,8 @@ def table(payload: dict) -> str:
             ("budget_vs_lora", "budget / LoRA's", ".2f"),
             *SPEED_COLUMNS,
             ("peak_vs_lora", "peak / LoRA's", ".2f"),
+            ("estimated_peak_bytes", "estimated peak (hf_dtrain.estimate)", ",d"),
+            ("estimate_over_measured", "estimate / measured (GPU: peak bytes; CPU: the tensors' peak)", ".3f"),
         ],
     )
     return md + _failures(payload)
@@ -621,7 +693,7 @@ def _commit() -> str:
 RUN_KEYS = ("date", "device", "commit", "torch", "preset", "batch", "seq", "checkpointing", "source")
 ROW_KEYS = (
     "method", "mode", "trainable", "step_s", "tokens_per_s", "vs_lora", "vs_qlora", "mfu", "peak_bytes",
-    "peak_vs_lora", "paths", "error",
+    "peak_vs_lora", "estimated_peak_bytes", "tensor_peak_bytes", "estimate_over_measured", "paths", "error",
 )  # fmt: skip
 
 

@@ -66,6 +66,10 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     rows = detail["shapes"]["1b"]["rows"]  # the benchmark's mechanics on the test shape
     assert set(rows) == {"lora eager", "lora_fast eager", "lorafa eager"} and rows["lora eager"]["vs_lora"] == 1.0
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_bytes"] > 0 for r in rows.values())
+    # each eager row's step traced by the estimator and held against the row's own step (here the tensors' peak by
+    # the profiler's memory events; on a GPU, max_memory_allocated): within 5%
+    for name, row in (*rows.items(), *detail["shapes"]["8b"]["rows"].items()):
+        assert row["estimated_peak_bytes"] > 0 and abs(row["estimate_over_measured"] - 1) <= 0.05, (name, row)
     # each row says which path its layers took: peft's own LoRA plain, through hf_dtrain.fast and LoRA-FA lean
     assert rows["lora eager"]["paths"]["layers"] == 0
     for row in ("lora_fast eager", "lorafa eager"):

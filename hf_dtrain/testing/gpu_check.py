@@ -25,7 +25,10 @@ Steps (each runs even when an earlier one failed; the exit status is 1 if any fa
 * ``peak_memory``: ``torch.cuda.max_memory_allocated`` of one training step, LoRA-FA against LoRA and SMT against
   full fine-tuning, on a 1B-class LLaMA shape built from ``LlamaConfig`` (nothing is downloaded);
 * ``throughput``: ``benchmarks/throughput.py`` on the Llama 3.2 1B shape within a time budget: tokens/s, MFU and
-  peak memory of each method against peft LoRA, eager and ``torch.compile``d (its table beside this report);
+  peak memory of each method against peft LoRA, eager and ``torch.compile``d (its table beside this report); each
+  eager row's step also traced by ``hf_dtrain.estimate`` on fake tensors, its estimate beside the row's
+  ``max_memory_allocated`` (``estimate_over_measured``; the CPU dry run holds it against the tensors' peak by the
+  profiler's memory events instead);
 * ``multi_gpu``: with 2 or more GPUs, 2 ranks on NCCL (one per GPU): every comm hook, 1-bit LAMB, FSDP2 against
   the unsharded model and a sharded snapshot restored in place; skipped on one GPU, saying why; the dry run runs
   the same 2 ranks over gloo.
@@ -632,7 +635,18 @@ def throughput(ctx: Context) -> dict:
 def _throughput_rows(payload: dict) -> dict:
     rows = {
         f"{r['method']} {r['mode']}": {
-            k: r.get(k) for k in ("tokens_per_s", "vs_lora", "vs_qlora", "mfu", "peak_bytes", "paths", "error")
+            k: r.get(k)
+            for k in (
+                "tokens_per_s",
+                "vs_lora",
+                "vs_qlora",
+                "mfu",
+                "peak_bytes",
+                "estimated_peak_bytes",
+                "estimate_over_measured",
+                "paths",
+                "error",
+            )
         }
         for r in payload["rows"]
     }
