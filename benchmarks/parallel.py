@@ -2,14 +2,16 @@
 prediction from a machine profile measured in the same run; and the Optimus-style 2D tensor parallelism rows
 (activation bytes per rank and bytes on the wire per step against 1D TP and TP+SP at the same world size).
 
-    python benchmarks/parallel.py            # ~10 minutes on 2 cores
+    python benchmarks/parallel.py            # ~20 minutes on 2 cores
     python benchmarks/parallel.py --from-json benchmarks/results/parallel.json   # re-render only
 
-For each plan (pp, dp_replicate, dp_shard, tp, micro-batches; schedule 1F1B or Interleaved1F1B): the median step
-time over the timed steps (the slowest rank's), and per rank the bytes of parameters + gradients + AdamW state it
+For each plan (pp, dp_replicate, dp_shard, tp, micro-batches; schedule 1F1B or Interleaved1F1B): the step time (the
+slowest rank's) in 3 interleaved rounds (every plan once a round, the plans in a new order each round, 1 warm-up and
+3 timed steps a visit), the plan's time the median of all its timed steps, each round's median beside it (the spread
+of one plan's repeated measurement on this host); and per rank the bytes of parameters + gradients + AdamW state it
 holds plus the peak of the activation bytes autograd keeps alive (saved tensors, counted by storage while they
 live). Reported: Spearman's rank correlation of predicted vs measured step time per preset, and how far the
-planner's first choice is from the measured best.
+planner's first choice is from the measured best, over all rounds and in each round.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import argparse
 import contextlib
 import json
 import os
+import random
+import statistics
 import sys
 import time
 import weakref
@@ -28,7 +32,8 @@ import torch
 
 WORLD, SEQ, GLOBAL_BATCH = 4, 128, 8
 PRESETS = ("tiny", "small")
-WARMUP, TIMED = 2, 4
+WARMUP, TIMED = 1, 3  # per plan and round
+ROUNDS = 3  # every plan measured once a round, the plans in a new order each round (the same order on every rank)
 
 
 class LiveSavedBytes:
@@ -100,7 +105,7 @@ def _per_rank(values: list[float], world: int) -> list[list[float]]:
     return [r.tolist() for r in rows]
 
 
-def _plan_rank(rank, world, preset, plans, out):
+def _plan_rank(rank, world, preset, plans, out, rounds=ROUNDS, warmup=WARMUP, timed=TIMED):
     import torch.distributed as dist
 
     from hf_dtrain.estimate import trace_step
@@ -109,11 +114,17 @@ def _plan_rank(rank, world, preset, plans, out):
     from hf_dtrain.parallel.mesh import apply_parallelism, build_mesh, data_parallel, laid_out_step
     from hf_dtrain.parallel.planner import measure_profile
 
-    results = {"plans": {}}
+    results = {"plans": {key: {"round_times": []} for key in plans}}
     if preset == PRESETS[0]:
         results["profile"] = json.loads(measure_profile(PRESETS, name="this machine, 4 gloo ranks").to_json())
     vocab = build_llama(preset).config.vocab_size
-    for key, plan in plans.items():
+    visits = []
+    for round_ in range(rounds):  # interleaved: the host's drift over the run falls on every plan alike
+        order = list(plans)
+        random.Random(round_).shuffle(order)
+        visits += [(round_, key) for key in order]
+    for round_, key in visits:
+        plan = plans[key]
         degrees = {k: plan[k] for k in ("pp", "dp_replicate", "dp_shard", "tp")}
         mesh = build_mesh(degrees, "cpu")
         dp_rank, dp_size = data_parallel(mesh)
@@ -131,7 +142,7 @@ def _plan_rank(rank, world, preset, plans, out):
         g = torch.Generator().manual_seed(dp_rank)
         counter = LiveSavedBytes(exclude=list(trained.parameters()))
         times = []
-        for step in range(WARMUP + TIMED):
+        for step in range(warmup + timed):
             ids = torch.randint(0, vocab, (per_replica, SEQ), generator=g)
             dist.barrier()
             t0 = time.perf_counter()
@@ -140,8 +151,15 @@ def _plan_rank(rank, world, preset, plans, out):
             opt.step()
             opt.zero_grad()
             elapsed = _slowest(t0)
-            if step >= WARMUP:
+            if step >= warmup:
                 times.append(elapsed)
+        got = results["plans"][key]
+        got["round_times"].append(times)
+        every = sorted(t for r in got["round_times"] for t in r)
+        got["step_time"] = every[len(every) // 2]  # the median of every timed step of every round so far
+        if round_ > 0:  # the memory once, in the first round
+            del model, trained, pipe, opt
+            continue
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         params = list(trained.parameters())
         saved_peak = counter.peak
@@ -155,14 +173,15 @@ def _plan_rank(rank, world, preset, plans, out):
         # planner's traced memory is checked against
         peak = trace_step(trained, opt, step_untimed, steps=2, flops=False).peak
         per_rank = _per_rank([_local_bytes(params) * 2 + _local_bytes(state), saved_peak, peak], world)
-        results["plans"][key] = {
-            "step_time": sorted(times)[len(times) // 2],
-            "loss": float(loss.detach()),
-            "state_bytes": [float(x[0]) for x in per_rank],
-            "activation_bytes": [float(x[1]) for x in per_rank],
-            "peak_bytes": [float(x[2]) for x in per_rank],
-            "layer_cut": pipe.bounds if pipe is not None else None,
-        }
+        got.update(
+            {
+                "loss": float(loss.detach()),
+                "state_bytes": [float(x[0]) for x in per_rank],
+                "activation_bytes": [float(x[1]) for x in per_rank],
+                "peak_bytes": [float(x[2]) for x in per_rank],
+                "layer_cut": pipe.bounds if pipe is not None else None,
+            }
+        )
         del model, trained, pipe, opt
     if rank == 0:
         with open(out, "w") as f:
@@ -274,7 +293,7 @@ def measure_optimus(out_dir: str) -> dict:
     return json.load(open(out))
 
 
-def measure(preset: str, out_dir: str) -> dict:
+def measure(preset: str, out_dir: str, rounds: int = ROUNDS, warmup: int = WARMUP, timed: int = TIMED) -> dict:
     from hf_dtrain.models import llama_config
     from hf_dtrain.parallel.planner import legal_plans
     from hf_dtrain.testing import run_distributed
@@ -293,7 +312,7 @@ def measure(preset: str, out_dir: str) -> dict:
     }
     out = os.path.join(out_dir, f"{preset}.json")
     t0 = time.perf_counter()
-    run_distributed(_plan_rank, WORLD, args=(preset, plans, out), timeout=3000, pg_timeout_s=600)
+    run_distributed(_plan_rank, WORLD, args=(preset, plans, out, rounds, warmup, timed), timeout=3000, pg_timeout_s=600)
     print(f"{preset}: {len(plans)} plans measured in {time.perf_counter() - t0:.0f} s", flush=True)
     data = json.load(open(out))
     data["plan_settings"] = plans
@@ -305,6 +324,11 @@ def _worst(rows: list, key: str) -> float | None:
     return max((r[key] for r in rows), key=lambda x: abs(x - 1), default=None)
 
 
+def choice_of(rows: list) -> dict:
+    """The planner's first choice among the measured plans: the least predicted step time."""
+    return min(rows, key=lambda r: r["predicted_s"])
+
+
 def analyse(measured: dict) -> dict:
     from scipy.stats import spearmanr
 
@@ -313,7 +337,7 @@ def analyse(measured: dict) -> dict:
 
     profile = MachineProfile(**measured[PRESETS[0]]["profile"])
     summary = {}
-    for preset in PRESETS:
+    for preset in [p for p in PRESETS if p in measured]:
         rows = []
         config = llama_config(preset)
         for key, settings in measured[preset]["plan_settings"].items():
@@ -328,6 +352,10 @@ def analyse(measured: dict) -> dict:
                 "measured_mem_mib": max(a + b for a, b in zip(got["state_bytes"], got["activation_bytes"])) / 2**20,
                 "bubble": plan.breakdown["bubble_fraction"],
             }
+            rounds = [statistics.median(t) for t in got.get("round_times", [])]
+            if len(rounds) > 1:  # the plan's median in each round, and their spread
+                row["round_s"] = rounds
+                row["spread"] = (max(rounds) - min(rounds)) / statistics.median(rounds)
             if "peak_bytes" in got:  # runs before the planner traced its memory measured no peak
                 traced = got.get("traced_bytes")
                 if traced is None:  # the planner's traced memory (fake tensors; rank 0, and the last stage's rank)
@@ -352,10 +380,23 @@ def analyse(measured: dict) -> dict:
 
         by_trace = ranked("traced_mib") if all("traced_mib" in r for r in rows) else None
         by_arithmetic = ranked("predicted_mem_mib")
-        choice = min(rows, key=lambda r: r["predicted_s"])
+        choice = choice_of(rows)
         best = min(rows, key=lambda r: r["measured_s"])
         traced = [r for r in rows if "traced_ratio" in r]
+        per_round = []
+        for k in range(min((len(r.get("round_s", [])) for r in rows), default=0)):
+            best_k = min(r["round_s"][k] for r in rows)
+            per_round.append(
+                {
+                    "spearman": spearmanr([r["predicted_s"] for r in rows], [r["round_s"][k] for r in rows]).statistic,
+                    "first_choice_vs_best": choice_of(rows)["round_s"][k] / best_k,
+                    "measured_best": min(rows, key=lambda r: r["round_s"][k])["plan"],
+                }
+            )
         summary[preset] = {
+            "rounds": per_round,
+            "spread_median": statistics.median(r["spread"] for r in rows) if per_round else None,
+            "spread_max": max(r["spread"] for r in rows) if per_round else None,
             "spearman": rho,
             "spearman_ranked_traced": by_trace,
             "spearman_ranked_arithmetic": by_arithmetic,
@@ -369,7 +410,7 @@ def analyse(measured: dict) -> dict:
     return summary
 
 
-def render(payload: dict):
+def render(payload: dict, name: str = "parallel"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -377,9 +418,10 @@ def render(payload: dict):
     from _report import markdown_table, write
 
     summary = payload["summary"]
-    fig, axes = plt.subplots(1, len(PRESETS), figsize=(6 * len(PRESETS), 5))
+    presets = list(summary)
+    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 5), squeeze=False)
     tables, notes = [], []
-    for ax, preset in zip(axes, PRESETS):
+    for ax, preset in zip(axes[0], presets):
         s = summary[preset]
         xs = [r["predicted_s"] for r in s["rows"]]
         ys = [r["measured_s"] for r in s["rows"]]
@@ -401,6 +443,7 @@ def render(payload: dict):
                 [
                     ("plan", "plan", ""),
                     ("measured_s", "measured step (s)", ".4f"),
+                    ("spread", "spread over rounds", ".0%"),
                     ("predicted_s", "predicted step (s)", ".4f"),
                     ("bubble", "bubble", ".0%"),
                     ("measured_mem_mib", "measured state+activations / rank (MiB, max rank)", ".1f"),
@@ -416,6 +459,17 @@ def render(payload: dict):
             f"- {preset}: Spearman rank correlation {s['spearman']:.3f} (goal >= 0.9); the planner's "
             f"first choice {s['first_choice']} measures {s['first_choice_vs_best']:.3f}x the measured "
             f"best {s['measured_best']} (goal <= 1.10)."
+            + (
+                f" In each of the {len(s['rounds'])} interleaved rounds (every plan once a round, in a new order, "
+                f"its median step): Spearman "
+                + ", ".join(f"{r['spearman']:.3f}" for r in s["rounds"])
+                + "; first choice "
+                + ", ".join(f"{r['first_choice_vs_best']:.3f}x" for r in s["rounds"])
+                + f" the round's best. One plan's median moves between rounds by {s['spread_median']:.0%} (the "
+                f"median plan) and at most {s['spread_max']:.0%}."
+                if s.get("rounds")
+                else ""
+            )
             + (
                 f" Memory per rank against the measured peak of live tensor storage (max rank): traced (the "
                 f"planner's memory column) worst {s['worst_traced_ratio']:.3f}x, the per-token arithmetic worst "
@@ -467,7 +521,7 @@ def render(payload: dict):
         )
     fig.tight_layout()
     return write(
-        "parallel",
+        name,
         payload,
         "\n\n".join(tables),
         fig,
@@ -554,6 +608,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from-json", help="re-render from a results JSON")
     ap.add_argument("--scaling", action="store_true", help="only the planner's choices for 7B / 70B at 8-4096 GPUs")
+    ap.add_argument("--name", default="parallel", help="results/<name>.{json,md,png}")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds over every plan")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per plan and round")
+    ap.add_argument("--timed", type=int, default=TIMED, help="timed steps per plan and round")
+    ap.add_argument("--presets", default=",".join(PRESETS), help="a quick look: --presets tiny --rounds 2 --timed 1")
     args = ap.parse_args()
     if args.scaling:
         print(scaling())
@@ -564,27 +623,28 @@ def main():
         import tempfile
 
         tmp = tempfile.mkdtemp()
-        measured = {preset: measure(preset, tmp) for preset in PRESETS}
+        measured = {
+            preset: measure(preset, tmp, args.rounds, args.warmup, args.timed) for preset in args.presets.split(",")
+        }
         payload = {
             "world": WORLD,
             "seq_len": SEQ,
             "global_batch": GLOBAL_BATCH,
             "measured": measured,
-            "profile": measured[PRESETS[0]]["profile"],
+            "profile": measured[args.presets.split(",")[0]]["profile"],
             "optimus": measure_optimus(tmp),
         }
         from _report import RESULTS
 
         RESULTS.mkdir(parents=True, exist_ok=True)  # the measurements first: a rendering error loses nothing
-        (RESULTS / "parallel.json").write_text(json.dumps(payload, indent=1) + "\n")
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
     payload["summary"] = analyse(payload["measured"])
-    for preset in PRESETS:
-        s = payload["summary"][preset]
+    for preset, s in payload["summary"].items():
         print(
             f"{preset}: Spearman {s['spearman']:.3f}, first choice {s['first_choice']} = "
             f"{s['first_choice_vs_best']:.3f}x the measured best {s['measured_best']}"
         )
-    print(render(payload))
+    print(render(payload, args.name))
 
 
 if __name__ == "__main__":
