@@ -105,7 +105,21 @@ def _per_rank(values: list[float], world: int) -> list[list[float]]:
     return [r.tolist() for r in rows]
 
 
-def _plan_rank(rank, world, preset, plans, out, rounds=ROUNDS, warmup=WARMUP, timed=TIMED):
+def _release_memory() -> None:
+    """After a plan: its cycles collected and the heap's free pages handed back (glibc keeps them otherwise: the small
+    preset's ranks grew to 5 GB each by the third round)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if os.environ.get("HF_DTRAIN_BENCH_RSS"):
+        print("rss", open("/proc/self/statm").read().split()[1], flush=True)
+
+
+def _plan_rank(rank, world, preset, plans, out, round_=0, warmup=WARMUP, timed=TIMED):
+    """One round: every plan once, in this round's order (the same on every rank); the memory in round 0."""
     import torch.distributed as dist
 
     from hf_dtrain.estimate import trace_step
@@ -115,18 +129,17 @@ def _plan_rank(rank, world, preset, plans, out, rounds=ROUNDS, warmup=WARMUP, ti
     from hf_dtrain.parallel.planner import measure_profile
 
     results = {"plans": {key: {"round_times": []} for key in plans}}
-    if preset == PRESETS[0]:
+    if preset == PRESETS[0] and round_ == 0:
         results["profile"] = json.loads(measure_profile(PRESETS, name="this machine, 4 gloo ranks").to_json())
     vocab = build_llama(preset).config.vocab_size
-    visits = []
-    for round_ in range(rounds):  # interleaved: the host's drift over the run falls on every plan alike
-        order = list(plans)
-        random.Random(round_).shuffle(order)
-        visits += [(round_, key) for key in order]
-    for round_, key in visits:
+    order = list(plans)  # interleaved: the host's drift over the run falls on every plan alike
+    random.Random(round_).shuffle(order)
+    meshes = {}  # one mesh per layout, kept (a new one each visit made new gloo groups)
+    for key in order:
         plan = plans[key]
         degrees = {k: plan[k] for k in ("pp", "dp_replicate", "dp_shard", "tp")}
-        mesh = build_mesh(degrees, "cpu")
+        mesh = meshes.setdefault(tuple(degrees.values()), None) or build_mesh(degrees, "cpu")
+        meshes[tuple(degrees.values())] = mesh
         dp_rank, dp_size = data_parallel(mesh)
         per_replica = GLOBAL_BATCH // dp_size
         model = build_llama(preset, seed=0)
@@ -155,10 +168,9 @@ def _plan_rank(rank, world, preset, plans, out, rounds=ROUNDS, warmup=WARMUP, ti
                 times.append(elapsed)
         got = results["plans"][key]
         got["round_times"].append(times)
-        every = sorted(t for r in got["round_times"] for t in r)
-        got["step_time"] = every[len(every) // 2]  # the median of every timed step of every round so far
         if round_ > 0:  # the memory once, in the first round
             del model, trained, pipe, opt
+            _release_memory()
             continue
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         params = list(trained.parameters())
@@ -182,7 +194,8 @@ def _plan_rank(rank, world, preset, plans, out, rounds=ROUNDS, warmup=WARMUP, ti
                 "layer_cut": pipe.bounds if pipe is not None else None,
             }
         )
-        del model, trained, pipe, opt
+        del model, trained, pipe, opt, step_untimed
+        _release_memory()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -310,11 +323,24 @@ def measure(preset: str, out_dir: str, rounds: int = ROUNDS, warmup: int = WARMU
         }
         for p in legal_plans(llama_config(preset), WORLD, GLOBAL_BATCH, activations=("none",))
     }
-    out = os.path.join(out_dir, f"{preset}.json")
     t0 = time.perf_counter()
-    run_distributed(_plan_rank, WORLD, args=(preset, plans, out, rounds, warmup, timed), timeout=3000, pg_timeout_s=600)
+    data = None
+    for round_ in range(rounds):  # each round in fresh processes: the ranks' heaps grew with every plan visited
+        out = os.path.join(out_dir, f"{preset}_{round_}.json")
+        run_distributed(
+            _plan_rank, WORLD, args=(preset, plans, out, round_, warmup, timed), timeout=3000, pg_timeout_s=600
+        )
+        got = json.load(open(out))
+        if data is None:
+            data = got
+        else:
+            for key, plan in got["plans"].items():
+                data["plans"][key]["round_times"] += plan["round_times"]
+        print(f"{preset}: round {round_ + 1} of {rounds}, {time.perf_counter() - t0:.0f} s", flush=True)
+    for plan in data["plans"].values():  # the median of every timed step of every round
+        every = sorted(t for r in plan["round_times"] for t in r)
+        plan["step_time"] = every[len(every) // 2]
     print(f"{preset}: {len(plans)} plans measured in {time.perf_counter() - t0:.0f} s", flush=True)
-    data = json.load(open(out))
     data["plan_settings"] = plans
     return data
 
