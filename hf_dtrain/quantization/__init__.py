@@ -272,6 +272,11 @@ def _quant_state_tensors(state) -> list[torch.Tensor]:
     return own + _quant_state_tensors(state.state2)
 
 
+# the first torch whose fake tensors copy bitsandbytes' 4-bit weight (``Params4bit``, a Parameter subclass with its
+# own ``__torch_function__``): torch 2.11's FakeTensorMode returns NotImplemented for its empty_like (2.12 untried)
+FAKE_PARAMS4BIT_FROM = (2, 13)
+
+
 def to_empty(model: nn.Module, device) -> nn.Module:
     """``model.to_empty(device=device)`` that keeps the 4-bit layers whole: ``to_empty`` makes each parameter anew
     and knows nothing of the tensors a 4-bit layer holds elsewhere (bitsandbytes' ``quant_state`` on its weight,
@@ -293,6 +298,12 @@ def to_empty(model: nn.Module, device) -> nn.Module:
     kept = {}
     for module in model.modules():
         kind = quantized_kind(module)
+        if kind == "nf4" and _fake() and _torch_version() < FAKE_PARAMS4BIT_FROM:
+            raise SettingsError(
+                f"an NF4 base (bitsandbytes) cannot be traced on fake tensors with torch {torch.__version__}: its "
+                f"4-bit weights are copied by torch {'.'.join(map(str, FAKE_PARAMS4BIT_FROM))} and later; upgrade "
+                "torch, or give --estimate.skip true."
+            )
         if kind == "nf4":
             weight = module.weight
             kept[module] = {k: getattr(weight, k) for k in _PARAMS4BIT_ATTRIBUTES if hasattr(weight, k)}
@@ -305,6 +316,17 @@ def to_empty(model: nn.Module, device) -> nn.Module:
             setattr(module.weight, key, value)
         module.quant_state = attributes["quant_state"]
     return model
+
+
+def _torch_version() -> tuple[int, int]:
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _fake() -> bool:
+    """Whether ``to_empty`` runs inside a fake mode (an estimate), not on a real device."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
 
 
 @contextlib.contextmanager

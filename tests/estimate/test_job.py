@@ -408,6 +408,23 @@ def test_a_step_that_will_not_fit_is_refused_before_any_weight_is_read(tmp_path,
     assert code == 1 and "config-only" in err and "will not fit" not in err, err[-2000:]
 
 
+def test_an_nf4_base_on_a_torch_that_cannot_fake_it_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    """torch 2.11's fake tensors cannot copy bitsandbytes' 4-bit weight (a TypeError deep in bitsandbytes, which a run
+    on a GPU would meet in its unasked check): below the first torch that can, the trace is refused by name, and a
+    check nobody asked for is skipped with that sentence (the job goes on)."""
+    from hf_dtrain import quantization
+    from hf_dtrain.estimate.report import answer
+
+    monkeypatch.setattr(quantization, "FAKE_PARAMS4BIT_FROM", (99, 0))
+    argv = ["finetune", "--model", "tiny", "--method", "lora", "--quantize", "nf4", "--output-dir", str(tmp_path)]
+    code, out, err = _main([*argv, "--estimate"], capsys)
+    assert code == 1 and "cannot be traced on fake tensors with torch" in err and "--estimate.skip" in err, err
+    run = JobRun(_cfg(tmp_path, model="tiny", method="lora", quantize="nf4"), world_size=1, start=False)
+    run.skeleton = skeleton
+    assert answer(run, None) is None  # unasked (a GPU's check before the run): skipped, said
+    assert "was not estimated before the run" in capsys.readouterr().out
+
+
 def test_run_anyway_trains(tmp_path, tiny_base):
     from hf_dtrain.jobs.finetune import run_finetune
 
