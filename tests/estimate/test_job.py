@@ -417,7 +417,7 @@ def test_an_nf4_base_on_a_torch_that_cannot_fake_it_is_refused_by_name(tmp_path,
 
     monkeypatch.setattr(quantization, "FAKE_PARAMS4BIT_FROM", (99, 0))
     argv = ["finetune", "--model", "tiny", "--method", "lora", "--quantize", "nf4", "--output-dir", str(tmp_path)]
-    code, out, err = _main([*argv, "--estimate"], capsys)
+    code, _, err = _main([*argv, "--estimate"], capsys)
     assert code == 1 and "cannot be traced on fake tensors with torch" in err and "--estimate.skip" in err, err
     run = JobRun(_cfg(tmp_path, model="tiny", method="lora", quantize="nf4"), world_size=1, start=False)
     run.skeleton = skeleton
