@@ -251,10 +251,13 @@ def worker(
         for _ in range(2):
             step(fn)
         peak = _peak_rss() - base_rss
-    estimated = tensors = None
+    estimated = tensors = estimate_error = None
     if mode == "eager" and (cuda or method not in QUANTIZED):  # the estimate is of the eager step
-        estimated = estimated_peak(method, path, batch, seq, checkpointing, device, low, dense_dtype)
-        if not cuda:  # the tensors' peak (the resident set is not what the estimate counts): 2 more steps
+        try:
+            estimated = estimated_peak(method, path, batch, seq, checkpointing, device, low, dense_dtype)
+        except Exception as e:  # the row's measurement is kept; the estimate's failure is said beside it
+            estimate_error = f"{type(e).__name__}: {str(e)[:300]}"
+        if not cuda and estimated is not None:  # the tensors' peak (the resident set is more): 2 more steps
             from hf_dtrain.estimate.measure import StepPeak
 
             measured = StepPeak(device)
@@ -270,6 +273,7 @@ def worker(
         "estimated_peak_bytes": estimated,
         "tensor_peak_bytes": tensors,  # CPU: the profiler's memory events over 2 steps (hf_dtrain.estimate.measure)
         "estimate_over_measured": estimated / against if estimated and against else None,
+        "estimate_error": estimate_error,
         "step_seconds": times,
         "losses": losses,
         "flops_per_step": flops,

@@ -644,6 +644,7 @@ def _throughput_rows(payload: dict) -> dict:
                 "peak_bytes",
                 "estimated_peak_bytes",
                 "estimate_over_measured",
+                "estimate_error",
                 "paths",
                 "error",
             )
