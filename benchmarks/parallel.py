@@ -105,19 +105,6 @@ def _per_rank(values: list[float], world: int) -> list[list[float]]:
     return [r.tolist() for r in rows]
 
 
-def _release_memory() -> None:
-    """After a plan: its cycles collected and the heap's free pages handed back (glibc keeps them otherwise: the small
-    preset's ranks grew to 5 GB each by the third round)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    if os.environ.get("HF_DTRAIN_BENCH_RSS"):
-        print("rss", open("/proc/self/statm").read().split()[1], flush=True)
-
-
 def _plan_rank(rank, world, preset, plans, out, round_=0, warmup=WARMUP, timed=TIMED):
     """One round: every plan once, in this round's order (the same on every rank); the memory in round 0."""
     import torch.distributed as dist
@@ -138,8 +125,10 @@ def _plan_rank(rank, world, preset, plans, out, round_=0, warmup=WARMUP, timed=T
     for key in order:
         plan = plans[key]
         degrees = {k: plan[k] for k in ("pp", "dp_replicate", "dp_shard", "tp")}
-        mesh = meshes.setdefault(tuple(degrees.values()), None) or build_mesh(degrees, "cpu")
-        meshes[tuple(degrees.values())] = mesh
+        layout = tuple(degrees.values())
+        if layout not in meshes:
+            meshes[layout] = build_mesh(degrees, "cpu")
+        mesh = meshes[layout]
         dp_rank, dp_size = data_parallel(mesh)
         per_replica = GLOBAL_BATCH // dp_size
         model = build_llama(preset, seed=0)
@@ -170,7 +159,6 @@ def _plan_rank(rank, world, preset, plans, out, round_=0, warmup=WARMUP, timed=T
         got["round_times"].append(times)
         if round_ > 0:  # the memory once, in the first round
             del model, trained, pipe, opt
-            _release_memory()
             continue
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         params = list(trained.parameters())
@@ -195,7 +183,6 @@ def _plan_rank(rank, world, preset, plans, out, round_=0, warmup=WARMUP, timed=T
             }
         )
         del model, trained, pipe, opt, step_untimed
-        _release_memory()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

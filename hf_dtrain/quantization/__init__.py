@@ -298,7 +298,7 @@ def to_empty(model: nn.Module, device) -> nn.Module:
     kept = {}
     for module in model.modules():
         kind = quantized_kind(module)
-        if kind == "nf4" and _fake() and _torch_version() < FAKE_PARAMS4BIT_FROM:
+        if kind == "nf4" and _fake() and torch.__version__ < FAKE_PARAMS4BIT_FROM:
             raise SettingsError(
                 f"an NF4 base (bitsandbytes) cannot be traced on fake tensors with torch {torch.__version__}: its "
                 f"4-bit weights are copied by torch {'.'.join(map(str, FAKE_PARAMS4BIT_FROM))} and later; upgrade "
@@ -316,10 +316,6 @@ def to_empty(model: nn.Module, device) -> nn.Module:
             setattr(module.weight, key, value)
         module.quant_state = attributes["quant_state"]
     return model
-
-
-def _torch_version() -> tuple[int, int]:
-    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def _fake() -> bool:
