@@ -87,6 +87,18 @@ TRAIN_ROWS = 2000  # rows of the training file the runs draw from
 SMT_WARMUP = 10  # SMT's gradient-scoring passes before it selects its blocks (no weight changes)
 CELLS = RESULTS / "real_llama_cells.jsonl"
 GRID_TASK = "cr"  # the task whose held-out train rows choose each method's learning rate for every task
+# Where a goal was missed, what was tried (``--probes``): each probe is the study's own cell on GRID_TASK at the
+# method's chosen rate with one change, 3 seeds, judged on the held-out train rows (the dev set beside, never chosen
+# on). SMT spends its warm-up's passes inside the job's steps (they only score gradients), so at 24 steps with a
+# 10-pass warm-up it makes 14 weight updates where every other method makes 24, late in the decaying schedule;
+# LoRA-FA's chosen rate sits one grid step (3x) below rates that collapse to the majority label.
+PROBES = {
+    "smt, warm-up 2 of 24 steps": dict(method="smt", overrides={"smt": {"warmup_steps": 2}}),
+    "smt, warm-up 10 + 24 updates": dict(method="smt", steps=STEPS + SMT_WARMUP),
+    "lorafa, rate x0.6": dict(method="lorafa", lr_factor=0.6),
+    "lorafa, rate x1.5": dict(method="lorafa", lr_factor=1.5),
+}
+PROBE_CELLS = RESULTS / "real_llama_probes.jsonl"
 
 QUESTIONS = {
     "cr": (
@@ -208,6 +220,9 @@ def run_cell(cell: dict) -> dict:
     settings.update(BUDGET.get(method, {}))
     if method == "smt":
         settings["smt"] = {"warmup_steps": SMT_WARMUP}
+    settings["training"]["max_steps"] = cell.get("steps", STEPS)
+    for key, value in cell.get("overrides", {}).items():  # a probe's one change
+        settings[key] = {**settings.get(key, {}), **value} if isinstance(value, dict) else value
     cfg = FinetuneConfig(**settings)
     t0 = time.time()
     results = run_finetune(cfg)
@@ -351,6 +366,82 @@ def run_study(
                         f"{row.get('dev_accuracy')} ({time.time() - t0:.0f} s)",
                         flush=True,
                     )
+
+
+def run_probes(scratch: Path, timeout: float, data: Path = DATA) -> None:
+    """Every probe (``PROBES``) on ``GRID_TASK`` at 3 seeds, appended to ``real_llama_probes.jsonl``, resumable."""
+    script = str(Path(__file__).resolve())
+    rows = done_cells()
+    done = _probe_rows()
+    train, dev = task_files(GRID_TASK, scratch / "data", data)
+    for name, probe in PROBES.items():
+        lr = chosen_lr(rows, GRID_TASK, probe["method"])
+        if lr is None:
+            print(f"{name}: {GRID_TASK}'s grid for {probe['method']} is unfinished; run the study first")
+            continue
+        lr = float(f"{lr * probe.get('lr_factor', 1.0):.3g}")
+        for seed in SEEDS:
+            if "error" not in done.get((name, seed), {"error": None}):
+                continue
+            cell = dict(task=GRID_TASK, method=probe["method"], lr=lr, seed=seed, train=train, dev=dev)
+            cell.update({k: probe[k] for k in ("steps", "overrides") if k in probe})
+            cell["output_dir"] = str(scratch / "probes" / f"{len(done)}-{seed}")
+            try:
+                row = run_worker(script, ["--worker", json.dumps(cell)], timeout=timeout, what=name)
+            except RuntimeError as e:
+                row = dict(cell, error=str(e)[-1500:])
+            for k in ("train", "dev", "output_dir"):
+                row.pop(k, None)
+            row["probe"] = name
+            with open(PROBE_CELLS, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            done[(name, seed)] = row
+            print(f"{name} seed={seed}: select {row.get('select_accuracy')} dev {row.get('dev_accuracy')}", flush=True)
+
+
+def _probe_rows() -> dict:
+    if not PROBE_CELLS.is_file():
+        return {}
+    rows = [json.loads(line) for line in PROBE_CELLS.read_text().splitlines() if line.strip()]
+    return {(r["probe"], int(r["seed"])): r for r in rows}
+
+
+def summarize_probes(rows: dict) -> list[dict]:
+    """Each probe beside the study's own cell it changes: mean ± sd of the held-out train rows and of dev."""
+
+    def stats(cells, key):
+        values = [c[key] for c in cells if c.get(key) is not None]
+        if not values:
+            return None, None
+        return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+    out = []
+    probes = _probe_rows()
+    for method in [*sorted({p["method"] for p in PROBES.values()}), "lora"]:  # LoRA: the goals' baseline
+        lr = chosen_lr(rows, GRID_TASK, method)
+        base = [rows[(GRID_TASK, method, lr, s)] for s in SEEDS if (GRID_TASK, method, lr, s) in rows]
+        variants = [(f"{method}, the study's cell", lr, base)]
+        for name, probe in PROBES.items():
+            if probe["method"] == method:
+                cells = [probes[(name, s)] for s in SEEDS if (name, s) in probes and "error" not in probes[(name, s)]]
+                variants.append((name, cells[0]["lr"] if cells else None, cells))
+        for name, lr_, cells in variants:
+            sel, sel_sd = stats(cells, "select_accuracy")
+            dev_, dev_sd = stats(cells, "dev_accuracy")
+            out.append(
+                dict(
+                    probe=name,
+                    lr=lr_,
+                    seeds=len(cells),
+                    select_mean=sel,
+                    select_sd=sel_sd,
+                    dev_mean=dev_,
+                    dev_sd=dev_sd,
+                    select=f"{sel:.3f} ± {sel_sd:.3f}" if sel is not None else "not run yet",
+                    dev=f"{dev_:.3f} ± {dev_sd:.3f}" if dev_ is not None else "not run yet",
+                )
+            )
+    return out
 
 
 def summarize(rows: dict, tasks_: list[str], methods: list[str]) -> list[dict]:
@@ -517,6 +608,17 @@ def render(tasks_: list[str], methods: list[str]) -> None:
             ("verdict", "verdict", ""),
         ],
     )
+    probe_rows = summarize_probes(rows)
+    table += "\n\n" + markdown_table(
+        probe_rows,
+        [
+            ("probe", f"tried where a goal was missed ({GRID_TASK})", ""),
+            ("lr", "learning rate", ""),
+            ("seeds", "seeds", ""),
+            ("select", "held-out train rows (judged on)", ""),
+            ("dev", "dev (not chosen on)", ""),
+        ],
+    )
     fig, axes = plt.subplots(1, len(tasks_), figsize=(5 * len(tasks_), 4.5), squeeze=False)
     for ax, task in zip(axes[0], tasks_):
         part = [r for r in summary if r["task"] == task and "dev_mean" in r]
@@ -559,6 +661,7 @@ def render(tasks_: list[str], methods: list[str]) -> None:
         dict(
             summary=summary,
             goals=goal_rows,
+            probes=probe_rows,
             default=chosen,
             cells=list(rows.values()),
             finished=finished,
@@ -589,6 +692,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--data", type=Path, default=DATA, help="the folder holding cr/ and subj/ (label<TAB>sentence)")
     p.add_argument("--grid-tasks", default="", help=f"tasks that choose their own rate too (default: only {GRID_TASK})")
+    p.add_argument("--probes", action="store_true", help="run what is tried where a goal was missed (PROBES)")
     p.add_argument("--render", action="store_true", help="only render the tables and chart from the cells so far")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-zero-shot", help=argparse.SUPPRESS)
@@ -602,7 +706,9 @@ def main() -> None:
     unknown = sorted(set(tasks_) - set(TASKS)) + sorted(set(methods) - set(METHODS))
     if unknown:
         p.error(f"unknown {unknown}; tasks: {TASKS}; methods: {METHODS}")
-    if not a.render:
+    if a.probes:
+        run_probes(Path(a.scratch), a.timeout, a.data)
+    elif not a.render:
         grid_tasks = tuple(t for t in a.grid_tasks.split(",") if t)
         run_study(tasks_, methods, Path(a.scratch), a.timeout, a.data, grid_tasks)
     render(TASKS, METHODS)
