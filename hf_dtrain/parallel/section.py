@@ -47,6 +47,28 @@ def keep_sharded(model) -> None:
     model._sharded_by_hf_dtrain = True
 
 
+def leave_sharded_to_the_trainer(accelerator) -> None:
+    """Accelerate 1.14 and later hand a model marked prepared (:func:`keep_sharded`) back as it is; before 1.14 its
+    ``prepare_model`` wrapped the FSDP2-sharded model in DDP on a multi-process CPU run, which fails on its DTensor
+    parameters (``Attempted to flatten unevenly sharded dimension 0``: ``hf-dtrain finetune --fsdp`` on the floor
+    releases). On those releases this Trainer's Accelerator is given the newer behaviour for such a model."""
+    from accelerate.utils import compare_versions
+
+    if compare_versions("accelerate", ">=", "1.14.0") or getattr(accelerator, "_leaves_sharded", False):
+        return
+    prepare_model = accelerator.prepare_model
+
+    def prepare_unless_sharded(model, *args, **kwargs):
+        if getattr(model, "_sharded_by_hf_dtrain", False):
+            if model not in accelerator._models:
+                accelerator._models.append(model)
+            return model
+        return prepare_model(model, *args, **kwargs)
+
+    accelerator.prepare_model = prepare_unless_sharded
+    accelerator._leaves_sharded = True
+
+
 def autocast_as_prepared(model) -> None:
     """What Accelerate's ``prepare_model`` does for mixed precision, which it skips on a model marked prepared
     (:func:`keep_sharded`): the forward under Accelerate's own autocast (``--bf16`` / ``--mixed_precision``), its
@@ -148,6 +170,7 @@ class FSDPSection(Section):
         keep_sharded(model)
 
     def attach(self, trainer) -> None:
+        leave_sharded_to_the_trainer(trainer.accelerator)  # accelerate < 1.14 would wrap it in DDP
         autocast_as_prepared(trainer.model)  # the Trainer's Accelerator skips the model it is told is prepared
 
     def after_prepare(self, model, optimizer) -> None:

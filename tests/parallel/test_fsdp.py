@@ -217,6 +217,26 @@ def test_a_wrap_that_splits_a_tuner_layer_is_refused():
     assert len(fsdp_units(model, FSDPConfig())) == 2  # the decoder layers, from _no_split_modules
 
 
+def test_a_trainer_on_accelerate_before_1_14_gets_the_sharded_model_back_as_it_is(monkeypatch):
+    """Accelerate before 1.14 did not hand a model marked prepared back as it is: its ``prepare_model`` wrapped the
+    FSDP2-sharded model in DDP, which failed on the DTensor shards (``hf-dtrain finetune --fsdp`` on the floor
+    releases, accelerate 1.11). The Trainer's Accelerator gets the newer behaviour; every other model is prepared."""
+    import accelerate.utils
+    from accelerate import Accelerator
+
+    from hf_dtrain.parallel.section import keep_sharded, leave_sharded_to_the_trainer
+
+    monkeypatch.setattr(accelerate.utils, "compare_versions", lambda *args: False)  # as on accelerate 1.11-1.13
+    accelerator = Accelerator(cpu=True)
+    wrapped = []
+    monkeypatch.setattr(accelerator, "prepare_model", lambda model, *a, **k: wrapped.append(model) or "wrapped")
+    leave_sharded_to_the_trainer(accelerator)
+    sharded, plain = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    keep_sharded(sharded)
+    assert accelerator.prepare(sharded) is sharded and sharded in accelerator._models and wrapped == []
+    assert accelerator.prepare(plain) == "wrapped" and wrapped == [plain]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
