@@ -25,6 +25,23 @@ from hf_dtrain.models import is_tuner_layer
 from .config import FSDPConfig
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # FSDPConfig.param_dtype
+# fully_shard makes an integer parameter (a 4-bit base's packed weights) a Parameter that asks for gradients before
+# it sets requires_grad, which fails on torch 2.11 ("only Tensors of floating point dtype can require gradients");
+# torch 2.13 passes requires_grad through (2.12 not tried here)
+INTEGER_SHARDS_FROM = (2, 13)
+
+
+def _check_integer_parameters(model: nn.Module) -> None:
+    if torch.__version__ >= INTEGER_SHARDS_FROM:
+        return
+    packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]
+    if packed:
+        raise SettingsError(
+            f"--fsdp: FSDP2 on torch {torch.__version__} cannot shard integer parameters ({packed[0]}"
+            f"{f' and {len(packed) - 1} more' if len(packed) > 1 else ''}: a 4-bit base's packed weights); torch "
+            f"{'.'.join(map(str, INTEGER_SHARDS_FROM))} and later can. Upgrade torch, or train this base without "
+            "--fsdp."
+        )
 
 
 def _tuner_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -103,6 +120,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, mesh=None) ->
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
         raise SettingsError("apply_fsdp: the model is already sharded with fully_shard; apply it once.")
     units = fsdp_units(model, config)
+    _check_integer_parameters(model)
     mesh = mesh if mesh is not None else fsdp_mesh(config)
     if config.activation_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):

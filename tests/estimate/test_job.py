@@ -20,6 +20,27 @@ from hf_dtrain.settings import SettingsError
 SMALL = dict(per_device_train_batch_size=2, max_length=128, report=False, progress=False)
 
 
+def _nf4(*values):
+    """A case with an NF4 base: traced only where torch copies bitsandbytes' 4-bit weights onto fake tensors (the
+    job refuses it by name before: ``test_an_nf4_base_on_a_torch_that_cannot_fake_it_is_refused_by_name``)."""
+    from hf_dtrain.quantization import FAKE_PARAMS4BIT_FROM
+
+    return _from_torch(FAKE_PARAMS4BIT_FROM, "an NF4 base is traced", *values)
+
+
+def _from_torch(floor: tuple, what: str, *values):
+    version = ".".join(map(str, floor))
+    return pytest.param(*values, marks=pytest.mark.skipif(torch.__version__ < floor, reason=f"{what} from {version}"))
+
+
+def _sharded_int4(*values):
+    """FSDP2 shards a 4-bit base's packed integer weights from torch 2.13 (refused by name before it:
+    ``tests/parallel/test_fsdp.py::test_integer_parameters_on_a_torch_whose_fsdp2_cannot_shard_them...``)."""
+    from hf_dtrain.parallel.fsdp import INTEGER_SHARDS_FROM
+
+    return _from_torch(INTEGER_SHARDS_FROM, "FSDP2 shards packed 4-bit weights", *values)
+
+
 def _cfg(tmp_path, **settings):
     return finetune_config_class().from_dict({**SMALL, "output_dir": str(tmp_path / "out"), **settings})
 
@@ -29,7 +50,7 @@ def _cfg(tmp_path, **settings):
     [
         ("lorafa", False, None),
         ("smt", True, None),
-        ("lora", False, "nf4"),
+        _nf4("lora", False, "nf4"),
         ("qbara", False, "int4"),
         ("qahira", False, "hqq4"),
     ],
@@ -92,7 +113,7 @@ def full_rows(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "method, checkpointing, quantize", [("smt", True, None), ("lora", False, None), ("lora", False, "nf4")]
+    "method, checkpointing, quantize", [("smt", True, None), ("lora", False, None), _nf4("lora", False, "nf4")]
 )
 def test_the_estimate_holds_against_the_jobs_own_steps(
     tmp_path, deeper_base, full_rows, method, checkpointing, quantize
@@ -506,7 +527,8 @@ def _4bit_bytes(config, quantize: str, group: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(
-    "method, quantize, world", [("lora", "nf4", 1), ("lora", "nf4", 8), ("qbara", "int4", 8), ("qahira", "hqq4", 1)]
+    "method, quantize, world",
+    [_nf4("lora", "nf4", 1), _nf4("lora", "nf4", 8), _sharded_int4("qbara", "int4", 8), ("qahira", "hqq4", 1)],
 )
 def test_4bit_bases_trace_at_real_shapes(tmp_path, method, quantize, world):
     """Llama 3 8B's layer shapes with each 4-bit base, on one GPU or FSDP2 x 8: the forward's 4-bit products are

@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 from peft import get_peft_model
+from torch.distributed.fsdp import FSDPModule
 
 from hf_dtrain import LoraFAConfig, create_lorafa_optimizer, smt_warmup
 from hf_dtrain.parallel import FSDPConfig, apply_fsdp, fsdp_units, full_state_dict, save_pretrained
+from hf_dtrain.settings import SettingsError
 from hf_dtrain.testing import mean_over_ranks, random_batch, tiny_llama
 
 from .common import (
@@ -215,6 +217,21 @@ def test_a_wrap_that_splits_a_tuner_layer_is_refused():
     with pytest.raises(ValueError, match="matches no module"):
         fsdp_units(model, FSDPConfig(layer_classes=["GPT2Block"]))
     assert len(fsdp_units(model, FSDPConfig())) == 2  # the decoder layers, from _no_split_modules
+
+
+def test_integer_parameters_on_a_torch_whose_fsdp2_cannot_shard_them_are_refused_by_name(monkeypatch):
+    """torch 2.11's fully_shard fails on a 4-bit base's packed integer weights (a raw "only Tensors of floating point
+    dtype can require gradients" from inside FSDP2); there the job says which parameter, and the fix, before
+    sharding anything."""
+    from hf_dtrain.parallel import fsdp
+
+    model = tiny_llama(seed=0)
+    packed = torch.nn.Parameter(torch.zeros(8, dtype=torch.uint8), requires_grad=False)
+    model.model.layers[0].self_attn.q_proj.register_parameter("packed", packed)
+    monkeypatch.setattr(fsdp, "INTEGER_SHARDS_FROM", (99, 0))
+    with pytest.raises(SettingsError, match=r"integer parameters \(model.layers.0.self_attn.q_proj.packed"):
+        apply_fsdp(model, FSDPConfig())
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def test_a_trainer_on_accelerate_before_1_14_gets_the_sharded_model_back_as_it_is(monkeypatch):
