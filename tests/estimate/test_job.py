@@ -155,6 +155,7 @@ def test_the_estimate_holds_against_the_jobs_own_steps(
     assert written["measured_peak_bytes"] == estimate["measured_peak_bytes"] > 0
 
 
+@pytest.mark.smoke  # on the floors too: each found a fault there (accelerate 1.11, torch 2.11 / 2.13)
 def test_the_fsdp2_estimate_holds_against_the_jobs_own_steps(tmp_path, deeper_base, full_rows):
     """``hf-dtrain finetune --fsdp --bf16 true`` on 2 gloo ranks (torchrun), the Trainer through TRL: rank
     0's last two steps against its estimate, within 5%. It found the Trainer training in float32 under ``--fsdp`` (the
@@ -364,6 +365,7 @@ def _measure_pipeline_rank(rank, world_size, out):
         json.dump(result.to_dict(), f)
 
 
+@pytest.mark.smoke  # on the floors too: each found a fault there (accelerate 1.11, torch 2.11 / 2.13)
 def test_a_pipeline_is_traced_on_its_first_and_last_stage(tmp_path):
     """``pretrain --pp 2``: each stage is given its shapes (the fake group cannot exchange them), the first and the
     last stage's ranks are traced, and the larger is within 0.3% of the larger of 2 real gloo ranks' measured peaks
@@ -429,6 +431,7 @@ def test_a_step_that_will_not_fit_is_refused_before_any_weight_is_read(tmp_path,
     assert code == 1 and "config-only" in err and "will not fit" not in err, err[-2000:]
 
 
+@pytest.mark.smoke  # on the floors too: each found a fault there (accelerate 1.11, torch 2.11 / 2.13)
 def test_an_nf4_base_on_a_torch_that_cannot_fake_it_is_refused_by_name(tmp_path, capsys, monkeypatch):
     """torch 2.11's fake tensors cannot copy bitsandbytes' 4-bit weight (a TypeError deep in bitsandbytes, which a run
     on a GPU would meet in its unasked check): below the first torch that can, the trace is refused by name, and a
