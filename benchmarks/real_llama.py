@@ -385,7 +385,7 @@ def run_probes(scratch: Path, timeout: float, data: Path = DATA) -> None:
                 continue
             cell = dict(task=GRID_TASK, method=probe["method"], lr=lr, seed=seed, train=train, dev=dev)
             cell.update({k: probe[k] for k in ("steps", "overrides") if k in probe})
-            cell["output_dir"] = str(scratch / "probes" / f"{len(done)}-{seed}")
+            cell["output_dir"] = str(scratch / "probes" / f"{list(PROBES).index(name)}-{seed}")
             try:
                 row = run_worker(script, ["--worker", json.dumps(cell)], timeout=timeout, what=name)
             except RuntimeError as e:
