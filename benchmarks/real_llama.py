@@ -206,7 +206,7 @@ def run_cell(cell: dict) -> dict:
         report=False,
         evaluate_before=False,  # the zero-shot base is scored once per task
         training=dict(
-            max_steps=STEPS,
+            max_steps=cell.get("steps", STEPS),  # a probe may give SMT's warm-up steps of its own
             per_device_train_batch_size=BATCH,
             per_device_eval_batch_size=32,
             learning_rate=cell["lr"],
@@ -220,7 +220,6 @@ def run_cell(cell: dict) -> dict:
     settings.update(BUDGET.get(method, {}))
     if method == "smt":
         settings["smt"] = {"warmup_steps": SMT_WARMUP}
-    settings["training"]["max_steps"] = cell.get("steps", STEPS)
     for key, value in cell.get("overrides", {}).items():  # a probe's one change
         settings[key] = {**settings.get(key, {}), **value} if isinstance(value, dict) else value
     cfg = FinetuneConfig(**settings)
@@ -296,9 +295,9 @@ def _key(row: dict) -> tuple:
     return (row["task"], row["method"], float(row.get("lr") or 0), int(row.get("seed") or 0))
 
 
-def _append(row: dict) -> None:
-    CELLS.parent.mkdir(parents=True, exist_ok=True)
-    with open(CELLS, "a") as f:
+def _append(row: dict, path: Path = CELLS) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -393,8 +392,7 @@ def run_probes(scratch: Path, timeout: float, data: Path = DATA) -> None:
             for k in ("train", "dev", "output_dir"):
                 row.pop(k, None)
             row["probe"] = name
-            with open(PROBE_CELLS, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            _append(row, PROBE_CELLS)
             done[(name, seed)] = row
             print(f"{name} seed={seed}: select {row.get('select_accuracy')} dev {row.get('dev_accuracy')}", flush=True)
 
