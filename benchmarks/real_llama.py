@@ -89,14 +89,20 @@ CELLS = RESULTS / "real_llama_cells.jsonl"
 GRID_TASK = "cr"  # the task whose held-out train rows choose each method's learning rate for every task
 # Where a goal was missed, what was tried (``--probes``): each probe is the study's own cell on GRID_TASK at the
 # method's chosen rate with one change, 3 seeds, judged on the held-out train rows (the dev set beside, never chosen
-# on). SMT spends its warm-up's passes inside the job's steps (they only score gradients), so at 24 steps with a
-# 10-pass warm-up it makes 14 weight updates where every other method makes 24, late in the decaying schedule;
-# LoRA-FA's chosen rate sits one grid step (3x) below rates that collapse to the majority label.
+# on). LoRA-FA's chosen rate sits one grid step (3x) below rates that collapse to the majority label.
 PROBES = {
-    "smt, warm-up 2 of 24 steps": dict(method="smt", overrides={"smt": {"warmup_steps": 2}}),
-    "smt, warm-up 10 + 24 updates": dict(method="smt", steps=STEPS + SMT_WARMUP),
     "lorafa, rate x0.6": dict(method="lorafa", lr_factor=0.6),
     "lorafa, rate x1.5": dict(method="lorafa", lr_factor=1.5),
+}
+# Probes measured with an earlier job, kept as measured (``--probes`` cannot rerun them: the job has changed). Until
+# 2026-12-07 (58c9dea) the job's SMT scored its warm-up inside ``max_steps`` (a Trainer callback in one process), so
+# at 24 steps with a 10-pass warm-up it made 14 weight updates where every other method made 24, late in the decaying
+# schedule; the study's SMT row then was its first probe below. The job now runs the warm-up before the Trainer in
+# every engine (as it already did under DDP / FSDP2), and the study's SMT cells are measured again.
+EARLIER_PROBES = {
+    "smt, the job until 58c9dea: warm-up 10 inside 24 steps": dict(method="smt"),
+    "smt, the job until 58c9dea: warm-up 2 inside 24 steps": dict(method="smt"),
+    "smt, the job until 58c9dea: warm-up 10 inside 34 steps": dict(method="smt"),
 }
 PROBE_CELLS = RESULTS / "real_llama_probes.jsonl"
 
@@ -206,7 +212,7 @@ def run_cell(cell: dict) -> dict:
         report=False,
         evaluate_before=False,  # the zero-shot base is scored once per task
         training=dict(
-            max_steps=cell.get("steps", STEPS),  # a probe may give SMT's warm-up steps of its own
+            max_steps=cell.get("steps", STEPS),  # a probe may change the steps
             per_device_train_batch_size=BATCH,
             per_device_eval_batch_size=32,
             learning_rate=cell["lr"],
@@ -415,11 +421,12 @@ def summarize_probes(rows: dict) -> list[dict]:
 
     out = []
     probes = _probe_rows()
-    for method in [*sorted({p["method"] for p in PROBES.values()}), "lora"]:  # LoRA: the goals' baseline
+    every = {**PROBES, **EARLIER_PROBES}
+    for method in [*sorted({p["method"] for p in every.values()}), "lora"]:  # LoRA: the goals' baseline
         lr = chosen_lr(rows, GRID_TASK, method)
         base = [rows[(GRID_TASK, method, lr, s)] for s in SEEDS if (GRID_TASK, method, lr, s) in rows]
         variants = [(f"{method}, the study's cell", lr, base)]
-        for name, probe in PROBES.items():
+        for name, probe in every.items():
             if probe["method"] == method:
                 cells = [probes[(name, s)] for s in SEEDS if (name, s) in probes and "error" not in probes[(name, s)]]
                 variants.append((name, cells[0]["lr"] if cells else None, cells))

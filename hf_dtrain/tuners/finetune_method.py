@@ -9,7 +9,8 @@ this shape). It declares everything the jobs would otherwise branch on:
 * ``build_config(adapter, settings, model)``: its peft config from the adapter settings every method shares
   (:class:`AdapterSettings`: ``--lora-r``, ``--lora-alpha``, ``--lora-dropout``, ``--target-modules``,
   ``--quant-group-size``) and its own settings; never the whole job config;
-* ``prepare(model, settings, data)``: a step between wrapping the model and training it (SMT's block selection);
+* ``prepare(model, settings, data)``: a step after the adapters are made and before the model is wrapped and trains
+  (SMT's block selection, outside ``max_steps``);
 * ``owns_optimizer(settings)`` / ``build_optimizer``: an optimizer of its own (LoRA-FA's), and the flag that turns it
   off, which the optimizer section names when it refuses a second optimizer;
 * ``fused``: how its adapters train fused in ``hf-dtrain sweep`` (:class:`LowRankForm`, :class:`BlockSparseForm`,
@@ -47,7 +48,8 @@ class AdapterSettings:
 
 @dataclass(frozen=True)
 class MethodData:
-    """What a method's ``prepare`` step may use: the training data as the job draws it and where the model runs."""
+    """What a method's ``prepare`` step may use (it runs before the model is wrapped for DDP, FSDP2, DeepSpeed or a
+    fused sweep): the training data as the job draws it, where the model runs and what it computes in."""
 
     train: Any  # the prepared training dataset
     collator: Callable
@@ -55,9 +57,9 @@ class MethodData:
     seed: int
     world_size: int = 1
     rank: int = 0
-    wrapped: bool = False  # the model will be wrapped (DDP, FSDP2, DeepSpeed, fused) before it trains
     adapter_name: str | None = None
     progress: bool = True
+    autocast_dtype: Any = None  # the torch dtype the job computes in under autocast (bf16 / fp16), None for none
 
 
 @dataclass(frozen=True)

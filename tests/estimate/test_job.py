@@ -127,7 +127,7 @@ def test_the_estimate_holds_against_the_jobs_own_steps(
     above it."""
     from hf_dtrain.jobs.finetune import run_finetune
 
-    extra = {"smt": {"warmup_steps": 1}} if method == "smt" else {}  # its scoring step first, then two measured
+    extra = {"smt": {"warmup_steps": 1}} if method == "smt" else {}  # its scoring pass runs before the 3 steps
     if quantize:  # the job's bf16 default on a CPU that computes it (where the 4-bit layers' casts differ)
         extra["bf16"] = True
     cfg = _cfg(

@@ -45,10 +45,17 @@ def adapt(cfg, run, data, args):
         seed=args.seed,
         world_size=run.world_size,
         rank=run.rank,
-        wrapped=run.engine != "single process",  # DDP, FSDP2 or DeepSpeed will wrap it: shapes are fixed then
         progress=cfg.progress and run.is_main,
+        autocast_dtype=_autocast_dtype(args),
     )
     return model, method.prepare(model, cfg.method_settings, prepared)
+
+
+def _autocast_dtype(args):
+    """The dtype the Trainer computes in under autocast (``--bf16`` / ``--fp16``), for a prepare step's passes."""
+    import torch
+
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
 def build(cfg, run, data, model, args, callbacks, optimizer):

@@ -173,7 +173,6 @@ class _Sweep:
             seed=job.seed,
             world_size=self.run.world_size,
             rank=self.run.rank,
-            wrapped=True,  # fused: shapes are fixed from here on
             adapter_name=self.names[k],
             progress=False,
         )
