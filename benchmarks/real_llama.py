@@ -497,6 +497,8 @@ def summarize(rows: dict, tasks_: list[str], methods: list[str]) -> list[dict]:
                 if method == "qahira":
                     merged = [r["merged_dev_accuracy"] for r in got if "merged_dev_accuracy" in r]
                     row["merged"] = f"{statistics.mean(merged):.3f}" if merged else ""
+                    if merged:
+                        row["merged_mean"] = statistics.mean(merged)
             else:
                 row["dev"] = "error: " + errors[-1] if errors else "not run yet"
             out.append(row)
