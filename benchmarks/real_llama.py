@@ -17,7 +17,8 @@ Methods, each at LoRA r=8's trainable budget on every linear of every layer (the
 * peft's: ``lora``, ``dora``, ``shira``, ``supertuning``, ``qlora`` (peft LoRA on the same NF4 base) and
   ``qlora-hqq4`` (on the same HQQ base), and ``full`` fine-tuning as the ceiling; the zero-shot base on each task.
 
-Protocol: each method's learning rate is chosen on a grid of 3 (``LR_GRID``: its job default / 3, x1, x3) by exact
+Protocol: each method's learning rate is chosen on a grid of 3 (``LR_GRID``: its job default / 3, x1, x3; grown a
+factor of 3 past an edge while its best is that edge, ``EDGE_STEPS``) by exact
 match on ``SELECT`` rows held out of the training file (seed 0; the dev set is never used to choose), then 3 seeds at
 that rate (the seed-0 run of the grid is one of them); reported: the dev accuracy's mean and spread, the train wall
 time and the peak resident memory of each run (each run is its own process), the trainable parameters, the CPU.
@@ -77,6 +78,7 @@ BUDGET = {
     "smt": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
 LR_GRID = (1 / 3, 1.0, 3.0)  # times the method's job default
+EDGE_STEPS = 2  # a grid whose best rate is an edge grows a factor of 3 that way, at most this often each way
 SEEDS = (0, 1, 2)
 STEPS = 24
 BATCH = 8
@@ -320,16 +322,35 @@ def chosen_lr(rows: dict, task: str, method: str, grid_tasks: tuple = ()) -> flo
     """The grid's learning rate with the best selection accuracy (seed 0; ties: the lower rate), or None while the
     grid is unfinished; a task without a grid of its own takes ``GRID_TASK``'s."""
     grid_task = grid_task_of(rows, task, method, grid_tasks)
-    grid = [rows.get((grid_task, method, lr, 0)) for lr in grid_of(method)]
-    if any(r is None for r in grid):
+    grid = [rows.get((grid_task, method, lr, 0)) for lr in grid_of(method, rows, grid_task)]
+    if any(r is None or "error" in r for r in grid):
         return None
     best = max(grid, key=lambda r: (r.get("select_accuracy") or 0.0, -r["lr"]))
     return best["lr"]
 
 
-def grid_of(method: str) -> list[float]:
+def grid_of(method: str, rows: dict | None = None, task: str = GRID_TASK) -> list[float]:
+    """``method``'s rates on ``task``'s grid: ``LR_GRID`` times its job default, grown by a factor of 3 past an edge
+    while the best rate measured so far (seed 0, ties to the lower) is that edge, at most ``EDGE_STEPS`` times each
+    way (a best on the grid's edge says only that the best rate may lie beyond it). Without ``rows``, the first 3."""
     d = default_lr(method)
-    return [float(f"{d * f:.3g}") for f in LR_GRID]
+    factors = list(LR_GRID)
+
+    def rates() -> list[float]:
+        return [float(f"{d * f:.3g}") for f in factors]
+
+    while rows is not None:
+        got = [rows.get((task, method, lr, 0)) for lr in rates()]
+        if any(r is None or "error" in r for r in got):
+            break
+        best = max(range(len(got)), key=lambda i: (got[i].get("select_accuracy") or 0.0, -i))
+        if best == 0 and factors[0] > LR_GRID[0] / 3**EDGE_STEPS * 1.01:
+            factors.insert(0, factors[0] / 3)
+        elif best == len(factors) - 1 and factors[-1] < LR_GRID[-1] * 3**EDGE_STEPS * 0.99:
+            factors.append(factors[-1] * 3)
+        else:
+            break
+    return rates()
 
 
 def run_study(
@@ -346,31 +367,44 @@ def run_study(
             rows[_key(row)] = row
         for phase in ("grid", "seeds"):
             for method in methods:
-                if phase == "grid":
-                    todo = [(lr, 0) for lr in grid_of(method)] if task in grid_tasks else []
-                else:
-                    lr = chosen_lr(rows, task, method, grid_tasks)
-                    if lr is None and grid_task_of(rows, task, method, grid_tasks) != task:
-                        print(f"{task} {method}: no {GRID_TASK} grid yet, so no rate; run {GRID_TASK} first")
-                    todo = [] if lr is None else [(lr, s) for s in SEEDS]
-                for lr, seed in todo:
-                    if "error" not in rows.get((task, method, lr, seed), {"error": None}):
-                        continue  # measured; a run that failed is tried again
-                    cell = dict(task=task, method=method, lr=lr, seed=seed, train=train, dev=dev)
-                    cell["output_dir"] = str(scratch / "runs" / f"{task}-{method}-{lr:g}-{seed}")
-                    t0 = time.time()
-                    try:
-                        row = run_worker(script, ["--worker", json.dumps(cell)], timeout=timeout, what=str(cell))
-                    except RuntimeError as e:  # recorded, so the table says why the cell is missing
-                        row = dict(cell, error=str(e)[-1500:])
-                    row.pop("train", None), row.pop("dev", None), row.pop("output_dir", None)
-                    _append(row)
-                    rows[_key(row)] = row
-                    print(
-                        f"{task} {method} lr={lr:g} seed={seed}: select {row.get('select_accuracy')} dev "
-                        f"{row.get('dev_accuracy')} ({time.time() - t0:.0f} s)",
-                        flush=True,
-                    )
+                tried: set = set()  # a run that failed is tried again, once a call
+                while todo := [c for c in _pending(rows, task, method, phase, grid_tasks) if c not in tried]:
+                    for lr, seed in todo:  # the grid's cells come in, then grid_of may grow it past an edge
+                        tried.add((lr, seed))
+                        cell = dict(task=task, method=method, lr=lr, seed=seed, train=train, dev=dev)
+                        row = _run_cell(script, timeout, scratch, cell)
+                        rows[_key(row)] = row
+
+
+def _pending(rows: dict, task: str, method: str, phase: str, grid_tasks: tuple) -> list[tuple[float, int]]:
+    """The (rate, seed) cells of ``phase`` not measured yet (a failed one counts as not measured)."""
+    if phase == "grid":
+        cells = [(lr, 0) for lr in grid_of(method, rows, task)] if task in grid_tasks else []
+    else:
+        lr = chosen_lr(rows, task, method, grid_tasks)
+        if lr is None and grid_task_of(rows, task, method, grid_tasks) != task:
+            print(f"{task} {method}: no {GRID_TASK} grid yet, so no rate; run {GRID_TASK} first")
+        cells = [] if lr is None else [(lr, s) for s in SEEDS]
+    return [(lr, s) for lr, s in cells if "error" in rows.get((task, method, lr, s), {"error": None})]
+
+
+def _run_cell(script: str, timeout: float, scratch: Path, cell: dict) -> dict:
+    """One cell in its own process, appended to the cells file (an error recorded, so the table says why)."""
+    task, method, lr, seed = cell["task"], cell["method"], cell["lr"], cell["seed"]
+    cell = dict(cell, output_dir=str(scratch / "runs" / f"{task}-{method}-{lr:g}-{seed}"))
+    t0 = time.time()
+    try:
+        row = run_worker(script, ["--worker", json.dumps(cell)], timeout=timeout, what=str(cell))
+    except RuntimeError as e:
+        row = dict(cell, error=str(e)[-1500:])
+    row.pop("train", None), row.pop("dev", None), row.pop("output_dir", None)
+    _append(row)
+    print(
+        f"{task} {method} lr={lr:g} seed={seed}: select {row.get('select_accuracy')} dev "
+        f"{row.get('dev_accuracy')} ({time.time() - t0:.0f} s)",
+        flush=True,
+    )
+    return row
 
 
 def run_probes(scratch: Path, timeout: float, data: Path = DATA) -> None:
@@ -473,7 +507,7 @@ def summarize(rows: dict, tasks_: list[str], methods: list[str]) -> list[dict]:
             row["lr"] = f"{lr:g}" if lr is not None else "grid unfinished"
             row["seeds"] = len(got)
             grid_task = grid_task_of(rows, task, method)
-            grid = [rows.get((grid_task, method, lr_, 0)) for lr_ in grid_of(method)]
+            grid = [rows.get((grid_task, method, lr_, 0)) for lr_ in grid_of(method, rows, grid_task)]
             row["grid"] = ("" if grid_task == task else f"{grid_task}'s: ") + "; ".join(
                 f"{r['lr']:g}: {r['select_accuracy']:.3f} / {r['dev_accuracy']:.3f}"
                 for r in grid
@@ -586,8 +620,9 @@ def render(tasks_: list[str], methods: list[str]) -> None:
     goal_rows = goals(summary)
     # a grid (seed 0 among the seeds) on GRID_TASK, the seeds alone on the others, a zero-shot row on each
     expected = len(tasks_) + sum(
-        len(methods) * (len(LR_GRID) + len(SEEDS) - 1 if grid_task_of(rows, t, methods[0]) == t else len(SEEDS))
+        len(grid_of(m, rows, t)) + len(SEEDS) - 1 if grid_task_of(rows, t, m) == t else len(SEEDS)
         for t in tasks_
+        for m in methods
     )
     finished = sum(1 for r in rows.values() if "error" not in r)
     table = markdown_table(
