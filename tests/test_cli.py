@@ -200,6 +200,7 @@ def test_finetune_smt_end_to_end(base_path, tmp_path):
     _check_outputs(r, out, "smt")
 
 
+@pytest.mark.slow
 def test_smts_warmup_is_not_counted_in_max_steps(base_path, tmp_path):
     """SMT's warm-up scores before the Trainer in every engine, so ``max_steps`` updates of the selected blocks follow
     it, as for every other method (one process once scored inside the Trainer's first steps: with 10 of 24 steps
