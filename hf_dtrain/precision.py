@@ -1,4 +1,5 @@
-"""Which compute dtype a CPU path may choose for speed: bf16 only where the CPU computes it natively."""
+"""Which compute dtype a CPU path may choose for speed (bf16 only where the CPU computes it natively), and the dtype
+a job's Trainer settings compute in under autocast."""
 
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ def cpu_bf16() -> tuple[bool, str]:
     if native is None:
         return False, "bf16 emulated (no AMX / AVX-512 BF16): fp32"
     return True, native
+
+
+def autocast_dtype(args):
+    """The dtype the Trainer computes in under autocast for these ``TrainingArguments`` (``--bf16`` / ``--fp16``),
+    or None: what the estimate's skeleton and a method's prepare passes run under, as the job's step does."""
+    import torch
+
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None

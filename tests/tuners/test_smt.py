@@ -352,3 +352,32 @@ def test_targets_without_a_block_run_the_frozen_base_lean(autocast):
     assert lean_kept <= plain_kept
     if autocast:  # no bf16 copy of any target's weight
         assert lean_kept < plain_kept
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_the_jobs_prepare_scores_under_its_autocast_and_keeps_given_blocks(dtype):
+    """SMT's prepare step in the jobs (before the Trainer, on every engine): its warm-up passes run under the autocast
+    the job trains in (``MethodData.autocast_dtype``), ``warmup_steps`` of them, and it selects; an adapter whose
+    blocks are given is left as it is, with no pass."""
+    from hf_dtrain.tuners.finetune_method import MethodData
+    from hf_dtrain.tuners.smt.method import METHOD
+
+    model = get_peft_model(tiny_llama(), SMTConfig(block_size=16, num_blocks=4, warmup_steps=3, target_modules=TARGETS))
+    seen = []
+    model.register_forward_pre_hook(
+        lambda m, a: seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+    )
+    data = MethodData(
+        train=_Batches(),
+        collator=torch.utils.data.default_collate,
+        batch_size=4,
+        seed=0,
+        progress=False,
+        autocast_dtype=dtype,
+    )
+    assert METHOD.prepare(model, None, data) == []
+    assert seen == [dtype] * 3
+    selection = model.peft_config["default"].block_indices
+    assert sum(len(v) for v in selection.values()) == 4
+    assert METHOD.prepare(model, None, data) == [] and seen == [dtype] * 3  # given blocks: no pass
+    assert model.peft_config["default"].block_indices == selection

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_dtrain.precision import autocast_dtype
 from hf_dtrain.settings import SettingsError
 
 
@@ -114,7 +115,7 @@ def skeleton(cfg):
         seq_len=int(seq_len),
         vocab_size=int(config.vocab_size),
         optimizer=optimizer,
-        autocast=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+        autocast=autocast_dtype(args),
         checkpointing=checkpointing,
         lr=args.learning_rate,
         weight_decay=args.weight_decay,

@@ -11,6 +11,7 @@ from transformers import set_seed
 
 from hf_dtrain import tasks
 from hf_dtrain.errors import check_writable
+from hf_dtrain.precision import autocast_dtype
 from hf_dtrain.tuners.finetune_method import MethodData
 
 
@@ -46,16 +47,9 @@ def adapt(cfg, run, data, args):
         world_size=run.world_size,
         rank=run.rank,
         progress=cfg.progress and run.is_main,
-        autocast_dtype=_autocast_dtype(args),
+        autocast_dtype=autocast_dtype(args),
     )
     return model, method.prepare(model, cfg.method_settings, prepared)
-
-
-def _autocast_dtype(args):
-    """The dtype the Trainer computes in under autocast (``--bf16`` / ``--fp16``), for a prepare step's passes."""
-    import torch
-
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
 def build(cfg, run, data, model, args, callbacks, optimizer):

@@ -56,29 +56,21 @@ def _prepare(model, settings, data) -> list:
     sweep (which cannot change parameter shapes after they wrap the model): the warm-up never takes updates from
     ``max_steps``, as it did when a Trainer callback scored during the first steps (0.80 against 0.85 on CR with 10 of
     24 steps scoring: ``benchmarks/results/real_llama_probes.jsonl``). Returns no callbacks."""
-    import contextlib
-
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
     from .selection import smt_warmup
 
-    sampler = DistributedSampler(data.train, num_replicas=data.world_size, rank=data.rank, shuffle=True, seed=data.seed)
-    loader = DataLoader(data.train, batch_size=data.batch_size, sampler=sampler, collate_fn=data.collator)
     if data.adapter_name is not None:
         model.set_adapter(data.adapter_name)
-    adapter = data.adapter_name or model.active_adapter
-    if model.peft_config[adapter].block_indices:  # given (or saved): nothing to select
+    config = model.peft_config[data.adapter_name or model.active_adapter]
+    if config.block_indices:  # given (or saved): nothing to select
         return []
-    steps = model.peft_config[adapter].warmup_steps
+    sampler = DistributedSampler(data.train, num_replicas=data.world_size, rank=data.rank, shuffle=True, seed=data.seed)
+    loader = DataLoader(data.train, batch_size=data.batch_size, sampler=sampler, collate_fn=data.collator)
     device = next(model.parameters()).device
-    autocast = (
-        torch.autocast(device.type, dtype=data.autocast_dtype)
-        if data.autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with autocast:
-        smt_warmup(model, loader, num_steps=steps, adapter_name=data.adapter_name, progress=data.progress)
+    with torch.autocast(device.type, dtype=data.autocast_dtype, enabled=data.autocast_dtype is not None):
+        smt_warmup(model, loader, num_steps=config.warmup_steps, adapter_name=data.adapter_name, progress=data.progress)
     return []
 
 
